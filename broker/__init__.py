@@ -1,0 +1,1 @@
+"""Relay broker: the wire protocol, the client library every service uses, and the ingest service."""

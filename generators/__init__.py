@@ -1,0 +1,1 @@
+"""Relay generators: one process per inference replica; backends behind one interface."""

@@ -1,0 +1,220 @@
+"""The generator service loop: claim prompts -> sample groups -> score -> send -> ack prompts.
+
+Between batches it applies any newer announced weight version in place (verified file by file
+against the manifest; a bad snapshot is refused, counted and reported in the heartbeat, and the
+previous version keeps serving). A prompt is acknowledged (XACK + XDEL) only after the broker
+confirmed its group is in Redis, so a generator that dies loses nothing: its pending prompts are
+reclaimed by another generator after ``claim_idle_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import zlib
+
+import httpx
+import numpy as np
+import redis
+
+from broker import client, weightstore
+from broker.keys import PROMPTS_GROUP, Keys
+from broker.protocol import Group, Sample, encode_group
+from generators.backend import Completion, make_backend
+from generators.config import GeneratorConfig
+
+log = logging.getLogger("relay.generator")
+
+
+class Generator:
+    def __init__(self, cfg: GeneratorConfig):
+        self.cfg = cfg
+        self.keys = Keys(cfg.run_id)
+        self.r = client.connect_redis(cfg.redis_url)
+        self.sender = client.GroupSender(cfg.broker_address)
+        self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s)
+        self.backend = make_backend(cfg.backend)
+        self.version: int | None = None
+        self.hash = ""
+        self.refused: dict[str, str] = {}  # hash -> reason, so a bad snapshot is not retried forever
+        self.state = "starting"
+        self.stop = threading.Event()
+        self.stats = {"groups_sent": 0, "groups_rejected": 0, "tokens": 0, "updates": 0, "refused_updates": 0,
+                      "reward_failures": 0, "last_update_latency_s": None}
+        self._t_tokens = time.monotonic()
+        self._tokens_per_s = 0.0
+        self._last_hb = 0.0
+        self._batch = 0
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def maybe_update(self, block: bool = False) -> None:
+        """Apply the latest announced version if it is newer than the one served."""
+        while True:
+            a = client.latest_announcement(self.r, self.keys)
+            if a is not None or not block or self.stop.is_set():
+                break
+            self.state = "waiting_for_weights"
+            self.send_heartbeat(force=True)
+            time.sleep(0.2)
+        if a is None or (self.version is not None and a.version <= self.version) or a.hash in self.refused:
+            return
+        self.state = "updating"
+        try:
+            weightstore.verify(a.path, a.hash)
+            if self.version is None:
+                self.backend.load(a.path)
+            else:
+                self.backend.update_weights(a.path)
+        except (weightstore.WeightStoreError, ValueError, OSError) as e:
+            reason = getattr(e, "reason", type(e).__name__)
+            self.refused[a.hash] = reason
+            self.stats["refused_updates"] += 1
+            log.error("refused weight version %d (%s): %s; still serving version %s", a.version, reason, e, self.version)
+            client.emit_event(self.r, self.keys, "refused", generator=self.cfg.id, version=a.version, reason=reason)
+            if self.version is None:
+                raise RuntimeError(f"cannot load the initial weights: {e}") from e
+            return
+        latency = time.time() - a.published_at
+        self.version, self.hash = a.version, a.hash
+        self.stats["updates"] += 1
+        self.stats["last_update_latency_s"] = round(latency, 4)
+        client.emit_event(self.r, self.keys, "applied", generator=self.cfg.id, version=a.version, latency_s=latency)
+        log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
+        self.send_heartbeat(force=True)
+
+    def send_heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_hb < self.cfg.heartbeat_s:
+            return
+        self._last_hb = now
+        client.heartbeat(self.r, self.keys, self.cfg.id, {
+            "backend": self.backend.name, "version": self.version, "hash": self.hash, "state": self.state,
+            "tokens_per_s": round(self._tokens_per_s, 1), "refused": dict(list(self.refused.items())[-3:]),
+            **self.stats,
+        })
+
+    # -- prompts --------------------------------------------------------------------------------
+
+    def claim(self) -> list[tuple[bytes, dict]]:
+        """Claim up to prompts_per_batch prompts: first ones abandoned by dead generators (already
+        admitted), then new ones as far as staleness admission control allows."""
+        n = self.cfg.prompts_per_batch
+        _, claimed, _ = self.r.xautoclaim(self.keys.prompts, PROMPTS_GROUP, self.cfg.id,
+                                          int(self.cfg.claim_idle_s * 1000), count=n)
+        out = [(eid, f) for eid, f in claimed if f]
+        want = n - len(out)
+        granted = client.admit(self.r, self.keys, want) if want else 0
+        if want and not granted and not out:
+            self.state = "paused_staleness"
+            self.send_heartbeat()
+            time.sleep(0.02)
+            return []
+        if granted:
+            resp = self.r.xreadgroup(PROMPTS_GROUP, self.cfg.id, {self.keys.prompts: ">"}, count=granted, block=500)
+            got = [(eid, f) for _, entries in resp or [] for eid, f in entries if f]
+            client.unadmit(self.r, self.keys, granted - len(got))
+            out.extend(got)
+        return [(eid, {k.decode(): v.decode() for k, v in f.items()}) for eid, f in out]
+
+    def score(self, prompts: list[dict], groups: list[list[Completion]]) -> list[list[dict]]:
+        """One reward call for the whole batch. Failures are marked, never turned into 0."""
+        items = [{"prompt": p["text"], "completion": self.backend.decode(c.token_ids), "reference": p["reference"],
+                  "finished": c.finish_reason == "stop", "task": p["task"]}
+                 for p, cs in zip(prompts, groups) for c in cs]
+        delay, last_err = 0.2, ""
+        for attempt in range(self.cfg.reward_retries + 1):
+            try:
+                resp = self.http.post("/score", json={"items": items})
+                resp.raise_for_status()
+                results = resp.json()["results"]
+                if len(results) != len(items):
+                    raise ValueError(f"{len(results)} results for {len(items)} items")
+                break
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                last_err = f"{type(e).__name__}: {e}"[:200]
+                log.warning("reward call failed (attempt %d): %s", attempt + 1, last_err)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        else:
+            results = [{"score": None, "status": "failed", "reason": f"reward_service: {last_err}"}] * len(items)
+        k = iter(results)
+        return [[next(k) for _ in cs] for cs in groups]
+
+    # -- main loop ------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One batch. Returns False when there was nothing to do."""
+        self.maybe_update()
+        self.state = "sampling"
+        self.send_heartbeat()
+        claimed = self.claim()
+        if not claimed:
+            return False
+        prompts = [f for _, f in claimed]
+        ids = [self.backend.encode(p["text"]) for p in prompts]
+        version, whash = self.version, self.hash
+        t0 = time.monotonic()
+        self._batch += 1
+        groups = self.backend.generate(ids, self.cfg.sampling, seed=zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode()))
+        ntok = sum(len(c.token_ids) for cs in groups for c in cs)
+        self._tokens_per_s = ntok / max(time.monotonic() - t0, 1e-9)
+        self.stats["tokens"] += ntok
+        created = time.time()
+        scores = self.score(prompts, groups)
+        scored = time.time()
+        for (eid, p), pid, cs, rs in zip(claimed, ids, groups, scores):
+            samples = []
+            for c, r in zip(cs, rs):
+                ok = r.get("status") == "ok" and r.get("score") is not None
+                if not ok:
+                    self.stats["reward_failures"] += 1
+                samples.append(Sample(
+                    completion_ids=np.asarray(c.token_ids, dtype=np.int32),
+                    logprobs=np.asarray(c.logprobs, dtype=np.float32),
+                    version_runs=[[version, len(c.token_ids)]],
+                    finish_reason=c.finish_reason,
+                    reward=float(r["score"]) if ok else None,
+                    reward_status="ok" if ok else "failed",
+                    reward_details={**r.get("details", {}), **({"reason": r.get("reason", "")} if not ok else {})},
+                ))
+            g = Group(group_id=Group.new_id(), run_id=self.cfg.run_id, prompt_id=eid.decode(),
+                      prompt_ids=np.asarray(pid, dtype=np.int32), samples=samples, generator_id=self.cfg.id,
+                      weight_version=version, weight_hash=whash, sampling=self.cfg.sampling.model_dump(),
+                      task=p["task"], reference=p["reference"], created_at=created, scored_at=scored,
+                      sent_at=time.time())
+            self.state = "sending"
+            ack = self.sender.send(g.group_id, encode_group(g), should_stop=self.stop.is_set)
+            if ack.status == "rejected":
+                self.stats["groups_rejected"] += 1
+                log.error("broker rejected group %s: %s", g.group_id, ack.reason)
+            else:
+                self.stats["groups_sent"] += 1
+            # the group is safe in Redis (or accounted as rejected): release the prompt
+            pipe = self.r.pipeline()
+            pipe.xack(self.keys.prompts, PROMPTS_GROUP, eid)
+            pipe.xdel(self.keys.prompts, eid)
+            pipe.execute()
+        self.send_heartbeat()
+        return True
+
+    def run(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop.set())
+        self.maybe_update(block=True)
+        while not self.stop.is_set():
+            if self.cfg.exit_when_done and self.r.exists(self.keys.done):
+                log.info("the learner finished the run; exiting")
+                break
+            try:
+                self.step()
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("redis unavailable (%s); retrying", e)
+                time.sleep(1.0)
+            except TimeoutError as e:  # broker unreachable for too long while stopping
+                log.warning("%s", e)
+        self.state = "stopped"
+        self.send_heartbeat(force=True)
+        self.sender.close()

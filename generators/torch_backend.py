@@ -1,0 +1,102 @@
+"""The ``torch`` backend: transformers model, batched sampling with a KV cache, exact behaviour
+log-probs from :func:`broker.sampling.sampling_logprobs`. Weights update in place with
+``load_state_dict`` into the same module (no new engine)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from broker.sampling import sampling_logprobs
+from generators.backend import Completion
+from generators.config import SamplingConfig, TorchBackendConfig
+
+log = logging.getLogger("relay.generator.torch")
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, cfg: TorchBackendConfig):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.threads)
+        self.model = None
+        self.tokenizer = None
+        self.dtype = getattr(torch, cfg.dtype)
+
+    def load(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        self._config = json.loads((Path(path) / "config.json").read_text())
+
+    def update_weights(self, path: str) -> None:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        if {k: v for k, v in cfg.items() if k != "transformers_version"} != {
+                k: v for k, v in self._config.items() if k != "transformers_version"}:
+            raise ValueError("the snapshot's config.json differs from the served model's architecture")
+        state = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(f))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # tied embeddings: lm_head.weight may be absent from the file
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+        n = sampling.n
+        rows = [p for p in prompts for _ in range(n)]
+        B, P = len(rows), max(len(p) for p in rows)
+        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((B, P), dtype=torch.long)
+        for i, p in enumerate(rows):  # left padding
+            ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, P - len(p):] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator().manual_seed(seed)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = pos[:, -1] + 1
+        tokens = torch.zeros((B, sampling.max_tokens), dtype=torch.long)
+        lps = torch.zeros((B, sampling.max_tokens))
+        done = torch.zeros(B, dtype=torch.bool)
+        lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long)
+        for t in range(sampling.max_tokens):
+            logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            tokens[:, t] = tok
+            lps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            just_done = (~done) & (tok == self.eos_token_id)
+            lengths[just_done] = t + 1
+            done |= just_done
+            if bool(done.all()) or t == sampling.max_tokens - 1:
+                break
+            tok = tok.masked_fill(done, self.pad_token_id)
+            attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                             past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+        result: list[list[Completion]] = []
+        for i in range(B):
+            L = int(lengths[i])
+            c = Completion(tokens[i, :L].tolist(), lps[i, :L].tolist(), "stop" if bool(done[i]) else "length")
+            if i % n == 0:
+                result.append([])
+            result[-1].append(c)
+        return result

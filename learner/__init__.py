@@ -1,0 +1,1 @@
+"""Relay learner: DeepSpeed engine, advantages, off-policy-corrected losses, weight publication."""

@@ -1,0 +1,49 @@
+"""Learner config (no torch import)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from broker.config import StrictModel
+
+
+class CorrectionConfig(StrictModel):
+    """Off-policy correction against the behaviour log-probs μ (see docs/off-policy.md)."""
+
+    mode: Literal["none", "tis"] = Field("tis", description="none: plain PPO-clip; tis: truncated importance sampling")
+    tis_cap: float = Field(2.0, gt=0, description="C in sg(min(π_old/μ, C))")
+
+
+class DeepSpeedConfig(StrictModel):
+    """The DeepSpeed engine."""
+
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
+    bf16: bool = Field(False, description="train in bf16 (fp32 master weights)")
+    gradient_clipping: float = Field(1.0, ge=0, description="global gradient-norm clip (0 = off)")
+
+
+class LearnerConfig(StrictModel):
+    """The learner: what it trains, on what batch, and how often it publishes."""
+
+    run_id: str = Field("default", description="run id; namespaces every Redis key")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
+    run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
+    weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
+    model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
+    seed: int = Field(0, description="seed for model init and training")
+    steps: int = Field(600, ge=1, description="optimizer steps to train")
+    batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
+    lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip ε")
+    publish_every: int = Field(1, ge=1, description="publish a new version every k steps")
+    max_staleness: int = Field(4, ge=0, description="drop (and count) groups more than this many versions old")
+    admission_eta: int | None = Field(1, ge=0, description="η: generators admit prompts only while admitted < "
+                                      "(η + learner version + 1) × batch_groups; null disables admission control")
+    keep_versions: int = Field(4, ge=1, description="newest versions kept in the weight store (plus those served)")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
+    threads: int = Field(1, ge=1, description="torch intra-op threads")
+    wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")

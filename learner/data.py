@@ -1,0 +1,114 @@
+"""Reading the replay queue: groups from the trajectories stream through the ``learner`` consumer
+group, filtered for staleness and failed rewards, collated into padded tensors.
+
+Nothing is acknowledged here: the trainer acknowledges a batch's stream entries only after the
+optimizer step that used them (or after counting them as dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis
+import torch
+
+from broker.keys import TRAJECTORIES_GROUP, Keys
+from broker.protocol import Group, ProtocolError, decode_group
+
+log = logging.getLogger("relay.learner.data")
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor        # [B, L] prompt + completion, right-padded
+    attention_mask: torch.Tensor   # [B, L]
+    loss_mask: torch.Tensor        # [B, L-1] 1 where position t+1 is a completion token to train on
+    behaviour_logp: torch.Tensor   # [B, L-1] μ of the token at t+1
+    advantages: torch.Tensor       # [B, 1]
+    staleness: list[int]           # per sample
+    group_rewards: list[float]     # mean reward per group
+    num_groups: int
+
+
+@dataclass
+class Reader:
+    r: redis.Redis
+    keys: Keys
+    consumer: str = "learner-0"
+    _pending_done: bool = False
+    stats: dict = field(default_factory=lambda: {"undecodable": 0})
+
+    def read(self, want: int, block_ms: int = 1000) -> list[tuple[bytes, Group | None]]:
+        """Up to ``want`` entries: first this consumer's unacknowledged ones (after a restart),
+        then new ones. Undecodable entries come back as (id, None) so they are acknowledged and counted."""
+        start = "0" if not self._pending_done else ">"
+        resp = self.r.xreadgroup(TRAJECTORIES_GROUP, self.consumer, {self.keys.trajectories: start},
+                                 count=want, block=None if start == "0" else block_ms)
+        entries = resp[0][1] if resp else []
+        if start == "0" and not entries:
+            self._pending_done = True
+        out = []
+        for eid, fields in entries:
+            if not fields:  # deleted entry left in the pending list
+                out.append((eid, None))
+                continue
+            try:
+                out.append((eid, decode_group(fields[b"data"])))
+            except (ProtocolError, KeyError) as e:
+                self.stats["undecodable"] += 1
+                log.error("undecodable stream entry %s: %s", eid, e)
+                out.append((eid, None))
+        return out
+
+    def ack(self, ids: list[bytes]) -> None:
+        if ids:
+            pipe = self.r.pipeline()
+            pipe.xack(self.keys.trajectories, TRAJECTORIES_GROUP, *ids)
+            pipe.xdel(self.keys.trajectories, *ids)
+            pipe.execute()
+
+
+def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version: int, pad_id: int) -> Batch:
+    """Samples whose reward failed are left out (their advantage is not defined)."""
+    rows, mus, advs, stale = [], [], [], []
+    for g, adv in zip(groups, advantages):
+        k = 0
+        for s in g.samples:
+            if s.reward_status != "ok":
+                continue
+            rows.append((g.prompt_ids.tolist(), s.completion_ids.tolist()))
+            mus.append(s.logprobs.tolist())
+            advs.append(float(adv[k]))
+            stale.append(learner_version - s.min_version)
+            k += 1
+    L = max(len(p) + len(c) for p, c in rows)
+    B = len(rows)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    lmask = torch.zeros((B, L - 1))
+    mu = torch.zeros((B, L - 1))
+    for i, ((p, c), m) in enumerate(zip(rows, mus)):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c)
+        attn[i, :n] = 1
+        lmask[i, len(p) - 1:n - 1] = 1
+        mu[i, len(p) - 1:n - 1] = torch.tensor(m)
+    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale,
+                 [float(sum(s.reward for s in g.samples if s.reward is not None) /
+                        max(1, sum(s.reward is not None for s in g.samples))) for g in groups], len(groups))
+
+
+def wait_for(reader: Reader, want: int, should_stop, timeout_s: float) -> list[tuple[bytes, Group | None]]:
+    """Block until ``want`` entries are read (or stop / timeout)."""
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and not should_stop():
+        new = reader.read(want - len(got))
+        got.extend(new)
+        if new:
+            deadline = time.monotonic() + timeout_s
+        elif time.monotonic() > deadline:
+            raise TimeoutError(f"no data for {timeout_s}s: are the generators running?")
+    return got

@@ -1,0 +1,43 @@
+"""Publishing versions: an immutable snapshot in the weight store, then the announcement."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from broker import client, weightstore
+from broker.keys import Keys
+from broker.protocol import Announcement
+
+log = logging.getLogger("relay.learner.publish")
+
+
+class Publisher:
+    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int):
+        self.r, self.keys, self.tokenizer = r, keys, tokenizer
+        self.store = Path(store).resolve()
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.keep_versions = keep_versions
+
+    def publish(self, model, state_dict: dict[str, torch.Tensor], version: int) -> Announcement:
+        t0 = time.perf_counter()
+        staging = weightstore.staging_dir(self.store, version)
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state_dict.items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        model.config.save_pretrained(staging)
+        self.tokenizer.save_pretrained(staging)
+        from safetensors.torch import save_file
+
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
+        path, digest = weightstore.seal(self.store, version, staging)
+        a = Announcement(version=version, hash=digest, path=str(path))
+        client.announce(self.r, self.keys, a)
+        client.emit_event(self.r, self.keys, "published", version=version, hash=digest)
+        in_use = {hb.get("version") for hb in client.generators(self.r, self.keys).values()}
+        weightstore.prune(self.store, self.keep_versions, {v for v in in_use if v is not None})
+        log.debug("published version %d in %.3fs", version, time.perf_counter() - t0)
+        return a

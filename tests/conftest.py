@@ -1,0 +1,65 @@
+"""Shared fixtures: a real redis-server on a free port, service processes started and stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.procs import ProcessGroup, free_port, start_redis
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def procs(tmp_path):
+    group = ProcessGroup(tmp_path / "logs")
+    yield group
+    group.stop(timeout=5)
+
+
+@pytest.fixture
+def redis_url(procs, tmp_path) -> str:
+    """A real redis-server of our own on a free port (never the shared 6379)."""
+    _, url = start_redis(procs, tmp_path, free_port())
+    return url
+
+
+def child_env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               TOKENIZERS_PARALLELISM="false")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    return env
+
+
+def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_path: Path):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),
+                       cwd=str(ROOT))
+
+
+def wait_http(url: str, child=None, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise RuntimeError(f"{child.name} exited:\n{child.tail(30)}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer in {timeout}s" + (f":\n{child.tail(30)}" if child else ""))
+
+
+def relay(*args: str, timeout: float = 60, cwd: Path | None = None, env: dict | None = None):
+    """Run the ``relay`` command as a user would."""
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT, env=env or child_env())

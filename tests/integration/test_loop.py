@@ -1,0 +1,77 @@
+"""The whole loop at tiny size, as `relay up` runs it: real redis-server, broker, reward service,
+two torch generators and the DeepSpeed learner, each its own process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT, child_env, relay
+
+
+def test_loop_learns_and_versions_advance(tmp_path):
+    res = relay("up", "--steps", "100", "--runs-dir", str(tmp_path), "--run-id", "loop", "--dashboard-port", "0",
+                "--no-progress", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = tmp_path / "loop"
+    assert (tmp_path / "latest").resolve() == run
+    s = json.loads((run / "summary.json").read_text())
+    assert s["run_id"] == "loop" and s["steps"] == 100 and s["versions_published"] == 100
+    assert 0.0 <= s["reward_first"] <= 1.0 and 0.0 <= s["reward_last"] <= 1.0
+    assert s["reward_last"] > s["reward_first"] + 0.03, s  # the policy improved
+    assert s["groups_trained"] == 100 * 32 and s["groups_rejected"] == 0
+    assert set(s["generators"]) == {"gen-0", "gen-1"}
+    for g in s["generators"].values():
+        assert g["backend"] == "torch" and g["version_applied"] >= 90 and g["groups_sent"] > 0
+    for name in ("redis", "broker", "reward", "learner", "gen-0", "gen-1"):
+        assert (run / "logs" / f"{name}.log").is_file()
+    # every published version is an immutable, verified snapshot; old ones are pruned
+    from broker import weightstore
+
+    versions = weightstore.list_versions(run / "weights")
+    assert versions[-1] == 100 and len(versions) <= 8
+    weightstore.verify(weightstore.version_dir(run / "weights", 100))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purpose
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", "int",
+                             "--dashboard-port", "0", "--no-progress"], cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = tmp_path / "int"
+    deadline = time.monotonic() + 180
+    metrics = run / "learner" / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    pids = json.loads((run / "pids.json").read_text())
+    assert set(pids) == {"redis", "broker", "reward", "learner", "gen-0", "gen-1"}
+    assert all(_alive(p) for p in pids.values())
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "SIGINT received" in out
+    left = [name for name, pid in pids.items() if _alive(pid)]
+    assert not left, f"still alive after Ctrl-C: {left}"
+    # nothing else of this run survives either (grandchildren included)
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            assert str(run) not in cmd or not _alive(int(d.name)), f"orphan: {cmd}"

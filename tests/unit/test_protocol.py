@@ -1,0 +1,103 @@
+import math
+
+import msgpack
+import numpy as np
+import pytest
+
+from broker.protocol import (
+    Ack, Announcement, Group, ProtocolError, Sample, decode_ack, decode_announcement, decode_group, encode_ack,
+    encode_announcement, encode_group, runs_to_versions, versions_to_runs,
+)
+
+
+def make_group(**kw) -> Group:
+    samples = [
+        Sample(np.array([5, 6, 2], np.int32), np.array([-0.5, -1.0, -0.1], np.float32), [[3, 2], [4, 1]], "stop", 1.0),
+        Sample(np.array([7], np.int32), np.array([-2.0], np.float32), [[4, 1]], "length", None, "failed",
+               {"reason": "timeout"}),
+    ]
+    fields = dict(group_id="g1", run_id="r", prompt_id="p1", prompt_ids=np.array([1, 4, 14], np.int32),
+                  samples=samples, generator_id="gen-0", weight_version=3, weight_hash="ab" * 32,
+                  sampling={"temperature": 1.0, "n": 2}, task="copy", reference="45")
+    fields.update(kw)
+    return Group(**fields)
+
+
+def mutate(**changes) -> bytes:
+    m = msgpack.unpackb(encode_group(make_group()), raw=False)
+    for path, value in changes.items():
+        d = m
+        keys = path.split(".")
+        for k in keys[:-1]:
+            d = d[int(k)] if k.isdigit() else d[k]
+        d[keys[-1]] = value
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def test_round_trip_keeps_every_field():
+    g = make_group()
+    out = decode_group(encode_group(g))
+    assert out.group_id == "g1" and out.run_id == "r" and out.prompt_ids.tolist() == [1, 4, 14]
+    assert out.samples[0].completion_ids.tolist() == [5, 6, 2]
+    assert out.samples[0].logprobs.tolist() == pytest.approx([-0.5, -1.0, -0.1])
+    assert out.samples[0].versions.tolist() == [3, 3, 4]
+    assert out.samples[1].reward is None and out.samples[1].reward_status == "failed"
+    assert out.samples[1].reward_details == {"reason": "timeout"}
+    assert out.min_version == 3 and out.num_tokens == 4
+    assert out.sampling == {"temperature": 1.0, "n": 2}
+
+
+def test_arrays_are_little_endian_raw_bytes():
+    m = msgpack.unpackb(encode_group(make_group()), raw=False)
+    arr = m["samples"][0]["completion_ids"]
+    assert arr == {"dtype": "int32", "data": b"\x05\x00\x00\x00\x06\x00\x00\x00\x02\x00\x00\x00"}
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"schema": 2}, "bad_schema"),
+    ({"kind": "ack"}, "bad_kind"),
+    ({"samples": []}, "empty_group"),
+    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, 0.5, -1], "<f4").tobytes()}}, "bad_logprob"),
+    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, math.nan, -1], "<f4").tobytes()}}, "bad_logprob"),
+    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, -1], "<f4").tobytes()}}, "length_mismatch"),
+    ({"samples.0.completion_ids": {"dtype": "int64", "data": b"\0" * 24}}, "bad_dtype"),
+    ({"samples.0.completion_ids": {"dtype": "int32", "data": b"\0" * 7}}, "bad_array"),
+    ({"samples.0.version_runs": [[3, 2]]}, "length_mismatch"),
+    ({"samples.0.version_runs": [[-1, 3]]}, "bad_versions"),
+    ({"samples.0.finish_reason": "eos"}, "bad_finish_reason"),
+    ({"samples.0.reward": math.inf}, "bad_reward"),
+    ({"samples.1.reward": 0.0}, "bad_reward"),
+    ({"group_id": ""}, "bad_group_id"),
+    ({"weight_version": "3"}, "bad_type"),
+])
+def test_invalid_messages_are_rejected_with_a_reason(changes, reason):
+    with pytest.raises(ProtocolError) as e:
+        decode_group(mutate(**changes))
+    assert e.value.reason == reason
+
+
+def test_missing_field_and_garbage():
+    m = msgpack.unpackb(encode_group(make_group()), raw=False)
+    del m["run_id"]
+    with pytest.raises(ProtocolError, match="missing_field"):
+        decode_group(msgpack.packb(m))
+    for junk in (b"", b"\xc1", b"\x92\x01\x02", b"hello"):
+        with pytest.raises(ProtocolError):
+            decode_group(junk)
+
+
+def test_size_limit():
+    with pytest.raises(ProtocolError) as e:
+        decode_group(encode_group(make_group()), max_bytes=100)
+    assert e.value.reason == "too_large"
+
+
+def test_version_runs():
+    assert versions_to_runs([3, 3, 4, 4, 4, 3]) == [[3, 2], [4, 3], [3, 1]]
+    assert runs_to_versions([[3, 2], [4, 1]]).tolist() == [3, 3, 4]
+
+
+def test_ack_and_announcement_round_trip():
+    assert decode_ack(encode_ack(Ack("g", "busy"))) == Ack("g", "busy")
+    a = Announcement(7, "h" * 64, "/store/v000007", published_at=12.5)
+    assert decode_announcement(encode_announcement(a)) == a
