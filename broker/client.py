@@ -96,7 +96,7 @@ class GroupSender:
                     log.error("broker sent an unreadable ack (%s); resending", e)
                     continue
                 if ack.group_id != group_id and not (ack.status == "rejected" and not ack.group_id):
-                    log.warning("ack for another group %s (stale reply); waiting for ours", ack.group_id)
+                    log.warning("ack for another group %s (stale reply); resending ours", ack.group_id)
                     continue
                 if ack.status == "busy":
                     self.busy_waits += 1

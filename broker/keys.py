@@ -5,6 +5,7 @@
 | prompts                   | stream     | broker     | prompts to sample; group ``generators`` claims  |
 | trajectories              | stream     | broker     | scored groups (the replay queue); group ``learner`` |
 | seen                      | set        | broker     | group ids already appended (de-duplication)     |
+| dead_letter               | stream     | broker     | rejected messages + reason (capped)             |
 | latest                    | string     | learner    | msgpack announcement of the latest version      |
 | announce                  | pub/sub    | learner    | channel carrying each announcement              |
 | generators                | hash       | generators | generator id -> JSON heartbeat                  |
@@ -41,6 +42,11 @@ class Keys:
     @property
     def seen(self) -> str:
         return self._k("seen")
+
+    @property
+    def dead_letter(self) -> str:
+        """Capped stream of rejected messages with their reasons, for inspection."""
+        return self._k("dead_letter")
 
     @property
     def latest(self) -> str:

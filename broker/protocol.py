@@ -215,6 +215,13 @@ def _get(m: dict, key: str, types: type | tuple, where: str = "group"):
     return v
 
 
+def _optional(m: dict, key: str, types: type, default):
+    """An optional field: absent or nil gives ``default``; any other wrong type is rejected."""
+    if m.get(key) is None:
+        return default
+    return _get(m, key, types)
+
+
 def _unpack(data: bytes) -> dict:
     try:
         m = msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -231,7 +238,7 @@ def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
         raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
     m = _unpack(data)
     schema = m.get("schema")
-    if schema != SCHEMA_VERSION:
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA_VERSION:
         raise ProtocolError("bad_schema", f"schema must be {SCHEMA_VERSION}, got {schema!r}")
     if m.get("kind") != "group":
         raise ProtocolError("bad_kind", f"kind must be 'group', got {m.get('kind')!r}")
@@ -285,6 +292,17 @@ def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
     prompt_ids = decode_array(_get(m, "prompt_ids", dict), "int32", "group.prompt_ids")
     if len(prompt_ids) == 0:
         raise ProtocolError("empty_prompt", "prompt_ids is empty")
+    if np.any(prompt_ids < 0):
+        raise ProtocolError("bad_token", "group.prompt_ids: negative token id")
+    weight_version = _get(m, "weight_version", int)
+    if weight_version < 0:
+        raise ProtocolError("bad_versions", "weight_version must be >= 0")
+    sampling = _get(m, "sampling", dict)
+    _check_sampling(sampling)
+    created_at = _get(m, "created_at", float)
+    times = {k: _optional(m, k, float, 0.0) for k in ("scored_at", "sent_at")}
+    if not all(math.isfinite(t) for t in (created_at, *times.values())):
+        raise ProtocolError("bad_time", "timestamps must be finite")
     return Group(
         group_id=group_id,
         run_id=_get(m, "run_id", str),
@@ -292,15 +310,37 @@ def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
         prompt_ids=prompt_ids,
         samples=samples,
         generator_id=_get(m, "generator_id", str),
-        weight_version=_get(m, "weight_version", int),
+        weight_version=weight_version,
         weight_hash=_get(m, "weight_hash", str),
-        sampling=_get(m, "sampling", dict),
-        task=m.get("task", "") if isinstance(m.get("task", ""), str) else "",
-        reference=m.get("reference", "") if isinstance(m.get("reference", ""), str) else "",
-        created_at=_get(m, "created_at", float),
-        scored_at=float(m.get("scored_at", 0.0) or 0.0),
-        sent_at=float(m.get("sent_at", 0.0) or 0.0),
+        sampling=sampling,
+        task=_optional(m, "task", str, ""),
+        reference=_optional(m, "reference", str, ""),
+        created_at=created_at,
+        **times,
     )
+
+
+# sampling keys the learner's recomputation depends on, with their validity checks
+_SAMPLING_CHECKS = {
+    "temperature": (float, lambda v: 0 < v <= 100),
+    "top_p": (float, lambda v: 0 < v <= 1),
+    "top_k": (int, lambda v: v >= 0),
+}
+
+
+def _check_sampling(sampling: dict) -> None:
+    for key, (typ, ok) in _SAMPLING_CHECKS.items():
+        if key in sampling:
+            v = _get(sampling, key, typ, "group.sampling")
+            if not ok(v) or not math.isfinite(v):
+                raise ProtocolError("bad_sampling", f"group.sampling.{key} = {v!r} is out of range")
+
+
+def sampling_transform(sampling: dict) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a group: what the learner must apply to recompute μ.
+    Floats are rounded to 6 decimals, so 0.7 sent as float32 or float64 is the same transform."""
+    return (round(float(sampling.get("temperature", 1.0)), 6), int(sampling.get("top_k", 0)),
+            round(float(sampling.get("top_p", 1.0)), 6))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ class Broker:
         except ProtocolError as e:
             self._count("rejected", e.reason)
             if self.cfg.dead_letter_max:
-                self.r.xadd(self.keys._k("dead_letter"), {"reason": e.reason, "detail": e.detail[:500],
+                self.r.xadd(self.keys.dead_letter, {"reason": e.reason, "detail": e.detail[:500],
                                                           "data": payload[:65536]},
                             maxlen=self.cfg.dead_letter_max, approximate=True)
             log.warning("rejected a message: %s", e)
@@ -130,7 +130,7 @@ class Broker:
             p = next(self.prompts)
             self.prompts_fed += 1
             pipe.xadd(self.keys.prompts, {"text": p.text, "reference": p.reference, "task": p.task,
-                                          "n": self.prompts_fed})
+                                          "seq": self.prompts_fed})
         pipe.execute()
         self.m_prompts.inc(missing)
 
@@ -149,10 +149,13 @@ class Broker:
                 if not sock.poll(100):
                     continue
                 frames = sock.recv_multipart()
+                ident = frames[0]
                 if len(frames) != 3 or frames[1] != b"":
+                    # answer (with an empty group id) so the producer learns at once; not appended
                     self._count("rejected", "bad_framing")
+                    sock.send_multipart([ident, b"", encode_ack(Ack("", "rejected", "bad_framing"))])
                     continue
-                ident, _, payload = frames
+                _, _, payload = frames
                 ack = self.handle(payload)
                 sock.send_multipart([ident, b"", encode_ack(ack)])
             except (redis.ConnectionError, redis.TimeoutError) as e:

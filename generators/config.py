@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Literal
 
 from pydantic import Field
@@ -30,7 +32,8 @@ class TorchBackendConfig(StrictModel):
 class GeneratorConfig(StrictModel):
     """One generator replica."""
 
-    id: str = Field("gen-0", description="replica id, unique in the run")
+    id: str = Field(default_factory=lambda: f"gen-{socket.gethostname()}-{os.getpid()}",
+                    description="replica id, unique in the run (default: from the host name and PID)")
     run_id: str = Field("default", description="run id; namespaces every Redis key")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
     broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")

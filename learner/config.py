@@ -33,14 +33,16 @@ class LearnerConfig(StrictModel):
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
     seed: int = Field(0, description="seed for model init and training")
-    steps: int = Field(600, ge=1, description="optimizer steps to train")
+    steps: int = Field(1200, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip ε")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     publish_every: int = Field(1, ge=1, description="publish a new version every k steps")
     max_staleness: int = Field(4, ge=0, description="drop (and count) groups more than this many versions old")
-    admission_eta: int | None = Field(1, ge=0, description="η: generators admit prompts only while admitted < "
+    admission_eta: int | None = Field(0, ge=0, description="η: generators admit prompts only while admitted < "
                                       "(η + learner version + 1) × batch_groups; null disables admission control")
     keep_versions: int = Field(4, ge=1, description="newest versions kept in the weight store (plus those served)")
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")

@@ -21,6 +21,7 @@ class Publisher:
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
+        self.heartbeat_ttl_s = 60.0
 
     def publish(self, model, state_dict: dict[str, torch.Tensor], version: int) -> Announcement:
         t0 = time.perf_counter()
@@ -37,7 +38,10 @@ class Publisher:
         a = Announcement(version=version, hash=digest, path=str(path))
         client.announce(self.r, self.keys, a)
         client.emit_event(self.r, self.keys, "published", version=version, hash=digest)
-        in_use = {hb.get("version") for hb in client.generators(self.r, self.keys).values()}
+        # versions served by generators seen recently (a dead generator's heartbeat does not pin)
+        now = time.time()
+        in_use = {hb.get("version") for hb in client.generators(self.r, self.keys).values()
+                  if now - hb.get("last_seen", 0) < self.heartbeat_ttl_s}
         weightstore.prune(self.store, self.keep_versions, {v for v in in_use if v is not None})
         log.debug("published version %d in %.3fs", version, time.perf_counter() - t0)
         return a

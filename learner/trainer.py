@@ -19,6 +19,7 @@ import torch
 
 from broker import client
 from broker.keys import Keys
+from broker.protocol import sampling_transform
 from broker.sampling import sampling_logprobs
 from learner import advantages as adv_mod
 from learner.config import LearnerConfig
@@ -56,6 +57,7 @@ class Learner:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         model, self.tokenizer = load_model(cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.vocab = model.get_input_embeddings().num_embeddings
         self.engine = build_engine(model, cfg)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, self.tokenizer, cfg.keep_versions)
         self.reader = Reader(self.r, self.keys)
@@ -72,6 +74,7 @@ class Learner:
         """``batch_groups`` trainable groups; stale, failed and undecodable ones are acknowledged
         and counted on the way. None when asked to stop."""
         fresh: list = []
+        transform = None
         while len(fresh) < self.cfg.batch_groups:
             entries = wait_for(self.reader, self.cfg.batch_groups - len(fresh), self.stop.is_set,
                                self.cfg.wait_timeout_s)
@@ -85,7 +88,14 @@ class Learner:
                     why = "groups_dropped_stale"
                 elif not any(s.reward_status == "ok" for s in g.samples):
                     why = "groups_dropped_reward_failed"
+                elif max(int(g.prompt_ids.max()), *(int(s.completion_ids.max()) for s in g.samples)) >= self.vocab:
+                    why = "groups_dropped_bad_token"
+                elif transform is not None and sampling_transform(g.sampling) != transform:
+                    # one batch is recomputed with one sampling transform; a group sampled
+                    # differently would be mis-corrected, so it is dropped and counted
+                    why = "groups_dropped_sampling_mismatch"
                 else:
+                    transform = sampling_transform(g.sampling)
                     fresh.append((eid, g))
                     continue
                 self.counts[why] += 1
@@ -95,7 +105,16 @@ class Learner:
                 self.r.hincrby(self.keys.stats("learner"), "consumed", len(drop_ids))
         return fresh
 
+    def _logp(self, b, rows, sampling: dict) -> torch.Tensor:
+        """Log-probs [rows, L-1] of each next token under the sampling transform; 0 off-completion."""
+        temperature, top_k, top_p = sampling_transform(sampling)
+        logits = self.engine(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows]).logits[:, :-1]
+        logp = sampling_logprobs(logits, temperature, top_k, top_p).gather(-1, b.input_ids[rows, 1:, None]).squeeze(-1)
+        return torch.where(b.loss_mask[rows].bool(), logp, torch.zeros_like(logp))
+
     def train_step(self, groups, sampling: dict) -> dict:
+        """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch. π_old is the policy at the
+        start of the step (recomputed once when there is more than one update)."""
         advs = []
         for g in groups:
             rewards = torch.tensor([s.reward for s in g.samples if s.reward_status == "ok"], dtype=torch.float32)
@@ -103,16 +122,27 @@ class Learner:
         b = collate(groups, advs, self.version, self.pad_id)
         t0 = time.perf_counter()
         self.engine.train()
-        logits = self.engine(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
-        logp_all = sampling_logprobs(logits, sampling.get("temperature", 1.0), sampling.get("top_k", 0),
-                                     sampling.get("top_p", 1.0))
-        logp = logp_all.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
-        logp = torch.where(b.loss_mask.bool(), logp, torch.zeros_like(logp))  # no -inf outside completions
-        loss, diag = policy_loss(logp, logp.detach(), b.behaviour_logp, b.advantages, b.loss_mask,
-                                 self.cfg.clip_eps, self.cfg.correction.mode, self.cfg.correction.tis_cap)
-        self.engine.backward(loss)
-        self.engine.step()
-        diag.update(loss=float(loss), compute_s=time.perf_counter() - t0, samples=len(b.staleness),
+        n = b.input_ids.shape[0]
+        every = torch.arange(n)
+        multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
+        old_logp = None
+        if multi:
+            with torch.no_grad():
+                old_logp = self._logp(b, every, sampling)
+        diags, losses = [], []
+        for _ in range(self.cfg.ppo_epochs):
+            for rows in torch.randperm(n).chunk(self.cfg.minibatches) if multi else [every]:
+                logp = self._logp(b, rows, sampling)
+                old = old_logp[rows] if multi else logp.detach()
+                loss, diag = policy_loss(logp, old, b.behaviour_logp[rows], b.advantages[rows], b.loss_mask[rows],
+                                         self.cfg.clip_eps, self.cfg.correction.mode, self.cfg.correction.tis_cap)
+                self.engine.backward(loss)
+                self.engine.step()
+                diags.append(diag)
+                losses.append(float(loss))
+        diag = {k: sum(d[k] for d in diags) / len(diags) for k in diags[0]}
+        diag.update(ratio_min=min(d["ratio_min"] for d in diags), ratio_max=max(d["ratio_max"] for d in diags))
+        diag.update(loss=sum(losses) / len(losses), compute_s=time.perf_counter() - t0, samples=n,
                     tokens=int(b.loss_mask.sum()), group_rewards=b.group_rewards,
                     reward_mean=sum(b.group_rewards) / len(b.group_rewards),
                     staleness=dict(sorted(Counter(b.staleness).items())))

@@ -41,7 +41,7 @@ def test_groups_are_appended_once_and_bad_ones_rejected_with_reason(procs, redis
     stats = client.read_stats(r, keys, "broker")
     assert stats["accepted"] == 1 and stats["duplicate"] == 1
     assert stats["rejected:not_msgpack"] == 1 and stats["rejected:bad_logprob"] == 1
-    assert r.xlen(keys._k("dead_letter")) == 3
+    assert r.xlen(keys.dead_letter) == 3
     assert r.xlen(keys.trajectories) == 1
 
 

@@ -69,6 +69,15 @@ def test_arrays_are_little_endian_raw_bytes():
     ({"samples.1.reward": 0.0}, "bad_reward"),
     ({"group_id": ""}, "bad_group_id"),
     ({"weight_version": "3"}, "bad_type"),
+    ({"weight_version": -1}, "bad_versions"),
+    ({"schema": True}, "bad_schema"),
+    ({"prompt_ids": {"dtype": "int32", "data": np.array([1, -4], "<i4").tobytes()}}, "bad_token"),
+    ({"sampling": {"temperature": 0.0}}, "bad_sampling"),
+    ({"sampling": {"top_p": 1.5}}, "bad_sampling"),
+    ({"sampling": {"top_k": 1.5}}, "bad_type"),
+    ({"created_at": math.nan}, "bad_time"),
+    ({"scored_at": "soon"}, "bad_type"),
+    ({"task": 3}, "bad_type"),
 ])
 def test_invalid_messages_are_rejected_with_a_reason(changes, reason):
     with pytest.raises(ProtocolError) as e:
@@ -90,6 +99,14 @@ def test_size_limit():
     with pytest.raises(ProtocolError) as e:
         decode_group(encode_group(make_group()), max_bytes=100)
     assert e.value.reason == "too_large"
+
+
+def test_optional_fields_may_be_nil_and_transform_is_normalised():
+    from broker.protocol import sampling_transform
+
+    g = decode_group(mutate(scored_at=None, task=None, sampling={"temperature": 0.699999988079071}))
+    assert g.scored_at == 0.0 and g.task == ""
+    assert sampling_transform(g.sampling) == sampling_transform({"temperature": 0.7}) == (0.7, 0, 1.0)
 
 
 def test_version_runs():

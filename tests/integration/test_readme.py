@@ -1,0 +1,44 @@
+"""Every command the README shows, run as shown (at tiny size)."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from tests.conftest import ROOT, child_env
+
+README = (ROOT / "README.md").read_text()
+
+
+def _block_after(marker: str) -> str:
+    m = re.search(re.escape(marker) + r".*?```(?:\w+)?\n(.*?)```", README, re.S)
+    assert m, f"README lost the block after {marker!r}"
+    return m.group(1)
+
+
+def _run(cmd: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, shell=True, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_quick_start_is_exactly_make_run_and_make_test():
+    assert _block_after("## Quick start").split() == ["make", "run", "make", "test"]
+
+
+def test_configuration_examples_run_as_shown(tmp_path):
+    """The README's `relay up` and `make run` lines, in a scratch copy of the working folder."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".venv").symlink_to(ROOT / ".venv")
+    (work / "Makefile").symlink_to(ROOT / "Makefile")
+    (work / "pyproject.toml").symlink_to(ROOT / "pyproject.toml")
+    toml = _block_after("where `my-run.toml` is, for example:")
+    (work / "my-run.toml").write_text(toml)
+    commands = [c for c in _block_after("## Configuration").splitlines() if c.strip()]
+    assert len(commands) == 3
+    for cmd in commands:
+        res = _run(cmd + (" --dashboard-port 0 --no-progress" if "relay up" in cmd else ""), work)
+        assert res.returncode == 0, f"{cmd}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        summary = json.loads((work / "runs" / "latest" / "summary.json").read_text())
+        assert summary["steps"] == 20, (cmd, summary)
+        if "--generators 3" in cmd:
+            assert len(summary["generators"]) == 3
