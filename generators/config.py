@@ -44,6 +44,8 @@ class GeneratorConfig(StrictModel):
     claim_idle_s: float = Field(30.0, gt=0, description="reclaim prompts another generator held this long")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward-service call")
     reward_retries: int = Field(5, ge=0, description="retries of a failed reward call before marking items failed")
+    reward_token: str = Field("", description="bearer token for the reward service (its auth_token); prefer "
+                              "RELAY_REWARD_TOKEN to a file")
     seed: int = Field(0, description="sampling seed (combined with the replica id)")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     exit_when_done: bool = Field(True, description="exit when the learner marks the run done")

@@ -9,6 +9,7 @@ reclaimed by another generator after ``claim_idle_s``.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -34,7 +35,8 @@ class Generator:
         self.keys = Keys(cfg.run_id)
         self.r = client.connect_redis(cfg.redis_url)
         self.sender = client.GroupSender(cfg.broker_address)
-        self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s)
+        self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s,
+                                 headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None)
         self.backend = make_backend(cfg.backend)
         self.version: int | None = None
         self.hash = ""
@@ -122,7 +124,8 @@ class Generator:
     def score(self, prompts: list[dict], groups: list[list[Completion]]) -> list[list[dict]]:
         """One reward call for the whole batch. Failures are marked, never turned into 0."""
         items = [{"prompt": p["text"], "completion": self.backend.decode(c.token_ids), "reference": p["reference"],
-                  "finished": c.finish_reason == "stop", "task": p["task"]}
+                  "finished": c.finish_reason == "stop", "task": p["task"], "num_tokens": len(c.token_ids),
+                  "metadata": json.loads(p.get("metadata") or "{}")}
                  for p, cs in zip(prompts, groups) for c in cs]
         delay, last_err = 0.2, ""
         for attempt in range(self.cfg.reward_retries + 1):

@@ -45,6 +45,11 @@ class LearnerConfig(StrictModel):
     admission_eta: int | None = Field(0, ge=0, description="η: generators admit prompts only while admitted < "
                                       "(η + learner version + 1) × batch_groups; null disables admission control")
     keep_versions: int = Field(4, ge=1, description="newest versions kept in the weight store (plus those served)")
+    failed_reward: Literal["skip", "fallback"] = Field(
+        "skip", description="samples whose reward failed: skip (leave them out; a group with none left is dropped "
+        "and counted) or fallback (train on them with fallback_score as their reward)")
+    fallback_score: float = Field(0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when "
+                                  "failed_reward = 'fallback'")
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
     threads: int = Field(1, ge=1, description="torch intra-op threads")

@@ -70,19 +70,31 @@ class Reader:
             pipe.execute()
 
 
-def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version: int, pad_id: int) -> Batch:
-    """Samples whose reward failed are left out (their advantage is not defined)."""
-    rows, mus, advs, stale = [], [], [], []
+def trained_rewards(g: Group, failed_reward: str = "skip", fallback_score: float = 0.0) -> list[float | None]:
+    """Per sample, the reward it is trained with: its own when the reward is ok; for a failed reward,
+    None (left out) under ``skip`` or ``fallback_score`` under ``fallback``."""
+    fallback = fallback_score if failed_reward == "fallback" else None
+    return [s.reward if s.reward_status == "ok" and s.reward is not None else fallback for s in g.samples]
+
+
+def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version: int, pad_id: int,
+            failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
+    """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on
+    (their advantage is not defined); ``advantages[i]`` has one entry per kept sample of group i."""
+    rows, mus, advs, stale, group_rewards = [], [], [], [], []
     for g, adv in zip(groups, advantages):
         k = 0
-        for s in g.samples:
-            if s.reward_status != "ok":
+        kept = []
+        for s, reward in zip(g.samples, trained_rewards(g, failed_reward, fallback_score)):
+            if reward is None:
                 continue
             rows.append((g.prompt_ids.tolist(), s.completion_ids.tolist()))
             mus.append(s.logprobs.tolist())
             advs.append(float(adv[k]))
             stale.append(learner_version - s.min_version)
+            kept.append(reward)
             k += 1
+        group_rewards.append(sum(kept) / max(1, len(kept)))
     L = max(len(p) + len(c) for p, c in rows)
     B = len(rows)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -95,9 +107,7 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
         attn[i, :n] = 1
         lmask[i, len(p) - 1:n - 1] = 1
         mu[i, len(p) - 1:n - 1] = torch.tensor(m)
-    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale,
-                 [float(sum(s.reward for s in g.samples if s.reward is not None) /
-                        max(1, sum(s.reward is not None for s in g.samples))) for g in groups], len(groups))
+    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale, group_rewards, len(groups))
 
 
 def wait_for(reader: Reader, want: int, should_stop, timeout_s: float) -> list[tuple[bytes, Group | None]]:

@@ -23,7 +23,7 @@ from broker.protocol import sampling_transform
 from broker.sampling import sampling_logprobs
 from learner import advantages as adv_mod
 from learner.config import LearnerConfig
-from learner.data import Reader, collate, wait_for
+from learner.data import Reader, collate, trained_rewards, wait_for
 from learner.engine import build_engine, full_state_dict
 from learner.losses import policy_loss
 from learner.publish import Publisher
@@ -86,7 +86,7 @@ class Learner:
                     why = "groups_undecodable"
                 elif self.version - g.min_version > self.cfg.max_staleness:
                     why = "groups_dropped_stale"
-                elif not any(s.reward_status == "ok" for s in g.samples):
+                elif all(r is None for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)):
                     why = "groups_dropped_reward_failed"
                 elif max(int(g.prompt_ids.max()), *(int(s.completion_ids.max()) for s in g.samples)) >= self.vocab:
                     why = "groups_dropped_bad_token"
@@ -117,9 +117,12 @@ class Learner:
         start of the step (recomputed once when there is more than one update)."""
         advs = []
         for g in groups:
-            rewards = torch.tensor([s.reward for s in g.samples if s.reward_status == "ok"], dtype=torch.float32)
-            advs.append(adv_mod.grpo(rewards))
-        b = collate(groups, advs, self.version, self.pad_id)
+            kept = [r for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score) if r is not None]
+            advs.append(adv_mod.grpo(torch.tensor(kept, dtype=torch.float32)))
+            failed = sum(s.reward_status != "ok" for s in g.samples)  # counted in either mode, never silent
+            self.counts["samples_reward_failed"] += failed
+            self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0
+        b = collate(groups, advs, self.version, self.pad_id, self.cfg.failed_reward, self.cfg.fallback_score)
         t0 = time.perf_counter()
         self.engine.train()
         n = b.input_ids.shape[0]

@@ -1,46 +1,45 @@
-"""The reward service's HTTP API.
+"""The reward service's HTTP API (contract in docs/rewards.md; pinned by tests/snapshots/reward_openapi.json).
 
 POST /score    {"items": [Item, ...]}  ->  {"results": [Result, ...]}  (same order, same length)
-GET  /plugins  registered plugin names and the task -> plugin mapping
+GET  /plugins  plugin types, configured instances and the routing
 GET  /healthz  "ok"
 GET  /metrics  Prometheus text format
+
+Guards: ``auth_token`` (bearer token on /score), ``max_request_bytes`` (413 before the body is
+parsed), ``max_batch`` (413). A plugin's failure is a failed item in a 200 reply, never an error
+of the whole request and never a silent 0.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
-import time
+from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import generate_latest
 from pydantic import BaseModel, Field
 
-from broker.config import StrictModel
 from reward_service import plugins as P
+from reward_service.config import PluginConfig, RewardConfig  # noqa: F401  (RewardConfig is imported from here)
+from reward_service.scoring import Scorer
 
 log = logging.getLogger("relay.reward")
 
 
-class RewardConfig(StrictModel):
-    """The reward service: where it listens and which plugin scores which task."""
-
-    host: str = Field("127.0.0.1", description="bind address; 127.0.0.1 unless you need remote callers")
-    port: int = Field(8090, ge=0, le=65535, description="HTTP port")
-    task_plugins: dict[str, str] = Field(
-        default_factory=lambda: {"copy": "digits", "reverse": "digits", "add": "digits"},
-        description="task name -> plugin name; a task not listed uses the plugin of the same name")
-    max_batch: int = Field(4096, ge=1, description="largest accepted batch")
-
-
 class ItemIn(BaseModel):
-    prompt: str = ""
-    completion: str
-    reference: str = ""
-    finished: bool = True
-    task: str
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    """One completion to score."""
+
+    prompt: str = Field("", description="the prompt text")
+    completion: str = Field(description="the completion text, special tokens removed")
+    reference: str = Field("", description="the reference answer, '' when there is none")
+    finished: bool = Field(True, description="the completion ended with EOS (was not cut at max_tokens)")
+    task: str = Field(description="the task; picks the plugin (see task_plugins, route_field)")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="dataset fields passed through (JSON)")
+    num_tokens: int | None = Field(None, ge=0, description="completion length in tokens, when known")
 
 
 class ScoreRequest(BaseModel):
@@ -48,63 +47,103 @@ class ScoreRequest(BaseModel):
 
 
 class ResultOut(BaseModel):
+    """score is null exactly when status is 'failed'; reason is then 'code: detail'."""
+
     score: float | None
-    status: str
+    status: str = Field(description="'ok' or 'failed'")
     reason: str = ""
-    plugin: str = ""
-    details: dict[str, float] = Field(default_factory=dict)
+    plugin: str = Field("", description="the plugin that scored the item ('a+b' for a weighted route)")
+    details: dict[str, float] = Field(default_factory=dict, description="named sub-scores")
 
 
 class ScoreResponse(BaseModel):
     results: list[ResultOut]
 
 
+class BodyLimit:
+    """ASGI middleware: 413 for a body over ``limit`` bytes, by Content-Length or while streaming."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(send)
+        seen = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return msg
+
+        async def tracked_send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send):
+        body = f'{{"detail":"request body exceeds max_request_bytes ({self.limit})"}}'.encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
 def create_app(cfg: RewardConfig) -> FastAPI:
-    P.load_entry_point_plugins()
-    instances: dict[str, P.RewardPlugin] = {}
-    registry = CollectorRegistry()
-    m_items = Counter("relay_reward_items", "items scored, by plugin and status", ["plugin", "status", "reason"],
-                      registry=registry)
-    m_latency = Histogram("relay_reward_batch_seconds", "scoring latency per plugin batch", ["plugin"],
-                          registry=registry)
-    app = FastAPI(title="Relay reward service", version="1")
+    scorer = Scorer(cfg)
 
-    def plugin_for(task: str) -> str:
-        return cfg.task_plugins.get(task, task)
+    @asynccontextmanager
+    async def lifespan(_app):
+        await scorer.start()
+        yield
+        await scorer.close()
 
-    @app.post("/score", response_model=ScoreResponse)
+    app = FastAPI(title="Relay reward service", version="2", lifespan=lifespan,
+                  description="Batch scoring through reward plugins; a failure is a failed item, never a silent 0.")
+    app.state.scorer = scorer
+    app.add_middleware(BodyLimit, limit=cfg.max_request_bytes)
+    bearer = HTTPBearer(auto_error=False, description="required when the service has an auth_token")
+
+    def authorize(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if not cfg.auth_token:
+            return
+        if cred is None or not hmac.compare_digest(cred.credentials.encode(), cfg.auth_token.encode()):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.post("/score", response_model=ScoreResponse, dependencies=[Depends(authorize)],
+              responses={401: {"description": "missing or wrong bearer token"},
+                         413: {"description": "request body or batch too large"}})
     async def score(req: ScoreRequest) -> ScoreResponse:
         if len(req.items) > cfg.max_batch:
             raise HTTPException(413, f"batch of {len(req.items)} items exceeds max_batch {cfg.max_batch}")
-        results: list[ResultOut | None] = [None] * len(req.items)
-        by_plugin: dict[str, list[int]] = {}
-        for i, it in enumerate(req.items):
-            by_plugin.setdefault(plugin_for(it.task), []).append(i)
-        for name, idx in by_plugin.items():
-            if name not in P.REGISTRY:
-                for i in idx:
-                    results[i] = ResultOut(score=None, status="failed", reason="unknown_plugin", plugin=name)
-                m_items.labels(name, "failed", "unknown_plugin").inc(len(idx))
-                continue
-            plugin = instances.setdefault(name, P.REGISTRY[name]())
-            batch = [P.Item(**req.items[i].model_dump()) for i in idx]
-            t0 = time.perf_counter()
-            try:
-                out = await plugin.score(batch)
-                if len(out) != len(batch):
-                    raise ValueError(f"plugin returned {len(out)} results for {len(batch)} items")
-            except Exception as e:  # a plugin bug fails its items visibly; the service keeps serving
-                log.exception("plugin %s failed on a batch of %d", name, len(batch))
-                out = [P.Result.failed(f"plugin_error: {type(e).__name__}: {e}"[:200]) for _ in batch]
-            m_latency.labels(name).observe(time.perf_counter() - t0)
-            for i, r in zip(idx, out):
-                results[i] = ResultOut(score=r.score, status=r.status, reason=r.reason, plugin=name, details=r.details)
-                m_items.labels(name, r.status, r.reason.split(":")[0]).inc()
-        return ScoreResponse(results=results)
+        items = [P.Item(it.prompt, it.completion, it.reference, it.finished, it.task, it.metadata, it.num_tokens)
+                 for it in req.items]
+        out = await scorer.score(items)
+        return ScoreResponse(results=[ResultOut(score=s.score, status=s.status, reason=s.reason, plugin=s.plugin,
+                                                details=s.details) for s in out])
 
     @app.get("/plugins")
     async def plugins() -> dict:
-        return {"plugins": sorted(P.REGISTRY), "task_plugins": cfg.task_plugins}
+        return {"plugins": sorted(scorer.known),
+                "instances": {n: i.name for n, i in sorted(scorer.instances.items())},
+                "task_plugins": cfg.task_plugins, "route_field": cfg.route_field}
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> str:
@@ -112,6 +151,6 @@ def create_app(cfg: RewardConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
-        return generate_latest(registry).decode()
+        return generate_latest(scorer.metrics.registry).decode()
 
     return app

@@ -1,9 +1,12 @@
-"""Reward plugins: a base class, a registry with a decorator, built-ins, and entry-point discovery.
+"""Reward plugins: a base class, a registry with a decorator, and entry-point discovery.
 
 A plugin scores a *batch* of items and returns one :class:`Result` per item, in order. A plugin
 that cannot score an item returns ``Result.failed(reason)``: a failure is never a silent 0.
+A plugin takes its options as a pydantic model (``Options``); the reward service validates them
+at start-up and builds one instance per configured name.
+
 Third-party plugins register through the ``relay.rewards`` entry-point group
-(``name = "package.module:PluginClass"``).
+(``name = "package.module:PluginClass"``). The built-ins live in :mod:`reward_service.builtin`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
+
+from broker.config import StrictModel
 
 log = logging.getLogger("relay.reward")
 
@@ -24,8 +29,9 @@ class Item:
     completion: the completion text (special tokens removed).
     reference:  the reference answer ("" when the task has none).
     finished:   True when the completion ended with EOS (not cut at max_tokens).
-    task:       the task name; picks the plugin.
-    metadata:   anything the dataset passes through.
+    task:       the task name; picks the plugin (unless the config routes on a metadata field).
+    metadata:   anything the dataset passes through (JSON values).
+    num_tokens: completion length in tokens, when the caller knows it.
     """
 
     prompt: str
@@ -34,11 +40,13 @@ class Item:
     finished: bool = True
     task: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    num_tokens: int | None = None
 
 
 @dataclass
 class Result:
-    """score is None exactly when status is "failed"; reason says why."""
+    """score is None exactly when status is "failed"; reason says why ("code: detail", the code
+    before the first colon is what the metrics count). details are named sub-scores."""
 
     score: float | None
     status: str = "ok"
@@ -50,10 +58,39 @@ class Result:
         return cls(score=None, status="failed", reason=reason)
 
 
-class RewardPlugin:
-    """Base class. Subclasses set ``name`` and implement ``score`` (async, batch in, results out)."""
+class NoOptions(StrictModel):
+    """This plugin takes no options."""
 
-    name: str = ""
+
+class Observer:
+    """What a plugin may report besides its results (the service plugs in its metrics)."""
+
+    def request(self, outcome: str) -> None:
+        """One outbound request finished with ``outcome`` (ok, timeout, http_500, ...)."""
+
+    def circuit(self, state: str) -> None:
+        """The plugin's circuit breaker is now ``closed``, ``open`` or ``half_open``."""
+
+
+class RewardPlugin:
+    """Base class. Subclasses set ``Options`` (a StrictModel) when they take options and implement
+    ``score`` (async, batch in, results out, same order and length). ``start``/``close`` are called
+    once by the service, in its event loop, for plugins that hold connections or worker pools."""
+
+    name: str = ""  # the registered type name
+    Options: ClassVar[type[StrictModel]] = NoOptions
+
+    def __init__(self, options: StrictModel | dict | None = None, observer: Observer | None = None):
+        if options is None or isinstance(options, dict):
+            options = self.Options.model_validate(options or {})
+        self.options = options
+        self.observer = observer or Observer()
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
     async def score(self, items: list[Item]) -> list[Result]:
         raise NotImplementedError
@@ -85,34 +122,16 @@ def load_entry_point_plugins() -> list[str]:
     return loaded
 
 
-# ----------------------------------------------------------------------------------------------
-# built-ins
+_entry_points_loaded = False
 
 
-@register("exact_match")
-class ExactMatch(RewardPlugin):
-    """1.0 when the stripped completion equals the stripped reference, else 0.0."""
+def known_plugins() -> dict[str, type[RewardPlugin]]:
+    """Every plugin type: the built-ins and (loaded once) the entry-point ones."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        load_entry_point_plugins()
+        _entry_points_loaded = True
+    return REGISTRY
 
-    async def score(self, items: list[Item]) -> list[Result]:
-        return [Result(float(it.completion.strip() == it.reference.strip())) for it in items]
 
-
-@register("digits")
-class DigitPositions(RewardPlugin):
-    """Partial credit for the toy digit tasks: 0 when the completion did not end (no EOS), else
-    (positions equal to the reference) / max(len(completion), len(reference))."""
-
-    async def score(self, items: list[Item]) -> list[Result]:
-        out = []
-        for it in items:
-            ans, ref = it.completion.strip(), it.reference.strip()
-            if not ref:
-                out.append(Result.failed("no_reference"))
-                continue
-            if not it.finished:
-                out.append(Result(0.0, details={"finished": 0.0}))
-                continue
-            correct = sum(a == b for a, b in zip(ans, ref))
-            score = correct / max(len(ans), len(ref))
-            out.append(Result(score, details={"finished": 1.0, "exact": float(ans == ref)}))
-        return out
+from reward_service import builtin  # noqa: E402,F401  (registers the built-ins)

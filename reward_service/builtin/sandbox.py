@@ -1,0 +1,124 @@
+"""Run untrusted Python in a sandbox: no network, no host files, time and memory limits.
+
+The isolation is Linux namespaces (``unshare`` from util-linux, which needs root or
+CAP_SYS_ADMIN), a minimal chroot, an unprivileged user and rlimits; see ``_sandbox_init.py`` for
+exactly what the program can see. :func:`probe` checks at start-up that it works on this machine:
+where it does not, the ``code_exec`` plugin refuses to start rather than run code unconfined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LAUNCHER = Path(__file__).with_name("_sandbox_init.py")
+
+
+@dataclass
+class Limits:
+    wall_s: float = 5.0        # killed after this long, whatever it does
+    cpu_s: int = 5             # RLIMIT_CPU
+    memory_mb: int = 512       # RLIMIT_AS
+    disk_mb: int = 32          # size of the tmpfs root and RLIMIT_FSIZE
+    max_procs: int = 32        # RLIMIT_NPROC
+    max_output: int = 65536    # bytes of stdout/stderr kept
+
+
+@dataclass
+class Outcome:
+    returncode: int | None     # None when killed at the wall-clock limit
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not run (not the program's fault)."""
+
+
+def python_executable() -> str:
+    """The base interpreter (not a virtualenv's shim: the sandbox sees no virtualenv)."""
+    exe = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    return str(exe) if exe.exists() else os.path.realpath(sys.executable)
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
+    buf = bytearray()
+    while chunk := await stream.read(65536):
+        if len(buf) < cap:
+            buf += chunk[:cap - len(buf)]
+    return bytes(buf)
+
+
+async def run(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limits) -> Outcome:
+    """Run ``argv`` (paths relative to /sandbox, where ``files`` are written) in the sandbox."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise SandboxError("the `unshare` command (util-linux) is not installed")
+    py = python_executable()
+    with tempfile.TemporaryDirectory(prefix="relay-sandbox-") as tmp:
+        src, root = Path(tmp, "src"), Path(tmp, "root")
+        src.mkdir()
+        root.mkdir()
+        for name, text in files.items():
+            (src / name).write_text(text)
+        spec = {"root": str(root), "src": str(src), "ro_paths": [sys.base_prefix],
+                "argv": [py, "-I", "-S", "-B", *argv], "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+                "disk_mb": limits.disk_mb, "max_procs": limits.max_procs}
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
+            py, "-I", "-S", "-B", str(LAUNCHER), json.dumps(spec),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}, start_new_session=True)
+
+        async def talk():
+            proc.stdin.write(stdin)
+            try:
+                await proc.stdin.drain()
+                proc.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the program exited without reading its input; its exit status tells the rest
+            out, err = await asyncio.gather(_read_capped(proc.stdout, limits.max_output),
+                                            _read_capped(proc.stderr, limits.max_output))
+            await proc.wait()
+            return out, err
+
+        task = asyncio.ensure_future(talk())
+        try:
+            out, err = await asyncio.wait_for(asyncio.shield(task), limits.wall_s)
+            timed_out = False
+        except asyncio.TimeoutError:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, its child (PID 1 inside) and all below with it
+            except ProcessLookupError:
+                pass
+            out, err = await task
+        seconds = time.monotonic() - t0
+    if proc.returncode == 125 and b"sandbox setup failed" in err:
+        raise SandboxError(err.decode(errors="replace").strip()[-300:])
+    return Outcome(None if timed_out else proc.returncode, out.decode(errors="replace"),
+                   err.decode(errors="replace"), timed_out, seconds)
+
+
+async def probe() -> None:
+    """Raise SandboxError unless a program runs in the sandbox and cannot see the network."""
+    code = ("import socket\n"
+            "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n    print('isolated', e.errno)\n")
+    try:
+        o = await run({"p.py": code}, ["p.py"], b"", Limits(wall_s=10))
+    except OSError as e:
+        raise SandboxError(f"cannot start the sandbox: {e}") from e
+    if o.returncode != 0 or "isolated" not in o.stdout:
+        raise SandboxError(f"the sandbox does not work on this machine (needs root or CAP_SYS_ADMIN for "
+                           f"namespaces): exit {o.returncode}, stderr {o.stderr.strip()[-300:]!r}")

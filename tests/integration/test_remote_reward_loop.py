@@ -1,0 +1,127 @@
+"""The loop trains on the scores of a separate reward server written from docs/rewards.md
+(tests/remote_reward_server.py, stdlib only), registered as a remote plugin; when that server
+answers 500, hangs or returns garbage, items fail with the right reason, the run goes on, and the
+reward service's /metrics and the generators' heartbeats count the failures."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from broker import client
+from broker.keys import Keys
+from deploy.procs import free_port
+from tests.conftest import ROOT, child_env, wait_http
+
+STEPS, GROUPS, N = 20, 4, 4
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@pytest.mark.slow
+def test_loop_trains_on_a_remote_reward_server_and_survives_its_failures(procs, tmp_path):
+    port = free_port()
+    env = dict(child_env(), REMOTE_TOKEN="s3cret-token")
+    server = procs.start("remote", [sys.executable, str(ROOT / "tests" / "remote_reward_server.py"), "--port",
+                                    str(port), "--token-env", "REMOTE_TOKEN"], env=env)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/stats", server)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f"""
+[reward]
+task_plugins = {{ copy = "scorer" }}
+
+[reward.plugins.scorer]
+type = "remote"
+
+[reward.plugins.scorer.options]
+url = "{base}/score"
+token_env = "REMOTE_TOKEN"
+timeout_s = 1.0
+retries = 1
+backoff_s = 0.05
+breaker_failures = 3
+breaker_reset_s = 0.5
+
+[learner]
+batch_groups = {GROUPS}
+
+[generator]
+prompts_per_batch = {GROUPS}
+sampling = {{ n = {N} }}
+""")
+    up = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--steps", str(STEPS), "--generators", "1",
+                           "--config", str(cfg), "--runs-dir", str(tmp_path), "--run-id", "remote",
+                           "--dashboard-port", "0", "--no-progress"], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = tmp_path / "remote"
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "config" / "reward.json").is_file() or not (run / "learner" / "metrics.jsonl").is_file():
+            assert up.poll() is None and time.monotonic() < deadline, up.stdout.read() if up.poll() is not None else ""
+            time.sleep(0.5)
+        reward = f"http://127.0.0.1:{json.loads((run / 'config' / 'reward.json').read_text())['port']}"
+        r = client.connect_redis(json.loads((run / "config" / "learner.json").read_text())["redis_url"])
+        keys = Keys("remote")
+
+        def heartbeat_failures() -> int:
+            return sum(int(hb.get("reward_failures", 0)) for hb in client.generators(r, keys).values())
+
+        seen = {}
+        for mode, reason in (("500", "remote_http_500"), ("hang", "remote_timeout"), ("garbage", "remote_malformed")):
+            before = _metric(httpx.get(f"{reward}/metrics").text, "relay_reward_items_total", plugin="scorer",
+                             status="failed", reason=reason)
+            hb_before = heartbeat_failures()
+            httpx.post(f"{base}/control", json={"mode": mode})
+            t_end = time.monotonic() + 90
+            while True:
+                assert up.poll() is None, f"the run stopped during the {mode} phase:\n{up.stdout.read()}"
+                text = httpx.get(f"{reward}/metrics").text
+                now = _metric(text, "relay_reward_items_total", plugin="scorer", status="failed", reason=reason)
+                if now > before and heartbeat_failures() > hb_before:
+                    break
+                assert time.monotonic() < t_end, f"no {reason} failure counted in the {mode} phase:\n{text}"
+                time.sleep(0.3)
+            seen[mode] = now - before
+            httpx.post(f"{base}/control", json={"mode": "ok"})
+        hb_failures = heartbeat_failures()
+        final_metrics = ""
+        while up.poll() is None:  # the last scrape before the run ends (the service stops with it)
+            try:
+                final_metrics = httpx.get(f"{reward}/metrics", timeout=2).text
+            except httpx.HTTPError:
+                break
+            time.sleep(0.5)
+        out, _ = up.communicate(timeout=400)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["groups_trained"] == STEPS * GROUPS, summary
+    lines = [json.loads(x) for x in (run / "learner" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == STEPS and all(0.0 <= g <= 1.0 for m in lines for g in m["group_rewards"])
+    # every trained sample was scored by the remote server and by nothing else
+    stats = httpx.get(f"{base}/stats").json()
+    assert stats["items_scored"] >= STEPS * GROUPS * N, stats
+    assert stats["unauthorized"] == 0  # the bearer token from token_env reached it
+    assert 0 < _metric(final_metrics, "relay_reward_items_total", plugin="scorer", status="ok") <= stats["items_scored"]
+    assert _metric(final_metrics, "relay_reward_items_total", plugin="digits") == 0
+    # failures were failures: counted by plugin and reason, by the generators, and dropped by the learner
+    assert all(v > 0 for v in seen.values()), seen
+    assert hb_failures >= sum(seen.values())
+    assert _metric(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="http_500") > 0
+    assert _metric(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="timeout") > 0
+    assert lines[-1]["groups_dropped_reward_failed"] > 0  # skip mode: all-failed groups dropped and counted
