@@ -80,8 +80,8 @@ class BodyLimit:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge()
+                if seen > self.limit:  # FastAPI turns this into the 413 reply while it reads the body
+                    raise HTTPException(413, f"request body exceeds max_request_bytes ({self.limit})")
             return msg
 
         async def tracked_send(msg):
@@ -91,19 +91,16 @@ class BodyLimit:
 
         try:
             await self.app(scope, counted_receive, tracked_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(send)
+        except HTTPException as e:  # raised by counted_receive outside a route that handles it
+            if e.status_code != 413 or started:
+                raise
+            await self._reject(send)
 
     async def _reject(self, send):
         body = f'{{"detail":"request body exceeds max_request_bytes ({self.limit})"}}'.encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(cfg: RewardConfig) -> FastAPI:
