@@ -25,8 +25,9 @@ class TaskConfig(StrictModel):
     """Which built-in task feeds prompts, and its size."""
 
     name: str = Field("copy", description="built-in task: " + ", ".join(("copy", "reverse", "add")))
-    min_digits: int = Field(2, ge=1, le=20, description="shortest digit string in a prompt")
-    max_digits: int = Field(4, ge=1, le=20, description="longest digit string in a prompt")
+    min_digits: int = Field(3, ge=1, le=20, description="shortest digit string in a prompt")
+    max_digits: int = Field(3, ge=1, le=20, description="longest digit string in a prompt (variable lengths are "
+                            "much harder for the built-in tiny model: see docs/off-policy.md)")
     seed: int = Field(0, description="seed of the prompt generator")
 
 
