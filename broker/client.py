@@ -83,7 +83,7 @@ class GroupSender:
         self.sock.connect(self.address)
 
     def send(self, group_id: str, payload: bytes, give_up_s: float = 3600.0,
-             should_stop=lambda: False) -> Ack:
+             should_stop=lambda: False, on_busy=lambda: None) -> Ack:
         deadline = time.monotonic() + give_up_s
         busy_sleep = self.busy_wait_s
         while time.monotonic() < deadline:
@@ -100,6 +100,7 @@ class GroupSender:
                     continue
                 if ack.status == "busy":
                     self.busy_waits += 1
+                    on_busy()  # the caller learns it is paused by back-pressure (e.g. to report it)
                     if should_stop():
                         raise TimeoutError("stopping while the broker is busy")
                     time.sleep(busy_sleep)
@@ -122,10 +123,12 @@ class GroupSender:
 
 
 def announce(r: redis.Redis, keys: Keys, a: Announcement) -> None:
-    """Make version ``a.version`` the latest (a key) and tell subscribers (pub/sub)."""
+    """Make version ``a.version`` the latest (a key), record its hash in ``versions`` (so anyone can
+    check the hash a generator serves for any version), and tell subscribers (pub/sub)."""
     data = encode_announcement(a)
     pipe = r.pipeline()
     pipe.set(keys.latest, data)
+    pipe.hset(keys.versions, str(a.version), a.hash)
     pipe.publish(keys.announce, data)
     pipe.execute()
 
@@ -177,6 +180,25 @@ def heartbeat(r: redis.Redis, keys: Keys, generator_id: str, state: dict[str, An
 
 def generators(r: redis.Redis, keys: Keys) -> dict[str, dict]:
     return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.generators).items()}
+
+
+def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int]) -> dict[int, str | None]:
+    """The hash announced for each of ``versions`` (None when that version was never announced)."""
+    versions = sorted(set(versions))
+    if not versions:
+        return {}
+    got = r.hmget(keys.versions, [str(v) for v in versions])
+    return {v: (h.decode() if h is not None else None) for v, h in zip(versions, got)}
+
+
+def register_service(r: redis.Redis, keys: Keys, service: str, replica: str, host: str, port: int) -> None:
+    """Record where a service's ``/metrics`` is (read by ``/api/prometheus/targets``)."""
+    r.hset(keys.services, f"{service}:{replica}", json.dumps(
+        {"service": service, "replica": replica, "host": host, "port": port, "started_at": time.time()}))
+
+
+def services(r: redis.Redis, keys: Keys) -> dict[str, dict]:
+    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.services).items()}
 
 
 def emit_event(r: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:

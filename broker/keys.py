@@ -10,6 +10,9 @@
 | announce                  | pub/sub    | learner    | channel carrying each announcement              |
 | generators                | hash       | generators | generator id -> JSON heartbeat                  |
 | events                    | stream     | all        | capped event log for the dashboard              |
+| learner_metrics           | stream     | learner    | capped per-step metrics (dashboard history)     |
+| versions                  | hash       | announcer  | version -> announced manifest hash              |
+| services                  | hash       | services   | "service:replica" -> JSON metrics endpoint      |
 | stats:broker / stats:learner | hash    | services   | counters (accepted, rejected:<reason>, trained, ...) |
 | issued                    | string     | generators | prompts admitted so far (admission control)     |
 | admission                 | hash       | learner    | {batch_groups, eta}: the staleness bound        |
@@ -63,6 +66,21 @@ class Keys:
     @property
     def events(self) -> str:
         return self._k("events")
+
+    @property
+    def learner_metrics(self) -> str:
+        """Capped stream of the learner's per-step metrics (one entry per step, JSON), for charts."""
+        return self._k("learner_metrics")
+
+    @property
+    def versions(self) -> str:
+        """Hash version -> the manifest hash announced for it (written with every announcement)."""
+        return self._k("versions")
+
+    @property
+    def services(self) -> str:
+        """Hash "service:replica" -> JSON {service, replica, host, port}: where each /metrics is."""
+        return self._k("services")
 
     def stats(self, service: str) -> str:
         return self._k(f"stats:{service}")

@@ -48,4 +48,7 @@ class GeneratorConfig(StrictModel):
                               "RELAY_REWARD_TOKEN to a file")
     seed: int = Field(0, description="sampling seed (combined with the replica id)")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+    metrics_host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of the /metrics and /healthz server; 0 picks a "
+                              "free one (reported as metrics_port in the heartbeat)")
     exit_when_done: bool = Field(True, description="exit when the learner marks the run done")

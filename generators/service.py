@@ -25,6 +25,7 @@ from broker.keys import PROMPTS_GROUP, Keys
 from broker.protocol import Group, Sample, encode_group
 from generators.backend import Completion, make_backend
 from generators.config import GeneratorConfig
+from generators.metrics import serve_metrics
 
 log = logging.getLogger("relay.generator")
 
@@ -44,11 +45,12 @@ class Generator:
         self.state = "starting"
         self.stop = threading.Event()
         self.stats = {"groups_sent": 0, "groups_rejected": 0, "tokens": 0, "updates": 0, "refused_updates": 0,
-                      "reward_failures": 0, "last_update_latency_s": None}
+                      "reward_failures": 0, "reward_failures_by_plugin": {}, "last_update_latency_s": None}
         self._t_tokens = time.monotonic()
         self._tokens_per_s = 0.0
         self._last_hb = 0.0
         self._batch = 0
+        self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -84,6 +86,7 @@ class Generator:
         self.stats["updates"] += 1
         self.stats["last_update_latency_s"] = round(latency, 4)
         client.emit_event(self.r, self.keys, "applied", generator=self.cfg.id, version=a.version, latency_s=latency)
+        self.state = "sampling"  # the update is done; sampling resumes right after (the heartbeat says so)
         log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
         self.send_heartbeat(force=True)
 
@@ -95,6 +98,7 @@ class Generator:
         client.heartbeat(self.r, self.keys, self.cfg.id, {
             "backend": self.backend.name, "version": self.version, "hash": self.hash, "state": self.state,
             "tokens_per_s": round(self._tokens_per_s, 1), "refused": dict(list(self.refused.items())[-3:]),
+            "metrics_port": self.metrics.port,
             **self.stats,
         })
 
@@ -142,7 +146,8 @@ class Generator:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         else:
-            results = [{"score": None, "status": "failed", "reason": f"reward_service: {last_err}"}] * len(items)
+            results = [{"score": None, "status": "failed", "reason": f"reward_service: {last_err}",
+                        "plugin": "reward_service"}] * len(items)
         k = iter(results)
         return [[next(k) for _ in cs] for cs in groups]
 
@@ -174,6 +179,9 @@ class Generator:
                 ok = r.get("status") == "ok" and r.get("score") is not None
                 if not ok:
                     self.stats["reward_failures"] += 1
+                    by_plugin = self.stats["reward_failures_by_plugin"]
+                    plugin = r.get("plugin") or "unknown"
+                    by_plugin[plugin] = by_plugin.get(plugin, 0) + 1
                 samples.append(Sample(
                     completion_ids=np.asarray(c.token_ids, dtype=np.int32),
                     logprobs=np.asarray(c.logprobs, dtype=np.float32),
@@ -188,8 +196,9 @@ class Generator:
                       weight_version=version, weight_hash=whash, sampling=self.cfg.sampling.model_dump(),
                       task=p["task"], reference=p["reference"], created_at=created, scored_at=scored,
                       sent_at=time.time())
-            self.state = "sending"
-            ack = self.sender.send(g.group_id, encode_group(g), should_stop=self.stop.is_set)
+            self.state = "draining" if self.stop.is_set() else "sending"
+            ack = self.sender.send(g.group_id, encode_group(g), should_stop=self.stop.is_set,
+                                   on_busy=self._paused_by_backpressure)
             if ack.status == "rejected":
                 self.stats["groups_rejected"] += 1
                 log.error("broker rejected group %s: %s", g.group_id, ack.reason)
@@ -202,6 +211,11 @@ class Generator:
             pipe.execute()
         self.send_heartbeat()
         return True
+
+    def _paused_by_backpressure(self) -> None:
+        """The broker answered busy (its queue is full): show it until the group is accepted."""
+        self.state = "paused_backpressure"
+        self.send_heartbeat()
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -54,3 +54,8 @@ class LearnerConfig(StrictModel):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
+    metrics_host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of the /metrics and /healthz server; 0 picks a "
+                              "free one (reported as metrics_port in stats:learner)")
+    metrics_history: int = Field(10_000, ge=100, description="per-step metrics kept in the learner_metrics stream "
+                                 "(the dashboard's charts)")

@@ -26,6 +26,7 @@ from learner.config import LearnerConfig
 from learner.data import Reader, collate, trained_rewards, wait_for
 from learner.engine import build_engine, full_state_dict
 from learner.losses import policy_loss
+from learner.observe import LearnerObserver
 from learner.publish import Publisher
 
 log = logging.getLogger("relay.learner")
@@ -54,6 +55,7 @@ class Learner:
         self.keys = Keys(cfg.run_id)
         self.r = client.connect_redis(cfg.redis_url)
         self.stop = threading.Event()
+        self.observer = LearnerObserver(self.r, self.keys, cfg)  # /metrics, /healthz, per-step metrics stream
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         model, self.tokenizer = load_model(cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -183,6 +185,7 @@ class Learner:
                             t=time.time(), **self.counts)
                 mf.write(json.dumps(diag) + "\n")
                 mf.flush()
+                self.observer.record(diag)
                 self.r.hset(self.keys.stats("learner"), mapping={
                     "step": step, "version": self.version, "reward_mean": diag["reward_mean"],
                     "loss": diag["loss"], **self.counts})

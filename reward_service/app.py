@@ -20,9 +20,9 @@ from typing import Any
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import generate_latest
 from pydantic import BaseModel, Field
 
+from broker.metrics import render
 from reward_service import plugins as P
 from reward_service.config import PluginConfig, RewardConfig  # noqa: F401  (RewardConfig is imported from here)
 from reward_service.scoring import Scorer
@@ -148,6 +148,7 @@ def create_app(cfg: RewardConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
-        return generate_latest(scorer.metrics.registry).decode()
+        # every sample labelled service="reward", replica="0", as every Relay service does (broker/metrics.py)
+        return render("reward", "0", scorer.metrics.registry).decode()
 
     return app

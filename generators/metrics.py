@@ -1,0 +1,85 @@
+"""A generator's Prometheus metrics, read from the running generator at scrape time, and its
+``/metrics`` + ``/healthz`` server (names documented in docs/dashboard.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import redis
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from broker import client
+from broker.metrics import MetricsServer, advertised_host, labelled_registry
+
+if TYPE_CHECKING:
+    from generators.service import Generator
+
+STATES = ("starting", "waiting_for_weights", "updating", "sampling", "sending", "paused_staleness",
+          "paused_backpressure", "draining", "stopped")
+
+
+class GeneratorCollector(Collector):
+    def __init__(self, gen: Generator):
+        self.gen = gen
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g, st = self.gen, self.gen.stats
+        v = GaugeMetricFamily("relay_generator_version", "weight version served (absent before the first load)")
+        if g.version is not None:
+            v.add_metric([], g.version)
+        yield v
+        state = GaugeMetricFamily("relay_generator_state", "1 for the state the generator is in", labels=["state"])
+        for s in sorted(set(STATES) | {g.state}):
+            state.add_metric([s], 1 if s == g.state else 0)
+        yield state
+        tps = GaugeMetricFamily("relay_generator_tokens_per_second", "completion tokens per second of the last batch")
+        tps.add_metric([], g._tokens_per_s)  # what the heartbeat reports as tokens_per_s
+        yield tps
+        tok = CounterMetricFamily("relay_generator_tokens", "completion tokens sampled")
+        tok.add_metric([], st["tokens"])
+        yield tok
+        groups = CounterMetricFamily("relay_generator_groups", "groups sent, by the broker's answer", labels=["outcome"])
+        groups.add_metric(["sent"], st["groups_sent"])
+        groups.add_metric(["rejected"], st["groups_rejected"])
+        yield groups
+        upd = CounterMetricFamily("relay_generator_updates", "weight versions applied or refused", labels=["outcome"])
+        upd.add_metric(["applied"], st["updates"])
+        upd.add_metric(["refused"], st["refused_updates"])
+        yield upd
+        lat = GaugeMetricFamily("relay_generator_last_update_latency_seconds",
+                                "publish -> apply latency of the last weight update")
+        if st["last_update_latency_s"] is not None:
+            lat.add_metric([], st["last_update_latency_s"])
+        yield lat
+        rf = CounterMetricFamily("relay_generator_reward_failures", "samples whose reward failed, by plugin",
+                                 labels=["plugin"])
+        for plugin, n in sorted(st["reward_failures_by_plugin"].items()):
+            rf.add_metric([plugin], n)
+        yield rf
+        busy = CounterMetricFamily("relay_generator_busy_waits", "times the broker answered busy (back-pressure)")
+        busy.add_metric([], g.sender.busy_waits)
+        yield busy
+        resends = CounterMetricFamily("relay_generator_resends", "groups resent after an ack timeout")
+        resends.add_metric([], g.sender.resends)
+        yield resends
+
+
+def serve_metrics(gen: Generator) -> MetricsServer:
+    """Start the generator's /metrics and /healthz server and register where it is."""
+    cfg = gen.cfg
+
+    def healthy() -> tuple[bool, str]:
+        try:
+            gen.r.ping()
+        except redis.RedisError as e:
+            return False, f"redis unavailable: {e}"
+        return True, f"ok {gen.state}"
+
+    server = MetricsServer(cfg.metrics_host, cfg.metrics_port, labelled_registry("generator", cfg.id,
+                                                                                  GeneratorCollector(gen)), healthy)
+    client.register_service(gen.r, gen.keys, "generator", cfg.id, advertised_host(cfg.metrics_host), server.port)
+    return server

@@ -1,0 +1,114 @@
+"""The learner's observability: each step's metrics go into a capped Redis stream (the dashboard's
+charts: reward curve, staleness histogram, off-policy diagnostics) and into Prometheus metrics at
+``/metrics``, served with ``/healthz`` on ``metrics_host:metrics_port`` (names in docs/dashboard.md).
+
+No torch here: the trainer hands over its per-step diagnostics dict (plain floats and ints).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+import redis
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from broker import client
+from broker.keys import Keys
+from broker.metrics import MetricsServer, advertised_host, labelled_registry
+from learner.config import LearnerConfig
+
+log = logging.getLogger("relay.learner.observe")
+
+# per-step scalars exported as relay_learner_<key> gauges (the last step's value)
+GAUGES = {
+    "step": "optimizer steps taken",
+    "version": "the learner's latest published weight version",
+    "reward_mean": "mean reward of the last step's groups",
+    "loss": "policy loss of the last step",
+    "ess": "effective sample size (sum w)^2 / (n sum w^2) of the correction weights, last step",
+    "frac_clipped": "fraction of tokens whose PPO ratio was clipped, last step",
+    "frac_truncated": "fraction of tokens whose importance weight was truncated (tis), last step",
+    "frac_masked": "fraction of tokens masked by the correction (mis/IcePop), last step",
+    "mismatch_kl": "mean(log mu - log pi_old) over tokens: behaviour vs learner mismatch, last step",
+    "ratio_mean": "mean importance ratio pi_old/mu, last step",
+    "ratio_min": "smallest importance ratio pi_old/mu, last step",
+    "ratio_max": "largest importance ratio pi_old/mu, last step",
+}
+PHASES = ("wait", "compute", "publish")
+
+
+class _StepCollector(Collector):
+    def __init__(self, obs: LearnerObserver):
+        self.obs = obs
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        last = self.obs.last
+        for key, doc in GAUGES.items():
+            g = GaugeMetricFamily(f"relay_learner_{key}", doc)
+            if isinstance(last.get(key), (int, float)):
+                g.add_metric([], last[key])
+            yield g
+        groups = CounterMetricFamily("relay_learner_groups", "groups consumed, by outcome (trained or why dropped)",
+                                     labels=["outcome"])
+        for k, n in sorted(self.obs.counts.items()):
+            groups.add_metric([k], n)
+        yield groups
+        stale = CounterMetricFamily("relay_learner_samples_trained", "samples trained on, by staleness in versions",
+                                    labels=["staleness"])
+        for k, n in sorted(self.obs.staleness.items()):
+            stale.add_metric([str(k)], n)
+        yield stale
+        tokens = CounterMetricFamily("relay_learner_tokens_trained", "completion tokens trained on")
+        tokens.add_metric([], self.obs.tokens)
+        yield tokens
+
+
+class LearnerObserver:
+    """Started before the model loads (so ``/healthz`` answers during start-up); ``record`` after each step."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: LearnerConfig):
+        self.r, self.keys, self.max_len = r, keys, cfg.metrics_history
+        self.last: dict = {}
+        self.counts: Counter = Counter()
+        self.staleness: Counter = Counter()
+        self.tokens = 0
+        registry = CollectorRegistry()
+        self.phase = Histogram("relay_learner_step_phase_seconds", "time per step waiting for groups, computing, "
+                               "publishing", ["phase"], registry=registry,
+                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+
+        def healthy() -> tuple[bool, str]:
+            try:
+                r.ping()
+            except redis.RedisError as e:
+                return False, f"redis unavailable: {e}"
+            return True, f"ok step {self.last.get('step', 0)}"
+
+        self.server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
+                                    labelled_registry("learner", "0", registry, _StepCollector(self)), healthy)
+        self.r.hset(keys.stats("learner"), "metrics_port", self.server.port)
+        client.register_service(r, keys, "learner", "0", advertised_host(cfg.metrics_host), self.server.port)
+
+    def record(self, diag: dict) -> None:
+        """One step's diagnostics: append to the ``learner_metrics`` stream (per-group lists left out)
+        and update the Prometheus metrics."""
+        entry = {k: v for k, v in diag.items() if not isinstance(v, list)}
+        self.r.xadd(self.keys.learner_metrics, {"step": entry.get("step", 0), "data": json.dumps(entry)},
+                    maxlen=self.max_len, approximate=True)
+        self.last = entry
+        for k, v in entry.items():
+            if k.startswith("groups_") and isinstance(v, int):
+                self.counts[k[len("groups_"):]] = v
+        for k, n in (entry.get("staleness") or {}).items():
+            self.staleness[int(k)] += int(n)
+        self.tokens += int(entry.get("tokens", 0))
+        for phase in PHASES:
+            if isinstance(entry.get(f"{phase}_s"), (int, float)):
+                self.phase.labels(phase).observe(entry[f"{phase}_s"])
