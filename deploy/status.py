@@ -1,0 +1,124 @@
+"""``relay status``: the dashboard's state as a table, for people on a remote shell.
+
+Reads ``GET /api/state`` from the broker (``--url``), or builds the same state straight from the
+run's Redis (``--redis-url`` + ``--run-id``) when the broker's HTTP port is not reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_status_arguments(p) -> None:
+    p.add_argument("--url", default=None, help="the broker's HTTP address (default http://127.0.0.1:8080)")
+    p.add_argument("--redis-url", default=None, help="read the state from this Redis instead of the broker")
+    p.add_argument("--run-id", default=None, help="the run to show (with --redis-url)")
+    p.add_argument("--dead-after-s", type=float, default=10.0,
+                   help="with --redis-url: a generator is dead after this long without a heartbeat (default 10)")
+    p.add_argument("--json", action="store_true", help="print the state as JSON instead of a table")
+    p.add_argument("--check", action="store_true",
+                   help="exit with code 3 when a generator serves a wrong hash or is dead")
+
+
+class StatusError(Exception):
+    """The state could not be read; the message says from where and why."""
+
+
+def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead_after_s: float = 10.0) -> dict:
+    if redis_url:
+        import redis
+
+        from broker.keys import Keys
+        from broker.state import build_state
+
+        r = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            if not run_id:
+                runs = sorted({k.decode().split(":")[1] for k in r.scan_iter("relay:*:latest")})
+                raise StatusError(f"--run-id is required with --redis-url; runs in this Redis: "
+                                  f"{', '.join(runs) or 'none'}")
+            st = build_state(r, Keys(run_id), dead_after_s)
+        except redis.RedisError as e:
+            raise StatusError(f"cannot read Redis at {redis_url}: {e}") from None
+        if st["learner_version"] is None and not st["generators"]:
+            raise StatusError(f"run {run_id!r} has nothing in Redis at {redis_url} (no version, no generator)")
+        return st
+    import httpx
+
+    base = (url or "http://127.0.0.1:8080").rstrip("/")
+    try:
+        resp = httpx.get(f"{base}/api/state", timeout=10)
+        resp.raise_for_status()
+        return resp.json()
+    except httpx.HTTPError as e:
+        raise StatusError(f"cannot read {base}/api/state: {e} (is the broker running? pass --url, or "
+                          f"--redis-url and --run-id)") from None
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}" if not x.is_integer() else str(int(x))
+    return str(x)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
+
+
+def format_state(st: dict) -> str:
+    ln = st.get("learner") or {}
+    rates = st.get("rates") or {}
+    f = st.get("failures") or {}
+    lh = (st.get("learner_hash") or "")[:12]
+    lines = [
+        f"run {st['run_id']}   learner version {_f(st['learner_version'])}" + (f" ({lh})" if lh else "")
+        + f"   step {_f(ln.get('step'))}   reward {_f(ln.get('reward_mean'))}"
+        + ("   DONE" if st.get("done") else ""),
+        f"queue {st.get('queue_depth')} groups ({st.get('pending_groups')} pending)   prompts ready "
+        f"{st.get('prompts_ready')}   groups/s in {_f(rates.get('groups_in_per_s'), 1)} "
+        f"out {_f(rates.get('groups_out_per_s'), 1)}",
+    ]
+    fails = []
+    for title, key in (("rejected", "rejected"), ("dropped by learner", "learner_dropped"),
+                       ("reward failures", "reward_failures_by_plugin")):
+        d = {k: v for k, v in (f.get(key) or {}).items() if v}
+        if d:
+            fails.append(f"{title}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
+    if f.get("refused_updates"):
+        fails.append(f"refused updates: {f['refused_updates']}")
+    lines.append("failures: " + ("; ".join(fails) if fails else "none"))
+    lines.append("")
+    rows = []
+    for g in st.get("generators") or []:
+        lat = g.get("last_update_latency_s")
+        rows.append([
+            g["id"], _f(g.get("backend")), g.get("state") or "-", _f(g.get("version")), _f(g.get("lag")),
+            (g.get("hash") or "-")[:12],
+            "ok" if g.get("hash_ok", True) else f"MISMATCH (announced {(g.get('announced_hash') or '')[:12]})",
+            f"{lat * 1000:.0f}" if isinstance(lat, (int, float)) else "-",
+            _f(g.get("tokens_per_s"), 1),
+            f"{g['age_s']:.1f}s ago" if isinstance(g.get("age_s"), (int, float)) else "-",
+            _f(g.get("groups_sent")), _f(g.get("refused_updates")),
+        ])
+    header = ["GENERATOR", "BACKEND", "STATE", "VERSION", "LAG", "HASH", "HASH CHECK", "APPLY MS", "TOK/S",
+              "HEARTBEAT", "SENT", "REFUSED"]
+    lines += _table(header, rows) if rows else ["no generator has sent a heartbeat yet"]
+    return "\n".join(lines)
+
+
+def run_status(args) -> int:
+    try:
+        st = fetch_state(args.url, args.redis_url, args.run_id, args.dead_after_s)
+    except StatusError as e:
+        print(f"relay status: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=1) if args.json else format_state(st))
+    flagged = st.get("flags") or {}
+    if args.check and (flagged.get("hash_mismatch") or flagged.get("dead")):
+        return 3
+    return 0
