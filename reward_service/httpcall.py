@@ -27,7 +27,7 @@ from reward_service.plugins import Observer
 class HttpOptions(StrictModel):
     """How a plugin calls a remote server (shared by ``remote`` and ``judge``)."""
 
-    timeout_s: float = Field(10.0, gt=0, le=3600, description="timeout of one attempt (connect + read)")
+    timeout_s: float = Field(5.0, gt=0, le=3600, description="timeout of one attempt (connect + read)")
     retries: int = Field(2, ge=0, le=20, description="retries after a failed attempt (timeouts, connection "
                          "errors, 5xx, 429)")
     backoff_s: float = Field(0.2, ge=0, le=60, description="first retry delay; doubles each retry (with jitter)")
@@ -129,8 +129,10 @@ class HttpCaller:
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
             if not self.breaker.allow():
                 self.observer.request("circuit_open")
+                if last is not None:  # this call did reach the server: report what actually went wrong
+                    raise last
                 raise CallFailed("circuit_open", f"{self.breaker.consecutive} consecutive failures; "
-                                 f"retrying after {self.opts.breaker_reset_s}s") from last
+                                 f"retrying after {self.opts.breaker_reset_s}s")
             try:
                 async with self.sem:
                     resp = await self.client.post(self.url + path, content=body,

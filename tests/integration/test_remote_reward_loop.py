@@ -42,6 +42,7 @@ def test_loop_trains_on_a_remote_reward_server_and_survives_its_failures(procs, 
     cfg.write_text(f"""
 [reward]
 task_plugins = {{ copy = "scorer" }}
+auth_token = "loop-token"  # relay up hands it to the generators
 
 [reward.plugins.scorer]
 type = "remote"
