@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from broker.metrics import render
 from reward_service import plugins as P
-from reward_service.config import PluginConfig, RewardConfig  # noqa: F401  (RewardConfig is imported from here)
+from reward_service.config import RewardConfig  # noqa: F401  (callers import RewardConfig from here)
 from reward_service.scoring import Scorer
 
 log = logging.getLogger("relay.reward")

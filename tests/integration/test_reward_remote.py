@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 
 from deploy.procs import free_port
-from tests.conftest import ROOT, child_env, start_service, wait_http
+from tests.conftest import ROOT, child_env, wait_http
 from tests.integration.test_remote_reward_loop import _metric
 
 ITEMS = [{"prompt": "12=", "completion": "12", "reference": "12", "task": "copy"},
