@@ -41,7 +41,7 @@ def test_an_infinite_loop_is_killed_at_the_time_limit():
     (r,) = score([Item("", "def f():\n    while True:\n        pass", reference="f()")], timeout_s=1.0)
     elapsed = time.monotonic() - t0
     assert r.status == "ok" and r.score == 0.0 and r.details["timeout"] == 1.0
-    assert 0.9 <= r.details["seconds"] < 2.0 and elapsed < 10
+    assert 0.9 <= r.details["seconds"] < 3.0 and elapsed < 10  # killed at ~1 s (margin for a loaded machine)
 
 
 PROBE = """
