@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"relay {args.command}: {e}", file=sys.stderr)
         return 2
+    except (OSError, ConnectionError) as e:  # a port in use, Redis unreachable, a missing folder
+        print(f"relay {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -12,8 +12,13 @@ from broker.config import StrictModel
 class CorrectionConfig(StrictModel):
     """Off-policy correction against the behaviour log-probs μ (see docs/off-policy.md)."""
 
-    mode: Literal["none", "tis"] = Field("tis", description="none: plain PPO-clip; tis: truncated importance sampling")
-    tis_cap: float = Field(2.0, gt=0, description="C in sg(min(π_old/μ, C))")
+    mode: Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled"] = Field(
+        "tis", description="none: plain PPO-clip; tis: truncated IS per token; mis/icepop: mask tokens whose "
+        "π_old/μ is outside [mask_lo, mask_hi]; seq_tis/seq_mis/geo_mis: sequence-level weights or masks; "
+        "decoupled: AReaL's π_prox/μ weight")
+    tis_cap: float | None = Field(2.0, gt=0, description="truncation C of the weight (tis, seq_tis, decoupled); null = none")
+    mask_lo: float = Field(0.5, ge=0, description="lower bound of the kept ratio interval (icepop, seq_mis, geo_mis)")
+    mask_hi: float = Field(5.0, gt=0, description="upper bound of the kept ratio interval (masking modes)")
 
 
 class DeepSpeedConfig(StrictModel):
@@ -33,11 +38,17 @@ class LearnerConfig(StrictModel):
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
     seed: int = Field(0, description="seed for model init and training")
-    steps: int = Field(1200, ge=1, description="optimizer steps to train")
+    steps: int = Field(600, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip ε")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip ε (the lower bound 1-ε)")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
+    advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="advantage estimator over each group")
+    policy_loss: Literal["ppo", "cispo", "reinforce"] = Field("ppo", description="policy loss")
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how per-token losses are reduced to one number")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     publish_every: int = Field(1, ge=1, description="publish a new version every k steps")

@@ -223,11 +223,3 @@ def compute_policy_loss(logp, old_logp, behaviour_logp, adv, mask, spec: LossSpe
             "mismatch_kl": float(masked_mean(behaviour_logp - old_logp, mask)),
         }
     return loss, diag
-
-
-def policy_loss(logp, old_logp, behaviour_logp, adv, mask, clip_eps: float, mode: str = "tis", tis_cap: float = 2.0
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip (symmetric ε), token-mean, with correction ``mode`` and truncation ``tis_cap``."""
-    spec = LossSpec(policy="ppo", clip_low=clip_eps, clip_high=clip_eps,
-                    correction=CorrectionSpec(mode=mode, cap=tis_cap))
-    return compute_policy_loss(logp, old_logp, behaviour_logp, adv, mask, spec)

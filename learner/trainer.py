@@ -25,7 +25,7 @@ from learner import advantages as adv_mod
 from learner.config import LearnerConfig
 from learner.data import Reader, collate, trained_rewards, wait_for
 from learner.engine import build_engine, full_state_dict
-from learner.losses import policy_loss
+from learner.losses import CorrectionSpec, LossSpec, compute_policy_loss
 from learner.observe import LearnerObserver
 from learner.publish import Publisher
 
@@ -66,6 +66,12 @@ class Learner:
         latest = client.latest_announcement(self.r, self.keys)
         self.version = (latest.version + 1) if latest else 0
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
+        self.advantage_fn = getattr(adv_mod, cfg.advantage)
+        c = cfg.correction
+        self.loss_spec = LossSpec(policy=cfg.policy_loss, clip_low=cfg.clip_eps,
+                                  clip_high=cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps,
+                                  dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
+                                  correction=CorrectionSpec(mode=c.mode, cap=c.tis_cap, lo=c.mask_lo, hi=c.mask_hi))
         self.counts = Counter()
 
     def publish(self) -> None:
@@ -120,7 +126,7 @@ class Learner:
         advs = []
         for g in groups:
             kept = [r for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score) if r is not None]
-            advs.append(adv_mod.grpo(torch.tensor(kept, dtype=torch.float32)))
+            advs.append(self.advantage_fn(torch.tensor(kept, dtype=torch.float32)))
             failed = sum(s.reward_status != "ok" for s in g.samples)  # counted in either mode, never silent
             self.counts["samples_reward_failed"] += failed
             self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0
@@ -139,8 +145,8 @@ class Learner:
             for rows in torch.randperm(n).chunk(self.cfg.minibatches) if multi else [every]:
                 logp = self._logp(b, rows, sampling)
                 old = old_logp[rows] if multi else logp.detach()
-                loss, diag = policy_loss(logp, old, b.behaviour_logp[rows], b.advantages[rows], b.loss_mask[rows],
-                                         self.cfg.clip_eps, self.cfg.correction.mode, self.cfg.correction.tis_cap)
+                loss, diag = compute_policy_loss(logp, old, b.behaviour_logp[rows], b.advantages[rows],
+                                                 b.loss_mask[rows], self.loss_spec)
                 self.engine.backward(loss)
                 self.engine.step()
                 diags.append(diag)

@@ -1,7 +1,12 @@
 import torch
 
 from learner.advantages import grpo
-from learner.losses import policy_loss
+from learner.losses import CorrectionSpec, LossSpec, compute_policy_loss
+
+
+def policy_loss(logp, old, mu, adv, mask, clip_eps, mode="tis", tis_cap=2.0):
+    spec = LossSpec(clip_low=clip_eps, clip_high=clip_eps, correction=CorrectionSpec(mode=mode, cap=tis_cap))
+    return compute_policy_loss(logp, old, mu, adv, mask, spec)
 
 
 def _inputs(seed=0):
