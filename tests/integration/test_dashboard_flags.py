@@ -1,6 +1,7 @@
 """The dashboard flags what a glance must catch, with real processes: a generator serving a stale
 hash for its version (red in the page, `hash_ok: false` in /api/state, a metric, `relay status
---check`), a generator paused by back-pressure, and a generator that died without a word."""
+--check`), a generator paused by back-pressure, reward failures by plugin, and a generator that
+died without a word."""
 
 from __future__ import annotations
 
@@ -71,7 +72,9 @@ def test_stale_hash_backpressure_and_death_are_flagged(procs, redis_url, tmp_pat
             p.mul_(0.5)
     a1b = Publisher(r, keys, str(tmp_path / "weights-b"), tok, keep_versions=10).publish(model, model.state_dict(), 1)
     assert a1b.hash != a1.hash
-    start_service(procs, "gen-b", "generator", _gen_cfg("gen-b", redis_url, ingest, reward), tmp_path)
+    # gen-b also cannot reach its reward service: its samples are marked failed, counted by "plugin"
+    cfg_b = dict(_gen_cfg("gen-b", redis_url, ingest, free_port()), reward_retries=0, reward_timeout_s=2)
+    start_service(procs, "gen-b", "generator", cfg_b, tmp_path)
     g = wait_until(lambda: (g := gens()) and g.get("gen-b", {}).get("version") == 1 and g, 120, "gen-b serving v1")
 
     a, bb = g["gen-a"], g["gen-b"]
@@ -92,6 +95,12 @@ def test_stale_hash_backpressure_and_death_are_flagged(procs, redis_url, tmp_pat
     wait_until(lambda: any(g["state"] == "paused_backpressure" for g in gens().values()), 60,
                "a generator paused by back-pressure")
     assert client.read_stats(r, keys, "broker")["busy"] >= 1
+    st = wait_until(lambda: (st := state())["failures"]["reward_failures"] >= 2 and st, 30, "reward failures")
+    assert set(st["failures"]["reward_failures_by_plugin"]) == {"reward_service"}
+    gen_b_metrics = httpx.get(f"http://127.0.0.1:{gens()['gen-b']['metrics_port']}/metrics", timeout=10).text
+    failed = [s for f in text_string_to_metric_families(gen_b_metrics) if f.name == "relay_generator_reward_failures"
+              for s in f.samples]
+    assert [s.labels["plugin"] for s in failed] == ["reward_service"] and failed[0].value >= 2
 
     # the page: gen-a's row red, with an alert naming it; gen-b's row normal
     page_checked = _check_page(request, url, a1.hash, a1b.hash)
@@ -129,6 +138,7 @@ def _check_page(request, url: str, served: str, announced: str) -> bool:
     row_b = page.locator('#generators tr[data-id="gen-b"]')
     assert row_b.get_attribute("data-hash-ok") == "true" and "hash-mismatch" not in (row_b.get_attribute("class") or "")
     assert "gen-a serves hash" in page.inner_text("#alerts")
+    assert "reward_service" in page.inner_text("#failures")  # reward failures by plugin
     page.wait_for_function("document.querySelector('#generators tr [class~=\"st-paused_backpressure\"]') !== null",
                            timeout=30_000)
     screenshot(page, "dashboard-stale-hash.png")
