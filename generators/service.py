@@ -63,23 +63,33 @@ class Generator:
             self.state = "waiting_for_weights"
             self.send_heartbeat(force=True)
             time.sleep(0.2)
-        if a is None or (self.version is not None and a.version <= self.version) or a.hash in self.refused:
-            return
-        self.state = "updating"
-        try:
-            weightstore.verify(a.path, a.hash)
-            if self.version is None:
-                self.backend.load(a.path)
-            else:
-                self.backend.update_weights(a.path)
-        except (weightstore.WeightStoreError, ValueError, OSError) as e:
-            reason = getattr(e, "reason", type(e).__name__)
-            self.refused[a.hash] = reason
-            self.stats["refused_updates"] += 1
-            log.error("refused weight version %d (%s): %s; still serving version %s", a.version, reason, e, self.version)
-            client.emit_event(self.r, self.keys, "refused", generator=self.cfg.id, version=a.version, reason=reason)
-            if self.version is None:
-                raise RuntimeError(f"cannot load the initial weights: {e}") from e
+        while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.refused:
+            self.state = "updating"
+            try:
+                weightstore.verify(a.path, a.hash)
+                if self.version is None:
+                    self.backend.load(a.path)
+                else:
+                    self.backend.update_weights(a.path)
+                break
+            except (weightstore.WeightStoreError, ValueError, OSError) as e:
+                newer = client.latest_announcement(self.r, self.keys)
+                if newer is not None and newer.version > a.version:
+                    # superseded while we read it (and perhaps pruned): not a bad snapshot
+                    log.warning("version %d was superseded while loading (%s); loading version %d instead",
+                                a.version, e, newer.version)
+                    a = newer
+                    continue
+                reason = getattr(e, "reason", type(e).__name__)
+                self.refused[a.hash] = reason
+                self.stats["refused_updates"] += 1
+                log.error("refused weight version %d (%s): %s; still serving version %s", a.version, reason, e,
+                          self.version)
+                client.emit_event(self.r, self.keys, "refused", generator=self.cfg.id, version=a.version, reason=reason)
+                if self.version is None:
+                    raise RuntimeError(f"cannot load the initial weights: {e}") from e
+                return
+        else:
             return
         latency = time.time() - a.published_at
         self.version, self.hash = a.version, a.hash

@@ -14,7 +14,15 @@ from learner.losses import (
     cispo_loss_mat, effective_sample_size, kl_estimate, ppo_loss_mat, reinforce_loss_mat,
 )
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Exact comparisons in double precision, restored afterwards (other tests expect float32)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def _random(seed=0, B=5, T=7, V=6):
