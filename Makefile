@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium run test test-fast clean
+.PHONY: setup redis chromium run test test-fast compose-smoke clean
 
 setup: $(STAMP) redis
 
@@ -42,6 +42,12 @@ test: setup chromium
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# docker-compose.yml on a real Docker engine (not part of `make test`; see docs/deploy.md): starts
+# dockerd if none answers, builds a Debian base image and a wheelhouse when nothing can be pulled,
+# runs `docker compose up --scale generator=2` until both generators apply >= 3 versions
+compose-smoke: $(STAMP)
+	VENV=$(VENV) deploy/compose_smoke.sh
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

