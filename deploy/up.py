@@ -42,6 +42,9 @@ def add_up_arguments(p) -> None:
     p.add_argument("--dashboard-port", type=int, default=None,
                    help="broker HTTP port (default 8080, or a free port if 8080 is taken; 0 = any free port)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded redis-server")
+    p.add_argument("--redis-aof", default="off", choices=["off", "everysec", "always"],
+                   help="persistence of the embedded Redis: off (default), an append-only file fsynced every "
+                        "second, or before every reply (nothing acknowledged is lost even if Redis is killed)")
     p.add_argument("--seed", type=int, default=0, help="seed for model init, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
 
@@ -209,7 +212,7 @@ def run_up(args) -> int:
         if args.redis_url:
             redis_url = args.redis_url
         else:
-            _, redis_url = start_redis(procs, run_dir, free_port())
+            _, redis_url = start_redis(procs, run_dir, free_port(), aof=args.redis_aof)
         cfgs = {name: _fill(p[name], redis_url) for name in SERVICES}
         for name in ("broker", "reward", "learner"):
             (run_dir / "config" / f"{name}.json").write_text(json.dumps(cfgs[name], indent=1))
