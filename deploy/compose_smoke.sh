@@ -16,7 +16,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 VENV=${VENV:-.venv}
 WORK=${SMOKE_DIR:-$ROOT/.cache/smoke}
-BASE_IMAGE=${RELAY_BASE_IMAGE:-local/python:3.11}
+BASE_IMAGE=${RELAY_BASE_IMAGE:-local/relay-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 WAIT_S=${SMOKE_WAIT_S:-600}
 WHEELHOUSE=deploy/docker/wheelhouse
@@ -46,6 +46,8 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 # 1. the engine
 if ! docker info >/dev/null 2>&1; then
@@ -66,23 +68,25 @@ if ! docker info >/dev/null 2>&1; then
 fi
 docker compose version
 
-# 2. the base image: pulled if it exists locally, else built from a Debian rootfs
+# 2. the base image: used if it exists, else built from a Debian rootfs (g++: the image build
+#    compiles DeepSpeed's CPU communication op; redis-server: it doubles as the Redis image)
 if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
-  if [ ! -x "$WORK/rootfs/usr/bin/redis-server" ]; then
+  if [ ! -x "$WORK/rootfs/usr/bin/redis-server" ] || [ ! -x "$WORK/rootfs/usr/bin/c++" ]; then
     log "debootstrap bookworm (log: $WORK/debootstrap.log)"
     rm -rf "$WORK/rootfs"
-    debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,redis-server \
+    debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,redis-server,g++ \
       bookworm "$WORK/rootfs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1
   fi
   log "docker import $BASE_IMAGE"
   tar -C "$WORK/rootfs" -c . | docker import - "$BASE_IMAGE"
 fi
 
-# 3. the wheelhouse: every wheel the image needs, built on the host
-if ! ls "$WHEELHOUSE"/torch-*.whl >/dev/null 2>&1; then
+# 3. the wheelhouse: every wheel the image needs, built on the host (async-timeout: redis needs it
+#    on Python < 3.11.3, and Debian bookworm's Python is 3.11.2, older than the host's)
+if ! ls "$WHEELHOUSE"/async_timeout-*.whl >/dev/null 2>&1; then
   log "pip wheel into $WHEELHOUSE"
-  "$VENV/bin/pip" wheel -q --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel
+  "$VENV/bin/pip" wheel -q --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel async-timeout
 fi
 
 # 4. the reward token, shared by the reward service and the generators (an env file, git-ignored)
