@@ -68,14 +68,14 @@ if ! docker info >/dev/null 2>&1; then
 fi
 docker compose version
 
-# 2. the base image: used if it exists, else built from a Debian rootfs (g++: the image build
+# 2. the base image: used if it exists, else built from a Debian rootfs (g++, python3-dev: the image build
 #    compiles DeepSpeed's CPU communication op; redis-server: it doubles as the Redis image)
 if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
-  if [ ! -x "$WORK/rootfs/usr/bin/redis-server" ] || [ ! -x "$WORK/rootfs/usr/bin/c++" ]; then
+  if [ ! -x "$WORK/rootfs/usr/bin/redis-server" ] || ! ls "$WORK"/rootfs/usr/include/python3*/Python.h >/dev/null 2>&1; then
     log "debootstrap bookworm (log: $WORK/debootstrap.log)"
     rm -rf "$WORK/rootfs"
-    debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,redis-server,g++ \
+    debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,ca-certificates,redis-server,g++ \
       bookworm "$WORK/rootfs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1
   fi
   log "docker import $BASE_IMAGE"
