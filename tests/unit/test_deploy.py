@@ -44,7 +44,9 @@ def _tool(name: str) -> str:
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
     if not found:
-        pytest.skip(f"{name} is not installed (pip install -e '.[test]' installs it)")
+        how = "a kubectl binary on PATH (kubectl kustomize renders the overlays)" if name == "kubectl" \
+            else "pip install -e '.[test]' installs it"
+        pytest.skip(f"{name} is not installed ({how})")
     return found
 
 
