@@ -17,6 +17,8 @@
 | issued                    | string     | generators | prompts admitted so far (admission control)     |
 | admission                 | hash       | learner    | {batch_groups, eta}: the staleness bound        |
 | done                      | string     | learner    | set when the learner finished its step budget   |
+| trained / trained_log     | set/stream | learner    | groups whose training is committed (audit)      |
+| dropped_log               | stream     | learner    | groups dropped, with the reason (audit)         |
 """
 
 from __future__ import annotations
@@ -94,6 +96,21 @@ class Keys:
     def admission(self) -> str:
         """Hash {batch_groups, eta} written by the learner: the admission bound's parameters."""
         return self._k("admission")
+
+    @property
+    def trained(self) -> str:
+        """Set of group ids whose training is committed (in a learner checkpoint, or acknowledged)."""
+        return self._k("trained")
+
+    @property
+    def trained_log(self) -> str:
+        """Stream of committed trainings, one entry per group (gid, step): the audit's record."""
+        return self._k("trained_log")
+
+    @property
+    def dropped_log(self) -> str:
+        """Stream of groups the learner dropped (gid, reason): the audit's record."""
+        return self._k("dropped_log")
 
     @property
     def done(self) -> str:

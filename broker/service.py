@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field
 
 from broker import client, dashboard
+from broker.state import waiting_groups
 from broker.config import StrictModel
 from broker.keys import PROMPTS_GROUP, Keys
 from broker.protocol import Ack, ProtocolError, decode_group, encode_ack
@@ -106,8 +107,7 @@ class Broker:
                             maxlen=self.cfg.dead_letter_max, approximate=True)
             log.warning("rejected a message: %s", e)
             return Ack(group_id=_peek_group_id(payload), status="rejected", reason=e.reason)
-        depth = self.r.xlen(self.keys.trajectories)
-        if depth >= self.cfg.max_queue_groups:
+        if waiting_groups(self.r, self.keys) >= self.cfg.max_queue_groups:
             self._count("busy")
             return Ack(g.group_id, "busy")
         stream_id = self._append(keys=[self.keys.seen, self.keys.trajectories],

@@ -46,6 +46,12 @@ def pending_groups(r: redis.Redis, keys: Keys) -> int:
         return 0
 
 
+def waiting_groups(r: redis.Redis, keys: Keys) -> int:
+    """Groups in the replay queue not yet read by the learner: the stream's length minus the groups
+    read but not yet acknowledged (those stay in the stream until a checkpoint holds them)."""
+    return max(0, int(r.xlen(keys.trajectories)) - pending_groups(r, keys))
+
+
 def _prefixed(stats: dict[str, float], prefix: str) -> dict[str, int]:
     return {k[len(prefix):]: int(v) for k, v in sorted(stats.items()) if k.startswith(prefix)}
 
@@ -106,7 +112,7 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
         "learner_published_at": latest.published_at if latest else None,
         "learner": learner,
         "generators": gens,
-        "queue_depth": r.xlen(keys.trajectories),
+        "queue_depth": waiting_groups(r, keys),
         "pending_groups": pending_groups(r, keys),
         "prompts_ready": r.xlen(keys.prompts),
         "rates": rates or {},
@@ -181,8 +187,9 @@ class Throughput:
         pipe.hget(self.keys.stats("learner"), "consumed")
         pipe.xlen(self.keys.trajectories)
         accepted, consumed, depth = pipe.execute()
+        pending = pending_groups(self.r, self.keys)
         s = {"t": round(time.time(), 3), "accepted": int(accepted or 0), "consumed": int(consumed or 0),
-             "queue_depth": int(depth), "pending": pending_groups(self.r, self.keys)}
+             "queue_depth": max(0, int(depth) - pending), "pending": pending}
         with self.lock:
             old = next((o for o in reversed(self.samples) if s["t"] - o["t"] >= self.window_s), None)
             if old is None and self.samples:

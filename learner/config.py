@@ -65,6 +65,9 @@ class LearnerConfig(StrictModel):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
+    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints (weights, optimizer, what was "
+                                  "trained); groups are acknowledged when a checkpoint holds them; 0 = no "
+                                  "checkpoints, acknowledge after every step")
     metrics_host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
     metrics_port: int = Field(0, ge=0, le=65535, description="port of the /metrics and /healthz server; 0 picks a "
                               "free one (reported as metrics_port in stats:learner)")

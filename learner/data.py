@@ -37,18 +37,20 @@ class Reader:
     r: redis.Redis
     keys: Keys
     consumer: str = "learner-0"
-    _pending_done: bool = False
+    _pending_cursor: str | None = "0"  # walks this consumer's pending list once, then None: new entries
     stats: dict = field(default_factory=lambda: {"undecodable": 0})
 
     def read(self, want: int, block_ms: int = 1000) -> list[tuple[bytes, Group | None]]:
-        """Up to ``want`` entries: first this consumer's unacknowledged ones (after a restart),
-        then new ones. Undecodable entries come back as (id, None) so they are acknowledged and counted."""
-        start = "0" if not self._pending_done else ">"
+        """Up to ``want`` entries: first this consumer's unacknowledged ones (a previous learner's,
+        after a restart), each once, then new ones. Undecodable entries come back as (id, None) so
+        they are acknowledged and counted."""
+        start = self._pending_cursor or ">"
         resp = self.r.xreadgroup(TRAJECTORIES_GROUP, self.consumer, {self.keys.trajectories: start},
-                                 count=want, block=None if start == "0" else block_ms)
+                                 count=want, block=None if start != ">" else block_ms)
         entries = resp[0][1] if resp else []
-        if start == "0" and not entries:
-            self._pending_done = True
+        if start != ">":
+            # the pending list keeps what we read until it is acknowledged: continue after the last id
+            self._pending_cursor = entries[-1][0].decode() if entries else None
         out = []
         for eid, fields in entries:
             if not fields:  # deleted entry left in the pending list

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from broker import client
-from broker.keys import Keys
+from broker.keys import TRAJECTORIES_GROUP, Keys
 from broker.protocol import sampling_transform
 from broker.sampling import sampling_logprobs
 from learner import advantages as adv_mod
@@ -27,9 +27,24 @@ from learner.data import Reader, collate, trained_rewards, wait_for
 from learner.engine import build_engine, full_state_dict
 from learner.losses import CorrectionSpec, LossSpec, compute_policy_loss
 from learner.observe import LearnerObserver
+from learner import checkpoint
 from learner.publish import Publisher
 
 log = logging.getLogger("relay.learner")
+
+# KEYS: trained set, trained log, trajectories stream. ARGV: step, consumer group, then pairs
+# (stream id, group id). Idempotent: a group already recorded is only acknowledged again.
+_COMMIT = """
+for i = 3, #ARGV, 2 do
+  local eid, gid = ARGV[i], ARGV[i + 1]
+  if redis.call('SADD', KEYS[1], gid) == 1 then
+    redis.call('XADD', KEYS[2], '*', 'gid', gid, 'step', ARGV[1])
+  end
+  redis.call('XACK', KEYS[3], ARGV[2], eid)
+  redis.call('XDEL', KEYS[3], eid)
+end
+return 1
+"""
 
 
 def load_model(cfg: LearnerConfig):
@@ -65,6 +80,9 @@ class Learner:
         self.reader = Reader(self.r, self.keys)
         latest = client.latest_announcement(self.r, self.keys)
         self.version = (latest.version + 1) if latest else 0
+        self.step = 0
+        self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
+        self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
         self.advantage_fn = getattr(adv_mod, cfg.advantage)
         c = cfg.correction
@@ -73,6 +91,47 @@ class Learner:
                                   dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
                                   correction=CorrectionSpec(mode=c.mode, cap=c.tis_cap, lo=c.mask_lo, hi=c.mask_hi))
         self.counts = Counter()
+        self._commit = self.r.register_script(_COMMIT)
+        self.resume()
+
+    # -- exactly-once training: checkpoints and commits -------------------------------------------
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint: weights, optimizer, step and counters; the groups it
+        holds are committed (idempotently), the rest of this learner's pending groups are re-read
+        and trained again from the checkpoint's weights."""
+        if not self.cfg.checkpoint_every:
+            return
+        optimizer = self.engine.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer) or self.engine.zero_optimization_stage() != 0:
+            raise checkpoint.CheckpointError("checkpoints support ZeRO stage 0 in fp32 for now; set "
+                                             "learner.checkpoint_every = 0 for other engine settings")
+        state = checkpoint.load(self.ckpt_dir, self.engine.module, optimizer)
+        if state is None:
+            return
+        self.step = state["step"]
+        self.counts.update(state["counts"])
+        self.commit([tuple(x) for x in state["uncommitted"]], self.step)
+        kept = [ln for ln in self.metrics_path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= self.step] if self.metrics_path.is_file() else []
+        self.metrics_path.write_text("".join(ln + "\n" for ln in kept))  # steps after the checkpoint are redone
+        log.info("resumed from checkpoint at step %d (%d groups committed with it)", self.step, len(state["uncommitted"]))
+
+    def commit(self, entries: list[tuple[str, str]], step: int) -> None:
+        """Acknowledge trained groups and record them once each in the audit log."""
+        if entries:
+            self._commit(keys=[self.keys.trained, self.keys.trained_log, self.keys.trajectories],
+                         args=[step, TRAJECTORIES_GROUP, *[x for e in entries for x in e]])
+
+    def after_step(self, fresh) -> None:
+        self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)
+        every = self.cfg.checkpoint_every
+        if every and (self.step % every == 0 or self.step == self.cfg.steps):
+            checkpoint.save(self.ckpt_dir, self.step, self.engine.module, self.engine.optimizer,
+                            {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted})
+        if not every or self.step % every == 0 or self.step == self.cfg.steps:
+            self.commit(self.uncommitted, self.step)
+            self.uncommitted = []
 
     def publish(self) -> None:
         self.publisher.publish(self.engine.module, full_state_dict(self.engine), self.version)
@@ -108,6 +167,8 @@ class Learner:
                     continue
                 self.counts[why] += 1
                 drop_ids.append(eid)
+                self.r.xadd(self.keys.dropped_log, {"gid": g.group_id if g is not None else "", "reason": why,
+                                                    "stream_id": eid})
             if drop_ids:
                 self.reader.ack(drop_ids)
                 self.r.hincrby(self.keys.stats("learner"), "consumed", len(drop_ids))
@@ -169,7 +230,7 @@ class Learner:
         self.publish()
         log.info("published initial version %d; training %d steps of %d groups", self.version, self.cfg.steps,
                  self.cfg.batch_groups)
-        step = 0
+        step = self.step
         with open(self.metrics_path, "a") as mf:
             while step < self.cfg.steps and not self.stop.is_set():
                 t_wait = time.perf_counter()
@@ -179,9 +240,10 @@ class Learner:
                 wait_s = time.perf_counter() - t_wait
                 groups = [g for _, g in fresh]
                 diag = self.train_step(groups, groups[0].sampling)
-                self.reader.ack([eid for eid, _ in fresh])  # only after the optimizer step
-                step += 1
+                self.step += 1
+                step = self.step
                 self.counts["groups_trained"] += len(groups)
+                self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 self.r.hincrby(self.keys.stats("learner"), "consumed", len(groups))
                 t_pub = time.perf_counter()
                 if step % self.cfg.publish_every == 0 or step == self.cfg.steps:
