@@ -45,3 +45,29 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         },
         "wall_seconds": round(wall_seconds, 1),
     }
+
+
+def audit(r, keys) -> dict:
+    """Where every group went, from the broker's and learner's records in Redis.
+
+    produced: groups appended to the replay queue (the broker's de-duplication set);
+    trained_once / trained_twice: from the learner's commit log; dropped: with a reason;
+    queued: still in the stream (not yet read, or read and not yet committed);
+    rejected / duplicates_ignored: broker counters; lost: produced but none of the above (must be 0).
+    """
+    trained = [f[b"gid"] for _, f in r.xrange(keys.trained_log)]
+    dropped = {f[b"gid"] for _, f in r.xrange(keys.dropped_log)}
+    queued = {f[b"gid"] for _, f in r.xrange(keys.trajectories)}
+    produced = set(r.smembers(keys.seen))
+    stats = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.stats("broker")).items()}
+    once = set(trained)
+    return {
+        "produced": len(produced),
+        "trained_once": len(once),
+        "trained_twice": len(trained) - len(once),
+        "dropped": len(dropped),
+        "queued": len(queued - once - dropped),
+        "rejected": stats.get("rejected_total", 0),
+        "duplicates_ignored": stats.get("duplicate", 0),
+        "lost": len(produced - once - dropped - queued),
+    }

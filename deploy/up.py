@@ -187,7 +187,7 @@ def run_up(args) -> int:
     from broker import client
     from broker.keys import Keys
     from deploy.procs import ProcessGroup, free_port, start_redis
-    from deploy.summary import build_summary, read_metrics
+    from deploy.summary import audit, build_summary, read_metrics
 
     run_dir: Path = p["run_dir"]
     run_dir.mkdir(parents=True)
@@ -267,6 +267,7 @@ def run_up(args) -> int:
         summary = build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"),
                                 _int(r.hget(keys.stats("learner"), "version")),
                                 client.read_stats(r, keys, "broker"), client.generators(r, keys), time.time() - t0)
+        summary["audit"] = audit(r, keys)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"relay up: summary in {run_dir / 'summary.json'}")
         print(json.dumps(summary, indent=1))

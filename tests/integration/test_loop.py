@@ -23,6 +23,9 @@ def test_loop_learns_and_versions_advance(tmp_path):
     assert 0.0 <= s["reward_first"] <= 1.0 and 0.0 <= s["reward_last"] <= 1.0
     assert s["reward_last"] > s["reward_first"] + 0.03, s  # the policy improved
     assert s["groups_trained"] == 100 * 32 and s["groups_rejected"] == 0
+    a = s["audit"]  # every group accounted for
+    assert a["trained_once"] == 100 * 32 and a["trained_twice"] == 0 and a["lost"] == 0
+    assert a["produced"] == a["trained_once"] + a["dropped"] + a["queued"]
     assert set(s["generators"]) == {"gen-0", "gen-1"}
     for g in s["generators"].values():
         assert g["backend"] == "torch" and g["version_applied"] >= 90 and g["groups_sent"] > 0
