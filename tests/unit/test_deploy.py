@@ -253,3 +253,61 @@ def test_reward_token_secret_command_renders_a_valid_secret(tmp_path):
     assert v.returncode == 0, v.stdout + v.stderr
     secret = yaml.safe_load(r.stdout)
     assert secret["metadata"]["name"] == "relay-reward-token" and "token" in secret["data"]
+
+
+# -- docs/deploy.md: every command in it is run by these tests or by make compose-smoke ----------
+
+SMOKE = "deploy/compose_smoke.sh"
+TESTS = "tests/unit/test_deploy.py"
+# each command of the doc -> (the file that runs it, the fragment of that file that does)
+DOC_COMMANDS = {
+    ".venv/bin/pip wheel --wheel-dir deploy/docker/wheelhouse torch==2.13.0 . setuptools wheel async-timeout":
+        (SMOKE, '"$VENV/bin/pip" wheel -q --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel async-timeout'),
+    "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,ca-certificates,"
+    "redis-server,g++ bookworm .cache/smoke/rootfs http://deb.debian.org/debian":
+        (SMOKE, "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,"
+                "ca-certificates,redis-server,g++"),
+    "tar -C .cache/smoke/rootfs -c . | docker import - local/relay-base:bookworm":
+        (SMOKE, 'tar -C "$WORK/rootfs" -c . | docker import - "$BASE_IMAGE"'),
+    "RELAY_BASE_IMAGE=local/relay-base:bookworm RELAY_REDIS_IMAGE=local/relay-base:bookworm docker compose build":
+        (SMOKE, 'export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE"'),
+    """python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\\nRELAY_REWARD_TOKEN={t}")' """
+    "> deploy/secrets/relay.env":
+        (SMOKE, """python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\\nRELAY_REWARD_TOKEN={t}")' """
+                "> deploy/secrets/relay.env"),
+    "docker compose up -d --scale generator=2": (SMOKE, "docker compose up -d --scale generator=2"),
+    "relay status --url http://127.0.0.1:8080": (SMOKE, '"$VENV/bin/relay" status --url "$URL"'),
+    "docker compose down -v": (SMOKE, "docker compose down -v"),
+    "docker compose --profile vllm config --services": (TESTS, '("vllm", {"redis", "broker", "reward", "learner", "vllm"})'),
+    "check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml":
+        (TESTS, '"--builtin-schema", "vendor.compose-spec", "docker-compose.yml"'),
+    "docker compose config -q": (TESTS, 'r = _compose(*args, "config", "-q")'),
+    "kubectl kustomize deploy/k8s/overlays/cpu": (TESTS, '"kustomize", str(K8S / "overlays" / overlay)'),
+    "kubectl -n relay create secret generic relay-reward-token --from-literal=token=test-token --dry-run=client -o yaml":
+        (TESTS, '"-n", "relay", "create", "secret", "generic", "relay-reward-token",\n'
+                '             "--from-literal=token=test-token", "--dry-run=client", "-o", "yaml"'),
+}
+
+
+def _doc_commands() -> tuple[list[str], list[str]]:
+    """The commands of docs/deploy.md's bash blocks: (run here, marked **not run here**)."""
+    run, not_run = [], []
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    parts = text.split("```bash\n")
+    for before, block in zip(parts, parts[1:]):
+        marked = "**not run here**" in before.rstrip().rsplit("\n\n", 1)[-1]  # the paragraph above
+        code = block.split("```", 1)[0].replace("\\\n", " ")
+        for line in code.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                (not_run if marked else run).append(" ".join(line.split()))
+    return run, not_run
+
+
+def test_every_command_in_the_deploy_doc_is_run_by_a_test_or_the_smoke():
+    run, not_run = _doc_commands()
+    assert set(run) == set(DOC_COMMANDS), "a command in docs/deploy.md that nothing runs (or a stale entry here)"
+    for command, (path, fragment) in DOC_COMMANDS.items():
+        assert fragment in (ROOT / path).read_text(), f"{path} no longer runs: {command}"
+    # the only commands allowed without a run: the ones that need a Kubernetes API server
+    assert not_run and all(c.startswith("kubectl ") and "kustomize" not in c for c in not_run), not_run
