@@ -33,6 +33,8 @@ def add_up_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (built-in random-init model) or a local Hugging Face folder")
     p.add_argument("--generators", type=int, default=2, help="generator replicas (default: 2)")
     p.add_argument("--backend", default="torch", choices=["torch"], help="generator backend")
+    p.add_argument("--learner-ranks", type=int, default=1,
+                   help="learner processes (DeepSpeed data parallel, launched with torchrun; default 1)")
     p.add_argument("--steps", type=int, default=None, help="learner optimizer steps")
     p.add_argument("--config", help="TOML/JSON file with [broker], [reward], [generator], [learner] sections")
     p.add_argument("--set", action="append", default=[], metavar="SERVICE.FIELD=VALUE",
@@ -73,6 +75,8 @@ def plan(args) -> dict:
         raise UsageError(str(e)) from None
     if args.generators < 1:
         raise UsageError("--generators must be at least 1")
+    if args.learner_ranks < 1:
+        raise UsageError("--learner-ranks must be at least 1")
     if args.model != "tiny":
         mp = Path(args.model)
         if not mp.is_dir():
@@ -130,6 +134,9 @@ def plan(args) -> dict:
     for model, data, name in ((BrokerConfig, broker, "broker"), (RewardConfig, reward, "reward"),
                               (LearnerConfig, learner, "learner"), (GeneratorConfig, generator, "generator")):
         _validate(model, data, name)
+    batch = LearnerConfig.model_validate(learner).batch_groups
+    if batch % args.learner_ranks:
+        raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({args.learner_ranks})")
     return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
             "broker": broker, "reward": reward, "learner": learner, "generator": generator}
 
@@ -220,7 +227,13 @@ def run_up(args) -> int:
         relay = [sys.executable, "-m", "deploy.cli"]
         procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], env)
         procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], env)
-        procs.start("learner", relay + ["learner", "--config", str(run_dir / "config/learner.json")], env)
+        learner_cmd = ["learner", "--config", str(run_dir / "config/learner.json")]
+        if args.learner_ranks > 1:  # torchrun starts one process per rank; stopping its group stops them all
+            learner_cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.learner_ranks),
+                           "-m", "deploy.cli", *learner_cmd]
+            procs.start("learner", [sys.executable, *learner_cmd], env)
+        else:
+            procs.start("learner", relay + learner_cmd, env)
         for i in range(args.generators):
             gcfg = dict(cfgs["generator"], id=f"gen-{i}")
             path = run_dir / "config" / f"generator-{i}.json"

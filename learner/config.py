@@ -65,6 +65,8 @@ class LearnerConfig(StrictModel):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
+    rank_checksums: bool = Field(False, description="every rank appends a checksum of its weights after each step "
+                                 "to run_dir/rank-<r>.checksums (checks that data-parallel ranks stay identical)")
     checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints (weights, optimizer, what was "
                                   "trained); groups are acknowledged when a checkpoint holds them; 0 = no "
                                   "checkpoints, acknowledge after every step")

@@ -79,6 +79,12 @@ def trained_rewards(g: Group, failed_reward: str = "skip", fallback_score: float
     return [s.reward if s.reward_status == "ok" and s.reward is not None else fallback for s in g.samples]
 
 
+def group_mean_reward(g: Group, failed_reward: str = "skip", fallback_score: float = 0.0) -> float:
+    """The mean reward a group is trained with (its samples left out by :func:`trained_rewards` excluded)."""
+    kept = [r for r in trained_rewards(g, failed_reward, fallback_score) if r is not None]
+    return sum(kept) / max(1, len(kept))
+
+
 def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version: int, pad_id: int,
             failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
     """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on
@@ -86,7 +92,6 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
     rows, mus, advs, stale, group_rewards = [], [], [], [], []
     for g, adv in zip(groups, advantages):
         k = 0
-        kept = []
         for s, reward in zip(g.samples, trained_rewards(g, failed_reward, fallback_score)):
             if reward is None:
                 continue
@@ -94,9 +99,8 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
             mus.append(s.logprobs.tolist())
             advs.append(float(adv[k]))
             stale.append(learner_version - s.min_version)
-            kept.append(reward)
             k += 1
-        group_rewards.append(sum(kept) / max(1, len(kept)))
+        group_rewards.append(group_mean_reward(g, failed_reward, fallback_score))
     L = max(len(p) + len(c) for p, c in rows)
     B = len(rows)
     ids = torch.full((B, L), pad_id, dtype=torch.long)

@@ -15,16 +15,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgpack
 import torch
+import torch.distributed as dist
 
 from broker import client
 from broker.keys import TRAJECTORIES_GROUP, Keys
-from broker.protocol import sampling_transform
+from broker.protocol import decode_group, encode_group, sampling_transform
 from broker.sampling import sampling_logprobs
 from learner import advantages as adv_mod
 from learner.config import LearnerConfig
-from learner.data import Reader, collate, trained_rewards, wait_for
-from learner.engine import build_engine, full_state_dict
+from learner.data import Reader, collate, group_mean_reward, trained_rewards, wait_for
+from learner.engine import build_engine, full_state_dict, init_distributed
 from learner.losses import CorrectionSpec, LossSpec, compute_policy_loss
 from learner.observe import LearnerObserver
 from learner import checkpoint
@@ -47,14 +49,16 @@ return 1
 """
 
 
-def load_model(cfg: LearnerConfig):
+def load_model(cfg: LearnerConfig, build: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(cfg.model)
     if cfg.model == "tiny":
         from learner.tiny_model import build_tiny_model
 
-        path = build_tiny_model(Path(cfg.run_dir) / "base_model", seed=cfg.seed)
+        path = Path(cfg.run_dir) / "base_model"
+        if build:
+            build_tiny_model(path, seed=cfg.seed)
     elif not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder or 'tiny')")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -68,11 +72,24 @@ class Learner:
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.keys = Keys(cfg.run_id)
+        init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.leader = self.rank == 0  # reads the queue, commits, publishes; the others train their share
+        if self.world > 1 and cfg.deepspeed.zero_stage == 3:
+            raise ValueError("several learner ranks with ZeRO stage 3 are not supported yet (publication gathers "
+                             "the weights on the leader only); use zero_stage 0-2")
+        if cfg.batch_groups % self.world:
+            raise ValueError(f"learner.batch_groups ({cfg.batch_groups}) must be a multiple of the {self.world} ranks")
         self.r = client.connect_redis(cfg.redis_url)
         self.stop = threading.Event()
-        self.observer = LearnerObserver(self.r, self.keys, cfg)  # /metrics, /healthz, per-step metrics stream
+        # /metrics, /healthz, per-step metrics stream (leader only)
+        self.observer = LearnerObserver(self.r, self.keys, cfg) if self.leader else None
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        model, self.tokenizer = load_model(cfg)
+        if self.leader or cfg.model != "tiny":
+            model, self.tokenizer = load_model(cfg)
+        dist.barrier()  # the leader built the tiny model's folder
+        if not self.leader and cfg.model == "tiny":
+            model, self.tokenizer = load_model(cfg, build=False)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.vocab = model.get_input_embeddings().num_embeddings
         self.engine = build_engine(model, cfg)
@@ -111,6 +128,8 @@ class Learner:
             return
         self.step = state["step"]
         self.counts.update(state["counts"])
+        if not self.leader:
+            return
         self.commit([tuple(x) for x in state["uncommitted"]], self.step)
         kept = [ln for ln in self.metrics_path.read_text().splitlines()
                 if ln.strip() and json.loads(ln).get("step", 0) <= self.step] if self.metrics_path.is_file() else []
@@ -220,28 +239,68 @@ class Learner:
                     staleness=dict(sorted(Counter(b.staleness).items())))
         return diag
 
+    def share_batch(self, fresh) -> list | None:
+        """Every rank gets the leader's batch (None when stopping). The groups travel as their msgpack
+        wire bytes over a uint8 tensor broadcast: no pickle."""
+        if self.world == 1:
+            return None if fresh is None else [g for _, g in fresh]
+        payload = b""
+        if self.leader and fresh is not None:
+            payload = msgpack.packb([encode_group(g) for _, g in fresh], use_bin_type=True)
+        header = torch.tensor([len(payload) if (not self.leader or fresh is not None) else -1, self.version])
+        dist.broadcast(header, 0)
+        n, self.version = int(header[0]), int(header[1])
+        if n < 0:
+            return None
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.leader else torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        if self.leader:
+            return [g for _, g in fresh]
+        return [decode_group(b) for b in msgpack.unpackb(buf.numpy().tobytes(), raw=False)]
+
+    def write_checksum(self) -> None:
+        """Sum and hash of this rank's weights after the step (``rank_checksums``)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        total = 0.0
+        for name, p in sorted(self.engine.module.state_dict().items()):
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            total += float(p.double().sum())
+        with open(Path(self.cfg.run_dir) / f"rank-{self.rank}.checksums", "a") as f:
+            f.write(json.dumps({"step": self.step, "sha256": h.hexdigest(), "sum": total}) + "\n")
+
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
-        self.r.delete(self.keys.done)
-        if self.cfg.admission_eta is not None:
-            self.r.hset(self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups,
-                                                      "eta": self.cfg.admission_eta})
-        self.publish()
-        log.info("published initial version %d; training %d steps of %d groups", self.version, self.cfg.steps,
-                 self.cfg.batch_groups)
+        if self.leader:
+            self.r.delete(self.keys.done)
+            if self.cfg.admission_eta is not None:
+                self.r.hset(self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups,
+                                                          "eta": self.cfg.admission_eta})
+            self.publish()
+            log.info("published initial version %d; training %d steps of %d groups on %d rank(s)", self.version,
+                     self.cfg.steps, self.cfg.batch_groups, self.world)
         step = self.step
-        with open(self.metrics_path, "a") as mf:
-            while step < self.cfg.steps and not self.stop.is_set():
+        mf = open(self.metrics_path, "a") if self.leader else None
+        try:
+            while step < self.cfg.steps:
                 t_wait = time.perf_counter()
-                fresh = self.next_batch()
-                if fresh is None:
-                    break  # stopping: nothing acknowledged, the entries stay pending for the next learner
+                fresh = None
+                if self.leader and not self.stop.is_set():
+                    fresh = self.next_batch()  # None when asked to stop: nothing acknowledged, all stays pending
+                groups = self.share_batch(fresh)
+                if groups is None:
+                    break
                 wait_s = time.perf_counter() - t_wait
-                groups = [g for _, g in fresh]
-                diag = self.train_step(groups, groups[0].sampling)
+                mine = groups[self.rank::self.world]  # each rank trains its share; DeepSpeed averages the gradients
+                diag = self.train_step(mine, groups[0].sampling)
                 self.step += 1
                 step = self.step
+                if self.cfg.rank_checksums:
+                    self.write_checksum()
+                if not self.leader:
+                    continue
                 self.counts["groups_trained"] += len(groups)
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 self.r.hincrby(self.keys.stats("learner"), "consumed", len(groups))
@@ -249,8 +308,10 @@ class Learner:
                 if step % self.cfg.publish_every == 0 or step == self.cfg.steps:
                     self.version += 1
                     self.publish()
+                rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
                 diag.update(step=step, version=self.version, wait_s=wait_s, publish_s=time.perf_counter() - t_pub,
-                            t=time.time(), **self.counts)
+                            t=time.time(), group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
+                            ranks=self.world, **self.counts)
                 mf.write(json.dumps(diag) + "\n")
                 mf.flush()
                 self.observer.record(diag)
@@ -260,6 +321,9 @@ class Learner:
                 if step % 10 == 0 or step == 1:
                     log.info("step %d v%d reward %.3f loss %.4f wait %.2fs compute %.2fs stale %s", step, self.version,
                              diag["reward_mean"], diag["loss"], wait_s, diag["compute_s"], diag["staleness"])
-        if step >= self.cfg.steps:
+        finally:
+            if mf is not None:
+                mf.close()
+        if self.leader and step >= self.cfg.steps:
             self.r.set(self.keys.done, "1")
             log.info("finished %d steps at version %d", step, self.version)
