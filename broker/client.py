@@ -107,6 +107,8 @@ class GroupSender:
                     busy_sleep = min(busy_sleep * 1.5, 1.0)
                     continue
                 return ack
+            if should_stop():  # keep nothing waiting on a dead broker: the caller still holds the group
+                raise TimeoutError(f"stopping before broker {self.address} acknowledged group {group_id}")
             log.warning("no ack from broker %s in %.1fs; resending group %s", self.address, self.timeout_s, group_id)
             self.resends += 1
             self._connect()

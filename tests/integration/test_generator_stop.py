@@ -1,0 +1,42 @@
+"""A generator whose broker is gone stops promptly on SIGTERM, and the prompts it held stay
+pending in Redis for another generator to reclaim (nothing is acknowledged that was not sent)."""
+
+import signal
+import time
+
+import redis
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from broker import client
+from broker.keys import PROMPTS_GROUP, Keys
+from deploy.procs import free_port
+from learner.publish import Publisher
+from learner.tiny_model import build_tiny_model
+from tests.conftest import start_service, wait_http
+
+
+def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis_url, tmp_path):
+    reward = free_port()
+    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
+    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
+    r, keys = redis.Redis.from_url(redis_url), Keys("stop")
+    r.xgroup_create(keys.prompts, PROMPTS_GROUP, id="0", mkstream=True)
+    for i in range(4):
+        r.xadd(keys.prompts, {"text": "123=", "reference": "123", "task": "copy", "seq": i})
+    path = build_tiny_model(tmp_path / "model")
+    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4).publish(
+        AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
+    gen = start_service(procs, "gen", "generator", {
+        "id": "g", "run_id": "stop", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{free_port()}",
+        "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 4}, tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "resending group" not in gen.log_path.read_text():
+        assert gen.alive(), gen.tail()
+        time.sleep(0.2)
+    assert r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 4  # claimed, sampled, not delivered
+    t0 = time.monotonic()
+    gen.proc.send_signal(signal.SIGTERM)
+    gen.proc.wait(30)
+    assert time.monotonic() - t0 < 25, "the generator kept resending to a dead broker after SIGTERM"
+    assert r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 4  # still there to be reclaimed
+    assert client.generators(r, keys)["g"]["state"] == "stopped"
