@@ -45,6 +45,10 @@ class LearnerConfig(StrictModel):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip ε (the lower bound 1-ε)")
     clip_eps_high: float | None = Field(None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps")
     dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
+    kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
+                           "model (the initial weights); 0 = no reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator of that term")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
     advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="advantage estimator over each group")
     policy_loss: Literal["ppo", "cispo", "reinforce"] = Field("ppo", description="policy loss")
     aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(

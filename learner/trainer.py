@@ -27,7 +27,7 @@ from learner import advantages as adv_mod
 from learner.config import LearnerConfig
 from learner.data import Reader, collate, group_mean_reward, trained_rewards, wait_for
 from learner.engine import build_engine, full_state_dict, init_distributed
-from learner.losses import CorrectionSpec, LossSpec, compute_policy_loss
+from learner.losses import CorrectionSpec, LossSpec, aggregate, compute_policy_loss, kl_estimate
 from learner.observe import LearnerObserver
 from learner import checkpoint
 from learner.publish import Publisher
@@ -92,6 +92,11 @@ class Learner:
             model, self.tokenizer = load_model(cfg, build=False)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.vocab = model.get_input_embeddings().num_embeddings
+        self.reference = None  # the role of verl's reference worker: a frozen copy of the initial weights
+        if cfg.kl_coef > 0:
+            import copy
+
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = build_engine(model, cfg)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, self.tokenizer, cfg.keep_versions)
         self.reader = Reader(self.r, self.keys)
@@ -193,12 +198,19 @@ class Learner:
                 self.r.hincrby(self.keys.stats("learner"), "consumed", len(drop_ids))
         return fresh
 
-    def _logp(self, b, rows, sampling: dict) -> torch.Tensor:
-        """Log-probs [rows, L-1] of each next token under the sampling transform; 0 off-completion."""
+    def _logp(self, b, rows, sampling: dict, model=None, entropy: bool = False):
+        """Log-probs [rows, L-1] of each next token under the sampling transform (0 off-completion),
+        of the trained engine or another ``model``; with ``entropy`` also the distribution's entropy."""
         temperature, top_k, top_p = sampling_transform(sampling)
-        logits = self.engine(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows]).logits[:, :-1]
-        logp = sampling_logprobs(logits, temperature, top_k, top_p).gather(-1, b.input_ids[rows, 1:, None]).squeeze(-1)
-        return torch.where(b.loss_mask[rows].bool(), logp, torch.zeros_like(logp))
+        model = model if model is not None else self.engine
+        logits = model(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows]).logits[:, :-1]
+        all_logp = sampling_logprobs(logits, temperature, top_k, top_p)
+        logp = all_logp.gather(-1, b.input_ids[rows, 1:, None]).squeeze(-1)
+        logp = torch.where(b.loss_mask[rows].bool(), logp, torch.zeros_like(logp))
+        if not entropy:
+            return logp
+        p = all_logp.exp()
+        return logp, -torch.where(p > 0, p * all_logp, torch.zeros_like(p)).sum(-1)
 
     def train_step(self, groups, sampling: dict) -> dict:
         """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch. π_old is the policy at the
@@ -223,10 +235,21 @@ class Learner:
         diags, losses = [], []
         for _ in range(self.cfg.ppo_epochs):
             for rows in torch.randperm(n).chunk(self.cfg.minibatches) if multi else [every]:
-                logp = self._logp(b, rows, sampling)
+                mask = b.loss_mask[rows]
+                logp, ent = self._logp(b, rows, sampling, entropy=True)
                 old = old_logp[rows] if multi else logp.detach()
                 loss, diag = compute_policy_loss(logp, old, b.behaviour_logp[rows], b.advantages[rows],
-                                                 b.loss_mask[rows], self.loss_spec)
+                                                 mask, self.loss_spec)
+                agg = self.loss_spec.aggregation
+                diag["entropy"] = float(aggregate(ent.detach(), mask, agg))
+                if self.cfg.entropy_coef:
+                    loss = loss - self.cfg.entropy_coef * aggregate(ent, mask, agg)
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_logp = self._logp(b, rows, sampling, model=self.reference)
+                    kl = aggregate(kl_estimate(logp, ref_logp, self.cfg.kl_estimator), mask, agg)
+                    loss = loss + self.cfg.kl_coef * kl
+                    diag["kl_ref"] = float(kl)
                 self.engine.backward(loss)
                 self.engine.step()
                 diags.append(diag)
