@@ -45,6 +45,17 @@ def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_p
                        cwd=str(ROOT))
 
 
+def wait_until(fn, timeout: float = 60.0, what: str = "condition"):
+    """Poll ``fn`` until it returns something truthy (returned), or raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
 def wait_http(url: str, child=None, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,7 +1,5 @@
 """`relay` as a user meets it: fast help, and clear errors (no tracebacks) for bad input."""
 
-import os
-import shutil
 import socket
 import time
 

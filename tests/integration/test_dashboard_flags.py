@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -20,18 +19,8 @@ from broker.keys import Keys
 from deploy.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import relay, start_service, wait_http
+from tests.conftest import relay, start_service, wait_http, wait_until
 from tests.integration.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
-
-
-def wait_until(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 def _gen_cfg(gid: str, redis_url: str, ingest: int, reward: int) -> dict:

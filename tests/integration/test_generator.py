@@ -14,17 +14,7 @@ from broker.sampling import sampling_logprobs
 from deploy.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import start_service, wait_http
-
-
-def wait_until(fn, timeout=60, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise TimeoutError(what)
+from tests.conftest import start_service, wait_http, wait_until
 
 
 def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url, tmp_path):

@@ -3,23 +3,13 @@ keep increasing, and the broker's records show every group trained exactly once 
 for (dropped with a reason, or still queued): none lost, none trained twice."""
 
 import json
-import time
 
 import redis
 
 from broker import client
 from broker.keys import Keys
 from deploy.procs import free_port
-from tests.conftest import start_service, wait_http
-
-
-def _wait(fn, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fn():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(what)
+from tests.conftest import start_service, wait_http, wait_until
 
 
 def _step(r, keys) -> int:
@@ -43,13 +33,13 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
             "id": f"gen-{i}", "run_id": run, "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
             "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 4, "claim_idle_s": 5}, tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys(run)
-    _wait(lambda: _step(r, keys) >= 13, 240, f"learner progress:\n{learner.tail()}")
+    wait_until(lambda: _step(r, keys) >= 13, 240, f"learner progress:\n{learner.tail()}")
     learner.proc.kill()  # SIGKILL: no clean-up, some trained groups not yet held by a checkpoint
     learner.proc.wait(10)
     killed_at = _step(r, keys)
 
     learner2 = start_service(procs, "learner2", "learner", learner_cfg, tmp_path)
-    _wait(lambda: r.exists(keys.done) or not learner2.alive(), 300, f"second learner:\n{learner2.tail()}")
+    wait_until(lambda: r.exists(keys.done) or not learner2.alive(), 300, f"second learner:\n{learner2.tail()}")
     learner2.proc.wait(30)
     assert learner2.proc.returncode == 0, learner2.tail(30)
     log2 = learner2.log_path.read_text()
