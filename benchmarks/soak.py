@@ -1,0 +1,72 @@
+"""Soak: generators far faster than the learner, for a fixed time; Redis and process memory and
+the back-pressure the producers feel, sampled every interval (docs/protocol.md, "Soak").
+
+    .venv/bin/python -m benchmarks.soak --minutes 10 --out runs/soak
+
+The learner is slowed on purpose (32 minibatches x 8 epochs: 256 optimizer steps per batch of
+32 groups) and admission control is off, so only the broker's queue bound
+(`max_queue_groups`, answered `busy`) throttles the generators."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    p.add_argument("--out", default="runs/soak")
+    a = p.parse_args()
+    out = Path(a.out)
+    cmd = [sys.executable, "-m", "deploy.cli", "up", "--steps", "1000000", "--runs-dir", str(out), "--run-id", "soak",
+           "--dashboard-port", "0", "--no-progress", "--set", "learner.admission_eta=null",
+           "--set", "learner.minibatches=32", "--set", "learner.ppo_epochs=8", "--set", "learner.max_staleness=1000000",
+           "--set", "broker.max_queue_groups=256"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    run = out / "soak"
+    while not (run / "pids.json").is_file():
+        time.sleep(0.5)
+    pids = json.loads((run / "pids.json").read_text())
+    url = json.loads((run / "config" / "learner.json").read_text())["redis_url"]
+    r = redis.Redis.from_url(url)
+    keys = "relay:soak:"
+    rows, t0 = [], time.monotonic()
+    try:
+        while time.monotonic() - t0 < a.minutes * 60:
+            time.sleep(a.every)
+            b = {k.decode(): float(v) for k, v in r.hgetall(keys + "stats:broker").items()}
+            ln = {k.decode(): float(v) for k, v in r.hgetall(keys + "stats:learner").items()}
+            row = {"t_s": round(time.monotonic() - t0), "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
+                   "stream_len": r.xlen(keys + "trajectories"), "accepted": int(b.get("accepted", 0)),
+                   "busy_answers": int(b.get("busy", 0)), "trained": int(ln.get("groups_trained", 0)),
+                   **{f"rss_{n}_mb": round(rss_mb(pid), 1) for n, pid in pids.items()}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+    (out / "soak.json").write_text(json.dumps(rows, indent=1))
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for row in rows:
+        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
