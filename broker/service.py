@@ -163,13 +163,6 @@ class Broker:
                 time.sleep(0.5)
         sock.close(linger=0)
 
-    # -- state ----------------------------------------------------------------------------------
-
-    def state(self) -> dict:
-        """The run's state (docs/dashboard.md): learner version and hash, every generator's version,
-        hash, lag and state, the queue, failures."""
-        return self.dashboard.state()
-
     def serve_http(self) -> ThreadingHTTPServer:
         """The dashboard, its API, /metrics and /healthz on ``http_host:http_port`` (a thread)."""
         return dashboard.serve(self.cfg.http_host, self.cfg.http_port, self.dashboard, self.registry)

@@ -110,7 +110,8 @@ def plan(args) -> dict:
     if unknown:
         raise UsageError(f"--set must start with a service name ({', '.join(SERVICES)}), got {sorted(unknown)}")
 
-    redis_url = args.redis_url or "redis://127.0.0.1:{redis_port}/0"
+    redis_port = None if args.redis_url else free_port()  # the embedded redis-server's port
+    redis_url = args.redis_url or f"redis://127.0.0.1:{redis_port}/0"
     ingest = f"tcp://127.0.0.1:{free_port()}"
     reward_port = free_port()
     common = {"run_id": run_id, "redis_url": redis_url}
@@ -130,7 +131,6 @@ def plan(args) -> dict:
                                       "reward_url": f"http://127.0.0.1:{reward_port}", "seed": args.seed})
     if reward.get("auth_token") and not generator.get("reward_token"):
         generator["reward_token"] = reward["auth_token"]  # the reward service's bearer token, for its callers
-    # validate with placeholder values (the Redis port is only known once it runs)
     for model, data, name in ((BrokerConfig, broker, "broker"), (RewardConfig, reward, "reward"),
                               (LearnerConfig, learner, "learner"), (GeneratorConfig, generator, "generator")):
         _validate(model, data, name)
@@ -138,11 +138,8 @@ def plan(args) -> dict:
     if batch % args.learner_ranks:
         raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({args.learner_ranks})")
     return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
+            "redis_url": redis_url, "redis_port": redis_port,
             "broker": broker, "reward": reward, "learner": learner, "generator": generator}
-
-
-def _fill(cfg: dict, redis_url: str) -> dict:
-    return json.loads(json.dumps(cfg).replace("redis://127.0.0.1:{redis_port}/0", redis_url))
 
 
 def _child_env() -> dict:
@@ -193,7 +190,8 @@ def run_up(args) -> int:
         return 2
     from broker import client
     from broker.keys import Keys
-    from deploy.procs import ProcessGroup, free_port, start_redis
+    from broker.state import build_state
+    from deploy.procs import ProcessGroup, start_redis
     from deploy.summary import audit, build_summary, read_metrics
 
     run_dir: Path = p["run_dir"]
@@ -216,11 +214,10 @@ def run_up(args) -> int:
     rc = 0
     r = None
     try:
-        if args.redis_url:
-            redis_url = args.redis_url
-        else:
-            _, redis_url = start_redis(procs, run_dir, free_port(), aof=args.redis_aof)
-        cfgs = {name: _fill(p[name], redis_url) for name in SERVICES}
+        redis_url = p["redis_url"]
+        if p["redis_port"] is not None:
+            start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof)
+        cfgs = {name: p[name] for name in SERVICES}
         for name in ("broker", "reward", "learner"):
             (run_dir / "config" / f"{name}.json").write_text(json.dumps(cfgs[name], indent=1))
         env = _child_env()
@@ -264,7 +261,7 @@ def run_up(args) -> int:
                     rc = 1
                 break
             try:
-                progress.show(_state(r, keys))
+                progress.show(build_state(r, keys))
             except Exception as e:  # the display must never stop the run; show why it is blank
                 print(f"\rrelay up: progress unavailable: {e}", end="", file=sys.stderr)
             time.sleep(1.0)
@@ -295,15 +292,3 @@ def run_up(args) -> int:
 
 def _int(v) -> int | None:
     return int(v) if v is not None else None
-
-
-def _state(r, keys) -> dict:
-    from broker import client
-
-    latest = client.latest_announcement(r, keys)
-    return {
-        "learner_version": latest.version if latest else None,
-        "learner": client.read_stats(r, keys, "learner"),
-        "queue_depth": r.xlen(keys.trajectories),
-        "generators": [{"id": k, "version": v.get("version")} for k, v in sorted(client.generators(r, keys).items())],
-    }
