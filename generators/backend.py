@@ -45,4 +45,8 @@ def make_backend(cfg) -> Backend:
         from generators.torch_backend import TorchBackend
 
         return TorchBackend(cfg)
+    if cfg.type == "simulated":
+        from generators.simulated_backend import SimulatedBackend
+
+        return SimulatedBackend(cfg)
     raise ValueError(f"unknown generator backend {cfg.type!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
@@ -29,6 +29,19 @@ class TorchBackendConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights dtype for sampling")
 
 
+class SimulatedBackendConfig(StrictModel):
+    """No model: valid random completions at a set speed (generators/simulated_backend.py), standing in
+    for a GPU engine in benchmarks (``relay bench overlap``)."""
+
+    type: Literal["simulated"] = "simulated"
+    per_token_latency_s: float = Field(0.001, ge=0, le=10, description="seconds per generated token: every "
+                                       "decode step sleeps this times the rows still running")
+    load_s: float = Field(0.0, ge=0, le=600, description="extra seconds a load or weight update takes, after "
+                          "reading the snapshot's files")
+    eos_prob: float = Field(0.0, ge=0, le=1, description="chance that each token is EOS (0: every completion runs "
+                            "to max_tokens)")
+
+
 class GeneratorConfig(StrictModel):
     """One generator replica."""
 
@@ -38,7 +51,8 @@ class GeneratorConfig(StrictModel):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
     broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")
     reward_url: str = Field("http://127.0.0.1:8090", description="reward service base URL")
-    backend: TorchBackendConfig = Field(default_factory=TorchBackendConfig, description="inference backend")
+    backend: Annotated[Union[TorchBackendConfig, SimulatedBackendConfig], Field(discriminator="type")] = Field(
+        default_factory=TorchBackendConfig, description="inference backend, chosen by its type")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
     prompts_per_batch: int = Field(8, ge=1, description="prompts claimed and generated together")
     claim_idle_s: float = Field(30.0, gt=0, description="reclaim prompts another generator held this long")
