@@ -50,6 +50,10 @@ class Child:
     log_path: Path
     critical: bool = True
     _log: object = field(default=None, repr=False)
+    argv: list[str] = field(default_factory=list)  # how it was started (a restart reuses it)
+    env: dict | None = field(default=None, repr=False)
+    cwd: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def pid(self) -> int:
@@ -79,9 +83,26 @@ class ProcessGroup:
         logf = open(log_path, "ab")
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
-        child = Child(name, proc, log_path, critical, logf)
+        child = Child(name, proc, log_path, critical, logf, list(argv), env, cwd)
         self.children.append(child)
         return child
+
+    def restart(self, old: Child) -> Child:
+        """Start ``old``'s command again under the same name, in its place (the log is appended to).
+        Whatever is left of the old process group (e.g. the workers of a killed torchrun) is
+        killed first."""
+        if old.alive():
+            raise RuntimeError(f"{old.name} (pid {old.pid}) is still running")
+        _signal_group(old.pid, signal.SIGKILL)
+        if old._log:
+            old._log.close()
+            old._log = None
+        i = self.children.index(old)
+        self.children.pop(i)
+        new = self.start(old.name, old.argv, old.env, old.critical, old.cwd)
+        self.children.remove(new)
+        self.children.insert(i, new)  # keeps the reverse stop order
+        return new
 
     def stop(self, names: list[str] | None = None, timeout: float = 10.0) -> None:
         """SIGTERM each child's process group, wait, then SIGKILL what is left."""

@@ -2,8 +2,10 @@
 
 Starts an embedded ``redis-server`` (or uses ``--redis-url``), the broker, the reward service,
 N generators and the learner; shows live progress; writes ``runs/<run-id>/`` (per-service logs,
-configs, metrics, ``summary.json``) and points ``runs/latest`` at it. Ctrl-C (SIGINT) or SIGTERM
-stops every child by PID; children also die if the launcher itself is killed.
+configs, metrics, ``summary.json``) and points ``runs/latest`` at it. A service that dies before
+the run is finished is restarted (deploy/supervisor.py). The run ends when the learner exits
+cleanly after its last step. Ctrl-C (SIGINT) or SIGTERM stops every child by PID; children also
+die if the launcher itself is killed.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def add_up_arguments(p) -> None:
                         "second, or before every reply (nothing acknowledged is lost even if Redis is killed)")
     p.add_argument("--seed", type=int, default=0, help="seed for model init, prompts and sampling")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    p.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                   help="restart a service (broker, reward, a generator, the learner) that dies before the run "
+                        "is finished, with exponential back-off (0.5 s doubling to 10 s), at most N times per "
+                        "service (default 10); the learner resumes from its last checkpoint")
+    p.add_argument("--no-restart", action="store_true", help="never restart a service: the first one that dies "
+                   "ends the run (same as --max-restarts 0)")
 
 
 def _validate(model, data: dict, section: str):
@@ -77,6 +85,8 @@ def plan(args) -> dict:
         raise UsageError("--generators must be at least 1")
     if args.learner_ranks < 1:
         raise UsageError("--learner-ranks must be at least 1")
+    if args.max_restarts < 0:
+        raise UsageError("--max-restarts must be 0 or more")
     if args.model != "tiny":
         mp = Path(args.model)
         if not mp.is_dir():
@@ -160,14 +170,15 @@ class Progress:
         self.total = total_steps
         self.last_print = 0.0
 
-    def show(self, st: dict) -> None:
+    def show(self, st: dict, restarts: int = 0) -> None:
         if not self.enabled:
             return
         ln = st.get("learner", {})
         gens = " ".join(f"{g['id']}:v{g['version']}" for g in st.get("generators", []))
         line = (f"step {int(ln.get('step', 0))}/{self.total}  version {st.get('learner_version')}  "
                 f"reward {ln.get('reward_mean', float('nan')):.3f}  queue {st.get('queue_depth')}  "
-                f"stale-dropped {int(ln.get('groups_dropped_stale', 0))}  generators {gens}")
+                f"stale-dropped {int(ln.get('groups_dropped_stale', 0))}  generators {gens}"
+                + (f"  restarts {restarts}" if restarts else ""))
         if self.tty:
             print("\r\033[K" + line, end="", flush=True)
         elif time.monotonic() - self.last_print > 15:
@@ -192,6 +203,8 @@ def run_up(args) -> int:
     from broker.keys import Keys
     from broker.state import build_state
     from deploy.procs import ProcessGroup, start_redis
+    from deploy.supervisor import GiveUp, RestartPolicy, Supervisor
+    from learner.config import LearnerConfig
     from deploy.summary import audit, build_summary, read_metrics
 
     run_dir: Path = p["run_dir"]
@@ -213,6 +226,7 @@ def run_up(args) -> int:
     print(f"relay up: run {p['run_id']} in {run_dir}")
     rc = 0
     r = None
+    supervisor = None
     try:
         redis_url = p["redis_url"]
         if p["redis_port"] is not None:
@@ -236,35 +250,40 @@ def run_up(args) -> int:
             path = run_dir / "config" / f"generator-{i}.json"
             path.write_text(json.dumps(gcfg, indent=1))
             procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], env)
-        (run_dir / "pids.json").write_text(json.dumps({c.name: c.pid for c in procs.children}))
+        policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
+        no_resume = {}
+        if not LearnerConfig.model_validate(cfgs["learner"]).checkpoint_every:
+            no_resume["learner"] = ("learner.checkpoint_every = 0, so a new learner would start over from the "
+                                    "initial weights")
+        supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
+                                [c.name for c in procs.children if c.name != "redis"], no_resume)
         print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
               f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
         r = client.connect_redis(redis_url)
         keys = Keys(p["run_id"])
         total = cfgs["learner"].get("steps", 600)
         progress = Progress(not args.no_progress, total)
-        learner = next(c for c in procs.children if c.name == "learner")
         while stopping["why"] is None:
-            dead = [c for c in procs.children if not c.alive() and c.name != "learner"]
-            if dead and not r.exists(keys.done):
-                c = dead[0]
-                progress.done()
-                print(f"relay up: {c.name} (pid {c.pid}) exited with code {c.proc.returncode}; last log lines:\n"
-                      f"{c.tail()}", file=sys.stderr)
-                rc = 1
-                break
-            if not learner.alive():
-                progress.done()
+            finished = bool(r.exists(keys.done))
+            learner = supervisor.child("learner")
+            if not learner.alive() and (learner.proc.returncode == 0 or finished):
+                progress.done()  # the run is over: the learner finished its steps
                 if learner.proc.returncode != 0:
-                    print(f"relay up: the learner exited with code {learner.proc.returncode}; last log lines:\n"
-                          f"{learner.tail()}", file=sys.stderr)
-                    rc = 1
+                    print(f"relay up: the learner exited with code {learner.proc.returncode} after finishing the "
+                          f"run", file=sys.stderr)
                 break
             try:
-                progress.show(build_state(r, keys))
+                supervisor.poll(finished)
+            except GiveUp as e:
+                progress.done()
+                print(f"relay up: {e}; last log lines:\n{e.child.tail()}", file=sys.stderr)
+                rc = 1
+                break
+            try:
+                progress.show(build_state(r, keys), supervisor.total())
             except Exception as e:  # the display must never stop the run; show why it is blank
                 print(f"\rrelay up: progress unavailable: {e}", end="", file=sys.stderr)
-            time.sleep(1.0)
+            time.sleep(supervisor.sleep_hint(1.0))
         if stopping["why"]:
             progress.done()
             print(f"relay up: {stopping['why']} received; stopping every service")
@@ -278,6 +297,7 @@ def run_up(args) -> int:
                                 _int(r.hget(keys.stats("learner"), "version")),
                                 client.read_stats(r, keys, "broker"), client.generators(r, keys), time.time() - t0)
         summary["audit"] = audit(r, keys)
+        summary["restarts"] = dict(supervisor.restarts)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"relay up: summary in {run_dir / 'summary.json'}")
         print(json.dumps(summary, indent=1))

@@ -15,6 +15,15 @@ from broker.protocol import Announcement
 log = logging.getLogger("relay.learner.publish")
 
 
+def first_version(latest_announced: int | None, store: str | Path) -> int:
+    """The version a (re)starting learner publishes first: one past both the latest announcement and
+    the newest snapshot in the store. A learner killed between sealing a snapshot (the rename) and
+    announcing it leaves that version's folder behind unannounced; versions are immutable, so its
+    number is skipped rather than written again."""
+    stored = weightstore.list_versions(store)
+    return max(latest_announced + 1 if latest_announced is not None else 0, stored[-1] + 1 if stored else 0)
+
+
 class Publisher:
     def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer

@@ -30,7 +30,7 @@ from learner.engine import build_engine, full_state_dict, init_distributed
 from learner.losses import CorrectionSpec, LossSpec, aggregate, compute_policy_loss, kl_estimate
 from learner.observe import LearnerObserver
 from learner import checkpoint
-from learner.publish import Publisher
+from learner.publish import Publisher, first_version
 
 log = logging.getLogger("relay.learner")
 
@@ -101,7 +101,7 @@ class Learner:
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, self.tokenizer, cfg.keep_versions)
         self.reader = Reader(self.r, self.keys)
         latest = client.latest_announcement(self.r, self.keys)
-        self.version = (latest.version + 1) if latest else 0
+        self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
         self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"

@@ -1,0 +1,94 @@
+"""relay up's supervisor on real child processes (short Python scripts, no services): a child killed
+with SIGKILL is restarted with the same command after the back-off, pids.json follows it, a clean
+exit is not restarted, and a child past its restart budget fails the run."""
+
+import json
+import signal
+import sys
+import time
+
+import pytest
+
+from deploy.procs import ProcessGroup
+from deploy.supervisor import GiveUp, RestartPolicy, Supervisor
+from tests.conftest import wait_until
+
+SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+
+
+@pytest.fixture
+def group(tmp_path):
+    g = ProcessGroup(tmp_path / "logs")
+    yield g
+    g.stop(timeout=5)
+
+
+def test_backoff_doubles_up_to_its_cap():
+    p = RestartPolicy(backoff_s=0.5, backoff_max_s=10.0)
+    assert [p.delay(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_a_killed_child_is_restarted_with_the_same_command(group, tmp_path):
+    group.start("svc", SLEEPER)
+    sup = Supervisor(group, RestartPolicy(max_restarts=3, backoff_s=0.2), tmp_path / "pids.json", ["svc"])
+    first = sup.child("svc").pid
+    assert json.loads((tmp_path / "pids.json").read_text()) == {"svc": first}
+    for n in (1, 2):
+        old = sup.child("svc")
+        wait_until(lambda: old.log_path.read_text().count("up") == n, 30, f"start {n} in the log")
+        old.proc.send_signal(signal.SIGKILL)
+        old.proc.wait(5)
+        t0 = time.monotonic()
+        wait_until(lambda: (sup.poll(finished=False), sup.child("svc").alive())[1], 10, "restart")
+        waited = time.monotonic() - t0
+        new = sup.child("svc")
+        assert new.pid != old.pid and new.argv == SLEEPER
+        assert waited >= 0.2 * 2 ** (n - 1) - 0.05  # the back-off doubles for a child that died quickly
+        assert json.loads((tmp_path / "pids.json").read_text()) == {"svc": new.pid}
+        assert sup.restarts["svc"] == n
+    assert len(group.children) == 1
+    wait_until(lambda: new.log_path.read_text().count("up") == 3, 30, "three starts in one log")
+
+
+def test_once_the_run_is_finished_nothing_is_restarted(group, tmp_path):
+    group.start("learner", [sys.executable, "-c", "pass"])  # finished its steps
+    group.start("gen-0", [sys.executable, "-c", "import sys; sys.exit(3)"])  # died after the end
+    sup = Supervisor(group, RestartPolicy(backoff_s=0.05), tmp_path / "pids.json", ["learner", "gen-0"])
+    for c in group.children:
+        c.proc.wait(10)
+    for _ in range(5):
+        sup.poll(finished=True)
+        time.sleep(0.06)
+    assert sup.total() == 0 and not any(c.alive() for c in group.children)
+
+
+def test_a_clean_exit_is_not_restarted(group, tmp_path):
+    group.start("learner", [sys.executable, "-c", "pass"])  # the learner's clean exit ends the run
+    group.start("gen-0", [sys.executable, "-c", "pass"])  # a generator quitting early is a failure
+    sup = Supervisor(group, RestartPolicy(backoff_s=0.05), tmp_path / "pids.json", ["learner", "gen-0"])
+    for c in group.children:
+        c.proc.wait(10)
+    with pytest.raises(GiveUp, match=r"gen-0 .* clean exit before the run finished is not restarted"):
+        sup.poll(finished=False)
+    assert sup.total() == 0
+
+
+def test_past_its_budget_a_service_fails_the_run(group, tmp_path):
+    group.start("broker", [sys.executable, "-c", "import sys; sys.exit(1)"])
+    sup = Supervisor(group, RestartPolicy(max_restarts=2, backoff_s=0.05), tmp_path / "pids.json", ["broker"])
+    with pytest.raises(GiveUp, match=r"restart budget spent \(2 of --max-restarts 2\)"):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            sup.poll(finished=False)
+            time.sleep(0.02)
+    assert sup.restarts["broker"] == 2
+
+
+def test_a_service_that_may_not_restart_fails_the_run_at_once(group, tmp_path):
+    group.start("learner", [sys.executable, "-c", "import sys; sys.exit(1)"])
+    group.children[0].proc.wait(10)
+    sup = Supervisor(group, RestartPolicy(), tmp_path / "pids.json", ["learner"],
+                     {"learner": "learner.checkpoint_every = 0"})
+    with pytest.raises(GiveUp, match="not restarted: learner.checkpoint_every = 0"):
+        sup.poll(finished=False)
+    assert sup.total() == 0
