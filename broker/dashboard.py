@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from broker import client
+from broker.evals import EvalHistory
 from broker.keys import Keys
 from broker.metrics import CONTENT_TYPE, advertised_host, render
 from broker.state import Throughput, build_state, events_history, learner_history, shown_state
@@ -49,12 +50,15 @@ class Dashboard:
         self.r, self.keys, self.stop = r, keys, stop
         self.dead_after_s, self.push_s = dead_after_s, push_s
         self.throughput = Throughput(r, keys, every_s=sample_s)
+        self.eval_history = EvalHistory(r, keys)
 
     def start(self) -> None:
         self.throughput.start(self.stop)
 
     def state(self) -> dict:
-        return build_state(self.r, self.keys, self.dead_after_s, self.throughput.rates())
+        st = build_state(self.r, self.keys, self.dead_after_s, self.throughput.rates())
+        st["eval"] = self.eval_history.rounds()  # evaluation rounds so far (broker/evals.py)
+        return st
 
     def targets(self, self_host: str, self_port: int) -> list[dict]:
         """Prometheus HTTP SD: the broker, and every registered service whose /metrics is up."""
@@ -156,6 +160,14 @@ class BrokerGauges(Collector):
         yield gauge("relay_broker_generator_hash_mismatch",
                     "1 when a generator serves a hash other than the one announced for its version",
                     [(g["id"], 0 if g["hash_ok"] else 1) for g in gens], "generator")
+        done = [e for e in st.get("eval", []) if e["complete"]]
+        last = done[-1] if done else {}
+        yield gauge("relay_eval_rounds", "evaluation rounds completed", len(done))
+        yield gauge("relay_eval_version", "weight version of the last completed evaluation round", last.get("version"))
+        for key, name, doc in (("pass@1", "pass_at_1", "pass@1"), ("pass@k", "pass_at_k", "pass@k (k = eval.samples)"),
+                               ("mean_reward", "mean_reward", "mean reward"),
+                               ("mean_length", "mean_length", "mean response length in tokens")):
+            yield gauge(f"relay_eval_{name}", f"{doc} of the last completed evaluation round", last.get(key))
         yield gauge("relay_broker_generator_heartbeat_age_seconds", "seconds since a generator's last heartbeat",
                     [(g["id"], g["age_s"]) for g in gens if g["age_s"] is not None], "generator")
 

@@ -19,6 +19,10 @@
 | done                      | string     | learner    | set when the learner finished its step budget   |
 | trained / trained_log     | set/stream | learner    | groups whose training is committed (audit)      |
 | dropped_log               | stream     | learner    | groups dropped, with the reason (audit)         |
+| feeder                    | hash       | broker     | the prompt feeder's position {epoch, index, fed, skipped_too_long} |
+| eval_prompts              | stream     | broker     | held-out prompts of evaluation rounds; group ``generators`` |
+| eval_rounds               | hash       | broker     | round version -> JSON {prompts, greedy, samples, threshold, final} |
+| eval_results              | stream     | generators | one entry per evaluated prompt (round, idx, data JSON) |
 """
 
 from __future__ import annotations
@@ -116,3 +120,23 @@ class Keys:
     def done(self) -> str:
         """Set by the learner when it has finished its step budget."""
         return self._k("done")
+
+    @property
+    def feeder(self) -> str:
+        """Hash {epoch, index, fed, skipped_too_long}: where the prompt feeder resumes (written with its XADDs)."""
+        return self._k("feeder")
+
+    @property
+    def eval_prompts(self) -> str:
+        """Stream of held-out prompts of evaluation rounds (consumer group ``generators``)."""
+        return self._k("eval_prompts")
+
+    @property
+    def eval_rounds(self) -> str:
+        """Hash round version -> JSON of the round's settings (prompts, greedy, samples, threshold, final)."""
+        return self._k("eval_rounds")
+
+    @property
+    def eval_results(self) -> str:
+        """Stream of evaluated prompts: round, idx, data (JSON: version served, greedy and sampled results)."""
+        return self._k("eval_results")

@@ -16,14 +16,16 @@ from http.server import ThreadingHTTPServer
 import redis
 import zmq
 from prometheus_client import CollectorRegistry, Counter
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from broker import client, dashboard
 from broker.state import waiting_groups
 from broker.config import StrictModel
 from broker.keys import PROMPTS_GROUP, Keys
 from broker.protocol import Ack, ProtocolError, decode_group, encode_ack
-from broker.tasks import TaskConfig, prompt_stream
+from broker.datasets import DatasetConfig, DatasetSource, Position, load_tokenizer, read_rows
+from broker.evals import EvalConfig, EvalScheduler, ensure_group as ensure_eval_group
+from broker.tasks import TaskConfig, TaskSource
 
 log = logging.getLogger("relay.broker")
 
@@ -49,7 +51,20 @@ class BrokerConfig(StrictModel):
     max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message")
     dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
     prompt_backlog: int = Field(64, ge=1, description="prompts kept ready in the prompts stream")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="the built-in task that feeds prompts")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="the built-in task that feeds prompts "
+                             "(when no dataset is given)")
+    dataset: DatasetConfig | None = Field(None, description="a prompt dataset of your own (docs/datasets.md); "
+                                          "null = the built-in task")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on a held-out set every N "
+                             "versions (docs/eval.md)")
+
+    @model_validator(mode="after")
+    def _held_out_set(self) -> "BrokerConfig":
+        if self.dataset is not None and self.eval.every_versions and self.eval.dataset is None \
+                and not self.dataset.start:
+            raise ValueError("eval: evaluation needs a held-out set: set eval.dataset, or dataset.start to leave the "
+                             "first rows out of training, or eval.every_versions = 0")
+        return self
 
 
 class Broker:
@@ -58,8 +73,13 @@ class Broker:
         self.keys = Keys(cfg.run_id)
         self.r = client.connect_redis(cfg.redis_url)
         self._append = self.r.register_script(_APPEND_ONCE)
-        self.prompts = prompt_stream(cfg.task)
-        self.prompts_fed = 0
+        # the prompt source: the built-in task, or a dataset (its rows read now, so a bad path or
+        # field mapping stops the broker at start; its tokenizer once the weights are announced)
+        self.dataset_rows = read_rows(cfg.dataset) if cfg.dataset else None
+        self.source = None if cfg.dataset else TaskSource(cfg.task)
+        self.position = Position.from_fields(self.r.hgetall(self.keys.feeder))  # resume where the feeder was
+        self.exhausted_logged = False
+        self.evals = EvalScheduler(self.r, self.keys, cfg.eval, self._eval_source)
         self.stop_event = threading.Event()
         self.registry = CollectorRegistry()  # counters; gauges come from Redis at scrape time (dashboard.py)
         self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
@@ -70,6 +90,28 @@ class Broker:
         self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
                                              cfg.dashboard_push_s)
         self._ensure_groups()
+        ensure_eval_group(self.r, self.keys)
+
+    def _tokenizer(self, path: str):
+        """The dataset's tokenizer: the configured folder, else the announced weights' (None until announced)."""
+        if not path:
+            latest = client.latest_announcement(self.r, self.keys)
+            if latest is None:
+                return None
+            path = latest.path
+        return load_tokenizer(path)
+
+    def _eval_source(self):
+        cfg = self.cfg
+        if cfg.eval.dataset is not None or cfg.dataset is not None:
+            ds = cfg.eval.dataset or cfg.dataset.model_copy(update={"start": 0, "stop": cfg.dataset.start or None,
+                                                                    "epochs": None})
+            if cfg.eval.dataset is None and not cfg.dataset.start:
+                raise ValueError("evaluation needs a held-out set: set broker.eval.dataset, or broker.dataset.start "
+                                 "to leave the first rows out of training, or broker.eval.every_versions = 0")
+            tok = self._tokenizer(ds.tokenizer or (cfg.dataset.tokenizer if cfg.dataset else ""))
+            return None if tok is None else DatasetSource(ds, tok)
+        return TaskSource(cfg.task.model_copy(update={"seed": cfg.eval.seed}))
 
     def _ensure_groups(self) -> None:
         for stream, group in ((self.keys.prompts, PROMPTS_GROUP), (self.keys.trajectories, "learner")):
@@ -120,18 +162,37 @@ class Broker:
         return Ack(g.group_id, "ok", stream_id=stream_id.decode())
 
     def feed_prompts(self) -> None:
-        """Top the prompts stream up to ``prompt_backlog`` entries (generators delete what they finish)."""
+        """Top the prompts stream up to ``prompt_backlog`` entries (generators delete what they finish).
+
+        The prompts and the feeder's new position go to Redis in one MULTI/EXEC: a broker killed at
+        any moment resumes after the last prompt it added, never skipping or repeating one."""
         missing = self.cfg.prompt_backlog - self.r.xlen(self.keys.prompts)
         if missing <= 0:
             return
-        pipe = self.r.pipeline()
-        for _ in range(missing):
-            p = next(self.prompts)
-            self.prompts_fed += 1
-            pipe.xadd(self.keys.prompts, {"text": p.text, "reference": p.reference, "task": p.task,
-                                          "seq": self.prompts_fed})
+        if self.source is None:
+            tok = self._tokenizer(self.cfg.dataset.tokenizer)
+            if tok is None:
+                return  # the learner has not announced the weights (and their tokenizer) yet
+            self.source = DatasetSource(self.cfg.dataset, tok, rows=self.dataset_rows)
+        if self.source.exhausted(self.position):
+            if not self.exhausted_logged:
+                log.info("the dataset is exhausted after %d epoch(s): %d prompts fed, %d skipped as too long",
+                         self.position.epoch, self.position.fed, self.position.skipped)
+                self.exhausted_logged = True
+            return
+        got, pos = self.source.take(missing, self.position)
+        pipe = self.r.pipeline(transaction=True)
+        for n, (epoch, row, rec) in enumerate(got, self.position.fed + 1):
+            pipe.xadd(self.keys.prompts, {**rec.fields(), "seq": n, "epoch": epoch, "row": row})
+        pipe.hset(self.keys.feeder, mapping=pos.as_fields())
+        pipe.hset(self.keys.stats("broker"), mapping={"prompts_fed": pos.fed, "prompts_skipped_too_long": pos.skipped,
+                                                      "epoch": pos.epoch})
         pipe.execute()
-        self.m_prompts.inc(missing)
+        if pos.skipped > self.position.skipped:
+            log.warning("skipped %d prompt(s) longer than max_prompt_tokens (%d so far)",
+                        pos.skipped - self.position.skipped, pos.skipped)
+        self.position = pos
+        self.m_prompts.inc(len(got))
 
     def run(self) -> None:
         ctx = zmq.Context.instance()
@@ -145,6 +206,7 @@ class Broker:
         while not self.stop_event.is_set():
             try:
                 self.feed_prompts()
+                self.evals.tick()
                 if not sock.poll(100):
                     continue
                 frames = sock.recv_multipart()

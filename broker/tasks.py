@@ -82,3 +82,32 @@ def prompt_stream(cfg: TaskConfig) -> Iterator[Prompt]:
     make = TASKS[cfg.name]
     while True:
         yield make(rng, cfg)
+
+
+class TaskSource:
+    """The task's prompts from any position (``fed`` prompts in): the same interface as
+    :class:`broker.datasets.DatasetSource`, so the feeder resumes a built-in task where it was too.
+    Resuming replays the seeded generator up to the position (cheap: ~1 µs per prompt)."""
+
+    def __init__(self, cfg: TaskConfig):
+        self.cfg = cfg
+        self._stream = prompt_stream(cfg)
+        self._at = 0
+
+    def exhausted(self, pos) -> bool:
+        return False
+
+    def take(self, k: int, pos):
+        from broker.datasets import Position, PromptRecord
+
+        if pos.fed < self._at:
+            self._stream, self._at = prompt_stream(self.cfg), 0
+        while self._at < pos.fed:
+            next(self._stream)
+            self._at += 1
+        out = []
+        for _ in range(k):
+            p = next(self._stream)
+            out.append((0, self._at, PromptRecord(p.text, p.reference, p.task)))
+            self._at += 1
+        return out, Position(0, self._at, self._at, 0)

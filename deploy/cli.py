@@ -6,6 +6,7 @@
     relay generator   one generator replica
     relay learner     the DeepSpeed learner
     relay status      the run's state as a table (generators' versions, hashes, lag; queue; failures)
+    relay export      a run's trained model as a Hugging Face folder
 
 Every service takes ``--config FILE`` (JSON or TOML), ``RELAY_<FIELD>`` environment variables,
 and ``--set field.sub=value`` overrides. Heavy packages (torch, transformers, DeepSpeed) are
@@ -103,6 +104,12 @@ def cmd_learner(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from deploy.export import run_export
+
+    return run_export(args)
+
+
 def cmd_status(args) -> int:
     from deploy.status import run_status
 
@@ -143,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
                                         "version, hash, lag and state, the queue, failures.")
     add_status_arguments(status)
     status.set_defaults(fn=cmd_status)
+    from deploy.export import add_export_arguments
+
+    exp = sub.add_parser("export", help="write a run's trained model as a Hugging Face folder",
+                         description="Copy a published version of a run (default: the newest) into a standard "
+                                     "Hugging Face folder (config, tokenizer, safetensors), each file checked "
+                                     "against the snapshot's sha256 manifest.")
+    add_export_arguments(exp)
+    exp.set_defaults(fn=cmd_export)
     return parser
 
 

@@ -71,3 +71,32 @@ def audit(r, keys) -> dict:
         "duplicates_ignored": stats.get("duplicate", 0),
         "lost": len(produced - once - dropped - queued),
     }
+
+
+def eval_records(r, keys, run_dir: Path) -> list[dict]:
+    """summary.json's ``eval``: the evaluation rounds (broker/evals.py), also written to
+    ``eval.jsonl`` and, as ``eval/*`` scalars, to the run's TensorBoard folder."""
+    from broker.evals import history_for_summary
+
+    rounds = history_for_summary(r, keys)
+    if rounds:
+        (run_dir / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rounds))
+        try:
+            from learner.records import write_eval
+
+            write_eval(run_dir / "learner" / "tensorboard", rounds)
+        except ImportError as e:  # tensorboard is a dependency; say so rather than fail the summary
+            print(f"relay up: evaluation not written to TensorBoard: {e}")
+    return rounds
+
+
+def export_final(run_dir: Path) -> dict | None:
+    """The newest published version as a Hugging Face folder in ``<run>/export`` (summary's ``export``)."""
+    from deploy.export import ExportError, export
+
+    try:
+        rec = export(run_dir, run_dir / "export")
+    except ExportError as e:
+        print(f"relay up: no export: {e}")
+        return None
+    return {"path": rec["path"], "version": rec["version"], "manifest_hash": rec["manifest_hash"]}

@@ -205,7 +205,7 @@ def run_up(args) -> int:
     from deploy.procs import ProcessGroup, start_redis
     from deploy.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
-    from deploy.summary import audit, build_summary, read_metrics
+    from deploy.summary import audit, build_summary, eval_records, export_final, read_metrics
 
     run_dir: Path = p["run_dir"]
     run_dir.mkdir(parents=True)
@@ -297,6 +297,8 @@ def run_up(args) -> int:
                                 _int(r.hget(keys.stats("learner"), "version")),
                                 client.read_stats(r, keys, "broker"), client.generators(r, keys), time.time() - t0)
         summary["audit"] = audit(r, keys)
+        summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
+        summary["export"] = export_final(run_dir) if rc == 0 else None  # the final version as an HF folder
         summary["restarts"] = dict(supervisor.restarts)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"relay up: summary in {run_dir / 'summary.json'}")

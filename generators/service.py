@@ -25,7 +25,9 @@ from broker.keys import PROMPTS_GROUP, Keys
 from broker.protocol import Group, Sample, encode_group
 from generators.backend import Completion, make_backend
 from generators.config import GeneratorConfig
+from generators.eval import Evaluator
 from generators.metrics import serve_metrics
+from generators.prompts import prompt_token_ids
 
 log = logging.getLogger("relay.generator")
 
@@ -51,6 +53,7 @@ class Generator:
         self._last_hb = 0.0
         self._batch = 0
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
+        self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -166,13 +169,14 @@ class Generator:
     def step(self) -> bool:
         """One batch. Returns False when there was nothing to do."""
         self.maybe_update()
+        self.evaluator.serve()  # waiting held-out prompts first (a few per round, every N versions)
         self.state = "sampling"
         self.send_heartbeat()
         claimed = self.claim()
         if not claimed:
             return False
         prompts = [f for _, f in claimed]
-        ids = [self.backend.encode(p["text"]) for p in prompts]
+        ids = [prompt_token_ids(p, self.backend.encode) for p in prompts]  # the feeder's ids when it sent them
         version, whash = self.version, self.hash
         t0 = time.monotonic()
         self._batch += 1
@@ -233,6 +237,7 @@ class Generator:
         self.maybe_update(block=True)
         while not self.stop.is_set():
             if self.cfg.exit_when_done and self.r.exists(self.keys.done):
+                self.evaluator.finish()  # the final version's evaluation round, if evaluation is on
                 log.info("the learner finished the run; exiting")
                 break
             try:

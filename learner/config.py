@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from broker.config import StrictModel
+from learner.records import WandbConfig
 
 
 class CorrectionConfig(StrictModel):
@@ -79,3 +80,6 @@ class LearnerConfig(StrictModel):
                               "free one (reported as metrics_port in stats:learner)")
     metrics_history: int = Field(10_000, ge=100, description="per-step metrics kept in the learner_metrics stream "
                                  "(the dashboard's charts)")
+    tensorboard: bool = Field(True, description="write every step's scalars as TensorBoard event files to "
+                              "run_dir/tensorboard")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")

@@ -30,6 +30,7 @@ from learner.engine import build_engine, full_state_dict, init_distributed
 from learner.losses import CorrectionSpec, LossSpec, aggregate, compute_policy_loss, kl_estimate
 from learner.observe import LearnerObserver
 from learner import checkpoint
+from learner.records import RunRecords
 from learner.publish import Publisher, first_version
 
 log = logging.getLogger("relay.learner")
@@ -84,6 +85,9 @@ class Learner:
         self.stop = threading.Event()
         # /metrics, /healthz, per-step metrics stream (leader only)
         self.observer = LearnerObserver(self.r, self.keys, cfg) if self.leader else None
+        # TensorBoard event files in run_dir/tensorboard (and W&B when enabled): learner/records.py
+        self.records = RunRecords(cfg.run_dir, cfg.tensorboard, cfg.wandb, cfg.run_id, cfg.model_dump()) \
+            if self.leader else None
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         if self.leader or cfg.model != "tiny":
             model, self.tokenizer = load_model(cfg)
@@ -338,6 +342,7 @@ class Learner:
                 mf.write(json.dumps(diag) + "\n")
                 mf.flush()
                 self.observer.record(diag)
+                self.records.log(diag)
                 self.r.hset(self.keys.stats("learner"), mapping={
                     "step": step, "version": self.version, "reward_mean": diag["reward_mean"],
                     "loss": diag["loss"], **self.counts})
@@ -347,6 +352,7 @@ class Learner:
         finally:
             if mf is not None:
                 mf.close()
+                self.records.close()
         if self.leader and step >= self.cfg.steps:
             self.r.set(self.keys.done, "1")
             log.info("finished %d steps at version %d", step, self.version)

@@ -97,7 +97,7 @@ function render() {
   const st = S.state;
   if (!st) return;
   try {
-    renderCards(st); renderGenerators(st); renderTimeline(st); renderCharts(); renderFailures(st);
+    renderCards(st); renderGenerators(st); renderTimeline(st); renderCharts(); renderFailures(st); renderEval(st);
   } catch (err) {
     console.error(err); setConn("error", `render error: ${err.message}`);
   }
@@ -324,6 +324,19 @@ function renderFailures(st) {
     kvTable("groups dropped by the learner, by reason", f.learner_dropped) +
     kvTable("reward failures (samples), by plugin", f.reward_failures_by_plugin) +
     kvTable("weight updates refused, by generator", refused);
+}
+
+function renderEval(st) {  // evaluation rounds on the held-out set (docs/eval.md)
+  const rounds = st.eval || [];
+  lineChart($("chart-eval"), [{ name: "pass@1", points: rounds.filter((e) => typeof e["pass@1"] === "number").map((e) => [e.version, e["pass@1"]]) },
+    { name: "mean reward", points: rounds.filter((e) => typeof e.mean_reward === "number").map((e) => [e.version, e.mean_reward]), dash: "4 3" }],
+    { yMin: 0 });
+  $("eval").tBodies[0].innerHTML = rounds.slice().reverse().map((e) => `<tr data-version="${e.version}">
+    <td class="num">${e.version}${e.final ? " (final)" : ""}</td><td class="num">${fmt(e["pass@1"])}</td>
+    <td class="num">${e.k ? `${fmt(e["pass@k"])} (k=${e.k})` : "–"}</td><td class="num">${fmt(e.mean_reward)}</td>
+    <td class="num">${fmt(e.mean_length, 1)}</td><td class="num">${e.n_prompts}/${e.prompts}</td>
+    <td class="num">${fmt(e.reward_failures)}</td></tr>`).join("") ||
+    `<tr><td colspan="7" class="count">no evaluation round yet (every eval.every_versions versions)</td></tr>`;
 }
 
 window.addEventListener("resize", render);

@@ -1,0 +1,100 @@
+"""Evaluation rounds, served by a generator between its training batches (broker/evals.py
+schedules them; docs/eval.md).
+
+A generator claims held-out prompts from ``eval_prompts`` (consumer group ``generators``; prompts
+left by a dead generator are reclaimed after ``claim_idle_s``), makes sure it serves at least the
+round's version, generates greedily (top_k = 1) and/or ``samples`` completions at the training
+temperature, scores them through the reward service like training groups, and appends one entry per
+prompt to ``eval_results`` while acknowledging the prompt, in one MULTI/EXEC. Nothing goes to the
+broker's ingest or the admission counters: evaluation does not change what is trained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+
+from broker.keys import PROMPTS_GROUP
+from generators.prompts import prompt_token_ids
+
+log = logging.getLogger("relay.generator.eval")
+
+
+class Evaluator:
+    def __init__(self, gen, check_every_s: float = 0.25, final_wait_s: float = 10.0):
+        self.gen, self.r, self.keys = gen, gen.r, gen.keys
+        self.check_every_s, self.final_wait_s = check_every_s, final_wait_s
+        self._next_check = 0.0
+        self.prompts_done = 0
+
+    def _claim(self) -> list[tuple[bytes, dict]]:
+        n = self.gen.cfg.prompts_per_batch
+        _, claimed, _ = self.r.xautoclaim(self.keys.eval_prompts, PROMPTS_GROUP, self.gen.cfg.id,
+                                          int(self.gen.cfg.claim_idle_s * 1000), count=n)
+        out = [(eid, f) for eid, f in claimed if f]
+        if len(out) < n:
+            resp = self.r.xreadgroup(PROMPTS_GROUP, self.gen.cfg.id, {self.keys.eval_prompts: ">"}, count=n - len(out))
+            out += [(eid, f) for _, entries in resp or [] for eid, f in entries if f]
+        return [(eid, {k.decode(): v.decode() for k, v in f.items()}) for eid, f in out]
+
+    def serve(self, force: bool = False) -> int:
+        """Evaluate one batch of waiting held-out prompts, if any; return how many."""
+        if not force and time.monotonic() < self._next_check:
+            return 0
+        self._next_check = time.monotonic() + self.check_every_s
+        try:
+            claimed = self._claim()
+        except Exception as e:  # noqa: BLE001 - the stream or group may not exist (an older broker): no eval
+            if "NOGROUP" in str(e):
+                return 0
+            raise
+        if not claimed:
+            return 0
+        need = max(int(f["round"]) for _, f in claimed)
+        if self.gen.version is None or self.gen.version < need:
+            self.gen.maybe_update()  # the round was enqueued after its version was announced
+        backend, base = self.gen.backend, self.gen.cfg.sampling
+        first = claimed[0][1]
+        greedy, k = first.get("greedy") == "1", int(first.get("samples") or 0)
+        max_tokens = int(first.get("max_tokens") or 0) or base.max_tokens
+        prompts = [f for _, f in claimed]
+        ids = [prompt_token_ids(f, backend.encode) for f in prompts]
+        version = self.gen.version
+        seed = zlib.crc32(f"eval:{self.gen.cfg.seed}:{self.gen.cfg.id}:{claimed[0][0]!r}".encode())
+        results: list[dict] = [{"version": version, "generator": self.gen.cfg.id} for _ in prompts]
+        runs = []
+        if greedy:
+            runs.append(("greedy", base.model_copy(update={"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 1,
+                                                             "max_tokens": max_tokens})))
+        if k:
+            runs.append(("samples", base.model_copy(update={"n": k, "max_tokens": max_tokens})))
+        for name, sampling in runs:
+            groups = backend.generate(ids, sampling, seed=seed)
+            scores = self.gen.score(prompts, groups)
+            for res, cs, rs in zip(results, groups, scores):
+                comps = [{"reward": r.get("score") if r.get("status") == "ok" else None,
+                          "status": r.get("status", "failed"), "length": len(c.token_ids),
+                          "finish_reason": c.finish_reason} for c, r in zip(cs, rs)]
+                res[name] = comps[0] if name == "greedy" else comps
+        pipe = self.r.pipeline(transaction=True)
+        for (eid, f), res in zip(claimed, results):
+            pipe.xadd(self.keys.eval_results, {"round": f["round"], "idx": f["idx"], "data": json.dumps(res)})
+            pipe.xack(self.keys.eval_prompts, PROMPTS_GROUP, eid)
+            pipe.xdel(self.keys.eval_prompts, eid)
+        pipe.execute()
+        self.prompts_done += len(claimed)
+        return len(claimed)
+
+    def finish(self) -> None:
+        """The learner is done: serve the last version's evaluation round (when evaluation is on)
+        before exiting, waiting up to ``final_wait_s`` for the broker to enqueue it."""
+        if not self.r.exists(self.keys.eval_rounds):
+            return  # evaluation is off (no round was ever enqueued)
+        self.gen.maybe_update()
+        deadline = time.monotonic() + self.final_wait_s
+        while time.monotonic() < deadline and not self.r.hexists(self.keys.eval_rounds, str(self.gen.version)):
+            time.sleep(0.1)
+        while self.serve(force=True):
+            pass
