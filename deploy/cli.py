@@ -5,6 +5,7 @@
     relay reward      the reward service (HTTP)
     relay generator   one generator replica
     relay learner     the DeepSpeed learner
+    relay bench       every stage measured against its raw baseline (benchmarks/, docs/benchmarks.md)
     relay status      the run's state as a table (generators' versions, hashes, lag; queue; failures)
     relay export      a run's trained model as a Hugging Face folder
 
@@ -122,6 +123,12 @@ def cmd_up(args) -> int:
     return run_up(args)
 
 
+def cmd_bench(args) -> int:
+    from benchmarks.run import main as run_bench
+
+    return run_bench(args.names, args.quick, args.json, args.md, args.vllm)
+
+
 def _stop_on_signals(fn) -> None:
     import signal
 
@@ -143,6 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     _service_parser(sub, "reward", "the HTTP reward service").set_defaults(fn=cmd_reward)
     _service_parser(sub, "generator", "one generator replica").set_defaults(fn=cmd_generator)
     _service_parser(sub, "learner", "the DeepSpeed learner").set_defaults(fn=cmd_learner)
+    bench = sub.add_parser("bench", help="benchmark every stage against its raw baseline",
+                           description="Run the benchmarks (all, or those named), each against a raw baseline "
+                                       "measured side by side; print a Markdown table (docs/benchmarks.md).")
+    bench.add_argument("names", nargs="*", metavar="NAME",
+                       help="codec, ingest, weight_sync, overlap, generator, learner (default: all)")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes, seconds (no vLLM rows unless --vllm)")
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--md", metavar="PATH", help="write the Markdown table")
+    bench.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the vLLM rows (default: yes, except with --quick)")
+    bench.set_defaults(fn=cmd_bench)
     from deploy.status import add_status_arguments
 
     status = sub.add_parser("status", help="print the run's state as a table",

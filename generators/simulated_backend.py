@@ -19,12 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from generators.backend import Completion
+from generators.backend import Completion, StepHook
 from generators.config import SamplingConfig, SimulatedBackendConfig
 
 
 class SimulatedBackend:
     name = "simulated"
+    supports_in_flight = True  # generate() calls on_step between decode steps
 
     def __init__(self, cfg: SimulatedBackendConfig):
         self.cfg = cfg
@@ -61,7 +62,8 @@ class SimulatedBackend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 on_step: StepHook | None = None) -> list[list[Completion]]:
         rng = np.random.default_rng(seed)
         rows = len(prompts) * sampling.n
         k = len(self._allowed)
@@ -69,15 +71,18 @@ class SimulatedBackend:
         lp_token, lp_eos = math.log((1 - p_eos) / k), math.log(p_eos) if p_eos > 0 else -math.inf
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[float]] = [[] for _ in range(rows)]
+        versions: list[list[int]] = [[] for _ in range(rows)]
         running = list(range(rows))
         for _ in range(sampling.max_tokens):
             if not running:
                 break
+            version = on_step() if on_step is not None else -1  # may apply new weights right here
             time.sleep(self.cfg.per_token_latency_s * len(running))
             stop = rng.random(len(running)) < p_eos
             draws = self._allowed[rng.integers(0, k, len(running))]
             still = []
             for i, s, tok in zip(running, stop, draws):
+                versions[i].append(version)
                 if s:
                     tokens[i].append(self.eos_token_id)
                     logps[i].append(lp_eos)
@@ -91,5 +96,6 @@ class SimulatedBackend:
             done = tokens[i][-1] == self.eos_token_id
             if i % sampling.n == 0:
                 out.append([])
-            out[-1].append(Completion(tokens[i], logps[i], "stop" if done else "length"))
+            out[-1].append(Completion(tokens[i], logps[i], "stop" if done else "length",
+                                      versions[i] if on_step is not None else None))
         return out

@@ -1,0 +1,140 @@
+"""ingest: groups/s and MB/s from 2 producer processes through ZeroMQ -> ``relay broker`` (validation,
+de-duplication, the queue bound, the Lua append) -> Redis stream -> a consumer reading through the
+``learner`` consumer group, against the same 2 processes writing the same payloads straight into a
+Redis stream with redis-py pipelined XADD (no broker) and the same consumer.
+
+The producers encode their groups before the clock starts; the clock runs from "go" until the
+consumer has read (XREADGROUP) and acknowledged (XACK + XDEL) the last group. Rounds alternate between
+the two paths; the figure is the median round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import ROOT, Stack, child_env, row, wait_until
+
+TARGET = 0.8
+RAW_STREAM = "relay:raw:trajectories"
+
+
+def producer(mode: str, target: str, count: int, tokens: int, seed: int) -> None:
+    """One producer process: encode ``count`` groups, print "ready", wait for "go" on stdin, send."""
+    from benchmarks.codec import make_group
+    from broker.protocol import encode_group
+
+    groups = [make_group(8, tokens, seed * 100_000 + i) for i in range(count)]
+    payloads = [(g.group_id, encode_group(g), str(g.min_version)) for g in groups]
+    if mode == "broker":
+        from broker.client import GroupSender
+
+        sender = GroupSender(target)
+    else:
+        import redis
+
+        r = redis.Redis.from_url(target)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("expected 'go'")
+    if mode == "broker":
+        for gid, data, _ in payloads:
+            ack = sender.send(gid, data)
+            if ack.status != "ok":
+                raise SystemExit(f"broker answered {ack.status} {ack.reason} for {gid}")
+        sender.close()
+    else:
+        for i in range(0, len(payloads), 64):
+            pipe = r.pipeline(transaction=False)
+            for gid, data, v in payloads[i:i + 64]:
+                pipe.xadd(RAW_STREAM, {"gid": gid, "data": data, "v": v, "gen": f"raw-{seed}"})
+            pipe.execute()
+
+
+def consume(r, stream: str, total: int, timeout_s: float) -> tuple[int, float]:
+    """Read ``total`` entries through the ``learner`` group, acknowledging and deleting each batch;
+    returns (bytes read, time.perf_counter() at the last one)."""
+    got = nbytes = 0
+    deadline = time.monotonic() + timeout_s
+    while got < total:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the consumer got {got} of {total} groups from {stream} in {timeout_s}s")
+        resp = r.xreadgroup("learner", "bench", {stream: ">"}, count=256, block=200)
+        for _, entries in resp or []:
+            ids = [eid for eid, _ in entries]
+            nbytes += sum(len(f[b"data"]) for _, f in entries)
+            got += len(entries)
+            pipe = r.pipeline(transaction=False)
+            pipe.xack(stream, "learner", *ids)
+            pipe.xdel(stream, *ids)
+            pipe.execute()
+    return nbytes, time.perf_counter()
+
+
+def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens: int, seed: int) -> tuple[float, float]:
+    """(groups/s, MB/s) of one round of 2 producers."""
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--producer", mode, target,
+                               str(per_producer), str(tokens), str(seed + k)], cwd=ROOT, env=child_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+             for k in range(2)]
+    try:
+        for p in procs:
+            line = p.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"ingest producer ({mode}) did not start: {line!r}, exit {p.poll()}")
+        t0 = time.perf_counter()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        nbytes, t1 = consume(r, stream, 2 * per_producer, timeout_s=600)
+        for p in procs:
+            if p.wait(60) != 0:
+                raise RuntimeError(f"ingest producer ({mode}) exited with {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return 2 * per_producer / (t1 - t0), nbytes / (t1 - t0) / 1e6
+
+
+def run(quick: bool) -> list[dict]:
+    import redis
+
+    from deploy.procs import free_port
+
+    per_producer, tokens, rounds = (40, 128, 1) if quick else (400, 1024, 3)
+    with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-") as tmp, Stack(Path(tmp)) as stack:
+        url = stack.redis()
+        r = redis.Redis.from_url(url)
+        ingest = f"tcp://127.0.0.1:{free_port()}"
+        broker = stack.service("broker", "broker", {"run_id": "bench", "redis_url": url, "ingest_bind": ingest,
+                                                    "http_port": 0, "max_queue_groups": 10**9})
+        wait_until(lambda: r.exists("relay:bench:prompts"), 60, "the broker to start", broker)
+        r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
+        ours, raw = [], []
+        for i in range(rounds):
+            ours.append(one_round("broker", ingest, r, "relay:bench:trajectories", per_producer, tokens, 10 * i))
+            raw.append(one_round("raw", url, r, RAW_STREAM, per_producer, tokens, 10 * i + 5))
+        accepted = int(r.hget("relay:bench:stats:broker", "accepted") or 0)
+        if accepted != 2 * per_producer * rounds:
+            raise RuntimeError(f"the broker accepted {accepted} groups, expected {2 * per_producer * rounds}")
+    v = statistics.median(x[0] for x in ours)
+    b = statistics.median(x[0] for x in raw)
+    return [row("ingest", v, b, "groups/s", TARGET, "higher", {
+        "producers": 2, "groups_per_round": 2 * per_producer, "rounds": rounds, "samples": 8,
+        "tokens_per_sample": tokens, "broker_MB_per_s": statistics.median(x[1] for x in ours),
+        "raw_MB_per_s": statistics.median(x[1] for x in raw), "broker_rounds_groups_per_s": [x[0] for x in ours],
+        "raw_rounds_groups_per_s": [x[0] for x in raw], "raw_pipeline_depth": 64})]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="an ingest benchmark producer (started by relay bench ingest)")
+    ap.add_argument("--producer", nargs=5, metavar=("MODE", "TARGET", "COUNT", "TOKENS", "SEED"), required=True)
+    mode, target, count, tokens, seed = ap.parse_args().producer
+    producer(mode, target, int(count), int(tokens), int(seed))
