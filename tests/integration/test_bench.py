@@ -1,0 +1,41 @@
+"""`relay bench --quick` completes and writes a report of the agreed shape. No assertion on speed:
+the machines are shared, a benchmark reports and never fails on time (figures: docs/benchmarks.md)."""
+
+import json
+import math
+
+from tests.conftest import relay
+
+NAMES = {"codec", "ingest", "weight_sync/torch", "weight_sync/vllm", "overlap", "generator/torch", "generator/vllm",
+         "learner"}
+
+
+def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    res = relay("bench", "--quick", "--json", str(out), "--md", str(md), timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    m = report["machine"]
+    assert m["cpu"] and m["cores"] >= 1 and m["versions"]["torch"] and m["versions"]["redis-server"]
+    assert report["quick"] is True
+    rows = {r["name"]: r for r in report["benchmarks"]}
+    assert set(rows) == NAMES
+    for name, r in rows.items():
+        assert {"value", "baseline", "ratio", "target", "unit", "met"} <= set(r), name
+        assert "error" not in r, (name, r.get("error"))
+        if r.get("skipped"):
+            assert name.endswith("/vllm") and isinstance(r["skipped"], str) and r["skipped"], name
+            continue
+        assert r["value"] > 0 and r["baseline"] > 0 and r["unit"], name
+        assert math.isclose(r["ratio"], r["value"] / r["baseline"]), name
+        assert r["met"] is None if r["target"] is None else isinstance(r["met"], bool), name
+    assert rows["overlap"]["details"]["ideal_speedup"] >= 1.0
+    assert 0.0 <= rows["overlap"]["details"]["learner_idle_fraction_async"] <= 1.0
+    table = md.read_text()
+    assert "| benchmark |" in table and all(f"| {n} |" in table for n in NAMES)
+    assert table in res.stdout  # the same table is printed
+
+
+def test_relay_bench_rejects_an_unknown_name():
+    res = relay("bench", "--quick", "nope")
+    assert res.returncode == 2 and "unknown benchmark(s) nope" in res.stderr and "codec" in res.stderr
