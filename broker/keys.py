@@ -18,6 +18,7 @@
 | admission                 | hash       | learner    | {batch_groups, eta}: the staleness bound        |
 | done                      | string     | learner    | set when the learner finished its step budget   |
 | trained / trained_log     | set/stream | learner    | groups whose training is committed (audit)      |
+| counted                   | set        | learner    | groups trained and counted, not yet committed   |
 | dropped_log               | stream     | learner    | groups dropped, with the reason (audit)         |
 | feeder                    | hash       | broker     | the prompt feeder's position {epoch, index, fed, skipped_too_long} |
 | eval_prompts              | stream     | broker     | held-out prompts of evaluation rounds; group ``generators`` |
@@ -110,6 +111,12 @@ class Keys:
     def trained_log(self) -> str:
         """Stream of committed trainings, one entry per group (gid, step): the audit's record."""
         return self._k("trained_log")
+
+    @property
+    def counted(self) -> str:
+        """Set of group ids the learner trained and counted in ``consumed`` but has not committed yet:
+        a restarted learner that trains them again does not count them twice (admission control)."""
+        return self._k("counted")
 
     @property
     def dropped_log(self) -> str:

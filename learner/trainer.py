@@ -35,8 +35,8 @@ from learner.publish import Publisher, first_version
 
 log = logging.getLogger("relay.learner")
 
-# KEYS: trained set, trained log, trajectories stream. ARGV: step, consumer group, then pairs
-# (stream id, group id). Idempotent: a group already recorded is only acknowledged again.
+# KEYS: trained set, trained log, trajectories stream, counted set. ARGV: step, consumer group, then
+# pairs (stream id, group id). Idempotent: a group already recorded is only acknowledged again.
 _COMMIT = """
 for i = 3, #ARGV, 2 do
   local eid, gid = ARGV[i], ARGV[i + 1]
@@ -45,8 +45,35 @@ for i = 3, #ARGV, 2 do
   end
   redis.call('XACK', KEYS[3], ARGV[2], eid)
   redis.call('XDEL', KEYS[3], eid)
+  redis.call('SREM', KEYS[4], gid)
 end
 return 1
+"""
+
+# `consumed` (admission control, docs/protocol.md 7.4) counts each group once, even when a restarted
+# learner trains again what its checkpoint did not hold. KEYS: counted set, learner stats.
+# ARGV: group ids. A trained group is counted when first added to `counted`; the commit removes it.
+_COUNT_TRAINED = """
+local n = 0
+for i = 1, #ARGV do n = n + redis.call('SADD', KEYS[1], ARGV[i]) end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'consumed', n) end
+return n
+"""
+
+# A drop in one step: recorded, acknowledged, deleted and counted (unless it was counted when a
+# learner before a restart trained it). KEYS: dropped log, trajectories stream, counted set, learner
+# stats. ARGV: consumer group, then triples (stream id, group id, reason).
+_DROP = """
+local n = 0
+for i = 2, #ARGV, 3 do
+  local eid, gid = ARGV[i], ARGV[i + 1]
+  redis.call('XADD', KEYS[1], '*', 'gid', gid, 'reason', ARGV[i + 2], 'stream_id', eid)
+  redis.call('XACK', KEYS[2], ARGV[1], eid)
+  redis.call('XDEL', KEYS[2], eid)
+  if redis.call('SREM', KEYS[3], gid) == 0 then n = n + 1 end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[4], 'consumed', n) end
+return n
 """
 
 
@@ -118,6 +145,8 @@ class Learner:
                                   correction=CorrectionSpec(mode=c.mode, cap=c.tis_cap, lo=c.mask_lo, hi=c.mask_hi))
         self.counts = Counter()
         self._commit = self.r.register_script(_COMMIT)
+        self._count_trained = self.r.register_script(_COUNT_TRAINED)
+        self._drop = self.r.register_script(_DROP)
         self.resume()
 
     # -- exactly-once training: checkpoints and commits -------------------------------------------
@@ -148,7 +177,7 @@ class Learner:
     def commit(self, entries: list[tuple[str, str]], step: int) -> None:
         """Acknowledge trained groups and record them once each in the audit log."""
         if entries:
-            self._commit(keys=[self.keys.trained, self.keys.trained_log, self.keys.trajectories],
+            self._commit(keys=[self.keys.trained, self.keys.trained_log, self.keys.trajectories, self.keys.counted],
                          args=[step, TRAJECTORIES_GROUP, *[x for e in entries for x in e]])
 
     def after_step(self, fresh) -> None:
@@ -175,7 +204,7 @@ class Learner:
                                self.cfg.wait_timeout_s)
             if self.stop.is_set():
                 return None
-            drop_ids = []
+            drops = []  # (stream id, group id, reason)
             for eid, g in entries:
                 if g is None:
                     why = "groups_undecodable"
@@ -194,12 +223,10 @@ class Learner:
                     fresh.append((eid, g))
                     continue
                 self.counts[why] += 1
-                drop_ids.append(eid)
-                self.r.xadd(self.keys.dropped_log, {"gid": g.group_id if g is not None else "", "reason": why,
-                                                    "stream_id": eid})
-            if drop_ids:
-                self.reader.ack(drop_ids)
-                self.r.hincrby(self.keys.stats("learner"), "consumed", len(drop_ids))
+                drops += [eid, g.group_id if g is not None else "", why]
+            if drops:
+                self._drop(keys=[self.keys.dropped_log, self.keys.trajectories, self.keys.counted,
+                                 self.keys.stats("learner")], args=[TRAJECTORIES_GROUP, *drops])
         return fresh
 
     def _logp(self, b, rows, sampling: dict, model=None, entropy: bool = False):
@@ -329,8 +356,9 @@ class Learner:
                 if not self.leader:
                     continue
                 self.counts["groups_trained"] += len(groups)
+                self._count_trained(keys=[self.keys.counted, self.keys.stats("learner")],
+                                    args=[g.group_id for g in groups])  # before the commit, which uncounts
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
-                self.r.hincrby(self.keys.stats("learner"), "consumed", len(groups))
                 t_pub = time.perf_counter()
                 if step % self.cfg.publish_every == 0 or step == self.cfg.steps:
                     self.version += 1

@@ -55,6 +55,10 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     lost = appended - set(trained) - dropped - queued
     assert not lost, f"{len(lost)} groups lost"
     assert not (set(trained) & dropped)
+    # admission control counted each group once, the ones trained again after the restart included
+    consumed = int(client.read_stats(r, keys, "learner")["consumed"])
+    assert consumed == len(trained) + len(dropped), (consumed, len(trained), len(dropped))
+    assert r.scard(keys.counted) == 0  # every counted group was committed
 
     # versions only grow, across the restart too
     published = [json.loads(f[b"data"])["version"] for _, f in r.xrange(keys.events) if f[b"kind"] == b"published"]
