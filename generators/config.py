@@ -98,6 +98,9 @@ class GeneratorConfig(StrictModel):
     claim_idle_s: float = Field(30.0, gt=0, description="reclaim prompts another generator held this long")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward-service call")
     reward_retries: int = Field(5, ge=0, description="retries of a failed reward call before marking items failed")
+    reward_down_s: float = Field(60.0, ge=0, description="while the reward service refuses connections (down, or "
+                                 "being restarted), keep retrying this long before the failures count against "
+                                 "reward_retries; 0 = count them at once")
     reward_token: str = Field("", description="bearer token for the reward service (its auth_token); prefer "
                               "RELAY_REWARD_TOKEN to a file")
     seed: int = Field(0, description="sampling seed (combined with the replica id)")

@@ -156,8 +156,8 @@ class Generator:
                   "finished": c.finish_reason == "stop", "task": p["task"], "num_tokens": len(c.token_ids),
                   "metadata": json.loads(p.get("metadata") or "{}")}
                  for p, cs in zip(prompts, groups) for c in cs]
-        delay, last_err = 0.2, ""
-        for attempt in range(self.cfg.reward_retries + 1):
+        delay, last_err, failures, down_since = 0.2, "", 0, None
+        while True:
             try:
                 resp = self.http.post("/score", json={"items": items})
                 resp.raise_for_status()
@@ -167,12 +167,21 @@ class Generator:
                 break
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 last_err = f"{type(e).__name__}: {e}"[:200]
-                log.warning("reward call failed (attempt %d): %s", attempt + 1, last_err)
+                now = time.monotonic()
+                # refused connections: nothing reached the service (down, or being restarted), so wait
+                # for it up to reward_down_s before these count as failed attempts
+                down_since = (down_since or now) if isinstance(e, httpx.ConnectError) else None
+                if down_since is not None and now - down_since < self.cfg.reward_down_s and not self.stop.is_set():
+                    log.warning("reward service unreachable for %.1fs, waiting for it: %s", now - down_since, last_err)
+                else:
+                    failures += 1
+                    log.warning("reward call failed (attempt %d): %s", failures, last_err)
+                    if failures > self.cfg.reward_retries:
+                        results = [{"score": None, "status": "failed", "reason": f"reward_service: {last_err}",
+                                    "plugin": "reward_service"}] * len(items)
+                        break
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        else:
-            results = [{"score": None, "status": "failed", "reason": f"reward_service: {last_err}",
-                        "plugin": "reward_service"}] * len(items)
         k = iter(results)
         return [[next(k) for _ in cs] for cs in groups]
 

@@ -1,0 +1,62 @@
+"""A reward service that is down (say, being restarted by relay up's supervisor) is waited for: the
+generator's scores arrive once it is back, instead of the batch being marked failed after
+``reward_retries`` quick retries. Refused connections stop being waited for after ``reward_down_s``."""
+
+import redis
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from broker.keys import Keys
+from broker.protocol import decode_group
+from deploy.procs import free_port
+from learner.publish import Publisher
+from learner.tiny_model import build_tiny_model
+from tests.conftest import start_service, wait_http, wait_until
+
+
+def _setup(procs, redis_url, tmp_path, run):
+    ingest, http = free_port(), free_port()
+    b = start_service(procs, "broker", "broker", {"run_id": run, "redis_url": redis_url, "http_port": http,
+                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", "prompt_backlog": 8},
+                      tmp_path)
+    wait_http(f"http://127.0.0.1:{http}/healthz", b)
+    r, keys = redis.Redis.from_url(redis_url), Keys(run)
+    path = build_tiny_model(tmp_path / "model")
+    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=4).publish(
+        AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
+    return ingest, r, keys
+
+
+def _gen_cfg(run, redis_url, ingest, reward_port, **kw):
+    return {"id": "g0", "run_id": run, "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
+            "reward_url": f"http://127.0.0.1:{reward_port}", "prompts_per_batch": 2,
+            "sampling": {"n": 2, "max_tokens": 4}, "reward_retries": 1, **kw}
+
+
+def test_generator_waits_for_a_reward_service_that_comes_back(procs, redis_url, tmp_path):
+    ingest, r, keys = _setup(procs, redis_url, tmp_path, "down")
+    reward = free_port()
+    gen = start_service(procs, "gen", "generator", _gen_cfg("down", redis_url, ingest, reward), tmp_path)
+    wait_until(lambda: "reward service unreachable" in gen.log_path.read_text(), 120,
+               f"the generator waiting for the reward service:\n{gen.tail()}")
+    wait_until(lambda: gen.log_path.read_text().count("reward service unreachable") >= 4, 30, "several retries")
+    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)  # back, on the same port
+    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
+    entries = wait_until(lambda: r.xrange(keys.trajectories, count=4) if r.xlen(keys.trajectories) >= 4 else None,
+                         60, f"groups:\n{gen.tail()}")
+    for _, f in entries:
+        for s in decode_group(f[b"data"]).samples:
+            assert s.reward_status == "ok", s.reward_details  # scored, not marked failed
+    assert "reward call failed" not in gen.log_path.read_text()
+
+
+def test_a_reward_service_down_for_longer_than_reward_down_s_fails_the_batch_visibly(procs, redis_url, tmp_path):
+    ingest, r, keys = _setup(procs, redis_url, tmp_path, "gone")
+    gen = start_service(procs, "gen", "generator",
+                        _gen_cfg("gone", redis_url, ingest, free_port(), reward_down_s=1.0), tmp_path)
+    entries = wait_until(lambda: r.xrange(keys.trajectories, count=2) if r.xlen(keys.trajectories) >= 2 else None,
+                         120, f"groups:\n{gen.tail()}")
+    for _, f in entries:
+        for s in decode_group(f[b"data"]).samples:
+            assert s.reward_status == "failed" and s.reward_details["reason"].startswith("reward_service: ConnectError")
+    log = gen.log_path.read_text()
+    assert "reward service unreachable" in log and "reward call failed (attempt 2)" in log
