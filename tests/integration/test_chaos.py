@@ -68,6 +68,7 @@ class Killer(threading.Thread):
         self.published: list[int] = []
         self.error: str | None = None
         self._last_event = "0-0"
+        self._first_step: dict[int, int] = {}  # learner pid -> the step reported when it was first seen
 
     def _pids(self) -> dict[str, int]:
         try:
@@ -75,13 +76,18 @@ class Killer(threading.Thread):
         except (OSError, json.JSONDecodeError):
             return {}
 
-    def _victim(self, service: str) -> tuple[str, int] | None:
-        """The service's current process if it is running (None while it is being restarted)."""
+    def _victim(self, service: str, step: int) -> tuple[str, int] | None:
+        """The service's current process if it is running (None while it is being restarted). A
+        learner only once it has trained a step: a learner killed while DeepSpeed builds or loads its
+        CPU op can leave torch's extension lock behind, which hangs every later learner (a known
+        limitation, docs/protocol.md 7.10), not what this test is about."""
         pids = self._pids()
         names = sorted(n for n in pids if n.startswith("gen-")) if service == "generator" else [service]
         name = self.rng.choice(names) if names else service
         pid = pids.get(name)
         if pid is None or not _alive(pid):
+            return None
+        if service == "learner" and self._first_step.setdefault(pid, step) >= step:
             return None
         cmd = _cmdline(pid)
         config = f"config/{'generator-' + name[4:] if name.startswith('gen-') else name}.json"
@@ -116,7 +122,7 @@ class Killer(threading.Thread):
                     kill_at = max(now + pending[0][2], quiet_until)
                 if pending and kill_at is not None and now >= kill_at:
                     service = pending[0][1]
-                    victim = self._victim(service)
+                    victim = self._victim(service, step)
                     if victim is not None:  # else it is being restarted: kill the next incarnation
                         name, pid = victim
                         os.kill(pid, signal.SIGKILL)
