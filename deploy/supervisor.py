@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from deploy.procs import Child, ProcessGroup
 
@@ -71,16 +72,18 @@ class Supervisor:
         tmp.write_text(json.dumps({c.name: c.pid for c in self.procs.children}))
         os.replace(tmp, self.pids_path)
 
-    def poll(self, finished: bool) -> None:
+    def poll(self, finished: Callable[[], bool]) -> None:
         """Restart what died and is due; schedule what just died. Raises GiveUp when a service died
-        for good while the run is not finished. ``finished``: the learner marked the run done."""
+        for good while the run is not finished. ``finished()``: has the learner marked the run done?
+        It is asked after a death is seen, so a generator that exits because the run is done is
+        never taken for one that quit early."""
         now = time.monotonic()
         for name in self.services:
             c = self.child(name)
             if c.alive():
                 continue
             rc = c.proc.returncode
-            if finished or (rc == 0 and name == "learner"):
+            if (rc == 0 and name == "learner") or finished():
                 continue  # the run is over: exits are expected, nothing is restarted
             if rc == 0:
                 raise GiveUp(c, "a clean exit before the run finished is not restarted")

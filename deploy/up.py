@@ -266,16 +266,15 @@ def run_up(args) -> int:
         total = cfgs["learner"].get("steps", 600)
         progress = Progress(not args.no_progress, total)
         while stopping["why"] is None:
-            finished = bool(r.exists(keys.done))
             learner = supervisor.child("learner")
-            if not learner.alive() and (learner.proc.returncode == 0 or finished):
+            if not learner.alive() and (learner.proc.returncode == 0 or r.exists(keys.done)):
                 progress.done()  # the run is over: the learner finished its steps
                 if learner.proc.returncode != 0:
                     print(f"relay up: the learner exited with code {learner.proc.returncode} after finishing the "
                           f"run", file=sys.stderr)
                 break
             try:
-                supervisor.poll(finished)
+                supervisor.poll(lambda: bool(r.exists(keys.done)))
             except GiveUp as e:
                 progress.done()
                 print(f"relay up: {e}; last log lines:\n{e.child.tail()}", file=sys.stderr)

@@ -39,7 +39,7 @@ def test_a_killed_child_is_restarted_with_the_same_command(group, tmp_path):
         old.proc.send_signal(signal.SIGKILL)
         old.proc.wait(5)
         t0 = time.monotonic()
-        wait_until(lambda: (sup.poll(finished=False), sup.child("svc").alive())[1], 10, "restart")
+        wait_until(lambda: (sup.poll(lambda: False), sup.child("svc").alive())[1], 10, "restart")
         waited = time.monotonic() - t0
         new = sup.child("svc")
         assert new.pid != old.pid and new.argv == SLEEPER
@@ -57,7 +57,7 @@ def test_once_the_run_is_finished_nothing_is_restarted(group, tmp_path):
     for c in group.children:
         c.proc.wait(10)
     for _ in range(5):
-        sup.poll(finished=True)
+        sup.poll(lambda: True)
         time.sleep(0.06)
     assert sup.total() == 0 and not any(c.alive() for c in group.children)
 
@@ -69,7 +69,7 @@ def test_a_clean_exit_is_not_restarted(group, tmp_path):
     for c in group.children:
         c.proc.wait(10)
     with pytest.raises(GiveUp, match=r"gen-0 .* clean exit before the run finished is not restarted"):
-        sup.poll(finished=False)
+        sup.poll(lambda: False)
     assert sup.total() == 0
 
 
@@ -79,7 +79,7 @@ def test_past_its_budget_a_service_fails_the_run(group, tmp_path):
     with pytest.raises(GiveUp, match=r"restart budget spent \(2 of --max-restarts 2\)"):
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            sup.poll(finished=False)
+            sup.poll(lambda: False)
             time.sleep(0.02)
     assert sup.restarts["broker"] == 2
 
@@ -90,5 +90,5 @@ def test_a_service_that_may_not_restart_fails_the_run_at_once(group, tmp_path):
     sup = Supervisor(group, RestartPolicy(), tmp_path / "pids.json", ["learner"],
                      {"learner": "learner.checkpoint_every = 0"})
     with pytest.raises(GiveUp, match="not restarted: learner.checkpoint_every = 0"):
-        sup.poll(finished=False)
+        sup.poll(lambda: False)
     assert sup.total() == 0
