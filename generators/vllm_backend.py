@@ -35,6 +35,24 @@ def _arch(config_path: Path) -> dict:
     return {k: v for k, v in cfg.items() if k not in ("transformers_version", "torch_dtype", "dtype")}
 
 
+def _copy_embedding(worker, weight) -> None:
+    """Runs on the vLLM worker (in this process): the new embedding into the rows of the (padded,
+    tied) vocabulary parameter."""
+    import torch
+
+    model = worker.model_runner.get_model()
+    param = model.get_parameter("model.embed_tokens.weight")
+    with torch.no_grad():
+        param.data[: weight.shape[0]].copy_(weight.to(param.dtype))
+    # layers sharing the tensor (the tied lm_head) re-derive what they computed from it (on CPU: the
+    # packed GEMM weight the logits are computed with)
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if isinstance(w, torch.Tensor) and w.data_ptr() == param.data_ptr() and method is not None:
+            method.process_weights_after_loading(module)
+
+
 class VLLMBackend:
     name = "vllm"
     supports_in_flight = True
@@ -46,6 +64,7 @@ class VLLMBackend:
         self._arch: dict = {}
         self._requests = 0
         self._cache_dirty = False
+        self._tied = False
         self.engines_built = 0
 
     # -- engine ---------------------------------------------------------------------------------
@@ -73,6 +92,11 @@ class VLLMBackend:
         self.llm = LLM(**kwargs)
         self.engines_built += 1
         self._arch = _arch(Path(path) / "config.json")
+        self._tied = bool(self._arch.get("tie_word_embeddings"))
+        if self._tied and self.cfg.tensor_parallel_size > 1:
+            raise ValueError("in-place weight updates of a model with tied embeddings need tensor_parallel_size = 1 "
+                             "with vLLM 0.32 (its in-place reload restores the old tied lm_head; see "
+                             "docs/generators.md)")
         log.info("vLLM engine ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())
 
     def engine_info(self) -> dict:
@@ -84,6 +108,21 @@ class VLLMBackend:
         if _arch(Path(path) / "config.json") != self._arch:
             raise ValueError("the snapshot's config.json differs from the served model's architecture")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        if self._tied:
+            # vLLM 0.32's layerwise in-place reload puts the *old* tensor back into a layer that loaded
+            # nothing, and the tied lm_head shares its tensor with the embedding it skipped, so the
+            # new embedding is overwritten. Copy it again, by name, as-is (measured: without this the
+            # generator's log-probs drift from the learner's by a KL of 2-6 nats within 100 versions).
+            from safetensors import safe_open
+
+            name = "model.embed_tokens.weight"
+            for f in sorted(Path(path).glob("*.safetensors")):
+                with safe_open(str(f), "pt") as st:
+                    if name in st.keys():
+                        self.llm.collective_rpc(_copy_embedding, args=(st.get_tensor(name),))
+                        break
+            else:
+                raise ValueError(f"the snapshot has no {name}")
         # KV blocks cached by the old weights must not serve new requests. With requests running
         # (in-flight "continue") the reset cannot happen yet; it is repeated when the batch ends.
         self._cache_dirty = not self.llm.reset_prefix_cache()
@@ -102,19 +141,24 @@ class VLLMBackend:
                  on_step: StepHook | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         n = sampling.n
+        # "finish": one request per prompt with n samples (vLLM shares the prompt's prefill). In-flight
+        # "continue" needs each sample's own token count at a switch: one request per sample.
+        per_sample = on_step is not None
         ids: list[str] = []
         for i, p in enumerate(prompts):
-            for j in range(n):
+            for j in range(n if per_sample else 1):
                 self._requests += 1
                 rid = f"r{self._requests}"
-                # one request per sample (vLLM fans n out the same way) so each carries its own
-                # seed and its own token count for per-token versions
-                params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                                        top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0,
-                                        seed=(seed * 1_000_003 + i * n + j) % (2**31))
+                params = SamplingParams(n=1 if per_sample else n, temperature=sampling.temperature,
+                                        top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
+                                        logprobs=0, seed=(seed * 1_000_003 + i * n + j) % (2**31),
+                                        # per sample: each step's running length; per prompt: the n outputs at the end
+                                        output_kind=RequestOutputKind.CUMULATIVE if per_sample
+                                        else RequestOutputKind.FINAL_ONLY)
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
                 ids.append(rid)
         version = initial = on_step() if on_step is not None else -1
@@ -128,24 +172,27 @@ class VLLMBackend:
                     version = v
                     switches.append((v, dict(lengths)))
             for out in engine.step():
-                lengths[out.request_id] = len(out.outputs[0].token_ids)
+                if per_sample:
+                    lengths[out.request_id] = len(out.outputs[0].token_ids)
                 if out.finished:
-                    final[out.request_id] = out.outputs[0]
+                    if len(out.outputs) != (1 if per_sample else n):
+                        raise RuntimeError(f"vLLM finished request {out.request_id} with {len(out.outputs)} outputs")
+                    final[out.request_id] = out.outputs
         if self._cache_dirty:
             self._cache_dirty = not self.llm.reset_prefix_cache()
         result: list[list[Completion]] = []
         for k, rid in enumerate(ids):
-            o = final[rid]
-            toks = list(o.token_ids)
-            lps = [float(o.logprobs[t][tok].logprob) for t, tok in enumerate(toks)]
-            versions = None
-            if on_step is not None:
-                versions, v = [], initial
-                for new_v, seen in switches:
-                    versions += [v] * (min(seen[rid], len(toks)) - len(versions))
-                    v = new_v
-                versions += [v] * (len(toks) - len(versions))
-            if k % n == 0:
+            if not per_sample or k % n == 0:
                 result.append([])
-            result[-1].append(Completion(toks, lps, "stop" if o.finish_reason == "stop" else "length", versions))
+            for o in final[rid]:  # n outputs per request, or one per sample
+                toks = list(o.token_ids)
+                lps = [float(o.logprobs[t][tok].logprob) for t, tok in enumerate(toks)]
+                versions = None
+                if per_sample:
+                    versions, v = [], initial
+                    for new_v, seen in switches:
+                        versions += [v] * (min(seen[rid], len(toks)) - len(versions))
+                        v = new_v
+                    versions += [v] * (len(toks) - len(versions))
+                result[-1].append(Completion(toks, lps, "stop" if o.finish_reason == "stop" else "length", versions))
         return result

@@ -46,7 +46,8 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
 
     ingest, http, reward = free_port(), free_port(), free_port()
     b = start_service(procs, "broker", "broker", {"run_id": "t", "redis_url": redis_url, "http_port": http,
-                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", "prompt_backlog": 8},
+                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", "prompt_backlog": 8,
+                                                   "max_queue_groups": 100_000},  # no learner reads here
                       tmp_path)
     rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
     wait_http(f"http://127.0.0.1:{http}/healthz", b)
@@ -76,7 +77,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     # a new version is applied in place (same process) and reported with its hash
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.01)
+            p.add_(torch.randn_like(p) * 0.05)  # every tensor changes differently: a stale one shows
     a1 = pub.publish(model, model.state_dict(), 1)
     hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["version"] == 1 and h,
                     timeout=timeout, what="version 1 applied")
@@ -113,7 +114,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     for v in (3, 4):
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(0.01)
+                p.add_(torch.randn_like(p) * 0.05)  # every tensor changes differently: a stale one shows
         a = pub.publish(model, model.state_dict(), v)
         hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["version"] == v and h,
                         timeout=timeout, what=f"version {v} applied")
