@@ -157,8 +157,8 @@ def torch_threads(n: int):
 
 def bench_model(out: Path, quick: bool) -> Path:
     """The model the weight-sync and generator benchmarks serve: the tiny model's 15-symbol tokenizer
-    (so the built-in tasks' prompts apply) on a ~52M-parameter Qwen2 (hidden 640, 8 layers, 10 heads of
-    64), or the 133k-parameter tiny model itself with ``quick``."""
+    (so the built-in tasks' prompts apply) on a ~52M-parameter Llama (hidden 640, 8 layers, 10 heads of
+    64), or the 166k-parameter tiny model itself with ``quick``."""
     from learner.tiny_model import build_tiny_model
 
     if quick:

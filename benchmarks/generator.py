@@ -107,7 +107,7 @@ def measure(kind: str, quick: bool) -> dict:
         "prompts_per_batch": batch, "n": sampling.n, "max_tokens": sampling.max_tokens,
         "groups_timed": sent, "tokens_timed": last["tokens"] - first["tokens"],
         "raw_before_tokens_per_s": raw_before, "raw_after_tokens_per_s": raw_after,
-        "model": "tiny (133k)" if quick else "~52M Qwen2 (hidden 640, 8 layers)"})
+        "model": "tiny (166k)" if quick else "~52M Llama (hidden 640, 8 layers)"})
 
 
 def run(quick: bool, include_vllm: bool = True) -> list[dict]:

