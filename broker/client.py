@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import redis
@@ -63,6 +64,7 @@ class GroupSender:
     ``send`` returns the broker's final Ack: ``ok``/``duplicate`` (safe in Redis), or ``rejected``
     (invalid; never resent). ``busy`` and timeouts are retried inside ``send`` until
     ``give_up_s``; then ``TimeoutError`` is raised and the caller still holds the group.
+    ``send_many`` keeps several groups in flight on the same socket (a bulk producer's path).
     """
 
     def __init__(self, address: str, timeout_s: float = 10.0, busy_wait_s: float = 0.05):
@@ -113,6 +115,77 @@ class GroupSender:
             self.resends += 1
             self._connect()
         raise TimeoutError(f"broker {self.address} did not accept group {group_id} in {give_up_s}s")
+
+    def send_many(self, items: list[tuple[str, bytes]], window: int = 64, give_up_s: float = 3600.0,
+                  should_stop=lambda: False) -> dict[str, Ack]:
+        """Send several groups keeping up to ``window`` of them in flight; return each one's final Ack
+        by group id (``ok``/``duplicate``/``rejected``, as ``send``).
+
+        Acks are matched by group id, so the ids must be distinct and non-empty, and each payload
+        must carry its id (as ``encode_group`` writes it). ``busy``: that group goes back to the
+        front of the queue and nothing new is sent for the back-off wait (``send``'s schedule). No
+        ack at all within ``timeout_s``: the socket is rebuilt and every group still in flight is
+        resent, same bytes (the broker de-duplicates). ``TimeoutError`` after ``give_up_s`` or when
+        ``should_stop()``; groups not in the returned dict may or may not be in Redis, and resending
+        them is safe. A ``rejected`` ack with an empty group id (a payload the broker could not read
+        an id from) cannot be matched while several groups are in flight: it raises ``ValueError``."""
+        ids = [gid for gid, _ in items]
+        if len(set(ids)) != len(ids) or not all(ids):
+            raise ValueError("send_many needs distinct, non-empty group ids")
+        todo = deque(items)
+        inflight: dict[str, bytes] = {}
+        done: dict[str, Ack] = {}
+        deadline = time.monotonic() + give_up_s
+        busy_sleep, pause_until = self.busy_wait_s, 0.0
+        while todo or inflight:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"broker {self.address} did not accept {len(todo) + len(inflight)} groups "
+                                   f"in {give_up_s}s")
+            if now >= pause_until:
+                while todo and len(inflight) < window:
+                    gid, payload = todo.popleft()
+                    self.sock.send_multipart([b"", payload])
+                    inflight[gid] = payload
+            if not inflight:  # all waiting out a busy back-off
+                if should_stop():
+                    raise TimeoutError("stopping while the broker is busy")
+                time.sleep(max(0.0, pause_until - now))
+                continue
+            if not self.sock.poll(int(self.timeout_s * 1000)):
+                if should_stop():
+                    raise TimeoutError(f"stopping before broker {self.address} acknowledged {len(inflight)} groups")
+                log.warning("no ack from broker %s in %.1fs; resending %d groups", self.address, self.timeout_s,
+                            len(inflight))
+                self.resends += len(inflight)
+                self._connect()
+                todo.extendleft(reversed(list(inflight.items())))
+                inflight.clear()
+                continue
+            _, reply = self.sock.recv_multipart()
+            try:
+                ack = decode_ack(reply)
+            except ProtocolError as e:
+                log.error("broker sent an unreadable ack (%s); the groups in flight are resent on timeout", e)
+                continue
+            if ack.group_id not in inflight:
+                if ack.status == "rejected" and not ack.group_id:
+                    raise ValueError(f"the broker rejected a message whose group id it could not read "
+                                     f"({ack.reason}); send it alone with send()")
+                log.warning("ack for a group not in flight %s (stale reply); ignored", ack.group_id)
+                continue
+            payload = inflight.pop(ack.group_id)
+            if ack.status == "busy":
+                self.busy_waits += 1
+                if should_stop():
+                    raise TimeoutError("stopping while the broker is busy")
+                todo.appendleft((ack.group_id, payload))
+                pause_until = time.monotonic() + busy_sleep
+                busy_sleep = min(busy_sleep * 1.5, 1.0)
+                continue
+            busy_sleep = self.busy_wait_s
+            done[ack.group_id] = ack
+        return done
 
     def close(self) -> None:
         if self.sock is not None:

@@ -2,8 +2,14 @@
 and the HTTP server (the live dashboard and its API, ``/healthz``, ``/metrics``: broker/dashboard.py).
 
 The broker never holds data only in memory: a group is acknowledged to its generator only after
-it is in Redis. De-duplication (by group id) and the append happen in one Lua script, so a crash
-between them cannot leave a group half-recorded.
+it is in Redis. De-duplication (by group id), the queue bound and the append happen in one Lua
+script, so a crash between them cannot leave a group half-recorded.
+
+Ingest works in batches: the broker takes every message waiting on its socket (up to
+``INGEST_BATCH`` messages or ``INGEST_BATCH_BYTES``), validates them, writes the whole batch to Redis
+in one pipeline (the rejections' counters and dead letters, and one script call for the valid
+groups), and only then sends the batch's acks. When Redis fails mid-batch no ack is sent at all:
+the producers resend and the de-duplication answers what did get in.
 """
 
 from __future__ import annotations
@@ -19,9 +25,8 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field, model_validator
 
 from broker import client, dashboard
-from broker.state import waiting_groups
 from broker.config import StrictModel
-from broker.keys import PROMPTS_GROUP, Keys
+from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
 from broker.protocol import Ack, ProtocolError, decode_group, encode_ack
 from broker.datasets import DatasetConfig, DatasetSource, Position, load_tokenizer, read_rows
 from broker.evals import EvalConfig, EvalScheduler, ensure_group as ensure_eval_group
@@ -29,11 +34,44 @@ from broker.tasks import TaskConfig, TaskSource
 
 log = logging.getLogger("relay.broker")
 
-# KEYS[1]=seen set, KEYS[2]=trajectories stream; ARGV: group id, payload, min version, generator
-_APPEND_ONCE = """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return false end
-return redis.call('XADD', KEYS[2], '*', 'gid', ARGV[1], 'data', ARGV[2], 'v', ARGV[3], 'gen', ARGV[4])
+# The valid groups of one ingest batch, in arrival order, in one atomic step.
+# KEYS: seen set, trajectories stream, broker stats. ARGV[1]: max_queue_groups, ARGV[2]: the learner's
+# consumer group, then 4 per group: group id, payload, min version, generator.
+# Per group the reply is 'B' (busy: the unread groups are at the bound; nothing stored, nothing
+# checked for duplicates), 'D' (duplicate: the id was appended before) or the new entry's id.
+# Unread = XLEN - the learner's pending count, counted up as the batch appends: the bound is exact.
+_APPEND_BATCH = """
+local waiting = redis.call('XLEN', KEYS[2])
+if waiting > 0 then
+  local p = redis.pcall('XPENDING', KEYS[2], ARGV[2])
+  if type(p) == 'table' and p.err == nil then waiting = waiting - tonumber(p[1]) end
+end
+local bound = tonumber(ARGV[1])
+local out, n = {}, {ok = 0, dup = 0, busy = 0}
+for i = 3, #ARGV, 4 do
+  if waiting >= bound then
+    out[#out + 1] = 'B'; n.busy = n.busy + 1
+  elseif redis.call('SADD', KEYS[1], ARGV[i]) == 0 then
+    out[#out + 1] = 'D'; n.dup = n.dup + 1
+  else
+    out[#out + 1] = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[i], 'data', ARGV[i + 1], 'v', ARGV[i + 2],
+                               'gen', ARGV[i + 3])
+    waiting = waiting + 1; n.ok = n.ok + 1
+  end
+end
+if n.ok > 0 then redis.call('HINCRBY', KEYS[3], 'accepted', n.ok) end
+if n.dup > 0 then redis.call('HINCRBY', KEYS[3], 'duplicate', n.dup) end
+if n.busy > 0 then redis.call('HINCRBY', KEYS[3], 'busy', n.busy) end
+return out
 """
+
+# at most this many messages, or this many bytes (at least one message), per ingest batch
+INGEST_BATCH = 64
+INGEST_BATCH_BYTES = 8 << 20
+# the latest announced version is re-read at most this often (and always before a version_ahead rejection)
+LATEST_TTL_S = 0.1
+# the prompts stream is topped up at most this often
+FEED_EVERY_S = 0.1
 
 
 class BrokerConfig(StrictModel):
@@ -72,7 +110,9 @@ class Broker:
         self.cfg = cfg
         self.keys = Keys(cfg.run_id)
         self.r = client.connect_redis(cfg.redis_url)
-        self._append = self.r.register_script(_APPEND_ONCE)
+        self._latest_version: int | None = None  # cached; see _version_ahead
+        self._latest_read_at = float("-inf")
+        self._next_feed = 0.0
         # the prompt source: the built-in task, or a dataset (its rows read now, so a bad path or
         # field mapping stops the broker at start; its tokenizer once the weights are announced)
         self.dataset_rows = read_rows(cfg.dataset) if cfg.dataset else None
@@ -131,41 +171,88 @@ class Broker:
             pipe.hincrby(self.keys.stats("broker"), "rejected_total", 1)
         pipe.execute()
 
+    def _read_latest(self) -> int | None:
+        latest = client.latest_announcement(self.r, self.keys)
+        self._latest_version = None if latest is None else latest.version
+        self._latest_read_at = time.monotonic()
+        return self._latest_version
+
+    def _version_ahead(self, newest: int) -> int | None:
+        """The latest announced version when ``newest`` is ahead of it, else None. The version is
+        cached for ``LATEST_TTL_S``; a message ahead of the cached one makes a fresh read first, so
+        a new announcement never causes a false rejection."""
+        if time.monotonic() - self._latest_read_at > LATEST_TTL_S:
+            self._read_latest()
+        if self._latest_version is None or newest <= self._latest_version:
+            return None
+        latest = self._read_latest()
+        return latest if latest is not None and newest > latest else None
+
+    def handle_batch(self, payloads: list[bytes]) -> list[Ack]:
+        """Validate a batch of messages and write it to Redis in one pipeline; one Ack per message, in
+        order. Never raises for bad input; raises redis errors (then nothing may be acknowledged)."""
+        acks: list[Ack | None] = [None] * len(payloads)
+        valid = []  # (index, group, payload)
+        pipe = self.r.pipeline(transaction=False)
+        rejected = []
+        for i, payload in enumerate(payloads):
+            try:
+                g = decode_group(payload, self.cfg.max_message_bytes)
+                if g.run_id != self.cfg.run_id:
+                    raise ProtocolError("wrong_run", f"run_id {g.run_id!r} is not this run ({self.cfg.run_id!r})")
+                newest = max((v for s in g.samples for v, _ in s.version_runs), default=0)
+                latest = self._version_ahead(newest)
+                if latest is not None:
+                    raise ProtocolError("version_ahead", f"token version {newest} > latest published {latest}")
+            except ProtocolError as e:
+                rejected.append(e.reason)
+                pipe.hincrby(self.keys.stats("broker"), f"rejected:{e.reason}", 1)
+                pipe.hincrby(self.keys.stats("broker"), "rejected_total", 1)
+                if self.cfg.dead_letter_max:
+                    pipe.xadd(self.keys.dead_letter, {"reason": e.reason, "detail": e.detail[:500],
+                                                      "data": payload[:65536]},
+                              maxlen=self.cfg.dead_letter_max, approximate=True)
+                log.warning("rejected a message: %s", e)
+                acks[i] = Ack(group_id=_peek_group_id(payload), status="rejected", reason=e.reason)
+                continue
+            valid.append((i, g, payload))
+        if valid:
+            args: list = [self.cfg.max_queue_groups, TRAJECTORIES_GROUP]
+            for _, g, payload in valid:
+                args += [g.group_id, payload, g.min_version, g.generator_id]
+            # EVAL, not EVALSHA: a pipeline's registered script costs a SCRIPT EXISTS round trip per
+            # execute, and Redis caches the compiled body anyway
+            pipe.eval(_APPEND_BATCH, 3, self.keys.seen, self.keys.trajectories, self.keys.stats("broker"), *args)
+        results = pipe.execute() if len(pipe) else []
+        for reason in rejected:
+            self.m_groups.labels("rejected", reason).inc()
+        for (i, g, payload), res in zip(valid, results[-1] if valid else []):
+            if res == b"B":
+                self.m_groups.labels("busy", "").inc()
+                acks[i] = Ack(g.group_id, "busy")
+            elif res == b"D":
+                self.m_groups.labels("duplicate", "").inc()
+                acks[i] = Ack(g.group_id, "duplicate")
+            else:
+                self.m_groups.labels("accepted", "").inc()
+                self.m_bytes.inc(len(payload))
+                acks[i] = Ack(g.group_id, "ok", stream_id=res.decode())
+        return acks
+
     def handle(self, payload: bytes) -> Ack:
-        """Validate one message and append it. Never raises for bad input."""
-        try:
-            g = decode_group(payload, self.cfg.max_message_bytes)
-            if g.run_id != self.cfg.run_id:
-                raise ProtocolError("wrong_run", f"run_id {g.run_id!r} is not this run ({self.cfg.run_id!r})")
-            latest = client.latest_announcement(self.r, self.keys)
-            newest = max((v for s in g.samples for v, _ in s.version_runs), default=0)
-            if latest is not None and newest > latest.version:
-                raise ProtocolError("version_ahead", f"token version {newest} > latest published {latest.version}")
-        except ProtocolError as e:
-            self._count("rejected", e.reason)
-            if self.cfg.dead_letter_max:
-                self.r.xadd(self.keys.dead_letter, {"reason": e.reason, "detail": e.detail[:500],
-                                                          "data": payload[:65536]},
-                            maxlen=self.cfg.dead_letter_max, approximate=True)
-            log.warning("rejected a message: %s", e)
-            return Ack(group_id=_peek_group_id(payload), status="rejected", reason=e.reason)
-        if waiting_groups(self.r, self.keys) >= self.cfg.max_queue_groups:
-            self._count("busy")
-            return Ack(g.group_id, "busy")
-        stream_id = self._append(keys=[self.keys.seen, self.keys.trajectories],
-                                 args=[g.group_id, payload, g.min_version, g.generator_id])
-        if stream_id is None:
-            self._count("duplicate")
-            return Ack(g.group_id, "duplicate")
-        self._count("accepted")
-        self.m_bytes.inc(len(payload))
-        return Ack(g.group_id, "ok", stream_id=stream_id.decode())
+        """Validate one message and append it (a batch of one)."""
+        return self.handle_batch([payload])[0]
 
     def feed_prompts(self) -> None:
-        """Top the prompts stream up to ``prompt_backlog`` entries (generators delete what they finish).
+        """Top the prompts stream up to ``prompt_backlog`` entries (generators delete what they finish),
+        at most every ``FEED_EVERY_S``.
 
         The prompts and the feeder's new position go to Redis in one MULTI/EXEC: a broker killed at
         any moment resumes after the last prompt it added, never skipping or repeating one."""
+        now = time.monotonic()
+        if now < self._next_feed:
+            return
+        self._next_feed = now + FEED_EVERY_S
         missing = self.cfg.prompt_backlog - self.r.xlen(self.keys.prompts)
         if missing <= 0:
             return
@@ -209,21 +296,36 @@ class Broker:
                 self.evals.tick()
                 if not sock.poll(100):
                     continue
-                frames = sock.recv_multipart()
-                ident = frames[0]
-                if len(frames) != 3 or frames[1] != b"":
-                    # answer (with an empty group id) so the producer learns at once; not appended
-                    self._count("rejected", "bad_framing")
-                    sock.send_multipart([ident, b"", encode_ack(Ack("", "rejected", "bad_framing"))])
-                    continue
-                _, _, payload = frames
-                ack = self.handle(payload)
-                sock.send_multipart([ident, b"", encode_ack(ack)])
+                batch = self._drain(sock)
+                acks = self.handle_batch([payload for _, payload in batch if payload is not None])
+                replies, it = [], iter(acks)
+                for ident, payload in batch:
+                    replies.append((ident, next(it) if payload is not None else Ack("", "rejected", "bad_framing")))
+                for ident, ack in replies:
+                    sock.send_multipart([ident, b"", encode_ack(ack)])
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 # No ack is sent: the generator keeps the group and resends once Redis is back.
                 log.warning("redis unavailable (%s); retrying", e)
                 time.sleep(0.5)
         sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes | None]]:
+        """Every message waiting on the socket, up to the batch limits: (identity, payload), payload
+        None for a badly framed one (counted here, answered 'rejected' with an empty group id, never
+        appended)."""
+        batch, nbytes = [], 0
+        while len(batch) < INGEST_BATCH and nbytes < INGEST_BATCH_BYTES:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or frames[1] != b"":
+                self._count("rejected", "bad_framing")
+                batch.append((frames[0], None))
+                continue
+            batch.append((frames[0], frames[2]))
+            nbytes += len(frames[2])
+        return batch
 
     def serve_http(self) -> ThreadingHTTPServer:
         """The dashboard, its API, /metrics and /healthz on ``http_host:http_port`` (a thread)."""
