@@ -233,7 +233,19 @@ def _unpack(data: bytes) -> dict:
 
 
 def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
-    """Decode and validate a group message. Raises ProtocolError with a reason code."""
+    """Decode and validate a group message. Raises ProtocolError with a reason code.
+
+    The value checks on the arrays (log-probs finite and <= 0, token ids >= 0) run once over all of
+    a group's arrays together; a message failing any check is decoded again checking in the
+    documented order (docs/protocol.md section 4), so the reason is that of the first problem.
+    Both passes run the same checks: they accept exactly the same messages."""
+    try:
+        return _decode_group(data, max_bytes, in_order=False)
+    except ProtocolError:
+        return _decode_group(data, max_bytes, in_order=True)  # raises the first problem's reason
+
+
+def _decode_group(data: bytes, max_bytes: int | None, in_order: bool) -> Group:
     if max_bytes is not None and len(data) > max_bytes:
         raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
     m = _unpack(data)
@@ -249,6 +261,7 @@ def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
     if not raw_samples:
         raise ProtocolError("empty_group", "a group needs at least one sample")
     samples = []
+    all_lps, all_ids = [], []  # checked together at the end unless in_order
     for i, s in enumerate(raw_samples):
         where = f"samples[{i}]"
         if not isinstance(s, dict):
@@ -259,9 +272,12 @@ def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
             raise ProtocolError("empty_completion", f"{where} has no tokens")
         if len(lps) != len(ids):
             raise ProtocolError("length_mismatch", f"{where}: {len(lps)} logprobs for {len(ids)} tokens")
-        if not np.all(np.isfinite(lps)) or np.any(lps > 0):
+        if not in_order:
+            all_lps.append(lps)
+            all_ids.append(ids)
+        elif not np.all(np.isfinite(lps)) or np.any(lps > 0):
             raise ProtocolError("bad_logprob", f"{where}: log-probs must be finite and <= 0")
-        if np.any(ids < 0):
+        elif np.any(ids < 0):
             raise ProtocolError("bad_token", f"{where}: negative token id")
         runs = _get(s, "version_runs", list, where)
         if not all(
@@ -292,7 +308,9 @@ def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
     prompt_ids = decode_array(_get(m, "prompt_ids", dict), "int32", "group.prompt_ids")
     if len(prompt_ids) == 0:
         raise ProtocolError("empty_prompt", "prompt_ids is empty")
-    if np.any(prompt_ids < 0):
+    if not in_order:
+        all_ids.append(prompt_ids)
+    elif np.any(prompt_ids < 0):
         raise ProtocolError("bad_token", "group.prompt_ids: negative token id")
     weight_version = _get(m, "weight_version", int)
     if weight_version < 0:
@@ -303,6 +321,10 @@ def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
     times = {k: _optional(m, k, float, 0.0) for k in ("scored_at", "sent_at")}
     if not all(math.isfinite(t) for t in (created_at, *times.values())):
         raise ProtocolError("bad_time", "timestamps must be finite")
+    if not in_order:
+        lps_all = np.concatenate(all_lps)
+        if not (np.isfinite(lps_all).all() and (lps_all <= 0).all() and np.concatenate(all_ids).min() >= 0):
+            raise ProtocolError("bad_logprob", "a log-prob or a token id is out of range")  # replaced: see above
     return Group(
         group_id=group_id,
         run_id=_get(m, "run_id", str),

@@ -118,3 +118,25 @@ def test_ack_and_announcement_round_trip():
     assert decode_ack(encode_ack(Ack("g", "busy"))) == Ack("g", "busy")
     a = Announcement(7, "h" * 64, "/store/v000007", published_at=12.5)
     assert decode_announcement(encode_announcement(a)) == a
+
+
+def test_the_reason_is_the_first_problem_in_order_though_array_values_are_checked_together():
+    # sample 0's log-prob is +1 and sample 1's finish_reason is bad: the documented order says bad_logprob
+    data = mutate(**{"samples.0.logprobs.data": np.array([-0.5, 1.0, -0.1], np.float32).tobytes(),
+                     "samples.1.finish_reason": "eos"})
+    with pytest.raises(ProtocolError) as e:
+        decode_group(data)
+    assert e.value.reason == "bad_logprob" and "samples[0]" in e.value.detail
+    # a negative prompt id comes after every sample's checks, a negative completion id before them
+    data = mutate(**{"prompt_ids.data": np.array([1, -4, 14], np.int32).tobytes(), "samples.1.reward_status": "x"})
+    with pytest.raises(ProtocolError) as e:
+        decode_group(data)
+    assert e.value.reason == "bad_reward_status"
+    data = mutate(**{"prompt_ids.data": np.array([1, -4, 14], np.int32).tobytes()})
+    with pytest.raises(ProtocolError) as e:
+        decode_group(data)
+    assert e.value.reason == "bad_token" and "prompt_ids" in e.value.detail
+    data = mutate(**{"samples.1.completion_ids.data": np.array([-7], np.int32).tobytes()})
+    with pytest.raises(ProtocolError) as e:
+        decode_group(data)
+    assert e.value.reason == "bad_token" and "samples[1]" in e.value.detail
