@@ -123,7 +123,8 @@ class GroupSender:
 
         Acks are matched by group id, so the ids must be distinct and non-empty, and each payload
         must carry its id (as ``encode_group`` writes it). ``busy``: that group goes back to the
-        front of the queue and nothing new is sent for the back-off wait (``send``'s schedule). No
+        front of the queue and nothing is sent for a wait of ``busy_wait_s`` that grows by 1.5 with each
+        consecutive ``busy`` ack, up to 1 s (any other final ack resets it). No
         ack at all within ``timeout_s``: the socket is rebuilt and every group still in flight is
         resent, same bytes (the broker de-duplicates). ``TimeoutError`` after ``give_up_s`` or when
         ``should_stop()``; groups not in the returned dict may or may not be in Redis, and resending
