@@ -66,7 +66,7 @@ return out
 """
 
 # at most this many messages, or this many bytes (at least one message), per ingest batch
-INGEST_BATCH = 64
+INGEST_BATCH = 16
 INGEST_BATCH_BYTES = 8 << 20
 # the latest announced version is re-read at most this often (and always before a version_ahead rejection)
 LATEST_TTL_S = 0.1
