@@ -48,7 +48,7 @@ run: setup
 	$(VENV)/bin/relay up $(RELAY_ARGS)
 
 test: setup vllm chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

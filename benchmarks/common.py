@@ -162,5 +162,5 @@ def bench_model(out: Path, quick: bool) -> Path:
     from learner.tiny_model import build_tiny_model
 
     if quick:
-        return build_tiny_model(out)
-    return build_tiny_model(out, hidden=640, layers=8, heads=10)
+        return build_tiny_model(out, vllm_compatible=True)
+    return build_tiny_model(out, hidden=640, layers=8, heads=10, vllm_compatible=True)

@@ -141,6 +141,8 @@ def plan(args) -> dict:
     learner = section("learner", learner_base)
     generator = section("generator", {**common, "broker_address": ingest, "backend": {"type": args.backend},
                                       "reward_url": f"http://127.0.0.1:{reward_port}", "seed": args.seed})
+    if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
+        learner.setdefault("tiny_vllm_compatible", True)
     if reward.get("auth_token") and not generator.get("reward_token"):
         generator["reward_token"] = reward["auth_token"]  # the reward service's bearer token, for its callers
     for model, data, name in ((BrokerConfig, broker, "broker"), (RewardConfig, reward, "reward"),

@@ -118,7 +118,8 @@ class Generator:
             # back-pressure on the sink shows even while the engine is busy generating
             "state": "paused_backpressure" if self.sink_state == "paused_backpressure" else self.state,
             "sink_state": self.sink_state, "in_flight": self.cfg.in_flight,
-            "engine": self.backend.engine_info() if self.version is not None else {},
+            "engine": self.backend.engine_info() if self.version is not None and hasattr(self.backend, "engine_info")
+            else {},
             "tokens_per_s": round(self._tokens_per_s, 1), "refused": dict(list(self.refused.items())[-3:]),
             "metrics_port": self.metrics.port,
             **self.stats,

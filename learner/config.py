@@ -38,6 +38,8 @@ class LearnerConfig(StrictModel):
     run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
+    tiny_vllm_compatible: bool = Field(False, description="with model 'tiny': build it as a Llama with attention heads "
+                                       "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)")
     seed: int = Field(0, description="seed for model init and training")
     steps: int = Field(600, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")

@@ -86,7 +86,7 @@ def load_model(cfg: LearnerConfig, build: bool = True):
 
         path = Path(cfg.run_dir) / "base_model"
         if build:
-            build_tiny_model(path, seed=cfg.seed)
+            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible)
     elif not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder or 'tiny')")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -27,7 +27,7 @@ import redis
 from broker.keys import Keys
 from tests.conftest import ROOT, child_env
 
-STEPS = 300  # a run without kills reaches a mean reward of 0.998 over its last 30 steps (about 60 s idle)
+STEPS = 400  # a run without kills reaches a mean reward above 0.95 within 250-500 steps (about 60-90 s idle)
 REWARD_TARGET = 0.8  # mean reward of the last 10% of trained groups; it starts at about 0.05
 TARGETS = ("generator", "broker", "reward", "learner")
 KILLS_EACH = 2

@@ -54,7 +54,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
 
     r, keys = redis.Redis.from_url(redis_url), Keys("t")
-    path = build_tiny_model(tmp_path / "model")
+    path = build_tiny_model(tmp_path / "model", vllm_compatible=True)  # one model for the torch and vLLM runs
     model = AutoModelForCausalLM.from_pretrained(path)
     pub = Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10)
     a0 = pub.publish(model, model.state_dict(), 0)
