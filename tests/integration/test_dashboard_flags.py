@@ -120,9 +120,19 @@ def _check_page(request, url: str, served: str, announced: str) -> bool:
                            timeout=30_000)
     assert "hash-mismatch" in row_a.get_attribute("class")
     # red: the row's cells are drawn on a red-tinted background with red text
-    bg = row_a.locator("td").first.evaluate("td => getComputedStyle(td).backgroundColor")
-    color = row_a.locator("td").first.evaluate("td => getComputedStyle(td).color")
-    assert bg == "rgb(253, 228, 227)" and color == "rgb(208, 49, 45)", (bg, color)
+    # (both read in one call, on the cell as rendered now: the table is redrawn on every push, and a
+    # cell read while being replaced reports no style)
+    style = "() => { const td = document.querySelector('#generators tr[data-id=\"gen-a\"] td');" \
+            " const cs = td && td.isConnected ? getComputedStyle(td) : null;" \
+            " return cs ? [cs.backgroundColor, cs.color] : null; }"
+    from playwright.sync_api import TimeoutError as PageTimeout
+
+    try:
+        page.wait_for_function(f"(({style})() || []).join('|') === 'rgb(253, 228, 227)|rgb(208, 49, 45)'",
+                               timeout=10_000)
+    except PageTimeout:
+        pass  # the assertion below reports what the page shows
+    assert page.evaluate(style) == ["rgb(253, 228, 227)", "rgb(208, 49, 45)"], page.evaluate(style)
     hash_cell = row_a.locator("td.hash").inner_text()
     assert served[:12] in hash_cell and announced[:12] in hash_cell
     row_b = page.locator('#generators tr[data-id="gen-b"]')
