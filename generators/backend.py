@@ -27,6 +27,18 @@ class Completion:
 StepHook = Callable[[], int]
 
 
+class HFText:
+    """encode/decode through a Hugging Face tokenizer in ``self.tokenizer`` (set by ``load``)."""
+
+    tokenizer = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Backend(Protocol):
     name: str
     eos_token_id: int

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from generators.backend import Completion, StepHook
+from generators.backend import Completion, HFText, StepHook
 from generators.config import SamplingConfig, SGLangBackendConfig
 
 log = logging.getLogger("relay.generator.sglang")
@@ -41,7 +41,7 @@ class SGLangError(RuntimeError):
     pass
 
 
-class SGLangBackend:
+class SGLangBackend(HFText):
     name = "sglang"
     supports_in_flight = False  # SGLang does not report where in a sequence the version changed
 
@@ -82,14 +82,6 @@ class SGLangBackend:
 
     def engine_info(self) -> dict:
         return {"url": self.cfg.url, "weight_version": self.version_label}
-
-    # -- text -----------------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- sampling -------------------------------------------------------------------------------
 

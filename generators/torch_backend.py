@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from broker.sampling import sampling_logprobs
-from generators.backend import Completion, StepHook
+from generators.backend import Completion, HFText, StepHook
 from generators.config import SamplingConfig, TorchBackendConfig
 
 log = logging.getLogger("relay.generator.torch")
 
 
-class TorchBackend:
+class TorchBackend(HFText):
     name = "torch"
     supports_in_flight = True
 
@@ -56,12 +56,6 @@ class TorchBackend:
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,

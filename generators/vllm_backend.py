@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from generators.backend import Completion, StepHook
+from generators.backend import Completion, HFText, StepHook
 from generators.config import SamplingConfig, VLLMBackendConfig
 
 log = logging.getLogger("relay.generator.vllm")
@@ -53,7 +53,7 @@ def _copy_embedding(worker, weight) -> None:
             method.process_weights_after_loading(module)
 
 
-class VLLMBackend:
+class VLLMBackend(HFText):
     name = "vllm"
     supports_in_flight = True
 
@@ -126,14 +126,6 @@ class VLLMBackend:
         # KV blocks cached by the old weights must not serve new requests. With requests running
         # (in-flight "continue") the reset cannot happen yet; it is repeated when the batch ends.
         self._cache_dirty = not self.llm.reset_prefix_cache()
-
-    # -- text -----------------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- sampling -------------------------------------------------------------------------------
 
