@@ -27,6 +27,8 @@ class TorchBackendConfig(StrictModel):
     type: Literal["torch"] = "torch"
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights dtype for sampling")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the model: 'cpu', "
+                        "'cuda' or 'cuda:N'")
 
 
 class VLLMBackendConfig(StrictModel):

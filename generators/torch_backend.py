@@ -29,12 +29,15 @@ class TorchBackend(HFText):
         self.model = None
         self.tokenizer = None
         self.dtype = getattr(torch, cfg.dtype)
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"backend.device is {cfg.device!r} but torch sees no CUDA device")
+        self.device = torch.device(cfg.device)
 
     def load(self, path: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
         self._config = json.loads((Path(path) / "config.json").read_text())
@@ -50,7 +53,7 @@ class TorchBackend(HFText):
             raise ValueError("the snapshot's config.json differs from the served model's architecture")
         state = {}
         for f in sorted(Path(path).glob("*.safetensors")):
-            state.update(load_file(f))
+            state.update(load_file(f, device=str(self.device)))
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         # tied embeddings: lm_head.weight may be absent from the file
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
@@ -68,16 +71,17 @@ class TorchBackend(HFText):
         for i, p in enumerate(rows):  # left padding
             ids[i, P - len(p):] = torch.tensor(p)
             attn[i, P - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         version = on_step() if on_step is not None else -1
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1]
         next_pos = pos[:, -1] + 1
-        tokens = torch.zeros((B, sampling.max_tokens), dtype=torch.long)
-        lps = torch.zeros((B, sampling.max_tokens))
-        done = torch.zeros(B, dtype=torch.bool)
-        lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long)
+        tokens = torch.zeros((B, sampling.max_tokens), dtype=torch.long, device=self.device)
+        lps = torch.zeros((B, sampling.max_tokens), device=self.device)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long, device=self.device)
         versions = [version] * sampling.max_tokens  # version of the forward pass that gave token t's logits
         for t in range(sampling.max_tokens):
             logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -98,6 +102,7 @@ class TorchBackend(HFText):
                              past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
+        tokens, lps, done, lengths = tokens.cpu(), lps.cpu(), done.cpu(), lengths.cpu()
         result: list[list[Completion]] = []
         for i in range(B):
             L = int(lengths[i])
