@@ -7,12 +7,13 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from deploy.procs import ProcessGroup, free_port, start_redis
+from deploy.procs import Child, ProcessGroup, free_port, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +44,33 @@ def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_p
     path.write_text(json.dumps(cfg))
     return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),
                        cwd=str(ROOT))
+
+
+@dataclass
+class Services:
+    """A broker and a reward service running as real processes on free ports, both healthy."""
+    broker: Child
+    reward: Child
+    ingest: str  # the broker's ZeroMQ address, for generators' broker_address
+    http: str  # the broker's HTTP base URL (dashboard, /healthz)
+    reward_url: str
+
+
+def start_broker_and_reward(procs: ProcessGroup, redis_url: str, tmp_path: Path, run: str, **broker_cfg) -> Services:
+    """Start ``relay broker`` (run ``run``, with ``broker_cfg`` on top) and ``relay reward``; wait until both answer."""
+    ingest, http, reward = free_port(), free_port(), free_port()
+    b = start_service(procs, "broker", "broker", {"run_id": run, "redis_url": redis_url, "http_port": http,
+                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", **broker_cfg}, tmp_path)
+    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
+    wait_http(f"http://127.0.0.1:{http}/healthz", b)
+    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
+    return Services(b, rw, f"tcp://127.0.0.1:{ingest}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{reward}")
+
+
+def generator_cfg(svc: Services, redis_url: str, run: str, gid: str, **cfg) -> dict:
+    """A ``relay generator`` config wired to ``svc`` (with ``cfg`` on top)."""
+    return {"id": gid, "run_id": run, "redis_url": redis_url, "broker_address": svc.ingest,
+            "reward_url": svc.reward_url, **cfg}
 
 
 def wait_until(fn, timeout: float = 60.0, what: str = "condition"):

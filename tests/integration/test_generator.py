@@ -14,10 +14,9 @@ from broker import client
 from broker.keys import Keys
 from broker.protocol import decode_group
 from broker.sampling import sampling_logprobs
-from deploy.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import start_service, wait_http, wait_until
+from tests.conftest import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
 SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 0.8, "top_k": 8, "top_p": 0.95}
@@ -47,14 +46,8 @@ def _check_logprobs(model, g, atol):
 def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url, tmp_path, backend, atol, timeout):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ingest, http, reward = free_port(), free_port(), free_port()
-    b = start_service(procs, "broker", "broker", {"run_id": "t", "redis_url": redis_url, "http_port": http,
-                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", "prompt_backlog": 8,
-                                                   "max_queue_groups": 100_000},  # no learner reads here
-                      tmp_path)
-    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
-    wait_http(f"http://127.0.0.1:{http}/healthz", b)
-    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
+    svc = start_broker_and_reward(procs, redis_url, tmp_path, "t", prompt_backlog=8,
+                                  max_queue_groups=100_000)  # no learner reads here
 
     r, keys = redis.Redis.from_url(redis_url), Keys("t")
     path = build_tiny_model(tmp_path / "model", vllm_compatible=True)  # one model for the torch and vLLM runs
@@ -62,10 +55,9 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     pub = Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10)
     a0 = pub.publish(model, model.state_dict(), 0)
 
-    gen = start_service(procs, "gen", "generator", {
-        "id": "g0", "run_id": "t", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
-        "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 2, "sampling": SAMPLING,
-        "backend": backend, "exit_when_done": True}, tmp_path)
+    gen = start_service(procs, "gen", "generator", generator_cfg(
+        svc, redis_url, "t", "g0", prompts_per_batch=2, sampling=SAMPLING, backend=backend, exit_when_done=True),
+        tmp_path)
     entries = wait_until(lambda: r.xrange(keys.trajectories, count=2) if r.xlen(keys.trajectories) >= 2 else None,
                          timeout=timeout, what=f"groups from the generator:\n{gen.tail()}")
     g = decode_group(entries[0][1][b"data"])

@@ -12,7 +12,7 @@ from broker.keys import PROMPTS_GROUP, Keys
 from deploy.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import start_service, wait_http
+from tests.conftest import generator_cfg, start_broker_and_reward, start_service, wait_http
 
 
 def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis_url, tmp_path):
@@ -45,21 +45,13 @@ def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis
 def test_sigterm_drains_what_the_generator_holds(procs, redis_url, tmp_path):
     """With the broker up, SIGTERM stops claiming, delivers the batches already generated (or being
     generated), releases their prompts and exits 0: nothing claimed is left behind or lost."""
-    ingest, http, reward = free_port(), free_port(), free_port()
-    b = start_service(procs, "broker", "broker", {"run_id": "drain", "redis_url": redis_url, "http_port": http,
-                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", "prompt_backlog": 64},
-                      tmp_path)
-    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
-    wait_http(f"http://127.0.0.1:{http}/healthz", b)
-    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
+    svc = start_broker_and_reward(procs, redis_url, tmp_path, "drain", prompt_backlog=64)
     r, keys = redis.Redis.from_url(redis_url), Keys("drain")
     path = build_tiny_model(tmp_path / "model")
     Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4).publish(
         AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
-    gen = start_service(procs, "gen", "generator", {
-        "id": "g", "run_id": "drain", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
-        "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 8,
-        "sampling": {"n": 16, "max_tokens": 32}}, tmp_path)
+    gen = start_service(procs, "gen", "generator", generator_cfg(
+        svc, redis_url, "drain", "g", prompts_per_batch=8, sampling={"n": 16, "max_tokens": 32}), tmp_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and r.xlen(keys.trajectories) < 8:
         assert gen.alive(), gen.tail()

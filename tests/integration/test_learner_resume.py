@@ -8,8 +8,7 @@ import redis
 
 from broker import client
 from broker.keys import Keys
-from deploy.procs import free_port
-from tests.conftest import start_service, wait_http, wait_until
+from tests.conftest import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
 def _step(r, keys) -> int:
@@ -18,20 +17,14 @@ def _step(r, keys) -> int:
 
 def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path):
     run, steps, batch = "resume", 40, 8
-    ingest, http, reward = free_port(), free_port(), free_port()
-    b = start_service(procs, "broker", "broker", {"run_id": run, "redis_url": redis_url, "http_port": http,
-                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}"}, tmp_path)
-    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
-    wait_http(f"http://127.0.0.1:{http}/healthz", b)
-    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
+    svc = start_broker_and_reward(procs, redis_url, tmp_path, run)
     learner_cfg = {"run_id": run, "redis_url": redis_url, "run_dir": str(tmp_path / "learner"),
                    "weight_store": str(tmp_path / "weights"), "steps": steps, "batch_groups": batch,
                    "checkpoint_every": 5, "keep_versions": 50}
     learner = start_service(procs, "learner", "learner", learner_cfg, tmp_path)
     for i in range(2):
-        start_service(procs, f"gen-{i}", "generator", {
-            "id": f"gen-{i}", "run_id": run, "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
-            "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 4, "claim_idle_s": 5}, tmp_path)
+        start_service(procs, f"gen-{i}", "generator",
+                      generator_cfg(svc, redis_url, run, f"gen-{i}", prompts_per_batch=4, claim_idle_s=5), tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys(run)
     wait_until(lambda: _step(r, keys) >= 13, 240, f"learner progress:\n{learner.tail()}")
     learner.proc.kill()  # SIGKILL: no clean-up, some trained groups not yet held by a checkpoint
