@@ -86,53 +86,31 @@ class GroupSender:
 
     def send(self, group_id: str, payload: bytes, give_up_s: float = 3600.0,
              should_stop=lambda: False, on_busy=lambda: None) -> Ack:
-        deadline = time.monotonic() + give_up_s
-        busy_sleep = self.busy_wait_s
-        while time.monotonic() < deadline:
-            self.sock.send_multipart([b"", payload])
-            if self.sock.poll(int(self.timeout_s * 1000)):
-                _, reply = self.sock.recv_multipart()
-                try:
-                    ack = decode_ack(reply)
-                except ProtocolError as e:
-                    log.error("broker sent an unreadable ack (%s); resending", e)
-                    continue
-                if ack.group_id != group_id and not (ack.status == "rejected" and not ack.group_id):
-                    log.warning("ack for another group %s (stale reply); resending ours", ack.group_id)
-                    continue
-                if ack.status == "busy":
-                    self.busy_waits += 1
-                    on_busy()  # the caller learns it is paused by back-pressure (e.g. to report it)
-                    if should_stop():
-                        raise TimeoutError("stopping while the broker is busy")
-                    time.sleep(busy_sleep)
-                    busy_sleep = min(busy_sleep * 1.5, 1.0)
-                    continue
-                return ack
-            if should_stop():  # keep nothing waiting on a dead broker: the caller still holds the group
-                raise TimeoutError(f"stopping before broker {self.address} acknowledged group {group_id}")
-            log.warning("no ack from broker %s in %.1fs; resending group %s", self.address, self.timeout_s, group_id)
-            self.resends += 1
-            self._connect()
-        raise TimeoutError(f"broker {self.address} did not accept group {group_id} in {give_up_s}s")
+        """Send one group and return its final Ack (``ok``/``duplicate``/``rejected``): ``send_many``
+        with a window of one, so the retry, back-off and resend rules are the same. ``group_id`` may
+        be empty for a payload that carries none (the broker answers ``rejected`` with no id)."""
+        return self.send_many([(group_id, payload)], window=1, give_up_s=give_up_s, should_stop=should_stop,
+                              on_busy=on_busy)[group_id]
 
     def send_many(self, items: list[tuple[str, bytes]], window: int = 64, give_up_s: float = 3600.0,
-                  should_stop=lambda: False) -> dict[str, Ack]:
+                  should_stop=lambda: False, on_busy=lambda: None) -> dict[str, Ack]:
         """Send several groups keeping up to ``window`` of them in flight; return each one's final Ack
         by group id (``ok``/``duplicate``/``rejected``, as ``send``).
 
-        Acks are matched by group id, so the ids must be distinct and non-empty, and each payload
+        Acks are matched by group id, so the ids must be distinct (and non-empty), and each payload
         must carry its id (as ``encode_group`` writes it). ``busy``: that group goes back to the
-        front of the queue and nothing is sent for a wait of ``busy_wait_s`` that grows by 1.5 with each
+        front of the queue, ``on_busy()`` is called (so the caller can report it is paused by
+        back-pressure) and nothing is sent for a wait of ``busy_wait_s`` that grows by 1.5 with each
         consecutive ``busy`` ack, up to 1 s (any other final ack resets it). No
         ack at all within ``timeout_s``: the socket is rebuilt and every group still in flight is
         resent, same bytes (the broker de-duplicates). ``TimeoutError`` after ``give_up_s`` or when
         ``should_stop()``; groups not in the returned dict may or may not be in Redis, and resending
         them is safe. A ``rejected`` ack with an empty group id (a payload the broker could not read
-        an id from) cannot be matched while several groups are in flight: it raises ``ValueError``."""
+        an id from) belongs to the group in flight when there is only one; with several it cannot be
+        matched and raises ``ValueError``."""
         ids = [gid for gid, _ in items]
-        if len(set(ids)) != len(ids) or not all(ids):
-            raise ValueError("send_many needs distinct, non-empty group ids")
+        if len(set(ids)) != len(ids) or (len(ids) > 1 and not all(ids)):
+            raise ValueError("send_many needs distinct group ids, non-empty when there are several")
         todo = deque(items)
         inflight: dict[str, bytes] = {}
         done: dict[str, Ack] = {}
@@ -156,8 +134,8 @@ class GroupSender:
             if not self.sock.poll(int(self.timeout_s * 1000)):
                 if should_stop():
                     raise TimeoutError(f"stopping before broker {self.address} acknowledged {len(inflight)} groups")
-                log.warning("no ack from broker %s in %.1fs; resending %d groups", self.address, self.timeout_s,
-                            len(inflight))
+                log.warning("no ack from broker %s in %.1fs; resending group(s) %s", self.address, self.timeout_s,
+                            ", ".join(list(inflight)[:4]) + (f" and {len(inflight) - 4} more" if len(inflight) > 4 else ""))
                 self.resends += len(inflight)
                 self._connect()
                 todo.extendleft(reversed(list(inflight.items())))
@@ -169,23 +147,27 @@ class GroupSender:
             except ProtocolError as e:
                 log.error("broker sent an unreadable ack (%s); the groups in flight are resent on timeout", e)
                 continue
-            if ack.group_id not in inflight:
-                if ack.status == "rejected" and not ack.group_id:
+            gid = ack.group_id
+            if gid not in inflight and ack.status == "rejected" and not gid and len(inflight) == 1:
+                gid = next(iter(inflight))  # the only group in flight: the unreadable one is ours
+            if gid not in inflight:
+                if ack.status == "rejected" and not gid:
                     raise ValueError(f"the broker rejected a message whose group id it could not read "
                                      f"({ack.reason}); send it alone with send()")
-                log.warning("ack for a group not in flight %s (stale reply); ignored", ack.group_id)
+                log.warning("ack for a group not in flight %s (stale reply); ignored", gid)
                 continue
-            payload = inflight.pop(ack.group_id)
+            payload = inflight.pop(gid)
             if ack.status == "busy":
                 self.busy_waits += 1
+                on_busy()
                 if should_stop():
                     raise TimeoutError("stopping while the broker is busy")
-                todo.appendleft((ack.group_id, payload))
+                todo.appendleft((gid, payload))
                 pause_until = time.monotonic() + busy_sleep
                 busy_sleep = min(busy_sleep * 1.5, 1.0)
                 continue
             busy_sleep = self.busy_wait_s
-            done[ack.group_id] = ack
+            done[gid] = ack
         return done
 
     def close(self) -> None:

@@ -221,6 +221,8 @@ class Generator:
         batch = (claimed, ids, groups, version, whash, time.time())
         while True:  # blocks while the sink still holds a batch: back-pressure reaches generation here
             if not self._sink.is_alive():
+                if self.stop.is_set():  # it failed and asked to stop: run() drains, reports and exits
+                    return True  # this batch's prompts stay pending and are reclaimed
                 raise RuntimeError(f"the sink thread died: {self._sink_error}")
             try:
                 self._outbox.put(batch, timeout=0.5)

@@ -33,6 +33,7 @@ def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis
     while time.monotonic() < deadline and "resending group" not in gen.log_path.read_text():
         assert gen.alive(), gen.tail()
         time.sleep(0.2)
+    assert "resending group" in gen.log_path.read_text(), gen.tail()  # it is retrying a dead broker
     assert r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 4  # claimed, sampled, not delivered
     t0 = time.monotonic()
     gen.proc.send_signal(signal.SIGTERM)
