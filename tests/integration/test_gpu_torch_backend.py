@@ -6,16 +6,14 @@ and printed (run with -s to see it). Needs an NVIDIA GPU; skipped here otherwise
 import json
 import math
 
-import pytest
 import torch
 
-from broker.sampling import sampling_logprobs
 from generators.config import SamplingConfig, TorchBackendConfig
 from generators.torch_backend import TorchBackend
 from learner.tiny_model import build_tiny_model
+from tests.conftest import needs_gpu, recompute_logprobs
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")]
+pytestmark = needs_gpu()
 
 SAMPLING = SamplingConfig(n=8, max_tokens=8, temperature=0.8, top_k=8, top_p=0.95)
 
@@ -29,11 +27,7 @@ def _diffs(model, groups, prompts):
     out = []
     for p, group in zip(prompts, groups):
         for c in group:
-            ids = torch.tensor([p + c.token_ids])
-            with torch.no_grad():
-                lp = sampling_logprobs(model(ids).logits[:, :-1], SAMPLING.temperature, SAMPLING.top_k,
-                                       SAMPLING.top_p)
-            rec = lp[0, len(p) - 1:].gather(-1, ids[0, len(p):, None]).squeeze(-1)
+            rec = recompute_logprobs(model, p, c.token_ids, SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p)
             out.append(torch.tensor(c.logprobs) - rec)
     return torch.cat(out)
 

@@ -13,12 +13,11 @@ import torch
 from broker import client
 from broker.keys import Keys
 from broker.protocol import decode_group
-from broker.sampling import sampling_logprobs
 from deploy.procs import free_port
 from generators.config import GeneratorConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import ROOT, child_env, start_service, wait_http, wait_until
+from tests.conftest import ROOT, child_env, recompute_logprobs, start_service, wait_http, wait_until
 
 
 def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path):
@@ -50,10 +49,7 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
     g = decode_group(wait_until(lambda: r.xrange(keys.trajectories, count=1), what="a group from the generator")[0][1][b"data"])
     assert g.weight_version == 0 and g.weight_hash == a0.hash and len(g.samples) == 4
     for s in g.samples:
-        ids = torch.tensor([g.prompt_ids.tolist() + s.completion_ids.tolist()])
-        with torch.no_grad():
-            lp = sampling_logprobs(model(ids).logits[:, :-1], temperature=0.8)
-        recomputed = lp[0, len(g.prompt_ids) - 1:].gather(-1, ids[0, len(g.prompt_ids):, None]).squeeze(-1)
+        recomputed = recompute_logprobs(model, g.prompt_ids.tolist(), s.completion_ids.tolist(), temperature=0.8)
         assert torch.allclose(recomputed, torch.from_numpy(s.logprobs.copy()), atol=1e-4)
 
     with torch.no_grad():
