@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.common import median_time, row
-from broker.protocol import Group, Sample, decode_group, encode_group, runs_to_versions, versions_to_runs
+from broker.protocol.group import Group, Sample, decode_group, encode_group, runs_to_versions, versions_to_runs
 
 
 def make_group(samples: int, tokens: int, seed: int = 0) -> Group:

@@ -105,7 +105,7 @@ class Stack:
     processes with JSON configs. Stopped (by PID, in reverse order) when the ``with`` block ends."""
 
     def __init__(self, workdir: Path):
-        from deploy.procs import ProcessGroup
+        from deploy.launcher.procs import ProcessGroup
 
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +119,7 @@ class Stack:
         self.procs.stop(timeout=10)
 
     def redis(self) -> str:
-        from deploy.procs import free_port, start_redis
+        from deploy.launcher.procs import free_port, start_redis
 
         _, self.redis_url = start_redis(self.procs, self.dir, free_port())
         return self.redis_url

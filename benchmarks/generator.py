@@ -23,7 +23,7 @@ TARGET = 0.9
 
 def _raw(kind: str, path: str, prompts: list[str], batch: int, sampling, seconds: float) -> tuple[float, int]:
     """(tokens/s, batches) of the raw engine over at least ``seconds`` (and at least 2 batches)."""
-    from generators.backend import make_backend
+    from generators.backends import make_backend
     from generators.config import GeneratorConfig
 
     backend = make_backend(GeneratorConfig.model_validate({"backend": backend_config(kind)}).backend)
@@ -55,9 +55,9 @@ def measure(kind: str, quick: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from broker.keys import Keys
-    from broker.tasks import TaskConfig, prompt_stream
-    from deploy.procs import free_port
+    from broker.protocol.keys import Keys
+    from broker.prompts.tasks import TaskConfig, prompt_stream
+    from deploy.launcher.procs import free_port
     from generators.config import SamplingConfig
     from learner.publish import Publisher
 

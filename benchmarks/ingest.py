@@ -29,12 +29,12 @@ WINDOW = 64  # groups in flight per broker producer (GroupSender.send_many), = t
 def producer(mode: str, target: str, count: int, tokens: int, seed: int) -> None:
     """One producer process: encode ``count`` groups, print "ready", wait for "go" on stdin, send."""
     from benchmarks.codec import make_group
-    from broker.protocol import encode_group
+    from broker.protocol.group import encode_group
 
     groups = [make_group(8, tokens, seed * 100_000 + i) for i in range(count)]
     payloads = [(g.group_id, encode_group(g), str(g.min_version)) for g in groups]
     if mode == "broker":
-        from broker.client import GroupSender
+        from broker.client.sender import GroupSender
 
         sender = GroupSender(target)
     else:
@@ -59,7 +59,8 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int) -> None
 
 
 def consume(r, stream: str, total: int, timeout_s: float) -> tuple[int, float]:
-    """Read ``total`` entries through the ``learner`` group, acknowledging and deleting each batch;
+    """The benchmark's consumer, raw Redis on purpose (it drains the broker's stream and the raw
+    baseline's alike, so both sides pay the same consumer). Read ``total`` entries through the ``learner`` group, acknowledging and deleting each batch;
     returns (bytes read, time.perf_counter() at the last one)."""
     got = nbytes = 0
     deadline = time.monotonic() + timeout_s
@@ -108,7 +109,7 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
 def run(quick: bool) -> list[dict]:
     import redis
 
-    from deploy.procs import free_port
+    from deploy.launcher.procs import free_port
 
     per_producer, tokens, rounds = (40, 128, 1) if quick else (400, 1024, 3)
     with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-") as tmp, Stack(Path(tmp)) as stack:

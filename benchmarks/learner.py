@@ -25,7 +25,7 @@ TARGET = 1.15
 def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0):
     """Copy-task groups as the generators send them: ``473=`` prompts, random digit completions ending
     in EOS, behaviour log-probs in [-3, 0), rewards in [0, 1]; through the wire codec and back."""
-    from broker.protocol import Group, Sample, decode_group, encode_group
+    from broker.protocol.group import Group, Sample, decode_group, encode_group
 
     rng = np.random.default_rng(seed)
     groups = []

@@ -57,7 +57,7 @@ def in_process(batches: list[list[dict]], repeats: int) -> float:
 
 def over_http(batches: list[list[dict]], repeats: int) -> tuple[float, float]:
     """(items/s, ms per batch) through a real ``relay reward`` process."""
-    from deploy.procs import free_port
+    from deploy.launcher.procs import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:

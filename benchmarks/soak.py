@@ -19,6 +19,9 @@ from pathlib import Path
 
 import redis
 
+from broker.client import queues
+from broker.protocol.keys import Keys
+
 
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -53,7 +56,7 @@ def main() -> None:
             b = {k.decode(): float(v) for k, v in r.hgetall(keys + "stats:broker").items()}
             ln = {k.decode(): float(v) for k, v in r.hgetall(keys + "stats:learner").items()}
             row = {"t_s": round(time.monotonic() - t0), "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
-                   "stream_len": r.xlen(keys + "trajectories"), "accepted": int(b.get("accepted", 0)),
+                   "stream_len": queues.queued_groups(r, Keys("soak")), "accepted": int(b.get("accepted", 0)),
                    "busy_answers": int(b.get("busy", 0)), "trained": int(ln.get("groups_trained", 0)),
                    **{f"rss_{n}_mb": round(rss_mb(pid), 1) for n, pid in pids.items()}}
             rows.append(row)

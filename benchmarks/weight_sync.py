@@ -28,8 +28,8 @@ def vllm_missing() -> str | None:
 
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed in this environment"
-    if importlib.util.find_spec("generators.vllm_backend") is None:
-        return "generators/vllm_backend.py (the vLLM backend) does not exist yet"
+    if importlib.util.find_spec("generators.backends.vllm") is None:
+        return "generators/backends/vllm.py (the vLLM backend) does not exist yet"
     return None
 
 
@@ -46,9 +46,11 @@ def measure(kind: str, quick: bool) -> dict:
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from broker import weightstore
-    from broker.keys import PROMPTS_GROUP, Keys
-    from deploy.procs import free_port
+    from broker.protocol import weightstore
+    from broker.client import queues
+    from broker.client.telemetry import read_after, read_heartbeats
+    from broker.protocol.keys import Keys
+    from deploy.launcher.procs import free_port
     from learner.publish import Publisher
 
     versions = 2 if quick else 5
@@ -59,7 +61,7 @@ def measure(kind: str, quick: bool) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(base)
         url = stack.redis()
         r = redis.Redis.from_url(url)
-        r.xgroup_create(keys.prompts, PROMPTS_GROUP, id="0", mkstream=True)  # no prompts: the generators idle
+        queues.ensure_groups(r, keys)  # no prompts: the generators idle
         pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=3)
         pub.publish(model, model.state_dict(), 0)
         gens = [stack.service(f"gen-{i}", "generator", {
@@ -67,7 +69,7 @@ def measure(kind: str, quick: bool) -> dict:
             "backend": backend_config(kind), "heartbeat_s": 0.05}) for i in range(2)]
 
         def served() -> list:
-            hb = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.generators).items()}
+            hb = read_heartbeats(r, keys)
             return [hb.get(f"gen-{i}", {}).get("version") for i in range(2)]
 
         for g in gens:
@@ -81,8 +83,8 @@ def measure(kind: str, quick: bool) -> dict:
             a = pub.publish(model, model.state_dict(), v)
             publish_s.append(time.time() - t0)
             wait_until(lambda: served() == [v, v], 120, f"both generators to apply version {v}")
-            applied = [json.loads(f[b"data"]) | {"t": float(f[b"t"])} for _, f in r.xrange(keys.events)
-                       if f[b"kind"] == b"applied"]
+            applied = [json.loads(f["data"]) | {"t": float(f["t"])} for _, f in read_after(r, keys.events, "0-0", 10**6)
+                       if f["kind"] == "applied"]
             ours.append(max(e["t"] for e in applied if e["version"] == v) - t0)
             state = {k: t.detach().contiguous() for k, t in model.state_dict().items() if k != "lm_head.weight"}
             t1 = time.perf_counter()
@@ -97,7 +99,7 @@ def measure(kind: str, quick: bool) -> dict:
         load_s = None
         if kind == "torch":
             from generators.config import TorchBackendConfig
-            from generators.torch_backend import TorchBackend
+            from generators.backends.torch import TorchBackend
 
             tb = TorchBackend(TorchBackendConfig())
             tb.load(a.path)

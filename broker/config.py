@@ -1,100 +1,41 @@
-"""Config loading shared by every service: pydantic models, a file, environment overrides.
-
-A service's config is one pydantic model (``extra="forbid"``: unknown keys are errors). Values
-come from, in increasing precedence: the model's defaults, a JSON or TOML file, environment
-variables ``RELAY_<FIELD>`` (nested fields joined with ``__``, e.g.
-``RELAY_SAMPLING__TEMPERATURE=0.7``), and explicit overrides from the command line.
-
-This module imports no torch: ``--help`` and validation stay fast.
-"""
+"""The broker's config (no torch import)."""
 
 from __future__ import annotations
 
-import json
-import os
-import tomllib
-from pathlib import Path
-from typing import Any, TypeVar
+from pydantic import Field, model_validator
 
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-T = TypeVar("T", bound=BaseModel)
+from broker.prompts.datasets import DatasetConfig
+from broker.prompts.evals import EvalConfig
+from broker.prompts.tasks import TaskConfig
+from broker.runtime.config import StrictModel
 
 
-class StrictModel(BaseModel):
-    """Base for every config model: unknown fields are rejected, assignments validated."""
+class BrokerConfig(StrictModel):
+    """The broker: where it listens, how much it queues, which prompts it feeds."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    run_id: str = Field("default", description="run id; namespaces every Redis key")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL (redis:// or unix://)")
+    ingest_bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address generators send groups to")
+    http_host: str = Field("127.0.0.1", description="host of the HTTP server (health, metrics, state)")
+    http_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP server; 0 picks a free one")
+    dead_after_s: float = Field(10.0, gt=0, description="the dashboard shows a generator as dead when its last "
+                                "heartbeat is older than this")
+    dashboard_push_s: float = Field(1.0, gt=0, le=60, description="seconds between the dashboard's live updates")
+    max_queue_groups: int = Field(256, ge=1, description="trajectories stream bound; above it producers get 'busy'")
+    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message")
+    dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
+    prompt_backlog: int = Field(64, ge=1, description="prompts kept ready in the prompts stream")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="the built-in task that feeds prompts "
+                             "(when no dataset is given)")
+    dataset: DatasetConfig | None = Field(None, description="a prompt dataset of your own (docs/datasets.md); "
+                                          "null = the built-in task")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on a held-out set every N "
+                             "versions (docs/eval.md)")
 
-
-class ConfigError(Exception):
-    """A config that cannot be used; the message names the field and what would be valid."""
-
-
-def _parse_env_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def _set_nested(d: dict, path: list[str], value: Any) -> None:
-    for p in path[:-1]:
-        d = d.setdefault(p, {})
-        if not isinstance(d, dict):
-            raise ConfigError(f"cannot set {'.'.join(path)}: {p} is not a section")
-    d[path[-1]] = value
-
-
-def read_file(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    text = p.read_text()
-    try:
-        return tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"config file {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
-
-
-def env_overrides(model: type[BaseModel], prefix: str = "RELAY_", environ: dict | None = None) -> dict:
-    """Nested dict of overrides from ``RELAY_<FIELD>[__<SUBFIELD>...]`` variables that name a field."""
-    environ = os.environ if environ is None else environ
-    out: dict = {}
-    fields = set(model.model_fields)
-    for key, raw in environ.items():
-        if not key.startswith(prefix):
-            continue
-        path = key[len(prefix):].lower().split("__")
-        if path[0] in fields:
-            _set_nested(out, path, _parse_env_value(raw))
-    return out
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def format_validation_error(e: ValidationError) -> str:
-    lines = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(root)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see --help or docs/ for valid fields)"
-        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r:.80})" if err["type"] != "missing" and err["type"] != "extra_forbidden" else ""))
-    return "invalid config:\n" + "\n".join(lines)
-
-
-def load_config(model: type[T], path: str | Path | None = None, overrides: dict | None = None,
-                environ: dict | None = None) -> T:
-    data: dict = read_file(path) if path else {}
-    data = deep_merge(data, env_overrides(model, environ=environ))
-    data = deep_merge(data, overrides or {})
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+    @model_validator(mode="after")
+    def _held_out_set(self) -> "BrokerConfig":
+        if self.dataset is not None and self.eval.every_versions and self.eval.dataset is None \
+                and not self.dataset.start:
+            raise ValueError("eval: evaluation needs a held-out set: set eval.dataset, or dataset.start to leave the "
+                             "first rows out of training, or eval.every_versions = 0")
+        return self

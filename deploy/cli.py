@@ -17,28 +17,9 @@ imported only after the config is validated, so ``--help`` and config errors are
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from broker.config import ConfigError, load_config
-
-
-def _overrides(pairs: list[str]) -> dict:
-    out: dict = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"--set expects field=value, got {pair!r}")
-        key, raw = pair.split("=", 1)
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        d = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-        d[parts[-1]] = value
-    return out
+from broker.runtime.config import ConfigError, load_config, set_overrides
 
 
 def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
@@ -51,10 +32,10 @@ def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
 
 
 def cmd_broker(args) -> int:
-    from broker.service import BrokerConfig
+    from broker.config import BrokerConfig
 
-    cfg = load_config(BrokerConfig, args.config, _overrides(args.set))
-    from broker.logs import setup_logging
+    cfg = load_config(BrokerConfig, args.config, set_overrides(args.set))
+    from broker.runtime.logs import setup_logging
     from broker.service import Broker
 
     setup_logging("broker", "0", as_json=args.log_json)
@@ -68,10 +49,10 @@ def cmd_broker(args) -> int:
 def cmd_reward(args) -> int:
     from reward_service.app import RewardConfig
 
-    cfg = load_config(RewardConfig, args.config, _overrides(args.set))
+    cfg = load_config(RewardConfig, args.config, set_overrides(args.set))
     import uvicorn
 
-    from broker.logs import setup_logging
+    from broker.runtime.logs import setup_logging
     from reward_service.app import create_app
 
     setup_logging("reward", "0", as_json=args.log_json)
@@ -82,8 +63,8 @@ def cmd_reward(args) -> int:
 def cmd_generator(args) -> int:
     from generators.config import GeneratorConfig
 
-    cfg = load_config(GeneratorConfig, args.config, _overrides(args.set))
-    from broker.logs import setup_logging
+    cfg = load_config(GeneratorConfig, args.config, set_overrides(args.set))
+    from broker.runtime.logs import setup_logging
 
     setup_logging("generator", cfg.id, as_json=args.log_json)
     from generators.service import Generator
@@ -95,8 +76,8 @@ def cmd_generator(args) -> int:
 def cmd_learner(args) -> int:
     from learner.config import LearnerConfig
 
-    cfg = load_config(LearnerConfig, args.config, _overrides(args.set))
-    from broker.logs import setup_logging
+    cfg = load_config(LearnerConfig, args.config, set_overrides(args.set))
+    from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)
     from learner.trainer import Learner
@@ -118,7 +99,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from deploy.up import run_up
+    from deploy.launcher.up import run_up
 
     return run_up(args)
 
@@ -137,7 +118,7 @@ def _stop_on_signals(fn) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deploy.up import add_up_arguments
+    from deploy.launcher.up import add_up_arguments
 
     parser = argparse.ArgumentParser(prog="relay", description="Relay: asynchronous RL for language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

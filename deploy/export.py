@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from broker import weightstore
+from broker.protocol import weightstore
 
 
 class ExportError(Exception):

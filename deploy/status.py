@@ -29,8 +29,8 @@ def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead
     if redis_url:
         import redis
 
-        from broker.keys import Keys
-        from broker.state import build_state
+        from broker.protocol.keys import Keys
+        from broker.dashboard.state import build_state
 
         r = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         try:

@@ -8,7 +8,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 
 
 class SamplingConfig(StrictModel):
@@ -67,7 +67,7 @@ class SGLangBackendConfig(StrictModel):
 
 
 class SimulatedBackendConfig(StrictModel):
-    """No model: valid random completions at a set speed (generators/simulated_backend.py), standing in
+    """No model: valid random completions at a set speed (generators/backends/simulated.py), standing in
     for a GPU engine in benchmarks (``relay bench overlap``)."""
 
     type: Literal["simulated"] = "simulated"

@@ -1,4 +1,4 @@
-"""Evaluation rounds, served by a generator between its training batches (broker/evals.py
+"""Evaluation rounds, served by a generator between its training batches (broker/prompts/evals.py
 schedules them; docs/eval.md).
 
 A generator claims held-out prompts from ``eval_prompts`` (consumer group ``generators``; prompts
@@ -16,7 +16,7 @@ import logging
 import time
 import zlib
 
-from broker.keys import PROMPTS_GROUP
+from broker.client import queues
 from generators.prompts import prompt_token_ids
 
 log = logging.getLogger("relay.generator.eval")
@@ -30,14 +30,11 @@ class Evaluator:
         self.prompts_done = 0
 
     def _claim(self) -> list[tuple[bytes, dict]]:
-        n = self.gen.cfg.prompts_per_batch
-        _, claimed, _ = self.r.xautoclaim(self.keys.eval_prompts, PROMPTS_GROUP, self.gen.cfg.id,
-                                          int(self.gen.cfg.claim_idle_s * 1000), count=n)
-        out = [(eid, f) for eid, f in claimed if f]
+        n, stream = self.gen.cfg.prompts_per_batch, self.keys.eval_prompts
+        out = queues.claim_abandoned(self.r, stream, self.gen.cfg.id, self.gen.cfg.claim_idle_s, n)
         if len(out) < n:
-            resp = self.r.xreadgroup(PROMPTS_GROUP, self.gen.cfg.id, {self.keys.eval_prompts: ">"}, count=n - len(out))
-            out += [(eid, f) for _, entries in resp or [] for eid, f in entries if f]
-        return [(eid, {k.decode(): v.decode() for k, v in f.items()}) for eid, f in out]
+            out += queues.claim_new(self.r, stream, self.gen.cfg.id, n - len(out))
+        return out
 
     def serve(self, force: bool = False) -> int:
         """Evaluate one batch of waiting held-out prompts, if any; return how many."""
@@ -80,9 +77,8 @@ class Evaluator:
                 res[name] = comps[0] if name == "greedy" else comps
         pipe = self.r.pipeline(transaction=True)
         for (eid, f), res in zip(claimed, results):
-            pipe.xadd(self.keys.eval_results, {"round": f["round"], "idx": f["idx"], "data": json.dumps(res)})
-            pipe.xack(self.keys.eval_prompts, PROMPTS_GROUP, eid)
-            pipe.xdel(self.keys.eval_prompts, eid)
+            queues.add_eval_result(pipe, self.keys, f["round"], f["idx"], json.dumps(res))
+            queues.release(pipe, self.keys.eval_prompts, eid)
         pipe.execute()
         self.prompts_done += len(claimed)
         return len(claimed)

@@ -9,8 +9,8 @@ import redis
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import client
-from broker.metrics import MetricsServer, advertised_host, labelled_registry
+from broker.client.telemetry import register_service
+from broker.runtime.metrics import MetricsServer, advertised_host, labelled_registry
 
 if TYPE_CHECKING:
     from generators.service import Generator
@@ -81,5 +81,5 @@ def serve_metrics(gen: Generator) -> MetricsServer:
 
     server = MetricsServer(cfg.metrics_host, cfg.metrics_port, labelled_registry("generator", cfg.id,
                                                                                   GeneratorCollector(gen)), healthy)
-    client.register_service(gen.r, gen.keys, "generator", cfg.id, advertised_host(cfg.metrics_host), server.port)
+    register_service(gen.r, gen.keys, "generator", cfg.id, advertised_host(cfg.metrics_host), server.port)
     return server

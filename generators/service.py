@@ -21,10 +21,16 @@ import httpx
 import numpy as np
 import redis
 
-from broker import client, weightstore
-from broker.keys import PROMPTS_GROUP, Keys
-from broker.protocol import Group, Sample, encode_group, versions_to_runs
-from generators.backend import Completion, make_backend
+from broker.client.announcements import latest_announcement
+from broker.client.connection import connect_redis
+from broker.client import queues
+from broker.client.sender import GroupSender
+from broker.client.telemetry import emit_event, heartbeat
+from broker.protocol import weightstore
+from broker.protocol.keys import Keys
+from broker.protocol.group import Group, Sample, encode_group, versions_to_runs
+from generators.backends import make_backend
+from generators.backends.base import Completion
 from generators.config import GeneratorConfig
 from generators.eval import Evaluator
 from generators.metrics import serve_metrics
@@ -37,8 +43,8 @@ class Generator:
     def __init__(self, cfg: GeneratorConfig):
         self.cfg = cfg
         self.keys = Keys(cfg.run_id)
-        self.r = client.connect_redis(cfg.redis_url)
-        self.sender = client.GroupSender(cfg.broker_address)
+        self.r = connect_redis(cfg.redis_url)
+        self.sender = GroupSender(cfg.broker_address)
         self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s,
                                  headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None)
         self.backend = make_backend(cfg.backend)
@@ -65,7 +71,7 @@ class Generator:
     def maybe_update(self, block: bool = False) -> None:
         """Apply the latest announced version if it is newer than the one served."""
         while True:
-            a = client.latest_announcement(self.r, self.keys)
+            a = latest_announcement(self.r, self.keys)
             if a is not None or not block or self.stop.is_set():
                 break
             self.state = "waiting_for_weights"
@@ -81,7 +87,7 @@ class Generator:
                     self.backend.update_weights(a.path)
                 break
             except (weightstore.WeightStoreError, ValueError, OSError) as e:
-                newer = client.latest_announcement(self.r, self.keys)
+                newer = latest_announcement(self.r, self.keys)
                 if newer is not None and newer.version > a.version:
                     # superseded while we read it (and perhaps pruned): not a bad snapshot
                     log.warning("version %d was superseded while loading (%s); loading version %d instead",
@@ -93,7 +99,7 @@ class Generator:
                 self.stats["refused_updates"] += 1
                 log.error("refused weight version %d (%s): %s; still serving version %s", a.version, reason, e,
                           self.version)
-                client.emit_event(self.r, self.keys, "refused", generator=self.cfg.id, version=a.version, reason=reason)
+                emit_event(self.r, self.keys, "refused", generator=self.cfg.id, version=a.version, reason=reason)
                 if self.version is None:
                     raise RuntimeError(f"cannot load the initial weights: {e}") from e
                 return
@@ -103,7 +109,7 @@ class Generator:
         self.version, self.hash = a.version, a.hash
         self.stats["updates"] += 1
         self.stats["last_update_latency_s"] = round(latency, 4)
-        client.emit_event(self.r, self.keys, "applied", generator=self.cfg.id, version=a.version, latency_s=latency)
+        emit_event(self.r, self.keys, "applied", generator=self.cfg.id, version=a.version, latency_s=latency)
         self.state = "sampling"  # the update is done; sampling resumes right after (the heartbeat says so)
         log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
         self.send_heartbeat(force=True)
@@ -113,7 +119,7 @@ class Generator:
         if not force and now - self._last_hb < self.cfg.heartbeat_s:
             return
         self._last_hb = now
-        client.heartbeat(self.r, self.keys, self.cfg.id, {
+        heartbeat(self.r, self.keys, self.cfg.id, {
             "backend": self.backend.name, "version": self.version, "hash": self.hash,
             # back-pressure on the sink shows even while the engine is busy generating
             "state": "paused_backpressure" if self.sink_state == "paused_backpressure" else self.state,
@@ -131,25 +137,22 @@ class Generator:
         """Claim up to prompts_per_batch prompts: first ones abandoned by dead generators (already
         admitted), then new ones as far as staleness admission control allows."""
         n = self.cfg.prompts_per_batch
-        _, claimed, _ = self.r.xautoclaim(self.keys.prompts, PROMPTS_GROUP, self.cfg.id,
-                                          int(self.cfg.claim_idle_s * 1000), count=n)
-        out = [(eid, f) for eid, f in claimed if f]
+        out = queues.claim_abandoned(self.r, self.keys.prompts, self.cfg.id, self.cfg.claim_idle_s, n)
         want = n - len(out)
-        granted = client.admit(self.r, self.keys, want) if want else 0
+        granted = queues.admit(self.r, self.keys, want) if want else 0
         if want and not granted and not out:
             self.state = "paused_staleness"
             self.send_heartbeat()
             time.sleep(0.02)
             return []
         if granted:
-            resp = self.r.xreadgroup(PROMPTS_GROUP, self.cfg.id, {self.keys.prompts: ">"}, count=granted, block=500)
-            got = [(eid, f) for _, entries in resp or [] for eid, f in entries if f]
-            client.unadmit(self.r, self.keys, granted - len(got))
+            got = queues.claim_new(self.r, self.keys.prompts, self.cfg.id, granted, block_ms=500)
+            queues.unadmit(self.r, self.keys, granted - len(got))
             out.extend(got)
         if not out:
             self.state = "waiting_for_prompts"
             self.send_heartbeat()
-        return [(eid, {k.decode(): v.decode() for k, v in f.items()}) for eid, f in out]
+        return out
 
     def score(self, prompts: list[dict], groups: list[list[Completion]]) -> list[list[dict]]:
         """One reward call for the whole batch. Failures are marked, never turned into 0."""
@@ -297,8 +300,7 @@ class Generator:
         while True:
             try:
                 pipe = self.r.pipeline()
-                pipe.xack(self.keys.prompts, PROMPTS_GROUP, eid)
-                pipe.xdel(self.keys.prompts, eid)
+                queues.release(pipe, self.keys.prompts, eid)
                 pipe.execute()
                 return
             except (redis.ConnectionError, redis.TimeoutError) as e:

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 from learner.records import WandbConfig
 
 

@@ -1,24 +1,14 @@
-"""Reading the replay queue: groups from the trajectories stream through the ``learner`` consumer
-group, filtered for staleness and failed rewards, collated into padded tensors.
-
-Nothing is acknowledged here: the trainer acknowledges a batch's stream entries only after the
-optimizer step that used them (or after counting them as dropped).
+"""From groups to tensors: the reward each sample is trained with, and a batch collated into padded
+tensors. (Groups are read from the replay queue by ``broker.client.queues.TrajectoryReader``.)
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import redis
 import torch
 
-from broker.keys import TRAJECTORIES_GROUP, Keys
-from broker.protocol import Group, ProtocolError, decode_group
-
-log = logging.getLogger("relay.learner.data")
-
+from broker.protocol.group import Group
 
 @dataclass
 class Batch:
@@ -30,46 +20,6 @@ class Batch:
     staleness: list[int]           # per sample
     group_rewards: list[float]     # mean reward per group
     num_groups: int
-
-
-@dataclass
-class Reader:
-    r: redis.Redis
-    keys: Keys
-    consumer: str = "learner-0"
-    _pending_cursor: str | None = "0"  # walks this consumer's pending list once, then None: new entries
-    stats: dict = field(default_factory=lambda: {"undecodable": 0})
-
-    def read(self, want: int, block_ms: int = 1000) -> list[tuple[bytes, Group | None]]:
-        """Up to ``want`` entries: first this consumer's unacknowledged ones (a previous learner's,
-        after a restart), each once, then new ones. Undecodable entries come back as (id, None) so
-        they are acknowledged and counted."""
-        start = self._pending_cursor or ">"
-        resp = self.r.xreadgroup(TRAJECTORIES_GROUP, self.consumer, {self.keys.trajectories: start},
-                                 count=want, block=None if start != ">" else block_ms)
-        entries = resp[0][1] if resp else []
-        if start != ">":
-            # the pending list keeps what we read until it is acknowledged: continue after the last id
-            self._pending_cursor = entries[-1][0].decode() if entries else None
-        out = []
-        for eid, fields in entries:
-            if not fields:  # deleted entry left in the pending list
-                out.append((eid, None))
-                continue
-            try:
-                out.append((eid, decode_group(fields[b"data"])))
-            except (ProtocolError, KeyError) as e:
-                self.stats["undecodable"] += 1
-                log.error("undecodable stream entry %s: %s", eid, e)
-                out.append((eid, None))
-        return out
-
-    def ack(self, ids: list[bytes]) -> None:
-        if ids:
-            pipe = self.r.pipeline()
-            pipe.xack(self.keys.trajectories, TRAJECTORIES_GROUP, *ids)
-            pipe.xdel(self.keys.trajectories, *ids)
-            pipe.execute()
 
 
 def trained_rewards(g: Group, failed_reward: str = "skip", fallback_score: float = 0.0) -> list[float | None]:
@@ -114,17 +64,3 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
         lmask[i, len(p) - 1:n - 1] = 1
         mu[i, len(p) - 1:n - 1] = torch.tensor(m)
     return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale, group_rewards, len(groups))
-
-
-def wait_for(reader: Reader, want: int, should_stop, timeout_s: float) -> list[tuple[bytes, Group | None]]:
-    """Block until ``want`` entries are read (or stop / timeout)."""
-    got: list = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < want and not should_stop():
-        new = reader.read(want - len(got))
-        got.extend(new)
-        if new:
-            deadline = time.monotonic() + timeout_s
-        elif time.monotonic() > deadline:
-            raise TimeoutError(f"no data for {timeout_s}s: are the generators running?")
-    return got

@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from broker import client
-from broker.keys import Keys
-from broker.metrics import MetricsServer, advertised_host, labelled_registry
+from broker.client.telemetry import add_learner_step, register_service
+from broker.protocol.keys import Keys
+from broker.runtime.metrics import MetricsServer, advertised_host, labelled_registry
 from learner.config import LearnerConfig
 
 log = logging.getLogger("relay.learner.observe")
@@ -94,14 +94,13 @@ class LearnerObserver:
         self.server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
                                     labelled_registry("learner", "0", registry, _StepCollector(self)), healthy)
         self.r.hset(keys.stats("learner"), "metrics_port", self.server.port)
-        client.register_service(r, keys, "learner", "0", advertised_host(cfg.metrics_host), self.server.port)
+        register_service(r, keys, "learner", "0", advertised_host(cfg.metrics_host), self.server.port)
 
     def record(self, diag: dict) -> None:
         """One step's diagnostics: append to the ``learner_metrics`` stream (per-group lists left out)
         and update the Prometheus metrics."""
         entry = {k: v for k, v in diag.items() if not isinstance(v, list)}
-        self.r.xadd(self.keys.learner_metrics, {"step": entry.get("step", 0), "data": json.dumps(entry)},
-                    maxlen=self.max_len, approximate=True)
+        add_learner_step(self.r, self.keys, entry.get("step", 0), json.dumps(entry), self.max_len)
         self.last = entry
         for k, v in entry.items():
             if k.startswith("groups_") and isinstance(v, int):

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from broker import client, weightstore
-from broker.keys import Keys
-from broker.protocol import Announcement
+from broker.client.announcements import announce
+from broker.client.telemetry import emit_event, read_heartbeats
+from broker.protocol import weightstore
+from broker.protocol.keys import Keys
+from broker.protocol.messages import Announcement
 
 log = logging.getLogger("relay.learner.publish")
 
@@ -45,11 +47,11 @@ class Publisher:
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
         path, digest = weightstore.seal(self.store, version, staging)
         a = Announcement(version=version, hash=digest, path=str(path))
-        client.announce(self.r, self.keys, a)
-        client.emit_event(self.r, self.keys, "published", version=version, hash=digest)
+        announce(self.r, self.keys, a)
+        emit_event(self.r, self.keys, "published", version=version, hash=digest)
         # versions served by generators seen recently (a dead generator's heartbeat does not pin)
         now = time.time()
-        in_use = {hb.get("version") for hb in client.generators(self.r, self.keys).values()
+        in_use = {hb.get("version") for hb in read_heartbeats(self.r, self.keys).values()
                   if now - hb.get("last_seen", 0) < self.heartbeat_ttl_s}
         weightstore.prune(self.store, self.keep_versions, {v for v in in_use if v is not None})
         log.debug("published version %d in %.3fs", version, time.perf_counter() - t0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 
 log = logging.getLogger("relay.learner.records")
 

@@ -19,13 +19,15 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from broker import client
-from broker.keys import TRAJECTORIES_GROUP, Keys
-from broker.protocol import decode_group, encode_group, sampling_transform
-from broker.sampling import sampling_logprobs
+from broker.client import queues
+from broker.client.announcements import latest_announcement
+from broker.client.connection import connect_redis
+from broker.protocol.keys import Keys
+from broker.protocol.group import decode_group, encode_group, sampling_transform
+from broker.protocol.sampling import sampling_logprobs
 from learner import advantages as adv_mod
 from learner.config import LearnerConfig
-from learner.data import Reader, collate, group_mean_reward, trained_rewards, wait_for
+from learner.data import collate, group_mean_reward, trained_rewards
 from learner.engine import build_engine, full_state_dict, init_distributed
 from learner.losses import CorrectionSpec, LossSpec, aggregate, compute_policy_loss, kl_estimate
 from learner.observe import LearnerObserver
@@ -34,48 +36,6 @@ from learner.records import RunRecords
 from learner.publish import Publisher, first_version
 
 log = logging.getLogger("relay.learner")
-
-# KEYS: trained set, trained log, trajectories stream, counted set. ARGV: step, consumer group, then
-# pairs (stream id, group id). Idempotent: a group already recorded is only acknowledged again.
-_COMMIT = """
-for i = 3, #ARGV, 2 do
-  local eid, gid = ARGV[i], ARGV[i + 1]
-  if redis.call('SADD', KEYS[1], gid) == 1 then
-    redis.call('XADD', KEYS[2], '*', 'gid', gid, 'step', ARGV[1])
-  end
-  redis.call('XACK', KEYS[3], ARGV[2], eid)
-  redis.call('XDEL', KEYS[3], eid)
-  redis.call('SREM', KEYS[4], gid)
-end
-return 1
-"""
-
-# `consumed` (admission control, docs/protocol.md 7.4) counts each group once, even when a restarted
-# learner trains again what its checkpoint did not hold. KEYS: counted set, learner stats.
-# ARGV: group ids. A trained group is counted when first added to `counted`; the commit removes it.
-_COUNT_TRAINED = """
-local n = 0
-for i = 1, #ARGV do n = n + redis.call('SADD', KEYS[1], ARGV[i]) end
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'consumed', n) end
-return n
-"""
-
-# A drop in one step: recorded, acknowledged, deleted and counted (unless it was counted when a
-# learner before a restart trained it). KEYS: dropped log, trajectories stream, counted set, learner
-# stats. ARGV: consumer group, then triples (stream id, group id, reason).
-_DROP = """
-local n = 0
-for i = 2, #ARGV, 3 do
-  local eid, gid = ARGV[i], ARGV[i + 1]
-  redis.call('XADD', KEYS[1], '*', 'gid', gid, 'reason', ARGV[i + 2], 'stream_id', eid)
-  redis.call('XACK', KEYS[2], ARGV[1], eid)
-  redis.call('XDEL', KEYS[2], eid)
-  if redis.call('SREM', KEYS[3], gid) == 0 then n = n + 1 end
-end
-if n > 0 then redis.call('HINCRBY', KEYS[4], 'consumed', n) end
-return n
-"""
-
 
 def load_model(cfg: LearnerConfig, build: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,7 +68,7 @@ class Learner:
                              "the weights on the leader only); use zero_stage 0-2")
         if cfg.batch_groups % self.world:
             raise ValueError(f"learner.batch_groups ({cfg.batch_groups}) must be a multiple of the {self.world} ranks")
-        self.r = client.connect_redis(cfg.redis_url)
+        self.r = connect_redis(cfg.redis_url)
         self.stop = threading.Event()
         # /metrics, /healthz, per-step metrics stream (leader only)
         self.observer = LearnerObserver(self.r, self.keys, cfg) if self.leader else None
@@ -130,8 +90,8 @@ class Learner:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = build_engine(model, cfg)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, self.tokenizer, cfg.keep_versions)
-        self.reader = Reader(self.r, self.keys)
-        latest = client.latest_announcement(self.r, self.keys)
+        self.reader = queues.TrajectoryReader(self.r, self.keys)
+        latest = latest_announcement(self.r, self.keys)
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
         self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
@@ -144,9 +104,6 @@ class Learner:
                                   dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
                                   correction=CorrectionSpec(mode=c.mode, cap=c.tis_cap, lo=c.mask_lo, hi=c.mask_hi))
         self.counts = Counter()
-        self._commit = self.r.register_script(_COMMIT)
-        self._count_trained = self.r.register_script(_COUNT_TRAINED)
-        self._drop = self.r.register_script(_DROP)
         self.resume()
 
     # -- exactly-once training: checkpoints and commits -------------------------------------------
@@ -176,9 +133,7 @@ class Learner:
 
     def commit(self, entries: list[tuple[str, str]], step: int) -> None:
         """Acknowledge trained groups and record them once each in the audit log."""
-        if entries:
-            self._commit(keys=[self.keys.trained, self.keys.trained_log, self.keys.trajectories, self.keys.counted],
-                         args=[step, TRAJECTORIES_GROUP, *[x for e in entries for x in e]])
+        queues.commit(self.r, self.keys, entries, step)
 
     def after_step(self, fresh) -> None:
         self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)
@@ -200,8 +155,8 @@ class Learner:
         fresh: list = []
         transform = None
         while len(fresh) < self.cfg.batch_groups:
-            entries = wait_for(self.reader, self.cfg.batch_groups - len(fresh), self.stop.is_set,
-                               self.cfg.wait_timeout_s)
+            entries = self.reader.wait_for(self.cfg.batch_groups - len(fresh), self.stop.is_set,
+                                           self.cfg.wait_timeout_s)
             if self.stop.is_set():
                 return None
             drops = []  # (stream id, group id, reason)
@@ -223,10 +178,8 @@ class Learner:
                     fresh.append((eid, g))
                     continue
                 self.counts[why] += 1
-                drops += [eid, g.group_id if g is not None else "", why]
-            if drops:
-                self._drop(keys=[self.keys.dropped_log, self.keys.trajectories, self.keys.counted,
-                                 self.keys.stats("learner")], args=[TRAJECTORIES_GROUP, *drops])
+                drops.append((eid, g.group_id if g is not None else "", why))
+            queues.drop(self.r, self.keys, drops)
         return fresh
 
     def _logp(self, b, rows, sampling: dict, model=None, entropy: bool = False):
@@ -356,8 +309,7 @@ class Learner:
                 if not self.leader:
                     continue
                 self.counts["groups_trained"] += len(groups)
-                self._count_trained(keys=[self.keys.counted, self.keys.stats("learner")],
-                                    args=[g.group_id for g in groups])  # before the commit, which uncounts
+                queues.count_trained(self.r, self.keys, [g.group_id for g in groups])  # before the commit, which uncounts
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 t_pub = time.perf_counter()
                 if step % self.cfg.publish_every == 0 or step == self.cfg.steps:

@@ -22,7 +22,7 @@ from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
-from broker.metrics import render
+from broker.runtime.metrics import render
 from reward_service import plugins as P
 from reward_service.config import RewardConfig  # noqa: F401  (callers import RewardConfig from here)
 from reward_service.scoring import Scorer
@@ -148,7 +148,7 @@ def create_app(cfg: RewardConfig) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
-        # every sample labelled service="reward", replica="0", as every Relay service does (broker/metrics.py)
+        # every sample labelled service="reward", replica="0", as every Relay service does (broker/runtime/metrics.py)
         return render("reward", "0", scorer.metrics.registry).decode()
 
     return app

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from broker.config import StrictModel, format_validation_error
+from broker.runtime.config import StrictModel, format_validation_error
 
 
 class PluginConfig(StrictModel):

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from pydantic import Field
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 from reward_service.plugins import Observer
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 
 log = logging.getLogger("relay.reward")
 

@@ -1,21 +1,11 @@
-"""Shared fixtures: a real redis-server on a free port, service processes started and stopped by PID."""
+"""Shared fixtures: a real redis-server on a free port, service processes started and stopped by PID.
+Helpers live in tests/support/."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
-
-import httpx
 import pytest
 
-from deploy.procs import Child, ProcessGroup, free_port, start_redis
-
-ROOT = Path(__file__).resolve().parents[1]
+from deploy.launcher.procs import ProcessGroup, free_port, start_redis
 
 
 @pytest.fixture
@@ -30,97 +20,3 @@ def redis_url(procs, tmp_path) -> str:
     """A real redis-server of our own on a free port (never the shared 6379)."""
     _, url = start_redis(procs, tmp_path, free_port())
     return url
-
-
-def child_env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               TOKENIZERS_PARALLELISM="false")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    return env
-
-
-def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_path: Path):
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),
-                       cwd=str(ROOT))
-
-
-@dataclass
-class Services:
-    """A broker and a reward service running as real processes on free ports, both healthy."""
-    broker: Child
-    reward: Child
-    ingest: str  # the broker's ZeroMQ address, for generators' broker_address
-    http: str  # the broker's HTTP base URL (dashboard, /healthz)
-    reward_url: str
-
-
-def start_broker_and_reward(procs: ProcessGroup, redis_url: str, tmp_path: Path, run: str, **broker_cfg) -> Services:
-    """Start ``relay broker`` (run ``run``, with ``broker_cfg`` on top) and ``relay reward``; wait until both answer."""
-    ingest, http, reward = free_port(), free_port(), free_port()
-    b = start_service(procs, "broker", "broker", {"run_id": run, "redis_url": redis_url, "http_port": http,
-                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", **broker_cfg}, tmp_path)
-    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
-    wait_http(f"http://127.0.0.1:{http}/healthz", b)
-    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
-    return Services(b, rw, f"tcp://127.0.0.1:{ingest}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{reward}")
-
-
-def generator_cfg(svc: Services, redis_url: str, run: str, gid: str, **cfg) -> dict:
-    """A ``relay generator`` config wired to ``svc`` (with ``cfg`` on top)."""
-    return {"id": gid, "run_id": run, "redis_url": redis_url, "broker_address": svc.ingest,
-            "reward_url": svc.reward_url, **cfg}
-
-
-def needs_gpu():
-    """Mark for tests that need an NVIDIA GPU: ``gpu``, and skipped, saying why, where torch sees none."""
-    import torch
-
-    return [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")]
-
-
-def recompute_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0,
-                       top_k: int = 0, top_p: float = 1.0):
-    """The learner's recomputation of a completion's per-token log-probs under ``model`` (its device
-    and dtype), through the same sampling transform: what behaviour log-probs are checked against."""
-    import torch
-
-    from broker.sampling import sampling_logprobs
-
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
-    with torch.no_grad():
-        lp = sampling_logprobs(model(ids).logits[:, :-1], temperature, top_k, top_p)
-    return lp[0, len(prompt_ids) - 1:].gather(-1, ids[0, len(prompt_ids):, None]).squeeze(-1)
-
-
-def wait_until(fn, timeout: float = 60.0, what: str = "condition"):
-    """Poll ``fn`` until it returns something truthy (returned), or raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise TimeoutError(what)
-
-
-def wait_http(url: str, child=None, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if child is not None and not child.alive():
-            raise RuntimeError(f"{child.name} exited:\n{child.tail(30)}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not answer in {timeout}s" + (f":\n{child.tail(30)}" if child else ""))
-
-
-def relay(*args: str, timeout: float = 60, cwd: Path | None = None, env: dict | None = None):
-    """Run the ``relay`` command as a user would."""
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or ROOT, env=env or child_env())

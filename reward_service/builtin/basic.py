@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 from reward_service.plugins import Item, Result, RewardPlugin, register
 
 

@@ -24,7 +24,7 @@ import secrets
 
 from pydantic import Field
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 from reward_service.builtin import sandbox
 from reward_service.plugins import Item, Result, RewardPlugin, register
 

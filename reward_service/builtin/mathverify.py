@@ -20,7 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from pydantic import Field
 
-from broker.config import StrictModel
+from broker.runtime.config import StrictModel
 from reward_service.plugins import Item, Result, RewardPlugin, register
 
 

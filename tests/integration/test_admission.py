@@ -8,9 +8,9 @@ import time
 
 import redis
 
-from broker import client
-from broker.keys import Keys
-from tests.conftest import generator_cfg, start_broker_and_reward, start_service, wait_until
+from broker.client.telemetry import read_heartbeats, read_stats
+from broker.protocol.keys import Keys
+from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
 def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, redis_url, tmp_path):
@@ -26,17 +26,17 @@ def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, r
     r, keys = redis.Redis.from_url(redis_url), Keys(run)
 
     def step() -> int:
-        return int(client.read_stats(r, keys, "learner").get("step", 0))
+        return int(read_stats(r, keys, "learner").get("step", 0))
 
     def consumed() -> int:
-        return int(client.read_stats(r, keys, "learner").get("consumed", 0))
+        return int(read_stats(r, keys, "learner").get("consumed", 0))
 
     wait_until(lambda: step() >= 4, 240, "learner progress")
     learner.proc.send_signal(signal.SIGTERM)
     learner.proc.wait(60)
 
     # learner stopped: both generators pause on staleness; what was issued respects the bound
-    hbs = wait_until(lambda: (g := client.generators(r, keys)) and len(g) == 2
+    hbs = wait_until(lambda: (g := read_heartbeats(r, keys)) and len(g) == 2
                      and all(h["state"] == "paused_staleness" for h in g.values()) and g, 120,
                      "both generators paused on staleness")
     issued = int(r.get(keys.issued))
@@ -45,7 +45,7 @@ def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, r
     time.sleep(3.0)
     assert r.scard(keys.seen) == appended, "generators kept producing while the learner was stopped"
     assert int(r.get(keys.issued)) == issued
-    assert all(h["state"] == "paused_staleness" for h in client.generators(r, keys).values()), hbs
+    assert all(h["state"] == "paused_staleness" for h in read_heartbeats(r, keys).values()), hbs
 
     # learner restarted: admission reopens as it consumes, the generators sample again
     stopped_at = step()

@@ -4,7 +4,7 @@ the machines are shared, a benchmark reports and never fails on time (figures: d
 import json
 import math
 
-from tests.conftest import relay
+from tests.support.services import relay
 
 NAMES = {"codec", "ingest", "weight_sync/torch", "weight_sync/vllm", "overlap", "generator/torch", "generator/vllm",
          "learner"}

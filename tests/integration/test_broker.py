@@ -3,26 +3,18 @@
 import msgpack
 import redis
 
-from broker import client
-from broker.keys import Keys
-from broker.protocol import encode_group
-from deploy.procs import free_port
-from tests.conftest import start_service, wait_http
-from tests.unit.test_protocol import make_group
-
-
-def start_broker(procs, redis_url, tmp_path, **extra):
-    port, http = free_port(), free_port()
-    cfg = {"run_id": "r", "redis_url": redis_url, "ingest_bind": f"tcp://127.0.0.1:{port}", "http_port": http, **extra}
-    child = start_service(procs, "broker", "broker", cfg, tmp_path)
-    wait_http(f"http://127.0.0.1:{http}/healthz", child)
-    return f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http}"
+from broker.client.sender import GroupSender
+from broker.client.telemetry import read_stats
+from broker.protocol.keys import Keys
+from broker.protocol.group import encode_group
+from tests.support.services import start_broker
+from tests.support.data import make_group
 
 
 def test_groups_are_appended_once_and_bad_ones_rejected_with_reason(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    sender = client.GroupSender(address, timeout_s=5)
+    sender = GroupSender(address, timeout_s=5)
     g = make_group(group_id="abc")
     ack = sender.send("abc", encode_group(g))
     assert ack.status == "ok" and ack.stream_id
@@ -38,7 +30,7 @@ def test_groups_are_appended_once_and_bad_ones_rejected_with_reason(procs, redis
     wrong_run = sender.send("w", encode_group(make_group(group_id="w", run_id="other")))
     assert wrong_run.reason == "wrong_run"
 
-    stats = client.read_stats(r, keys, "broker")
+    stats = read_stats(r, keys, "broker")
     assert stats["accepted"] == 1 and stats["duplicate"] == 1
     assert stats["rejected:not_msgpack"] == 1 and stats["rejected:bad_logprob"] == 1
     assert r.xlen(keys.dead_letter) == 3
@@ -48,7 +40,7 @@ def test_groups_are_appended_once_and_bad_ones_rejected_with_reason(procs, redis
 def test_full_queue_answers_busy_until_the_learner_consumes(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=2)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    sender = client.GroupSender(address, timeout_s=5)
+    sender = GroupSender(address, timeout_s=5)
     for i in range(2):
         assert sender.send(f"g{i}", encode_group(make_group(group_id=f"g{i}"))).status == "ok"
     try:
@@ -57,7 +49,7 @@ def test_full_queue_answers_busy_until_the_learner_consumes(procs, redis_url, tm
     except TimeoutError:
         pass
     assert sender.busy_waits > 0
-    assert client.read_stats(r, keys, "broker")["busy"] >= 1
+    assert read_stats(r, keys, "broker")["busy"] >= 1
     oldest = r.xrange(keys.trajectories, count=1)[0][0]
     r.xdel(keys.trajectories, oldest)  # the learner consumed one
     assert sender.send("g2", encode_group(make_group(group_id="g2"))).status == "ok"

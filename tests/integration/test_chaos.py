@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from broker.keys import Keys
-from tests.conftest import ROOT, child_env
+from broker.protocol.keys import Keys
+from tests.support.services import ROOT, child_env
 
 STEPS = 400  # a run without kills reaches a mean reward above 0.95 within 250-500 steps (about 60-90 s idle)
 REWARD_TARGET = 0.5  # mean reward of the last 10% of trained groups; it starts at about 0.05. Not 0.8: runs of

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.conftest import child_env, relay
+from tests.support.services import child_env, relay
 
 SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner", "status"]
 

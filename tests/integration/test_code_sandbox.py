@@ -11,7 +11,7 @@ import pytest
 
 from reward_service.builtin import sandbox
 from reward_service.plugins import REGISTRY, Item
-from tests.conftest import ROOT
+from tests.support.services import ROOT
 
 
 def score(items, **options):

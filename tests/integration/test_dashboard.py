@@ -17,8 +17,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, child_env, relay
-from tests.integration.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
+from tests.support.services import ROOT, child_env, relay
+from tests.support.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
 
 DOCS = (ROOT / "docs" / "dashboard.md").read_text()
 

@@ -14,13 +14,13 @@ import redis
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import client
-from broker.keys import Keys
-from deploy.procs import free_port
+from broker.client.telemetry import read_stats
+from broker.protocol.keys import Keys
+from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import relay, start_service, wait_http, wait_until
-from tests.integration.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
+from tests.support.services import relay, start_service, wait_http, wait_until
+from tests.support.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
 
 
 def _gen_cfg(gid: str, redis_url: str, ingest: int, reward: int) -> dict:
@@ -84,7 +84,7 @@ def test_stale_hash_backpressure_and_death_are_flagged(procs, redis_url, tmp_pat
     # nobody consumes the queue (3 groups at most): the generators are paused by back-pressure
     wait_until(lambda: any(g["state"] == "paused_backpressure" for g in gens().values()), 60,
                "a generator paused by back-pressure")
-    assert client.read_stats(r, keys, "broker")["busy"] >= 1
+    assert read_stats(r, keys, "broker")["busy"] >= 1
     st = wait_until(lambda: (st := state())["failures"]["reward_failures"] >= 2 and st, 30, "reward failures")
     assert set(st["failures"]["reward_failures_by_plugin"]) == {"reward_service"}
     gen_b_metrics = httpx.get(f"http://127.0.0.1:{gens()['gen-b']['metrics_port']}/metrics", timeout=10).text
@@ -105,7 +105,7 @@ def test_stale_hash_backpressure_and_death_are_flagged(procs, redis_url, tmp_pat
 
 def _check_page(request, url: str, served: str, announced: str) -> bool:
     """The browser half of the test; False (after the API checks) when no browser is available."""
-    from tests.integration.browser import chromium_or_skip
+    from tests.support.browser import chromium_or_skip
 
     try:
         chromium_or_skip()

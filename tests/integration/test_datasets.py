@@ -9,11 +9,11 @@ import time
 import pytest
 import redis
 
-from broker.datasets import chat_ids
-from broker.keys import PROMPTS_GROUP, Keys
-from broker.protocol import decode_group
-from deploy.procs import free_port
-from tests.conftest import relay, start_service, wait_http, wait_until
+from broker.prompts.datasets import chat_ids
+from broker.protocol.keys import PROMPTS_GROUP, Keys
+from broker.protocol.group import decode_group
+from deploy.launcher.procs import free_port
+from tests.support.services import relay, start_service, wait_http, wait_until
 
 TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}={% endif %}")

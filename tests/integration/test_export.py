@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from broker import weightstore
-from tests.conftest import ROOT, child_env, relay
+from broker.protocol import weightstore
+from tests.support.services import ROOT, child_env, relay
 
 PROMPTS = ["473=", "120=", "999=", "5=", "31+4="]
 
@@ -30,7 +30,7 @@ def run(tmp_path_factory):
 def torch_backend_greedy(snapshot, prompts, max_tokens=8):
     """What a generator serving ``snapshot`` answers greedily (top_k = 1)."""
     from generators.config import SamplingConfig, TorchBackendConfig
-    from generators.torch_backend import TorchBackend
+    from generators.backends.torch import TorchBackend
 
     b = TorchBackend(TorchBackendConfig())
     b.load(str(snapshot))

@@ -12,11 +12,12 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from broker import client
-from broker.keys import Keys
-from broker.protocol import decode_ack, encode_group
-from tests.integration.test_broker import start_broker
-from tests.unit.test_protocol import make_group
+from broker.client.telemetry import read_stats
+from broker.protocol.keys import Keys
+from broker.protocol.group import encode_group
+from broker.protocol.messages import decode_ack
+from tests.support.services import start_broker
+from tests.support.data import make_group
 
 N = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "100000"))
 BATCH = 100
@@ -94,7 +95,7 @@ def test_ingest_survives_and_accounts_for_every_message(procs, redis_url, tmp_pa
     sent = sum(outcomes.values())
     assert sent >= N and broker.alive()
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    stats = client.read_stats(r, keys, "broker")
+    stats = read_stats(r, keys, "broker")
     assert stats.get("accepted", 0) == outcomes["ok"] == r.xlen(keys.trajectories)
     assert stats.get("duplicate", 0) == outcomes["duplicate"]
     assert stats.get("rejected_total", 0) == outcomes["rejected"]

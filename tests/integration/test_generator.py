@@ -10,13 +10,14 @@ import pytest
 import redis
 import torch
 
-from broker import client
-from broker.keys import Keys
-from broker.protocol import decode_group
+from broker.client.announcements import announce
+from broker.client.telemetry import read_heartbeats
+from broker.protocol.keys import Keys
+from broker.protocol.group import decode_group
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import (generator_cfg, needs_gpu, recompute_logprobs, start_broker_and_reward, start_service,
-                            wait_until)
+from tests.support.models import needs_gpu, recompute_logprobs
+from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
 SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 0.8, "top_k": 8, "top_p": 0.95}
@@ -62,7 +63,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     for s in g.samples:
         assert s.version_runs == [[0, len(s.completion_ids)]]
         assert s.reward_status == "ok" and 0.0 <= s.reward <= 1.0
-    engine = client.generators(r, keys)["g0"]["engine"]
+    engine = read_heartbeats(r, keys)["g0"]["engine"]
     assert engine["pid"] == gen.pid
 
     # a new version is applied in place (same process) and reported with its hash
@@ -70,7 +71,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # every tensor changes differently: a stale one shows
     a1 = pub.publish(model, model.state_dict(), 1)
-    hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["version"] == 1 and h,
+    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["version"] == 1 and h,
                     timeout=timeout, what="version 1 applied")
     assert hb["hash"] == a1.hash and hb["updates"] == 2 and gen.alive()
     # the new weights really serve: log-probs of a version-1 group match version 1's recomputation
@@ -79,8 +80,8 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     _check_logprobs(model, g1, atol)
 
     # a snapshot corrupted after its announcement is refused; version 1 keeps serving, visibly
-    import broker.weightstore as ws
-    from broker.protocol import Announcement
+    from broker.protocol import weightstore as ws
+    from broker.protocol.messages import Announcement
 
     staging = ws.staging_dir(tmp_path / "weights", 2)
     for f in ws.version_dir(tmp_path / "weights", 1).iterdir():
@@ -90,8 +91,8 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     with open(p2 / "model.safetensors", "r+b") as f:
         f.seek(200)
         f.write(b"\xff\xff\xff\xff")
-    client.announce(r, keys, Announcement(2, h2, str(p2)))
-    hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["refused_updates"] >= 1 and h,
+    announce(r, keys, Announcement(2, h2, str(p2)))
+    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["refused_updates"] >= 1 and h,
                     what="refusal reported")
     assert hb["version"] == 1 and hb["hash"] == a1.hash and hb["refused"] == {h2: "corrupt_file"}
     time.sleep(1.0)
@@ -107,7 +108,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)  # every tensor changes differently: a stale one shows
         a = pub.publish(model, model.state_dict(), v)
-        hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["version"] == v and h,
+        hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["version"] == v and h,
                         timeout=timeout, what=f"version {v} applied")
         assert hb["hash"] == a.hash and hb["engine"]["pid"] == engine["pid"]
         assert hb["engine"]["engine_id"] == engine["engine_id"], "the engine object was rebuilt"

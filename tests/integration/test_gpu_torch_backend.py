@@ -9,9 +9,9 @@ import math
 import torch
 
 from generators.config import SamplingConfig, TorchBackendConfig
-from generators.torch_backend import TorchBackend
+from generators.backends.torch import TorchBackend
 from learner.tiny_model import build_tiny_model
-from tests.conftest import needs_gpu, recompute_logprobs
+from tests.support.models import needs_gpu, recompute_logprobs
 
 pytestmark = needs_gpu()
 

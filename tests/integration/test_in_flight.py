@@ -30,10 +30,10 @@ def test_continue_switches_weights_between_decode_steps(tmp_path, kind):
     v0 = build_tiny_model(tmp_path / "v0", vllm_compatible=True)
     v1 = _uniform_copy(v0, tmp_path / "v1")
     if kind == "torch":
-        from generators.torch_backend import TorchBackend
+        from generators.backends.torch import TorchBackend
         backend = TorchBackend(TorchBackendConfig())
     else:
-        from generators.vllm_backend import VLLMBackend
+        from generators.backends.vllm import VLLMBackend
         backend = VLLMBackend(VLLMBackendConfig())
     backend.load(str(v0))
     calls = []

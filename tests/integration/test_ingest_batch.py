@@ -5,12 +5,16 @@ import msgpack
 import pytest
 import redis
 
-from broker import client
-from broker.keys import TRAJECTORIES_GROUP, Keys
-from broker.protocol import Announcement, encode_group
-from broker.service import Broker, BrokerConfig
-from tests.integration.test_broker import start_broker
-from tests.unit.test_protocol import make_group
+from broker.client.announcements import announce
+from broker.client.sender import GroupSender
+from broker.client.telemetry import read_stats
+from broker.protocol.keys import TRAJECTORIES_GROUP, Keys
+from broker.protocol.group import encode_group
+from broker.protocol.messages import Announcement
+from broker.config import BrokerConfig
+from broker.service import Broker
+from tests.support.services import start_broker
+from tests.support.data import make_group
 
 
 def _group(gid: str, **kw) -> bytes:
@@ -28,7 +32,7 @@ def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_ur
     bad["samples"][0]["logprobs"]["data"] = b"\x00\x00\x80\x3f" * 3  # +1.0: not a log-prob
     batch = [_group("a"), _group("a"), b"\x00garbage", _group("w", run_id="other"), _group("b"),
              msgpack.packb(bad), _group("b"), _group("c"), _group("d"), _group("a")]
-    acks = b.handle_batch(batch)
+    acks = b.ingest.handle_batch(batch)
     got = [(a.group_id, a.status, a.reason) for a in acks]
     assert got == [("a", "ok", ""), ("a", "duplicate", ""), ("", "rejected", "not_msgpack"),
                    ("w", "rejected", "wrong_run"), ("b", "ok", ""), ("neg", "rejected", "bad_logprob"),
@@ -36,7 +40,7 @@ def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_ur
                    # the bound (3 unread) is reached inside the batch: busy, checked before duplicates
                    ("d", "busy", ""), ("a", "busy", "")]
     assert len({a.stream_id for a in acks if a.status == "ok"}) == 3
-    stats = client.read_stats(r, keys, "broker")
+    stats = read_stats(r, keys, "broker")
     assert stats["accepted"] == 3 and stats["duplicate"] == 2 and stats["busy"] == 2
     assert stats["rejected:not_msgpack"] == 1 and stats["rejected:wrong_run"] == 1
     assert stats["rejected:bad_logprob"] == 1 and stats["rejected_total"] == 3
@@ -46,30 +50,30 @@ def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_ur
 
     # groups read by the learner (pending) no longer count against the bound
     r.xreadgroup(TRAJECTORIES_GROUP, "learner-0", {keys.trajectories: ">"}, count=2)
-    assert [a.status for a in b.handle_batch([_group("d"), _group("e"), _group("f")])] == ["ok", "ok", "busy"]
+    assert [a.status for a in b.ingest.handle_batch([_group("d"), _group("e"), _group("f")])] == ["ok", "ok", "busy"]
     assert r.xlen(keys.trajectories) == 5
 
 
 def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url):
     b = _broker(redis_url)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    assert b.handle(_group("before")).status == "ok"  # nothing announced: not checked
-    client.announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"))
-    b._read_latest()  # the broker has cached version 2
-    client.announce(r, keys, Announcement(version=4, hash="ab" * 32, path="/x"))
+    assert b.ingest.handle(_group("before")).status == "ok"  # nothing announced: not checked
+    announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"))
+    b.ingest._read_latest()  # the broker has cached version 2
+    announce(r, keys, Announcement(version=4, hash="ab" * 32, path="/x"))
     # within the cache's lifetime, version 4 is ahead of the cached 2: a fresh read, not a rejection
-    assert b.handle(_group("v4")).status == "ok"
-    client.announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"))
-    b._read_latest()
-    ack = b.handle(_group("v4-again"))
+    assert b.ingest.handle(_group("v4")).status == "ok"
+    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"))
+    b.ingest._read_latest()
+    ack = b.ingest.handle(_group("v4-again"))
     assert ack.status == "rejected" and ack.reason == "version_ahead"
-    assert client.read_stats(r, keys, "broker")["rejected:version_ahead"] == 1
+    assert read_stats(r, keys, "broker")["rejected:version_ahead"] == 1
 
 
 def test_send_many_windows_groups_through_a_real_broker(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=1000)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    sender = client.GroupSender(address, timeout_s=5)
+    sender = GroupSender(address, timeout_s=5)
     items = [(f"g{i}", _group(f"g{i}")) for i in range(40)]
     acks = sender.send_many(items, window=16)
     assert sorted(acks) == sorted(g for g, _ in items) and {a.status for a in acks.values()} == {"ok"}
@@ -84,7 +88,7 @@ def test_send_many_windows_groups_through_a_real_broker(procs, redis_url, tmp_pa
 def test_send_many_meets_the_bound_exactly_and_backs_off(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=5)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    sender = client.GroupSender(address, timeout_s=5)
+    sender = GroupSender(address, timeout_s=5)
     items = [(f"g{i}", _group(f"g{i}")) for i in range(8)]
     with pytest.raises(TimeoutError):
         sender.send_many(items, window=8, give_up_s=1.0)

@@ -3,7 +3,7 @@ its own half of every batch, hold identical weights after every step."""
 
 import json
 
-from tests.conftest import relay
+from tests.support.services import relay
 
 
 def test_two_learner_ranks_stay_identical(tmp_path):

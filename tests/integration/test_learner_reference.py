@@ -4,7 +4,7 @@ weights and adds a KL(π_θ || π_ref) term; the entropy of the sampling distrib
 import json
 import math
 
-from tests.conftest import relay
+from tests.support.services import relay
 
 
 def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path):

@@ -6,13 +6,13 @@ import json
 
 import redis
 
-from broker import client
-from broker.keys import Keys
-from tests.conftest import generator_cfg, start_broker_and_reward, start_service, wait_until
+from broker.client.telemetry import read_stats
+from broker.protocol.keys import Keys
+from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
 def _step(r, keys) -> int:
-    return int(client.read_stats(r, keys, "learner").get("step", 0))
+    return int(read_stats(r, keys, "learner").get("step", 0))
 
 
 def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path):
@@ -49,7 +49,7 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     assert not lost, f"{len(lost)} groups lost"
     assert not (set(trained) & dropped)
     # admission control counted each group once, the ones trained again after the restart included
-    consumed = int(client.read_stats(r, keys, "learner")["consumed"])
+    consumed = int(read_stats(r, keys, "learner")["consumed"])
     assert consumed == len(trained) + len(dropped), (consumed, len(trained), len(dropped))
     assert r.scard(keys.counted) == 0  # every counted group was committed
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT, child_env, relay
+from tests.support.services import ROOT, child_env, relay
 
 
 def test_loop_learns_and_versions_advance(tmp_path):
@@ -32,7 +32,7 @@ def test_loop_learns_and_versions_advance(tmp_path):
     for name in ("redis", "broker", "reward", "learner", "gen-0", "gen-1"):
         assert (run / "logs" / f"{name}.log").is_file()
     # every published version is an immutable, verified snapshot; old ones are pruned
-    from broker import weightstore
+    from broker.protocol import weightstore
 
     versions = weightstore.list_versions(run / "weights")
     assert versions[-1] == 100 and len(versions) <= 8

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.metrics import MetricsServer, labelled_registry
+from broker.runtime.metrics import MetricsServer, labelled_registry
 
 
 def test_port_zero_picks_a_free_port_and_serves_labelled_metrics():

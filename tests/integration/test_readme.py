@@ -5,7 +5,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.conftest import ROOT, child_env
+from tests.support.services import ROOT, child_env
 
 README = (ROOT / "README.md").read_text()
 

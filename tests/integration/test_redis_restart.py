@@ -8,12 +8,12 @@ import time
 
 import redis
 
-from broker import client
-from broker.keys import Keys
-from broker.protocol import encode_group
-from deploy.procs import ProcessGroup, free_port, start_redis
-from tests.integration.test_broker import start_broker
-from tests.unit.test_protocol import make_group
+from broker.client.sender import GroupSender
+from broker.protocol.keys import Keys
+from broker.protocol.group import encode_group
+from deploy.launcher.procs import ProcessGroup, free_port, start_redis
+from tests.support.services import start_broker
+from tests.support.data import make_group
 
 
 def test_acknowledged_groups_survive_a_redis_kill(procs, tmp_path):
@@ -28,7 +28,7 @@ def test_acknowledged_groups_survive_a_redis_kill(procs, tmp_path):
         stop = threading.Event()
 
         def produce():
-            sender = client.GroupSender(address, timeout_s=2.0)
+            sender = GroupSender(address, timeout_s=2.0)
             i = 0
             while not stop.is_set():
                 gid = f"g{i}"

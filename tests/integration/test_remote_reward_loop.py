@@ -1,10 +1,9 @@
 """The loop trains on the scores of a separate reward server written from docs/rewards.md
-(tests/remote_reward_server.py, stdlib only), registered as a remote plugin; when that server
+(tests/support/remote_reward_server.py, stdlib only), registered as a remote plugin; when that server
 answers 500, hangs or returns garbage, items fail with the right reason, the run goes on, and the
 reward service's /metrics and the generators' heartbeats count the failures."""
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -12,29 +11,20 @@ import time
 import httpx
 import pytest
 
-from broker import client
-from broker.keys import Keys
-from deploy.procs import free_port
-from tests.conftest import ROOT, child_env, wait_http
+from broker.client.connection import connect_redis
+from broker.client.telemetry import read_heartbeats
+from broker.protocol.keys import Keys
+from deploy.launcher.procs import free_port
+from tests.support.services import ROOT, child_env, metric_value, wait_http
 
 STEPS, GROUPS, N = 20, 4, 4
-
-
-def _metric(text: str, name: str, **labels) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 @pytest.mark.slow
 def test_loop_trains_on_a_remote_reward_server_and_survives_its_failures(procs, tmp_path):
     port = free_port()
     env = dict(child_env(), REMOTE_TOKEN="s3cret-token")
-    server = procs.start("remote", [sys.executable, str(ROOT / "tests" / "remote_reward_server.py"), "--port",
+    server = procs.start("remote", [sys.executable, str(ROOT / "tests" / "support" / "remote_reward_server.py"), "--port",
                                     str(port), "--token-env", "REMOTE_TOKEN"], env=env)
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/stats", server)
@@ -74,15 +64,15 @@ sampling = {{ n = {N} }}
             assert up.poll() is None and time.monotonic() < deadline, up.stdout.read() if up.poll() is not None else ""
             time.sleep(0.5)
         reward = f"http://127.0.0.1:{json.loads((run / 'config' / 'reward.json').read_text())['port']}"
-        r = client.connect_redis(json.loads((run / "config" / "learner.json").read_text())["redis_url"])
+        r = connect_redis(json.loads((run / "config" / "learner.json").read_text())["redis_url"])
         keys = Keys("remote")
 
         def heartbeat_failures() -> int:
-            return sum(int(hb.get("reward_failures", 0)) for hb in client.generators(r, keys).values())
+            return sum(int(hb.get("reward_failures", 0)) for hb in read_heartbeats(r, keys).values())
 
         seen = {}
         for mode, reason in (("500", "remote_http_500"), ("hang", "remote_timeout"), ("garbage", "remote_malformed")):
-            before = _metric(httpx.get(f"{reward}/metrics").text, "relay_reward_items_total", plugin="scorer",
+            before = metric_value(httpx.get(f"{reward}/metrics").text, "relay_reward_items_total", plugin="scorer",
                              status="failed", reason=reason)
             hb_before = heartbeat_failures()
             httpx.post(f"{base}/control", json={"mode": mode})
@@ -90,7 +80,7 @@ sampling = {{ n = {N} }}
             while True:
                 assert up.poll() is None, f"the run stopped during the {mode} phase:\n{up.stdout.read()}"
                 text = httpx.get(f"{reward}/metrics").text
-                now = _metric(text, "relay_reward_items_total", plugin="scorer", status="failed", reason=reason)
+                now = metric_value(text, "relay_reward_items_total", plugin="scorer", status="failed", reason=reason)
                 if now > before and heartbeat_failures() > hb_before:
                     break
                 assert time.monotonic() < t_end, f"no {reason} failure counted in the {mode} phase:\n{text}"
@@ -118,11 +108,11 @@ sampling = {{ n = {N} }}
     stats = httpx.get(f"{base}/stats").json()
     assert stats["items_scored"] >= STEPS * GROUPS * N, stats
     assert stats["unauthorized"] == 0  # the bearer token from token_env reached it
-    assert 0 < _metric(final_metrics, "relay_reward_items_total", plugin="scorer", status="ok") <= stats["items_scored"]
-    assert _metric(final_metrics, "relay_reward_items_total", plugin="digits") == 0
+    assert 0 < metric_value(final_metrics, "relay_reward_items_total", plugin="scorer", status="ok") <= stats["items_scored"]
+    assert metric_value(final_metrics, "relay_reward_items_total", plugin="digits") == 0
     # failures were failures: counted by plugin and reason, by the generators, and dropped by the learner
     assert all(v > 0 for v in seen.values()), seen
     assert hb_failures >= sum(seen.values())
-    assert _metric(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="http_500") > 0
-    assert _metric(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="timeout") > 0
+    assert metric_value(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="http_500") > 0
+    assert metric_value(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="timeout") > 0
     assert lines[-1]["groups_dropped_reward_failed"] > 0  # skip mode: all-failed groups dropped and counted

@@ -5,12 +5,12 @@ generator's scores arrive once it is back, instead of the batch being marked fai
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from broker.keys import Keys
-from broker.protocol import decode_group
-from deploy.procs import free_port
+from broker.protocol.keys import Keys
+from broker.protocol.group import decode_group
+from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import start_service, wait_http, wait_until
+from tests.support.services import start_service, wait_http, wait_until
 
 
 def _setup(procs, redis_url, tmp_path, run):

@@ -1,5 +1,5 @@
 """The reward service as a real process calling real HTTP servers: a remote reward server
-(tests/remote_reward_server.py) and an OpenAI-compatible judge; its own guards (bearer token,
+(tests/support/remote_reward_server.py) and an OpenAI-compatible judge; its own guards (bearer token,
 request size)."""
 
 import json
@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from deploy.procs import free_port
-from tests.conftest import ROOT, child_env, wait_http
-from tests.integration.test_remote_reward_loop import _metric
+from deploy.launcher.procs import free_port
+from tests.support.services import ROOT, child_env, wait_http
+from tests.support.services import metric_value
 
 ITEMS = [{"prompt": "12=", "completion": "12", "reference": "12", "task": "copy"},
          {"prompt": "12=", "completion": "19", "reference": "12", "task": "copy"}]
@@ -20,7 +20,7 @@ ITEMS = [{"prompt": "12=", "completion": "12", "reference": "12", "task": "copy"
 
 def _remote(procs, token: str = ""):
     port = free_port()
-    args = [sys.executable, str(ROOT / "tests" / "remote_reward_server.py"), "--port", str(port)]
+    args = [sys.executable, str(ROOT / "tests" / "support" / "remote_reward_server.py"), "--port", str(port)]
     env = child_env()
     if token:
         args += ["--token-env", "REMOTE_TOKEN"]
@@ -75,11 +75,11 @@ def test_remote_plugin_failures_are_failed_items_with_reasons_and_the_breaker_op
     assert [r["score"] for r in score()] == [1.0, 0.5]
     m = httpx.get(f"{base}/metrics").text
     for reason in ("remote_http_500", "remote_malformed", "remote_timeout", "remote_circuit_open"):
-        assert _metric(m, "relay_reward_items_total", plugin="rm", status="failed", reason=reason) >= 2, reason
-    assert _metric(m, "relay_reward_items_total", plugin="rm_notoken", reason="remote_http_401") == 2
-    assert _metric(m, "relay_reward_remote_requests_total", plugin="rm", outcome="http_500") == 2
-    assert _metric(m, "relay_reward_circuit_open", plugin="rm") == 0.0
-    assert _metric(m, "relay_reward_batch_seconds_count", plugin="rm") >= 6
+        assert metric_value(m, "relay_reward_items_total", plugin="rm", status="failed", reason=reason) >= 2, reason
+    assert metric_value(m, "relay_reward_items_total", plugin="rm_notoken", reason="remote_http_401") == 2
+    assert metric_value(m, "relay_reward_remote_requests_total", plugin="rm", outcome="http_500") == 2
+    assert metric_value(m, "relay_reward_circuit_open", plugin="rm") == 0.0
+    assert metric_value(m, "relay_reward_batch_seconds_count", plugin="rm") >= 6
 
 
 class Judge(BaseHTTPRequestHandler):

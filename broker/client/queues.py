@@ -1,0 +1,229 @@
+"""The streams of a run, behind a few functions: no service spells a Redis stream command itself.
+
+    prompts       the broker feeds it; generators claim (consumer group ``generators``), release when
+                  their group is safe in the replay queue; a dead generator's prompts are reclaimed
+    trajectories  the replay queue: the broker appends (one script: bound, de-dup, append), the
+                  learner reads (consumer group ``learner``), commits what it trained, drops the rest
+    eval_prompts  held-out prompts of evaluation rounds, claimed like prompts
+    eval_results  one entry per evaluated prompt
+    admission     the staleness bound that meters prompts into the loop (docs/protocol.md 7.4)
+
+Every Lua script is in broker/protocol/scripts.py; every key in broker/protocol/keys.py. ``pipe``
+arguments take a Redis pipeline, so a caller can make a stream write part of a larger atomic step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+
+from broker.protocol import scripts
+from broker.protocol.codec import ProtocolError
+from broker.protocol.group import Group, decode_group
+from broker.protocol.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+
+log = logging.getLogger(__name__)
+
+Entry = tuple[bytes, dict]  # (stream id, fields)
+
+
+def ensure_groups(r: redis.Redis, keys: Keys) -> None:
+    """Create the streams and their consumer groups (idempotent): prompts and eval prompts for the
+    generators, trajectories for the learner."""
+    for stream, group in ((keys.prompts, PROMPTS_GROUP), (keys.trajectories, TRAJECTORIES_GROUP),
+                          (keys.eval_prompts, PROMPTS_GROUP)):
+        try:
+            r.xgroup_create(stream, group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+
+def _decoded(entries) -> list[tuple[bytes, dict[str, str]]]:
+    return [(eid, {k.decode(): v.decode() for k, v in f.items()}) for eid, f in entries if f]
+
+
+# ----------------------------------------------------------------------------------------------
+# prompts and eval prompts: claimed by generators, released once their work is safe
+
+
+def claim_abandoned(r: redis.Redis, stream: str, consumer: str, idle_s: float, count: int
+                    ) -> list[tuple[bytes, dict[str, str]]]:
+    """Up to ``count`` entries of ``stream`` that another consumer has held for ``idle_s`` (a dead
+    generator's), now ``consumer``'s."""
+    _, claimed, _ = r.xautoclaim(stream, PROMPTS_GROUP, consumer, int(idle_s * 1000), count=count)
+    return _decoded(claimed)
+
+
+def claim_new(r: redis.Redis, stream: str, consumer: str, count: int, block_ms: int | None = None
+              ) -> list[tuple[bytes, dict[str, str]]]:
+    """Up to ``count`` entries of ``stream`` no generator has read yet, waiting up to ``block_ms``."""
+    resp = r.xreadgroup(PROMPTS_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
+    return [e for _, entries in resp or [] for e in _decoded(entries)]
+
+
+def release(pipe, stream: str, *eids: bytes) -> None:
+    """Acknowledge and delete claimed entries (queued on ``pipe``, a pipeline or a client)."""
+    pipe.xack(stream, PROMPTS_GROUP, *eids)
+    pipe.xdel(stream, *eids)
+
+
+def prompts_ready(r: redis.Redis, keys: Keys) -> int:
+    """Prompts in the prompts stream (fed, not yet released)."""
+    return int(r.xlen(keys.prompts))
+
+
+def add_prompt(pipe, stream: str, fields: dict) -> None:
+    """Queue one prompt (or held-out prompt) on ``pipe``."""
+    pipe.xadd(stream, fields)
+
+
+def add_eval_result(pipe, keys: Keys, round_: str, idx: str, data: str) -> None:
+    pipe.xadd(keys.eval_results, {"round": round_, "idx": idx, "data": data})
+
+
+def read_eval_results(r: redis.Redis, keys: Keys, after: str = "-", count: int = 1000) -> list[tuple[bytes, dict]]:
+    """Evaluation results after stream id ``after`` (exclusive; "-" from the start), raw fields."""
+    return r.xrange(keys.eval_results, min=after if after == "-" else f"({after}", max="+", count=count)
+
+
+# ----------------------------------------------------------------------------------------------
+# admission control (AReaL's rule, with drops and rejections given back)
+
+
+def admit(r: redis.Redis, keys: Keys, want: int) -> int:
+    """How many new prompts a generator may take now (0 = wait). Unbounded when the learner set no
+    admission parameters. Give back unused grants with ``unadmit``."""
+    return int(r.eval(scripts.ADMIT, 4, keys.admission, keys.stats("learner"), keys.stats("broker"), keys.issued,
+                      want))
+
+
+def unadmit(r: redis.Redis, keys: Keys, n: int) -> None:
+    if n > 0:
+        r.decrby(keys.issued, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# trajectories: the broker's side
+
+
+def append_groups(pipe, keys: Keys, max_queue_groups: int, groups: list[tuple[Group, bytes]]) -> None:
+    """Queue on ``pipe`` the atomic append of a batch of valid groups (bound, de-dup, XADD, counters).
+    Its reply, per group: ``b"B"`` busy, ``b"D"`` duplicate, else the new stream id."""
+    args: list = [max_queue_groups, TRAJECTORIES_GROUP]
+    for g, payload in groups:
+        args += [g.group_id, payload, g.min_version, g.generator_id]
+    # EVAL, not EVALSHA: a pipeline's registered script costs a SCRIPT EXISTS round trip per
+    # execute, and Redis caches the compiled body anyway
+    pipe.eval(scripts.APPEND_BATCH, 3, keys.seen, keys.trajectories, keys.stats("broker"), *args)
+
+
+def dead_letter(pipe, keys: Keys, reason: str, detail: str, payload: bytes, keep: int) -> None:
+    """Keep a rejected message (its first 64 KiB) for inspection, capped at about ``keep`` entries."""
+    pipe.xadd(keys.dead_letter, {"reason": reason, "detail": detail[:500], "data": payload[:65536]},
+              maxlen=keep, approximate=True)
+
+
+def pending_groups(r: redis.Redis, keys: Keys) -> int:
+    """Groups the learner has read but not yet acknowledged (being trained on)."""
+    try:
+        return int(r.xpending(keys.trajectories, TRAJECTORIES_GROUP)["pending"])
+    except redis.ResponseError:  # no stream or no consumer group yet (before the broker started)
+        return 0
+
+
+def queued_groups(r: redis.Redis, keys: Keys) -> int:
+    """Groups in the trajectories stream (waiting, and read but not yet acknowledged)."""
+    return int(r.xlen(keys.trajectories))
+
+
+def waiting_groups(r: redis.Redis, keys: Keys) -> int:
+    """Groups in the replay queue not yet read by the learner: the stream's length minus the groups
+    read but not yet acknowledged (those stay in the stream until a checkpoint holds them)."""
+    return max(0, queued_groups(r, keys) - pending_groups(r, keys))
+
+
+# ----------------------------------------------------------------------------------------------
+# trajectories: the learner's side
+
+
+@dataclass
+class TrajectoryReader:
+    """Reads groups through the ``learner`` consumer group. Nothing is acknowledged here: the learner
+    commits a group only once a checkpoint holds its training, or drops it (both below)."""
+
+    r: redis.Redis
+    keys: Keys
+    consumer: str = "learner-0"
+    _pending_cursor: str | None = "0"  # walks this consumer's pending list once, then None: new entries
+    undecodable: int = 0
+
+    def read(self, want: int, block_ms: int = 1000) -> list[tuple[bytes, Group | None]]:
+        """Up to ``want`` entries: first this consumer's unacknowledged ones (a previous learner's,
+        after a restart), each once, then new ones. Undecodable entries come back as (id, None) so
+        they are dropped and counted."""
+        start = self._pending_cursor or ">"
+        resp = self.r.xreadgroup(TRAJECTORIES_GROUP, self.consumer, {self.keys.trajectories: start},
+                                 count=want, block=None if start != ">" else block_ms)
+        entries = resp[0][1] if resp else []
+        if start != ">":
+            # the pending list keeps what we read until it is acknowledged: continue after the last id
+            self._pending_cursor = entries[-1][0].decode() if entries else None
+        out = []
+        for eid, fields in entries:
+            if not fields:  # deleted entry left in the pending list
+                out.append((eid, None))
+                continue
+            try:
+                out.append((eid, decode_group(fields[b"data"])))
+            except (ProtocolError, KeyError) as e:
+                self.undecodable += 1
+                log.error("undecodable stream entry %s: %s", eid, e)
+                out.append((eid, None))
+        return out
+
+    def wait_for(self, want: int, should_stop, timeout_s: float) -> list[tuple[bytes, Group | None]]:
+        """Block until ``want`` entries are read (or stop / timeout)."""
+        got: list = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < want and not should_stop():
+            new = self.read(want - len(got))
+            got.extend(new)
+            if new:
+                deadline = time.monotonic() + timeout_s
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"no data for {timeout_s}s: are the generators running?")
+        return got
+
+
+def count_trained(r: redis.Redis, keys: Keys, group_ids: list[str]) -> None:
+    """Count trained groups once each in ``consumed`` (admission control), before their commit."""
+    if group_ids:
+        r.register_script(scripts.COUNT_TRAINED)(keys=[keys.counted, keys.stats("learner")], args=group_ids)
+
+
+def commit(r: redis.Redis, keys: Keys, entries: list[tuple[str, str]], step: int) -> None:
+    """Acknowledge trained groups ``(stream id, group id)`` and record them once each in the audit log."""
+    if entries:
+        r.register_script(scripts.COMMIT)(keys=[keys.trained, keys.trained_log, keys.trajectories, keys.counted],
+                                          args=[step, TRAJECTORIES_GROUP, *[x for e in entries for x in e]])
+
+
+def drop(r: redis.Redis, keys: Keys, drops: list[tuple[bytes | str, str, str]]) -> None:
+    """Record, acknowledge, delete and count dropped groups ``(stream id, group id, reason)`` in one step."""
+    if drops:
+        r.register_script(scripts.DROP)(keys=[keys.dropped_log, keys.trajectories, keys.counted,
+                                              keys.stats("learner")],
+                                        args=[TRAJECTORIES_GROUP, *[x for d in drops for x in d]])
+
+
+def audit_records(r: redis.Redis, keys: Keys) -> tuple[list[bytes], set[bytes], set[bytes]]:
+    """Group ids committed as trained (one entry per commit, so repeats show double training), dropped,
+    and still queued: what ``relay up``'s audit reconciles with what the broker accepted."""
+    trained = [f[b"gid"] for _, f in r.xrange(keys.trained_log)]
+    dropped = {f[b"gid"] for _, f in r.xrange(keys.dropped_log)}
+    queued = {f[b"gid"] for _, f in r.xrange(keys.trajectories)}
+    return trained, dropped, queued

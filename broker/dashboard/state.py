@@ -1,0 +1,203 @@
+"""The run's state as the dashboard, ``/api/state`` and ``relay status`` show it, read from Redis.
+
+Everything here reads Redis only (no service internals), so any process that can reach the run's
+Redis can build it: the broker serves it over HTTP, ``relay status --redis-url`` prints it.
+
+A generator's shown ``state`` is the one its last heartbeat reported (``sampling``, ``updating``,
+``paused_staleness``, ``paused_backpressure``, ``draining``, ``stopped``, ...), except ``dead``
+when that heartbeat is older than ``dead_after_s`` and the generator did not report ``stopped``.
+``hash_ok`` is false when the hash it serves differs from the one announced for its version: the
+bug a glance must catch (a sync never delivered, a version stamp ahead of the weights).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+
+import redis
+
+from broker.client.announcements import announced_hashes, latest_announcement
+from broker.client import queues
+from broker.client.telemetry import read_after, read_heartbeats, read_stats
+from broker.protocol.keys import Keys
+
+log = logging.getLogger("relay.broker.state")
+
+# generator states as reported in heartbeats, and the two the dashboard derives
+PAUSED_STATES = ("paused_staleness", "paused_backpressure")
+
+
+def shown_state(hb: dict, now: float, dead_after_s: float) -> str:
+    """The state to display for one heartbeat: the reported one, or ``dead`` when it is too old."""
+    reported = hb.get("state") or "unknown"
+    last_seen = hb.get("last_seen")
+    if reported != "stopped" and (not isinstance(last_seen, (int, float)) or now - last_seen > dead_after_s):
+        return "dead"
+    return reported
+
+
+def _prefixed(stats: dict[str, float], prefix: str) -> dict[str, int]:
+    return {k[len(prefix):]: int(v) for k, v in sorted(stats.items()) if k.startswith(prefix)}
+
+
+def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: dict | None = None,
+                now: float | None = None) -> dict:
+    """The whole state (see docs/dashboard.md for every field). ``rates`` is the broker's
+    throughput estimate (``groups_in_per_s``, ``groups_out_per_s``); None outside the broker."""
+    now = time.time() if now is None else now
+    latest = latest_announcement(r, keys)
+    lv = latest.version if latest else None
+    heartbeats = read_heartbeats(r, keys)
+    served = [hb["version"] for hb in heartbeats.values() if isinstance(hb.get("version"), int)]
+    announced = announced_hashes(r, keys, served)
+    if latest is not None and announced.get(latest.version) is None:  # announced before `versions` existed
+        announced[latest.version] = latest.hash
+    gens = []
+    for gid, hb in sorted(heartbeats.items()):
+        v = hb.get("version")
+        expected = announced.get(v) if isinstance(v, int) else None
+        last_seen = hb.get("last_seen")
+        gens.append({
+            "id": gid,
+            "backend": hb.get("backend"),
+            "version": v,
+            "hash": hb.get("hash"),
+            "announced_hash": expected,
+            # a version served whose announced hash is known and differs: flagged red
+            "hash_ok": v is None or expected is None or hb.get("hash") == expected,
+            "lag": (lv - v) if lv is not None and isinstance(v, int) else None,
+            "last_seen": last_seen,
+            "age_s": round(now - last_seen, 3) if isinstance(last_seen, (int, float)) else None,
+            "state": shown_state(hb, now, dead_after_s),
+            "reported_state": hb.get("state"),
+            "last_update_latency_s": hb.get("last_update_latency_s"),
+            "tokens_per_s": hb.get("tokens_per_s"),
+            "tokens": hb.get("tokens"),
+            "groups_sent": hb.get("groups_sent"),
+            "groups_rejected": hb.get("groups_rejected"),
+            "updates": hb.get("updates"),
+            "refused_updates": hb.get("refused_updates"),
+            "refused": hb.get("refused") or {},
+            "reward_failures": hb.get("reward_failures"),
+            "reward_failures_by_plugin": hb.get("reward_failures_by_plugin") or {},
+            "metrics_port": hb.get("metrics_port"),
+        })
+    learner = read_stats(r, keys, "learner")
+    broker = read_stats(r, keys, "broker")
+    reward_failures: dict[str, int] = {}
+    for g in gens:
+        for plugin, n in g["reward_failures_by_plugin"].items():
+            reward_failures[plugin] = reward_failures.get(plugin, 0) + int(n)
+    return {
+        "run_id": keys.run_id,
+        "time": now,
+        "learner_version": lv,
+        "learner_hash": latest.hash if latest else None,
+        "learner_published_at": latest.published_at if latest else None,
+        "learner": learner,
+        "generators": gens,
+        "queue_depth": queues.waiting_groups(r, keys),
+        "pending_groups": queues.pending_groups(r, keys),
+        "prompts_ready": queues.prompts_ready(r, keys),
+        "rates": rates or {},
+        "broker": broker,
+        "failures": {
+            "rejected": _prefixed(broker, "rejected:"),
+            "learner_dropped": {k: int(v) for k, v in sorted(learner.items())
+                                if k.startswith("groups_dropped_") or k == "groups_undecodable"},
+            "reward_failures_by_plugin": dict(sorted(reward_failures.items())),
+            "reward_failures": sum(int(g["reward_failures"] or 0) for g in gens),
+            "refused_updates": sum(int(g["refused_updates"] or 0) for g in gens),
+        },
+        "flags": {
+            "hash_mismatch": [g["id"] for g in gens if not g["hash_ok"]],
+            "dead": [g["id"] for g in gens if g["state"] == "dead"],
+        },
+        "done": bool(r.exists(keys.done)),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# histories for the charts
+
+
+def learner_history(r: redis.Redis, keys: Keys, after: str | None = None, limit: int = 2000) -> list[dict]:
+    """Per-step learner metrics, each ``{"id": stream id, **metrics}`` (see learner/observe.py)."""
+    out = []
+    for eid, f in read_after(r, keys.learner_metrics, after, limit):
+        try:
+            out.append({"id": eid, **json.loads(f.get("data", "{}"))})
+        except json.JSONDecodeError:
+            out.append({"id": eid, "error": "unreadable entry"})
+    return out
+
+
+def events_history(r: redis.Redis, keys: Keys, after: str | None = None, limit: int = 2000) -> list[dict]:
+    """Events (published, applied, refused), each ``{"id", "kind", "t", **data}``."""
+    out = []
+    for eid, f in read_after(r, keys.events, after, limit):
+        try:
+            data = json.loads(f.get("data", "{}"))
+        except json.JSONDecodeError:
+            data = {"error": "unreadable entry"}
+        out.append({"id": eid, "kind": f.get("kind", "?"), "t": float(f.get("t", 0) or 0), **data})
+    return out
+
+
+class Throughput:
+    """Samples the queue and the group counters every ``every_s`` seconds (a thread in the broker)
+    and derives groups/s in (accepted by the broker) and out (consumed by the learner: trained or
+    dropped). Keeps the last ``keep`` samples for the charts; they live in the broker's memory
+    only (restarting the broker starts the throughput chart afresh)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, every_s: float = 1.0, keep: int = 3600, window_s: float = 10.0):
+        self.r, self.keys, self.every_s, self.window_s = r, keys, every_s, window_s
+        self.samples: deque[dict] = deque(maxlen=keep)
+        self.lock = threading.Lock()
+        self.errors = 0
+
+    def sample(self) -> dict:
+        pipe = self.r.pipeline()
+        pipe.hget(self.keys.stats("broker"), "accepted")
+        pipe.hget(self.keys.stats("learner"), "consumed")
+        accepted, consumed = pipe.execute()
+        depth = queues.queued_groups(self.r, self.keys)
+        pending = queues.pending_groups(self.r, self.keys)
+        s = {"t": round(time.time(), 3), "accepted": int(accepted or 0), "consumed": int(consumed or 0),
+             "queue_depth": max(0, int(depth) - pending), "pending": pending}
+        with self.lock:
+            old = next((o for o in reversed(self.samples) if s["t"] - o["t"] >= self.window_s), None)
+            if old is None and self.samples:
+                old = self.samples[0]
+            dt = s["t"] - old["t"] if old else 0.0
+            s["in_per_s"] = round((s["accepted"] - old["accepted"]) / dt, 3) if dt > 0 else 0.0
+            s["out_per_s"] = round((s["consumed"] - old["consumed"]) / dt, 3) if dt > 0 else 0.0
+            self.samples.append(s)
+        return s
+
+    def rates(self) -> dict:
+        with self.lock:
+            last = self.samples[-1] if self.samples else None
+        return {"groups_in_per_s": last["in_per_s"], "groups_out_per_s": last["out_per_s"]} if last else {}
+
+    def history(self, after: float | None = None) -> list[dict]:
+        with self.lock:
+            return [s for s in self.samples if after is None or s["t"] > after]
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.every_s):
+            try:
+                self.sample()
+            except redis.RedisError as e:  # Redis restarting: the chart has a gap, the broker goes on
+                self.errors += 1
+                if self.errors % 30 == 1:
+                    log.warning("throughput sampling failed (%d so far): %s", self.errors, e)
+
+    def start(self, stop: threading.Event) -> threading.Thread:
+        t = threading.Thread(target=self.run, args=(stop,), name="throughput", daemon=True)
+        t.start()
+        return t

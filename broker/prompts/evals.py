@@ -1,0 +1,216 @@
+"""Evaluation during training: a held-out prompt set, evaluated every N published versions by the
+generators, between their training batches (docs/eval.md).
+
+The broker schedules the rounds (:class:`EvalScheduler`): when the announced version enters a new
+multiple of ``every_versions`` (version 0 included), and once more for the final version when the
+learner marks the run done, it appends the held-out prompts to the ``eval_prompts`` stream, each
+entry tagged with the round (the version that triggered it) and the sampling to use. Generators
+claim them through the consumer group ``generators`` (generators/eval.py), generate greedily
+and/or ``samples`` completions at the training temperature with the version they serve (at least
+the round's), score them through the reward service, and append one entry per prompt to
+``eval_results``. Nothing of this reaches the broker's ingest, the admission counters or the
+learner: evaluation never changes what is trained.
+
+:class:`EvalHistory` aggregates the results per round: pass@1, pass@k, mean reward and mean
+response length; the dashboard, ``/metrics``, ``relay up``'s ``summary.json`` and the run records
+read it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from math import comb
+
+import redis
+from pydantic import Field
+
+from broker.client import queues
+from broker.client.announcements import latest_announcement
+from broker.client.telemetry import emit_event
+from broker.runtime.config import StrictModel
+from broker.prompts.datasets import DatasetConfig, Position
+from broker.protocol.keys import Keys
+
+log = logging.getLogger("relay.broker.eval")
+
+
+class EvalConfig(StrictModel):
+    """Evaluation on a held-out set during training."""
+
+    every_versions: int = Field(100, ge=0, description="evaluate when the announced version reaches a new multiple "
+                                "of this (version 0 included); 0 = no evaluation")
+    final: bool = Field(True, description="also evaluate the last version when the learner finishes")
+    prompts: int = Field(32, ge=1, le=100_000, description="held-out prompts per round")
+    greedy: bool = Field(True, description="one greedy completion per prompt (top_k = 1); pass@1 is its "
+                         "correctness")
+    samples: int = Field(0, ge=0, le=256, description="k completions per prompt at the training temperature, for "
+                         "pass@k (0 = none; without greedy, pass@1 is estimated from them)")
+    max_tokens: int | None = Field(None, ge=1, description="most new tokens per completion; null = the "
+                                   "generators' sampling.max_tokens")
+    threshold: float = Field(1.0, description="a completion is correct when its reward is at least this")
+    dataset: DatasetConfig | None = Field(None, description="the held-out set (same fields as broker.dataset; "
+                                          "its first `prompts` records in its order); null = prompts of the "
+                                          "built-in task drawn with `seed`, or broker.dataset's rows before its "
+                                          "`start` when it has one")
+    seed: int = Field(1_000_003, description="seed of the built-in task's held-out prompts (differs from the "
+                      "training seed)")
+
+
+# ------------------------------------------------------------------------------------------------
+# scheduling (broker)
+
+
+class EvalScheduler:
+    """Appends a round of held-out prompts when one is due (call :meth:`tick` from the broker loop)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: EvalConfig, make_source, check_every_s: float = 0.2):
+        self.r, self.keys, self.cfg = r, keys, cfg
+        self.make_source = make_source  # () -> a source with take(k, Position), or None while not ready
+        self.check_every_s = check_every_s
+        self._next_check = 0.0
+        self._records = None
+        self.rounds: dict[int, dict] = {int(v): json.loads(m) for v, m in r.hgetall(keys.eval_rounds).items()}
+
+    def _held_out(self):
+        if self._records is None:
+            source = self.make_source()
+            if source is None:
+                return None
+            got, _ = source.take(self.cfg.prompts, Position())
+            if not got:
+                raise ValueError("the evaluation set yielded no prompts")
+            self._records = [rec for _, _, rec in got]
+            if len(self._records) < self.cfg.prompts:
+                log.warning("the evaluation set has only %d prompts (eval.prompts = %d)", len(self._records),
+                            self.cfg.prompts)
+        return self._records
+
+    def tick(self) -> int | None:
+        """Enqueue a due round; return its version (None when nothing was due)."""
+        every = self.cfg.every_versions
+        if not every or time.monotonic() < self._next_check:
+            return None
+        self._next_check = time.monotonic() + self.check_every_s
+        latest = latest_announcement(self.r, self.keys)
+        if latest is None:
+            return None
+        v = latest.version
+        done_rounds = {x // every for x, m in self.rounds.items() if not m.get("final")}
+        done = bool(self.r.exists(self.keys.done))
+        if v in self.rounds or (v // every in done_rounds and not (self.cfg.final and done)):
+            return None
+        final = done
+        records = self._held_out()
+        if records is None:
+            return None
+        meta = {"version": v, "prompts": len(records), "greedy": self.cfg.greedy, "samples": self.cfg.samples,
+                "threshold": self.cfg.threshold, "final": final, "enqueued_at": time.time()}
+        pipe = self.r.pipeline(transaction=True)  # the round's prompts and its record together
+        for i, rec in enumerate(records):
+            queues.add_prompt(pipe, self.keys.eval_prompts, {**rec.fields(), "round": v, "idx": i,
+                                                             "greedy": int(self.cfg.greedy), "samples": self.cfg.samples,
+                                                             "max_tokens": self.cfg.max_tokens or 0})
+        pipe.hset(self.keys.eval_rounds, str(v), json.dumps(meta))
+        pipe.execute()
+        self.rounds[v] = meta
+        emit_event(self.r, self.keys, "eval_round", version=v, prompts=len(records), final=final)
+        log.info("evaluation round at version %d: %d prompts%s", v, len(records), " (final)" if final else "")
+        return v
+
+
+# ------------------------------------------------------------------------------------------------
+# aggregation (anyone who can read Redis)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize_round(meta: dict, results: dict[int, dict]) -> dict:
+    """One round's numbers from its per-prompt results (``idx -> result``; generators/eval.py)."""
+    thr = float(meta.get("threshold", 1.0))
+    k = int(meta.get("samples") or 0)
+    greedy = bool(meta.get("greedy"))
+
+    def ok(c: dict) -> bool:
+        return c.get("status") == "ok" and c.get("reward") is not None
+
+    def correct(c: dict) -> bool:
+        return ok(c) and float(c["reward"]) >= thr - 1e-9
+
+    firsts, at_k, rewards, lengths, failures = [], [], [], [], 0
+    sample_rewards = []
+    for res in results.values():
+        samples = res.get("samples") or []
+        comps = ([res["greedy"]] if greedy and res.get("greedy") else []) + samples
+        failures += sum(not ok(c) for c in comps)
+        if greedy and res.get("greedy"):
+            g = res["greedy"]
+            firsts.append(1.0 if correct(g) else 0.0)
+            if ok(g):
+                rewards.append(float(g["reward"]))
+            lengths.append(g.get("length", 0))
+        elif samples:
+            firsts.append(pass_at_k(len(samples), sum(map(correct, samples)), 1))
+            rewards.extend(float(c["reward"]) for c in samples if ok(c))
+            lengths.extend(c.get("length", 0) for c in samples)
+        if k and samples:
+            at_k.append(pass_at_k(len(samples), sum(map(correct, samples)), min(k, len(samples))))
+            sample_rewards.extend(float(c["reward"]) for c in samples if ok(c))
+    out = {
+        "version": int(meta["version"]),
+        "pass@1": _mean(firsts),
+        "pass@k": _mean(at_k) if k else None,
+        "k": k or None,
+        "mean_reward": _mean(rewards),
+        "mean_length": _mean([float(x) for x in lengths]),
+        "n_prompts": len(results),
+        "prompts": int(meta.get("prompts", 0)),
+        "complete": len(results) >= int(meta.get("prompts", 0)),
+        "reward_failures": failures,
+        "versions_served": sorted({int(r["version"]) for r in results.values() if "version" in r}),
+        "final": bool(meta.get("final")),
+    }
+    if greedy and k:
+        out["sample_mean_reward"] = _mean(sample_rewards)
+    return out
+
+
+class EvalHistory:
+    """The rounds so far, read incrementally from Redis (``rounds()`` is cheap to call every second)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys):
+        self.r, self.keys = r, keys
+        self._after = "-"
+        self._results: dict[int, dict[int, dict]] = defaultdict(dict)
+
+    def rounds(self) -> list[dict]:
+        meta = {int(v): json.loads(m) for v, m in self.r.hgetall(self.keys.eval_rounds).items()}
+        while True:
+            entries = queues.read_eval_results(self.r, self.keys, self._after)
+            if not entries:
+                break
+            for eid, f in entries:
+                try:
+                    res = json.loads(f[b"data"])
+                    # a prompt evaluated twice (reclaimed after a generator died) counts once
+                    self._results[int(f[b"round"])].setdefault(int(f[b"idx"]), res)
+                except (KeyError, ValueError):
+                    log.warning("unreadable evaluation result %s", eid)
+            self._after = entries[-1][0].decode()
+        return [summarize_round(meta[v], self._results.get(v, {})) for v in sorted(meta)]
+
+
+def history_for_summary(r: redis.Redis, keys: Keys) -> list[dict]:
+    """summary.json's ``eval``: one entry per round, oldest first."""
+    return EvalHistory(r, keys).rounds()

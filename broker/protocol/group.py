@@ -1,0 +1,292 @@
+"""The group message: a scored group of completions of one prompt (generator -> broker -> learner),
+the unit of transport and of training. :func:`decode_group` is where every group is validated:
+anything wrong raises :class:`ProtocolError` with a stable ``reason`` (docs/protocol.md section 4).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from broker.protocol.codec import (SCHEMA_VERSION, ProtocolError, decode_array, encode_array, get_field,
+                                   optional_field, unpack_map)
+
+FINISH_REASONS = ("stop", "length")
+REWARD_STATUSES = ("ok", "failed")
+
+
+# ----------------------------------------------------------------------------------------------
+# version runs: per-token policy versions in run-length form, [[version, count], ...]
+
+
+def versions_to_runs(versions: list[int] | np.ndarray) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in versions:
+        v = int(v)
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return runs
+
+
+def runs_to_versions(runs: list[list[int]]) -> np.ndarray:
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.full(n, v, dtype=np.int64) for v, n in runs])
+
+
+# ----------------------------------------------------------------------------------------------
+# group
+
+
+@dataclass
+class Sample:
+    """One completion of a group.
+
+    completion_ids: int32 [T] token ids the generator sampled (EOS included when finished).
+    logprobs:       float32 [T] behaviour log-prob of each sampled token under the distribution
+                    actually sampled from (temperature / top-p / top-k applied).
+    version_runs:   the policy version of each token in run-length form [[version, count], ...];
+                    counts sum to T.
+    finish_reason:  "stop" (EOS) or "length" (max_tokens reached).
+    reward:         the score, or None when reward_status is "failed".
+    reward_status:  "ok" or "failed"; a failed reward is never a silent 0.
+    reward_details: free-form map of named sub-scores / failure reason from the reward service.
+    """
+
+    completion_ids: np.ndarray
+    logprobs: np.ndarray
+    version_runs: list[list[int]]
+    finish_reason: str
+    reward: float | None = None
+    reward_status: str = "ok"
+    reward_details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def versions(self) -> np.ndarray:
+        return runs_to_versions(self.version_runs)
+
+    @property
+    def min_version(self) -> int:
+        return min((v for v, _ in self.version_runs), default=0)
+
+
+@dataclass
+class Group:
+    """A group of n completions of one prompt, scored. The unit of transport and of training.
+
+    group_id:       unique string; the broker de-duplicates on it (resends are safe).
+    run_id:         the run this group belongs to.
+    prompt_id:      id of the prompt (the prompts-stream entry id or a dataset id).
+    prompt_ids:     int32 [P] prompt token ids.
+    samples:        the n completions.
+    generator_id:   id of the generator replica that produced it.
+    weight_version: the version the generator served when it started the group.
+    weight_hash:    the manifest hash of that version (the learner checks it).
+    sampling:       sampling parameters: temperature, top_p, top_k, max_tokens, n.
+    task:           the task / reward plugin name.
+    reference:      the reference answer given to the reward (may be empty).
+    created_at / scored_at / sent_at: unix timestamps (float seconds).
+    """
+
+    group_id: str
+    run_id: str
+    prompt_id: str
+    prompt_ids: np.ndarray
+    samples: list[Sample]
+    generator_id: str
+    weight_version: int
+    weight_hash: str
+    sampling: dict[str, Any]
+    task: str = ""
+    reference: str = ""
+    created_at: float = field(default_factory=time.time)
+    scored_at: float = 0.0
+    sent_at: float = 0.0
+
+    @staticmethod
+    def new_id() -> str:
+        return uuid.uuid4().hex
+
+    @property
+    def min_version(self) -> int:
+        return min(s.min_version for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.samples)
+
+
+def encode_group(g: Group) -> bytes:
+    return msgpack.packb(
+        {
+            "schema": SCHEMA_VERSION,
+            "kind": "group",
+            "group_id": g.group_id,
+            "run_id": g.run_id,
+            "prompt_id": g.prompt_id,
+            "prompt_ids": encode_array(g.prompt_ids, "int32"),
+            "samples": [
+                {
+                    "completion_ids": encode_array(s.completion_ids, "int32"),
+                    "logprobs": encode_array(s.logprobs, "float32"),
+                    "version_runs": s.version_runs,
+                    "finish_reason": s.finish_reason,
+                    "reward": s.reward,
+                    "reward_status": s.reward_status,
+                    "reward_details": s.reward_details,
+                }
+                for s in g.samples
+            ],
+            "generator_id": g.generator_id,
+            "weight_version": g.weight_version,
+            "weight_hash": g.weight_hash,
+            "sampling": g.sampling,
+            "task": g.task,
+            "reference": g.reference,
+            "created_at": g.created_at,
+            "scored_at": g.scored_at,
+            "sent_at": g.sent_at,
+        },
+        use_bin_type=True,
+    )
+
+
+def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
+    """Decode and validate a group message. Raises ProtocolError with a reason code.
+
+    The value checks on the arrays (log-probs finite and <= 0, token ids >= 0) run once over all of
+    a group's arrays together; a message failing any check is decoded again checking in the
+    documented order (docs/protocol.md section 4), so the reason is that of the first problem.
+    Both passes run the same checks: they accept exactly the same messages."""
+    try:
+        return _decode_group(data, max_bytes, in_order=False)
+    except ProtocolError:
+        return _decode_group(data, max_bytes, in_order=True)  # raises the first problem's reason
+
+
+def _decode_group(data: bytes, max_bytes: int | None, in_order: bool) -> Group:
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
+    m = unpack_map(data)
+    schema = m.get("schema")
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA_VERSION:
+        raise ProtocolError("bad_schema", f"schema must be {SCHEMA_VERSION}, got {schema!r}")
+    if m.get("kind") != "group":
+        raise ProtocolError("bad_kind", f"kind must be 'group', got {m.get('kind')!r}")
+    group_id = get_field(m, "group_id", str)
+    if not group_id or len(group_id) > 128:
+        raise ProtocolError("bad_group_id", "group_id must be 1..128 characters")
+    raw_samples = get_field(m, "samples", list)
+    if not raw_samples:
+        raise ProtocolError("empty_group", "a group needs at least one sample")
+    samples = []
+    all_lps, all_ids = [], []  # checked together at the end unless in_order
+    for i, s in enumerate(raw_samples):
+        where = f"samples[{i}]"
+        if not isinstance(s, dict):
+            raise ProtocolError("bad_type", f"{where} must be a map")
+        ids = decode_array(get_field(s, "completion_ids", dict, where), "int32", where + ".completion_ids")
+        lps = decode_array(get_field(s, "logprobs", dict, where), "float32", where + ".logprobs")
+        if len(ids) == 0:
+            raise ProtocolError("empty_completion", f"{where} has no tokens")
+        if len(lps) != len(ids):
+            raise ProtocolError("length_mismatch", f"{where}: {len(lps)} logprobs for {len(ids)} tokens")
+        if not in_order:
+            all_lps.append(lps)
+            all_ids.append(ids)
+        elif not np.all(np.isfinite(lps)) or np.any(lps > 0):
+            raise ProtocolError("bad_logprob", f"{where}: log-probs must be finite and <= 0")
+        elif np.any(ids < 0):
+            raise ProtocolError("bad_token", f"{where}: negative token id")
+        runs = get_field(s, "version_runs", list, where)
+        if not all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            and r[0] >= 0 and r[1] > 0
+            for r in runs
+        ):
+            raise ProtocolError("bad_versions", f"{where}.version_runs must be [[version>=0, count>0], ...]")
+        if sum(r[1] for r in runs) != len(ids):
+            raise ProtocolError("length_mismatch", f"{where}: version runs cover {sum(r[1] for r in runs)} of {len(ids)} tokens")
+        finish = get_field(s, "finish_reason", str, where)
+        if finish not in FINISH_REASONS:
+            raise ProtocolError("bad_finish_reason", f"{where}.finish_reason {finish!r} not in {FINISH_REASONS}")
+        status = get_field(s, "reward_status", str, where)
+        if status not in REWARD_STATUSES:
+            raise ProtocolError("bad_reward_status", f"{where}.reward_status {status!r} not in {REWARD_STATUSES}")
+        reward = s.get("reward")
+        if status == "ok":
+            reward = get_field(s, "reward", float, where)
+            if not math.isfinite(reward):
+                raise ProtocolError("bad_reward", f"{where}.reward must be finite when status is ok")
+        elif reward is not None:
+            raise ProtocolError("bad_reward", f"{where}.reward must be nil when status is failed")
+        details = s.get("reward_details", {})
+        if not isinstance(details, dict):
+            raise ProtocolError("bad_type", f"{where}.reward_details must be a map")
+        samples.append(Sample(ids, lps, runs, finish, reward, status, details))
+    prompt_ids = decode_array(get_field(m, "prompt_ids", dict), "int32", "group.prompt_ids")
+    if len(prompt_ids) == 0:
+        raise ProtocolError("empty_prompt", "prompt_ids is empty")
+    if not in_order:
+        all_ids.append(prompt_ids)
+    elif np.any(prompt_ids < 0):
+        raise ProtocolError("bad_token", "group.prompt_ids: negative token id")
+    weight_version = get_field(m, "weight_version", int)
+    if weight_version < 0:
+        raise ProtocolError("bad_versions", "weight_version must be >= 0")
+    sampling = get_field(m, "sampling", dict)
+    _check_sampling(sampling)
+    created_at = get_field(m, "created_at", float)
+    times = {k: optional_field(m, k, float, 0.0) for k in ("scored_at", "sent_at")}
+    if not all(math.isfinite(t) for t in (created_at, *times.values())):
+        raise ProtocolError("bad_time", "timestamps must be finite")
+    if not in_order:
+        lps_all = np.concatenate(all_lps)
+        if not (np.isfinite(lps_all).all() and (lps_all <= 0).all() and np.concatenate(all_ids).min() >= 0):
+            raise ProtocolError("bad_logprob", "a log-prob or a token id is out of range")  # replaced: see above
+    return Group(
+        group_id=group_id,
+        run_id=get_field(m, "run_id", str),
+        prompt_id=get_field(m, "prompt_id", str),
+        prompt_ids=prompt_ids,
+        samples=samples,
+        generator_id=get_field(m, "generator_id", str),
+        weight_version=weight_version,
+        weight_hash=get_field(m, "weight_hash", str),
+        sampling=sampling,
+        task=optional_field(m, "task", str, ""),
+        reference=optional_field(m, "reference", str, ""),
+        created_at=created_at,
+        **times,
+    )
+
+
+# sampling keys the learner's recomputation depends on, with their validity checks
+_SAMPLING_CHECKS = {
+    "temperature": (float, lambda v: 0 < v <= 100),
+    "top_p": (float, lambda v: 0 < v <= 1),
+    "top_k": (int, lambda v: v >= 0),
+}
+
+
+def _check_sampling(sampling: dict) -> None:
+    for key, (typ, ok) in _SAMPLING_CHECKS.items():
+        if key in sampling:
+            v = get_field(sampling, key, typ, "group.sampling")
+            if not ok(v) or not math.isfinite(v):
+                raise ProtocolError("bad_sampling", f"group.sampling.{key} = {v!r} is out of range")
+
+
+def sampling_transform(sampling: dict) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a group: what the learner must apply to recompute μ.
+    Floats are rounded to 6 decimals, so 0.7 sent as float32 or float64 is the same transform."""
+    return (round(float(sampling.get("temperature", 1.0)), 6), int(sampling.get("top_k", 0)),
+            round(float(sampling.get("top_p", 1.0)), 6))

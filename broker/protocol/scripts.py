@@ -1,0 +1,93 @@
+"""Every Lua script Relay runs against the Redis layout of broker/protocol/keys.py: the atomic steps
+of the replay queue. Each names its KEYS and ARGV; the callers are in broker/client/queues.py.
+"""
+
+# The valid groups of one ingest batch, in arrival order, in one atomic step.
+# KEYS: seen set, trajectories stream, broker stats. ARGV[1]: max_queue_groups, ARGV[2]: the learner's
+# consumer group, then 4 per group: group id, payload, min version, generator.
+# Per group the reply is 'B' (busy: the unread groups are at the bound; nothing stored, nothing
+# checked for duplicates), 'D' (duplicate: the id was appended before) or the new entry's id.
+# Unread = XLEN - the learner's pending count, counted up as the batch appends: the bound is exact.
+APPEND_BATCH = """
+local waiting = redis.call('XLEN', KEYS[2])
+if waiting > 0 then
+  local p = redis.pcall('XPENDING', KEYS[2], ARGV[2])
+  if type(p) == 'table' and p.err == nil then waiting = waiting - tonumber(p[1]) end
+end
+local bound = tonumber(ARGV[1])
+local out, n = {}, {ok = 0, dup = 0, busy = 0}
+for i = 3, #ARGV, 4 do
+  if waiting >= bound then
+    out[#out + 1] = 'B'; n.busy = n.busy + 1
+  elseif redis.call('SADD', KEYS[1], ARGV[i]) == 0 then
+    out[#out + 1] = 'D'; n.dup = n.dup + 1
+  else
+    out[#out + 1] = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[i], 'data', ARGV[i + 1], 'v', ARGV[i + 2],
+                               'gen', ARGV[i + 3])
+    waiting = waiting + 1; n.ok = n.ok + 1
+  end
+end
+if n.ok > 0 then redis.call('HINCRBY', KEYS[3], 'accepted', n.ok) end
+if n.dup > 0 then redis.call('HINCRBY', KEYS[3], 'duplicate', n.dup) end
+if n.busy > 0 then redis.call('HINCRBY', KEYS[3], 'busy', n.busy) end
+return out
+"""
+
+# Staleness admission control (AReaL's rule, with drops and rejections given back).
+# KEYS: admission hash, learner stats, broker stats, issued counter. ARGV[1]: prompts wanted.
+# in flight = issued - (consumed by the learner: trained + dropped) - (rejected by the broker);
+# admit while in flight < (eta + 1) * batch_groups, i.e. issued < (eta + steps + 1) * batch without drops.
+ADMIT = """
+local B = tonumber(redis.call('HGET', KEYS[1], 'batch_groups') or '0')
+if B == 0 then redis.call('INCRBY', KEYS[4], ARGV[1]) return tonumber(ARGV[1]) end
+local eta = tonumber(redis.call('HGET', KEYS[1], 'eta'))
+local consumed = tonumber(redis.call('HGET', KEYS[2], 'consumed') or '0')
+local rejected = tonumber(redis.call('HGET', KEYS[3], 'rejected_total') or '0')
+local issued = tonumber(redis.call('GET', KEYS[4]) or '0')
+local room = consumed + rejected + (eta + 1) * B - issued
+local grant = math.max(0, math.min(tonumber(ARGV[1]), room))
+if grant > 0 then redis.call('INCRBY', KEYS[4], grant) end
+return grant
+"""
+
+# The learner's commit of trained groups (exactly-once training, docs/protocol.md 7.6).
+# KEYS: trained set, trained log, trajectories stream, counted set. ARGV: step, consumer group, then
+# pairs (stream id, group id). Idempotent: a group already recorded is only acknowledged again.
+COMMIT = """
+for i = 3, #ARGV, 2 do
+  local eid, gid = ARGV[i], ARGV[i + 1]
+  if redis.call('SADD', KEYS[1], gid) == 1 then
+    redis.call('XADD', KEYS[2], '*', 'gid', gid, 'step', ARGV[1])
+  end
+  redis.call('XACK', KEYS[3], ARGV[2], eid)
+  redis.call('XDEL', KEYS[3], eid)
+  redis.call('SREM', KEYS[4], gid)
+end
+return 1
+"""
+
+# `consumed` (admission control, docs/protocol.md 7.4) counts each group once, even when a restarted
+# learner trains again what its checkpoint did not hold. KEYS: counted set, learner stats.
+# ARGV: group ids. A trained group is counted when first added to `counted`; the commit removes it.
+COUNT_TRAINED = """
+local n = 0
+for i = 1, #ARGV do n = n + redis.call('SADD', KEYS[1], ARGV[i]) end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'consumed', n) end
+return n
+"""
+
+# A drop in one step: recorded, acknowledged, deleted and counted (unless it was counted when a
+# learner before a restart trained it). KEYS: dropped log, trajectories stream, counted set, learner
+# stats. ARGV: consumer group, then triples (stream id, group id, reason).
+DROP = """
+local n = 0
+for i = 2, #ARGV, 3 do
+  local eid, gid = ARGV[i], ARGV[i + 1]
+  redis.call('XADD', KEYS[1], '*', 'gid', gid, 'reason', ARGV[i + 2], 'stream_id', eid)
+  redis.call('XACK', KEYS[2], ARGV[1], eid)
+  redis.call('XDEL', KEYS[2], eid)
+  if redis.call('SREM', KEYS[3], gid) == 0 then n = n + 1 end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[4], 'consumed', n) end
+return n
+"""

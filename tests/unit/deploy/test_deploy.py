@@ -1,0 +1,313 @@
+"""The deployment files, validated offline by the real tools (docs/deploy.md):
+
+- docker-compose.yml against the compose specification (check-jsonschema) and by the Compose v2
+  CLI (`docker compose config`, no engine needed), for the default profile and the GPU ones;
+- every Kubernetes manifest rendered from deploy/k8s/overlays/* (`kubectl kustomize`) with
+  `kubernetes-validate --strict`;
+- what the schemas cannot see: every RELAY_* variable names a real config field of the service
+  it is given to, probes hit the port the service listens on, tokens come from secrets only,
+  pods run as non-root with resource requests, the network policies select pods that exist.
+
+A broken file must fail each tool (the negative tests), so a passing run means something.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from broker.runtime.config import load_config
+from broker.config import BrokerConfig
+from generators.config import GeneratorConfig
+from learner.config import LearnerConfig
+from reward_service.config import RewardConfig
+from tests.support.services import ROOT
+
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+MODELS = {"broker": BrokerConfig, "reward": RewardConfig, "learner": LearnerConfig, "generator": GeneratorConfig}
+TOKEN_VARS = {"RELAY_AUTH_TOKEN", "RELAY_REWARD_TOKEN"}
+# the port each service serves /healthz on, by the config field that sets it
+PORT_FIELD = {"broker": "RELAY_HTTP_PORT", "reward": "RELAY_PORT", "learner": "RELAY_METRICS_PORT",
+              "generator": "RELAY_METRICS_PORT"}
+
+
+def _tool(name: str) -> str:
+    """A console script of the test extra: next to this Python first, then on PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        how = "a kubectl binary on PATH (kubectl kustomize renders the overlays)" if name == "kubectl" \
+            else "pip install -e '.[test]' installs it"
+        pytest.skip(f"{name} is not installed ({how})")
+    return found
+
+
+def _run(*cmd: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def _compose(*args: str, file: Path | None = None) -> subprocess.CompletedProcess:
+    # --project-directory keeps relative paths (./deploy/config/...) and .env resolving from the repo
+    cmd = [_tool("docker-compose"), "--project-directory", str(ROOT), "-f", str(file or ROOT / "docker-compose.yml")]
+    return _run(*cmd, *args, env={"DOCKER_CONFIG": str(ROOT / ".cache" / "docker")})
+
+
+# -- docker compose -----------------------------------------------------------------------------
+
+def test_compose_file_matches_the_compose_spec():
+    r = _run(_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", "docker-compose.yml")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("profile,expected", [
+    (None, {"redis", "broker", "reward", "learner", "generator"}),  # COMPOSE_PROFILES=cpu from .env
+    ("vllm", {"redis", "broker", "reward", "learner", "vllm"}),
+    ("sglang", {"redis", "broker", "reward", "learner", "sglang"}),
+])
+def test_docker_compose_config_accepts_every_profile(profile, expected):
+    args = ["--profile", profile] if profile else []
+    r = _compose(*args, "config", "-q")
+    assert r.returncode == 0, r.stderr
+    services = _compose(*args, "config", "--services")
+    assert set(services.stdout.split()) == expected, services.stderr
+
+
+def test_compose_validators_reject_a_broken_file(tmp_path):
+    broken = (ROOT / "docker-compose.yml").read_text().replace("depends_on:", "depends_onn:", 1)
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(broken)
+    assert _run(_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(bad)).returncode != 0
+    r = _compose("config", "-q", file=bad)
+    assert r.returncode != 0 and "depends_onn" in r.stderr
+
+
+def test_compose_wiring():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert "appendonly" in " ".join(services["redis"]["command"])
+    assert any(v.endswith(":/data") for v in services["redis"]["volumes"])
+    for name in MODELS:
+        s = services[name]
+        assert s["restart"] in ("unless-stopped", "on-failure"), name
+        assert "healthcheck" in s, f"{name} has no healthcheck"
+        port = str(s["environment"][PORT_FIELD[name]])
+        assert f":{port}/healthz" in " ".join(s["healthcheck"]["test"]), f"{name}: healthcheck misses port {port}"
+        assert not TOKEN_VARS & set(s["environment"]), f"{name}: a token belongs in the env file, not the compose file"
+    builders = [n for n, s in services.items() if "build" in s]
+    assert builders == ["broker"], "one service builds the image (several would build it in parallel)"
+    assert {services[n]["image"] for n in MODELS} == {services["broker"]["image"]}
+    for name in ("reward", "generator"):
+        assert services[name]["env_file"][0]["path"] == "deploy/secrets/relay.env"
+    assert services["generator"]["depends_on"]["reward"]["condition"] == "service_healthy"
+    # learner and generators share the weight store at the same path (announcements carry the path)
+    assert services["learner"]["environment"]["RELAY_WEIGHT_STORE"] == "/weights"
+    assert "weights:/weights:ro" in services["generator"]["volumes"]
+    # the mounted config file exists and is a valid reward config
+    mount = next(v for v in services["reward"]["volumes"] if v.endswith(":ro")).split(":")[0]
+    load_config(RewardConfig, ROOT / mount)
+    # secrets are never sent into an image build
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert "deploy/secrets" in ignored and ".env" in ignored
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------
+
+def _render(overlay: str) -> str:
+    r = _run(_tool("kubectl"), "kustomize", str(K8S / "overlays" / overlay))
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("k8s")
+    files = {}
+    for overlay in OVERLAYS:
+        files[overlay] = out / f"{overlay}.yaml"
+        files[overlay].write_text(_render(overlay))
+    return files
+
+
+def _docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def test_there_are_cpu_and_gpu_overlays():
+    assert {"cpu", "gpu"} <= set(OVERLAYS)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rendered_manifests_pass_kubernetes_validate_strict(rendered, overlay):
+    r = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(rendered[overlay]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in _docs(rendered[overlay])}
+    assert {("StatefulSet", "redis"), ("Deployment", "broker"), ("Deployment", "reward"),
+            ("Deployment", "learner"), ("Deployment", "generator"), ("NetworkPolicy", "default-deny"),
+            ("PersistentVolumeClaim", "relay-weights")} <= kinds
+
+
+def test_kubernetes_validate_rejects_an_unknown_field(rendered, tmp_path):
+    docs = _docs(rendered["cpu"])
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    dep["spec"]["template"]["spec"]["containers"][0]["livenessprobe"] = {}  # a typo of livenessProbe
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(dep))
+    r = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(bad))
+    assert r.returncode != 0 and "livenessprobe" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_workloads_env_probes_security(rendered, overlay):
+    docs = _docs(rendered[overlay])
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    assert set(workloads) == {"redis", *MODELS}
+    for name, w in workloads.items():
+        pod = w["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        for c in pod["containers"]:
+            assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], name
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
+            assert "readinessProbe" in c or "startupProbe" in c, name
+        if name == "redis":
+            assert "--appendonly" in pod["containers"][0]["args"]
+            assert w["spec"]["volumeClaimTemplates"], "redis needs a persistent volume"
+            continue
+        (c,) = pod["containers"]
+        assert c["args"][:2] == ["relay", name]
+        env = {e["name"]: e for e in c["env"]}
+        for key, e in env.items():
+            if key.startswith("RELAY_"):
+                field = key[len("RELAY_"):].lower().split("__")[0]
+                assert field in MODELS[name].model_fields, f"{overlay}/{name}: {key} names no config field"
+            if key in TOKEN_VARS:
+                assert "value" not in e and e["valueFrom"]["secretKeyRef"]["name"] == "relay-reward-token", key
+        port = int(env[PORT_FIELD[name]]["value"])
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if kind in c:
+                assert c[kind]["httpGet"]["path"] == "/healthz"
+                assert ports[c[kind]["httpGet"]["port"]] == port, f"{name}: {kind} is not on port {port}"
+    # generators scale on their own: no fixed identity, the weight store shared read-many
+    assert "RELAY_ID" not in {e["name"] for e in workloads["generator"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "relay-weights")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    # the env vars also load: each service's config validates with what the manifest sets
+    for name, model in MODELS.items():
+        c = workloads[name]["spec"]["template"]["spec"]["containers"][0]
+        environ = {e["name"]: e.get("value", "secret") for e in c["env"]}
+        path = ROOT / "deploy" / "config" / "reward.toml" if "--config" in c["args"] else None
+        load_config(model, path, environ=environ)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_select_real_pods(rendered, overlay):
+    docs = _docs(rendered[overlay])
+    apps = {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    default_deny = next(p for p in policies if p["metadata"]["name"] == "default-deny")
+    assert default_deny["spec"]["podSelector"] == {} and set(default_deny["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+
+    def names(selector_holder: dict) -> set[str]:
+        return {selector_holder["podSelector"]["matchLabels"]["app.kubernetes.io/name"]} \
+            if "matchLabels" in selector_holder.get("podSelector", {}) else set()
+
+    allowed_in: dict[str, set[str]] = {}
+    for p in policies:
+        target = names(p["spec"])
+        assert target <= apps, p["metadata"]["name"]
+        for rule in p["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                assert names(peer) <= apps
+                for t in target:
+                    allowed_in.setdefault(t, set()).update(names(peer))
+    assert allowed_in["redis"] == {"broker", "learner", "generator"}
+    assert allowed_in["reward"] == {"generator"}
+    assert "reward" not in allowed_in["redis"], "the reward service has no business with Redis"
+
+
+def test_reward_configmap_is_the_compose_config_file():
+    docs = _docs(K8S / "base" / "reward.yaml")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    text = (ROOT / "deploy" / "config" / "reward.toml").read_text()
+    assert cm["data"]["reward.toml"] == text
+    assert tomllib.loads(text)  # and it parses
+
+
+def test_reward_token_secret_command_renders_a_valid_secret(tmp_path):
+    """The docs' `kubectl create secret` command, run client-side, yields the Secret the pods read."""
+    r = _run(_tool("kubectl"), "-n", "relay", "create", "secret", "generic", "relay-reward-token",
+             "--from-literal=token=test-token", "--dry-run=client", "-o", "yaml")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "secret.yaml").write_text(r.stdout)
+    v = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(tmp_path / "secret.yaml"))
+    assert v.returncode == 0, v.stdout + v.stderr
+    secret = yaml.safe_load(r.stdout)
+    assert secret["metadata"]["name"] == "relay-reward-token" and "token" in secret["data"]
+
+
+# -- docs/deploy.md: every command in it is run by these tests or by make compose-smoke ----------
+
+SMOKE = "deploy/compose_smoke.sh"
+TESTS = "tests/unit/deploy/test_deploy.py"
+# each command of the doc -> (the file that runs it, the fragment of that file that does)
+DOC_COMMANDS = {
+    ".venv/bin/pip wheel --wheel-dir deploy/docker/wheelhouse torch==2.13.0 . setuptools wheel async-timeout":
+        (SMOKE, '"$VENV/bin/pip" wheel -q --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel async-timeout'),
+    "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,ca-certificates,"
+    "redis-server,g++ bookworm .cache/smoke/rootfs http://deb.debian.org/debian":
+        (SMOKE, "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,"
+                "ca-certificates,redis-server,g++"),
+    "tar -C .cache/smoke/rootfs -c . | docker import - local/relay-base:bookworm":
+        (SMOKE, 'tar -C "$WORK/rootfs" -c . | docker import - "$BASE_IMAGE"'),
+    "RELAY_BASE_IMAGE=local/relay-base:bookworm RELAY_REDIS_IMAGE=local/relay-base:bookworm docker compose build":
+        (SMOKE, 'export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE"'),
+    """python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\\nRELAY_REWARD_TOKEN={t}")' """
+    "> deploy/secrets/relay.env":
+        (SMOKE, """python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\\nRELAY_REWARD_TOKEN={t}")' """
+                "> deploy/secrets/relay.env"),
+    "docker compose up -d --scale generator=2": (SMOKE, "docker compose up -d --scale generator=2"),
+    "relay status --url http://127.0.0.1:8080": (SMOKE, '"$VENV/bin/relay" status --url "$URL"'),
+    "docker compose down -v": (SMOKE, "docker compose down -v"),
+    "docker compose --profile vllm config --services": (TESTS, '("vllm", {"redis", "broker", "reward", "learner", "vllm"})'),
+    "check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml":
+        (TESTS, '"--builtin-schema", "vendor.compose-spec", "docker-compose.yml"'),
+    "docker compose config -q": (TESTS, 'r = _compose(*args, "config", "-q")'),
+    "kubectl kustomize deploy/k8s/overlays/cpu": (TESTS, '"kustomize", str(K8S / "overlays" / overlay)'),
+    "kubectl -n relay create secret generic relay-reward-token --from-literal=token=test-token --dry-run=client -o yaml":
+        (TESTS, '"-n", "relay", "create", "secret", "generic", "relay-reward-token",\n'
+                '             "--from-literal=token=test-token", "--dry-run=client", "-o", "yaml"'),
+}
+
+
+def _doc_commands() -> tuple[list[str], list[str]]:
+    """The commands of docs/deploy.md's bash blocks: (run here, marked **not run here**)."""
+    run, not_run = [], []
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    parts = text.split("```bash\n")
+    for before, block in zip(parts, parts[1:]):
+        marked = "**not run here**" in before.rstrip().rsplit("\n\n", 1)[-1]  # the paragraph above
+        code = block.split("```", 1)[0].replace("\\\n", " ")
+        for line in code.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if line and not line.startswith("#"):
+                (not_run if marked else run).append(" ".join(line.split()))
+    return run, not_run
+
+
+def test_every_command_in_the_deploy_doc_is_run_by_a_test_or_the_smoke():
+    run, not_run = _doc_commands()
+    assert set(run) == set(DOC_COMMANDS), "a command in docs/deploy.md that nothing runs (or a stale entry here)"
+    for command, (path, fragment) in DOC_COMMANDS.items():
+        assert fragment in (ROOT / path).read_text(), f"{path} no longer runs: {command}"
+    # the only commands allowed without a run: the ones that need a Kubernetes API server
+    assert not_run and all(c.startswith("kubectl ") and "kustomize" not in c for c in not_run), not_run
