@@ -9,11 +9,18 @@ from pydantic import Field
 from broker.runtime.config import StrictModel
 from learner.records import WandbConfig
 
+# The valid option names, defined once: losses.py, correction.py and advantages.py derive theirs from these.
+CorrectionMode = Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled"]
+PolicyLoss = Literal["ppo", "cispo", "reinforce"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+AdvantageEstimator = Literal["grpo", "drgrpo", "rloo"]
+
 
 class CorrectionConfig(StrictModel):
     """Off-policy correction against the behaviour log-probs μ (see docs/off-policy.md)."""
 
-    mode: Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled"] = Field(
+    mode: CorrectionMode = Field(
         "tis", description="none: plain PPO-clip; tis: truncated IS per token; mis/icepop: mask tokens whose "
         "π_old/μ is outside [mask_lo, mask_hi]; seq_tis/seq_mis/geo_mis: sequence-level weights or masks; "
         "decoupled: AReaL's π_prox/μ weight")
@@ -30,8 +37,19 @@ class DeepSpeedConfig(StrictModel):
     gradient_clipping: float = Field(1.0, ge=0, description="global gradient-norm clip (0 = off)")
 
 
-class LearnerConfig(StrictModel):
-    """The learner: what it trains, on what batch, and how often it publishes."""
+class PolicyLossConfig(StrictModel):
+    """The policy loss (learner/losses.py): its fields sit directly under ``learner`` (LearnerConfig extends it)."""
+
+    policy_loss: PolicyLoss = Field("ppo", description="policy loss")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip ε (the lower bound 1-ε)")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
+    aggregation: Aggregation = Field("token-mean", description="how per-token losses are reduced to one number")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
+
+
+class LearnerConfig(PolicyLossConfig):
+    """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
 
     run_id: str = Field("default", description="run id; namespaces every Redis key")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
@@ -45,17 +63,11 @@ class LearnerConfig(StrictModel):
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
     lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip ε (the lower bound 1-ε)")
-    clip_eps_high: float | None = Field(None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps")
-    dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
     kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
                            "model (the initial weights); 0 = no reference model")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator of that term")
+    kl_estimator: KLEstimator = Field("k3", description="per-token KL estimator of that term")
     entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
-    advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="advantage estimator over each group")
-    policy_loss: Literal["ppo", "cispo", "reinforce"] = Field("ppo", description="policy loss")
-    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="how per-token losses are reduced to one number")
+    advantage: AdvantageEstimator = Field("grpo", description="advantage estimator over each group")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     publish_every: int = Field(1, ge=1, description="publish a new version every k steps")
@@ -68,7 +80,6 @@ class LearnerConfig(StrictModel):
         "and counted) or fallback (train on them with fallback_score as their reward)")
     fallback_score: float = Field(0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when "
                                   "failed_reward = 'fallback'")
-    correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")

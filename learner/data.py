@@ -18,8 +18,6 @@ class Batch:
     behaviour_logp: torch.Tensor   # [B, L-1] μ of the token at t+1
     advantages: torch.Tensor       # [B, 1]
     staleness: list[int]           # per sample
-    group_rewards: list[float]     # mean reward per group
-    num_groups: int
 
 
 def trained_rewards(g: Group, failed_reward: str = "skip", fallback_score: float = 0.0) -> list[float | None]:
@@ -39,7 +37,7 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
             failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
     """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on
     (their advantage is not defined); ``advantages[i]`` has one entry per kept sample of group i."""
-    rows, mus, advs, stale, group_rewards = [], [], [], [], []
+    rows, mus, advs, stale = [], [], [], []
     for g, adv in zip(groups, advantages):
         k = 0
         for s, reward in zip(g.samples, trained_rewards(g, failed_reward, fallback_score)):
@@ -50,7 +48,6 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
             advs.append(float(adv[k]))
             stale.append(learner_version - s.min_version)
             k += 1
-        group_rewards.append(group_mean_reward(g, failed_reward, fallback_score))
     L = max(len(p) + len(c) for p, c in rows)
     B = len(rows)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -63,4 +60,4 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
         attn[i, :n] = 1
         lmask[i, len(p) - 1:n - 1] = 1
         mu[i, len(p) - 1:n - 1] = torch.tensor(m)
-    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale, group_rewards, len(groups))
+    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale)

@@ -1,4 +1,4 @@
-"""Policy losses, off-policy correction, KL estimators and loss aggregation.
+"""Policy losses, KL estimators and loss aggregation.
 
 Notation (docs/off-policy.md): μ behaviour log-probs from the generator, π_old the learner's
 log-probs at the start of the step (π_prox in AReaL), π_θ the policy being trained,
@@ -8,21 +8,24 @@ completion tokens, with ``mask`` 1 on the tokens to train on.
 A loss is: aggregate( w · ℓ(r, A) ) over kept tokens, where
   ℓ   the policy loss (``ppo`` clip with asymmetric bounds and dual-clip, ``cispo``,
       ``reinforce`` with a truncated ratio), and
-  w   the off-policy correction weight from ρ (``none``, ``tis``, ``mis`` / IcePop masking,
-      sequence and geometric levels, ``decoupled``), which may also drop tokens or sequences.
+  w   the off-policy correction weight from ρ (learner/correction.py), which may also drop
+      tokens or sequences.
 Each function names the verl ``core_algos.py`` function or paper it follows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
-POLICY_LOSSES = ("ppo", "cispo", "reinforce")
-CORRECTIONS = ("none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from learner.config import Aggregation, KLEstimator, PolicyLoss, PolicyLossConfig
+from learner.correction import effective_sample_size, importance_weights
+
+POLICY_LOSSES = get_args(PolicyLoss)
+AGGREGATIONS = get_args(Aggregation)
+KL_ESTIMATORS = get_args(KLEstimator)
+REINFORCE_CAP = 1.0  # the truncation c of the ratio in ``reinforce`` (PipelineRL's default)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -67,11 +70,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_ESTIMATORS)}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), -1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 # ----------------------------------------------------------------------------------------------
 # policy losses: per-token loss matrices
 
@@ -105,108 +103,35 @@ def cispo_loss_mat(logp, old_logp, adv, clip_high: float = 0.2, clip_low: float 
     return -w * adv * logp, (ratio > 1 + clip_high).float()
 
 
-def reinforce_loss_mat(logp, old_logp, adv, cap: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_loss_mat(logp, old_logp, adv, cap: float = REINFORCE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE with a truncated ratio (PipelineRL's default): ℓ = −sg(min(r, c)) · A · log π_θ."""
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
     return -ratio.clamp(max=cap).detach() * adv * logp, (ratio > cap).float()
 
 
-# ----------------------------------------------------------------------------------------------
-# off-policy correction weights from ρ = π_old / μ
-
-
-@dataclass
-class CorrectionSpec:
-    """mode: one of CORRECTIONS. cap: truncation C (tis, seq_tis, decoupled cap; None = none).
-    lo/hi: the kept interval of ρ for masking modes (mis: hi only; icepop, seq_mis, geo_mis: both)."""
-
-    mode: str = "tis"
-    cap: float | None = 2.0
-    lo: float = 0.5
-    hi: float = 5.0
-
-
-def correction(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, spec: CorrectionSpec
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weight [B, T], keep [B, T]); both detached. ``keep`` masks tokens (or whole
-    sequences) out of the loss; ``weight`` multiplies the policy loss of kept tokens.
-
-      none        w = 1
-      tis         w = min(ρ, C)                                        (Yao et al. 2025)
-      mis         w = 1, tokens with ρ > hi masked
-      icepop      w = 1, tokens with ρ outside [lo, hi] masked           (two-sided token masking)
-      seq_tis     w = min(exp(Σ_t log ρ_t), C) per sequence
-      seq_mis     w = 1, sequences with exp(Σ log ρ) outside [lo, hi] masked
-      geo_mis     w = 1, sequences with exp(mean log ρ) outside [lo, hi] masked
-      decoupled   w = ρ (min(ρ, C) when C is set): AReaL's π_prox/μ factor; with the PPO loss on
-                  u = π_θ/π_prox this is decoupled PPO.
-    """
-    log_rho = ((old_logp - behaviour_logp) * mask).detach()
-    rho = torch.exp(log_rho.clamp(-20.0, 20.0))
-    ones = torch.ones_like(rho)
-    keep = mask.clone()
-    mode = spec.mode
-    if mode == "none":
-        w = ones
-    elif mode == "tis":
-        w = rho.clamp(max=spec.cap) if spec.cap is not None else rho
-    elif mode == "decoupled":
-        w = rho.clamp(max=spec.cap) if spec.cap is not None else rho
-    elif mode == "mis":
-        w, keep = ones, keep * (rho <= spec.hi).float()
-    elif mode == "icepop":
-        w, keep = ones, keep * ((rho >= spec.lo) & (rho <= spec.hi)).float()
-    elif mode in ("seq_tis", "seq_mis", "geo_mis"):
-        seq_log = log_rho.sum(-1)
-        if mode == "geo_mis":
-            seq_log = seq_log / mask.sum(-1).clamp(min=1)
-        seq_rho = torch.exp(seq_log.clamp(-20.0, 20.0))[:, None].expand_as(rho)
-        if mode == "seq_tis":
-            w = seq_rho.clamp(max=spec.cap) if spec.cap is not None else seq_rho
-        else:
-            w, keep = ones, keep * ((seq_rho >= spec.lo) & (seq_rho <= spec.hi)).float()
-    else:
-        raise ValueError(f"unknown correction mode {mode!r}; valid: {', '.join(CORRECTIONS)}")
-    return w.detach(), keep.detach()
-
-
-def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
-    """(Σw)² / (n·Σw²) over masked entries: 1 for equal weights, 1/n for a one-hot."""
-    w = weights[mask.bool()]
-    if w.numel() == 0 or float((w ** 2).sum()) == 0.0:
-        return 1.0
-    return float(w.sum() ** 2 / (w.numel() * (w ** 2).sum()))
+def policy_loss_mat(logp, old_logp, adv, cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """ℓ per token for ``cfg.policy_loss``, with its clipped indicator."""
+    clip_high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+    if cfg.policy_loss == "ppo":
+        return ppo_loss_mat(logp, old_logp, adv, cfg.clip_eps, clip_high, cfg.dual_clip)
+    if cfg.policy_loss == "cispo":
+        return cispo_loss_mat(logp, old_logp, adv, clip_high)
+    if cfg.policy_loss == "reinforce":
+        return reinforce_loss_mat(logp, old_logp, adv)
+    raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)}")
 
 
 # ----------------------------------------------------------------------------------------------
 # the whole policy loss
 
 
-@dataclass
-class LossSpec:
-    policy: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    reinforce_cap: float = 1.0
-    aggregation: str = "token-mean"
-    correction: CorrectionSpec | None = None
-
-
-def compute_policy_loss(logp, old_logp, behaviour_logp, adv, mask, spec: LossSpec
+def compute_policy_loss(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLossConfig
                         ) -> tuple[torch.Tensor, dict[str, float]]:
     """aggregate(w · ℓ) over kept tokens, with diagnostics."""
-    corr = spec.correction or CorrectionSpec(mode="none")
-    w, keep = correction(old_logp, behaviour_logp, mask, corr)
-    if spec.policy == "ppo":
-        mat, clipped = ppo_loss_mat(logp, old_logp, adv, spec.clip_low, spec.clip_high, spec.dual_clip)
-    elif spec.policy == "cispo":
-        mat, clipped = cispo_loss_mat(logp, old_logp, adv, spec.clip_high)
-    elif spec.policy == "reinforce":
-        mat, clipped = reinforce_loss_mat(logp, old_logp, adv, spec.reinforce_cap)
-    else:
-        raise ValueError(f"unknown policy loss {spec.policy!r}; valid: {', '.join(POLICY_LOSSES)}")
-    loss = aggregate(w * mat, keep, spec.aggregation)
+    corr = cfg.correction
+    w, keep = importance_weights(old_logp, behaviour_logp, mask, corr)
+    mat, clipped = policy_loss_mat(logp, old_logp, adv, cfg)
+    loss = aggregate(w * mat, keep, cfg.aggregation)
     with torch.no_grad():
         m = mask.bool()
         rho = torch.exp(((old_logp - behaviour_logp) * mask).clamp(-20.0, 20.0))

@@ -25,11 +25,11 @@ from broker.client.connection import connect_redis
 from broker.protocol.keys import Keys
 from broker.protocol.group import decode_group, encode_group, sampling_transform
 from broker.protocol.sampling import sampling_logprobs
-from learner import advantages as adv_mod
+from learner.advantages import GROUP_ESTIMATORS
 from learner.config import LearnerConfig
 from learner.data import collate, group_mean_reward, trained_rewards
 from learner.engine import build_engine, full_state_dict, init_distributed
-from learner.losses import CorrectionSpec, LossSpec, aggregate, compute_policy_loss, kl_estimate
+from learner.losses import aggregate, compute_policy_loss, kl_estimate
 from learner.observe import LearnerObserver
 from learner import checkpoint
 from learner.records import RunRecords
@@ -97,12 +97,7 @@ class Learner:
         self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
-        self.advantage_fn = getattr(adv_mod, cfg.advantage)
-        c = cfg.correction
-        self.loss_spec = LossSpec(policy=cfg.policy_loss, clip_low=cfg.clip_eps,
-                                  clip_high=cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps,
-                                  dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
-                                  correction=CorrectionSpec(mode=c.mode, cap=c.tis_cap, lo=c.mask_lo, hi=c.mask_hi))
+        self.advantage_fn = GROUP_ESTIMATORS[cfg.advantage]
         self.counts = Counter()
         self.resume()
 
@@ -223,8 +218,8 @@ class Learner:
                 logp, ent = self._logp(b, rows, sampling, entropy=True)
                 old = old_logp[rows] if multi else logp.detach()
                 loss, diag = compute_policy_loss(logp, old, b.behaviour_logp[rows], b.advantages[rows],
-                                                 mask, self.loss_spec)
-                agg = self.loss_spec.aggregation
+                                                 mask, self.cfg)
+                agg = self.cfg.aggregation
                 diag["entropy"] = float(aggregate(ent.detach(), mask, agg))
                 if self.cfg.entropy_coef:
                     loss = loss - self.cfg.entropy_coef * aggregate(ent, mask, agg)
@@ -241,9 +236,7 @@ class Learner:
         diag = {k: sum(d[k] for d in diags) / len(diags) for k in diags[0]}
         diag.update(ratio_min=min(d["ratio_min"] for d in diags), ratio_max=max(d["ratio_max"] for d in diags))
         diag.update(loss=sum(losses) / len(losses), compute_s=time.perf_counter() - t0, samples=n,
-                    tokens=int(b.loss_mask.sum()), group_rewards=b.group_rewards,
-                    reward_mean=sum(b.group_rewards) / len(b.group_rewards),
-                    staleness=dict(sorted(Counter(b.staleness).items())))
+                    tokens=int(b.loss_mask.sum()), staleness=dict(sorted(Counter(b.staleness).items())))
         return diag
 
     def share_batch(self, fresh) -> list | None:
