@@ -1,4 +1,4 @@
-"""learner: seconds per optimizer step of the real learner (``Learner.train_step``: advantages,
+"""learner: seconds per optimizer step of the real learner (``PolicyUpdate.train_step``: advantages,
 collation, the forward under the sampling transform, the PPO-clip loss with off-policy correction and
 its diagnostics, DeepSpeed's backward, gradient clipping and step), against a plain PyTorch loop that
 does the same forward, backward, clipping and AdamW step on the same batch.
@@ -62,8 +62,8 @@ def run(quick: bool) -> list[dict]:
         # the plain loop: the same initial weights, optimizer, clipping; a token-mean policy-gradient loss
         model = copy.deepcopy(learner.engine.module).train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        advs = [learner.advantage_fn(torch.tensor([s.reward for s in g.samples])) for g in groups]
-        b = collate(groups, advs, 0, learner.pad_id)
+        advs = [learner.update.advantage_fn(torch.tensor([s.reward for s in g.samples])) for g in groups]
+        b = collate(groups, advs, 0, learner.update.pad_id)
 
         def plain_step() -> None:
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
@@ -77,7 +77,7 @@ def run(quick: bool) -> list[dict]:
         ours, plain = [], []
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            learner.train_step(groups, sampling)
+            learner.update.train_step(groups, sampling, 0)
             t1 = time.perf_counter()
             plain_step()
             t2 = time.perf_counter()
