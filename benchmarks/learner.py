@@ -22,23 +22,25 @@ from benchmarks.common import Stack, row
 TARGET = 1.15
 
 
-def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0):
-    """Copy-task groups as the generators send them: ``473=`` prompts, random digit completions ending
-    in EOS, behaviour log-probs in [-3, 0), rewards in [0, 1]; through the wire codec and back."""
+def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0, vocab: int = 13, prompt_tokens: int = 3,
+                min_tokens: int = 2, sampling: dict | None = None):
+    """Groups as the generators send them, through the wire codec and back: prompts ``BOS t1..tk =``
+    and random completions of ``min_tokens``..``max_tokens`` tokens ending in EOS (token ids 3..vocab-1;
+    the defaults are the copy task's digits), behaviour log-probs in [-3, 0), rewards in [0, 1]."""
     from broker.protocol.group import Group, Sample, decode_group, encode_group
 
     rng = np.random.default_rng(seed)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(sampling or {}), "max_tokens": max_tokens, "n": n}
     groups = []
     for _ in range(n_groups):
-        prompt = np.array([1, *rng.integers(3, 13, 3), 14], dtype=np.int32)
+        prompt = np.array([1, *rng.integers(3, vocab, prompt_tokens), 14], dtype=np.int32)
         samples = []
         for _ in range(n):
-            t = int(rng.integers(2, max_tokens + 1))
-            ids = np.append(rng.integers(3, 13, t - 1), 2).astype(np.int32)
+            t = int(rng.integers(min_tokens, max_tokens + 1))
+            ids = np.append(rng.integers(3, vocab, t - 1), 2).astype(np.int32)
             samples.append(Sample(ids, -rng.uniform(0.01, 3.0, t).astype(np.float32), [[0, t]], "stop",
                                   float(rng.random())))
-        g = Group(Group.new_id(), "bench", "0-1", prompt, samples, "gen-0", 0, "0" * 64,
-                  {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": max_tokens, "n": n}, task="copy")
+        g = Group(Group.new_id(), "bench", "0-1", prompt, samples, "gen-0", 0, "0" * 64, sampling, task="copy")
         groups.append(decode_group(encode_group(g)))
     return groups
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from broker.runtime.config import StrictModel
 from learner.records import WandbConfig
@@ -15,6 +15,9 @@ PolicyLoss = Literal["ppo", "cispo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 AdvantageEstimator = Literal["grpo", "drgrpo", "rloo"]
+
+TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
+PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
 
 
 class CorrectionConfig(StrictModel):
@@ -61,7 +64,8 @@ class LearnerConfig(PolicyLossConfig):
     seed: int = Field(0, description="seed for model init and training")
     steps: int = Field(600, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
-    lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
+    lr: float | None = Field(None, gt=0, description="AdamW learning rate; null = the default for the model: "
+                             f"{TINY_LR} for 'tiny', {PRETRAINED_LR} for a model given by path (docs/learner.md)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
                            "model (the initial weights); 0 = no reference model")
@@ -69,6 +73,15 @@ class LearnerConfig(PolicyLossConfig):
     entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
     advantage: AdvantageEstimator = Field("grpo", description="advantage estimator over each group")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
+    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one forward/backward: samples of "
+                                    "similar length, (samples × the longest one's prompt + completion tokens) at most "
+                                    "this; the gradients of a (mini)batch's micro-batches accumulate into one "
+                                    "optimizer step. Bounds the learner's memory, whatever the batch size")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="positions whose full-vocabulary logits exist at once "
+                                      "when computing log-probs and entropy (recomputed in the backward)")
+    gradient_checkpointing: bool = Field(False, description="activation checkpointing: recompute each layer's "
+                                         "activations in the backward instead of keeping them (less memory, "
+                                         "about a third more compute)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     publish_every: int = Field(1, ge=1, description="publish a new version every k steps")
     max_staleness: int = Field(4, ge=0, description="drop (and count) groups more than this many versions old")
@@ -96,3 +109,9 @@ class LearnerConfig(PolicyLossConfig):
     tensorboard: bool = Field(True, description="write every step's scalars as TensorBoard event files to "
                               "run_dir/tensorboard")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
+
+    @model_validator(mode="after")
+    def _default_lr(self) -> LearnerConfig:
+        if self.lr is None:  # a rate that fits the model: the toy's would make a pretrained LM diverge
+            self.lr = TINY_LR if self.model == "tiny" else PRETRAINED_LR
+        return self

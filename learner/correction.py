@@ -1,4 +1,5 @@
-"""Off-policy correction: the importance weights from ρ = π_old / μ, and their effective sample size.
+"""Off-policy correction: the importance weights from ρ = π_old / μ (their effective sample size is
+reported by learner/diagnostics.py).
 
 μ is the behaviour log-prob recorded by the generator, π_old the learner's log-prob of the same token
 at the start of the step (docs/off-policy.md). Every tensor is [B, T] over completion tokens, with
@@ -59,10 +60,3 @@ def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mas
         raise ValueError(f"unknown correction mode {mode!r}; valid: {', '.join(CORRECTIONS)}")
     return w.detach(), keep.detach()
 
-
-def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
-    """(Σw)² / (n·Σw²) over masked entries: 1 for equal weights, 1/n for a one-hot."""
-    w = weights[mask.bool()]
-    if w.numel() == 0 or float((w ** 2).sum()) == 0.0:
-        return 1.0
-    return float(w.sum() ** 2 / (w.numel() * (w ** 2).sum()))

@@ -11,16 +11,23 @@ A loss is: aggregate( w · ℓ(r, A) ) over kept tokens, where
   w   the off-policy correction weight from ρ (learner/correction.py), which may also drop
       tokens or sequences.
 Each function names the verl ``core_algos.py`` function or paper it follows.
+
+Aggregation divides by :class:`Normalisers` fixed for the whole (mini)batch on every rank before
+its micro-batches run (verl's global batch info), so k micro-batches on n ranks accumulate exactly
+the gradient of one piece on one rank. Tokens masked by the correction (or outside the sampling
+transform's kept set) contribute 0 and still count in the normaliser (IcePop's formula).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import get_args
 
 import torch
 
 from learner.config import Aggregation, KLEstimator, PolicyLoss, PolicyLossConfig
-from learner.correction import effective_sample_size, importance_weights
+from learner.correction import importance_weights
+from learner.diagnostics import summarise
 
 POLICY_LOSSES = get_args(PolicyLoss)
 AGGREGATIONS = get_args(Aggregation)
@@ -36,20 +43,44 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # aggregation (verl ``agg_loss``)
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+@dataclass(frozen=True)
+class Normalisers:
+    """The denominators of :func:`aggregate` for a whole (mini)batch across all ranks."""
+
+    tokens: float     # loss tokens (token-mean)
+    sequences: float  # samples (the seq-mean modes)
+    length: float     # T of seq-mean-token-sum-norm: the padded length, L − 1 of the longest sample
+    ranks: int = 1    # DeepSpeed averages gradients over ranks: each rank's share is multiplied by this
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> Normalisers:
+        """Those of ``mask`` alone: one whole batch in one piece on one rank."""
+        return cls(float(mask.sum()), float(mask.shape[0]), float(mask.shape[-1]))
+
+    def one_rank(self) -> Normalisers:
+        """For diagnostics: summed over ranks, not averaged by DeepSpeed."""
+        return replace(self, ranks=1)
+
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+              norm: Normalisers | None = None) -> torch.Tensor:
     """token-mean: Σ ℓ / Σ mask; seq-mean-token-sum: mean over sequences of Σ_t ℓ;
     seq-mean-token-mean: mean over sequences of mean_t ℓ; seq-mean-token-sum-norm: Σ ℓ / T
-    (T = the padded length, Dr.GRPO's constant normaliser)."""
-    if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
+    (T = the padded length, Dr.GRPO's constant normaliser). The sums run over this piece's tokens
+    (``mask``), the denominators are ``norm``'s (by default, those of ``mask``)."""
+    norm = norm or Normalisers.of(mask)
     seq_sum = (loss_mat * mask).sum(-1)
-    if mode == "seq-mean-token-sum":
-        return seq_sum.mean()
-    if mode == "seq-mean-token-mean":
-        return (seq_sum / mask.sum(-1).clamp(min=1)).mean()
-    if mode == "seq-mean-token-sum-norm":
-        return seq_sum.sum() / mask.shape[-1]
-    raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    if mode == "token-mean":
+        total = seq_sum.sum() / max(norm.tokens, 1.0)
+    elif mode == "seq-mean-token-sum":
+        total = seq_sum.sum() / max(norm.sequences, 1.0)
+    elif mode == "seq-mean-token-mean":
+        total = (seq_sum / mask.sum(-1).clamp(min=1)).sum() / max(norm.sequences, 1.0)
+    elif mode == "seq-mean-token-sum-norm":
+        total = seq_sum.sum() / max(norm.length, 1.0)
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
+    return total * norm.ranks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,26 +156,36 @@ def policy_loss_mat(logp, old_logp, adv, cfg: PolicyLossConfig) -> tuple[torch.T
 # the whole policy loss
 
 
+def policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLossConfig,
+                      norm: Normalisers | None = None, valid: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+    """aggregate(w · ℓ) over kept tokens, and the sums its diagnostics are made of (learner/diagnostics.py),
+    so that pieces of a batch add up. ``valid`` (default: ``mask``) leaves out tokens whose log-probs
+    are not defined (outside the sampling transform's kept set): they are masked, and counted."""
+    valid = mask if valid is None else valid * mask
+    w, keep = importance_weights(old_logp, behaviour_logp, valid, cfg.correction)
+    mat, clipped = policy_loss_mat(logp, old_logp, adv, cfg)
+    loss = aggregate(w * mat * keep, mask, cfg.aggregation, norm)
+    with torch.no_grad():
+        m = valid.bool()
+        rho = torch.exp(((old_logp - behaviour_logp) * valid).clamp(-20.0, 20.0))
+        wk = (w * keep)[keep.bool()]
+        any_tok = bool(m.any())
+        sums = {
+            "tokens": float(mask.sum()), "valid": float(m.sum()), "kept": float(keep.sum()),
+            "rho_sum": float(rho[m].sum()),
+            "rho_min": float(rho[m].min()) if any_tok else float("inf"),
+            "rho_max": float(rho[m].max()) if any_tok else float("-inf"),
+            "w_sum": float(wk.sum()), "w_sq_sum": float((wk ** 2).sum()),
+            "truncated": float(((w < rho - 1e-12) & m).sum()) if cfg.correction.mode in ("tis", "decoupled") else 0.0,
+            "clipped": float((clipped * valid).sum()),
+            "mismatch_sum": float(((behaviour_logp - old_logp) * valid).sum()),
+        }
+    return loss, sums
+
+
 def compute_policy_loss(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLossConfig
                         ) -> tuple[torch.Tensor, dict[str, float]]:
-    """aggregate(w · ℓ) over kept tokens, with diagnostics."""
-    corr = cfg.correction
-    w, keep = importance_weights(old_logp, behaviour_logp, mask, corr)
-    mat, clipped = policy_loss_mat(logp, old_logp, adv, cfg)
-    loss = aggregate(w * mat, keep, cfg.aggregation)
-    with torch.no_grad():
-        m = mask.bool()
-        rho = torch.exp(((old_logp - behaviour_logp) * mask).clamp(-20.0, 20.0))
-        any_tok = bool(m.any())
-        diag = {
-            "ratio_mean": float(rho[m].mean()) if any_tok else 1.0,
-            "ratio_min": float(rho[m].min()) if any_tok else 1.0,
-            "ratio_max": float(rho[m].max()) if any_tok else 1.0,
-            "ess": effective_sample_size(w * keep, keep),
-            "frac_truncated": float(((w < rho - 1e-12) & m).float().sum() / m.sum().clamp(min=1))
-            if corr.mode in ("tis", "decoupled") else 0.0,
-            "frac_masked": float(1 - keep.sum() / mask.sum().clamp(min=1)),
-            "frac_clipped": float(masked_mean(clipped, mask)),
-            "mismatch_kl": float(masked_mean(behaviour_logp - old_logp, mask)),
-        }
-    return loss, diag
+    """aggregate(w · ℓ) over kept tokens of one whole batch, with diagnostics."""
+    loss, sums = policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg)
+    return loss, summarise(sums)

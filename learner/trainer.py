@@ -26,6 +26,7 @@ from learner.config import LearnerConfig
 from learner.data import group_mean_reward
 from learner.engine import build_engine, full_state_dict, init_distributed
 from learner.intake import GroupIntake
+from learner.logprobs import check_output_head
 from learner.observe import LearnerObserver
 from learner import checkpoint
 from learner.ranks import share_batch, write_checksum
@@ -81,13 +82,14 @@ class Learner:
             model, tokenizer = load_model(cfg, build=False)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         vocab = model.get_input_embeddings().num_embeddings
+        check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
         reference = None  # the role of verl's reference worker: a frozen copy of the initial weights
         if cfg.kl_coef > 0:
             import copy
 
             reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = build_engine(model, cfg)
-        self.update = PolicyUpdate(self.engine, cfg, pad_id, reference)
+        self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions)
         latest = latest_announcement(self.r, self.keys)
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
@@ -151,8 +153,9 @@ class Learner:
                 self.r.hset(self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups,
                                                           "eta": self.cfg.admission_eta})
             self.publish()
-            log.info("published initial version %d; training %d steps of %d groups on %d rank(s)", self.version,
-                     self.cfg.steps, self.cfg.batch_groups, self.world)
+            log.info("published initial version %d; training %d steps of %d groups on %d rank(s); lr %g, micro-batches "
+                     "of at most %d tokens", self.version, self.cfg.steps, self.cfg.batch_groups, self.world,
+                     self.cfg.lr, self.cfg.micro_batch_tokens)
         step = self.step
         mf = open(self.metrics_path, "a") if self.leader else None
         try:
@@ -166,8 +169,7 @@ class Learner:
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
-                mine = groups[self.rank::self.world]  # each rank trains its share; DeepSpeed averages the gradients
-                diag = self.update.train_step(mine, groups[0].sampling, self.version)
+                diag = self.update.train_step(groups, groups[0].sampling, self.version)  # each rank trains its share
                 self.step += 1
                 step = self.step
                 if self.cfg.rank_checksums:

@@ -10,7 +10,8 @@ import torch
 
 from learner import advantages as adv
 from learner.config import CorrectionConfig, PolicyLossConfig
-from learner.correction import CORRECTIONS, effective_sample_size, importance_weights
+from learner.correction import CORRECTIONS, importance_weights
+from learner.diagnostics import effective_sample_size
 from learner.losses import (
     AGGREGATIONS, aggregate, compute_policy_loss, cispo_loss_mat, kl_estimate, ppo_loss_mat, reinforce_loss_mat,
 )
@@ -317,8 +318,8 @@ def test_k1_and_k3_are_unbiased_kl_by_enumeration():
 
 
 def test_ess_is_one_for_equal_weights_and_one_over_n_for_one_hot():
-    mask = torch.ones(1, 8)
-    assert effective_sample_size(torch.full((1, 8), 0.3), mask) == pytest.approx(1.0)
-    one_hot = torch.zeros(1, 8)
-    one_hot[0, 3] = 5.0
-    assert effective_sample_size(one_hot, mask) == pytest.approx(1 / 8)
+    equal = torch.full((8,), 0.3)
+    assert effective_sample_size(float(equal.sum()), float((equal ** 2).sum()), 8) == pytest.approx(1.0)
+    one_hot = torch.zeros(8)
+    one_hot[3] = 5.0
+    assert effective_sample_size(float(one_hot.sum()), float((one_hot ** 2).sum()), 8) == pytest.approx(1 / 8)
