@@ -27,7 +27,7 @@ from learner.data import group_mean_reward
 from learner.engine import build_engine, full_state_dict, init_distributed
 from learner.intake import GroupIntake
 from learner.logprobs import check_output_head
-from learner.observe import LearnerObserver
+from learner.observe import LearnerObserver, finite_metrics
 from learner import checkpoint
 from learner.ranks import share_batch, write_checksum
 from learner.records import RunRecords
@@ -190,15 +190,16 @@ class Learner:
                 diag.update(step=step, version=self.version, wait_s=wait_s, publish_s=time.perf_counter() - t_pub,
                             t=time.time(), group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
                             ranks=self.world, **self.counts)
-                mf.write(json.dumps(diag) + "\n")
+                diag = finite_metrics(diag)  # strict JSON: a non-finite value becomes null, and is counted
+                mf.write(json.dumps(diag, allow_nan=False) + "\n")
                 mf.flush()
                 self.observer.record(diag)
                 self.records.log(diag)
                 self.r.hset(self.keys.stats("learner"), mapping={
-                    "step": step, "version": self.version, "reward_mean": diag["reward_mean"],
-                    "loss": diag["loss"], **self.counts})
+                    "step": step, "version": self.version, **self.counts,
+                    **{k: diag[k] for k in ("reward_mean", "loss") if diag[k] is not None}})
                 if step % 10 == 0 or step == 1:
-                    log.info("step %d v%d reward %.3f loss %.4f wait %.2fs compute %.2fs stale %s", step, self.version,
+                    log.info("step %d v%d reward %.3f loss %s wait %.2fs compute %.2fs stale %s", step, self.version,
                              diag["reward_mean"], diag["loss"], wait_s, diag["compute_s"], diag["staleness"])
         finally:
             if mf is not None:
