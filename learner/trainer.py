@@ -89,6 +89,8 @@ class Learner:
 
             reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = build_engine(model, cfg)
+        if reference is not None:
+            reference.to(self.engine.device)
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions)
         latest = latest_announcement(self.r, self.keys)
