@@ -7,7 +7,7 @@ import math
 from tests.support.services import relay
 
 NAMES = {"codec", "ingest", "weight_sync/torch", "weight_sync/vllm", "overlap", "generator/torch", "generator/vllm",
-         "learner"}
+         "learner", "learner_memory", "learner_memory/step_time"}
 
 
 def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
