@@ -116,10 +116,10 @@ class Meter:
 def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path | None) -> dict:
     import torch
 
+    from benchmarks.learner import plain_step
     from broker.protocol.group import sampling_transform
-    from broker.protocol.sampling import sampling_logprobs
     from learner.config import DeepSpeedConfig, LearnerConfig
-    from learner.data import collate, micro_batches
+    from learner.data import collate
     from learner.engine import build_engine
     from learner.trainer import load_model
     from learner.update import PolicyUpdate
@@ -148,20 +148,10 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
         plain.config.use_cache = False
         plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def plain_step() -> None:
-        b = collate(groups, advs, 0, update.pad_id)
-        total = b.loss_mask.sum()
-        for rows in micro_batches(b.lengths, torch.arange(len(b.lengths)), cfg.micro_batch_tokens):
-            mb = b.select(rows).to(device)
-            with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16):
-                logits = plain(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-            lp = sampling_logprobs(logits, *transform).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
-            valid = mb.loss_mask.bool() & torch.isfinite(lp)
-            lp = torch.where(valid, lp, 0.0)
-            (-(mb.advantages * torch.exp(lp - lp.detach()) * valid).sum() / total).backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.deepspeed.gradient_clipping)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    b = collate(groups, advs, 0, update.pad_id)
+
+    def plain_loop_step() -> None:
+        plain_step(plain, opt, b, cfg.micro_batch_tokens, transform, cfg.deepspeed.gradient_clipping, device, True)
 
     def learner_step() -> dict:
         return update.train_step(groups, groups[0].sampling, 0)
@@ -174,7 +164,7 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
     timings = {"learner": [], "plain": []}
     peaks = {"learner": 0.0, "plain": 0.0}
     for i in range(steps + 1):  # the first of each is a warm-up
-        for name, fn in (("learner", learner_step), ("plain", plain_step)):
+        for name, fn in (("learner", learner_step), ("plain", plain_loop_step)):
             meter.reset()
             t0 = time.perf_counter()
             diag = fn()

@@ -45,6 +45,31 @@ def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0, vocab: in
     return groups
 
 
+def plain_step(model, optimizer, b, micro_batch_tokens: int, transform: tuple, clip: float, device: str = "cpu",
+               bf16_autocast: bool = False) -> None:
+    """The plain PyTorch baseline of one optimizer step on the collated batch ``b``: the learner's
+    micro-batches (learner/data.py), each forward with full logits through the sampling transform, a
+    token-mean policy-gradient loss over the whole batch (tokens outside the kept set left out),
+    backward; then clipping and the optimizer step."""
+    import torch
+
+    from broker.protocol.sampling import sampling_logprobs
+    from learner.data import micro_batches
+
+    total = b.loss_mask.sum()
+    for rows in micro_batches(b.lengths, torch.arange(len(b.lengths)), micro_batch_tokens):
+        mb = b.select(rows).to(device)
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16_autocast):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        lp = sampling_logprobs(logits, *transform).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+        valid = mb.loss_mask.bool() & torch.isfinite(lp)
+        lp = torch.where(valid, lp, 0.0)
+        (-(mb.advantages * torch.exp(lp - lp.detach()) * valid).sum() / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def run(quick: bool) -> list[dict]:
     import torch
 
