@@ -27,6 +27,15 @@ LR = 0.1
 SAMPLING = {"temperature": 0.9, "top_k": 10, "top_p": 0.95}
 
 
+def weights(engine) -> dict:
+    """Every full weight (gathered from the ranks' partitions under ZeRO-3), in fp32."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+        return {n: p.detach().float().clone() for n, p in params.items()}
+
+
 def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int) -> None:
     """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``) through every case; results under ``label``."""
     import torch
@@ -56,9 +65,9 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int) -> None
         cfg = base.model_copy(update={"aggregation": agg, "policy_loss": pol, "minibatches": minibatches,
                                       "correction": CorrectionConfig(mode=mode)})
         update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world)
-        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        before = weights(engine)
         diag = update.train_step(groups, groups[0].sampling, version=1)
-        grads = {n: (before[n] - p.detach()) / LR for n, p in engine.module.named_parameters()}
+        grads = {n: (before[n] - w) / LR for n, w in weights(engine).items()}
         if rank == 0:
             save_file({n: g.contiguous() for n, g in grads.items()}, str(out / f"{label}-{i}.safetensors"))
             diags.append({k: v for k, v in diag.items() if k not in ("compute_s",)})
