@@ -55,6 +55,8 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.op
         "zero_allow_untested_optimizer": True,  # a torch optimizer (AdamW, or the tests' SGD) under ZeRO
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if engine.world_size == 1 and cfg.deepspeed.zero_stage == 0:
+        engine.enable_backward_allreduce = False  # nothing to average over: skip flattening every gradient
     return engine
 
 

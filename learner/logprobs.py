@@ -5,8 +5,9 @@ The generators sample from logits / temperature, then top-k, then top-p, renorma
 The full-vocabulary logits of a whole batch (positions × vocabulary, and the transform's copies of
 them) are never materialised: the model's forward stops at the last hidden states, and the output
 head, the transform, the gathered log-prob of the taken token and the entropy run on
-``chunk_tokens`` positions at a time, inside ``torch.utils.checkpoint`` so the backward recomputes a
-chunk's logits instead of keeping them. Only completion positions (``positions``) are computed.
+``chunk_tokens`` positions at a time; the backward recomputes a chunk's logits (one matmul) instead
+of keeping them, and reuses the kept set of top-k/top-p found in the forward, stored in a few numbers
+per position (see ``_ChunkLogprobs``). Only completion positions (``positions``) are computed.
 
 A taken token outside the kept set of the transform (top-k/top-p of the current weights, which may
 differ from the weights that sampled it) has log-prob −inf: it is reported in ``outside`` and its
@@ -18,8 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
-
 from broker.protocol.sampling import sampling_logprobs
 
 NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: the forward computes no logits at all
@@ -32,17 +31,75 @@ class TokenLogprobs:
     entropy: torch.Tensor | None     # [B, L-1] entropy of the sampling distribution at t (0 off ``positions``)
 
 
-def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, transform: tuple,
-           entropy: bool) -> tuple[torch.Tensor, ...]:
-    all_logp = sampling_logprobs(head(hidden), *transform)            # [n, V], -inf outside the kept set
-    logp = all_logp.gather(-1, targets[:, None]).squeeze(-1)
-    outside = torch.isinf(logp)
-    logp = torch.where(outside, torch.zeros_like(logp), logp)
-    if not entropy:
-        return logp, outside
-    kept = torch.isfinite(all_logp)  # p log p = 0 outside the kept set (and no 0 · inf in the backward)
-    ent = -(all_logp.exp() * torch.where(kept, all_logp, torch.zeros_like(all_logp))).sum(-1)
-    return logp, outside, ent
+def _kept_set(z: torch.Tensor, transform: tuple) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The kept set of the sampling transform for scaled logits ``z`` [n, V] (logits / temperature),
+    stored compactly: per row the smallest kept value v and how many tokens equal to v are kept (the
+    first ones by index); for a row whose sort kept other ties, the indices of the kept ties."""
+    _, top_k, top_p = transform
+    if not (top_k and top_k < z.shape[-1]) and top_p >= 1.0:
+        return torch.full(z.shape[:1], float("-inf"), device=z.device), torch.zeros(z.shape[:1], dtype=torch.long,
+                                                                                   device=z.device), {}
+    kept = torch.isfinite(sampling_logprobs(z, 1.0, top_k, top_p))
+    v = torch.where(kept, z, torch.full_like(z, float("inf"))).min(-1).values
+    c = ((z == v[:, None]) & kept).sum(-1)
+    rebuilt = _rebuild(z, v, c, {})
+    odd = (rebuilt != kept).any(-1).nonzero().flatten().tolist()
+    return v, c, {i: ((z[i] == v[i]) & kept[i]).nonzero().flatten() for i in odd}
+
+
+def _rebuild(z: torch.Tensor, v: torch.Tensor, c: torch.Tensor, odd: dict) -> torch.Tensor:
+    """The kept set [n, V] from :func:`_kept_set`'s (v, c, odd): ``odd`` maps a row whose kept ties are
+    not the first ones by index to the indices of those it keeps."""
+    ties = z == v[:, None]
+    kept = (z > v[:, None]) | (ties & (ties.cumsum(-1) <= c[:, None]))
+    for i, tied in odd.items():
+        kept[i] = z[i] > v[i]
+        kept[i, tied] = True
+    return kept
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """Log-prob of the taken token and entropy of the sampling distribution from a chunk's ``logits``
+    [n, V], without keeping them: nothing of size n × V is saved for the backward, which recomputes
+    ``head(hidden)`` (no autograd; through the module, so ZeRO's hooks gather its weights) and returns
+    the gradient of log-softmax over the kept set, found again from the compact form the forward
+    stored (no second sort for top-p). The head's own backward stays in the outer graph, so a weight
+    used by several chunks (and tied to the embedding) accumulates its gradient once per backward."""
+
+    @staticmethod
+    def forward(ctx, logits, hidden, targets, head, transform, entropy):
+        z = logits.float() / transform[0]
+        v, c, odd = _kept_set(z, transform)
+        kept = _rebuild(z, v, c, odd)
+        logp_all = torch.log_softmax(z.masked_fill(~kept, float("-inf")), -1)
+        logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+        outside = ~kept.gather(-1, targets[:, None]).squeeze(-1)
+        logp = logp.masked_fill(outside, 0.0)
+        ent = -(logp_all.exp() * logp_all.masked_fill(~kept, 0.0)).sum(-1) if entropy else torch.zeros_like(logp)
+        ctx.save_for_backward(hidden, targets, v, c, outside, ent)
+        ctx.head, ctx.temperature, ctx.odd, ctx.dtype = head, transform[0], odd, logits.dtype
+        ctx.mark_non_differentiable(outside)
+        ctx.set_materialize_grads(False)
+        return logp, ent, outside
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, _):
+        hidden, targets, v, c, outside, ent = ctx.saved_tensors
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None
+        with torch.no_grad():
+            z = ctx.head(hidden).float() / ctx.temperature
+            kept = _rebuild(z, v, c, ctx.odd)
+            logp_all = torch.log_softmax(z.masked_fill(~kept, float("-inf")), -1)
+            p = logp_all.exp()
+            grad = torch.zeros_like(z)
+            if g_logp is not None:  # d log p_t / dz_j = [j = t] − p_j (none for a token outside the kept set)
+                g = g_logp.float().masked_fill(outside, 0.0)
+                grad -= g[:, None] * p
+                grad.scatter_add_(-1, targets[:, None], g[:, None])
+            if g_ent is not None:  # d H / dz_j = −p_j (log p_j + H)
+                grad -= g_ent.float()[:, None] * p * (logp_all.masked_fill(~kept, 0.0) + ent[:, None])
+        return (grad / ctx.temperature).to(ctx.dtype), None, None, None, None, None
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
@@ -58,8 +115,10 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     h, targets = hidden[where], input_ids[:, 1:][where]               # [N, H], [N]
     parts = []
     for s in range(0, h.shape[0], chunk_tokens):
-        args = (head, h[s:s + chunk_tokens], targets[s:s + chunk_tokens], transform, entropy)
-        parts.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
+        hs = h[s:s + chunk_tokens]
+        lp, ent, outside = _ChunkLogprobs.apply(head(hs), hs.detach(), targets[s:s + chunk_tokens], head, transform,
+                                                entropy)
+        parts.append((lp, outside, ent))
     shape = positions.shape
 
     def scatter(i: int, dtype) -> torch.Tensor:

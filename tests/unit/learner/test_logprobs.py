@@ -124,3 +124,17 @@ def test_a_model_whose_logits_are_not_its_head_is_refused(model):
 
     with pytest.raises(ValueError, match="not lm_head"):
         check_output_head(Capped(model))
+
+
+@pytest.mark.parametrize("transform", [(1.0, 5, 1.0), (1.0, 0, 0.9), (0.8, 20, 0.7), (1.0, 0, 1.0)])
+def test_the_kept_set_stored_compactly_is_the_transform_s_even_with_ties(transform):
+    from learner.logprobs import _kept_set, _rebuild
+
+    g = torch.Generator().manual_seed(5)
+    z = (torch.randn(64, 200, generator=g) * 2).to(torch.bfloat16).float()  # bf16 logits: many ties
+    z[0, :10] = 3.0  # ties straddling the top-k and top-p boundaries
+    z[1] = 0.0  # a flat row: every token tied
+    kept = torch.isfinite(sampling_logprobs(z, 1.0, *transform[1:]))
+    v, c, odd = _kept_set(z, transform)
+    assert torch.equal(_rebuild(z, v, c, odd), kept)
+    assert all(len(tied) < 20 for i, tied in odd.items() if i != 1)  # a few tied indices, not a whole row
