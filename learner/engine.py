@@ -49,8 +49,10 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig):
     return engine
 
 
-def full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """Full (gathered) weights for publication, on every ZeRO stage."""
+def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The full weights for publication, on rank 0 (None on the other ranks). Every rank must call
+    it: at ZeRO stage 3 each rank holds a partition of every large weight, and the weights are
+    gathered layer by layer, a collective."""
     if engine.zero_optimization_stage() == 3:
         return engine._zero3_consolidated_16bit_state_dict()
-    return engine.module.state_dict()
+    return engine.module.state_dict() if engine.global_rank == 0 else None
