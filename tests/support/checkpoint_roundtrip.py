@@ -75,6 +75,7 @@ def run(out: Path, settings: list[str]) -> None:
         resumed = weights(b)
         results[setting] = {
             "state": state,
+            "model_numel": sum(v.numel() for v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values()),
             "files": sorted(p.name for p in (ckpt / "step-000002").iterdir()),
             "latest": (ckpt / "latest").read_text(),
             "published_keys": len(saved_weights),
