@@ -41,7 +41,8 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig):
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.deepspeed.gradient_clipping,
         "bf16": {"enabled": cfg.deepspeed.bf16},
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage,
+                              "stage3_param_persistence_threshold": cfg.deepspeed.zero3_persistence_threshold},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

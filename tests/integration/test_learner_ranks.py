@@ -41,12 +41,14 @@ def test_two_learner_ranks_zero3_bf16_publish_the_whole_model_and_checkpoint(tmp
     res = relay("up", "--learner-ranks", "2", "--steps", str(steps), "--runs-dir", str(tmp_path), "--run-id", "z3",
                 "--dashboard-port", "0", "--no-progress", "--set", "learner.batch_groups=8",
                 "--set", "learner.deepspeed.zero_stage=3", "--set", "learner.deepspeed.bf16=true",
-                "--set", "learner.checkpoint_every=2", timeout=600)
+                "--set", "learner.checkpoint_every=2", "--set", "learner.deepspeed.zero3_persistence_threshold=0",
+                timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "z3"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["audit"]["trained_once"] == steps * 8 and summary["audit"]["lost"] == 0
-    # every published version is the whole model (ZeRO-3 gathers it from both ranks' partitions)
+    # every published version is the whole model, gathered from both ranks' partitions (the threshold 0
+    # partitions every weight, so publishing hangs or comes out empty unless both ranks take part)
     base = load_file(str(run / "learner" / "base_model" / "model.safetensors"))
     store = run / "weights"
     versions = weightstore.list_versions(store)
