@@ -167,6 +167,7 @@ def save(root: str | Path, step: int, engine, state: dict, keep: int = 2) -> Pat
         _write_json(tmp / "state.json", {"format": FORMAT, "step": step, **_engine_settings(engine, world), **state})
     _barrier()  # every rank's part is on disk
     if rank == 0:
+        _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
