@@ -3,8 +3,8 @@ is not slower than plain PyTorch doing the same micro-batched work.
 
 Each batch size runs in a child process of its own (``python -m benchmarks.learner_memory --child``):
 it builds the learner's engine (DeepSpeed, torch AdamW) and update (learner/update.py) on
-SmolLM2-135M-Instruct with a fixed ``micro_batch_tokens``, trains two steps on a batch of N tokens,
-then reads its RSS high-water mark (``VmHWM``). Row ``learner_memory``: the peak at 4N tokens against
+SmolLM2-135M-Instruct with a fixed ``micro_batch_tokens`` (256), trains two steps on a batch of N
+tokens (8 samples of 64 tokens: two micro-batches), then reads its RSS high-water mark (``VmHWM``). Row ``learner_memory``: the peak at 4N tokens against
 the peak at N (target ≤ 1.15). Then, in the 4N child, steps of the learner alternate with steps of a
 plain PyTorch loop doing the same micro-batched work (the same micro-batches, the forward with full
 logits through the same sampling transform, a policy-gradient loss, backward, clipping, AdamW):
@@ -32,9 +32,10 @@ from benchmarks.common import ROOT, child_env, row, skipped
 
 TARGET = 1.15
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 0}
-# (model, micro_batch_tokens, prompt tokens, completion tokens, N in samples, timed repeats)
-FULL = dict(micro_batch_tokens=512, prompt=32, completion=94, samples=4, repeats=3)
-QUICK = dict(micro_batch_tokens=64, prompt=6, completion=8, samples=4, repeats=2)
+# N is two micro-batches, so that both sizes accumulate gradients (a step of one micro-batch has no
+# accumulation: its peak is lower by about one gradient-sized temporary, a constant; docs/benchmarks.md)
+FULL = dict(micro_batch_tokens=256, prompt=16, completion=48, samples=8, repeats=3)
+QUICK = dict(micro_batch_tokens=64, prompt=6, completion=8, samples=8, repeats=2)
 
 
 def peak_rss_mb() -> float:
