@@ -120,8 +120,7 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
     from broker.protocol.group import sampling_transform
     from learner.config import DeepSpeedConfig, LearnerConfig
     from learner.data import collate
-    from learner.engine import build_engine
-    from learner.trainer import load_model
+    from learner.engine import build_engine, load_model
     from learner.update import PolicyUpdate
 
     size = SIZES[size_name]

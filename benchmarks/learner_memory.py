@@ -58,7 +58,7 @@ def child(model: str, samples: int, micro_batch_tokens: int, prompt: int, comple
     from learner.config import LearnerConfig
     from learner.data import collate
     from learner.engine import build_engine
-    from learner.trainer import load_model
+    from learner.engine import load_model
     from learner.update import PolicyUpdate
 
     torch.manual_seed(0)

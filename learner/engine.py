@@ -1,15 +1,35 @@
-"""The DeepSpeed training engine on CPU (gloo) or GPU (nccl)."""
+"""The model (built-in tiny or a Hugging Face folder) and the DeepSpeed training engine on CPU (gloo) or GPU (nccl)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 from learner.config import LearnerConfig
 
 log = logging.getLogger("relay.learner.engine")
+
+
+def load_model(cfg: LearnerConfig, build: bool = True):
+    """The model to train (fp32) and its tokenizer: the built-in tiny model, built into
+    ``run_dir/base_model`` (unless ``build`` is false: another rank built it), or a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(cfg.model)
+    if cfg.model == "tiny":
+        from learner.tiny_model import build_tiny_model
+
+        path = Path(cfg.run_dir) / "base_model"
+        if build:
+            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible)
+    elif not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder or 'tiny')")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, tokenizer
 
 
 def init_distributed() -> None:

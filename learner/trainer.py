@@ -24,7 +24,7 @@ from broker.client.connection import connect_redis
 from broker.protocol.keys import Keys
 from learner.config import LearnerConfig
 from learner.data import group_mean_reward
-from learner.engine import build_engine, full_state_dict, init_distributed
+from learner.engine import build_engine, full_state_dict, init_distributed, load_model
 from learner.intake import GroupIntake
 from learner.logprobs import check_output_head
 from learner.observe import LearnerObserver, finite_metrics
@@ -35,23 +35,6 @@ from learner.publish import Publisher, first_version
 from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
-
-def load_model(cfg: LearnerConfig, build: bool = True):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(cfg.model)
-    if cfg.model == "tiny":
-        from learner.tiny_model import build_tiny_model
-
-        path = Path(cfg.run_dir) / "base_model"
-        if build:
-            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible)
-    elif not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder or 'tiny')")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, tokenizer
-
 
 class Learner:
     def __init__(self, cfg: LearnerConfig):

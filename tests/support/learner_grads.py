@@ -45,7 +45,7 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int) -> None
     from benchmarks.learner import make_groups
     from learner.config import CorrectionConfig, LearnerConfig
     from learner.engine import build_engine, init_distributed
-    from learner.trainer import load_model
+    from learner.engine import load_model
     from learner.update import PolicyUpdate
 
     torch.manual_seed(0)
