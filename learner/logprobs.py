@@ -31,29 +31,48 @@ class TokenLogprobs:
     entropy: torch.Tensor | None     # [B, L-1] entropy of the sampling distribution at t (0 off ``positions``)
 
 
-def _kept_set(z: torch.Tensor, transform: tuple) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The kept set of the sampling transform for scaled logits ``z`` [n, V] (logits / temperature),
-    stored compactly: per row the smallest kept value v and how many tokens equal to v are kept (the
-    first ones by index); for a row whose sort kept other ties, the indices of the kept ties."""
+def _truncates(transform: tuple, vocab: int) -> bool:
     _, top_k, top_p = transform
-    if not (top_k and top_k < z.shape[-1]) and top_p >= 1.0:
-        return torch.full(z.shape[:1], float("-inf"), device=z.device), torch.zeros(z.shape[:1], dtype=torch.long,
-                                                                                   device=z.device), {}
-    kept = torch.isfinite(sampling_logprobs(z, 1.0, top_k, top_p))
+    return bool(top_k and top_k < vocab) or top_p < 1.0
+
+
+def _kept_set(z: torch.Tensor, transform: tuple) -> tuple[torch.Tensor, tuple | None]:
+    """The sampling distribution's log-probs [n, V] for scaled logits ``z`` (logits / temperature), and
+    its kept set stored compactly (None when nothing is cut): per row the smallest kept value v and how
+    many tokens equal to v are kept (the first ones by index); for a row whose sort kept other ties,
+    the indices of the kept ties. Every token above v is kept: top-k keeps z ≥ its k-th value, top-p a
+    prefix of the sorted tokens."""
+    logp_all = sampling_logprobs(z, 1.0, *transform[1:])
+    if not _truncates(transform, z.shape[-1]):
+        return logp_all, None
+    kept = torch.isfinite(logp_all)
     v = torch.where(kept, z, torch.full_like(z, float("inf"))).min(-1).values
     c = ((z == v[:, None]) & kept).sum(-1)
-    rebuilt = _rebuild(z, v, c, {})
-    odd = (rebuilt != kept).any(-1).nonzero().flatten().tolist()
-    return v, c, {i: ((z[i] == v[i]) & kept[i]).nonzero().flatten() for i in odd}
+    compact = (v, c, {})
+    rows = _partial_rows(z, v, c)  # only rows that keep some of their ties can differ from the rebuild
+    if len(rows):
+        odd = rows[(_rebuild(z, compact)[rows] != kept[rows]).any(-1)].tolist()
+        compact[2].update({i: ((z[i] == v[i]) & kept[i]).nonzero().flatten() for i in odd})
+    return logp_all, compact
 
 
-def _rebuild(z: torch.Tensor, v: torch.Tensor, c: torch.Tensor, odd: dict) -> torch.Tensor:
-    """The kept set [n, V] from :func:`_kept_set`'s (v, c, odd): ``odd`` maps a row whose kept ties are
-    not the first ones by index to the indices of those it keeps."""
-    ties = z == v[:, None]
-    kept = (z > v[:, None]) | (ties & (ties.cumsum(-1) <= c[:, None]))
+def _partial_rows(z: torch.Tensor, v: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (c < (z == v[:, None]).sum(-1)).nonzero().flatten()
+
+
+def _rebuild(z: torch.Tensor, compact: tuple | None) -> torch.Tensor | None:
+    """The kept set [n, V] from :func:`_kept_set`'s compact form (None: every token)."""
+    if compact is None:
+        return None
+    v, c, odd = compact
+    above = z > v[:, None]
+    kept = above | (z == v[:, None])
+    rows = _partial_rows(z, v, c)
+    if len(rows):
+        ties = z[rows] == v[rows, None]
+        kept[rows] = above[rows] | (ties & (ties.cumsum(-1) <= c[rows, None]))
     for i, tied in odd.items():
-        kept[i] = z[i] > v[i]
+        kept[i] = above[i]
         kept[i, tied] = True
     return kept
 
@@ -68,29 +87,26 @@ class _ChunkLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, hidden, targets, head, transform, entropy):
-        z = logits.float() / transform[0]
-        v, c, odd = _kept_set(z, transform)
-        kept = _rebuild(z, v, c, odd)
-        logp_all = torch.log_softmax(z.masked_fill(~kept, float("-inf")), -1)
+        logp_all, compact = _kept_set(logits.float() / transform[0], transform)
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-        outside = ~kept.gather(-1, targets[:, None]).squeeze(-1)
+        outside = torch.isinf(logp)
         logp = logp.masked_fill(outside, 0.0)
-        ent = -(logp_all.exp() * logp_all.masked_fill(~kept, 0.0)).sum(-1) if entropy else torch.zeros_like(logp)
-        ctx.save_for_backward(hidden, targets, v, c, outside, ent)
-        ctx.head, ctx.temperature, ctx.odd, ctx.dtype = head, transform[0], odd, logits.dtype
+        ent = -(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1) if entropy else torch.zeros_like(logp)
+        ctx.save_for_backward(hidden, targets, outside, ent)
+        ctx.head, ctx.temperature, ctx.compact, ctx.dtype = head, transform[0], compact, logits.dtype
         ctx.mark_non_differentiable(outside)
         ctx.set_materialize_grads(False)
         return logp, ent, outside
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _):
-        hidden, targets, v, c, outside, ent = ctx.saved_tensors
+        hidden, targets, outside, ent = ctx.saved_tensors
         if g_logp is None and g_ent is None:
             return None, None, None, None, None, None
         with torch.no_grad():
             z = ctx.head(hidden).float() / ctx.temperature
-            kept = _rebuild(z, v, c, ctx.odd)
-            logp_all = torch.log_softmax(z.masked_fill(~kept, float("-inf")), -1)
+            kept = _rebuild(z, ctx.compact)
+            logp_all = torch.log_softmax(z if kept is None else z.masked_fill(~kept, float("-inf")), -1)
             p = logp_all.exp()
             grad = torch.zeros_like(z)
             if g_logp is not None:  # d log p_t / dz_j = [j = t] − p_j (none for a token outside the kept set)
@@ -98,7 +114,7 @@ class _ChunkLogprobs(torch.autograd.Function):
                 grad -= g[:, None] * p
                 grad.scatter_add_(-1, targets[:, None], g[:, None])
             if g_ent is not None:  # d H / dz_j = −p_j (log p_j + H)
-                grad -= g_ent.float()[:, None] * p * (logp_all.masked_fill(~kept, 0.0) + ent[:, None])
+                grad -= g_ent.float()[:, None] * p * (logp_all.nan_to_num(neginf=0.0) + ent[:, None])
         return (grad / ctx.temperature).to(ctx.dtype), None, None, None, None, None
 
 
