@@ -1,7 +1,8 @@
 """Micro-batches and ranks change nothing but memory: for every aggregation mode and policy loss
 (plus a masking correction with two minibatches), one optimizer step of the real learner update with
 real DeepSpeed gives the same gradients and diagnostics (to 1e-5) with one piece on one rank, with k
-micro-batches, and with 2 ranks (torchrun, gloo) in ZeRO 0 and ZeRO 2. The samples are stale and
+micro-batches (also with activation checkpointing), and with 2 ranks (torchrun, gloo) in ZeRO 0 and
+ZeRO 2. The samples are stale and
 sampled with temperature, top-k and top-p: every loss, gradient and diagnostic stays finite, and the
 tokens that fell out of the kept set are counted. (tests/support/learner_grads.py runs the steps.)"""
 
@@ -29,7 +30,7 @@ def _run(cmd: list[str]) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grads")
     module = ["-m", "tests.support.learner_grads", str(out)]
-    _run([sys.executable, *module, "one=100000", "k=48"])
+    _run([sys.executable, *module, "one=100000", "k=48", "k_checkpointing=48/0/checkpointing"])
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *module,
           "ranks=48/0", "ranks_zero2=48/2"])
     return out
@@ -40,7 +41,7 @@ def _load(out, label):
     return diags, [load_file(str(out / f"{label}-{i}.safetensors")) for i in range(len(diags))]
 
 
-@pytest.mark.parametrize("label", ["k", "ranks", "ranks_zero2"])
+@pytest.mark.parametrize("label", ["k", "k_checkpointing", "ranks", "ranks_zero2"])
 def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
     want_diags, want_grads = _load(runs, "one")
     got_diags, got_grads = _load(runs, label)

@@ -2,7 +2,7 @@
 aggregation mode and policy loss, recording the gradient and the diagnostics of each, so that tests can
 compare k micro-batches, and 2 ranks, with one piece on one rank.
 
-    python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE] ...
+    python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing]] ...
     torchrun --standalone --nproc_per_node 2 -m tests.support.learner_grads OUT LABEL=... ...
 
 The optimizer is plain SGD (no clipping), so the gradient is read back from the weight change:
@@ -36,8 +36,9 @@ def weights(engine) -> dict:
         return {n: p.detach().float().clone() for n, p in params.items()}
 
 
-def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int) -> None:
-    """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``) through every case; results under ``label``."""
+def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpointing: bool = False) -> None:
+    """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``) through every
+    case; results under ``label``."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -52,6 +53,7 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int) -> None
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     base = LearnerConfig(run_dir=str(out / f"{label}-model"), micro_batch_tokens=micro_batch_tokens,
+                         gradient_checkpointing=checkpointing,
                          logprob_chunk_tokens=16)
     base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
     if rank == 0:
@@ -78,9 +80,10 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int) -> None
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE]")
+    p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing]]")
     a = p.parse_args()
     for spec in a.runs:
         name, _, setting = spec.partition("=")
-        tokens, _, stage = setting.partition("/")
-        run(a.out, name, int(tokens), int(stage or 0))
+        tokens, _, rest = setting.partition("/")
+        stage, _, extra = rest.partition("/")
+        run(a.out, name, int(tokens), int(stage or 0), extra == "checkpointing")
