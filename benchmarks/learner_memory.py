@@ -121,8 +121,11 @@ def smollm2() -> Path | str:
 def _spawn(model: str, samples: int, size: dict, timed: bool) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.learner_memory", "--child", model, str(samples),
            str(size["micro_batch_tokens"]), str(size["prompt"]), str(size["completion"]), str(size["repeats"])]
-    res = subprocess.run(cmd + (["--timed"] if timed else []), cwd=ROOT, env=child_env(), capture_output=True,
-                         text=True, timeout=3600)
+    env = child_env()
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the parent's process group,
+        env.pop(k, None)  # when an in-process benchmark (learner) set one up: the child makes its own
+    res = subprocess.run(cmd + (["--timed"] if timed else []), cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=3600)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     if res.returncode != 0 or not lines:
         raise RuntimeError(f"learner_memory child ({samples} samples) failed: {res.stderr[-2000:]}")
