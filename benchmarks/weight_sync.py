@@ -70,7 +70,7 @@ def measure(kind: str, quick: bool) -> dict:
 
         def served() -> list:
             hb = read_heartbeats(r, keys)
-            return [hb.get(f"gen-{i}", {}).get("version") for i in range(2)]
+            return [hb[g].version if g in hb else None for g in ("gen-0", "gen-1")]
 
         for g in gens:
             wait_until(lambda: served()[int(g.name[-1])] == 0, 600, f"{g.name} to load version 0", g)

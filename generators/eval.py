@@ -50,15 +50,16 @@ class Evaluator:
         if not claimed:
             return 0
         need = max(int(f["round"]) for _, f in claimed)
-        if self.gen.version is None or self.gen.version < need:
-            self.gen.maybe_update()  # the round was enqueued after its version was announced
+        weights = self.gen.weights
+        if weights.version is None or weights.version < need:
+            weights.update()  # the round was enqueued after its version was announced
         backend, base = self.gen.backend, self.gen.cfg.sampling
         first = claimed[0][1]
         greedy, k = first.get("greedy") == "1", int(first.get("samples") or 0)
         max_tokens = int(first.get("max_tokens") or 0) or base.max_tokens
         prompts = [f for _, f in claimed]
         ids = [prompt_token_ids(f, backend.encode) for f in prompts]
-        version = self.gen.version
+        version = weights.version
         seed = zlib.crc32(f"eval:{self.gen.cfg.seed}:{self.gen.cfg.id}:{claimed[0][0]!r}".encode())
         results: list[dict] = [{"version": version, "generator": self.gen.cfg.id} for _ in prompts]
         runs = []
@@ -69,11 +70,10 @@ class Evaluator:
             runs.append(("samples", base.model_copy(update={"n": k, "max_tokens": max_tokens})))
         for name, sampling in runs:
             groups = backend.generate(ids, sampling, seed=seed)
-            scores = self.gen.score(prompts, groups)
+            scores = self.gen.rewards.score_groups(prompts, groups, backend.decode)
             for res, cs, rs in zip(results, groups, scores):
-                comps = [{"reward": r.get("score") if r.get("status") == "ok" else None,
-                          "status": r.get("status", "failed"), "length": len(c.token_ids),
-                          "finish_reason": c.finish_reason} for c, r in zip(cs, rs)]
+                comps = [{"reward": r.score if r.status == "ok" else None, "status": r.status,
+                          "length": len(c.token_ids), "finish_reason": c.finish_reason} for c, r in zip(cs, rs)]
                 res[name] = comps[0] if name == "greedy" else comps
         pipe = self.r.pipeline(transaction=True)
         for (eid, f), res in zip(claimed, results):
@@ -88,9 +88,9 @@ class Evaluator:
         before exiting, waiting up to ``final_wait_s`` for the broker to enqueue it."""
         if not self.r.exists(self.keys.eval_rounds):
             return  # evaluation is off (no round was ever enqueued)
-        self.gen.maybe_update()
+        self.gen.weights.update()
         deadline = time.monotonic() + self.final_wait_s
-        while time.monotonic() < deadline and not self.r.hexists(self.keys.eval_rounds, str(self.gen.version)):
+        while time.monotonic() < deadline and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version)):
             time.sleep(0.1)
         while self.serve(force=True):
             pass

@@ -169,6 +169,8 @@ class BrokerGauges(Collector):
             yield gauge(f"relay_eval_{name}", f"{doc} of the last completed evaluation round", last.get(key))
         yield gauge("relay_broker_generator_heartbeat_age_seconds", "seconds since a generator's last heartbeat",
                     [(g["id"], g["age_s"]) for g in gens if g["age_s"] is not None], "generator")
+        yield gauge("relay_broker_malformed_heartbeats", "heartbeat entries that cannot be read (skipped; the broker "
+                    "logs why)", len(st["failures"]["malformed_heartbeats"]))
 
 
 def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistry) -> ThreadingHTTPServer:

@@ -21,7 +21,7 @@ log = logging.getLogger("relay.generator.torch")
 
 class TorchBackend(HFText):
     name = "torch"
-    supports_in_flight = True
+    supports_in_flight = TorchBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: TorchBackendConfig):
         self.cfg = cfg

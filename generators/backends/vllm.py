@@ -55,7 +55,7 @@ def _copy_embedding(worker, weight) -> None:
 
 class VLLMBackend(HFText):
     name = "vllm"
-    supports_in_flight = True
+    supports_in_flight = VLLMBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: VLLMBackendConfig):
         self.cfg = cfg
