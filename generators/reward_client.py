@@ -11,7 +11,6 @@ visible, never a silent 0. Used by the training loop (the sink) and by evaluatio
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Callable
@@ -19,7 +18,7 @@ from typing import Callable
 import httpx
 
 from broker.client.connection import Backoff
-from broker.protocol.messages import ItemIn, ResultOut, ScoreRequest, ScoreResponse
+from broker.protocol.messages import ItemIn, PromptEntry, ResultOut, ScoreRequest, ScoreResponse
 from generators.backends.base import Completion
 from generators.config import GeneratorConfig
 
@@ -32,12 +31,12 @@ class RewardClient:
         self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s,
                                  headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None)
 
-    def score_groups(self, prompts: list[dict], groups: list[list[Completion]],
+    def score_groups(self, prompts: list[PromptEntry], groups: list[list[Completion]],
                      decode: Callable[[list[int]], str]) -> list[list[ResultOut]]:
         """One call for a whole batch: each prompt's completions -> their results, same shape."""
-        items = [ItemIn(prompt=p["text"], completion=decode(c.token_ids), reference=p["reference"],
-                        finished=c.finish_reason == "stop", task=p["task"], num_tokens=len(c.token_ids),
-                        metadata=json.loads(p.get("metadata") or "{}"))
+        items = [ItemIn(prompt=p.text, completion=decode(c.token_ids), reference=p.reference,
+                        finished=c.finish_reason == "stop", task=p.task, num_tokens=len(c.token_ids),
+                        metadata=p.metadata)
                  for p, cs in zip(prompts, groups) for c in cs]
         k = iter(self.score(items))
         return [[next(k) for _ in cs] for cs in groups]

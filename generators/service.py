@@ -22,7 +22,7 @@ from broker.client.announcements import advertise_run
 from broker.client.connection import connect_redis
 from broker.client.telemetry import heartbeat
 from broker.protocol.keys import Keys
-from broker.protocol.messages import Heartbeat
+from broker.protocol.messages import Heartbeat, PromptEntry
 from generators.config import GeneratorConfig
 from generators.eval import Evaluator
 from generators.metrics import serve_metrics
@@ -87,7 +87,7 @@ class Generator:
 
     # -- prompts --------------------------------------------------------------------------------
 
-    def claim(self) -> list[tuple[bytes, dict]]:
+    def claim(self) -> list[tuple[bytes, PromptEntry]]:
         """Claim up to prompts_per_batch prompts: first ones abandoned by dead generators (already
         admitted), then new ones as far as staleness admission control allows."""
         n = self.cfg.prompts_per_batch

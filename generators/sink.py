@@ -25,7 +25,7 @@ from broker.client.connection import Backoff
 from broker.client.sender import GroupSender
 from broker.protocol.group import Group, Sample, encode_group, versions_to_runs
 from broker.protocol.keys import Keys
-from broker.protocol.messages import ResultOut
+from broker.protocol.messages import PromptEntry, ResultOut
 from generators.backends.base import Completion
 from generators.config import GeneratorConfig
 from generators.reward_client import RewardClient
@@ -37,7 +37,7 @@ log = logging.getLogger("relay.generator.sink")
 class Batch:
     """One generated batch on its way to the broker."""
 
-    claimed: list[tuple[bytes, dict]]  # (prompts-stream entry id, its fields), one per prompt
+    claimed: list[tuple[bytes, PromptEntry]]  # (prompts-stream entry id, the prompt), one per prompt
     prompt_ids: list[list[int]]        # the token ids each prompt was fed as
     groups: list[list[Completion]]     # each prompt's completions
     version: int                       # the weight version (and hash) served when the batch started
@@ -108,7 +108,7 @@ class Sink:
                       prompt_ids=np.asarray(pid, dtype=np.int32),
                       samples=[self._sample(c, r, b.version) for c, r in zip(cs, rs)], generator_id=self.cfg.id,
                       weight_version=b.version, weight_hash=b.weight_hash, sampling=self.cfg.sampling.model_dump(),
-                      task=p["task"], reference=p["reference"], created_at=b.created_at, scored_at=scored,
+                      task=p.task, reference=p.reference, created_at=b.created_at, scored_at=scored,
                       sent_at=time.time())
             self.state = "sending"
             ack = self.sender.send(g.group_id, encode_group(g), should_stop=self.stop.is_set,

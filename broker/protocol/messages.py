@@ -2,12 +2,14 @@
 
     Ack           broker -> generator       msgpack map, ``kind`` "ack"       (ZeroMQ reply to a group)
     Announcement  learner -> generators     msgpack map, ``kind`` "announce"  (Redis key + pub/sub)
+    PromptEntry   broker -> generators      Redis stream fields (strings)     (streams ``prompts``, ``eval_prompts``)
+    EvalResult    generator -> broker       JSON object                       (stream ``eval_results``, field ``data``)
     Heartbeat     generator -> everyone     JSON object                       (Redis hash ``generators``)
     RunInfo       broker, generators, learner -> producers  Redis hash fields (``run``: how to join a run)
     ItemIn, ScoreRequest, ResultOut, ScoreResponse  generator <-> reward service  JSON over HTTP (POST /score)
 
-Control messages (ack, announce) carry a ``kind`` tag; the others are state (a heartbeat, the run's
-advertisement) or the body of one HTTP route, so their place says what they are. docs/protocol.md
+Control messages (ack, announce) carry a ``kind`` tag; the others are stream entries, state (a
+heartbeat, the run's advertisement) or the body of one HTTP route, so their place says what they are. docs/protocol.md
 specifies the bytes; tests/snapshots/reward_openapi.json pins the reward service's JSON.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
@@ -102,6 +104,108 @@ def decode_announcement(data: bytes) -> Announcement:
         url=str(m.get("url", "")),
         published_at=float(m.get("published_at", 0.0)),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# prompt entries (broker -> generators; the prompts and eval_prompts streams, every field a string)
+
+
+@dataclass
+class PromptEntry:
+    """One prompt to sample (docs/protocol.md 7.1). Training prompts carry ``seq``/``epoch``/``row``;
+    held-out prompts of an evaluation round carry ``round`` ... ``max_tokens`` (docs/eval.md)."""
+
+    text: str                            # the prompt text (tokenized with the snapshot's tokenizer)
+    reference: str = ""                  # the reference answer, for the reward
+    task: str = ""                       # the task: picks the reward plugin
+    prompt_ids: list[int] | None = None  # JSON list of token ids to feed exactly (dataset prompts, template applied)
+    metadata: dict[str, Any] = field(default_factory=dict)  # JSON object: dataset fields for the reward
+    seq: int | None = None               # training: the broker's sequence number (1, 2, ...)
+    epoch: int | None = None             # training: which pass over the source
+    row: int | None = None               # training: which row (or built-in prompt number) of the source
+    round: int | None = None             # evaluation: the round (the weight version it evaluates)
+    idx: int | None = None               # evaluation: the prompt's index in the round
+    greedy: bool = False                 # evaluation: one greedy completion ("1" / "0")
+    samples: int = 0                     # evaluation: completions sampled at the training temperature
+    max_tokens: int = 0                  # evaluation: most new tokens (0: the generator's own)
+
+    _INTS = ("seq", "epoch", "row", "round", "idx")
+
+    def fields(self) -> dict[str, str]:
+        """The stream entry's fields (absent optional fields are left out)."""
+        out = {"text": self.text, "reference": self.reference, "task": self.task}
+        if self.prompt_ids is not None:
+            out["prompt_ids"] = json.dumps(self.prompt_ids, separators=(",", ":"))
+        if self.metadata:
+            out["metadata"] = json.dumps(self.metadata, default=str)
+        out.update({k: str(getattr(self, k)) for k in self._INTS if getattr(self, k) is not None})
+        if self.round is not None:
+            out.update(greedy=str(int(self.greedy)), samples=str(self.samples), max_tokens=str(self.max_tokens))
+        return out
+
+    @classmethod
+    def from_fields(cls, f: dict[str, str]) -> "PromptEntry":
+        """An entry read from the stream, or ProtocolError ``bad_prompt`` naming the field."""
+        try:
+            ids = json.loads(f["prompt_ids"]) if f.get("prompt_ids") else None
+            if ids is not None and (not isinstance(ids, list) or not ids
+                                    or not all(isinstance(i, int) and i >= 0 for i in ids)):
+                raise ValueError(f"prompt_ids must be a non-empty JSON list of token ids, got {f['prompt_ids'][:80]!r}")
+            return cls(text=f.get("text", ""), reference=f.get("reference", ""), task=f.get("task", ""),
+                       prompt_ids=ids, metadata=json.loads(f.get("metadata") or "{}"),
+                       **{k: int(f[k]) for k in cls._INTS if f.get(k)}, greedy=f.get("greedy") == "1",
+                       samples=int(f.get("samples") or 0), max_tokens=int(f.get("max_tokens") or 0))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ProtocolError("bad_prompt", str(e)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation results (generator -> the broker's aggregation, broker/prompts/evals.py; JSON)
+
+
+@dataclass
+class EvalCompletion:
+    """One evaluated completion."""
+
+    reward: float | None     # the reward; None when it failed
+    status: str = "ok"       # "ok" | "failed"
+    length: int = 0          # completion tokens
+    finish_reason: str = ""  # "stop" | "length"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.reward is not None
+
+
+@dataclass
+class EvalResult:
+    """One evaluated prompt: the ``data`` of an ``eval_results`` entry (its ``round`` and ``idx`` are
+    the entry's other fields). ``greedy`` and/or ``samples``, as the round asked."""
+
+    version: int | None = None              # the weight version that generated it
+    generator: str = ""                     # the generator id
+    greedy: EvalCompletion | None = None    # the greedy completion (top_k = 1)
+    samples: list[EvalCompletion] = field(default_factory=list)  # completions at the training temperature
+
+
+def encode_eval_result(res: EvalResult) -> str:
+    out: dict[str, Any] = {"version": res.version, "generator": res.generator}
+    if res.greedy is not None:
+        out["greedy"] = asdict(res.greedy)
+    if res.samples:
+        out["samples"] = [asdict(c) for c in res.samples]
+    return json.dumps(out)
+
+
+def decode_eval_result(data: bytes | str) -> EvalResult:
+    """An evaluation result, or ProtocolError ``bad_eval_result``."""
+    try:
+        m = json.loads(data)
+        greedy = EvalCompletion(**m["greedy"]) if m.get("greedy") else None
+        return EvalResult(version=m.get("version"), generator=m.get("generator", ""), greedy=greedy,
+                          samples=[EvalCompletion(**c) for c in m.get("samples") or []])
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ProtocolError("bad_eval_result", str(e)) from None
 
 
 # ----------------------------------------------------------------------------------------------
