@@ -79,7 +79,7 @@ def prompt_stream(cfg: TaskConfig) -> Iterator[PromptEntry]:
 
 class TaskSource:
     """The task's prompts from any position (``fed`` prompts in): the same interface as
-    :class:`broker.datasets.DatasetSource`, so the feeder resumes a built-in task where it was too.
+    :class:`broker.prompts.datasets.DatasetSource`, so the feeder resumes a built-in task where it was too.
     Resuming replays the seeded generator up to the position (cheap: ~1 µs per prompt)."""
 
     def __init__(self, cfg: TaskConfig):

@@ -1,5 +1,5 @@
 """The ``torch`` backend: transformers model, batched sampling with a KV cache, exact behaviour
-log-probs from :func:`broker.sampling.sampling_logprobs`. Weights update in place with
+log-probs from :func:`broker.protocol.sampling.sampling_logprobs`. Weights update in place with
 ``load_state_dict`` into the same module (no new engine)."""
 
 from __future__ import annotations
