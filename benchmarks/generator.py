@@ -22,7 +22,7 @@ TARGET = 0.9
 
 def _raw(kind: str, path: str, prompts: list[str], batch: int, sampling, seconds: float) -> tuple[float, int]:
     """(tokens/s, batches) of the raw engine over at least ``seconds`` (and at least 2 batches)."""
-        from generators.config import GeneratorConfig
+    from generators.config import GeneratorConfig
 
     backend = GeneratorConfig.model_validate({"backend": backend_config(kind)}).backend.build()
     backend.load(path)
