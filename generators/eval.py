@@ -27,7 +27,6 @@ class Evaluator:
         self.gen, self.r, self.keys = gen, gen.r, gen.keys
         self.check_every_s, self.final_wait_s = check_every_s, final_wait_s
         self._next_check = 0.0
-        self.prompts_done = 0
 
     def _claim(self) -> list[tuple[bytes, PromptEntry]]:
         n, stream = self.gen.cfg.prompts_per_batch, self.keys.eval_prompts
@@ -83,7 +82,6 @@ class Evaluator:
             queues.add_eval_result(pipe, self.keys, p.round, p.idx, encode_eval_result(res))
             queues.release(pipe, self.keys.eval_prompts, eid)
         pipe.execute()
-        self.prompts_done += len(claimed)
         return len(claimed)
 
     def finish(self) -> None:

@@ -15,8 +15,8 @@ from broker.runtime.metrics import MetricsServer, advertised_host, labelled_regi
 if TYPE_CHECKING:
     from generators.service import Generator
 
-STATES = ("starting", "waiting_for_weights", "updating", "sampling", "sending", "paused_staleness",
-          "paused_backpressure", "draining", "stopped")
+STATES = ("starting", "waiting_for_weights", "updating", "sampling", "waiting_for_prompts", "sending",
+          "paused_staleness", "paused_backpressure", "draining", "stopped")
 
 
 class GeneratorCollector(Collector):

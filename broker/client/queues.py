@@ -28,8 +28,6 @@ from broker.protocol.messages import PromptEntry
 
 log = logging.getLogger(__name__)
 
-Entry = tuple[bytes, dict]  # (stream id, fields)
-
 
 def ensure_groups(r: redis.Redis, keys: Keys) -> None:
     """Create the streams and their consumer groups (idempotent): prompts and eval prompts for the
@@ -161,7 +159,6 @@ class TrajectoryReader:
     keys: Keys
     consumer: str = "learner-0"
     _pending_cursor: str | None = "0"  # walks this consumer's pending list once, then None: new entries
-    undecodable: int = 0
 
     def read(self, want: int, block_ms: int = 1000) -> list[tuple[bytes, Group | None]]:
         """Up to ``want`` entries: first this consumer's unacknowledged ones (a previous learner's,
@@ -182,7 +179,6 @@ class TrajectoryReader:
             try:
                 out.append((eid, decode_group(fields[b"data"])))
             except (ProtocolError, KeyError) as e:
-                self.undecodable += 1
                 log.error("undecodable stream entry %s: %s", eid, e)
                 out.append((eid, None))
         return out

@@ -228,8 +228,8 @@ class Heartbeat(BaseModel):
     hash: str = Field("", description="str: the manifest hash of the version served")
     last_seen: float | None = Field(None, description="float: unix time of this heartbeat (null/absent: shown dead, "
                                     "pins nothing)")
-    state: str = Field("unknown", description="str: starting, waiting_for_weights, updating, sampling, sending, "
-                       "paused_staleness, paused_backpressure, draining, stopped")
+    state: str = Field("unknown", description="str: starting, waiting_for_weights, updating, sampling, "
+                       "waiting_for_prompts, sending, paused_staleness, paused_backpressure, draining, stopped")
     backend: str = Field("", description="str: the inference backend (torch, vllm, sglang, simulated)")
     sink_state: str = Field("", description="str: what the thread that scores and sends is doing: idle, scoring, "
                             "sending, paused_backpressure")
