@@ -6,6 +6,7 @@ resume."""
 import signal
 import time
 
+import pytest
 import redis
 
 from broker.client.telemetry import read_heartbeats, read_stats
@@ -13,6 +14,7 @@ from broker.protocol.keys import Keys
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, redis_url, tmp_path):
     run, batch, eta = "adm", 4, 1
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)

@@ -4,6 +4,7 @@ for (dropped with a reason, or still queued): none lost, none trained twice."""
 
 import json
 
+import pytest
 import redis
 
 from broker.client.telemetry import read_stats
@@ -15,6 +16,7 @@ def _step(r, keys) -> int:
     return int(read_stats(r, keys, "learner").get("step", 0))
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path):
     run, steps, batch = "resume", 40, 8
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)

@@ -5,6 +5,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.support.services import ROOT, child_env
 
 README = (ROOT / "README.md").read_text()
@@ -24,6 +26,7 @@ def test_quick_start_is_exactly_make_run_and_make_test():
     assert _block_after("## Quick start").split() == ["make", "run", "make", "test"]
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_configuration_examples_run_as_shown(tmp_path):
     """The README's `relay up` and `make run` lines, in a scratch copy of the working folder."""
     work = tmp_path / "work"
