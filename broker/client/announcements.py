@@ -25,6 +25,11 @@ def announce(r: redis.Redis, keys: Keys, a: Announcement) -> None:
     pipe.execute()
 
 
+def announced_runs(r: redis.Redis) -> list[str]:
+    """Every run in this Redis that has announced a version."""
+    return sorted({Keys.run_of(k.decode()) for k in r.scan_iter(Keys("*").latest)})
+
+
 def latest_announcement(r: redis.Redis, keys: Keys) -> Announcement | None:
     data = r.get(keys.latest)
     return decode_announcement(data) if data else None

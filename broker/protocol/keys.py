@@ -42,6 +42,11 @@ class Keys:
     def _k(self, name: str) -> str:
         return f"relay:{self.run_id}:{name}"
 
+    @staticmethod
+    def run_of(key: str) -> str:
+        """The run id of one of these keys (``Keys("*")`` gives the SCAN patterns over every run)."""
+        return key.split(":", 2)[1]
+
     @property
     def prompts(self) -> str:
         return self._k("prompts")
