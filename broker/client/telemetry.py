@@ -3,7 +3,6 @@ the dashboard's events stream, per-service counters."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -12,7 +11,7 @@ import redis
 
 from broker.protocol.codec import ProtocolError
 from broker.protocol.keys import Keys
-from broker.protocol.messages import Heartbeat, decode_heartbeat, encode_heartbeat
+from broker.protocol.messages import Event, Heartbeat, ServiceEndpoint, decode_heartbeat, encode_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +52,29 @@ def read_heartbeats(r: redis.Redis, keys: Keys) -> Heartbeats:
 
 def register_service(r: redis.Redis, keys: Keys, service: str, replica: str, host: str, port: int) -> None:
     """Record where a service's ``/metrics`` is (read by ``/api/prometheus/targets``)."""
-    r.hset(keys.services, f"{service}:{replica}", json.dumps(
-        {"service": service, "replica": replica, "host": host, "port": port, "started_at": time.time()}))
+    r.hset(keys.services, f"{service}:{replica}",
+           ServiceEndpoint(service, replica, host, port, started_at=time.time()).encode())
 
 
-def read_services(r: redis.Redis, keys: Keys) -> dict[str, dict]:
-    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.services).items()}
+def read_services(r: redis.Redis, keys: Keys) -> dict[str, ServiceEndpoint]:
+    """"service:replica" -> where its /metrics is; an unreadable entry is skipped and logged."""
+    out = {}
+    for k, v in r.hgetall(keys.services).items():
+        try:
+            out[k.decode()] = ServiceEndpoint.decode(v)
+        except ProtocolError as e:
+            log.warning("skipped the unreadable service entry %r: %s", k, e.detail)
+    return out
 
 
 def emit_event(r: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:
     """Append to the capped events stream the dashboard reads."""
-    r.xadd(keys.events, {"kind": kind, "t": repr(time.time()), "data": json.dumps(fields)},
-           maxlen=10_000, approximate=True)
+    r.xadd(keys.events, Event(kind, time.time(), fields).fields(), maxlen=10_000, approximate=True)
+
+
+def read_events(r: redis.Redis, keys: Keys, after: str | None, limit: int) -> list[tuple[str, Event]]:
+    """Events after stream id ``after`` (as :func:`read_after`), oldest first."""
+    return [(eid, Event.from_fields(f)) for eid, f in read_after(r, keys.events, after, limit)]
 
 
 def read_stats(r: redis.Redis, keys: Keys, service: str) -> dict[str, float]:

@@ -66,12 +66,11 @@ class Dashboard:
         heartbeats = read_heartbeats(self.r, self.keys)
         now = time.time()
         for name, s in sorted(read_services(self.r, self.keys).items()):
-            if s["service"] == "generator":
-                hb = heartbeats.get(s["replica"])
+            if s.service == "generator":
+                hb = heartbeats.get(s.replica)
                 if hb is None or shown_state(hb, now, self.dead_after_s) in ("dead", "stopped"):
                     continue
-            out.append({"targets": [f"{s['host']}:{s['port']}"],
-                        "labels": {"service": s["service"], "replica": s["replica"]}})
+            out.append({"targets": [f"{s.host}:{s.port}"], "labels": {"service": s.service, "replica": s.replica}})
         return out
 
     # -- server-sent events -------------------------------------------------------------------

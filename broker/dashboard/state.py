@@ -22,7 +22,7 @@ import redis
 
 from broker.client.announcements import announced_hashes, latest_announcement
 from broker.client import queues
-from broker.client.telemetry import read_after, read_heartbeats, read_stats
+from broker.client.telemetry import read_after, read_events, read_heartbeats, read_stats
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat
 
@@ -134,14 +134,7 @@ def learner_history(r: redis.Redis, keys: Keys, after: str | None = None, limit:
 
 def events_history(r: redis.Redis, keys: Keys, after: str | None = None, limit: int = 2000) -> list[dict]:
     """Events (published, applied, refused), each ``{"id", "kind", "t", **data}``."""
-    out = []
-    for eid, f in read_after(r, keys.events, after, limit):
-        try:
-            data = json.loads(f.get("data", "{}"))
-        except json.JSONDecodeError:
-            data = {"error": "unreadable entry"}
-        out.append({"id": eid, "kind": f.get("kind", "?"), "t": float(f.get("t", 0) or 0), **data})
-    return out
+    return [{"id": eid, "kind": e.kind, "t": e.t, **e.data} for eid, e in read_events(r, keys, after, limit)]
 
 
 class Throughput:

@@ -5,6 +5,8 @@
     PromptEntry   broker -> generators      Redis stream fields (strings)     (streams ``prompts``, ``eval_prompts``)
     EvalResult    generator -> broker       JSON object                       (stream ``eval_results``, field ``data``)
     Heartbeat     generator -> everyone     JSON object                       (Redis hash ``generators``)
+    ServiceEndpoint  any service -> the dashboard  JSON object                (Redis hash ``services``)
+    Event         any service -> dashboards stream fields kind, t, data (JSON) (Redis stream ``events``)
     RunInfo       broker, generators, learner -> producers  Redis hash fields (``run``: how to join a run)
     ItemIn, ScoreRequest, ResultOut, ScoreResponse  generator <-> reward service  JSON over HTTP (POST /score)
 
@@ -264,6 +266,59 @@ def decode_heartbeat(data: bytes | str) -> Heartbeat:
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "(the entry)"
         raise ProtocolError("bad_heartbeat", f"{where}: {first['msg']}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# where each service's /metrics is, and the events stream (service -> dashboards)
+
+
+@dataclass
+class ServiceEndpoint:
+    """Where one service's ``/metrics`` listens: JSON in the hash ``services`` under
+    ``"<service>:<replica>"`` (the broker's Prometheus service discovery reads it)."""
+
+    service: str             # broker, generator, learner, ...
+    replica: str             # its replica id ("0", a generator id)
+    host: str                # the host to scrape
+    port: int                # the port of its /metrics
+    started_at: float = 0.0  # unix time of the registration
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> "ServiceEndpoint":
+        try:
+            m = json.loads(data)
+            ep = cls(service=m["service"], replica=m["replica"], host=m["host"], port=m["port"],
+                     started_at=m.get("started_at", 0.0))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ProtocolError("bad_service", f"{type(e).__name__}: {e}") from None
+        if not all(isinstance(x, str) for x in (ep.service, ep.replica, ep.host)) or type(ep.port) is not int:
+            raise ProtocolError("bad_service", f"wrong types in {m!r:.200}")
+        return ep
+
+
+@dataclass
+class Event:
+    """One entry of the capped ``events`` stream: what happened to weights (and evaluation rounds),
+    for dashboards (docs/protocol.md 7.7)."""
+
+    kind: str                # published | applied | refused | eval_round
+    t: float                 # unix time
+    data: dict[str, Any]     # per kind: version, hash, generator, latency_s, reason, prompts, final
+
+    def fields(self) -> dict[str, str]:
+        return {"kind": self.kind, "t": repr(self.t), "data": json.dumps(self.data)}
+
+    @classmethod
+    def from_fields(cls, f: dict[str, str]) -> "Event":
+        """An entry as read; unreadable ``data`` becomes ``{"error": "unreadable entry"}``."""
+        try:
+            data = json.loads(f.get("data", "{}"))
+        except json.JSONDecodeError:
+            data = {"error": "unreadable entry"}
+        return cls(kind=f.get("kind", "?"), t=float(f.get("t", 0) or 0), data=data)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import msgpack
 import redis
 
 from broker.client.sender import GroupSender
-from broker.client.telemetry import heartbeat, read_stats
+from broker.client.telemetry import heartbeat, read_stats, register_service
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
 from broker.protocol.messages import Heartbeat
@@ -86,3 +86,9 @@ def test_a_malformed_heartbeat_is_skipped_and_counted_and_the_page_keeps_working
     metrics = httpx.get(f"{http}/metrics", timeout=10)
     assert metrics.status_code == 200 and metric_value(metrics.text, "relay_broker_malformed_heartbeats") == 2
     assert httpx.get(f"{http}/", timeout=10).status_code == 200
+    # Prometheus discovery: the live generator's /metrics is a target; an unreadable registration is skipped
+    register_service(r, keys, "generator", "gen-ok", "127.0.0.1", 9999)
+    r.hset(keys.services, "generator:gen-junk", "{}")
+    targets = httpx.get(f"{http}/api/prometheus/targets", timeout=10).json()
+    assert {"targets": ["127.0.0.1:9999"], "labels": {"service": "generator", "replica": "gen-ok"}} in targets
+    assert len(targets) == 2  # the broker itself and gen-ok
