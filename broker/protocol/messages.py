@@ -3,6 +3,7 @@
     Ack           broker -> generator       msgpack map, ``kind`` "ack"       (ZeroMQ reply to a group)
     Announcement  learner -> generators     msgpack map, ``kind`` "announce"  (Redis key + pub/sub)
     PromptEntry   broker -> generators      Redis stream fields (strings)     (streams ``prompts``, ``eval_prompts``)
+    EvalRound     broker -> whoever sums up JSON object                       (hash ``eval_rounds``)
     EvalResult    generator -> broker       JSON object                       (stream ``eval_results``, field ``data``)
     Heartbeat     generator -> everyone     JSON object                       (Redis hash ``generators``)
     ServiceEndpoint  any service -> the dashboard  JSON object                (Redis hash ``services``)
@@ -163,6 +164,31 @@ class PromptEntry:
 
 # ----------------------------------------------------------------------------------------------
 # evaluation results (generator -> the broker's aggregation, broker/prompts/evals.py; JSON)
+
+
+@dataclass
+class EvalRound:
+    """One evaluation round as the broker enqueued it: JSON in the hash ``eval_rounds`` under its
+    version (docs/eval.md)."""
+
+    version: int              # the weight version the round evaluates
+    prompts: int              # held-out prompts in the round
+    greedy: bool = True       # one greedy completion per prompt
+    samples: int = 0          # completions per prompt at the training temperature (pass@k)
+    threshold: float = 1.0    # a reward at or above it is a correct answer
+    final: bool = False       # the round after the learner finished
+    enqueued_at: float = 0.0  # unix time
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> "EvalRound":
+        try:
+            m = json.loads(data)
+            return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
+        except (ValueError, TypeError) as e:
+            raise ProtocolError("bad_eval_round", str(e)) from None
 
 
 @dataclass

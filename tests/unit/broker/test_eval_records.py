@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from broker.prompts.evals import pass_at_k, summarize_round
-from broker.protocol.messages import EvalCompletion, EvalResult
+from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound
 from broker.prompts.datasets import Position
 from broker.prompts.tasks import TaskConfig, TaskSource, prompt_stream
 from tests.support.services import ROOT
@@ -25,7 +25,7 @@ def test_pass_at_k_estimator():
 
 
 def test_round_summary_greedy_and_samples():
-    meta = {"version": 7, "prompts": 3, "greedy": True, "samples": 2, "threshold": 1.0}
+    meta = EvalRound(version=7, prompts=3, greedy=True, samples=2, threshold=1.0)
     results = {
         0: EvalResult(version=7, greedy=c(1.0, 4), samples=[c(1.0), c(0.0)]),
         1: EvalResult(version=8, greedy=c(0.5, 2), samples=[c(0.0), c(0.0)]),
@@ -44,7 +44,7 @@ def test_round_summary_greedy_and_samples():
 
 
 def test_round_summary_samples_only_estimates_pass_at_1():
-    meta = {"version": 1, "prompts": 2, "greedy": False, "samples": 4, "threshold": 0.5}
+    meta = EvalRound(version=1, prompts=2, greedy=False, samples=4, threshold=0.5)
     s = summarize_round(meta, {0: EvalResult(samples=[c(1.0), c(0.0), c(0.0), c(0.0)]),
                                1: EvalResult(samples=[c(0.6)] * 4)})
     assert s["pass@1"] == pytest.approx((0.25 + 1.0) / 2) and s["pass@k"] == 1.0
