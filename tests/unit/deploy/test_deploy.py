@@ -104,9 +104,9 @@ def test_compose_wiring():
         assert not TOKEN_VARS & set(s["environment"]), f"{name}: a token belongs in the env file, not the compose file"
     builders = [n for n, s in services.items() if "build" in s and s["image"] == services["broker"]["image"]]
     assert builders == ["broker"], "one service builds the image (several would build it in parallel)"
-    # the vllm profile's generators run the engine in their own process: a GPU each, the vllm extra
+    # the vllm profile's generators run the engine in their own process: a GPU each, vLLM in the image
     vllm = services["generator-vllm"]
-    assert vllm["build"]["args"]["EXTRAS"] == "vllm" and vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert vllm["build"]["args"]["EXTRA_PACKAGES"] == "vllm" and vllm["deploy"]["resources"]["reservations"]["devices"]
     assert services["generator-sglang"]["environment"]["RELAY_BACKEND__URL"] == "http://sglang:30000"
     assert "weights:/weights:ro" in services["sglang"]["volumes"]  # the server reads the snapshots announced
     assert {services[n]["image"] for n in MODELS} == {services["broker"]["image"]}
