@@ -20,6 +20,8 @@ from learner.tiny_model import build_tiny_model
 from tests.support.models import needs_gpu, recompute_logprobs
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
 
+pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
+
 
 SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 0.8, "top_k": 8, "top_p": 0.95}
 BACKENDS = [

@@ -4,6 +4,7 @@ pending in Redis for another generator to reclaim (nothing is acknowledged that 
 import signal
 import time
 
+import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -13,6 +14,8 @@ from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_http
+
+pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 
 
 def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis_url, tmp_path):

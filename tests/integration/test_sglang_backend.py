@@ -21,6 +21,7 @@ from tests.support.models import recompute_logprobs
 from tests.support.services import ROOT, child_env, start_service, wait_http, wait_until
 
 
+@pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
