@@ -1,11 +1,25 @@
-"""Learner checkpoints without pickle: safetensors for the weights and the optimizer's tensors, JSON
-for everything else (step, version, counters, the optimizer's hyper-parameters, and the stream
-entries trained since the previous checkpoint, which the checkpoint now holds).
+"""Learner checkpoints for every ZeRO stage, in bf16 and fp32, on one or several ranks, without pickle.
 
-Layout: ``<dir>/step-000050/{model.safetensors, optimizer.safetensors, state.json}`` and
-``<dir>/latest`` (the name of the newest complete checkpoint). A checkpoint is written under a
-temporary name, fsynced and renamed; ``latest`` is replaced atomically afterwards, so a learner
-killed at any moment finds the previous complete checkpoint.
+Layout of ``<dir>/step-000050/``:
+
+- ``state.json`` (the leader): the step and what the learner keeps beside the engine (version,
+  counters, the stream entries trained since the previous checkpoint), and the engine settings the
+  checkpoint was written with (ranks, ZeRO stage, bf16), checked when it is loaded;
+- ``model.safetensors`` (the leader, ZeRO stages 0-2, where every rank holds the whole model): the
+  weights as trained (bf16 in bf16 runs);
+- ``rank-00000.json`` + ``rank-00000.safetensors``, one pair per rank (only rank 0's at stage 0, where
+  every rank's optimizer is the same): that rank's optimizer ``state_dict`` as DeepSpeed returns it
+  (stages 1-3: its partition of the fp32 master weights, AdamW's ``exp_avg``/``exp_avg_sq`` and step,
+  the loss scaler; stage 0: torch's AdamW state, or DeepSpeed's bf16 wrapper around it), flattened by
+  ``learner.state_codec``, plus the engine's step counters and the rank's torch RNG state.
+
+Every rank calls ``save`` (ZeRO-3 gathers its persistent parameters afterwards, a collective). The
+leader makes ``.tmp-step-000050``, every rank writes and fsyncs its part there, a barrier waits
+for all parts, and only then does the leader rename the folder and replace ``latest`` atomically,
+so a learner killed at any moment finds the previous complete checkpoint. ``load`` is the mirror
+of DeepSpeed's own ``load_checkpoint`` with the pickle files replaced: module weights, then the
+optimizer's ``load_state_dict`` with this rank's part (fp32 master weights restored from the part,
+not from the bf16 copy), so a resumed run continues bit for bit as if it had not stopped.
 """
 
 from __future__ import annotations
@@ -16,11 +30,27 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from learner import state_codec
+
+FORMAT = 2  # state.json's "format": 1 was the ZeRO-0 fp32 layout (model + optimizer.safetensors)
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _rank_world()[1] > 1:
+        dist.barrier()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -31,46 +61,131 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(root: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-         keep: int = 2) -> Path:
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
-    tmp = root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied weights (embeddings = lm_head)
-    opt = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for idx, st in opt["state"].items():
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                tensors[f"{idx}.{k}"] = v.detach().contiguous().cpu()
-            else:
-                scalars[f"{idx}.{k}"] = v
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
-    meta = {"step": step, "param_groups": opt["param_groups"], "optimizer_scalars": scalars, **state}
-    with open(tmp / "state.json", "w") as f:
-        json.dump(meta, f)
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    latest_tmp = root / f".latest-{os.getpid()}"
-    latest_tmp.write_text(name)
-    os.replace(latest_tmp, root / "latest")
-    _fsync_dir(root)
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+def _engine_settings(engine, world: int) -> dict:
+    return {"ranks": world, "zero_stage": int(engine.zero_optimization_stage()), "bf16": bool(engine.bfloat16_enabled())}
+
+
+def _module_weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The module's weights once each, and the names tied to another (``lm_head.weight`` to the
+    embeddings). ZeRO 1-2 keep every weight in one flat buffer, so each is stored as a copy."""
+    kept: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in module.state_dict().items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+            kept[name] = t
+    return kept, tied
+
+
+def _save_module(module: torch.nn.Module, path: Path) -> None:
+    kept, _ = _module_weights(module)
+    save_file({k: v.detach().to("cpu").clone() for k, v in kept.items()}, str(path))
+    _fsync_file(path)
+
+
+def _load_module(module: torch.nn.Module, path: Path) -> None:
+    weights = load_file(str(path))
+    for name, same in _module_weights(module)[1].items():
+        if same in weights:
+            weights[name] = weights[same]
+    missing, unexpected = module.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
+                              f"unexpected {sorted(unexpected)[:3]})")
+
+
+def _rank_part(engine) -> dict:
+    """What this rank alone holds: its optimizer state (partition), the engine's counters, its RNG."""
+    part = {"optimizer": engine.optimizer.state_dict(),
+            "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                       "skipped_steps": engine.skipped_steps},
+            "rng": {"cpu": torch.get_rng_state()}}
+    if torch.cuda.is_available():
+        part["rng"]["cuda"] = torch.cuda.get_rng_state()
+    return part
+
+
+def _save_part(folder: Path, rank: int, part: dict) -> None:
+    try:
+        tree, tensors = state_codec.encode(part)
+    except state_codec.StateCodecError as e:
+        raise CheckpointError(str(e)) from e
+    save_file(tensors, str(folder / f"rank-{rank:05d}.safetensors"))
+    _fsync_file(folder / f"rank-{rank:05d}.safetensors")
+    _write_json(folder / f"rank-{rank:05d}.json", tree)
+
+
+def _load_part(folder: Path, rank: int) -> dict:
+    tree_path, tensor_path = folder / f"rank-{rank:05d}.json", folder / f"rank-{rank:05d}.safetensors"
+    if not tree_path.is_file() or not tensor_path.is_file():
+        raise CheckpointError(f"{folder} lacks rank {rank}'s part ({tree_path.name}, {tensor_path.name})")
+    try:
+        return state_codec.decode(json.loads(tree_path.read_text()), load_file(str(tensor_path)))
+    except state_codec.StateCodecError as e:
+        raise CheckpointError(f"{tree_path}: {e}") from e
+
+
+def save(root: str | Path, step: int, engine, state: dict, keep: int = 2) -> Path:
+    """Write checkpoint ``step`` of ``engine`` with the leader's ``state`` (JSON values); every rank
+    must call it. Returns the checkpoint's folder once ``latest`` names it."""
+    rank, world = _rank_world()
+    root = Path(root)
+    name = f"step-{step:06d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # left by a learner killed while writing
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    _barrier()
+    zero = engine.zero_optimization_stage()
+    if hasattr(engine.optimizer, "checkpoint_event_prologue"):
+        engine.optimizer.checkpoint_event_prologue()  # ZeRO-3: every parameter back to its partition
+    if rank == 0 or zero > 0:
+        _save_part(tmp, rank, _rank_part(engine))
+    if hasattr(engine.optimizer, "checkpoint_event_epilogue"):
+        engine.optimizer.checkpoint_event_epilogue()  # ZeRO-3: persistent parameters gathered again
+    if rank == 0:
+        if zero < 3:
+            _save_module(engine.module, tmp / "model.safetensors")
+        _write_json(tmp / "state.json", {"format": FORMAT, "step": step, **_engine_settings(engine, world), **state})
+    _barrier()  # every rank's part is on disk
+    if rank == 0:
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(name)
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old)
+    _barrier()
     return final
 
 
-def load(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-    """Restore the newest checkpoint into ``model`` and ``optimizer``; return its state (None if none)."""
+def load(root: str | Path, engine) -> dict | None:
+    """Restore the newest checkpoint into ``engine`` (weights, optimizer, counters, RNG) on this rank;
+    return the leader's state (None if there is no checkpoint). Every rank must call it."""
+    rank, world = _rank_world()
     root = Path(root)
     pointer = root / "latest"
     if not pointer.is_file():
@@ -79,13 +194,36 @@ def load(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if not (path / "state.json").is_file():
         raise CheckpointError(f"{pointer} names {path.name}, which is incomplete")
     meta = json.loads((path / "state.json").read_text())
-    missing, unexpected = load_model(model, str(path / "model.safetensors"))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    state: dict = {}
-    for key, v in list(tensors.items()) + list(meta.pop("optimizer_scalars").items()):
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = v
-    optimizer.load_state_dict({"state": state, "param_groups": meta.pop("param_groups")})
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} was written by an older Relay (format {meta.get('format', 1)}, this one reads "
+                              f"{FORMAT}); start the run in a new run_dir")
+    settings, saved = _engine_settings(engine, world), {k: meta.pop(k) for k in ("ranks", "zero_stage", "bf16")}
+    if settings["zero_stage"] == 0 and saved["zero_stage"] == 0:
+        saved["ranks"] = settings["ranks"]  # the same state on every rank: any number of ranks may load it
+    if saved != settings:
+        raise CheckpointError(f"{path} was written with {saved}, this learner runs {settings}; ZeRO partitions "
+                              "are per rank and per precision: resume with the settings that wrote it, or start "
+                              "the run in a new run_dir")
+    zero = settings["zero_stage"]
+    part = _load_part(path, rank if zero > 0 else 0)
+    if hasattr(engine.optimizer, "checkpoint_event_prologue"):
+        engine.optimizer.checkpoint_event_prologue()
+    if zero < 3:
+        _load_module(engine.module, path / "model.safetensors")
+    if zero > 0:  # as DeepSpeed's _load_zero_checkpoint: one entry per rank, each rank reads its own
+        parts = [None] * world
+        parts[rank] = part["optimizer"]
+        engine.optimizer.load_state_dict(state_dict_list=parts, load_optimizer_states=True,
+                                         load_from_fp32_weights=True)
+    elif engine.bfloat16_enabled() or engine.fp16_enabled():  # DeepSpeed's wrapper: its fp32 master weights too
+        engine.optimizer.load_state_dict(part["optimizer"], load_optimizer_states=True)
+    else:  # torch's AdamW itself
+        engine.optimizer.load_state_dict(part["optimizer"])
+    if hasattr(engine.optimizer, "checkpoint_event_epilogue"):
+        engine.optimizer.checkpoint_event_epilogue()
+    for k, v in part["engine"].items():
+        setattr(engine, k, v)
+    torch.set_rng_state(part["rng"]["cpu"])
+    if "cuda" in part["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(part["rng"]["cuda"])
     return meta

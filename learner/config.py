@@ -28,6 +28,9 @@ class DeepSpeedConfig(StrictModel):
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage 0-3")
     bf16: bool = Field(False, description="train in bf16 (fp32 master weights)")
     gradient_clipping: float = Field(1.0, ge=0, description="global gradient-norm clip (0 = off)")
+    zero3_persistence_threshold: int = Field(
+        100_000, ge=0, description="ZeRO stage 3: parameters with fewer elements than this stay whole on every "
+        "rank instead of being partitioned (DeepSpeed's stage3_param_persistence_threshold); 0 partitions all")
 
 
 class LearnerConfig(StrictModel):

@@ -41,7 +41,8 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig):
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.deepspeed.gradient_clipping,
         "bf16": {"enabled": cfg.deepspeed.bf16},
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage,
+                              "stage3_param_persistence_threshold": cfg.deepspeed.zero3_persistence_threshold},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -49,8 +50,10 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig):
     return engine
 
 
-def full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """Full (gathered) weights for publication, on every ZeRO stage."""
+def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The full weights for publication, on rank 0 (None on the other ranks). Every rank must call
+    it: at ZeRO stage 3 each rank holds a partition of every large weight, and the weights are
+    gathered layer by layer, a collective."""
     if engine.zero_optimization_stage() == 3:
         return engine._zero3_consolidated_16bit_state_dict()
-    return engine.module.state_dict()
+    return engine.module.state_dict() if engine.global_rank == 0 else None

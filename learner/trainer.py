@@ -63,9 +63,6 @@ class Learner:
         init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.leader = self.rank == 0  # reads the queue, commits, publishes; the others train their share
-        if self.world > 1 and cfg.deepspeed.zero_stage == 3:
-            raise ValueError("several learner ranks with ZeRO stage 3 are not supported yet (publication gathers "
-                             "the weights on the leader only); use zero_stage 0-2")
         if cfg.batch_groups % self.world:
             raise ValueError(f"learner.batch_groups ({cfg.batch_groups}) must be a multiple of the {self.world} ranks")
         self.r = connect_redis(cfg.redis_url)
@@ -114,11 +111,7 @@ class Learner:
         and trained again from the checkpoint's weights."""
         if not self.cfg.checkpoint_every:
             return
-        optimizer = self.engine.optimizer
-        if not isinstance(optimizer, torch.optim.Optimizer) or self.engine.zero_optimization_stage() != 0:
-            raise checkpoint.CheckpointError("checkpoints support ZeRO stage 0 in fp32 for now; set "
-                                             "learner.checkpoint_every = 0 for other engine settings")
-        state = checkpoint.load(self.ckpt_dir, self.engine.module, optimizer)
+        state = checkpoint.load(self.ckpt_dir, self.engine)  # every rank: the weights and its optimizer partition
         if state is None:
             return
         self.step = state["step"]
@@ -136,18 +129,25 @@ class Learner:
         queues.commit(self.r, self.keys, entries, step)
 
     def after_step(self, fresh) -> None:
-        self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)
+        """On every rank (each writes its part of a checkpoint); the leader, which read ``fresh``,
+        then commits what the checkpoint holds, or commits every step without checkpoints."""
         every = self.cfg.checkpoint_every
-        if every and (self.step % every == 0 or self.step == self.cfg.steps):
-            checkpoint.save(self.ckpt_dir, self.step, self.engine.module, self.engine.optimizer,
+        due = (self.step % every == 0 or self.step == self.cfg.steps) if every else True
+        if self.leader:
+            self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)
+        if every and due:
+            checkpoint.save(self.ckpt_dir, self.step, self.engine,
                             {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted})
-        if not every or self.step % every == 0 or self.step == self.cfg.steps:
+        if self.leader and due:
             self.commit(self.uncommitted, self.step)
             self.uncommitted = []
 
     def publish(self) -> None:
-        self.publisher.publish(self.engine.module, full_state_dict(self.engine), self.version)
-        self.r.hset(self.keys.stats("learner"), mapping={"version": self.version})
+        """On every rank (ZeRO-3 gathers the weights, a collective); the leader writes and announces them."""
+        weights = full_state_dict(self.engine)
+        if self.leader:
+            self.publisher.publish(self.engine.module, weights, self.version)
+            self.r.hset(self.keys.stats("learner"), mapping={"version": self.version})
 
     def next_batch(self):
         """``batch_groups`` trainable groups; stale, failed and undecodable ones are acknowledged
@@ -285,7 +285,8 @@ class Learner:
             if self.cfg.admission_eta is not None:
                 self.r.hset(self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups,
                                                           "eta": self.cfg.admission_eta})
-            self.publish()
+        self.publish()
+        if self.leader:
             log.info("published initial version %d; training %d steps of %d groups on %d rank(s)", self.version,
                      self.cfg.steps, self.cfg.batch_groups, self.world)
         step = self.step
@@ -306,15 +307,16 @@ class Learner:
                 step = self.step
                 if self.cfg.rank_checksums:
                     self.write_checksum()
-                if not self.leader:
-                    continue
-                self.counts["groups_trained"] += len(groups)
-                queues.count_trained(self.r, self.keys, [g.group_id for g in groups])  # before the commit, which uncounts
+                if self.leader:
+                    self.counts["groups_trained"] += len(groups)
+                    queues.count_trained(self.r, self.keys, [g.group_id for g in groups])  # before the commit
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 t_pub = time.perf_counter()
                 if step % self.cfg.publish_every == 0 or step == self.cfg.steps:
                     self.version += 1
                     self.publish()
+                if not self.leader:
+                    continue
                 rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
                 diag.update(step=step, version=self.version, wait_s=wait_s, publish_s=time.perf_counter() - t_pub,
                             t=time.time(), group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),

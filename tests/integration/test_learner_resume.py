@@ -1,6 +1,7 @@
 """The learner killed with SIGKILL mid-run and restarted: it resumes from its checkpoint, versions
 keep increasing, and the broker's records show every group trained exactly once or accounted
-for (dropped with a reason, or still queued): none lost, none trained twice."""
+for (dropped with a reason, or still queued): none lost, none trained twice. Once without ZeRO in
+fp32, once with ZeRO-2 in bf16 (fp32 master weights and AdamW moments partitioned by DeepSpeed)."""
 
 import json
 
@@ -17,12 +18,14 @@ def _step(r, keys) -> int:
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
-def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path):
+@pytest.mark.parametrize("engine", [{"zero_stage": 0, "bf16": False}, {"zero_stage": 2, "bf16": True}],
+                         ids=["zero0-fp32", "zero2-bf16"])
+def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path, engine):
     run, steps, batch = "resume", 40, 8
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)
     learner_cfg = {"run_id": run, "redis_url": redis_url, "run_dir": str(tmp_path / "learner"),
                    "weight_store": str(tmp_path / "weights"), "steps": steps, "batch_groups": batch,
-                   "checkpoint_every": 5, "keep_versions": 50}
+                   "checkpoint_every": 5, "keep_versions": 50, "deepspeed": engine}
     learner = start_service(procs, "learner", "learner", learner_cfg, tmp_path)
     for i in range(2):
         start_service(procs, f"gen-{i}", "generator",
@@ -32,6 +35,10 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     learner.proc.kill()  # SIGKILL: no clean-up, some trained groups not yet held by a checkpoint
     learner.proc.wait(10)
     killed_at = _step(r, keys)
+    ckpt = tmp_path / "learner" / "checkpoints"
+    held = json.loads((ckpt / (ckpt / "latest").read_text() / "state.json").read_text())
+    assert (held["zero_stage"], held["bf16"]) == (engine["zero_stage"], engine["bf16"])
+    assert 5 <= held["step"] <= killed_at  # steps after it are trained again by the second learner
 
     learner2 = start_service(procs, "learner2", "learner", learner_cfg, tmp_path)
     wait_until(lambda: r.exists(keys.done) or not learner2.alive(), 300, f"second learner:\n{learner2.tail()}")
