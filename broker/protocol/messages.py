@@ -166,8 +166,26 @@ class PromptEntry:
 # evaluation results (generator -> the broker's aggregation, broker/prompts/evals.py; JSON)
 
 
+class JsonRecord:
+    """A dataclass that travels as one JSON object: an absent field takes its default (a required
+    one missing is an error), unknown keys are ignored; ``bad`` is the ProtocolError reason."""
+
+    bad = "bad_record"
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, data: bytes | str):
+        try:
+            m = json.loads(data)
+            return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
+        except (ValueError, TypeError) as e:  # not JSON, not an object, a required field missing
+            raise ProtocolError(cls.bad, f"{type(e).__name__}: {e}") from None
+
+
 @dataclass
-class EvalRound:
+class EvalRound(JsonRecord):
     """One evaluation round as the broker enqueued it: JSON in the hash ``eval_rounds`` under its
     version (docs/eval.md)."""
 
@@ -179,16 +197,7 @@ class EvalRound:
     final: bool = False       # the round after the learner finished
     enqueued_at: float = 0.0  # unix time
 
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def decode(cls, data: bytes | str) -> "EvalRound":
-        try:
-            m = json.loads(data)
-            return cls(**{k: m[k] for k in cls.__dataclass_fields__ if k in m})
-        except (ValueError, TypeError) as e:
-            raise ProtocolError("bad_eval_round", str(e)) from None
+    bad = "bad_eval_round"
 
 
 @dataclass
@@ -299,7 +308,7 @@ def decode_heartbeat(data: bytes | str) -> Heartbeat:
 
 
 @dataclass
-class ServiceEndpoint:
+class ServiceEndpoint(JsonRecord):
     """Where one service's ``/metrics`` listens: JSON in the hash ``services`` under
     ``"<service>:<replica>"`` (the broker's Prometheus service discovery reads it)."""
 
@@ -309,19 +318,13 @@ class ServiceEndpoint:
     port: int                # the port of its /metrics
     started_at: float = 0.0  # unix time of the registration
 
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
+    bad = "bad_service"
 
     @classmethod
     def decode(cls, data: bytes | str) -> "ServiceEndpoint":
-        try:
-            m = json.loads(data)
-            ep = cls(service=m["service"], replica=m["replica"], host=m["host"], port=m["port"],
-                     started_at=m.get("started_at", 0.0))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ProtocolError("bad_service", f"{type(e).__name__}: {e}") from None
+        ep = super().decode(data)
         if not all(isinstance(x, str) for x in (ep.service, ep.replica, ep.host)) or type(ep.port) is not int:
-            raise ProtocolError("bad_service", f"wrong types in {m!r:.200}")
+            raise ProtocolError(cls.bad, f"wrong types in {asdict(ep)!r:.200}")
         return ep
 
 
