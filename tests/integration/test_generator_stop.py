@@ -49,7 +49,8 @@ def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis
 def test_sigterm_drains_what_the_generator_holds(procs, redis_url, tmp_path):
     """With the broker up, SIGTERM stops claiming, delivers the batches already generated (or being
     generated), releases their prompts and exits 0: nothing claimed is left behind or lost."""
-    svc = start_broker_and_reward(procs, redis_url, tmp_path, "drain", prompt_backlog=64)
+    # no evaluation round: a generator serving held-out prompts holds no training prompts to drain
+    svc = start_broker_and_reward(procs, redis_url, tmp_path, "drain", prompt_backlog=64, eval={"every_versions": 0})
     r, keys = redis.Redis.from_url(redis_url), Keys("drain")
     path = build_tiny_model(tmp_path / "model")
     Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4).publish(
