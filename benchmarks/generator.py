@@ -10,7 +10,6 @@ stack stopped meanwhile), so both see comparable machine load; its figure is the
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -23,10 +22,9 @@ TARGET = 0.9
 
 def _raw(kind: str, path: str, prompts: list[str], batch: int, sampling, seconds: float) -> tuple[float, int]:
     """(tokens/s, batches) of the raw engine over at least ``seconds`` (and at least 2 batches)."""
-    from generators.backends import make_backend
     from generators.config import GeneratorConfig
 
-    backend = make_backend(GeneratorConfig.model_validate({"backend": backend_config(kind)}).backend)
+    backend = GeneratorConfig.model_validate({"backend": backend_config(kind)}).backend.build()
     backend.load(path)
     batches = [[backend.encode(t) for t in prompts[i:i + batch]] for i in range(0, len(prompts), batch)]
     if kind == "vllm":
@@ -55,7 +53,9 @@ def measure(kind: str, quick: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from broker.client.telemetry import read_heartbeats
     from broker.protocol.keys import Keys
+    from broker.protocol.messages import Heartbeat
     from broker.prompts.tasks import TaskConfig, prompt_stream
     from deploy.launcher.procs import free_port
     from generators.config import SamplingConfig
@@ -86,26 +86,23 @@ def measure(kind: str, quick: bool) -> dict:
                 "reward_url": f"http://127.0.0.1:{reward_port}", "backend": backend_config(kind),
                 "sampling": sampling.model_dump(), "prompts_per_batch": batch, "heartbeat_s": 0.001})
 
-            def hb() -> dict:
-                raw_hb = r.hget(keys.generators, "gen-0")
-                return json.loads(raw_hb) if raw_hb else {}
+            def hb() -> Heartbeat:
+                return read_heartbeats(r, keys).get("gen-0") or Heartbeat()
 
-            first = wait_until(lambda: (h := hb()).get("groups_sent", 0) >= batch and h, 600,
-                               "the generator's first batch", gen)
+            first = wait_until(lambda: (h := hb()).groups_sent >= batch and h, 600, "the generator's first batch", gen)
             time.sleep(seconds)
-            last = wait_until(lambda: (h := hb()).get("tokens", 0) > first["tokens"] and h, 300,
-                              "another batch", gen)
+            last = wait_until(lambda: (h := hb()).tokens > first.tokens and h, 300, "another batch", gen)
             # heartbeats are sent at the end of a batch; wait for the one that closes the batch in flight
-            tokens_seen = last["tokens"]
-            last = wait_until(lambda: (h := hb()).get("tokens", 0) > tokens_seen and h, 300, "a batch end", gen)
-            value = (last["tokens"] - first["tokens"]) / (last["last_seen"] - first["last_seen"])
-            sent = last["groups_sent"] - first["groups_sent"]
+            tokens_seen = last.tokens
+            last = wait_until(lambda: (h := hb()).tokens > tokens_seen and h, 300, "a batch end", gen)
+            value = (last.tokens - first.tokens) / (last.last_seen - first.last_seen)
+            sent = last.groups_sent - first.groups_sent
         with torch_threads(1):
             raw_after, _ = _raw(kind, base, prompts, batch, sampling, seconds / 2)
     baseline = (raw_before + raw_after) / 2
     return row(f"generator/{kind}", value, baseline, "tokens/s", TARGET, "higher", {
         "prompts_per_batch": batch, "n": sampling.n, "max_tokens": sampling.max_tokens,
-        "groups_timed": sent, "tokens_timed": last["tokens"] - first["tokens"],
+        "groups_timed": sent, "tokens_timed": last.tokens - first.tokens,
         "raw_before_tokens_per_s": raw_before, "raw_after_tokens_per_s": raw_after,
         "model": "tiny (166k)" if quick else "~52M Llama (hidden 640, 8 layers)"})
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from benchmarks.common import ROOT, Stack, child_env, row, wait_until
 
 TARGET = 0.8
+# the baseline: redis-py straight into a stream of its own (raw XADD / XREADGROUP / XACK on purpose:
+# it is what the broker and the client library are measured against)
 RAW_STREAM = "relay:raw:trajectories"
 WINDOW = 64  # groups in flight per broker producer (GroupSender.send_many), = the raw pipeline depth
 
@@ -109,6 +111,8 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
 def run(quick: bool) -> list[dict]:
     import redis
 
+    from broker.client.telemetry import read_stats
+    from broker.protocol.keys import Keys
     from deploy.launcher.procs import free_port
 
     per_producer, tokens, rounds = (40, 128, 1) if quick else (400, 1024, 3)
@@ -118,13 +122,14 @@ def run(quick: bool) -> list[dict]:
         ingest = f"tcp://127.0.0.1:{free_port()}"
         broker = stack.service("broker", "broker", {"run_id": "bench", "redis_url": url, "ingest_bind": ingest,
                                                     "http_port": 0, "max_queue_groups": 10**9})
-        wait_until(lambda: r.exists("relay:bench:prompts"), 60, "the broker to start", broker)
+        keys = Keys("bench")
+        wait_until(lambda: r.exists(keys.prompts), 60, "the broker to start", broker)
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
         ours, raw = [], []
         for i in range(rounds):
-            ours.append(one_round("broker", ingest, r, "relay:bench:trajectories", per_producer, tokens, 10 * i))
+            ours.append(one_round("broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i))
             raw.append(one_round("raw", url, r, RAW_STREAM, per_producer, tokens, 10 * i + 5))
-        accepted = int(r.hget("relay:bench:stats:broker", "accepted") or 0)
+        accepted = int(read_stats(r, keys, "broker").get("accepted", 0))
         if accepted != 2 * per_producer * rounds:
             raise RuntimeError(f"the broker accepted {accepted} groups, expected {2 * per_producer * rounds}")
     v = statistics.median(x[0] for x in ours)

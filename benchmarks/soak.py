@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 
 from broker.client import queues
+from broker.client.telemetry import read_stats
 from broker.protocol.keys import Keys
 
 
@@ -48,15 +49,14 @@ def main() -> None:
     pids = json.loads((run / "pids.json").read_text())
     url = json.loads((run / "config" / "learner.json").read_text())["redis_url"]
     r = redis.Redis.from_url(url)
-    keys = "relay:soak:"
+    keys = Keys("soak")
     rows, t0 = [], time.monotonic()
     try:
         while time.monotonic() - t0 < a.minutes * 60:
             time.sleep(a.every)
-            b = {k.decode(): float(v) for k, v in r.hgetall(keys + "stats:broker").items()}
-            ln = {k.decode(): float(v) for k, v in r.hgetall(keys + "stats:learner").items()}
+            b, ln = read_stats(r, keys, "broker"), read_stats(r, keys, "learner")
             row = {"t_s": round(time.monotonic() - t0), "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
-                   "stream_len": queues.queued_groups(r, Keys("soak")), "accepted": int(b.get("accepted", 0)),
+                   "stream_len": queues.queued_groups(r, keys), "accepted": int(b.get("accepted", 0)),
                    "busy_answers": int(b.get("busy", 0)), "trained": int(ln.get("groups_trained", 0)),
                    **{f"rss_{n}_mb": round(rss_mb(pid), 1) for n, pid in pids.items()}}
             rows.append(row)

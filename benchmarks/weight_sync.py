@@ -10,7 +10,6 @@ Versions and raw copies alternate; the figure is the median over the versions.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -48,7 +47,7 @@ def measure(kind: str, quick: bool) -> dict:
 
     from broker.protocol import weightstore
     from broker.client import queues
-    from broker.client.telemetry import read_after, read_heartbeats
+    from broker.client.telemetry import read_events, read_heartbeats
     from broker.protocol.keys import Keys
     from deploy.launcher.procs import free_port
     from learner.publish import Publisher
@@ -70,7 +69,7 @@ def measure(kind: str, quick: bool) -> dict:
 
         def served() -> list:
             hb = read_heartbeats(r, keys)
-            return [hb.get(f"gen-{i}", {}).get("version") for i in range(2)]
+            return [hb[g].version if g in hb else None for g in ("gen-0", "gen-1")]
 
         for g in gens:
             wait_until(lambda: served()[int(g.name[-1])] == 0, 600, f"{g.name} to load version 0", g)
@@ -83,9 +82,8 @@ def measure(kind: str, quick: bool) -> dict:
             a = pub.publish(model, model.state_dict(), v)
             publish_s.append(time.time() - t0)
             wait_until(lambda: served() == [v, v], 120, f"both generators to apply version {v}")
-            applied = [json.loads(f["data"]) | {"t": float(f["t"])} for _, f in read_after(r, keys.events, "0-0", 10**6)
-                       if f["kind"] == "applied"]
-            ours.append(max(e["t"] for e in applied if e["version"] == v) - t0)
+            applied = [e for _, e in read_events(r, keys, "0-0", 10**6) if e.kind == "applied"]
+            ours.append(max(e.t for e in applied if e.data["version"] == v) - t0)
             state = {k: t.detach().contiguous() for k, t in model.state_dict().items() if k != "lm_head.weight"}
             t1 = time.perf_counter()
             save_file(state, str(Path(tmp) / "raw.safetensors"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from broker.client.connection import connect_address
 from broker.prompts.datasets import DatasetConfig
 from broker.prompts.evals import EvalConfig
 from broker.prompts.tasks import TaskConfig
@@ -16,6 +17,9 @@ class BrokerConfig(StrictModel):
     run_id: str = Field("default", description="run id; namespaces every Redis key")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL (redis:// or unix://)")
     ingest_bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address generators send groups to")
+    ingest_advertise: str = Field("", description="the address producers are told to connect to (the run's "
+                                  "advertisement in Redis, docs/protocol.md 7.11); '' = ingest_bind, a wildcard host "
+                                  "(*, 0.0.0.0, ::) replaced by this host's name")
     http_host: str = Field("127.0.0.1", description="host of the HTTP server (health, metrics, state)")
     http_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP server; 0 picks a free one")
     dead_after_s: float = Field(10.0, gt=0, description="the dashboard shows a generator as dead when its last "
@@ -32,6 +36,10 @@ class BrokerConfig(StrictModel):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on a held-out set every N "
                              "versions (docs/eval.md)")
 
+    def advertised_ingest(self) -> str:
+        """The address producers are told to connect to (``RunInfo.ingest_address``)."""
+        return self.ingest_advertise or connect_address(self.ingest_bind)
+
     @model_validator(mode="after")
     def _held_out_set(self) -> "BrokerConfig":
         if self.dataset is not None and self.eval.every_versions and self.eval.dataset is None \
@@ -39,3 +47,4 @@ class BrokerConfig(StrictModel):
             raise ValueError("eval: evaluation needs a held-out set: set eval.dataset, or dataset.start to leave the "
                              "first rows out of training, or eval.every_versions = 0")
         return self
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import redis
 from prometheus_client import CollectorRegistry, Counter
@@ -84,7 +85,7 @@ class PromptFeeder:
         got, pos = self.source.take(missing, self.position)
         pipe = self.r.pipeline(transaction=True)
         for n, (epoch, row, rec) in enumerate(got, self.position.fed + 1):
-            queues.add_prompt(pipe, self.keys.prompts, {**rec.fields(), "seq": n, "epoch": epoch, "row": row})
+            queues.add_prompt(pipe, self.keys.prompts, replace(rec, seq=n, epoch=epoch, row=row))
         pipe.hset(self.keys.feeder, mapping=pos.as_fields())
         pipe.hset(self.keys.stats("broker"), mapping={"prompts_fed": pos.fed, "prompts_skipped_too_long": pos.skipped,
                                                       "epoch": pos.epoch})

@@ -14,6 +14,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from broker.client import queues
+from broker.client.announcements import advertise_run
 from broker.client.connection import connect_redis
 from broker.config import BrokerConfig
 from broker.dashboard import server as dashboard
@@ -38,6 +39,7 @@ class Broker:
         self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
                                              cfg.dashboard_push_s)
         queues.ensure_groups(self.r, self.keys)
+        advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest())  # how producers reach the ingest
 
     def run(self) -> None:
         sock = self.ingest.bind()

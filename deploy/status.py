@@ -29,13 +29,14 @@ def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead
     if redis_url:
         import redis
 
-        from broker.protocol.keys import Keys
+        from broker.client.announcements import announced_runs
         from broker.dashboard.state import build_state
+        from broker.protocol.keys import Keys
 
         r = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         try:
             if not run_id:
-                runs = sorted({k.decode().split(":")[1] for k in r.scan_iter("relay:*:latest")})
+                runs = announced_runs(r)
                 raise StatusError(f"--run-id is required with --redis-url; runs in this Redis: "
                                   f"{', '.join(runs) or 'none'}")
             st = build_state(r, Keys(run_id), dead_after_s)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Annotated, Literal, Union
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
 from broker.runtime.config import StrictModel
+
+if TYPE_CHECKING:
+    from generators.backends.base import Backend
 
 
 class SamplingConfig(StrictModel):
@@ -25,10 +28,16 @@ class TorchBackendConfig(StrictModel):
     """Plain PyTorch + transformers with a KV cache, batched: the CPU default for small models."""
 
     type: Literal["torch"] = "torch"
+    supports_in_flight: ClassVar[bool] = True
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights dtype for sampling")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the model: 'cpu', "
                         "'cuda' or 'cuda:N'")
+
+    def build(self) -> Backend:
+        from generators.backends.torch import TorchBackend
+
+        return TorchBackend(self)
 
 
 class VLLMBackendConfig(StrictModel):
@@ -39,6 +48,7 @@ class VLLMBackendConfig(StrictModel):
     (``reload_weights`` on the workers, then a prefix-cache reset); the engine is never rebuilt."""
 
     type: Literal["vllm"] = "vllm"
+    supports_in_flight: ClassVar[bool] = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="model dtype; float32 "
                                                                      "keeps the log-probs closest to the learner's")
     max_model_len: int = Field(0, ge=0, description="longest prompt + completion in tokens (0: the model's own)")
@@ -51,6 +61,11 @@ class VLLMBackendConfig(StrictModel):
     engine_kwargs: dict = Field(default_factory=dict, description="extra keyword arguments for vllm.LLM, passed as "
                                 "they are (see vLLM's EngineArgs)")
 
+    def build(self) -> Backend:
+        from generators.backends.vllm import VLLMBackend
+
+        return VLLMBackend(self)
+
 
 class SGLangBackendConfig(StrictModel):
     """A separately started SGLang server, driven over its HTTP API (``/generate``,
@@ -61,9 +76,15 @@ class SGLangBackendConfig(StrictModel):
     The weight snapshot folder must be readable by the server under the same path (a shared volume)."""
 
     type: Literal["sglang"] = "sglang"
+    supports_in_flight: ClassVar[bool] = False  # SGLang does not report where in a sequence the version changed
     url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang server")
     timeout_s: float = Field(600.0, gt=0, description="timeout of one /generate call")
     api_key: str = Field("", description="bearer token, if the server was started with --api-key")
+
+    def build(self) -> Backend:
+        from generators.backends.sglang import SGLangBackend
+
+        return SGLangBackend(self)
 
 
 class SimulatedBackendConfig(StrictModel):
@@ -71,12 +92,23 @@ class SimulatedBackendConfig(StrictModel):
     for a GPU engine in benchmarks (``relay bench overlap``)."""
 
     type: Literal["simulated"] = "simulated"
+    supports_in_flight: ClassVar[bool] = True  # generate() calls on_step between decode steps
     per_token_latency_s: float = Field(0.001, ge=0, le=10, description="seconds per generated token: every "
                                        "decode step sleeps this times the rows still running")
     load_s: float = Field(0.0, ge=0, le=600, description="extra seconds a load or weight update takes, after "
                           "reading the snapshot's files")
     eos_prob: float = Field(0.0, ge=0, le=1, description="chance that each token is EOS (0: every completion runs "
                             "to max_tokens)")
+
+    def build(self) -> Backend:
+        from generators.backends.simulated import SimulatedBackend
+
+        return SimulatedBackend(self)
+
+
+# every backend, chosen by ``backend.type``; each config builds its backend (heavy imports happen
+# there, not at start-up) and says whether it honours the "continue" in-flight policy
+BACKEND_CONFIGS = (TorchBackendConfig, VLLMBackendConfig, SGLangBackendConfig, SimulatedBackendConfig)
 
 
 class GeneratorConfig(StrictModel):
@@ -88,8 +120,7 @@ class GeneratorConfig(StrictModel):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
     broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")
     reward_url: str = Field("http://127.0.0.1:8090", description="reward service base URL")
-    backend: Annotated[Union[TorchBackendConfig, VLLMBackendConfig, SGLangBackendConfig, SimulatedBackendConfig],
-                       Field(discriminator="type")] = Field(
+    backend: Annotated[Union[BACKEND_CONFIGS], Field(discriminator="type")] = Field(
         default_factory=TorchBackendConfig, description="inference backend, chosen by its type")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
     in_flight: Literal["finish", "continue"] = Field(
@@ -114,9 +145,10 @@ class GeneratorConfig(StrictModel):
 
     @model_validator(mode="after")
     def _in_flight_supported(self):
-        if self.in_flight == "continue" and self.backend.type not in ("torch", "vllm"):
+        if self.in_flight == "continue" and not self.backend.supports_in_flight:
+            able = [c.model_fields["type"].default for c in BACKEND_CONFIGS if c.supports_in_flight]
             raise ValueError(f"in_flight='continue' needs a backend that reports where in a sequence the weights "
-                             f"changed (torch or vllm); the {self.backend.type} backend supports 'finish' only")
+                             f"changed ({' or '.join(able)}); the {self.backend.type} backend supports 'finish' only")
         if self.backend.type == "sglang" and (self.sampling.top_k or self.sampling.top_p < 1.0):
             raise ValueError("the sglang backend supports temperature only (sampling.top_k=0, sampling.top_p=1.0): "
                              "SGLang reports log-probs before top-k/top-p filtering, not those of the distribution "

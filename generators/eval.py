@@ -11,12 +11,12 @@ broker's ingest or the admission counters: evaluation does not change what is tr
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
 
 from broker.client import queues
+from broker.protocol.messages import EvalCompletion, EvalResult, PromptEntry, encode_eval_result
 from generators.prompts import prompt_token_ids
 
 log = logging.getLogger("relay.generator.eval")
@@ -27,9 +27,8 @@ class Evaluator:
         self.gen, self.r, self.keys = gen, gen.r, gen.keys
         self.check_every_s, self.final_wait_s = check_every_s, final_wait_s
         self._next_check = 0.0
-        self.prompts_done = 0
 
-    def _claim(self) -> list[tuple[bytes, dict]]:
+    def _claim(self) -> list[tuple[bytes, PromptEntry]]:
         n, stream = self.gen.cfg.prompts_per_batch, self.keys.eval_prompts
         out = queues.claim_abandoned(self.r, stream, self.gen.cfg.id, self.gen.cfg.claim_idle_s, n)
         if len(out) < n:
@@ -49,18 +48,19 @@ class Evaluator:
             raise
         if not claimed:
             return 0
-        need = max(int(f["round"]) for _, f in claimed)
-        if self.gen.version is None or self.gen.version < need:
-            self.gen.maybe_update()  # the round was enqueued after its version was announced
+        need = max(p.round for _, p in claimed)
+        weights = self.gen.weights
+        if weights.version is None or weights.version < need:
+            weights.update()  # the round was enqueued after its version was announced
         backend, base = self.gen.backend, self.gen.cfg.sampling
         first = claimed[0][1]
-        greedy, k = first.get("greedy") == "1", int(first.get("samples") or 0)
-        max_tokens = int(first.get("max_tokens") or 0) or base.max_tokens
-        prompts = [f for _, f in claimed]
-        ids = [prompt_token_ids(f, backend.encode) for f in prompts]
-        version = self.gen.version
+        greedy, k = first.greedy, first.samples
+        max_tokens = first.max_tokens or base.max_tokens
+        prompts = [p for _, p in claimed]
+        ids = [prompt_token_ids(p, backend.encode) for p in prompts]
+        version = weights.version
         seed = zlib.crc32(f"eval:{self.gen.cfg.seed}:{self.gen.cfg.id}:{claimed[0][0]!r}".encode())
-        results: list[dict] = [{"version": version, "generator": self.gen.cfg.id} for _ in prompts]
+        results = [EvalResult(version=version, generator=self.gen.cfg.id) for _ in prompts]
         runs = []
         if greedy:
             runs.append(("greedy", base.model_copy(update={"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 1,
@@ -69,18 +69,19 @@ class Evaluator:
             runs.append(("samples", base.model_copy(update={"n": k, "max_tokens": max_tokens})))
         for name, sampling in runs:
             groups = backend.generate(ids, sampling, seed=seed)
-            scores = self.gen.score(prompts, groups)
+            scores = self.gen.rewards.score_groups(prompts, groups, backend.decode)
             for res, cs, rs in zip(results, groups, scores):
-                comps = [{"reward": r.get("score") if r.get("status") == "ok" else None,
-                          "status": r.get("status", "failed"), "length": len(c.token_ids),
-                          "finish_reason": c.finish_reason} for c, r in zip(cs, rs)]
-                res[name] = comps[0] if name == "greedy" else comps
+                comps = [EvalCompletion(reward=r.score if r.status == "ok" else None, status=r.status,
+                                        length=len(c.token_ids), finish_reason=c.finish_reason) for c, r in zip(cs, rs)]
+                if name == "greedy":
+                    res.greedy = comps[0]
+                else:
+                    res.samples = comps
         pipe = self.r.pipeline(transaction=True)
-        for (eid, f), res in zip(claimed, results):
-            queues.add_eval_result(pipe, self.keys, f["round"], f["idx"], json.dumps(res))
+        for (eid, p), res in zip(claimed, results):
+            queues.add_eval_result(pipe, self.keys, p.round, p.idx, encode_eval_result(res))
             queues.release(pipe, self.keys.eval_prompts, eid)
         pipe.execute()
-        self.prompts_done += len(claimed)
         return len(claimed)
 
     def finish(self) -> None:
@@ -88,9 +89,9 @@ class Evaluator:
         before exiting, waiting up to ``final_wait_s`` for the broker to enqueue it."""
         if not self.r.exists(self.keys.eval_rounds):
             return  # evaluation is off (no round was ever enqueued)
-        self.gen.maybe_update()
+        self.gen.weights.update()
         deadline = time.monotonic() + self.final_wait_s
-        while time.monotonic() < deadline and not self.r.hexists(self.keys.eval_rounds, str(self.gen.version)):
+        while time.monotonic() < deadline and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version)):
             time.sleep(0.1)
         while self.serve(force=True):
             pass

@@ -15,8 +15,8 @@ from broker.runtime.metrics import MetricsServer, advertised_host, labelled_regi
 if TYPE_CHECKING:
     from generators.service import Generator
 
-STATES = ("starting", "waiting_for_weights", "updating", "sampling", "sending", "paused_staleness",
-          "paused_backpressure", "draining", "stopped")
+STATES = ("starting", "waiting_for_weights", "updating", "sampling", "waiting_for_prompts", "sending",
+          "paused_staleness", "paused_backpressure", "draining", "stopped")
 
 
 class GeneratorCollector(Collector):
@@ -27,44 +27,44 @@ class GeneratorCollector(Collector):
         return []
 
     def collect(self):
-        g, st = self.gen, self.gen.stats
+        g, w, sink = self.gen, self.gen.weights, self.gen.sink
         v = GaugeMetricFamily("relay_generator_version", "weight version served (absent before the first load)")
-        if g.version is not None:
-            v.add_metric([], g.version)
+        if w.version is not None:
+            v.add_metric([], w.version)
         yield v
         state = GaugeMetricFamily("relay_generator_state", "1 for the state the generator is in", labels=["state"])
         for s in sorted(set(STATES) | {g.state}):
             state.add_metric([s], 1 if s == g.state else 0)
         yield state
         tps = GaugeMetricFamily("relay_generator_tokens_per_second", "completion tokens per second of the last batch")
-        tps.add_metric([], g._tokens_per_s)  # what the heartbeat reports as tokens_per_s
+        tps.add_metric([], g.tokens_per_s)  # what the heartbeat reports as tokens_per_s
         yield tps
         tok = CounterMetricFamily("relay_generator_tokens", "completion tokens sampled")
-        tok.add_metric([], st["tokens"])
+        tok.add_metric([], g.tokens)
         yield tok
         groups = CounterMetricFamily("relay_generator_groups", "groups sent, by the broker's answer", labels=["outcome"])
-        groups.add_metric(["sent"], st["groups_sent"])
-        groups.add_metric(["rejected"], st["groups_rejected"])
+        groups.add_metric(["sent"], sink.groups_sent)
+        groups.add_metric(["rejected"], sink.groups_rejected)
         yield groups
         upd = CounterMetricFamily("relay_generator_updates", "weight versions applied or refused", labels=["outcome"])
-        upd.add_metric(["applied"], st["updates"])
-        upd.add_metric(["refused"], st["refused_updates"])
+        upd.add_metric(["applied"], w.updates)
+        upd.add_metric(["refused"], w.refused_updates)
         yield upd
         lat = GaugeMetricFamily("relay_generator_last_update_latency_seconds",
                                 "publish -> apply latency of the last weight update")
-        if st["last_update_latency_s"] is not None:
-            lat.add_metric([], st["last_update_latency_s"])
+        if w.last_update_latency_s is not None:
+            lat.add_metric([], w.last_update_latency_s)
         yield lat
         rf = CounterMetricFamily("relay_generator_reward_failures", "samples whose reward failed, by plugin",
                                  labels=["plugin"])
-        for plugin, n in sorted(st["reward_failures_by_plugin"].items()):
+        for plugin, n in sorted(sink.reward_failures_by_plugin.items()):
             rf.add_metric([plugin], n)
         yield rf
         busy = CounterMetricFamily("relay_generator_busy_waits", "times the broker answered busy (back-pressure)")
-        busy.add_metric([], g.sender.busy_waits)
+        busy.add_metric([], sink.sender.busy_waits)
         yield busy
         resends = CounterMetricFamily("relay_generator_resends", "groups resent after an ack timeout")
-        resends.add_metric([], g.sender.resends)
+        resends.add_metric([], sink.sender.resends)
         yield resends
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from broker.client.announcements import announce
+from broker.client.announcements import advertise_run, announce
 from broker.client.telemetry import emit_event, read_heartbeats
 from broker.protocol import weightstore
 from broker.protocol.keys import Keys
@@ -48,11 +48,12 @@ class Publisher:
         path, digest = weightstore.seal(self.store, version, staging)
         a = Announcement(version=version, hash=digest, path=str(path))
         announce(self.r, self.keys, a)
+        advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
         emit_event(self.r, self.keys, "published", version=version, hash=digest)
         # versions served by generators seen recently (a dead generator's heartbeat does not pin)
         now = time.time()
-        in_use = {hb.get("version") for hb in read_heartbeats(self.r, self.keys).values()
-                  if now - hb.get("last_seen", 0) < self.heartbeat_ttl_s}
+        in_use = {hb.version for hb in read_heartbeats(self.r, self.keys).values()
+                  if hb.last_seen is not None and now - hb.last_seen < self.heartbeat_ttl_s}
         weightstore.prune(self.store, self.keep_versions, {v for v in in_use if v is not None})
         log.debug("published version %d in %.3fs", version, time.perf_counter() - t0)
         return a

@@ -1,6 +1,7 @@
 """The reward service's HTTP API (contract in docs/rewards.md; pinned by tests/snapshots/reward_openapi.json).
 
-POST /score    {"items": [Item, ...]}  ->  {"results": [Result, ...]}  (same order, same length)
+POST /score    ScoreRequest {"items": [ItemIn, ...]}  ->  ScoreResponse {"results": [ResultOut, ...]}  (same
+               order, same length; the types are in broker/protocol/messages.py, shared with the generators)
 GET  /plugins  plugin types, configured instances and the routing
 GET  /healthz  "ok"
 GET  /metrics  Prometheus text format
@@ -15,49 +16,18 @@ from __future__ import annotations
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
 
+from broker.protocol.messages import ScoreRequest, ScoreResponse
 from broker.runtime.metrics import render
 from reward_service import plugins as P
 from reward_service.config import RewardConfig  # noqa: F401  (callers import RewardConfig from here)
 from reward_service.scoring import Scorer
 
 log = logging.getLogger("relay.reward")
-
-
-class ItemIn(BaseModel):
-    """One completion to score."""
-
-    prompt: str = Field("", description="the prompt text")
-    completion: str = Field(description="the completion text, special tokens removed")
-    reference: str = Field("", description="the reference answer, '' when there is none")
-    finished: bool = Field(True, description="the completion ended with EOS (was not cut at max_tokens)")
-    task: str = Field(description="the task; picks the plugin (see task_plugins, route_field)")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="dataset fields passed through (JSON)")
-    num_tokens: int | None = Field(None, ge=0, description="completion length in tokens, when known")
-
-
-class ScoreRequest(BaseModel):
-    items: list[ItemIn]
-
-
-class ResultOut(BaseModel):
-    """score is null exactly when status is 'failed'; reason is then 'code: detail'."""
-
-    score: float | None
-    status: str = Field(description="'ok' or 'failed'")
-    reason: str = ""
-    plugin: str = Field("", description="the plugin that scored the item ('a+b' for a weighted route)")
-    details: dict[str, float] = Field(default_factory=dict, description="named sub-scores")
-
-
-class ScoreResponse(BaseModel):
-    results: list[ResultOut]
 
 
 class BodyLimit:
@@ -132,9 +102,7 @@ def create_app(cfg: RewardConfig) -> FastAPI:
             raise HTTPException(413, f"batch of {len(req.items)} items exceeds max_batch {cfg.max_batch}")
         items = [P.Item(it.prompt, it.completion, it.reference, it.finished, it.task, it.metadata, it.num_tokens)
                  for it in req.items]
-        out = await scorer.score(items)
-        return ScoreResponse(results=[ResultOut(score=s.score, status=s.status, reason=s.reason, plugin=s.plugin,
-                                                details=s.details) for s in out])
+        return ScoreResponse(results=await scorer.score(items))
 
     @app.get("/plugins")
     async def plugins() -> dict:

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from pydantic import Field
 
+from broker.client.connection import Backoff
 from broker.runtime.config import StrictModel
 from reward_service.plugins import Observer
 
@@ -123,9 +124,10 @@ class HttpCaller:
         self._ensure()
         body = json.dumps(payload).encode()
         last: CallFailed | None = None
+        backoff = Backoff(self.opts.backoff_s, self.opts.backoff_max_s)
         for attempt in range(self.opts.retries + 1):
             if attempt:
-                delay = min(self.opts.backoff_max_s, self.opts.backoff_s * 2 ** (attempt - 1))
+                delay = backoff.delay(attempt)
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
             if not self.breaker.allow():
                 self.observer.request("circuit_open")

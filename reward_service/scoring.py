@@ -14,27 +14,16 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from broker.protocol.messages import ResultOut
 from reward_service import plugins as P
 from reward_service.config import PluginConfig, RewardConfig
 
 log = logging.getLogger("relay.reward")
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-
-
-@dataclass
-class Scored:
-    """One item's outcome. plugin: the plugin name, or ``a+b`` for a weighted route."""
-
-    score: float | None
-    status: str
-    reason: str = ""
-    plugin: str = ""
-    details: dict[str, float] = field(default_factory=dict)
 
 
 def reason_code(reason: str) -> str:
@@ -188,7 +177,7 @@ class Scorer:
             self.metrics.items.labels(name, status, code).inc(n)
         return results
 
-    async def score(self, items: list[P.Item]) -> list[Scored]:
+    async def score(self, items: list[P.Item]) -> list[ResultOut]:
         routes = [self.route(it) for it in items]
         need: dict[str, list[int]] = {}
         for i, (label, weights) in enumerate(routes):
@@ -201,7 +190,7 @@ class Scorer:
         for i, (label, weights) in enumerate(routes):
             if weights is None:
                 r = per[label][i]
-                scored.append(Scored(r.score, r.status, r.reason, label, r.details))
+                scored.append(ResultOut(score=r.score, status=r.status, reason=r.reason, plugin=label, details=r.details))
                 continue
             total, details, failed = 0.0, {}, None
             for name, w in weights.items():
@@ -213,9 +202,9 @@ class Scorer:
                 details[name] = r.score
                 details.update({f"{name}.{k}": v for k, v in r.details.items()})
             if failed:
-                scored.append(Scored(None, "failed", failed, label, details))
+                scored.append(ResultOut(score=None, status="failed", reason=failed, plugin=label, details=details))
             else:
-                scored.append(Scored(total, "ok", "", label, details))
+                scored.append(ResultOut(score=total, status="ok", plugin=label, details=details))
         return scored
 
 

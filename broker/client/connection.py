@@ -1,9 +1,12 @@
-"""Redis connections: every service reaches the run's Redis through :func:`connect_redis`, and rides
-out an outage with :class:`Backoff` (exponential, capped), never by swallowing the error."""
+"""Connections: every service reaches the run's Redis through :func:`connect_redis`; every retry
+loop (Redis, the reward service, the broker's ``busy``, restarts) waits with :class:`Backoff`
+(exponential, capped), never by swallowing the error; :func:`connect_address` turns the address a
+server binds into one its clients can connect to."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import redis
@@ -11,12 +14,42 @@ import redis
 log = logging.getLogger(__name__)
 
 
+class Backoff:
+    """Delays of a retry loop: ``first_s``, then ``factor`` times the previous one, at most ``cap_s``.
+
+    ``next()`` returns the delay before the next attempt and counts it; ``sleep()`` waits it out;
+    ``reset()`` starts over (after a success); ``delay(n)`` is the n-th delay (1, 2, ...) without
+    counting, for callers that keep their own attempt number (with jitter, or async sleeps)."""
+
+    def __init__(self, first_s: float, cap_s: float, factor: float = 2.0):
+        self.first_s, self.cap_s, self.factor = first_s, cap_s, factor
+        self.attempts = 0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.first_s * self.factor ** max(0, attempt - 1), self.cap_s)
+
+    def next(self) -> float:
+        self.attempts += 1
+        return self.delay(self.attempts)
+
+    def sleep(self) -> None:
+        time.sleep(self.next())
+
+    def reset(self) -> None:
+        self.attempts = 0
+
+    @property
+    def at_cap(self) -> bool:
+        """The next delay is the longest one."""
+        return self.delay(self.attempts + 1) >= self.cap_s
+
+
 def connect_redis(url: str, wait_s: float = 30.0) -> redis.Redis:
     """A Redis client for ``url`` (``redis://host:port/db`` or ``unix:///path.sock``), waiting with
-    back-off up to ``wait_s`` for the server to answer."""
+    back-off (0.05 s doubling to 1 s) up to ``wait_s`` for the server to answer."""
     r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
     deadline = time.monotonic() + wait_s
-    delay = 0.05
+    backoff = Backoff(0.05, 1.0)
     while True:
         try:
             r.ping()
@@ -24,5 +57,21 @@ def connect_redis(url: str, wait_s: float = 30.0) -> redis.Redis:
         except redis.ConnectionError as e:
             if time.monotonic() > deadline:
                 raise ConnectionError(f"cannot reach Redis at {url}: {e}") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            backoff.sleep()
+
+
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
+
+
+def connect_host(bind_host: str, wildcard_host: str | None = None) -> str:
+    """The host to reach a server bound on ``bind_host``: itself, or for a wildcard (every
+    interface) ``wildcard_host`` (default: this machine's name, for clients on other machines)."""
+    return (wildcard_host or socket.gethostname()) if bind_host in WILDCARD_HOSTS else bind_host
+
+
+def connect_address(bind: str, wildcard_host: str | None = None) -> str:
+    """The ZeroMQ address to connect to a socket bound at ``bind``: the same, with a wildcard host
+    (``tcp://*:5555``, ``tcp://0.0.0.0:5555``) replaced as :func:`connect_host` does."""
+    scheme, _, rest = bind.partition("://")
+    host, sep, port = rest.rpartition(":")
+    return f"tcp://{connect_host(host, wildcard_host)}:{port}" if scheme == "tcp" and sep else bind

@@ -24,10 +24,9 @@ from broker.protocol import scripts
 from broker.protocol.codec import ProtocolError
 from broker.protocol.group import Group, decode_group
 from broker.protocol.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from broker.protocol.messages import PromptEntry
 
 log = logging.getLogger(__name__)
-
-Entry = tuple[bytes, dict]  # (stream id, fields)
 
 
 def ensure_groups(r: redis.Redis, keys: Keys) -> None:
@@ -42,8 +41,9 @@ def ensure_groups(r: redis.Redis, keys: Keys) -> None:
                 raise
 
 
-def _decoded(entries) -> list[tuple[bytes, dict[str, str]]]:
-    return [(eid, {k.decode(): v.decode() for k, v in f.items()}) for eid, f in entries if f]
+def _prompts(entries) -> list[tuple[bytes, PromptEntry]]:
+    """Stream entries as prompts (an entry deleted while pending has no fields: skipped)."""
+    return [(eid, PromptEntry.from_fields({k.decode(): v.decode() for k, v in f.items()})) for eid, f in entries if f]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,18 +51,18 @@ def _decoded(entries) -> list[tuple[bytes, dict[str, str]]]:
 
 
 def claim_abandoned(r: redis.Redis, stream: str, consumer: str, idle_s: float, count: int
-                    ) -> list[tuple[bytes, dict[str, str]]]:
+                    ) -> list[tuple[bytes, PromptEntry]]:
     """Up to ``count`` entries of ``stream`` that another consumer has held for ``idle_s`` (a dead
     generator's), now ``consumer``'s."""
     _, claimed, _ = r.xautoclaim(stream, PROMPTS_GROUP, consumer, int(idle_s * 1000), count=count)
-    return _decoded(claimed)
+    return _prompts(claimed)
 
 
 def claim_new(r: redis.Redis, stream: str, consumer: str, count: int, block_ms: int | None = None
-              ) -> list[tuple[bytes, dict[str, str]]]:
+              ) -> list[tuple[bytes, PromptEntry]]:
     """Up to ``count`` entries of ``stream`` no generator has read yet, waiting up to ``block_ms``."""
     resp = r.xreadgroup(PROMPTS_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
-    return [e for _, entries in resp or [] for e in _decoded(entries)]
+    return [e for _, entries in resp or [] for e in _prompts(entries)]
 
 
 def release(pipe, stream: str, *eids: bytes) -> None:
@@ -76,12 +76,12 @@ def prompts_ready(r: redis.Redis, keys: Keys) -> int:
     return int(r.xlen(keys.prompts))
 
 
-def add_prompt(pipe, stream: str, fields: dict) -> None:
+def add_prompt(pipe, stream: str, prompt: PromptEntry) -> None:
     """Queue one prompt (or held-out prompt) on ``pipe``."""
-    pipe.xadd(stream, fields)
+    pipe.xadd(stream, prompt.fields())
 
 
-def add_eval_result(pipe, keys: Keys, round_: str, idx: str, data: str) -> None:
+def add_eval_result(pipe, keys: Keys, round_: int, idx: int, data: str) -> None:
     pipe.xadd(keys.eval_results, {"round": round_, "idx": idx, "data": data})
 
 
@@ -159,7 +159,6 @@ class TrajectoryReader:
     keys: Keys
     consumer: str = "learner-0"
     _pending_cursor: str | None = "0"  # walks this consumer's pending list once, then None: new entries
-    undecodable: int = 0
 
     def read(self, want: int, block_ms: int = 1000) -> list[tuple[bytes, Group | None]]:
         """Up to ``want`` entries: first this consumer's unacknowledged ones (a previous learner's,
@@ -180,7 +179,6 @@ class TrajectoryReader:
             try:
                 out.append((eid, decode_group(fields[b"data"])))
             except (ProtocolError, KeyError) as e:
-                self.undecodable += 1
                 log.error("undecodable stream entry %s: %s", eid, e)
                 out.append((eid, None))
         return out

@@ -14,6 +14,7 @@ from collections import deque
 
 import zmq
 
+from broker.client.connection import Backoff
 from broker.protocol.codec import ProtocolError
 from broker.protocol.messages import Ack, decode_ack
 
@@ -77,7 +78,7 @@ class GroupSender:
         inflight: dict[str, bytes] = {}
         done: dict[str, Ack] = {}
         deadline = time.monotonic() + give_up_s
-        busy_sleep, pause_until = self.busy_wait_s, 0.0
+        busy, pause_until = Backoff(self.busy_wait_s, 1.0, factor=1.5), 0.0
         while todo or inflight:
             now = time.monotonic()
             if now > deadline:
@@ -125,10 +126,9 @@ class GroupSender:
                 if should_stop():
                     raise TimeoutError("stopping while the broker is busy")
                 todo.appendleft((gid, payload))
-                pause_until = time.monotonic() + busy_sleep
-                busy_sleep = min(busy_sleep * 1.5, 1.0)
+                pause_until = time.monotonic() + busy.next()
                 continue
-            busy_sleep = self.busy_wait_s
+            busy.reset()
             done[gid] = ack
         return done
 

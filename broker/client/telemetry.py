@@ -3,38 +3,78 @@ the dashboard's events stream, per-service counters."""
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from typing import Any
 
 import redis
 
+from broker.protocol.codec import ProtocolError
 from broker.protocol.keys import Keys
+from broker.protocol.messages import Event, Heartbeat, ServiceEndpoint, decode_heartbeat, encode_heartbeat
+
+log = logging.getLogger(__name__)
 
 
-def heartbeat(r: redis.Redis, keys: Keys, generator_id: str, state: dict[str, Any]) -> None:
-    state = dict(state, id=generator_id, last_seen=time.time())
-    r.hset(keys.generators, generator_id, json.dumps(state))
+def heartbeat(r: redis.Redis, keys: Keys, hb: Heartbeat) -> None:
+    """Write generator ``hb.id``'s heartbeat, stamped ``last_seen`` = now."""
+    r.hset(keys.generators, hb.id, encode_heartbeat(hb.model_copy(update={"last_seen": time.time()})))
 
 
-def read_heartbeats(r: redis.Redis, keys: Keys) -> dict[str, dict]:
-    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.generators).items()}
+class Heartbeats(dict[str, Heartbeat]):
+    """Generator id -> its last heartbeat, for every readable entry. ``malformed``: id -> what is
+    wrong with each entry that could not be read (skipped, so one bad producer cannot break the
+    dashboard, ``/metrics`` or a run's summary; counted there as ``malformed_heartbeats``)."""
+
+    def __init__(self, good: dict[str, Heartbeat], malformed: dict[str, str]):
+        super().__init__(good)
+        self.malformed = malformed
+
+
+_reported: set[tuple[str, bytes]] = set()  # malformed entries already logged by this process
+
+
+def read_heartbeats(r: redis.Redis, keys: Keys) -> Heartbeats:
+    good, bad = {}, {}
+    for k, v in r.hgetall(keys.generators).items():
+        gid = k.decode(errors="replace")
+        try:
+            good[gid] = decode_heartbeat(v)
+        except ProtocolError as e:
+            bad[gid] = e.detail
+            if (gid, v) not in _reported:  # each bad entry logged once, not at every read
+                if len(_reported) > 1000:
+                    _reported.clear()
+                _reported.add((gid, v))
+                log.warning("skipped the malformed heartbeat of %r: %s (entry starts %r)", gid, e.detail, v[:80])
+    return Heartbeats(good, bad)
 
 
 def register_service(r: redis.Redis, keys: Keys, service: str, replica: str, host: str, port: int) -> None:
     """Record where a service's ``/metrics`` is (read by ``/api/prometheus/targets``)."""
-    r.hset(keys.services, f"{service}:{replica}", json.dumps(
-        {"service": service, "replica": replica, "host": host, "port": port, "started_at": time.time()}))
+    r.hset(keys.services, f"{service}:{replica}",
+           ServiceEndpoint(service, replica, host, port, started_at=time.time()).encode())
 
 
-def read_services(r: redis.Redis, keys: Keys) -> dict[str, dict]:
-    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.services).items()}
+def read_services(r: redis.Redis, keys: Keys) -> dict[str, ServiceEndpoint]:
+    """"service:replica" -> where its /metrics is; an unreadable entry is skipped and logged."""
+    out = {}
+    for k, v in r.hgetall(keys.services).items():
+        try:
+            out[k.decode()] = ServiceEndpoint.decode(v)
+        except ProtocolError as e:
+            log.warning("skipped the unreadable service entry %r: %s", k, e.detail)
+    return out
 
 
 def emit_event(r: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:
     """Append to the capped events stream the dashboard reads."""
-    r.xadd(keys.events, {"kind": kind, "t": repr(time.time()), "data": json.dumps(fields)},
-           maxlen=10_000, approximate=True)
+    r.xadd(keys.events, Event(kind, time.time(), fields).fields(), maxlen=10_000, approximate=True)
+
+
+def read_events(r: redis.Redis, keys: Keys, after: str | None, limit: int) -> list[tuple[str, Event]]:
+    """Events after stream id ``after`` (as :func:`read_after`), oldest first."""
+    return [(eid, Event.from_fields(f)) for eid, f in read_after(r, keys.events, after, limit)]
 
 
 def read_stats(r: redis.Redis, keys: Keys, service: str) -> dict[str, float]:

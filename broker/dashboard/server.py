@@ -66,12 +66,11 @@ class Dashboard:
         heartbeats = read_heartbeats(self.r, self.keys)
         now = time.time()
         for name, s in sorted(read_services(self.r, self.keys).items()):
-            if s["service"] == "generator":
-                hb = heartbeats.get(s["replica"])
+            if s.service == "generator":
+                hb = heartbeats.get(s.replica)
                 if hb is None or shown_state(hb, now, self.dead_after_s) in ("dead", "stopped"):
                     continue
-            out.append({"targets": [f"{s['host']}:{s['port']}"],
-                        "labels": {"service": s["service"], "replica": s["replica"]}})
+            out.append({"targets": [f"{s.host}:{s.port}"], "labels": {"service": s.service, "replica": s.replica}})
         return out
 
     # -- server-sent events -------------------------------------------------------------------
@@ -169,6 +168,8 @@ class BrokerGauges(Collector):
             yield gauge(f"relay_eval_{name}", f"{doc} of the last completed evaluation round", last.get(key))
         yield gauge("relay_broker_generator_heartbeat_age_seconds", "seconds since a generator's last heartbeat",
                     [(g["id"], g["age_s"]) for g in gens if g["age_s"] is not None], "generator")
+        yield gauge("relay_broker_malformed_heartbeats", "heartbeat entries that cannot be read (skipped; the broker "
+                    "logs why)", len(st["failures"]["malformed_heartbeats"]))
 
 
 def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistry) -> ThreadingHTTPServer:

@@ -22,22 +22,17 @@ import redis
 
 from broker.client.announcements import announced_hashes, latest_announcement
 from broker.client import queues
-from broker.client.telemetry import read_after, read_heartbeats, read_stats
+from broker.client.telemetry import read_after, read_events, read_heartbeats, read_stats
 from broker.protocol.keys import Keys
+from broker.protocol.messages import Heartbeat
 
 log = logging.getLogger("relay.broker.state")
 
-# generator states as reported in heartbeats, and the two the dashboard derives
-PAUSED_STATES = ("paused_staleness", "paused_backpressure")
-
-
-def shown_state(hb: dict, now: float, dead_after_s: float) -> str:
+def shown_state(hb: Heartbeat, now: float, dead_after_s: float) -> str:
     """The state to display for one heartbeat: the reported one, or ``dead`` when it is too old."""
-    reported = hb.get("state") or "unknown"
-    last_seen = hb.get("last_seen")
-    if reported != "stopped" and (not isinstance(last_seen, (int, float)) or now - last_seen > dead_after_s):
+    if hb.state != "stopped" and (hb.last_seen is None or now - hb.last_seen > dead_after_s):
         return "dead"
-    return reported
+    return hb.state
 
 
 def _prefixed(stats: dict[str, float], prefix: str) -> dict[str, int]:
@@ -52,39 +47,38 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
     latest = latest_announcement(r, keys)
     lv = latest.version if latest else None
     heartbeats = read_heartbeats(r, keys)
-    served = [hb["version"] for hb in heartbeats.values() if isinstance(hb.get("version"), int)]
+    served = [hb.version for hb in heartbeats.values() if hb.version is not None]
     announced = announced_hashes(r, keys, served)
     if latest is not None and announced.get(latest.version) is None:  # announced before `versions` existed
         announced[latest.version] = latest.hash
     gens = []
     for gid, hb in sorted(heartbeats.items()):
-        v = hb.get("version")
-        expected = announced.get(v) if isinstance(v, int) else None
-        last_seen = hb.get("last_seen")
+        v = hb.version
+        expected = announced.get(v) if v is not None else None
         gens.append({
             "id": gid,
-            "backend": hb.get("backend"),
+            "backend": hb.backend,
             "version": v,
-            "hash": hb.get("hash"),
+            "hash": hb.hash,
             "announced_hash": expected,
             # a version served whose announced hash is known and differs: flagged red
-            "hash_ok": v is None or expected is None or hb.get("hash") == expected,
-            "lag": (lv - v) if lv is not None and isinstance(v, int) else None,
-            "last_seen": last_seen,
-            "age_s": round(now - last_seen, 3) if isinstance(last_seen, (int, float)) else None,
+            "hash_ok": v is None or expected is None or hb.hash == expected,
+            "lag": (lv - v) if lv is not None and v is not None else None,
+            "last_seen": hb.last_seen,
+            "age_s": round(now - hb.last_seen, 3) if hb.last_seen is not None else None,
             "state": shown_state(hb, now, dead_after_s),
-            "reported_state": hb.get("state"),
-            "last_update_latency_s": hb.get("last_update_latency_s"),
-            "tokens_per_s": hb.get("tokens_per_s"),
-            "tokens": hb.get("tokens"),
-            "groups_sent": hb.get("groups_sent"),
-            "groups_rejected": hb.get("groups_rejected"),
-            "updates": hb.get("updates"),
-            "refused_updates": hb.get("refused_updates"),
-            "refused": hb.get("refused") or {},
-            "reward_failures": hb.get("reward_failures"),
-            "reward_failures_by_plugin": hb.get("reward_failures_by_plugin") or {},
-            "metrics_port": hb.get("metrics_port"),
+            "reported_state": hb.state,
+            "last_update_latency_s": hb.last_update_latency_s,
+            "tokens_per_s": hb.tokens_per_s,
+            "tokens": hb.tokens,
+            "groups_sent": hb.groups_sent,
+            "groups_rejected": hb.groups_rejected,
+            "updates": hb.updates,
+            "refused_updates": hb.refused_updates,
+            "refused": hb.refused,
+            "reward_failures": hb.reward_failures,
+            "reward_failures_by_plugin": hb.reward_failures_by_plugin,
+            "metrics_port": hb.metrics_port,
         })
     learner = read_stats(r, keys, "learner")
     broker = read_stats(r, keys, "broker")
@@ -112,6 +106,8 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
             "reward_failures_by_plugin": dict(sorted(reward_failures.items())),
             "reward_failures": sum(int(g["reward_failures"] or 0) for g in gens),
             "refused_updates": sum(int(g["refused_updates"] or 0) for g in gens),
+            # heartbeat entries that could not be read (skipped above; the reader logs why)
+            "malformed_heartbeats": dict(sorted(heartbeats.malformed.items())),
         },
         "flags": {
             "hash_mismatch": [g["id"] for g in gens if not g["hash_ok"]],
@@ -138,14 +134,7 @@ def learner_history(r: redis.Redis, keys: Keys, after: str | None = None, limit:
 
 def events_history(r: redis.Redis, keys: Keys, after: str | None = None, limit: int = 2000) -> list[dict]:
     """Events (published, applied, refused), each ``{"id", "kind", "t", **data}``."""
-    out = []
-    for eid, f in read_after(r, keys.events, after, limit):
-        try:
-            data = json.loads(f.get("data", "{}"))
-        except json.JSONDecodeError:
-            data = {"error": "unreadable entry"}
-        out.append({"id": eid, "kind": f.get("kind", "?"), "t": float(f.get("t", 0) or 0), **data})
-    return out
+    return [{"id": eid, "kind": e.kind, "t": e.t, **e.data} for eid, e in read_events(r, keys, after, limit)]
 
 
 class Throughput:

@@ -22,12 +22,13 @@ import csv
 import json
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
+from broker.protocol.messages import PromptEntry
 from broker.runtime.config import StrictModel
 
 log = logging.getLogger("relay.broker.datasets")
@@ -175,25 +176,6 @@ def read_rows(cfg: DatasetConfig) -> list[dict]:
 # rows -> prompt records
 
 
-@dataclass
-class PromptRecord:
-    """One prompt as it goes into a prompts stream (docs/protocol.md 7.1)."""
-
-    text: str
-    reference: str
-    task: str
-    prompt_ids: list[int] | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    def fields(self) -> dict[str, str]:
-        out = {"text": self.text, "reference": self.reference, "task": self.task}
-        if self.prompt_ids is not None:
-            out["prompt_ids"] = json.dumps(self.prompt_ids, separators=(",", ":"))
-        if self.metadata:
-            out["metadata"] = json.dumps(self.metadata, default=str)
-        return out
-
-
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -233,7 +215,7 @@ class PromptBuilder:
             msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
         return msgs
 
-    def build(self, row: dict) -> PromptRecord | None:
+    def build(self, row: dict) -> PromptEntry | None:
         """The record of one row, or None when it is longer than ``max_prompt_tokens``."""
         cfg = self.cfg
         msgs = self.messages(row)
@@ -247,7 +229,7 @@ class PromptBuilder:
             return None
         task = str(row.get(cfg.task_field) or cfg.task) if cfg.task_field else cfg.task
         reference = "" if not cfg.reference_field or row[cfg.reference_field] is None else str(row[cfg.reference_field])
-        return PromptRecord(text=text, reference=reference, task=task, prompt_ids=ids,
+        return PromptEntry(text=text, reference=reference, task=task, prompt_ids=ids,
                             metadata={k: row[k] for k in cfg.metadata_fields})
 
 
@@ -297,7 +279,7 @@ class DatasetSource:
     def exhausted(self, pos: Position) -> bool:
         return self.cfg.epochs is not None and pos.epoch >= self.cfg.epochs
 
-    def take(self, k: int, pos: Position) -> tuple[list[tuple[int, int, PromptRecord]], Position]:
+    def take(self, k: int, pos: Position) -> tuple[list[tuple[int, int, PromptEntry]], Position]:
         """Up to ``k`` records from ``pos`` on, each with its (epoch, row); the position after them.
         Too-long prompts are skipped and counted in the position. Fewer than ``k`` at the end of the
         last epoch."""

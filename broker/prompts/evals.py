@@ -18,10 +18,10 @@ read it.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import defaultdict
+from dataclasses import replace
 from math import comb
 
 import redis
@@ -33,6 +33,7 @@ from broker.client.telemetry import emit_event
 from broker.runtime.config import StrictModel
 from broker.prompts.datasets import DatasetConfig, Position
 from broker.protocol.keys import Keys
+from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound, decode_eval_result
 
 log = logging.getLogger("relay.broker.eval")
 
@@ -72,7 +73,7 @@ class EvalScheduler:
         self.check_every_s = check_every_s
         self._next_check = 0.0
         self._records = None
-        self.rounds: dict[int, dict] = {int(v): json.loads(m) for v, m in r.hgetall(keys.eval_rounds).items()}
+        self.rounds: dict[int, EvalRound] = read_rounds(r, keys)
 
     def _held_out(self):
         if self._records is None:
@@ -98,7 +99,7 @@ class EvalScheduler:
         if latest is None:
             return None
         v = latest.version
-        done_rounds = {x // every for x, m in self.rounds.items() if not m.get("final")}
+        done_rounds = {x // every for x, m in self.rounds.items() if not m.final}
         done = bool(self.r.exists(self.keys.done))
         if v in self.rounds or (v // every in done_rounds and not (self.cfg.final and done)):
             return None
@@ -106,14 +107,14 @@ class EvalScheduler:
         records = self._held_out()
         if records is None:
             return None
-        meta = {"version": v, "prompts": len(records), "greedy": self.cfg.greedy, "samples": self.cfg.samples,
-                "threshold": self.cfg.threshold, "final": final, "enqueued_at": time.time()}
+        meta = EvalRound(version=v, prompts=len(records), greedy=self.cfg.greedy, samples=self.cfg.samples,
+                         threshold=self.cfg.threshold, final=final, enqueued_at=time.time())
         pipe = self.r.pipeline(transaction=True)  # the round's prompts and its record together
         for i, rec in enumerate(records):
-            queues.add_prompt(pipe, self.keys.eval_prompts, {**rec.fields(), "round": v, "idx": i,
-                                                             "greedy": int(self.cfg.greedy), "samples": self.cfg.samples,
-                                                             "max_tokens": self.cfg.max_tokens or 0})
-        pipe.hset(self.keys.eval_rounds, str(v), json.dumps(meta))
+            queues.add_prompt(pipe, self.keys.eval_prompts, replace(rec, round=v, idx=i, greedy=self.cfg.greedy,
+                                                                    samples=self.cfg.samples,
+                                                                    max_tokens=self.cfg.max_tokens or 0))
+        pipe.hset(self.keys.eval_rounds, str(v), meta.encode())
         pipe.execute()
         self.rounds[v] = meta
         emit_event(self.r, self.keys, "eval_round", version=v, prompts=len(records), final=final)
@@ -136,50 +137,50 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def summarize_round(meta: dict, results: dict[int, dict]) -> dict:
+def read_rounds(r: redis.Redis, keys: Keys) -> dict[int, EvalRound]:
+    """The rounds enqueued so far, by version."""
+    return {int(v): EvalRound.decode(m) for v, m in r.hgetall(keys.eval_rounds).items()}
+
+
+def summarize_round(meta: EvalRound, results: dict[int, EvalResult]) -> dict:
     """One round's numbers from its per-prompt results (``idx -> result``; generators/eval.py)."""
-    thr = float(meta.get("threshold", 1.0))
-    k = int(meta.get("samples") or 0)
-    greedy = bool(meta.get("greedy"))
+    thr, k, greedy = meta.threshold, meta.samples, meta.greedy
 
-    def ok(c: dict) -> bool:
-        return c.get("status") == "ok" and c.get("reward") is not None
-
-    def correct(c: dict) -> bool:
-        return ok(c) and float(c["reward"]) >= thr - 1e-9
+    def correct(c: EvalCompletion) -> bool:
+        return c.ok and float(c.reward) >= thr - 1e-9
 
     firsts, at_k, rewards, lengths, failures = [], [], [], [], 0
     sample_rewards = []
     for res in results.values():
-        samples = res.get("samples") or []
-        comps = ([res["greedy"]] if greedy and res.get("greedy") else []) + samples
-        failures += sum(not ok(c) for c in comps)
-        if greedy and res.get("greedy"):
-            g = res["greedy"]
+        samples = res.samples
+        comps = ([res.greedy] if greedy and res.greedy else []) + samples
+        failures += sum(not c.ok for c in comps)
+        if greedy and res.greedy:
+            g = res.greedy
             firsts.append(1.0 if correct(g) else 0.0)
-            if ok(g):
-                rewards.append(float(g["reward"]))
-            lengths.append(g.get("length", 0))
+            if g.ok:
+                rewards.append(float(g.reward))
+            lengths.append(g.length)
         elif samples:
             firsts.append(pass_at_k(len(samples), sum(map(correct, samples)), 1))
-            rewards.extend(float(c["reward"]) for c in samples if ok(c))
-            lengths.extend(c.get("length", 0) for c in samples)
+            rewards.extend(float(c.reward) for c in samples if c.ok)
+            lengths.extend(c.length for c in samples)
         if k and samples:
             at_k.append(pass_at_k(len(samples), sum(map(correct, samples)), min(k, len(samples))))
-            sample_rewards.extend(float(c["reward"]) for c in samples if ok(c))
+            sample_rewards.extend(float(c.reward) for c in samples if c.ok)
     out = {
-        "version": int(meta["version"]),
+        "version": meta.version,
         "pass@1": _mean(firsts),
         "pass@k": _mean(at_k) if k else None,
         "k": k or None,
         "mean_reward": _mean(rewards),
         "mean_length": _mean([float(x) for x in lengths]),
         "n_prompts": len(results),
-        "prompts": int(meta.get("prompts", 0)),
-        "complete": len(results) >= int(meta.get("prompts", 0)),
+        "prompts": meta.prompts,
+        "complete": len(results) >= meta.prompts,
         "reward_failures": failures,
-        "versions_served": sorted({int(r["version"]) for r in results.values() if "version" in r}),
-        "final": bool(meta.get("final")),
+        "versions_served": sorted({r.version for r in results.values() if r.version is not None}),
+        "final": meta.final,
     }
     if greedy and k:
         out["sample_mean_reward"] = _mean(sample_rewards)
@@ -192,20 +193,20 @@ class EvalHistory:
     def __init__(self, r: redis.Redis, keys: Keys):
         self.r, self.keys = r, keys
         self._after = "-"
-        self._results: dict[int, dict[int, dict]] = defaultdict(dict)
+        self._results: dict[int, dict[int, EvalResult]] = defaultdict(dict)
 
     def rounds(self) -> list[dict]:
-        meta = {int(v): json.loads(m) for v, m in self.r.hgetall(self.keys.eval_rounds).items()}
+        meta = read_rounds(self.r, self.keys)
         while True:
             entries = queues.read_eval_results(self.r, self.keys, self._after)
             if not entries:
                 break
             for eid, f in entries:
                 try:
-                    res = json.loads(f[b"data"])
+                    res = decode_eval_result(f[b"data"])
                     # a prompt evaluated twice (reclaimed after a generator died) counts once
                     self._results[int(f[b"round"])].setdefault(int(f[b"idx"]), res)
-                except (KeyError, ValueError):
+                except (KeyError, ValueError):  # ProtocolError is a ValueError
                     log.warning("unreadable evaluation result %s", eid)
             self._after = entries[-1][0].decode()
         return [summarize_round(meta[v], self._results.get(v, {})) for v in sorted(meta)]

@@ -13,11 +13,11 @@ encode them.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from pydantic import Field
 
+from broker.protocol.messages import PromptEntry
 from broker.runtime.config import StrictModel
 
 
@@ -31,33 +31,26 @@ class TaskConfig(StrictModel):
     seed: int = Field(0, description="seed of the prompt generator")
 
 
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    reference: str
-    task: str
-
-
 def _digits(rng: random.Random, lo: int, hi: int) -> str:
     return "".join(rng.choice("0123456789") for _ in range(rng.randint(lo, hi)))
 
 
 def _copy(rng: random.Random, cfg: TaskConfig) -> Prompt:
     d = _digits(rng, cfg.min_digits, cfg.max_digits)
-    return Prompt(d + "=", d, "copy")
+    return PromptEntry(d + "=", d, "copy")
 
 
 def _reverse(rng: random.Random, cfg: TaskConfig) -> Prompt:
     d = _digits(rng, cfg.min_digits, cfg.max_digits)
-    return Prompt(d + "=", d[::-1], "reverse")
+    return PromptEntry(d + "=", d[::-1], "reverse")
 
 
 def _add(rng: random.Random, cfg: TaskConfig) -> Prompt:
     a, b = _digits(rng, cfg.min_digits, cfg.max_digits), _digits(rng, cfg.min_digits, cfg.max_digits)
-    return Prompt(f"{int(a)}+{int(b)}=", str(int(a) + int(b)), "add")
+    return PromptEntry(f"{int(a)}+{int(b)}=", str(int(a) + int(b)), "add")
 
 
-TASKS: dict[str, Callable[[random.Random, TaskConfig], Prompt]] = {
+TASKS: dict[str, Callable[[random.Random, TaskConfig], PromptEntry]] = {
     "copy": _copy,
     "reverse": _reverse,
     "add": _add,
@@ -73,7 +66,7 @@ def check_task(name: str) -> None:
         raise UnknownTaskError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
 
 
-def prompt_stream(cfg: TaskConfig) -> Iterator[Prompt]:
+def prompt_stream(cfg: TaskConfig) -> Iterator[PromptEntry]:
     """An endless, seeded stream of prompts of the configured task."""
     check_task(cfg.name)
     if cfg.min_digits > cfg.max_digits:
@@ -86,7 +79,7 @@ def prompt_stream(cfg: TaskConfig) -> Iterator[Prompt]:
 
 class TaskSource:
     """The task's prompts from any position (``fed`` prompts in): the same interface as
-    :class:`broker.datasets.DatasetSource`, so the feeder resumes a built-in task where it was too.
+    :class:`broker.prompts.datasets.DatasetSource`, so the feeder resumes a built-in task where it was too.
     Resuming replays the seeded generator up to the position (cheap: ~1 µs per prompt)."""
 
     def __init__(self, cfg: TaskConfig):
@@ -98,7 +91,7 @@ class TaskSource:
         return False
 
     def take(self, k: int, pos):
-        from broker.prompts.datasets import Position, PromptRecord
+        from broker.prompts.datasets import Position
 
         if pos.fed < self._at:
             self._stream, self._at = prompt_stream(self.cfg), 0
@@ -108,6 +101,6 @@ class TaskSource:
         out = []
         for _ in range(k):
             p = next(self._stream)
-            out.append((0, self._at, PromptRecord(p.text, p.reference, p.task)))
+            out.append((0, self._at, p))
             self._at += 1
         return out, Position(0, self._at, self._at, 0)

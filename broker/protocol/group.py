@@ -89,7 +89,9 @@ class Group:
     samples:        the n completions.
     generator_id:   id of the generator replica that produced it.
     weight_version: the version the generator served when it started the group.
-    weight_hash:    the manifest hash of that version (the learner checks it).
+    weight_hash:    the manifest hash of that version (not checked by the broker or the learner: it
+                    identifies the weights in logs; the dashboard compares each generator's heartbeat hash
+                    with the announced one).
     sampling:       sampling parameters: temperature, top_p, top_k, max_tokens, n.
     task:           the task / reward plugin name.
     reference:      the reference answer given to the reward (may be empty).

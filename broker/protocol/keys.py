@@ -24,6 +24,7 @@
 | eval_prompts              | stream     | broker     | held-out prompts of evaluation rounds; group ``generators`` |
 | eval_rounds               | hash       | broker     | round version -> JSON {prompts, greedy, samples, threshold, final} |
 | eval_results              | stream     | generators | one entry per evaluated prompt (round, idx, data JSON) |
+| run                       | hash       | broker, generators, learner | how a producer joins the run: ingest_address (broker), reward_url and sampling (the first generator), eos_token_id (learner, at publication); messages.RunInfo |
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class Keys:
 
     def _k(self, name: str) -> str:
         return f"relay:{self.run_id}:{name}"
+
+    @staticmethod
+    def run_of(key: str) -> str:
+        """The run id of one of these keys (``Keys("*")`` gives the SCAN patterns over every run)."""
+        return key.split(":", 2)[1]
 
     @property
     def prompts(self) -> str:
@@ -142,6 +148,13 @@ class Keys:
     def eval_rounds(self) -> str:
         """Hash round version -> JSON of the round's settings (prompts, greedy, samples, threshold, final)."""
         return self._k("eval_rounds")
+
+    @property
+    def run(self) -> str:
+        """Hash: what a producer needs to join the run (messages.RunInfo, docs/protocol.md 7.11): ingest_address
+        (the broker, at start-up), reward_url and sampling (JSON; the first generator to start: every producer
+        must use them), eos_token_id (the learner, at each publication)."""
+        return self._k("run")
 
     @property
     def eval_results(self) -> str:

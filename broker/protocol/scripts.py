@@ -50,7 +50,7 @@ if grant > 0 then redis.call('INCRBY', KEYS[4], grant) end
 return grant
 """
 
-# The learner's commit of trained groups (exactly-once training, docs/protocol.md 7.6).
+# The learner's commit of trained groups (exactly-once training, docs/protocol.md 7.3).
 # KEYS: trained set, trained log, trajectories stream, counted set. ARGV: step, consumer group, then
 # pairs (stream id, group id). Idempotent: a group already recorded is only acknowledged again.
 COMMIT = """

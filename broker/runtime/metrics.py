@@ -11,7 +11,6 @@ is rendered, so a metric definition never repeats them. Every name is listed in
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from broker.client.connection import connect_host
 
 log = logging.getLogger("relay.metrics")
 
@@ -66,7 +67,7 @@ def render(service: str, replica: str, *inner: Collector) -> bytes:
 
 def advertised_host(bind_host: str) -> str:
     """The host other machines should scrape: the bind address, or this host's name for 0.0.0.0/::."""
-    return socket.gethostname() if bind_host in ("0.0.0.0", "::", "") else bind_host
+    return connect_host(bind_host)
 
 
 class MetricsServer:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from broker.protocol.messages import Heartbeat
+
 
 def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
@@ -26,7 +28,7 @@ def reward_first_last(metrics: list[dict], frac: float = 0.1) -> tuple[float | N
 
 
 def build_summary(run_id: str, metrics: list[dict], learner_version: int | None, broker_stats: dict,
-                  generators: dict[str, dict], wall_seconds: float) -> dict:
+                  generators: dict[str, Heartbeat], wall_seconds: float) -> dict:
     first, last = reward_first_last(metrics)
     lastm = metrics[-1] if metrics else {}
     return {
@@ -39,9 +41,8 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         "groups_dropped_stale": lastm.get("groups_dropped_stale", 0),
         "groups_rejected": int(sum(v for k, v in broker_stats.items() if k.startswith("rejected:"))),
         "generators": {
-            gid: {"backend": hb.get("backend"), "version_applied": hb.get("version"),
-                  "groups_sent": hb.get("groups_sent", 0), "updates": hb.get("updates", 0),
-                  "refused_updates": hb.get("refused_updates", 0), "engine": hb.get("engine", {})}
+            gid: {"backend": hb.backend, "version_applied": hb.version, "groups_sent": hb.groups_sent,
+                  "updates": hb.updates, "refused_updates": hb.refused_updates, "engine": hb.engine}
             for gid, hb in sorted(generators.items())
         },
         "wall_seconds": round(wall_seconds, 1),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from broker.client.connection import Backoff
 from deploy.launcher.procs import Child, ProcessGroup
 
 
@@ -38,7 +39,7 @@ class RestartPolicy:
 
     def delay(self, consecutive: int) -> float:
         """Seconds to wait before restart number ``consecutive`` (1, 2, …) of a quick-failing child."""
-        return min(self.backoff_s * 2 ** max(0, consecutive - 1), self.backoff_max_s)
+        return Backoff(self.backoff_s, self.backoff_max_s).delay(consecutive)
 
 
 class GiveUp(Exception):

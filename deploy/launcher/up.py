@@ -72,6 +72,7 @@ def _validate(model, data: dict, section: str):
 
 def plan(args) -> dict:
     """Validate everything before starting anything; return the per-service configs and ports."""
+    from broker.client.connection import connect_address, connect_host
     from broker.config import BrokerConfig
     from deploy.launcher.procs import find_redis_server, free_port, port_in_use
     from generators.config import GeneratorConfig
@@ -123,23 +124,24 @@ def plan(args) -> dict:
 
     redis_port = None if args.redis_url else free_port()  # the embedded redis-server's port
     redis_url = args.redis_url or f"redis://127.0.0.1:{redis_port}/0"
-    ingest = f"tcp://127.0.0.1:{free_port()}"
-    reward_port = free_port()
     common = {"run_id": run_id, "redis_url": redis_url}
 
     def section(name: str, base: dict) -> dict:
         return deep_merge(deep_merge(base, file_cfg.get(name, {})), over.get(name, {}))
 
-    broker = section("broker", {**common, "ingest_bind": ingest, "http_port": http_port,
+    broker = section("broker", {**common, "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
                                 "task": {"name": args.task, "seed": args.seed}})
-    reward = section("reward", {"port": reward_port})
+    reward = section("reward", {"port": free_port()})
+    # the generators reach the broker and the reward service where they are, overrides included
+    ingest = connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1")
+    reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
     learner_base = {**common, "run_dir": str(run_dir / "learner"), "weight_store": str(run_dir / "weights"),
                     "model": args.model, "seed": args.seed}
     if args.steps is not None:
         learner_base["steps"] = args.steps
     learner = section("learner", learner_base)
     generator = section("generator", {**common, "broker_address": ingest, "backend": {"type": args.backend},
-                                      "reward_url": f"http://127.0.0.1:{reward_port}", "seed": args.seed})
+                                      "reward_url": reward_url, "seed": args.seed})
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
         learner.setdefault("tiny_vllm_compatible", True)
     if reward.get("auth_token") and not generator.get("reward_token"):

@@ -1,4 +1,4 @@
-"""The generator backend interface and its factory.
+"""The generator backend interface (each backend is built by its config's ``build()``).
 
 A backend owns one inference engine. It samples groups with per-token behaviour log-probs of the
 distribution actually sampled from, and applies new weights *in place* (the engine object lives
@@ -42,7 +42,7 @@ class HFText:
 class Backend(Protocol):
     name: str
     eos_token_id: int
-    supports_in_flight: bool  # generate() honours on_step (the "continue" in-flight policy)
+    supports_in_flight: bool  # generate() honours on_step (the "continue" in-flight policy); its config's ClassVar
 
     def load(self, path: str) -> None:
         """Start the engine from a weight-store snapshot folder (called once)."""

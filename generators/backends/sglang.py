@@ -43,7 +43,7 @@ class SGLangError(RuntimeError):
 
 class SGLangBackend(HFText):
     name = "sglang"
-    supports_in_flight = False  # SGLang does not report where in a sequence the version changed
+    supports_in_flight = SGLangBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: SGLangBackendConfig):
         self.cfg = cfg

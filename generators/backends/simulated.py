@@ -26,7 +26,7 @@ from generators.config import SamplingConfig, SimulatedBackendConfig
 
 class SimulatedBackend:
     name = "simulated"
-    supports_in_flight = True  # generate() calls on_step between decode steps
+    supports_in_flight = SimulatedBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: SimulatedBackendConfig):
         self.cfg = cfg

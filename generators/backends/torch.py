@@ -1,5 +1,5 @@
 """The ``torch`` backend: transformers model, batched sampling with a KV cache, exact behaviour
-log-probs from :func:`broker.sampling.sampling_logprobs`. Weights update in place with
+log-probs from :func:`broker.protocol.sampling.sampling_logprobs`. Weights update in place with
 ``load_state_dict`` into the same module (no new engine)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ log = logging.getLogger("relay.generator.torch")
 
 class TorchBackend(HFText):
     name = "torch"
-    supports_in_flight = True
+    supports_in_flight = TorchBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: TorchBackendConfig):
         self.cfg = cfg

@@ -3,8 +3,8 @@
 Behaviour log-probs: the engine runs with ``logprobs_mode="processed_logprobs"``, so the log-prob
 vLLM reports for a sampled token is taken from the distribution after temperature, top-k and top-p,
 the one the token was actually drawn from. The learner recomputes through
-:func:`broker.sampling.sampling_logprobs`, the same transform (tests/integration/test_vllm_backend.py
-checks the two agree on the same weights).
+:func:`broker.protocol.sampling.sampling_logprobs`, the same transform (the ``vllm`` case of
+tests/integration/test_generator.py checks the two agree on the same weights).
 
 Weights: ``update_weights`` calls ``reload_weights`` on the engine's workers (vLLM reads the
 snapshot's safetensors in place into the existing parameters), then resets the prefix cache so no
@@ -55,7 +55,7 @@ def _copy_embedding(worker, weight) -> None:
 
 class VLLMBackend(HFText):
     name = "vllm"
-    supports_in_flight = True
+    supports_in_flight = VLLMBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: VLLMBackendConfig):
         self.cfg = cfg

@@ -6,6 +6,7 @@ resume."""
 import signal
 import time
 
+import pytest
 import redis
 
 from broker.client.telemetry import read_heartbeats, read_stats
@@ -13,6 +14,7 @@ from broker.protocol.keys import Keys
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, redis_url, tmp_path):
     run, batch, eta = "adm", 4, 1
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)
@@ -37,7 +39,7 @@ def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, r
 
     # learner stopped: both generators pause on staleness; what was issued respects the bound
     hbs = wait_until(lambda: (g := read_heartbeats(r, keys)) and len(g) == 2
-                     and all(h["state"] == "paused_staleness" for h in g.values()) and g, 120,
+                     and all(h.state == "paused_staleness" for h in g.values()) and g, 120,
                      "both generators paused on staleness")
     issued = int(r.get(keys.issued))
     assert issued <= consumed() + (eta + 1) * batch, (issued, consumed())
@@ -45,7 +47,7 @@ def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, r
     time.sleep(3.0)
     assert r.scard(keys.seen) == appended, "generators kept producing while the learner was stopped"
     assert int(r.get(keys.issued)) == issued
-    assert all(h["state"] == "paused_staleness" for h in read_heartbeats(r, keys).values()), hbs
+    assert all(h.state == "paused_staleness" for h in read_heartbeats(r, keys).values()), hbs
 
     # learner restarted: admission reopens as it consumes, the generators sample again
     stopped_at = step()

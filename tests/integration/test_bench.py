@@ -4,12 +4,15 @@ the machines are shared, a benchmark reports and never fails on time (figures: d
 import json
 import math
 
+import pytest
+
 from tests.support.services import relay
 
 NAMES = {"codec", "ingest", "weight_sync/torch", "weight_sync/vllm", "overlap", "generator/torch", "generator/vllm",
          "learner", "learner_memory", "learner_memory/step_time"}
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     res = relay("bench", "--quick", "--json", str(out), "--md", str(md), timeout=400)

@@ -1,13 +1,15 @@
 """The broker as a real process: real ZeroMQ sockets, a real Redis."""
 
+import httpx
 import msgpack
 import redis
 
 from broker.client.sender import GroupSender
-from broker.client.telemetry import read_stats
+from broker.client.telemetry import heartbeat, read_stats, register_service
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
-from tests.support.services import start_broker
+from broker.protocol.messages import Heartbeat
+from tests.support.services import metric_value, start_broker
 from tests.support.data import make_group
 
 
@@ -69,3 +71,24 @@ def test_prompts_are_fed_and_state_is_served(procs, redis_url, tmp_path):
     assert state["run_id"] == "r" and state["generators"] == [] and state["prompts_ready"] == 5
     metrics = httpx.get(f"{http}/metrics").text
     assert "relay_broker_prompts_fed_total" in metrics
+
+
+def test_a_malformed_heartbeat_is_skipped_and_counted_and_the_page_keeps_working(procs, redis_url, tmp_path):
+    _, http = start_broker(procs, redis_url, tmp_path)
+    r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    heartbeat(r, keys, Heartbeat(id="gen-ok", version=None, state="sampling", backend="torch"))
+    r.hset(keys.generators, "gen-bad", '{"version": "three"}')  # a producer in another language got it wrong
+    r.hset(keys.generators, "gen-junk", "not json")
+    st = httpx.get(f"{http}/api/state", timeout=10).json()
+    assert [g["id"] for g in st["generators"]] == ["gen-ok"] and st["generators"][0]["state"] == "sampling"
+    assert set(st["failures"]["malformed_heartbeats"]) == {"gen-bad", "gen-junk"}
+    assert "version" in st["failures"]["malformed_heartbeats"]["gen-bad"]  # says what is wrong
+    metrics = httpx.get(f"{http}/metrics", timeout=10)
+    assert metrics.status_code == 200 and metric_value(metrics.text, "relay_broker_malformed_heartbeats") == 2
+    assert httpx.get(f"{http}/", timeout=10).status_code == 200
+    # Prometheus discovery: the live generator's /metrics is a target; an unreadable registration is skipped
+    register_service(r, keys, "generator", "gen-ok", "127.0.0.1", 9999)
+    r.hset(keys.services, "generator:gen-junk", "{}")
+    targets = httpx.get(f"{http}/api/prometheus/targets", timeout=10).json()
+    assert {"targets": ["127.0.0.1:9999"], "labels": {"service": "generator", "replica": "gen-ok"}} in targets
+    assert len(targets) == 2  # the broker itself and gen-ok

@@ -30,7 +30,7 @@ from tests.support.services import ROOT, child_env
 STEPS = 400  # a run without kills reaches a mean reward above 0.95 within 250-500 steps (about 60-90 s idle)
 REWARD_TARGET = 0.5  # mean reward of the last 10% of trained groups; it starts at about 0.05. Not 0.8: runs of
 # this tiny model sometimes settle on partial copies (entropy collapsed, reward ~0.6) with or without kills
-# (docs/protocol.md 7.10); the kills must not stop learning, which 0.05 -> 0.5 shows
+# (docs/reliability.md); the kills must not stop learning, which 0.05 -> 0.5 shows
 TARGETS = ("generator", "broker", "reward", "learner")
 KILLS_EACH = 2
 GENERATORS = 2
@@ -85,7 +85,7 @@ class Killer(threading.Thread):
         """The service's current process if it is running (None while it is being restarted). A
         learner only once it has trained a step: a learner killed while DeepSpeed builds or loads its
         CPU op can leave torch's extension lock behind, which hangs every later learner (a known
-        limitation, docs/protocol.md 7.10), not what this test is about."""
+        limitation, docs/reliability.md), not what this test is about."""
         pid = self._pids().get(name)
         if pid is None or not _alive(pid):
             return None

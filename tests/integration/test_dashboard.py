@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.services import ROOT, child_env, relay
 from tests.support.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
 
+pytestmark = pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
+
 DOCS = (ROOT / "docs" / "dashboard.md").read_text()
 
 

@@ -22,6 +22,8 @@ from learner.tiny_model import build_tiny_model
 from tests.support.services import relay, start_service, wait_http, wait_until
 from tests.support.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
 
+pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
+
 
 def _gen_cfg(gid: str, redis_url: str, ingest: int, reward: int) -> dict:
     return {"id": gid, "run_id": "f", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",

@@ -45,6 +45,7 @@ def chat_model(path):
     return AutoTokenizer.from_pretrained(path)
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_parquet_dataset_with_chat_template_trains_on_exactly_the_templated_ids(procs, redis_url, tmp_path):
     rows = write_parquet(tmp_path / "train.parquet", 120)
     tok = chat_model(tmp_path / "model")

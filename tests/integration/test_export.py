@@ -12,6 +12,8 @@ import pytest
 from broker.protocol import weightstore
 from tests.support.services import ROOT, child_env, relay
 
+pytestmark = pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
+
 PROMPTS = ["473=", "120=", "999=", "5=", "31+4="]
 
 

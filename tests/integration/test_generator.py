@@ -10,14 +10,17 @@ import pytest
 import redis
 import torch
 
-from broker.client.announcements import announce
+from broker.client.announcements import announce, read_run_info
 from broker.client.telemetry import read_heartbeats
 from broker.protocol.keys import Keys
 from broker.protocol.group import decode_group
+from generators.config import SamplingConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.models import needs_gpu, recompute_logprobs
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
+
+pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 
 
 SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 0.8, "top_k": 8, "top_p": 0.95}
@@ -63,17 +66,21 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     for s in g.samples:
         assert s.version_runs == [[0, len(s.completion_ids)]]
         assert s.reward_status == "ok" and 0.0 <= s.reward <= 1.0
-    engine = read_heartbeats(r, keys)["g0"]["engine"]
+    engine = read_heartbeats(r, keys)["g0"].engine
     assert engine["pid"] == gen.pid
+    # the run advertises what another producer needs to join it, each value from the service that knows it
+    run = read_run_info(r, keys)
+    assert run.ingest_address == svc.ingest and run.reward_url == svc.reward_url  # the broker; the generator
+    assert run.sampling == SamplingConfig(**SAMPLING).model_dump() and run.eos_token_id == 2  # the learner
 
     # a new version is applied in place (same process) and reported with its hash
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # every tensor changes differently: a stale one shows
     a1 = pub.publish(model, model.state_dict(), 1)
-    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["version"] == 1 and h,
+    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == 1 and h,
                     timeout=timeout, what="version 1 applied")
-    assert hb["hash"] == a1.hash and hb["updates"] == 2 and gen.alive()
+    assert hb.hash == a1.hash and hb.updates == 2 and gen.alive()
     # the new weights really serve: log-probs of a version-1 group match version 1's recomputation
     g1 = wait_until(lambda: [x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
                              if x.weight_version == 1], timeout=timeout, what="a version-1 group")[0]
@@ -92,9 +99,9 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
         f.seek(200)
         f.write(b"\xff\xff\xff\xff")
     announce(r, keys, Announcement(2, h2, str(p2)))
-    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["refused_updates"] >= 1 and h,
+    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.refused_updates >= 1 and h,
                     what="refusal reported")
-    assert hb["version"] == 1 and hb["hash"] == a1.hash and hb["refused"] == {h2: "corrupt_file"}
+    assert hb.version == 1 and hb.hash == a1.hash and hb.refused == {h2: "corrupt_file"}
     time.sleep(1.0)
     newer = [decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories)][-1]
     assert newer.weight_version == 1  # still sampling with the previous version
@@ -108,11 +115,11 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)  # every tensor changes differently: a stale one shows
         a = pub.publish(model, model.state_dict(), v)
-        hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["version"] == v and h,
+        hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == v and h,
                         timeout=timeout, what=f"version {v} applied")
-        assert hb["hash"] == a.hash and hb["engine"]["pid"] == engine["pid"]
-        assert hb["engine"]["engine_id"] == engine["engine_id"], "the engine object was rebuilt"
-    assert hb["updates"] == 4 and hb["engine"].get("engines_built", 1) == 1 and gen.alive()
+        assert hb.hash == a.hash and hb.engine["pid"] == engine["pid"]
+        assert hb.engine["engine_id"] == engine["engine_id"], "the engine object was rebuilt"
+    assert hb.updates == 4 and hb.engine.get("engines_built", 1) == 1 and gen.alive()
     g4 = wait_until(lambda: [x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
                              if x.weight_version == 4], timeout=timeout, what="a version-4 group")[0]
     _check_logprobs(model, g4, atol)

@@ -4,6 +4,7 @@ pending in Redis for another generator to reclaim (nothing is acknowledged that 
 import signal
 import time
 
+import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -13,6 +14,8 @@ from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_http
+
+pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 
 
 def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis_url, tmp_path):
@@ -40,13 +43,14 @@ def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis
     gen.proc.wait(30)
     assert time.monotonic() - t0 < 25, "the generator kept resending to a dead broker after SIGTERM"
     assert r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 4  # still there to be reclaimed
-    assert read_heartbeats(r, keys)["g"]["state"] == "stopped"
+    assert read_heartbeats(r, keys)["g"].state == "stopped"
 
 
 def test_sigterm_drains_what_the_generator_holds(procs, redis_url, tmp_path):
     """With the broker up, SIGTERM stops claiming, delivers the batches already generated (or being
     generated), releases their prompts and exits 0: nothing claimed is left behind or lost."""
-    svc = start_broker_and_reward(procs, redis_url, tmp_path, "drain", prompt_backlog=64)
+    # no evaluation round: a generator serving held-out prompts holds no training prompts to drain
+    svc = start_broker_and_reward(procs, redis_url, tmp_path, "drain", prompt_backlog=64, eval={"every_versions": 0})
     r, keys = redis.Redis.from_url(redis_url), Keys("drain")
     path = build_tiny_model(tmp_path / "model")
     Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4).publish(
@@ -61,6 +65,6 @@ def test_sigterm_drains_what_the_generator_holds(procs, redis_url, tmp_path):
     gen.proc.send_signal(signal.SIGTERM)
     assert gen.proc.wait(60) == 0, gen.tail()
     assert r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 0  # every claimed prompt was delivered
-    sent = read_heartbeats(r, keys)["g"]["groups_sent"]
+    sent = read_heartbeats(r, keys)["g"].groups_sent
     assert sent == r.xlen(keys.trajectories) and sent % 8 == 0  # whole batches only, each group in Redis
-    assert read_heartbeats(r, keys)["g"]["state"] == "stopped"
+    assert read_heartbeats(r, keys)["g"].state == "stopped"

@@ -11,6 +11,7 @@ from broker.protocol import weightstore
 from tests.support.services import relay
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_two_learner_ranks_stay_identical(tmp_path):
     steps = 8
     res = relay("up", "--learner-ranks", "2", "--steps", str(steps), "--runs-dir", str(tmp_path), "--run-id", "r2",

@@ -7,6 +7,8 @@ metrics.jsonl is strict JSON."""
 import json
 import math
 
+import pytest
+
 from tests.support.services import relay
 
 
@@ -17,6 +19,7 @@ def _strict(line: str) -> dict:
     return json.loads(line, parse_constant=refuse)
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path):
     res = relay("up", "--steps", "6", "--runs-dir", str(tmp_path), "--run-id", "kl", "--dashboard-port", "0",
                 "--no-progress", "--set", "learner.kl_coef=0.1", "--set", "learner.entropy_coef=0.01",

@@ -17,6 +17,7 @@ def _step(r, keys) -> int:
     return int(read_stats(r, keys, "learner").get("step", 0))
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 @pytest.mark.parametrize("engine", [{"zero_stage": 0, "bf16": False}, {"zero_stage": 2, "bf16": True}],
                          ids=["zero0-fp32", "zero2-bf16"])
 def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path, engine):

@@ -9,9 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support.services import ROOT, child_env, relay
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_loop_learns_and_versions_advance(tmp_path):
     res = relay("up", "--steps", "100", "--runs-dir", str(tmp_path), "--run-id", "loop", "--dashboard-port", "0",
                 "--no-progress", timeout=600)
@@ -51,6 +54,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_ctrl_c_stops_every_process(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", "int",
                              "--dashboard-port", "0", "--no-progress"], cwd=ROOT, env=child_env(),

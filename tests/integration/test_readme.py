@@ -5,6 +5,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.support.services import ROOT, child_env
 
 README = (ROOT / "README.md").read_text()
@@ -24,6 +26,7 @@ def test_quick_start_is_exactly_make_run_and_make_test():
     assert _block_after("## Quick start").split() == ["make", "run", "make", "test"]
 
 
+@pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_configuration_examples_run_as_shown(tmp_path):
     """The README's `relay up` and `make run` lines, in a scratch copy of the working folder."""
     work = tmp_path / "work"
@@ -42,3 +45,13 @@ def test_configuration_examples_run_as_shown(tmp_path):
         assert summary["steps"] == 20, (cmd, summary)
         if "--generators 3" in cmd:
             assert len(summary["generators"]) == 3
+
+
+def test_the_layout_table_has_one_line_per_folder_of_the_tree():
+    table = README.split("## Layout", 1)[1]
+    listed = re.findall(r"^\| `([\w/]+)/` \|", table, re.M)
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    packages = {str(Path(f).parent) for f in tracked.split() if f.endswith("__init__.py") and not f.startswith("tests/")}
+    assert len(listed) == len(set(listed)), "a folder listed twice"
+    assert packages | {"tests"} <= set(listed), f"folders missing from the README's layout table: {packages - set(listed)}"
+    assert all((ROOT / f).is_dir() for f in listed), "a folder in the table that does not exist"

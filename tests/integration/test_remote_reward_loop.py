@@ -68,7 +68,7 @@ sampling = {{ n = {N} }}
         keys = Keys("remote")
 
         def heartbeat_failures() -> int:
-            return sum(int(hb.get("reward_failures", 0)) for hb in read_heartbeats(r, keys).values())
+            return sum(hb.reward_failures for hb in read_heartbeats(r, keys).values())
 
         seen = {}
         for mode, reason in (("500", "remote_http_500"), ("hang", "remote_timeout"), ("garbage", "remote_malformed")):

@@ -2,6 +2,7 @@
 generator's scores arrive once it is back, instead of the batch being marked failed after
 ``reward_retries`` quick retries. Refused connections stop being waited for after ``reward_down_s``."""
 
+import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -11,6 +12,8 @@ from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.services import start_service, wait_http, wait_until
+
+pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 
 
 def _setup(procs, redis_url, tmp_path, run):

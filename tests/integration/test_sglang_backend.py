@@ -21,6 +21,7 @@ from tests.support.models import recompute_logprobs
 from tests.support.services import ROOT, child_env, start_service, wait_http, wait_until
 
 
+@pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,9 +58,9 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
         for p in model.parameters():
             p.add_(0.01)
     a1 = pub.publish(model, model.state_dict(), 1)
-    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h["version"] == 1 and h,
+    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == 1 and h,
                     what="version 1 applied")
-    assert hb["hash"] == a1.hash and hb["backend"] == "sglang" and hb["engine"]["weight_version"] == "1"
+    assert hb.hash == a1.hash and hb.backend == "sglang" and hb.engine["weight_version"] == "1"
 
     requests = [json.loads(line) for line in log.read_text().splitlines()]
     updates = [q["body"] for q in requests if q["route"] == "/update_weights_from_disk"]

@@ -9,8 +9,7 @@ from broker.client.connection import connect_redis
 from broker.protocol import weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
-from generators.config import GeneratorConfig
-from generators.service import Generator
+from generators.weights import WeightApplier
 
 
 def _snapshot(root, version):
@@ -49,11 +48,8 @@ def test_generator_skips_a_version_pruned_while_loading(redis_url, tmp_path):
         announce(r, keys, Announcement(2, h2, str(p2)))
         shutil.rmtree(p1)
 
-    gen = Generator(GeneratorConfig(id="g", run_id="race", redis_url=redis_url))
-    try:
-        gen.backend = RacingBackend(learner_moves_on)
-        gen.maybe_update(block=True)
-        assert gen.version == 2 and gen.refused == {} and gen.stats["refused_updates"] == 0
-        assert gen.backend.loaded == [str(tmp_path / "v000002")]
-    finally:
-        gen.metrics.close()
+    backend = RacingBackend(learner_moves_on)
+    weights = WeightApplier(r, keys, backend, "g")
+    weights.update(block=True)
+    assert weights.version == 2 and weights.refused == {} and weights.refused_updates == 0
+    assert backend.loaded == [str(tmp_path / "v000002")]

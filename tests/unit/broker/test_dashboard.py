@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.runtime.metrics import render
 from broker.dashboard.state import shown_state
+from broker.protocol.messages import Heartbeat
 from deploy.status import format_state
 from tests.support.services import ROOT
 
@@ -18,10 +19,10 @@ STATIC = ROOT / "broker" / "dashboard" / "static"
 
 
 def test_a_generator_is_dead_only_when_its_heartbeat_is_old_and_it_did_not_stop():
-    assert shown_state({"state": "sampling", "last_seen": 100.0}, now=105.0, dead_after_s=10) == "sampling"
-    assert shown_state({"state": "sampling", "last_seen": 100.0}, now=111.0, dead_after_s=10) == "dead"
-    assert shown_state({"state": "stopped", "last_seen": 100.0}, now=1000.0, dead_after_s=10) == "stopped"
-    assert shown_state({"state": "paused_backpressure"}, now=1.0, dead_after_s=10) == "dead"  # no last_seen
+    assert shown_state(Heartbeat(state="sampling", last_seen=100.0), now=105.0, dead_after_s=10) == "sampling"
+    assert shown_state(Heartbeat(state="sampling", last_seen=100.0), now=111.0, dead_after_s=10) == "dead"
+    assert shown_state(Heartbeat(state="stopped", last_seen=100.0), now=1000.0, dead_after_s=10) == "stopped"
+    assert shown_state(Heartbeat(state="paused_backpressure"), now=1.0, dead_after_s=10) == "dead"  # no last_seen
 
 
 def test_every_sample_gets_service_and_replica_labels_and_no_created_series():

@@ -7,13 +7,14 @@ import sys
 import pytest
 
 from broker.prompts.evals import pass_at_k, summarize_round
+from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound
 from broker.prompts.datasets import Position
 from broker.prompts.tasks import TaskConfig, TaskSource, prompt_stream
 from tests.support.services import ROOT
 
 
 def c(reward, length=3, status="ok"):
-    return {"reward": reward, "status": status, "length": length}
+    return EvalCompletion(reward=reward, status=status, length=length)
 
 
 def test_pass_at_k_estimator():
@@ -24,11 +25,11 @@ def test_pass_at_k_estimator():
 
 
 def test_round_summary_greedy_and_samples():
-    meta = {"version": 7, "prompts": 3, "greedy": True, "samples": 2, "threshold": 1.0}
+    meta = EvalRound(version=7, prompts=3, greedy=True, samples=2, threshold=1.0)
     results = {
-        0: {"version": 7, "greedy": c(1.0, 4), "samples": [c(1.0), c(0.0)]},
-        1: {"version": 8, "greedy": c(0.5, 2), "samples": [c(0.0), c(0.0)]},
-        2: {"version": 7, "greedy": c(None, 6, "failed"), "samples": [c(1.0), c(None, 3, "failed")]},
+        0: EvalResult(version=7, greedy=c(1.0, 4), samples=[c(1.0), c(0.0)]),
+        1: EvalResult(version=8, greedy=c(0.5, 2), samples=[c(0.0), c(0.0)]),
+        2: EvalResult(version=7, greedy=c(None, 6, "failed"), samples=[c(1.0), c(None, 3, "failed")]),
     }
     s = summarize_round(meta, results)
     assert s["version"] == 7 and s["n_prompts"] == 3 and s["complete"]
@@ -43,9 +44,9 @@ def test_round_summary_greedy_and_samples():
 
 
 def test_round_summary_samples_only_estimates_pass_at_1():
-    meta = {"version": 1, "prompts": 2, "greedy": False, "samples": 4, "threshold": 0.5}
-    s = summarize_round(meta, {0: {"samples": [c(1.0), c(0.0), c(0.0), c(0.0)]},
-                               1: {"samples": [c(0.6)] * 4}})
+    meta = EvalRound(version=1, prompts=2, greedy=False, samples=4, threshold=0.5)
+    s = summarize_round(meta, {0: EvalResult(samples=[c(1.0), c(0.0), c(0.0), c(0.0)]),
+                               1: EvalResult(samples=[c(0.6)] * 4)})
     assert s["pass@1"] == pytest.approx((0.25 + 1.0) / 2) and s["pass@k"] == 1.0
 
 

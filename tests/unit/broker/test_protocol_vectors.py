@@ -10,6 +10,7 @@
 import hashlib
 import inspect
 import json
+import re
 import struct
 import threading
 import time
@@ -337,3 +338,16 @@ def test_minimal_sender_takes_a_rejection_as_final():
     finally:
         broker.close()
     assert ack["status"] == "rejected" and ack["reason"] == "not_msgpack" and len(broker.received) == 1
+
+
+def test_doc_tokenizer_vector_is_the_tiny_models(doc):
+    """Section 3.4's tokenizer vector, against the tokenizer every `relay up --model tiny` snapshot ships."""
+    from learner.tiny_model import build_tokenizer
+
+    m = re.search(r'the prompt text `"473="` encodes to\s+`(\[[\d, ]+\])`.*?the EOS id is `(\d+)`.*?'
+                  r'is the completion `(\[[\d, ]+\])`', doc, re.S)
+    assert m, "docs/protocol.md 3.4 lost its tokenizer vector"
+    tok = build_tokenizer()
+    assert tok("473=")["input_ids"] == json.loads(m.group(1))
+    assert tok.eos_token_id == int(m.group(2))
+    assert tok("473")["input_ids"][1:] + [tok.eos_token_id] == json.loads(m.group(3))

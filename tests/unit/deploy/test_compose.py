@@ -11,17 +11,22 @@ from reward_service.app import RewardConfig
 from tests.support.services import ROOT
 
 MODELS = {"broker": BrokerConfig, "reward": RewardConfig, "learner": LearnerConfig, "generator": GeneratorConfig}
-GPU_SERVERS = {"vllm", "sglang"}  # inference servers for the upcoming GPU generator backends
+# the GPU profiles' generators (vllm: the engine in the generator process; sglang: driving a server)
+GPU_GENERATORS = {"generator-vllm": "vllm", "generator-sglang": "sglang"}
 
 
 def test_compose_services_and_env_match_the_configs():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", *MODELS, *GPU_SERVERS}
-    assert "container_name" not in services["generator"], "a fixed name would prevent --scale generator=N"
-    for name, model in MODELS.items():
+    assert set(services) == {"redis", *MODELS, *GPU_GENERATORS, "sglang"}
+    services_of = {**MODELS, **{name: GeneratorConfig for name in GPU_GENERATORS}}
+    for name in ("generator", *GPU_GENERATORS):
+        assert "container_name" not in services[name], "a fixed name would prevent --scale generator=N"
+    for name, backend in GPU_GENERATORS.items():
+        assert services[name]["environment"]["RELAY_BACKEND__TYPE"] == backend
+    for name, model in services_of.items():
         env = services[name].get("environment", {})
-        assert services[name]["command"][:2] == ["relay", name]
+        assert services[name]["command"][:2] == ["relay", name.split("-")[0]]
         for key in env:
             assert key.startswith("RELAY_")
             field = key[len("RELAY_"):].lower().split("__")[0]

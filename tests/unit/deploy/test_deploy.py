@@ -70,8 +70,8 @@ def test_compose_file_matches_the_compose_spec():
 
 @pytest.mark.parametrize("profile,expected", [
     (None, {"redis", "broker", "reward", "learner", "generator"}),  # COMPOSE_PROFILES=cpu from .env
-    ("vllm", {"redis", "broker", "reward", "learner", "vllm"}),
-    ("sglang", {"redis", "broker", "reward", "learner", "sglang"}),
+    ("vllm", {"redis", "broker", "reward", "learner", "generator-vllm"}),
+    ("sglang", {"redis", "broker", "reward", "learner", "sglang", "generator-sglang"}),
 ])
 def test_docker_compose_config_accepts_every_profile(profile, expected):
     args = ["--profile", profile] if profile else []
@@ -102,8 +102,13 @@ def test_compose_wiring():
         port = str(s["environment"][PORT_FIELD[name]])
         assert f":{port}/healthz" in " ".join(s["healthcheck"]["test"]), f"{name}: healthcheck misses port {port}"
         assert not TOKEN_VARS & set(s["environment"]), f"{name}: a token belongs in the env file, not the compose file"
-    builders = [n for n, s in services.items() if "build" in s]
+    builders = [n for n, s in services.items() if "build" in s and s["image"] == services["broker"]["image"]]
     assert builders == ["broker"], "one service builds the image (several would build it in parallel)"
+    # the vllm profile's generators run the engine in their own process: a GPU each, vLLM in the image
+    vllm = services["generator-vllm"]
+    assert vllm["build"]["args"]["EXTRA_PACKAGES"] == "vllm" and vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert services["generator-sglang"]["environment"]["RELAY_BACKEND__URL"] == "http://sglang:30000"
+    assert "weights:/weights:ro" in services["sglang"]["volumes"]  # the server reads the snapshots announced
     assert {services[n]["image"] for n in MODELS} == {services["broker"]["image"]}
     for name in ("reward", "generator"):
         assert services[name]["env_file"][0]["path"] == "deploy/secrets/relay.env"
@@ -278,7 +283,8 @@ DOC_COMMANDS = {
     "docker compose up -d --scale generator=2": (SMOKE, "docker compose up -d --scale generator=2"),
     "relay status --url http://127.0.0.1:8080": (SMOKE, '"$VENV/bin/relay" status --url "$URL"'),
     "docker compose down -v": (SMOKE, "docker compose down -v"),
-    "docker compose --profile vllm config --services": (TESTS, '("vllm", {"redis", "broker", "reward", "learner", "vllm"})'),
+    "docker compose --profile vllm config --services":
+        (TESTS, '("vllm", {"redis", "broker", "reward", "learner", "generator-vllm"})'),
     "check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml":
         (TESTS, '"--builtin-schema", "vendor.compose-spec", "docker-compose.yml"'),
     "docker compose config -q": (TESTS, 'r = _compose(*args, "config", "-q")'),

@@ -6,7 +6,6 @@ import time
 import numpy as np
 
 from broker.protocol.group import Group, Sample, decode_group, encode_group
-from generators.backends import make_backend
 from generators.config import GeneratorConfig, SamplingConfig
 from learner.tiny_model import build_tiny_model
 
@@ -15,7 +14,7 @@ def test_simulated_backend_sleeps_per_token_and_returns_valid_completions(tmp_pa
     build_tiny_model(tmp_path / "m")
     cfg = GeneratorConfig.model_validate({"backend": {"type": "simulated", "per_token_latency_s": 0.002,
                                                       "eos_prob": 0.2}})
-    b = make_backend(cfg.backend)
+    b = cfg.backend.build()
     b.load(str(tmp_path / "m"))
     prompt = b.encode("473=")
     assert prompt == [1, 7, 10, 6, 14]

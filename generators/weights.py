@@ -1,0 +1,92 @@
+"""Where a generator applies announced weight versions: in place, in its running engine.
+
+Before a batch (and, with the in-flight policy ``continue``, between decode steps) the generator
+asks for the latest announcement; a newer version is verified file by file against its manifest
+(broker/protocol/weightstore.py), then loaded into the engine the backend already runs
+(``Backend.update_weights``; the first version with ``Backend.load``). A snapshot that fails is
+refused: its hash is remembered (never retried), counted, reported in the heartbeat and as a
+``refused`` event, and the previous version keeps serving. A version superseded (and perhaps
+pruned) while it was being read is not a bad snapshot: the newer one is loaded instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import redis
+
+from broker.client.announcements import latest_announcement
+from broker.client.telemetry import emit_event
+from broker.protocol import weightstore
+from broker.protocol.keys import Keys
+from generators.backends.base import Backend
+
+log = logging.getLogger("relay.generator.weights")
+
+
+class WeightApplier:
+    """The version a generator serves, and how it changes.
+
+    ``report(state, heartbeat)`` tells the generator what it is doing (``waiting_for_weights``,
+    ``updating``, ``sampling``) and whether to send a heartbeat now."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
+                 report: Callable[[str, bool], None] = lambda state, heartbeat: None,
+                 stopped: Callable[[], bool] = lambda: False):
+        self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
+        self.report, self.stopped = report, stopped
+        self.version: int | None = None  # the version served (None before the first load)
+        self.hash = ""
+        self.refused: dict[str, str] = {}  # hash -> reason, so a bad snapshot is not retried forever
+        self.updates = 0
+        self.refused_updates = 0
+        self.last_update_latency_s: float | None = None
+
+    def update(self, block: bool = False) -> None:
+        """Apply the latest announced version if it is newer than the one served. ``block``: wait
+        (every 0.2 s) until a first version is announced."""
+        while True:
+            a = latest_announcement(self.r, self.keys)
+            if a is not None or not block or self.stopped():
+                break
+            self.report("waiting_for_weights", True)
+            time.sleep(0.2)
+        while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.refused:
+            self.report("updating", False)
+            try:
+                weightstore.verify(a.path, a.hash)
+                if self.version is None:
+                    self.backend.load(a.path)
+                else:
+                    self.backend.update_weights(a.path)
+                break
+            except (weightstore.WeightStoreError, ValueError, OSError) as e:
+                newer = latest_announcement(self.r, self.keys)
+                if newer is not None and newer.version > a.version:
+                    # superseded while we read it (and perhaps pruned): not a bad snapshot
+                    log.warning("version %d was superseded while loading (%s); loading version %d instead",
+                                a.version, e, newer.version)
+                    a = newer
+                    continue
+                self._refuse(a, e)
+                return
+        else:
+            return
+        latency = time.time() - a.published_at
+        self.version, self.hash = a.version, a.hash
+        self.updates += 1
+        self.last_update_latency_s = round(latency, 4)
+        emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency)
+        log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
+        self.report("sampling", True)  # the update is done; sampling resumes right after (the heartbeat says so)
+
+    def _refuse(self, a, e: Exception) -> None:
+        reason = getattr(e, "reason", type(e).__name__)
+        self.refused[a.hash] = reason
+        self.refused_updates += 1
+        log.error("refused weight version %d (%s): %s; still serving version %s", a.version, reason, e, self.version)
+        emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=a.version, reason=reason)
+        if self.version is None:
+            raise RuntimeError(f"cannot load the initial weights: {e}") from e
