@@ -1,4 +1,4 @@
-"""learner: seconds per optimizer step of the real learner (``Learner.train_step``: advantages,
+"""learner: seconds per optimizer step of the real learner (``PolicyUpdate.train_step``: advantages,
 collation, the forward under the sampling transform, the PPO-clip loss with off-policy correction and
 its diagnostics, DeepSpeed's backward, gradient clipping and step), against a plain PyTorch loop that
 does the same forward, backward, clipping and AdamW step on the same batch.
@@ -22,25 +22,52 @@ from benchmarks.common import Stack, row
 TARGET = 1.15
 
 
-def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0):
-    """Copy-task groups as the generators send them: ``473=`` prompts, random digit completions ending
-    in EOS, behaviour log-probs in [-3, 0), rewards in [0, 1]; through the wire codec and back."""
+def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0, vocab: int = 13, prompt_tokens: int = 3,
+                min_tokens: int = 2, sampling: dict | None = None):
+    """Groups as the generators send them, through the wire codec and back: prompts ``BOS t1..tk =``
+    and random completions of ``min_tokens``..``max_tokens`` tokens ending in EOS (token ids 3..vocab-1;
+    the defaults are the copy task's digits), behaviour log-probs in [-3, 0), rewards in [0, 1]."""
     from broker.protocol.group import Group, Sample, decode_group, encode_group
 
     rng = np.random.default_rng(seed)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(sampling or {}), "max_tokens": max_tokens, "n": n}
     groups = []
     for _ in range(n_groups):
-        prompt = np.array([1, *rng.integers(3, 13, 3), 14], dtype=np.int32)
+        prompt = np.array([1, *rng.integers(3, vocab, prompt_tokens), 14], dtype=np.int32)
         samples = []
         for _ in range(n):
-            t = int(rng.integers(2, max_tokens + 1))
-            ids = np.append(rng.integers(3, 13, t - 1), 2).astype(np.int32)
+            t = int(rng.integers(min_tokens, max_tokens + 1))
+            ids = np.append(rng.integers(3, vocab, t - 1), 2).astype(np.int32)
             samples.append(Sample(ids, -rng.uniform(0.01, 3.0, t).astype(np.float32), [[0, t]], "stop",
                                   float(rng.random())))
-        g = Group(Group.new_id(), "bench", "0-1", prompt, samples, "gen-0", 0, "0" * 64,
-                  {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": max_tokens, "n": n}, task="copy")
+        g = Group(Group.new_id(), "bench", "0-1", prompt, samples, "gen-0", 0, "0" * 64, sampling, task="copy")
         groups.append(decode_group(encode_group(g)))
     return groups
+
+
+def plain_step(model, optimizer, b, micro_batch_tokens: int, transform: tuple, clip: float, device: str = "cpu",
+               bf16_autocast: bool = False) -> None:
+    """The plain PyTorch baseline of one optimizer step on the collated batch ``b``: the learner's
+    micro-batches (learner/data.py), each forward with full logits through the sampling transform, a
+    token-mean policy-gradient loss over the whole batch (tokens outside the kept set left out),
+    backward; then clipping and the optimizer step."""
+    import torch
+
+    from broker.protocol.sampling import sampling_logprobs
+    from learner.data import micro_batches
+
+    total = b.loss_mask.sum()
+    for rows in micro_batches(b.lengths, torch.arange(len(b.lengths)), micro_batch_tokens):
+        mb = b.select(rows).to(device)
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=bf16_autocast):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+        lp = sampling_logprobs(logits, *transform).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+        valid = mb.loss_mask.bool() & torch.isfinite(lp)
+        lp = torch.where(valid, lp, 0.0)
+        (-(mb.advantages * torch.exp(lp - lp.detach()) * valid).sum() / total).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def run(quick: bool) -> list[dict]:
@@ -62,8 +89,8 @@ def run(quick: bool) -> list[dict]:
         # the plain loop: the same initial weights, optimizer, clipping; a token-mean policy-gradient loss
         model = copy.deepcopy(learner.engine.module).train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        advs = [learner.advantage_fn(torch.tensor([s.reward for s in g.samples])) for g in groups]
-        b = collate(groups, advs, 0, learner.pad_id)
+        advs = [learner.update.advantage_fn(torch.tensor([s.reward for s in g.samples])) for g in groups]
+        b = collate(groups, advs, 0, learner.update.pad_id)
 
         def plain_step() -> None:
             logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
@@ -77,7 +104,7 @@ def run(quick: bool) -> list[dict]:
         ours, plain = [], []
         for i in range(warmup + steps):
             t0 = time.perf_counter()
-            learner.train_step(groups, sampling)
+            learner.update.train_step(groups, sampling, 0)
             t1 = time.perf_counter()
             plain_step()
             t2 = time.perf_counter()

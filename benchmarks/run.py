@@ -29,6 +29,8 @@ BENCHMARKS = {
     "overlap": "async over sync speed-up vs the ideal, learner idle fraction (simulated-latency generators)",
     "generator": "tokens/s of a generator service vs its raw engine (torch, vLLM)",
     "learner": "s per optimizer step of the learner vs a plain PyTorch loop",
+    "learner_memory": "peak RSS of one learner step at 4N vs N tokens (SmolLM2-135M, fixed micro_batch_tokens); "
+                      "step time vs a plain PyTorch loop doing the same micro-batched work",
 }
 WITH_VLLM = ("weight_sync", "generator")
 

@@ -9,9 +9,9 @@ Each function names the verl ``core_algos.py`` function whose formula it follows
 
 from __future__ import annotations
 
-import torch
+from typing import Callable
 
-OUTCOME_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+import torch
 
 
 def grpo(rewards: torch.Tensor, eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
@@ -35,6 +35,10 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     if g < 2 or bool(rewards.max() == rewards.min()):
         return torch.zeros_like(rewards)
     return g / (g - 1) * (rewards - rewards.mean())
+
+
+# ``learner.advantage`` -> the estimator the learner applies to each group's rewards
+GROUP_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

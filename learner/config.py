@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from broker.runtime.config import StrictModel
 from learner.records import WandbConfig
+
+# The valid option names, defined once: losses.py, correction.py and advantages.py derive theirs from these.
+CorrectionMode = Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled"]
+PolicyLoss = Literal["ppo", "cispo", "reinforce"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+AdvantageEstimator = Literal["grpo", "drgrpo", "rloo"]
+
+TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
+PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
 
 
 class CorrectionConfig(StrictModel):
     """Off-policy correction against the behaviour log-probs μ (see docs/off-policy.md)."""
 
-    mode: Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled"] = Field(
+    mode: CorrectionMode = Field(
         "tis", description="none: plain PPO-clip; tis: truncated IS per token; mis/icepop: mask tokens whose "
         "π_old/μ is outside [mask_lo, mask_hi]; seq_tis/seq_mis/geo_mis: sequence-level weights or masks; "
         "decoupled: AReaL's π_prox/μ weight")
@@ -33,8 +43,19 @@ class DeepSpeedConfig(StrictModel):
         "rank instead of being partitioned (DeepSpeed's stage3_param_persistence_threshold); 0 partitions all")
 
 
-class LearnerConfig(StrictModel):
-    """The learner: what it trains, on what batch, and how often it publishes."""
+class PolicyLossConfig(StrictModel):
+    """The policy loss (learner/losses.py): its fields sit directly under ``learner`` (LearnerConfig extends it)."""
+
+    policy_loss: PolicyLoss = Field("ppo", description="policy loss")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip ε (the lower bound 1-ε)")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
+    aggregation: Aggregation = Field("token-mean", description="how per-token losses are reduced to one number")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
+
+
+class LearnerConfig(PolicyLossConfig):
+    """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
 
     run_id: str = Field("default", description="run id; namespaces every Redis key")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
@@ -46,20 +67,24 @@ class LearnerConfig(StrictModel):
     seed: int = Field(0, description="seed for model init and training")
     steps: int = Field(600, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
-    lr: float = Field(2e-3, gt=0, description="AdamW learning rate")
+    lr: float | None = Field(None, gt=0, description="AdamW learning rate; null = the default for the model: "
+                             f"{TINY_LR} for 'tiny', {PRETRAINED_LR} for a model given by path (docs/learner.md)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip ε (the lower bound 1-ε)")
-    clip_eps_high: float | None = Field(None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps")
-    dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
     kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
                            "model (the initial weights); 0 = no reference model")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator of that term")
+    kl_estimator: KLEstimator = Field("k3", description="per-token KL estimator of that term")
     entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
-    advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="advantage estimator over each group")
-    policy_loss: Literal["ppo", "cispo", "reinforce"] = Field("ppo", description="policy loss")
-    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="how per-token losses are reduced to one number")
+    advantage: AdvantageEstimator = Field("grpo", description="advantage estimator over each group")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
+    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one forward/backward: samples of "
+                                    "similar length, (samples × the longest one's prompt + completion tokens) at most "
+                                    "this; the gradients of a (mini)batch's micro-batches accumulate into one "
+                                    "optimizer step. Bounds the learner's memory, whatever the batch size")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="positions whose full-vocabulary logits exist at once "
+                                      "when computing log-probs and entropy (recomputed in the backward)")
+    gradient_checkpointing: bool = Field(False, description="activation checkpointing: recompute each layer's "
+                                         "activations in the backward instead of keeping them (less memory, "
+                                         "about a third more compute)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     publish_every: int = Field(1, ge=1, description="publish a new version every k steps")
     max_staleness: int = Field(4, ge=0, description="drop (and count) groups more than this many versions old")
@@ -71,7 +96,6 @@ class LearnerConfig(StrictModel):
         "and counted) or fallback (train on them with fallback_score as their reward)")
     fallback_score: float = Field(0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when "
                                   "failed_reward = 'fallback'")
-    correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
@@ -88,3 +112,9 @@ class LearnerConfig(StrictModel):
     tensorboard: bool = Field(True, description="write every step's scalars as TensorBoard event files to "
                               "run_dir/tensorboard")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
+
+    @model_validator(mode="after")
+    def _default_lr(self) -> LearnerConfig:
+        if self.lr is None:  # a rate that fits the model: the toy's would make a pretrained LM diverge
+            self.lr = TINY_LR if self.model == "tiny" else PRETRAINED_LR
+        return self

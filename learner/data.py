@@ -1,5 +1,6 @@
-"""From groups to tensors: the reward each sample is trained with, and a batch collated into padded
-tensors. (Groups are read from the replay queue by ``broker.client.queues.TrajectoryReader``.)
+"""From groups to tensors: the reward each sample is trained with, a batch collated into padded
+tensors, and its micro-batches: samples of similar length, within a token budget.
+(Groups are read from the replay queue by ``broker.client.queues.TrajectoryReader``.)
 """
 
 from __future__ import annotations
@@ -18,8 +19,38 @@ class Batch:
     behaviour_logp: torch.Tensor   # [B, L-1] μ of the token at t+1
     advantages: torch.Tensor       # [B, 1]
     staleness: list[int]           # per sample
-    group_rewards: list[float]     # mean reward per group
-    num_groups: int
+    lengths: torch.Tensor          # [B] prompt + completion tokens of each sample (the rest is padding)
+    groups: torch.Tensor           # [B] the index of each sample's group in the batch
+
+    def select(self, rows: torch.Tensor) -> Batch:
+        """The samples ``rows``, padded only to the longest of them."""
+        width = int(self.lengths[rows].max()) if len(rows) else 1
+        return Batch(self.input_ids[rows, :width], self.attention_mask[rows, :width], self.loss_mask[rows, :width - 1],
+                     self.behaviour_logp[rows, :width - 1], self.advantages[rows],
+                     [self.staleness[i] for i in rows.tolist()], self.lengths[rows], self.groups[rows])
+
+    def to(self, device) -> Batch:
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
+                     self.behaviour_logp.to(device), self.advantages.to(device), self.staleness, self.lengths,
+                     self.groups)
+
+
+def micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """``rows`` split into micro-batches of samples of similar length: longest first, each filled while
+    (samples × its longest sample) ≤ ``budget`` tokens. A sample longer than the budget is a
+    micro-batch of its own."""
+    order = rows[torch.argsort(lengths[rows], descending=True, stable=True)].tolist()
+    out, cur, width = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        if cur and (len(cur) + 1) * max(width, n) > budget:
+            out.append(torch.tensor(cur))
+            cur, width = [], 0
+        cur.append(i)
+        width = max(width, n)
+    if cur:
+        out.append(torch.tensor(cur))
+    return out
 
 
 def trained_rewards(g: Group, failed_reward: str = "skip", fallback_score: float = 0.0) -> list[float | None]:
@@ -39,8 +70,8 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
             failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
     """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on
     (their advantage is not defined); ``advantages[i]`` has one entry per kept sample of group i."""
-    rows, mus, advs, stale, group_rewards = [], [], [], [], []
-    for g, adv in zip(groups, advantages):
+    rows, mus, advs, stale, index = [], [], [], [], []
+    for gi, (g, adv) in enumerate(zip(groups, advantages)):
         k = 0
         for s, reward in zip(g.samples, trained_rewards(g, failed_reward, fallback_score)):
             if reward is None:
@@ -49,8 +80,8 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
             mus.append(s.logprobs.tolist())
             advs.append(float(adv[k]))
             stale.append(learner_version - s.min_version)
+            index.append(gi)
             k += 1
-        group_rewards.append(group_mean_reward(g, failed_reward, fallback_score))
     L = max(len(p) + len(c) for p, c in rows)
     B = len(rows)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -63,4 +94,5 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
         attn[i, :n] = 1
         lmask[i, len(p) - 1:n - 1] = 1
         mu[i, len(p) - 1:n - 1] = torch.tensor(m)
-    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale, group_rewards, len(groups))
+    lengths = torch.tensor([len(p) + len(c) for p, c in rows])
+    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale, lengths, torch.tensor(index))

@@ -1,15 +1,35 @@
-"""The DeepSpeed training engine on CPU (gloo) or GPU (nccl)."""
+"""The model (built-in tiny or a Hugging Face folder) and the DeepSpeed training engine on CPU (gloo) or GPU (nccl)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 from learner.config import LearnerConfig
 
 log = logging.getLogger("relay.learner.engine")
+
+
+def load_model(cfg: LearnerConfig, build: bool = True):
+    """The model to train (fp32) and its tokenizer: the built-in tiny model, built into
+    ``run_dir/base_model`` (unless ``build`` is false: another rank built it), or a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(cfg.model)
+    if cfg.model == "tiny":
+        from learner.tiny_model import build_tiny_model
+
+        path = Path(cfg.run_dir) / "base_model"
+        if build:
+            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible)
+    elif not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder or 'tiny')")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, tokenizer
 
 
 def init_distributed() -> None:
@@ -30,23 +50,34 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def build_engine(model: torch.nn.Module, cfg: LearnerConfig):
-    """Wrap ``model`` in a DeepSpeed engine with a torch AdamW (avoids compiling DeepSpeed's fused Adam)."""
+def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.optim.Optimizer | None = None):
+    """Wrap ``model`` in a DeepSpeed engine with a torch AdamW (avoids compiling DeepSpeed's fused Adam),
+    or ``optimizer``. Gradient accumulation is the caller's: every ``backward`` accumulates, every
+    ``step`` reduces over ranks and updates (``managed_gradient_accumulation: false``), so a
+    (mini)batch can have any number of micro-batches (learner/update.py)."""
     import deepspeed
 
     init_distributed()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.gradient_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
         "gradient_clipping": cfg.deepspeed.gradient_clipping,
         "bf16": {"enabled": cfg.deepspeed.bf16},
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage,
                               "stage3_param_persistence_threshold": cfg.deepspeed.zero3_persistence_threshold},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,  # a torch optimizer (AdamW, or the tests' SGD) under ZeRO
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if engine.world_size == 1 and cfg.deepspeed.zero_stage == 0:
+        engine.enable_backward_allreduce = False  # nothing to average over: skip flattening every gradient
     return engine
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 
 import redis
@@ -37,8 +38,32 @@ GAUGES = {
     "ratio_mean": "mean importance ratio pi_old/mu, last step",
     "ratio_min": "smallest importance ratio pi_old/mu, last step",
     "ratio_max": "largest importance ratio pi_old/mu, last step",
+    "padding_fraction": "share of the forward passes' token slots that were padding, last step",
+    "tokens_outside_kept_set": "trained tokens outside the current policy's top-k/top-p kept set (masked), last step",
+    "metrics_nonfinite": "non-finite values replaced by null in the last step's metrics",
 }
 PHASES = ("wait", "compute", "publish")
+
+
+def finite_metrics(diag: dict) -> dict:
+    """``diag`` with every NaN or infinite number replaced by None (strict JSON: metrics.jsonl, the
+    dashboard's stream), and their count in ``metrics_nonfinite``: reported, never silent."""
+    count = 0
+
+    def clean(v):
+        nonlocal count
+        if isinstance(v, float) and not math.isfinite(v):
+            count += 1
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    out = {k: clean(v) for k, v in diag.items()}
+    out["metrics_nonfinite"] = count
+    return out
 
 
 class _StepCollector(Collector):
@@ -100,7 +125,7 @@ class LearnerObserver:
         """One step's diagnostics: append to the ``learner_metrics`` stream (per-group lists left out)
         and update the Prometheus metrics."""
         entry = {k: v for k, v in diag.items() if not isinstance(v, list)}
-        add_learner_step(self.r, self.keys, entry.get("step", 0), json.dumps(entry), self.max_len)
+        add_learner_step(self.r, self.keys, entry.get("step", 0), json.dumps(entry, allow_nan=False), self.max_len)
         self.last = entry
         for k, v in entry.items():
             if k.startswith("groups_") and isinstance(v, int):

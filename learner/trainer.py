@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import msgpack
 import torch
 import torch.distributed as dist
 
@@ -23,36 +22,19 @@ from broker.client import queues
 from broker.client.announcements import latest_announcement
 from broker.client.connection import connect_redis
 from broker.protocol.keys import Keys
-from broker.protocol.group import decode_group, encode_group, sampling_transform
-from broker.protocol.sampling import sampling_logprobs
-from learner import advantages as adv_mod
 from learner.config import LearnerConfig
-from learner.data import collate, group_mean_reward, trained_rewards
-from learner.engine import build_engine, full_state_dict, init_distributed
-from learner.losses import CorrectionSpec, LossSpec, aggregate, compute_policy_loss, kl_estimate
-from learner.observe import LearnerObserver
+from learner.data import group_mean_reward
+from learner.engine import build_engine, full_state_dict, init_distributed, load_model
+from learner.intake import GroupIntake
+from learner.logprobs import check_output_head
+from learner.observe import LearnerObserver, finite_metrics
 from learner import checkpoint
+from learner.ranks import share_batch, write_checksum
 from learner.records import RunRecords
 from learner.publish import Publisher, first_version
+from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
-
-def load_model(cfg: LearnerConfig, build: bool = True):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(cfg.model)
-    if cfg.model == "tiny":
-        from learner.tiny_model import build_tiny_model
-
-        path = Path(cfg.run_dir) / "base_model"
-        if build:
-            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible)
-    elif not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder or 'tiny')")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, tokenizer
-
 
 class Learner:
     def __init__(self, cfg: LearnerConfig):
@@ -74,33 +56,31 @@ class Learner:
             if self.leader else None
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         if self.leader or cfg.model != "tiny":
-            model, self.tokenizer = load_model(cfg)
+            model, tokenizer = load_model(cfg)
         dist.barrier()  # the leader built the tiny model's folder
         if not self.leader and cfg.model == "tiny":
-            model, self.tokenizer = load_model(cfg, build=False)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.vocab = model.get_input_embeddings().num_embeddings
-        self.reference = None  # the role of verl's reference worker: a frozen copy of the initial weights
+            model, tokenizer = load_model(cfg, build=False)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        vocab = model.get_input_embeddings().num_embeddings
+        check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
+        reference = None  # the role of verl's reference worker: a frozen copy of the initial weights
         if cfg.kl_coef > 0:
             import copy
 
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = build_engine(model, cfg)
-        self.publisher = Publisher(self.r, self.keys, cfg.weight_store, self.tokenizer, cfg.keep_versions)
-        self.reader = queues.TrajectoryReader(self.r, self.keys)
+        if reference is not None:
+            reference.to(self.engine.device)
+        self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world)
+        self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions)
         latest = latest_announcement(self.r, self.keys)
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
         self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
-        self.advantage_fn = getattr(adv_mod, cfg.advantage)
-        c = cfg.correction
-        self.loss_spec = LossSpec(policy=cfg.policy_loss, clip_low=cfg.clip_eps,
-                                  clip_high=cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps,
-                                  dual_clip=cfg.dual_clip, aggregation=cfg.aggregation,
-                                  correction=CorrectionSpec(mode=c.mode, cap=c.tis_cap, lo=c.mask_lo, hi=c.mask_hi))
         self.counts = Counter()
+        self.intake = GroupIntake(self.r, self.keys, cfg, vocab, self.counts) if self.leader else None
         self.resume()
 
     # -- exactly-once training: checkpoints and commits -------------------------------------------
@@ -149,134 +129,6 @@ class Learner:
             self.publisher.publish(self.engine.module, weights, self.version)
             self.r.hset(self.keys.stats("learner"), mapping={"version": self.version})
 
-    def next_batch(self):
-        """``batch_groups`` trainable groups; stale, failed and undecodable ones are acknowledged
-        and counted on the way. None when asked to stop."""
-        fresh: list = []
-        transform = None
-        while len(fresh) < self.cfg.batch_groups:
-            entries = self.reader.wait_for(self.cfg.batch_groups - len(fresh), self.stop.is_set,
-                                           self.cfg.wait_timeout_s)
-            if self.stop.is_set():
-                return None
-            drops = []  # (stream id, group id, reason)
-            for eid, g in entries:
-                if g is None:
-                    why = "groups_undecodable"
-                elif self.version - g.min_version > self.cfg.max_staleness:
-                    why = "groups_dropped_stale"
-                elif all(r is None for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)):
-                    why = "groups_dropped_reward_failed"
-                elif max(int(g.prompt_ids.max()), *(int(s.completion_ids.max()) for s in g.samples)) >= self.vocab:
-                    why = "groups_dropped_bad_token"
-                elif transform is not None and sampling_transform(g.sampling) != transform:
-                    # one batch is recomputed with one sampling transform; a group sampled
-                    # differently would be mis-corrected, so it is dropped and counted
-                    why = "groups_dropped_sampling_mismatch"
-                else:
-                    transform = sampling_transform(g.sampling)
-                    fresh.append((eid, g))
-                    continue
-                self.counts[why] += 1
-                drops.append((eid, g.group_id if g is not None else "", why))
-            queues.drop(self.r, self.keys, drops)
-        return fresh
-
-    def _logp(self, b, rows, sampling: dict, model=None, entropy: bool = False):
-        """Log-probs [rows, L-1] of each next token under the sampling transform (0 off-completion),
-        of the trained engine or another ``model``; with ``entropy`` also the distribution's entropy."""
-        temperature, top_k, top_p = sampling_transform(sampling)
-        model = model if model is not None else self.engine
-        logits = model(input_ids=b.input_ids[rows], attention_mask=b.attention_mask[rows]).logits[:, :-1]
-        all_logp = sampling_logprobs(logits, temperature, top_k, top_p)
-        logp = all_logp.gather(-1, b.input_ids[rows, 1:, None]).squeeze(-1)
-        logp = torch.where(b.loss_mask[rows].bool(), logp, torch.zeros_like(logp))
-        if not entropy:
-            return logp
-        p = all_logp.exp()
-        return logp, -torch.where(p > 0, p * all_logp, torch.zeros_like(p)).sum(-1)
-
-    def train_step(self, groups, sampling: dict) -> dict:
-        """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch. π_old is the policy at the
-        start of the step (recomputed once when there is more than one update)."""
-        advs = []
-        for g in groups:
-            kept = [r for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score) if r is not None]
-            advs.append(self.advantage_fn(torch.tensor(kept, dtype=torch.float32)))
-            failed = sum(s.reward_status != "ok" for s in g.samples)  # counted in either mode, never silent
-            self.counts["samples_reward_failed"] += failed
-            self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0
-        b = collate(groups, advs, self.version, self.pad_id, self.cfg.failed_reward, self.cfg.fallback_score)
-        t0 = time.perf_counter()
-        self.engine.train()
-        n = b.input_ids.shape[0]
-        every = torch.arange(n)
-        multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
-        old_logp = None
-        if multi:
-            with torch.no_grad():
-                old_logp = self._logp(b, every, sampling)
-        diags, losses = [], []
-        for _ in range(self.cfg.ppo_epochs):
-            for rows in torch.randperm(n).chunk(self.cfg.minibatches) if multi else [every]:
-                mask = b.loss_mask[rows]
-                logp, ent = self._logp(b, rows, sampling, entropy=True)
-                old = old_logp[rows] if multi else logp.detach()
-                loss, diag = compute_policy_loss(logp, old, b.behaviour_logp[rows], b.advantages[rows],
-                                                 mask, self.loss_spec)
-                agg = self.loss_spec.aggregation
-                diag["entropy"] = float(aggregate(ent.detach(), mask, agg))
-                if self.cfg.entropy_coef:
-                    loss = loss - self.cfg.entropy_coef * aggregate(ent, mask, agg)
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref_logp = self._logp(b, rows, sampling, model=self.reference)
-                    kl = aggregate(kl_estimate(logp, ref_logp, self.cfg.kl_estimator), mask, agg)
-                    loss = loss + self.cfg.kl_coef * kl
-                    diag["kl_ref"] = float(kl)
-                self.engine.backward(loss)
-                self.engine.step()
-                diags.append(diag)
-                losses.append(float(loss))
-        diag = {k: sum(d[k] for d in diags) / len(diags) for k in diags[0]}
-        diag.update(ratio_min=min(d["ratio_min"] for d in diags), ratio_max=max(d["ratio_max"] for d in diags))
-        diag.update(loss=sum(losses) / len(losses), compute_s=time.perf_counter() - t0, samples=n,
-                    tokens=int(b.loss_mask.sum()), group_rewards=b.group_rewards,
-                    reward_mean=sum(b.group_rewards) / len(b.group_rewards),
-                    staleness=dict(sorted(Counter(b.staleness).items())))
-        return diag
-
-    def share_batch(self, fresh) -> list | None:
-        """Every rank gets the leader's batch (None when stopping). The groups travel as their msgpack
-        wire bytes over a uint8 tensor broadcast: no pickle."""
-        if self.world == 1:
-            return None if fresh is None else [g for _, g in fresh]
-        payload = b""
-        if self.leader and fresh is not None:
-            payload = msgpack.packb([encode_group(g) for _, g in fresh], use_bin_type=True)
-        header = torch.tensor([len(payload) if (not self.leader or fresh is not None) else -1, self.version])
-        dist.broadcast(header, 0)
-        n, self.version = int(header[0]), int(header[1])
-        if n < 0:
-            return None
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.leader else torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, 0)
-        if self.leader:
-            return [g for _, g in fresh]
-        return [decode_group(b) for b in msgpack.unpackb(buf.numpy().tobytes(), raw=False)]
-
-    def write_checksum(self) -> None:
-        """Sum and hash of this rank's weights after the step (``rank_checksums``)."""
-        import hashlib
-
-        h = hashlib.sha256()
-        total = 0.0
-        for name, p in sorted(self.engine.module.state_dict().items()):
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
-            total += float(p.double().sum())
-        with open(Path(self.cfg.run_dir) / f"rank-{self.rank}.checksums", "a") as f:
-            f.write(json.dumps({"step": self.step, "sha256": h.hexdigest(), "sum": total}) + "\n")
-
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
@@ -287,8 +139,9 @@ class Learner:
                                                           "eta": self.cfg.admission_eta})
         self.publish()
         if self.leader:
-            log.info("published initial version %d; training %d steps of %d groups on %d rank(s)", self.version,
-                     self.cfg.steps, self.cfg.batch_groups, self.world)
+            log.info("published initial version %d; training %d steps of %d groups on %d rank(s); lr %g, micro-batches "
+                     "of at most %d tokens", self.version, self.cfg.steps, self.cfg.batch_groups, self.world,
+                     self.cfg.lr, self.cfg.micro_batch_tokens)
         step = self.step
         mf = open(self.metrics_path, "a") if self.leader else None
         try:
@@ -296,19 +149,22 @@ class Learner:
                 t_wait = time.perf_counter()
                 fresh = None
                 if self.leader and not self.stop.is_set():
-                    fresh = self.next_batch()  # None when asked to stop: nothing acknowledged, all stays pending
-                groups = self.share_batch(fresh)
+                    # None when asked to stop: nothing acknowledged, all stays pending
+                    fresh = self.intake.next_batch(self.version, self.stop)
+                groups, self.version = share_batch(fresh, self.version, self.leader, self.world)
                 if groups is None:
                     break
                 wait_s = time.perf_counter() - t_wait
-                mine = groups[self.rank::self.world]  # each rank trains its share; DeepSpeed averages the gradients
-                diag = self.train_step(mine, groups[0].sampling)
+                diag = self.update.train_step(groups, groups[0].sampling, self.version)  # each rank trains its share
                 self.step += 1
                 step = self.step
                 if self.cfg.rank_checksums:
-                    self.write_checksum()
+                    write_checksum(self.engine.module, Path(self.cfg.run_dir) / f"rank-{self.rank}.checksums", step)
                 if self.leader:
                     self.counts["groups_trained"] += len(groups)
+                    failed = sum(s.reward_status != "ok" for g in groups for s in g.samples)  # counted in either mode
+                    self.counts["samples_reward_failed"] += failed
+                    self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0
                     queues.count_trained(self.r, self.keys, [g.group_id for g in groups])  # before the commit
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 t_pub = time.perf_counter()
@@ -321,15 +177,16 @@ class Learner:
                 diag.update(step=step, version=self.version, wait_s=wait_s, publish_s=time.perf_counter() - t_pub,
                             t=time.time(), group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
                             ranks=self.world, **self.counts)
-                mf.write(json.dumps(diag) + "\n")
+                diag = finite_metrics(diag)  # strict JSON: a non-finite value becomes null, and is counted
+                mf.write(json.dumps(diag, allow_nan=False) + "\n")
                 mf.flush()
                 self.observer.record(diag)
                 self.records.log(diag)
                 self.r.hset(self.keys.stats("learner"), mapping={
-                    "step": step, "version": self.version, "reward_mean": diag["reward_mean"],
-                    "loss": diag["loss"], **self.counts})
+                    "step": step, "version": self.version, **self.counts,
+                    **{k: diag[k] for k in ("reward_mean", "loss") if diag[k] is not None}})
                 if step % 10 == 0 or step == 1:
-                    log.info("step %d v%d reward %.3f loss %.4f wait %.2fs compute %.2fs stale %s", step, self.version,
+                    log.info("step %d v%d reward %.3f loss %s wait %.2fs compute %.2fs stale %s", step, self.version,
                              diag["reward_mean"], diag["loss"], wait_s, diag["compute_s"], diag["staleness"])
         finally:
             if mf is not None:

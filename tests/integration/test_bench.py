@@ -9,7 +9,7 @@ import pytest
 from tests.support.services import relay
 
 NAMES = {"codec", "ingest", "weight_sync/torch", "weight_sync/vllm", "overlap", "generator/torch", "generator/vllm",
-         "learner"}
+         "learner", "learner_memory", "learner_memory/step_time"}
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)

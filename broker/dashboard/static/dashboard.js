@@ -302,6 +302,7 @@ function renderCharts() {
   const fracKeys = [...new Set(S.learner.flatMap((e) => Object.keys(e).filter((k) => k.startsWith("frac_"))))].sort();
   lineChart($("chart-frac"), fracKeys.map((k) => ({ name: k.replace("frac_", ""), points: series(k) })), { yMin: 0 });
   lineChart($("chart-kl"), [{ name: "mismatch KL", points: series("mismatch_kl") }]);
+  lineChart($("chart-padding"), [{ name: "padding", points: series("padding_fraction") }], { yMin: 0, yMax: 1 });
   const now = S.state.time;
   const tf = (v) => `${Math.round(v)} s`;
   lineChart($("chart-queue"), [{ name: "queue depth", points: S.thr.map((s) => [s.t - now, s.queue_depth]) },

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from learner import advantages as adv
+from learner.config import CorrectionConfig, PolicyLossConfig
+from learner.correction import CORRECTIONS, importance_weights
+from learner.diagnostics import effective_sample_size
 from learner.losses import (
-    AGGREGATIONS, CORRECTIONS, CorrectionSpec, LossSpec, aggregate, compute_policy_loss, correction,
-    cispo_loss_mat, effective_sample_size, kl_estimate, ppo_loss_mat, reinforce_loss_mat,
+    AGGREGATIONS, aggregate, compute_policy_loss, cispo_loss_mat, kl_estimate, ppo_loss_mat, reinforce_loss_mat,
 )
 
 
@@ -49,10 +51,10 @@ def _logp(logits, tokens):
 def test_on_policy_every_correction_is_plain_policy_gradient(mode, policy):
     logits, tokens, a, mask, _ = _random(1)
     logp = _logp(logits, tokens)
-    w, keep = correction(logp.detach(), logp.detach(), mask, CorrectionSpec(mode=mode, cap=2.0))
+    w, keep = importance_weights(logp.detach(), logp.detach(), mask, CorrectionConfig(mode=mode, tis_cap=2.0))
     assert torch.equal(w, torch.ones_like(w)) and torch.equal(keep, mask)
     loss, diag = compute_policy_loss(logp, logp.detach(), logp.detach(), a, mask,
-                                     LossSpec(policy=policy, correction=CorrectionSpec(mode=mode)))
+                                     PolicyLossConfig(policy_loss=policy, correction=CorrectionConfig(mode=mode)))
     assert diag["ess"] == 1.0 and diag["ratio_min"] == 1.0 and diag["ratio_max"] == 1.0
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     plain = -(logp * a * mask).sum() / mask.sum()
@@ -82,12 +84,12 @@ def test_bandit_corrected_gradient_is_the_analytic_one():
     for mode, cap in (("tis", 1e9), ("decoupled", None), ("seq_tis", None)):
         logp = torch.log_softmax(theta, 0)[tokens]
         loss, _ = compute_policy_loss(logp, logp.detach(), torch.log(mu)[tokens], a, mask,
-                                      LossSpec(correction=CorrectionSpec(mode=mode, cap=cap)))
+                                      PolicyLossConfig(correction=CorrectionConfig(mode=mode, tis_cap=cap)))
         (g,) = torch.autograd.grad(loss, theta)
         assert torch.allclose(g, analytic, atol=1e-6), mode
     logp = torch.log_softmax(theta, 0)[tokens]
     loss, _ = compute_policy_loss(logp, logp.detach(), torch.log(mu)[tokens], a, mask,
-                                  LossSpec(correction=CorrectionSpec(mode="none")))
+                                  PolicyLossConfig(correction=CorrectionConfig(mode="none")))
     (g_none,) = torch.autograd.grad(loss, theta)
     assert (g_none - analytic).abs().max() > 1e-2
 
@@ -124,8 +126,8 @@ def test_length_two_token_tree_needs_sequence_level_weights():
     def grad(mode):
         lp = logp_seq()
         loss, _ = compute_policy_loss(lp, lp.detach(), mu_lp, a, mask,
-                                      LossSpec(aggregation="seq-mean-token-sum",
-                                               correction=CorrectionSpec(mode=mode, cap=None)))
+                                      PolicyLossConfig(aggregation="seq-mean-token-sum",
+                                                       correction=CorrectionConfig(mode=mode, tis_cap=None)))
         return torch.autograd.grad(loss, (th1, th2))
 
     for got, want in zip(grad("seq_tis"), analytic):
@@ -138,16 +140,16 @@ def test_masking_modes_drop_what_is_outside_the_interval():
     old = torch.log(torch.tensor([[1.0, 1.0, 1.0, 1.0]]))
     mu = torch.log(torch.tensor([[1.0, 0.1, 4.0, 0.25]]))  # ρ = 1, 10, 0.25, 4
     mask = torch.ones(1, 4)
-    _, keep = correction(old, mu, mask, CorrectionSpec(mode="icepop", lo=0.5, hi=5.0))
+    _, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="icepop", mask_lo=0.5, mask_hi=5.0))
     assert keep.tolist() == [[1.0, 0.0, 0.0, 1.0]]
-    _, keep = correction(old, mu, mask, CorrectionSpec(mode="mis", hi=5.0))
+    _, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="mis", mask_hi=5.0))
     assert keep.tolist() == [[1.0, 0.0, 1.0, 1.0]]
     # geometric mean of ρ: (1·10·0.25·4)^(1/4) = 10^(1/4) ≈ 1.78 -> kept; sequence product 10 -> masked
-    _, keep = correction(old, mu, mask, CorrectionSpec(mode="geo_mis", lo=0.5, hi=5.0))
+    _, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="geo_mis", mask_lo=0.5, mask_hi=5.0))
     assert keep.sum() == 4
-    _, keep = correction(old, mu, mask, CorrectionSpec(mode="seq_mis", lo=0.5, hi=5.0))
+    _, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="seq_mis", mask_lo=0.5, mask_hi=5.0))
     assert keep.sum() == 0
-    w, _ = correction(old, mu, mask, CorrectionSpec(mode="tis", cap=2.0))
+    w, _ = importance_weights(old, mu, mask, CorrectionConfig(mode="tis", tis_cap=2.0))
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, 0.25, 2.0]]))
 
 
@@ -316,8 +318,8 @@ def test_k1_and_k3_are_unbiased_kl_by_enumeration():
 
 
 def test_ess_is_one_for_equal_weights_and_one_over_n_for_one_hot():
-    mask = torch.ones(1, 8)
-    assert effective_sample_size(torch.full((1, 8), 0.3), mask) == pytest.approx(1.0)
-    one_hot = torch.zeros(1, 8)
-    one_hot[0, 3] = 5.0
-    assert effective_sample_size(one_hot, mask) == pytest.approx(1 / 8)
+    equal = torch.full((8,), 0.3)
+    assert effective_sample_size(float(equal.sum()), float((equal ** 2).sum()), 8) == pytest.approx(1.0)
+    one_hot = torch.zeros(8)
+    one_hot[3] = 5.0
+    assert effective_sample_size(float(one_hot.sum()), float((one_hot ** 2).sum()), 8) == pytest.approx(1 / 8)

@@ -1,12 +1,13 @@
 import torch
 
 from learner.advantages import grpo
-from learner.losses import CorrectionSpec, LossSpec, compute_policy_loss
+from learner.config import CorrectionConfig, PolicyLossConfig
+from learner.losses import compute_policy_loss
 
 
 def policy_loss(logp, old, mu, adv, mask, clip_eps, mode="tis", tis_cap=2.0):
-    spec = LossSpec(clip_low=clip_eps, clip_high=clip_eps, correction=CorrectionSpec(mode=mode, cap=tis_cap))
-    return compute_policy_loss(logp, old, mu, adv, mask, spec)
+    cfg = PolicyLossConfig(clip_eps=clip_eps, correction=CorrectionConfig(mode=mode, tis_cap=tis_cap))
+    return compute_policy_loss(logp, old, mu, adv, mask, cfg)
 
 
 def _inputs(seed=0):

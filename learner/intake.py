@@ -1,0 +1,53 @@
+"""The leader's intake: batches of trainable groups from the replay queue. What cannot be trained
+(too stale, every reward failed, a token outside the vocabulary, another sampling transform,
+undecodable) is acknowledged, dropped and counted on the way, never silently."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from broker.client import queues
+from broker.protocol.group import sampling_transform
+from broker.protocol.keys import Keys
+from learner.config import LearnerConfig
+from learner.data import trained_rewards
+
+
+class GroupIntake:
+    def __init__(self, r, keys: Keys, cfg: LearnerConfig, vocab: int, counts: Counter):
+        self.r, self.keys, self.cfg, self.vocab = r, keys, cfg, vocab
+        self.counts = counts  # the learner's counters: drops are added under their reason
+        self.reader = queues.TrajectoryReader(r, keys)
+
+    def next_batch(self, version: int, stop: threading.Event):
+        """``batch_groups`` trainable groups as (stream id, group) pairs for a learner at ``version``;
+        None when asked to stop."""
+        fresh: list = []
+        transform = None
+        while len(fresh) < self.cfg.batch_groups:
+            entries = self.reader.wait_for(self.cfg.batch_groups - len(fresh), stop.is_set, self.cfg.wait_timeout_s)
+            if stop.is_set():
+                return None
+            drops = []  # (stream id, group id, reason)
+            for eid, g in entries:
+                if g is None:
+                    why = "groups_undecodable"
+                elif version - g.min_version > self.cfg.max_staleness:
+                    why = "groups_dropped_stale"
+                elif all(r is None for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)):
+                    why = "groups_dropped_reward_failed"
+                elif max(int(g.prompt_ids.max()), *(int(s.completion_ids.max()) for s in g.samples)) >= self.vocab:
+                    why = "groups_dropped_bad_token"
+                elif transform is not None and sampling_transform(g.sampling) != transform:
+                    # one batch is recomputed with one sampling transform; a group sampled
+                    # differently would be mis-corrected, so it is dropped and counted
+                    why = "groups_dropped_sampling_mismatch"
+                else:
+                    transform = sampling_transform(g.sampling)
+                    fresh.append((eid, g))
+                    continue
+                self.counts[why] += 1
+                drops.append((eid, g.group_id if g is not None else "", why))
+            queues.drop(self.r, self.keys, drops)
+        return fresh

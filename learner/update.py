@@ -1,0 +1,171 @@
+"""One training step on a batch of groups: advantages, collation, micro-batches of similar length
+within ``micro_batch_tokens``, log-probs under the sampling transform (learner/logprobs.py), the
+off-policy-corrected loss, and one DeepSpeed optimizer step per (mini)batch, the gradients
+accumulated over its micro-batches.
+
+Exactness across micro-batches and ranks. Every rank holds the whole batch (the leader broadcasts
+it) and trains the samples of its groups (group i on rank i mod ranks). So every rank computes,
+without communication and before any micro-batch runs, what the whole (mini)batch on all ranks has:
+the normalisers of the aggregation (loss tokens, sequences, the padded length), the same random
+split into minibatches, and how many micro-batches the busiest rank runs. Each rank's loss is
+multiplied by the number of ranks, because DeepSpeed averages gradients over them; diagnostics are
+sums reduced over ranks (learner/diagnostics.py). DeepSpeed runs with
+``managed_gradient_accumulation: false``: ``backward`` accumulates, the one ``step`` per (mini)batch
+reduces and updates. ZeRO 2-3 communicate at every backward, so every rank runs the same number of
+backwards: a rank with fewer micro-batches runs empty ones (a loss of 0 through every parameter).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from broker.protocol.group import sampling_transform
+from learner.advantages import GROUP_ESTIMATORS
+from learner.config import LearnerConfig
+from learner.data import Batch, collate, micro_batches, trained_rewards
+from learner.diagnostics import EXTREMES, merge, summarise
+from learner.logprobs import TokenLogprobs, token_logprobs
+from learner.losses import Normalisers, aggregate, kl_estimate, policy_loss_terms
+
+NO_TOKENS = {"tokens": 0.0, "valid": 0.0, "kept": 0.0, "rho_sum": 0.0, "rho_min": float("inf"),
+             "rho_max": float("-inf"), "w_sum": 0.0, "w_sq_sum": 0.0, "truncated": 0.0, "clipped": 0.0,
+             "mismatch_sum": 0.0}
+
+
+class PolicyUpdate:
+    """The trained ``engine`` (DeepSpeed), and with ``kl_coef`` > 0 a frozen ``reference`` model;
+    this process is rank ``rank`` of ``world`` data-parallel ranks."""
+
+    def __init__(self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1):
+        self.engine, self.cfg, self.pad_id, self.reference = engine, cfg, pad_id, reference
+        self.rank, self.world = rank, world
+        self.advantage_fn = GROUP_ESTIMATORS[cfg.advantage]
+        self.device = engine.device
+        self.shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch split: the same on every rank
+
+    def _reduce(self, values: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
+        """``values`` summed (or ``op``) over ranks."""
+        if self.world == 1 or not values:
+            return values
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return dict(zip(values, t.tolist()))
+
+    # -- forwards --------------------------------------------------------------------------------
+
+    def _logprobs(self, model, mb: Batch, transform, entropy: bool = False) -> TokenLogprobs:
+        return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform,
+                              self.cfg.logprob_chunk_tokens, entropy)
+
+    def _old_logprobs(self, b: Batch, rows: torch.Tensor, transform) -> tuple[torch.Tensor, torch.Tensor]:
+        """π_old of ``rows`` (this rank's) and where its token is outside the kept set, before any update."""
+        logp, outside = torch.zeros_like(b.behaviour_logp), torch.zeros_like(b.loss_mask, dtype=torch.bool)
+        with torch.no_grad():
+            for part in micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens):
+                mb = b.select(part)
+                lp = self._logprobs(self.engine, mb.to(self.device), transform)
+                width = mb.loss_mask.shape[1]
+                logp[part, :width], outside[part, :width] = lp.logp.cpu(), lp.outside.cpu()
+        return logp, outside
+
+    def _empty_backward(self, transform) -> None:
+        """A backward of a loss of 0 through every parameter: keeps this rank's ZeRO collectives in step
+        with ranks that have more micro-batches."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        lp = token_logprobs(self.engine, ids, torch.ones_like(ids), torch.ones((1, 1), device=self.device), transform,
+                            self.cfg.logprob_chunk_tokens)
+        self.engine.backward(lp.logp.sum() * 0.0)
+
+    # -- one optimizer step ------------------------------------------------------------------------
+
+    def _optimizer_step(self, b: Batch, rows: torch.Tensor, transform, old) -> dict:
+        """One optimizer step on the (mini)batch ``rows`` (of every rank): this rank's micro-batches of it."""
+        cfg = self.cfg
+        owner = b.groups[rows] % self.world
+        plans = [micro_batches(b.lengths, rows[owner == r], cfg.micro_batch_tokens) if bool((owner == r).any())
+                 else [] for r in range(self.world)]
+        norm = Normalisers(float(b.loss_mask[rows].sum()), float(len(rows)), float(b.lengths[rows].max() - 1),
+                           ranks=self.world)
+        sums, totals = NO_TOKENS, Counter()
+        for part in plans[self.rank]:
+            mb = b.select(part).to(self.device)
+            mask = mb.loss_mask
+            lp = self._logprobs(self.engine, mb, transform, entropy=True)
+            if old is None:  # one update per batch: π_old is this forward's value
+                old_logp, outside = lp.logp.detach(), lp.outside
+            else:
+                width = mask.shape[1]
+                old_logp = old[0][part, :width].to(self.device)
+                outside = lp.outside | old[1][part, :width].to(self.device)
+            valid = mask * ~outside
+            loss, s = policy_loss_terms(lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid)
+            ent = aggregate(lp.entropy, mask, cfg.aggregation, norm)
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * ent
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.reference, mb, transform)
+                both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
+                kl = aggregate(kl_estimate(torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0),
+                                           cfg.kl_estimator), both.float(), cfg.aggregation, norm)
+                loss = loss + cfg.kl_coef * kl
+                totals["kl_ref"] += float(kl.detach()) / self.world
+            self.engine.backward(loss)
+            sums = merge(sums, s)
+            totals["loss"] += float(loss.detach()) / self.world
+            totals["entropy"] += float(ent.detach()) / self.world
+            totals["tokens_outside_kept_set"] += float((outside & mask.bool()).sum())
+            totals["padded_tokens"] += float(mb.input_ids.numel() - mb.lengths.sum())
+            totals["forward_tokens"] += mb.input_ids.numel()
+        for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
+            self._empty_backward(transform)
+        self.engine.step()
+        sums = {**self._reduce({k: v for k, v in sums.items() if k not in EXTREMES}),
+                **self._reduce({"rho_min": sums["rho_min"]}, dist.ReduceOp.MIN),
+                **self._reduce({"rho_max": sums["rho_max"]}, dist.ReduceOp.MAX)}
+        totals = self._reduce({k: totals[k] for k in ("loss", "entropy", "kl_ref", "tokens_outside_kept_set",
+                                                         "padded_tokens", "forward_tokens")})
+        diag = summarise(sums)
+        diag.update(loss=totals["loss"], entropy=totals["entropy"], micro_batches=sum(len(p) for p in plans),
+                    tokens_outside_kept_set=int(totals["tokens_outside_kept_set"]),
+                    padded_tokens=totals["padded_tokens"], forward_tokens=totals["forward_tokens"])
+        if self.reference is not None:
+            diag["kl_ref"] = totals["kl_ref"]
+        return diag
+
+    def train_step(self, groups, sampling: dict, version: int) -> dict:
+        """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch (every rank gets all of it and
+        trains its share). π_old is the policy at the start of the step (recomputed once when there is
+        more than one update)."""
+        advs = []
+        for g in groups:
+            kept = [r for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score) if r is not None]
+            advs.append(self.advantage_fn(torch.tensor(kept, dtype=torch.float32)))
+        b = collate(groups, advs, version, self.pad_id, self.cfg.failed_reward, self.cfg.fallback_score)
+        transform = sampling_transform(sampling)
+        t0 = time.perf_counter()
+        self.engine.train()
+        n = len(b.lengths)
+        multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
+        old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) if multi else None
+        steps = []
+        for _ in range(self.cfg.ppo_epochs):
+            split = torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches) if multi \
+                else [torch.arange(n)]
+            for rows in split:
+                if len(rows):
+                    steps.append(self._optimizer_step(b, rows, transform, old))
+        diag = {k: sum(d[k] for d in steps) / len(steps) for k in steps[0]}
+        padded, forward = sum(d.pop("padded_tokens") for d in steps), sum(d.pop("forward_tokens") for d in steps)
+        diag.update(ratio_min=min(d["ratio_min"] for d in steps), ratio_max=max(d["ratio_max"] for d in steps),
+                    micro_batches=sum(d["micro_batches"] for d in steps),
+                    tokens_outside_kept_set=sum(d["tokens_outside_kept_set"] for d in steps),
+                    padding_fraction=padded / forward if forward else 0.0,
+                    compute_s=time.perf_counter() - t0, samples=n, tokens=int(b.loss_mask.sum()),
+                    staleness={str(k): v for k, v in sorted(Counter(b.staleness).items())})
+        diag.pop("padded_tokens"), diag.pop("forward_tokens")
+        return diag

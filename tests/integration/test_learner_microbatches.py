@@ -1,0 +1,87 @@
+"""Micro-batches and ranks change nothing but memory: for every aggregation mode and policy loss
+(plus a masking correction with two minibatches), one optimizer step of the real learner update with
+real DeepSpeed gives the same gradients and diagnostics (to 1e-5) with one piece on one rank, with k
+micro-batches (also with activation checkpointing), and with 2 ranks (torchrun, gloo) in ZeRO 0 and
+ZeRO 2. The samples are stale and
+sampled with temperature, top-k and top-p: every loss, gradient and diagnostic stays finite, and the
+tokens that fell out of the kept set are counted. (tests/support/learner_grads.py runs the steps.)"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.support.learner_grads import CASES, SAMPLING
+from tests.support.services import ROOT, child_env
+
+pytestmark = pytest.mark.slow
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grads")
+    module = ["-m", "tests.support.learner_grads", str(out)]
+    _run([sys.executable, *module, "one=100000", "k=48", "k_checkpointing=48/0/checkpointing"])
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *module,
+          "ranks=48/0", "ranks_zero2=48/2"])
+    return out
+
+
+def _load(out, label):
+    diags = json.loads((out / f"{label}.json").read_text())
+    return diags, [load_file(str(out / f"{label}-{i}.safetensors")) for i in range(len(diags))]
+
+
+@pytest.mark.parametrize("label", ["k", "k_checkpointing", "ranks", "ranks_zero2"])
+def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
+    want_diags, want_grads = _load(runs, "one")
+    got_diags, got_grads = _load(runs, label)
+    assert len(got_diags) == len(CASES)
+    for case, want, got, gw, gg in zip(CASES, want_diags, got_diags, want_grads, got_grads):
+        assert got["micro_batches"] >= 3 * want["micro_batches"], case  # really split
+        for name in gw:
+            assert torch.allclose(gg[name], gw[name], rtol=1e-5, atol=1e-5), (case, name)
+        assert max(float(g.abs().max()) for g in gw.values()) > 1e-3, case  # a real gradient, not zeros
+        for key, value in want.items():
+            if key in ("micro_batches", "padding_fraction"):
+                continue
+            assert got[key] == (value if isinstance(value, dict) else pytest.approx(value, rel=1e-5, abs=1e-6)), \
+                (case, key)
+
+
+def test_micro_batches_of_similar_length_cut_the_padding(runs):
+    one, _ = _load(runs, "one")
+    k, _ = _load(runs, "k")
+    assert one[0]["padding_fraction"] > 0.25 and k[0]["padding_fraction"] < 0.1
+
+
+def test_stale_samples_under_top_k_and_top_p_train_finite_and_count_what_fell_out(runs):
+    from benchmarks.learner import make_groups
+    from broker.protocol.sampling import sampling_logprobs
+    from learner.data import collate
+    from transformers import AutoModelForCausalLM
+
+    diags, grads = _load(runs, "k")
+    for case, diag, g in zip(CASES, diags, grads):
+        for key, value in diag.items():
+            assert all(math.isfinite(v) for v in (value.values() if isinstance(value, dict) else [value])), (case, key)
+        assert all(bool(torch.isfinite(t).all()) for t in g.values()), case
+        assert diag["tokens_outside_kept_set"] > 0 and diag["frac_masked"] > 0, case
+    # the count of the first step, against the full logits of the initial weights
+    model = AutoModelForCausalLM.from_pretrained(runs / "k-model" / "base_model")
+    groups = make_groups(8, 4, 12, seed=1, sampling=SAMPLING)
+    b = collate(groups, [torch.zeros(4)] * 8, 1, 0)
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+    lp = sampling_logprobs(logits, SAMPLING["temperature"], SAMPLING["top_k"], SAMPLING["top_p"])
+    taken = lp.gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
+    assert diags[0]["tokens_outside_kept_set"] == int((torch.isinf(taken) & b.loss_mask.bool()).sum())

@@ -1,0 +1,89 @@
+"""One optimizer step of the real learner update (learner/update.py, real DeepSpeed) for every
+aggregation mode and policy loss, recording the gradient and the diagnostics of each, so that tests can
+compare k micro-batches, and 2 ranks, with one piece on one rank.
+
+    python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing]] ...
+    torchrun --standalone --nproc_per_node 2 -m tests.support.learner_grads OUT LABEL=... ...
+
+The optimizer is plain SGD (no clipping), so the gradient is read back from the weight change:
+g = (w_before − w_after) / lr, after DeepSpeed has accumulated, reduced over ranks and stepped. Every
+run trains the same sequence of steps from the same initial weights on the same groups (rank r trains
+groups r, r + ranks, ...). Writes OUT/LABEL-<i>.safetensors (gradients) and OUT/LABEL.json
+(diagnostics per step), on rank 0; each LABEL is a fresh engine from the same initial weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# (aggregation, policy loss, correction mode, minibatches): every aggregation × policy loss, plus the
+# masking correction and two optimizer steps per batch
+CASES = [(agg, pol, "tis", 1) for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                          "seq-mean-token-sum-norm") for pol in ("ppo", "cispo", "reinforce")]
+CASES += [("token-mean", "ppo", "icepop", 2), ("seq-mean-token-mean", "cispo", "icepop", 2)]
+LR = 0.1
+SAMPLING = {"temperature": 0.9, "top_k": 10, "top_p": 0.95}
+
+
+def weights(engine) -> dict:
+    """Every full weight (gathered from the ranks' partitions under ZeRO-3), in fp32."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=engine.zero_optimization_stage() == 3):
+        return {n: p.detach().float().clone() for n, p in params.items()}
+
+
+def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpointing: bool = False) -> None:
+    """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``) through every
+    case; results under ``label``."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from benchmarks.learner import make_groups
+    from learner.config import CorrectionConfig, LearnerConfig
+    from learner.engine import build_engine, init_distributed
+    from learner.engine import load_model
+    from learner.update import PolicyUpdate
+
+    torch.manual_seed(0)
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = LearnerConfig(run_dir=str(out / f"{label}-model"), micro_batch_tokens=micro_batch_tokens,
+                         gradient_checkpointing=checkpointing,
+                         logprob_chunk_tokens=16)
+    base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
+    if rank == 0:
+        load_model(base)
+    dist.barrier()
+    model, _ = load_model(base, build=False)
+    engine = build_engine(model, base, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    groups = make_groups(8, 4, 12, seed=1, sampling=SAMPLING)  # behaviour log-probs unrelated to π: stale samples
+    diags = []
+    for i, (agg, pol, mode, minibatches) in enumerate(CASES):
+        cfg = base.model_copy(update={"aggregation": agg, "policy_loss": pol, "minibatches": minibatches,
+                                      "correction": CorrectionConfig(mode=mode)})
+        update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world)
+        before = weights(engine)
+        diag = update.train_step(groups, groups[0].sampling, version=1)
+        grads = {n: (before[n] - w) / LR for n, w in weights(engine).items()}
+        if rank == 0:
+            save_file({n: g.contiguous() for n, g in grads.items()}, str(out / f"{label}-{i}.safetensors"))
+            diags.append({k: v for k, v in diag.items() if k not in ("compute_s",)})
+    if rank == 0:
+        (out / f"{label}.json").write_text(json.dumps(diags, allow_nan=False))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing]]")
+    a = p.parse_args()
+    for spec in a.runs:
+        name, _, setting = spec.partition("=")
+        tokens, _, rest = setting.partition("/")
+        stage, _, extra = rest.partition("/")
+        run(a.out, name, int(tokens), int(stage or 0), extra == "checkpointing")
