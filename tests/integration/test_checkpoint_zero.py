@@ -39,6 +39,7 @@ def _check_resumed_as_if_not_stopped(results: dict, settings, ranks: int, rank: 
             assert r["weights_changed_by_step"], s
 
 
+@pytest.mark.slow  # eight real DeepSpeed engines (docs/testing.md)
 def test_checkpoint_roundtrip_every_zero_stage_bf16_and_fp32(tmp_path):
     [results] = _roundtrip(tmp_path, ALL)
     _check_resumed_as_if_not_stopped(results, ALL, ranks=1, rank=0)
