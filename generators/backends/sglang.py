@@ -25,12 +25,11 @@ weights changed, so per-token versions could not be recorded honestly. Each answ
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import httpx
 
+from broker.protocol import weightstore
 from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, SGLangBackendConfig
 
@@ -73,7 +72,7 @@ class SGLangBackend(HFText):
         self.update_weights(path)  # the server may have started from other weights: serve exactly this snapshot
 
     def update_weights(self, path: str) -> None:
-        version = json.loads((Path(path) / "manifest.json").read_text())["version"]
+        version = weightstore.read_manifest(path)["version"]
         body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
         out = self._post("/update_weights_from_disk", body).json()
         if not out.get("success", False):
