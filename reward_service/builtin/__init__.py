@@ -2,6 +2,7 @@
 
   exact_match     1 when the stripped completion equals the stripped reference
   digits          partial credit per position (the toy digit tasks)
+  final_number    the last tagged number ("Answer: 12") against the reference number
   regex           a format check: a regular expression must (not) match
   length_penalty  DAPO's soft overlong penalty
   math_verify     math answer equivalence through the math-verify library

@@ -1,4 +1,5 @@
-"""Small built-ins: exact match, per-position digits, regex format checks, DAPO length penalty."""
+"""Small built-ins: exact match, per-position digits, a tagged final number, regex format checks,
+DAPO length penalty."""
 
 from __future__ import annotations
 
@@ -37,6 +38,72 @@ class DigitPositions(RewardPlugin):
             correct = sum(a == b for a, b in zip(ans, ref))
             score = correct / max(len(ans), len(ref))
             out.append(Result(score, details={"finished": 1.0, "exact": float(ans == ref)}))
+        return out
+
+
+class FinalNumberOptions(StrictModel):
+    """The last tagged number of the completion against the reference number."""
+
+    pattern: str = Field(r"answer\s*(?:is)?\s*[:=]?\s*\**\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)",
+                         description="Python regular expression with one group, the number; the LAST match in the "
+                         "completion is the answer (case-insensitive). The default takes 'Answer: 12', 'answer is "
+                         "12', '**Answer:** $1,200'")
+    correct_score: float = Field(1.0, description="score when the number equals the reference")
+    format_score: float = Field(0.0, description="score when a tagged number is found but is wrong (a small "
+                                "reward for the format helps a model that does not yet tag its answers)")
+    miss_score: float = Field(0.0, description="score when no tagged number is found")
+    require_finished: bool = Field(True, description="a completion cut at max_tokens gets at most miss_score "
+                                   "for a wrong answer (no format credit for rambling)")
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, v: str) -> str:
+        try:
+            rx = re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a valid regular expression: {e}") from None
+        if rx.groups != 1:
+            raise ValueError(f"the pattern must have exactly one group (the number); it has {rx.groups}")
+        return v
+
+
+def parse_number(text: str) -> float | None:
+    """'1,200' -> 1200.0; None when the text is not a number."""
+    try:
+        return float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+@register("final_number")
+class FinalNumber(RewardPlugin):
+    """``correct_score`` when the completion's last tagged number (``pattern``) equals the reference
+    number, ``format_score`` when it is tagged but wrong, ``miss_score`` when none is tagged.
+    A reference that is not a number fails the item (``unparsable_reference``: the dataset's fault)."""
+
+    Options = FinalNumberOptions
+
+    def __init__(self, options=None, observer=None):
+        super().__init__(options, observer)
+        self.rx = re.compile(self.options.pattern, re.IGNORECASE)
+
+    async def score(self, items: list[Item]) -> list[Result]:
+        o = self.options
+        out = []
+        for it in items:
+            ref = parse_number(it.reference)
+            if ref is None:
+                out.append(Result.failed(f"unparsable_reference: not a number: {it.reference[:60]!r}"))
+                continue
+            found = self.rx.findall(it.completion)
+            answer = parse_number(found[-1]) if found else None
+            if answer is None:
+                out.append(Result(o.miss_score, details={"tagged": 0.0}))
+            elif answer == ref:
+                out.append(Result(o.correct_score, details={"tagged": 1.0, "correct": 1.0}))
+            else:
+                wrong = o.format_score if (it.finished or not o.require_finished) else o.miss_score
+                out.append(Result(wrong, details={"tagged": 1.0, "correct": 0.0}))
         return out
 
 

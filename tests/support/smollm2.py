@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 DEFAULT = ROOT / ".cache" / "smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -56,6 +56,23 @@ def test_regex_format_check():
         REGISTRY["regex"]({"pattern": "(unclosed"})
 
 
+def test_final_number_takes_the_last_tagged_number_and_credits_the_format():
+    plug = REGISTRY["final_number"]({"format_score": 0.2})
+    out = asyncio.run(plug.score([
+        Item("", "3 + 4 = 7\nAnswer: 7", "7"),
+        Item("", "Answer: 5. No wait, the answer is **1,200**.", "1200"),  # the last one counts, commas
+        Item("", "Answer: 8", "7"),                                         # tagged but wrong
+        Item("", "Answer: 8 and then", "7", finished=False),               # wrong and cut: no format credit
+        Item("", "It is 7.", "7"),                                          # right number, no tag
+        Item("", "Answer: 7", "seven"),                                     # the dataset's fault
+    ]))
+    assert [r.score for r in out[:5]] == [1.0, 1.0, 0.2, 0.0, 0.0]
+    assert out[2].details == {"tagged": 1.0, "correct": 0.0} and out[4].details == {"tagged": 0.0}
+    assert out[5].status == "failed" and out[5].reason.startswith("unparsable_reference")
+    with pytest.raises(ValidationError, match="exactly one group"):
+        REGISTRY["final_number"]({"pattern": r"Answer: \d+"})
+
+
 def test_dapo_overlong_penalty_is_the_papers_piecewise_ramp():
     # L_max = 20, L_cache = 4: free up to 16, linear to -1 at 20, -1 beyond
     assert [dapo_length_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 21, 99)] == [0.0, 0.0, -0.25, -0.5, -1.0,
