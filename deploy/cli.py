@@ -8,9 +8,11 @@
     relay bench       every stage measured against its raw baseline (benchmarks/, docs/benchmarks.md)
     relay status      the run's state as a table (generators' versions, hashes, lag; queue; failures)
     relay export      a run's trained model as a Hugging Face folder
+    relay config      the config reference (docs/config.md) and a run's effective config
 
 Every service takes ``--config FILE`` (JSON or TOML), ``RELAY_<FIELD>`` environment variables,
-and ``--set field.sub=value`` overrides. Heavy packages (torch, transformers, DeepSpeed) are
+and ``--set field.sub=value`` overrides, in that increasing precedence; docs/config.md lists
+every field. Heavy packages (torch, transformers, DeepSpeed) are
 imported only after the config is validated, so ``--help`` and config errors are instant.
 """
 
@@ -22,11 +24,20 @@ import sys
 from broker.runtime.config import ConfigError, load_config, set_overrides
 
 
+# a valid ``--set`` of each service (tests/unit/deploy/test_config_docs.py loads each one)
+SET_EXAMPLES = {"broker": "eval.every_versions=10", "reward": "port=8091",
+                "generator": "sampling.temperature=0.7", "learner": "lr=0.001"}
+CONFIG_DOC = "docs/config.md"
+
+
 def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_, description=help_)
-    p.add_argument("--config", help="JSON or TOML config file for this service")
+    p = sub.add_parser(name, help=help_, description=f"{help_}. Every field, its default and bounds: {CONFIG_DOC} "
+                       f"(or `relay config docs`); precedence: defaults < --config < RELAY_<FIELD> "
+                       f"environment variables < --set.")
+    p.add_argument("--config", help=f"JSON or TOML config file for this service: the fields of the {name} "
+                   f"section of {CONFIG_DOC}, at the top level (no [{name}] header)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field (nested with dots), e.g. --set sampling.temperature=0.7")
+                   help=f"override a config field (nested with dots), e.g. --set {SET_EXAMPLES[name]}")
     p.add_argument("--log-json", action="store_true", help="log as JSON lines")
     return p
 
@@ -98,6 +109,12 @@ def cmd_status(args) -> int:
     return run_status(args)
 
 
+def cmd_config(args) -> int:
+    from deploy.configdoc import run_config
+
+    return run_config(args)
+
+
 def cmd_up(args) -> int:
     from deploy.launcher.up import run_up
 
@@ -157,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      "against the snapshot's sha256 manifest.")
     add_export_arguments(exp)
     exp.set_defaults(fn=cmd_export)
+    from deploy.configdoc import add_config_arguments
+
+    config = sub.add_parser("config", help="the config reference (docs/config.md) and a run's effective config",
+                            description="`relay config docs` prints docs/config.md (every field of every service, "
+                                        "generated from the models); `relay config show RUN` prints the effective "
+                                        "config a run's services ran with.")
+    add_config_arguments(config)
+    config.set_defaults(fn=cmd_config)
     return parser
 
 

@@ -96,8 +96,10 @@ def format_validation_error(e: ValidationError) -> str:
         loc = ".".join(str(x) for x in err["loc"]) or "(root)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see --help or docs/ for valid fields)"
-        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r:.80})" if err["type"] != "missing" and err["type"] != "extra_forbidden" else ""))
+            msg = "unknown field (check the spelling; docs/config.md lists every field)"
+        # the value, when it is one value: never a whole section or config (a model validator's input)
+        shown = err["type"] not in ("missing", "extra_forbidden") and not isinstance(err["input"], (dict, list))
+        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r:.80})" if shown else ""))
     return "invalid config:\n" + "\n".join(lines)
 
 
