@@ -43,14 +43,30 @@ LAUNCHER_FLAGS = {"RELAY_RUN_ID": ("run_id", str), "RELAY_REDIS_URL": ("redis_ur
                   "RELAY_STEPS": ("steps", int), "RELAY_MODEL": ("model", str)}
 
 
-def flag_defaults(args, environ: typing.Mapping[str, str]) -> None:
-    """Fill the flags not given on the command line from their environment variables."""
+def flag_layer(args, environ: typing.Mapping[str, str]) -> dict[str, dict]:
+    """Service -> the overrides of the ``relay up`` flags given (on the command line, else by their
+    variable); then the flags not given get their defaults in ``args``."""
     for var, (attr, kind) in LAUNCHER_FLAGS.items():
         if var in environ and getattr(args, attr) is None:
             try:
                 setattr(args, attr, kind(environ[var]))
             except ValueError:
                 raise ConfigError(f"{var}={environ[var]!r} is not an integer") from None
+    flags: dict[str, dict] = {"broker": {}, "reward": {}, "generator": {}, "learner": {}}
+    if args.task is not None:
+        flags["broker"]["task"] = {"name": args.task}
+    if args.model is not None:
+        flags["learner"]["model"] = args.model
+    if args.steps is not None:
+        flags["learner"]["steps"] = args.steps
+    if args.backend is not None:
+        flags["generator"]["backend"] = {"type": args.backend}
+    if args.seed is not None:
+        flags["learner"]["seed"] = flags["generator"]["seed"] = args.seed
+        flags["broker"].setdefault("task", {})["seed"] = args.seed
+    args.task, args.model = args.task or "copy", args.model or "tiny"
+    args.backend, args.seed = args.backend or "torch", args.seed if args.seed is not None else 0
+    return flags
 
 
 def _field_models(ann) -> list[type[BaseModel]]:

@@ -86,24 +86,10 @@ def plan(args, environ: dict | None = None) -> dict:
     from learner.config import LearnerConfig
     from reward_service.app import RewardConfig
 
-    environ = os.environ if environ is None else environ
     models = {"broker": BrokerConfig, "reward": RewardConfig, "generator": GeneratorConfig, "learner": LearnerConfig}
+    environ = os.environ if environ is None else environ
     env_over = environment.resolve(models, environ)
-    environment.flag_defaults(args, environ)
-    flags: dict = {"broker": {}, "reward": {}, "generator": {}, "learner": {}}  # the flags given: above the env
-    if args.task is not None:
-        flags["broker"]["task"] = {"name": args.task}
-    if args.model is not None:
-        flags["learner"]["model"] = args.model
-    if args.steps is not None:
-        flags["learner"]["steps"] = args.steps
-    if args.backend is not None:
-        flags["generator"]["backend"] = {"type": args.backend}
-    if args.seed is not None:
-        flags["learner"]["seed"] = flags["generator"]["seed"] = args.seed
-        flags["broker"].setdefault("task", {})["seed"] = args.seed
-    args.task, args.model = args.task or "copy", args.model or "tiny"
-    args.backend, args.seed = args.backend or "torch", args.seed if args.seed is not None else 0
+    flags = environment.flag_layer(args, environ)  # the flags given (and their variables), above the environment
 
     try:
         check_task(args.task)
