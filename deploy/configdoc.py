@@ -169,7 +169,8 @@ class ShowError(Exception):
 
 
 def show(run: str, runs_dir: str = "runs") -> str:
-    """The effective config of a run: each ``config/<service>.json`` validated, the defaults filled in."""
+    """The effective config of a run: each ``config/<service>.json`` validated, the defaults filled in
+    (secrets masked)."""
     from broker.runtime.config import ConfigError, load_config
 
     folder = Path(run) if Path(run).is_dir() and (Path(run) / "config").is_dir() else Path(runs_dir) / run
@@ -187,10 +188,19 @@ def show(run: str, runs_dir: str = "runs") -> str:
             cfg = load_config(model, path, environ={})
         except ConfigError as e:
             raise ShowError(f"{path}: {e}") from None
-        out.append(f"# {path}\n" + json.dumps(cfg.model_dump(mode="json"), indent=1))
+        out.append(f"# {path}\n" + json.dumps(_masked(cfg.model_dump(mode="json")), indent=1))
     if not out:
         raise ShowError(f"{cfg_dir} holds no service config")
     return "\n\n".join(out) + "\n"
+
+
+SECRETS = {"auth_token", "reward_token", "api_key"}  # printed as "(set)", never their value
+
+
+def _masked(d):
+    if isinstance(d, dict):
+        return {k: "(set)" if k in SECRETS and v else _masked(v) for k, v in d.items()}
+    return [_masked(x) for x in d] if isinstance(d, list) else d
 
 
 def add_config_arguments(p) -> None:

@@ -3,7 +3,9 @@
 A service's config is one pydantic model (``extra="forbid"``: unknown keys are errors). Values
 come from, in increasing precedence: the model's defaults, a JSON or TOML file, environment
 variables ``RELAY_<FIELD>`` (nested fields joined with ``__``, e.g.
-``RELAY_SAMPLING__TEMPERATURE=0.7``), and explicit overrides from the command line.
+``RELAY_SAMPLING__TEMPERATURE=0.7``), and explicit overrides from the command line. docs/config.md
+lists every field (deploy/configdoc.py generates it); ``relay up`` resolves the environment itself
+(deploy/launcher/environment.py) and starts the services without it.
 
 This module imports no torch: ``--help`` and validation stay fast.
 """

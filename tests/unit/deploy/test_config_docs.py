@@ -85,6 +85,7 @@ def test_config_show_prints_a_runs_effective_config(tmp_path, capsys):
     cfg = tmp_path / "runs" / "r1" / "config"
     cfg.mkdir(parents=True)
     (cfg / "learner.json").write_text(json.dumps({"run_id": "r1", "steps": 12}))
+    (cfg / "reward.json").write_text(json.dumps({"port": 9000, "auth_token": "s3cret"}))
     (cfg / "generator-0.json").write_text(json.dumps({"run_id": "r1", "id": "gen-0",
                                                       "sampling": {"temperature": 0.5}}))
     assert cli.main(["config", "show", "r1", "--runs-dir", str(tmp_path / "runs")]) == 0
@@ -94,5 +95,7 @@ def test_config_show_prints_a_runs_effective_config(tmp_path, capsys):
     assert learner["steps"] == 12 and learner["keep_versions"] == 4 and learner["lr"] == 0.002  # defaults filled
     assert blocks[f"# {cfg / 'generator-0.json'}"]["sampling"] == {"n": 8, "temperature": 0.5, "top_p": 1.0,
                                                                     "top_k": 0, "max_tokens": 8}
+    reward = blocks[f"# {cfg / 'reward.json'}"]
+    assert reward["port"] == 9000 and reward["auth_token"] == "(set)" and "s3cret" not in out
     assert cli.main(["config", "show", "nope", "--runs-dir", str(tmp_path / "runs")]) == 2
     assert "not a run folder" in capsys.readouterr().err
