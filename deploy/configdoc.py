@@ -40,8 +40,10 @@ of its flags (`RELAY_STEPS`, `RELAY_SEED`, `RELAY_MODEL`, `RELAY_TASK`, `RELAY_R
 field is refused, like an unknown field (the few that are not config, such as `RELAY_ARGS` of
 `make run`, are listed in `deploy/launcher/environment.py`). The result, every value set by the
 launcher, the file, the environment or a flag, is written to `runs/<run-id>/config/<service>.json`;
-the services read it from there and are started without the variables. `relay config show RUN`
-prints it with every default filled in.
+the services read it from there and are started without the variables, except the secrets
+(`auth_token`, `reward_token`, `backend.api_key`): those never go into a file, each service gets
+its own as `RELAY_AUTH_TOKEN`, `RELAY_REWARD_TOKEN`, `RELAY_BACKEND__API_KEY`. `relay config show
+RUN` prints a run's config with every default filled in (a secret set in a file shows as `(set)`).
 
 Bounds: `≥`, `>`, `≤`, `<` on numbers; `pattern` on strings. `required`: no default.
 """

@@ -11,6 +11,7 @@ the Makefile and the tests) or :data:`LAUNCHER_FLAGS` (the environment form of a
 
 from __future__ import annotations
 
+import json
 import typing
 
 from pydantic import BaseModel
@@ -107,6 +108,24 @@ def resolve(models: dict[str, type[BaseModel]], environ: typing.Mapping[str, str
                           f"field of any service has that name (check the spelling: RELAY_<FIELD>, nested with "
                           f"__, e.g. RELAY_SAMPLING__TEMPERATURE; docs/config.md lists the fields), or unset it")
     return out
+
+
+# config fields that hold secrets: kept out of the run's config files, given to the service as these
+SECRETS = {("auth_token",): "RELAY_AUTH_TOKEN", ("reward_token",): "RELAY_REWARD_TOKEN",
+           ("backend", "api_key"): "RELAY_BACKEND__API_KEY"}
+
+
+def split_secrets(cfg: dict) -> tuple[dict, dict]:
+    """A service's config without its secrets, and the environment variables that carry them."""
+    public, env = json.loads(json.dumps(cfg)), {}
+    for path, var in SECRETS.items():
+        d = public
+        for p in path[:-1]:
+            d = d.get(p) if isinstance(d.get(p), dict) else {}
+        if d.get(path[-1]):
+            value = d.pop(path[-1])
+            env[var] = value if isinstance(value, str) else json.dumps(value)
+    return public, env
 
 
 def without_config_vars(environ: typing.Mapping[str, str]) -> dict:

@@ -250,24 +250,23 @@ def run_up(args) -> int:
         if p["redis_port"] is not None:
             start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof)
         cfgs = {name: p[name] for name in SERVICES}
-        for name in ("broker", "reward", "learner"):
-            (run_dir / "config" / f"{name}.json").write_text(json.dumps(cfgs[name], indent=1))
         env = _child_env()
+        envs = {name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], env)
+                for name in ("broker", "reward", "learner")}
         relay = [sys.executable, "-m", "deploy.cli"]
-        procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], env)
-        procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], env)
+        procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], envs["broker"])
+        procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], envs["reward"])
         learner_cmd = ["learner", "--config", str(run_dir / "config/learner.json")]
         if args.learner_ranks > 1:  # torchrun starts one process per rank; stopping its group stops them all
             learner_cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.learner_ranks),
                            "-m", "deploy.cli", *learner_cmd]
-            procs.start("learner", [sys.executable, *learner_cmd], env)
+            procs.start("learner", [sys.executable, *learner_cmd], envs["learner"])
         else:
-            procs.start("learner", relay + learner_cmd, env)
+            procs.start("learner", relay + learner_cmd, envs["learner"])
         for i in range(args.generators):
             gcfg = dict(cfgs["generator"], id=f"gen-{i}")
             path = run_dir / "config" / f"generator-{i}.json"
-            path.write_text(json.dumps(gcfg, indent=1))
-            procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], env)
+            procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], _write_config(path, gcfg, env))
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
         no_resume = {}
         if not LearnerConfig.model_validate(cfgs["learner"]).checkpoint_every:
@@ -335,6 +334,16 @@ def run_up(args) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs.stop()
     return rc
+
+
+def _write_config(path: Path, cfg: dict, env: dict) -> dict:
+    """Write a service's effective config; its secrets (tokens) reach it through its environment
+    instead, never a file in the run folder. Returns that environment."""
+    from deploy.launcher.environment import split_secrets
+
+    public, secret_env = split_secrets(cfg)
+    path.write_text(json.dumps(public, indent=1))
+    return {**env, **secret_env}
 
 
 def point_latest(runs_dir: Path, run_dir: Path) -> bool:
