@@ -171,9 +171,9 @@ def summarize_round(meta: EvalRound, results: dict[int, EvalResult]) -> dict:
             sample_rewards.extend(float(c.reward) for c in samples if c.ok)
     served = Counter(r.version for r in results.values() if r.version is not None)
     # the label is the version that answered (the round's own is only the one that triggered it): the one
-    # that answered the most prompts, the newer on a tie; ``mixed`` when generators at different versions
+    # that answered the most prompts, the older on a tie; ``mixed`` when generators at different versions
     # split the round
-    answered = max(served, key=lambda v: (served[v], v)) if served else meta.version
+    answered = max(served, key=lambda v: (served[v], -v)) if served else meta.version
     out = {
         "version": answered,
         "round": meta.version,

@@ -51,10 +51,10 @@ def test_a_round_is_labelled_with_the_version_that_answered_it():
     assert (one["version"], one["round"], one["versions_served"], one["mixed"]) == (13, 10, [13], False)
     split = summarize_round(meta, {0: EvalResult(version=11, greedy=c(1.0)), 1: EvalResult(version=14, greedy=c(0.0)),
                                    2: EvalResult(version=14, greedy=c(1.0)), 3: EvalResult(version=11, greedy=c(1.0))})
-    assert (split["version"], split["versions_served"], split["mixed"]) == (14, [11, 14], True)  # a tie: the newer
-    most = summarize_round(meta, {0: EvalResult(version=11, greedy=c(1.0)), 1: EvalResult(version=12, greedy=c(1.0)),
-                                  2: EvalResult(version=11, greedy=c(1.0))})
-    assert most["version"] == 11 and most["mixed"]
+    assert (split["version"], split["versions_served"], split["mixed"]) == (11, [11, 14], True)  # a tie: the older
+    most = summarize_round(meta, {0: EvalResult(version=11, greedy=c(1.0)), 1: EvalResult(version=14, greedy=c(1.0)),
+                                  2: EvalResult(version=14, greedy=c(1.0))})
+    assert most["version"] == 14 and most["mixed"]
     waiting = summarize_round(meta, {})  # nothing answered yet: the round's own version
     assert (waiting["version"], waiting["versions_served"], waiting["mixed"]) == (10, [], False)
 
