@@ -42,10 +42,21 @@ def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
     return p
 
 
+def _load(model, args):
+    """The service's config: defaults < --config < RELAY_* variables < --set; a RELAY_* variable that
+    names no field of any service is refused (deploy/launcher/environment.py)."""
+    import os
+
+    from deploy.launcher.environment import refuse_unknown
+
+    refuse_unknown(os.environ)
+    return load_config(model, args.config, set_overrides(args.set))
+
+
 def cmd_broker(args) -> int:
     from broker.config import BrokerConfig
 
-    cfg = load_config(BrokerConfig, args.config, set_overrides(args.set))
+    cfg = _load(BrokerConfig, args)
     from broker.runtime.logs import setup_logging
     from broker.service import Broker
 
@@ -60,7 +71,7 @@ def cmd_broker(args) -> int:
 def cmd_reward(args) -> int:
     from reward_service.app import RewardConfig
 
-    cfg = load_config(RewardConfig, args.config, set_overrides(args.set))
+    cfg = _load(RewardConfig, args)
     import uvicorn
 
     from broker.runtime.logs import setup_logging
@@ -74,7 +85,7 @@ def cmd_reward(args) -> int:
 def cmd_generator(args) -> int:
     from generators.config import GeneratorConfig
 
-    cfg = load_config(GeneratorConfig, args.config, set_overrides(args.set))
+    cfg = _load(GeneratorConfig, args)
     from broker.runtime.logs import setup_logging
 
     setup_logging("generator", cfg.id, as_json=args.log_json)
@@ -87,7 +98,7 @@ def cmd_generator(args) -> int:
 def cmd_learner(args) -> int:
     from learner.config import LearnerConfig
 
-    cfg = load_config(LearnerConfig, args.config, set_overrides(args.set))
+    cfg = _load(LearnerConfig, args)
     from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)

@@ -28,17 +28,17 @@ Every service (`relay broker`, `relay reward`, `relay generator`, `relay learner
 from, in increasing precedence: the defaults below, `--config FILE` (TOML or JSON), environment
 variables `RELAY_<FIELD>` (nested fields joined with `__`: `RELAY_SAMPLING__TEMPERATURE=0.7`), and
 `--set field.sub=value` (values parsed as JSON when they parse, else taken as strings). Unknown
-fields are errors. A service on its own uses the paths below without the service's name
-(`relay generator --set sampling.temperature=0.7`); `relay up` takes them with it
-(`--set generator.sampling.temperature=0.7`, or `[generator.sampling]` in its config file).
+fields are errors, and so is a `RELAY_*` variable that names no field of any service (the few that
+are not config, such as `RELAY_ARGS` of `make run`, are listed in `deploy/launcher/environment.py`).
+A service on its own uses the paths below without the service's name (`relay generator --set
+sampling.temperature=0.7`); `relay up` takes them with it (`--set
+generator.sampling.temperature=0.7`, or `[generator.sampling]` in its config file).
 
 `relay up` resolves the environment once, itself, in the same order: `RELAY_<FIELD>` applies to
 every service that has the field (`RELAY_SAMPLING__TEMPERATURE` to the generators), the variables
 of its flags (`RELAY_STEPS`, `RELAY_SEED`, `RELAY_MODEL`, `RELAY_TASK`, `RELAY_RUN_ID`,
 `RELAY_REDIS_URL`, `RELAY_DASHBOARD_PORT`) act as those flags, a flag given (`--steps`, `--model`,
-`--task`, `--seed`, `--backend`) or `--set` overrides them, and a `RELAY_*` variable that names no
-field is refused, like an unknown field (the few that are not config, such as `RELAY_ARGS` of
-`make run`, are listed in `deploy/launcher/environment.py`). The result, every value set by the
+`--task`, `--seed`, `--backend`) or `--set` overrides them. The result, every value set by the
 launcher, the file, the environment or a flag, is written to `runs/<run-id>/config/<service>.json`;
 the services read it from there and are started without the variables, except the secrets
 (`auth_token`, `reward_token`, `backend.api_key`): those never go into a file, each service gets

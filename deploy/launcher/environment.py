@@ -128,6 +128,21 @@ def split_secrets(cfg: dict) -> tuple[dict, dict]:
     return public, env
 
 
+def config_models() -> dict[str, type[BaseModel]]:
+    from broker.config import BrokerConfig
+    from generators.config import GeneratorConfig
+    from learner.config import LearnerConfig
+    from reward_service.config import RewardConfig
+
+    return {"broker": BrokerConfig, "reward": RewardConfig, "generator": GeneratorConfig, "learner": LearnerConfig}
+
+
+def refuse_unknown(environ: typing.Mapping[str, str]) -> None:
+    """For a service started on its own: a ``RELAY_*`` variable that names no field of any service
+    (nor is listed above) is a ConfigError, as under ``relay up``."""
+    resolve(config_models(), environ)
+
+
 def without_config_vars(environ: typing.Mapping[str, str]) -> dict:
     """The environment for the services: no config variable (the run's config files hold them)."""
     return {k: v for k, v in environ.items() if not k.startswith(PREFIX) or k in NOT_CONFIG}

@@ -78,3 +78,9 @@ def test_a_misspelled_relay_variable_is_refused_in_one_line(tmp_path):
 def test_config_docs_prints_the_reference():
     res = relay("config", "docs")
     assert res.returncode == 0 and "`generator.sampling.max_tokens`" in res.stdout
+
+
+def test_a_service_on_its_own_refuses_a_relay_variable_no_service_has():
+    res = relay("learner", env={**child_env(), "RELAY_STEPPS": "3"})
+    _assert_clear_error(res, "RELAY_STEPPS", "docs/config.md")
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
