@@ -2,11 +2,12 @@
 
 One precedence order: the defaults < the config file < ``RELAY_<FIELD>`` environment variables <
 flags and ``--set``. A ``RELAY_<FIELD>[__<SUB>...]`` variable applies to every service whose
-config has that field (``RELAY_SEED`` to all four, ``RELAY_STEPS`` to the learner); the result is
-written to ``runs/<id>/config/*.json`` and the services are started without the variables, so
-they cannot override a flag a second time. A variable that names no field of any service is
-refused, like an unknown field, unless it is one of :data:`NOT_CONFIG` (variables of the build,
-the Makefile and the tests) or :data:`LAUNCHER_FLAGS` (the environment form of a flag).
+config has that field (``RELAY_SAMPLING__TEMPERATURE`` to the generators, ``RELAY_RUN_ID`` to
+all four), or stands for a flag (:data:`LAUNCHER_FLAGS`); the result is written to
+``runs/<id>/config/*.json`` and the services are started without the variables, so they cannot
+override a flag a second time (secrets excepted: :func:`split_secrets`). A variable that names no
+field of any service is refused, like an unknown field, unless it is one of :data:`NOT_CONFIG`
+(variables of the build, the Makefile and the tests); services started on their own refuse it too.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def split_secrets(cfg: dict) -> tuple[dict, dict]:
             d = d.get(p) if isinstance(d.get(p), dict) else {}
         if d.get(path[-1]):
             value = d.pop(path[-1])
-            env[var] = value if isinstance(value, str) else json.dumps(value)
+            env[var] = json.dumps(value)  # JSON, as the service parses it: a token of digits stays a string
     return public, env
 
 

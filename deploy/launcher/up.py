@@ -86,9 +86,8 @@ def plan(args, environ: dict | None = None) -> dict:
     from learner.config import LearnerConfig
     from reward_service.app import RewardConfig
 
-    models = {"broker": BrokerConfig, "reward": RewardConfig, "generator": GeneratorConfig, "learner": LearnerConfig}
     environ = os.environ if environ is None else environ
-    env_over = environment.resolve(models, environ)
+    env_over = environment.resolve(environment.config_models(), environ)
     flags = environment.flag_layer(args, environ)  # the flags given (and their variables), above the environment
 
     try:

@@ -120,10 +120,16 @@ def test_every_relay_variable_the_project_uses_is_config_a_flag_or_listed_as_not
 
 def test_secrets_stay_out_of_the_run_config_files_and_reach_the_service_by_its_environment():
     public, env = environment.split_secrets({"port": 1, "auth_token": "t0k"})
-    assert public == {"port": 1} and env == {"RELAY_AUTH_TOKEN": "t0k"}
+    assert public == {"port": 1} and env == {"RELAY_AUTH_TOKEN": '"t0k"'}
     cfg = {"backend": {"type": "sglang", "api_key": "k"}, "reward_token": "t0k", "seed": 1}
     public, env = environment.split_secrets(cfg)
     assert public == {"backend": {"type": "sglang"}, "seed": 1}
-    assert env == {"RELAY_BACKEND__API_KEY": "k", "RELAY_REWARD_TOKEN": "t0k"}
+    assert env == {"RELAY_BACKEND__API_KEY": '"k"', "RELAY_REWARD_TOKEN": '"t0k"'}
     assert cfg["reward_token"] == "t0k"  # the plan itself is left as it was
     assert environment.split_secrets({"auth_token": ""}) == ({"auth_token": ""}, {})
+    # the service reads the variable back as the same string, digits included
+    from broker.runtime.config import load_config
+    from reward_service.config import RewardConfig
+
+    _, env = environment.split_secrets({"auth_token": "12345"})
+    assert load_config(RewardConfig, None, environ=env).auth_token == "12345"
