@@ -8,9 +8,11 @@
     relay bench       every stage measured against its raw baseline (benchmarks/, docs/benchmarks.md)
     relay status      the run's state as a table (generators' versions, hashes, lag; queue; failures)
     relay export      a run's trained model as a Hugging Face folder
+    relay config      the config reference (docs/config.md) and a run's effective config
 
 Every service takes ``--config FILE`` (JSON or TOML), ``RELAY_<FIELD>`` environment variables,
-and ``--set field.sub=value`` overrides. Heavy packages (torch, transformers, DeepSpeed) are
+and ``--set field.sub=value`` overrides, in that increasing precedence; docs/config.md lists
+every field. Heavy packages (torch, transformers, DeepSpeed) are
 imported only after the config is validated, so ``--help`` and config errors are instant.
 """
 
@@ -22,19 +24,39 @@ import sys
 from broker.runtime.config import ConfigError, load_config, set_overrides
 
 
+# a valid ``--set`` of each service (tests/unit/deploy/test_config_docs.py loads each one)
+SET_EXAMPLES = {"broker": "eval.every_versions=10", "reward": "port=8091",
+                "generator": "sampling.temperature=0.7", "learner": "lr=0.001"}
+CONFIG_DOC = "docs/config.md"
+
+
 def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_, description=help_)
-    p.add_argument("--config", help="JSON or TOML config file for this service")
+    p = sub.add_parser(name, help=help_, description=f"{help_}. Every field, its default and bounds: {CONFIG_DOC} "
+                       f"(or `relay config docs`); precedence: defaults < --config < RELAY_<FIELD> "
+                       f"environment variables < --set.")
+    p.add_argument("--config", help=f"JSON or TOML config file for this service: the fields of the {name} "
+                   f"section of {CONFIG_DOC}, at the top level (no [{name}] header)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field (nested with dots), e.g. --set sampling.temperature=0.7")
+                   help=f"override a config field (nested with dots), e.g. --set {SET_EXAMPLES[name]}")
     p.add_argument("--log-json", action="store_true", help="log as JSON lines")
     return p
+
+
+def _load(model, args):
+    """The service's config: defaults < --config < RELAY_* variables < --set; a RELAY_* variable that
+    names no field of any service is refused (deploy/launcher/environment.py)."""
+    import os
+
+    from deploy.launcher.environment import refuse_unknown
+
+    refuse_unknown(os.environ)
+    return load_config(model, args.config, set_overrides(args.set))
 
 
 def cmd_broker(args) -> int:
     from broker.config import BrokerConfig
 
-    cfg = load_config(BrokerConfig, args.config, set_overrides(args.set))
+    cfg = _load(BrokerConfig, args)
     from broker.runtime.logs import setup_logging
     from broker.service import Broker
 
@@ -49,7 +71,7 @@ def cmd_broker(args) -> int:
 def cmd_reward(args) -> int:
     from reward_service.app import RewardConfig
 
-    cfg = load_config(RewardConfig, args.config, set_overrides(args.set))
+    cfg = _load(RewardConfig, args)
     import uvicorn
 
     from broker.runtime.logs import setup_logging
@@ -63,7 +85,7 @@ def cmd_reward(args) -> int:
 def cmd_generator(args) -> int:
     from generators.config import GeneratorConfig
 
-    cfg = load_config(GeneratorConfig, args.config, set_overrides(args.set))
+    cfg = _load(GeneratorConfig, args)
     from broker.runtime.logs import setup_logging
 
     setup_logging("generator", cfg.id, as_json=args.log_json)
@@ -76,7 +98,7 @@ def cmd_generator(args) -> int:
 def cmd_learner(args) -> int:
     from learner.config import LearnerConfig
 
-    cfg = load_config(LearnerConfig, args.config, set_overrides(args.set))
+    cfg = _load(LearnerConfig, args)
     from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)
@@ -96,6 +118,12 @@ def cmd_status(args) -> int:
     from deploy.status import run_status
 
     return run_status(args)
+
+
+def cmd_config(args) -> int:
+    from deploy.configdoc import run_config
+
+    return run_config(args)
 
 
 def cmd_up(args) -> int:
@@ -157,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      "against the snapshot's sha256 manifest.")
     add_export_arguments(exp)
     exp.set_defaults(fn=cmd_export)
+    from deploy.configdoc import add_config_arguments
+
+    config = sub.add_parser("config", help="the config reference (docs/config.md) and a run's effective config",
+                            description="`relay config docs` prints docs/config.md (every field of every service, "
+                                        "generated from the models); `relay config show RUN` prints the effective "
+                                        "config a run's services ran with.")
+    add_config_arguments(config)
+    config.set_defaults(fn=cmd_config)
     return parser
 
 

@@ -2,8 +2,9 @@
 schedules them; docs/eval.md).
 
 A generator claims held-out prompts from ``eval_prompts`` (consumer group ``generators``; prompts
-left by a dead generator are reclaimed after ``claim_idle_s``), makes sure it serves at least the
-round's version, generates greedily (top_k = 1) and/or ``samples`` completions at the training
+left by a dead generator are reclaimed after ``claim_idle_s``), ``prompts_per_batch`` at a time until
+none is waiting (no weight update in between, so what it answers comes from one version), makes
+sure it serves at least the round's version, generates greedily (top_k = 1) and/or ``samples`` completions at the training
 temperature, scores them through the reward service like training groups, and appends one entry per
 prompt to ``eval_results`` while acknowledging the prompt, in one MULTI/EXEC. Nothing goes to the
 broker's ingest or the admission counters: evaluation does not change what is trained.
@@ -36,18 +37,28 @@ class Evaluator:
         return out
 
     def serve(self, force: bool = False) -> int:
-        """Evaluate one batch of waiting held-out prompts, if any; return how many."""
+        """Evaluate the waiting held-out prompts, batch after batch until none is left, with no weight
+        update between batches unless a batch needs a newer version (so the prompts one generator
+        answers come from one version: a round's label, broker/prompts/evals.py); return how many."""
         if not force and time.monotonic() < self._next_check:
             return 0
         self._next_check = time.monotonic() + self.check_every_s
-        try:
-            claimed = self._claim()
-        except Exception as e:  # noqa: BLE001 - the stream or group may not exist (an older broker): no eval
-            if "NOGROUP" in str(e):
-                return 0
-            raise
-        if not claimed:
-            return 0
+        total = 0
+        while not self.gen.stop.is_set():  # claimed prompts are left pending when stopped (reclaimed later)
+            try:
+                claimed = self._claim()
+            except Exception as e:  # noqa: BLE001 - the stream or group may not exist (an older broker): no eval
+                if "NOGROUP" in str(e):
+                    return total
+                raise
+            if not claimed:
+                return total
+            total += self._answer(claimed)
+            self.gen.send_heartbeat()  # a long round must not look like a dead generator
+        return total
+
+    def _answer(self, claimed: list[tuple[bytes, PromptEntry]]) -> int:
+        """Generate, score and record one batch of claimed held-out prompts."""
         need = max(p.round for _, p in claimed)
         weights = self.gen.weights
         if weights.version is None or weights.version < need:
@@ -93,5 +104,4 @@ class Evaluator:
         deadline = time.monotonic() + self.final_wait_s
         while time.monotonic() < deadline and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version)):
             time.sleep(0.1)
-        while self.serve(force=True):
-            pass
+        self.serve(force=True)

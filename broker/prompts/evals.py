@@ -8,7 +8,8 @@ entry tagged with the round (the version that triggered it) and the sampling to 
 claim them through the consumer group ``generators`` (generators/eval.py), generate greedily
 and/or ``samples`` completions at the training temperature with the version they serve (at least
 the round's), score them through the reward service, and append one entry per prompt to
-``eval_results``. Nothing of this reaches the broker's ingest, the admission counters or the
+``eval_results`` with the version that answered it. A round is labelled with that version (the
+one that answered most of its prompts when several did), never with the version that triggered it. Nothing of this reaches the broker's ingest, the admission counters or the
 learner: evaluation never changes what is trained.
 
 :class:`EvalHistory` aggregates the results per round: pass@1, pass@k, mean reward and mean
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import replace
 from math import comb
 
@@ -168,8 +169,14 @@ def summarize_round(meta: EvalRound, results: dict[int, EvalResult]) -> dict:
         if k and samples:
             at_k.append(pass_at_k(len(samples), sum(map(correct, samples)), min(k, len(samples))))
             sample_rewards.extend(float(c.reward) for c in samples if c.ok)
+    served = Counter(r.version for r in results.values() if r.version is not None)
+    # the label is the version that answered (the round's own is only the one that triggered it): the one
+    # that answered the most prompts, the older on a tie; ``mixed`` when generators at different versions
+    # split the round
+    answered = max(served, key=lambda v: (served[v], -v)) if served else meta.version
     out = {
-        "version": meta.version,
+        "version": answered,
+        "round": meta.version,
         "pass@1": _mean(firsts),
         "pass@k": _mean(at_k) if k else None,
         "k": k or None,
@@ -179,7 +186,8 @@ def summarize_round(meta: EvalRound, results: dict[int, EvalResult]) -> dict:
         "prompts": meta.prompts,
         "complete": len(results) >= meta.prompts,
         "reward_failures": failures,
-        "versions_served": sorted({r.version for r in results.values() if r.version is not None}),
+        "versions_served": sorted(served),
+        "mixed": len(served) > 1,
         "final": meta.final,
     }
     if greedy and k:

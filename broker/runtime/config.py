@@ -3,7 +3,9 @@
 A service's config is one pydantic model (``extra="forbid"``: unknown keys are errors). Values
 come from, in increasing precedence: the model's defaults, a JSON or TOML file, environment
 variables ``RELAY_<FIELD>`` (nested fields joined with ``__``, e.g.
-``RELAY_SAMPLING__TEMPERATURE=0.7``), and explicit overrides from the command line.
+``RELAY_SAMPLING__TEMPERATURE=0.7``), and explicit overrides from the command line. docs/config.md
+lists every field (deploy/configdoc.py generates it); ``relay up`` resolves the environment itself
+(deploy/launcher/environment.py) and starts the services without it.
 
 This module imports no torch: ``--help`` and validation stay fast.
 """
@@ -96,8 +98,10 @@ def format_validation_error(e: ValidationError) -> str:
         loc = ".".join(str(x) for x in err["loc"]) or "(root)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see --help or docs/ for valid fields)"
-        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r:.80})" if err["type"] != "missing" and err["type"] != "extra_forbidden" else ""))
+            msg = "unknown field (check the spelling; docs/config.md lists every field)"
+        # the value, when it is one value: never a whole section or config (a model validator's input)
+        shown = err["type"] not in ("missing", "extra_forbidden") and not isinstance(err["input"], (dict, list))
+        lines.append(f"  {loc}: {msg}" + (f" (got {err['input']!r:.80})" if shown else ""))
     return "invalid config:\n" + "\n".join(lines)
 
 

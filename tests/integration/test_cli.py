@@ -7,7 +7,7 @@ import pytest
 
 from tests.support.services import child_env, relay
 
-SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner", "status"]
+SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner", "status", "config"]
 
 
 @pytest.mark.parametrize("sub", [None, *SUBCOMMANDS])
@@ -65,3 +65,22 @@ def test_bad_config_field_names_the_field(tmp_path):
     _assert_clear_error(relay("up", "--set", "learner.lrr=1", "--runs-dir", str(tmp_path)), "lrr", "unknown field")
     res = relay("learner", "--set", "steps=0")
     _assert_clear_error(res, "steps", "greater than or equal to 1")
+
+
+def test_a_misspelled_relay_variable_is_refused_in_one_line(tmp_path):
+    t0 = time.perf_counter()
+    res = relay("up", "--runs-dir", str(tmp_path), env={**child_env(), "RELAY_SAMPLING__TEMPRATURE": "0.7"})
+    _assert_clear_error(res, "RELAY_SAMPLING__TEMPRATURE", "docs/config.md")
+    assert len(res.stderr.strip().splitlines()) == 1 and time.perf_counter() - t0 < 5, res.stderr
+    assert not any(tmp_path.iterdir())  # nothing started, no run folder
+
+
+def test_config_docs_prints_the_reference():
+    res = relay("config", "docs")
+    assert res.returncode == 0 and "`generator.sampling.max_tokens`" in res.stdout
+
+
+def test_a_service_on_its_own_refuses_a_relay_variable_no_service_has():
+    res = relay("learner", env={**child_env(), "RELAY_STEPPS": "3"})
+    _assert_clear_error(res, "RELAY_STEPPS", "docs/config.md")
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -104,11 +104,14 @@ n = 4
         assert g.prompt_ids.tolist() == want, (g.reference, g.prompt_ids.tolist(), want)
         assert tok.convert_ids_to_tokens(want)[:2] == ["<bos>", "0"] and want.count(1) == 2  # BOS once per message
         assert g.task == "copy"
-    # evaluation on the held-out rows: at version 0, at the first version the broker sees at or past 2
-    # (versions may pass faster than it looks), and at 4 (final); every prompt answered
+    # evaluation on the held-out rows: rounds enqueued at version 0, at the first version the broker sees
+    # at or past 2 (versions may pass faster than it looks), and at 4 (final); each labelled with the
+    # version that answered it (the generators may serve a newer one than the round's); every prompt answered
     ev = s["eval"]
-    versions = [e["version"] for e in ev]
-    assert len(versions) == 3 and versions[0] == 0 and 2 <= versions[1] <= 3 and versions[2] == 4, versions
+    rounds, versions = [e["round"] for e in ev], [e["version"] for e in ev]
+    assert len(rounds) == 3 and rounds[0] == 0 and 2 <= rounds[1] <= 3 and rounds[2] == 4, rounds
+    assert all(e["version"] >= e["round"] and e["version"] in e["versions_served"] for e in ev), ev
+    assert versions[2] == 4, versions
     assert all(e["complete"] and e["n_prompts"] == 16 for e in ev)
     assert s["export"]["version"] == 4
 

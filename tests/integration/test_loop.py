@@ -72,6 +72,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out
     assert "SIGINT received" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["error"] is None, summary
+    assert (tmp_path / "latest").resolve() == run.resolve()  # it started: its learner published versions
     left = [name for name, pid in pids.items() if _alive(pid)]
     assert not left, f"still alive after Ctrl-C: {left}"
     # nothing else of this run survives either (grandchildren included)

@@ -43,6 +43,22 @@ def test_round_summary_greedy_and_samples():
     assert not partial["complete"] and partial["n_prompts"] == 1
 
 
+def test_a_round_is_labelled_with_the_version_that_answered_it():
+    """every_versions = 10: the round the broker enqueued at version 10 was answered by 13 (or split
+    between 11 and 14); its label is the version that answered, never the one that triggered it."""
+    meta = EvalRound(version=10, prompts=4, greedy=True, samples=0, threshold=1.0)
+    one = summarize_round(meta, {i: EvalResult(version=13, greedy=c(1.0)) for i in range(4)})
+    assert (one["version"], one["round"], one["versions_served"], one["mixed"]) == (13, 10, [13], False)
+    split = summarize_round(meta, {0: EvalResult(version=11, greedy=c(1.0)), 1: EvalResult(version=14, greedy=c(0.0)),
+                                   2: EvalResult(version=14, greedy=c(1.0)), 3: EvalResult(version=11, greedy=c(1.0))})
+    assert (split["version"], split["versions_served"], split["mixed"]) == (11, [11, 14], True)  # a tie: the older
+    most = summarize_round(meta, {0: EvalResult(version=11, greedy=c(1.0)), 1: EvalResult(version=14, greedy=c(1.0)),
+                                  2: EvalResult(version=14, greedy=c(1.0))})
+    assert most["version"] == 14 and most["mixed"]
+    waiting = summarize_round(meta, {})  # nothing answered yet: the round's own version
+    assert (waiting["version"], waiting["versions_served"], waiting["mixed"]) == (10, [], False)
+
+
 def test_round_summary_samples_only_estimates_pass_at_1():
     meta = EvalRound(version=1, prompts=2, greedy=False, samples=4, threshold=0.5)
     s = summarize_round(meta, {0: EvalResult(samples=[c(1.0), c(0.0), c(0.0), c(0.0)]),

@@ -1,16 +1,23 @@
 """``relay up``'s plan: what each service is told, before anything starts (no process, no network)."""
 
 import argparse
+import re
+import subprocess
 
+import pytest
+
+from broker.runtime.config import ConfigError
+from deploy.launcher import environment
 from deploy.launcher.up import add_up_arguments, plan
+from tests.support.services import ROOT
 
 
-def _plan(tmp_path, *argv):
+def _plan(tmp_path, *argv, environ=None):
     p = argparse.ArgumentParser()
     add_up_arguments(p)
     # an external Redis URL: plan() then needs no redis-server binary (nothing is started)
     return plan(p.parse_args(["--runs-dir", str(tmp_path), "--dashboard-port", "0",
-                              "--redis-url", "redis://127.0.0.1:1/0", *argv]))
+                              "--redis-url", "redis://127.0.0.1:1/0", *argv]), environ=environ or {})
 
 
 def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_them(tmp_path):
@@ -34,3 +41,95 @@ def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_
     explicit = _plan(tmp_path, "--run-id", "d", "--set", "broker.ingest_bind=tcp://0.0.0.0:6125",
                      "--set", "generator.broker_address=tcp://gateway:7000")
     assert explicit["generator"]["broker_address"] == "tcp://gateway:7000"
+
+
+def test_one_precedence_order_defaults_file_environment_flags(tmp_path):
+    """defaults < config file < RELAY_* < flags and --set; each service's effective config (written
+    to runs/<id>/config/*.json) holds the environment's values."""
+    (tmp_path / "run.toml").write_text("[learner]\nsteps = 20\nbatch_groups = 8\n[generator.sampling]\nn = 4\n")
+    env = {"RELAY_STEPS": "4", "RELAY_SAMPLING__TEMPERATURE": "0.7", "RELAY_SEED": "5"}
+    assert "steps" not in _plan(tmp_path, "--run-id", "b")["learner"]  # the model's default
+    assert _plan(tmp_path, "--run-id", "c", "--config", str(tmp_path / "run.toml"))["learner"]["steps"] == 20
+    p = _plan(tmp_path, "--run-id", "d", "--config", str(tmp_path / "run.toml"), environ=env)
+    assert p["learner"]["steps"] == 4 and p["learner"]["batch_groups"] == 8  # the environment over the file
+    assert p["generator"]["sampling"] == {"n": 4, "temperature": 0.7}  # recorded in the generator's config
+    assert p["learner"]["seed"] == p["generator"]["seed"] == 5 and p["broker"]["task"]["seed"] == 5
+    p = _plan(tmp_path, "--run-id", "e", "--config", str(tmp_path / "run.toml"), "--steps", "12", "--seed", "1",
+              environ=env)
+    assert p["learner"]["steps"] == 12  # the flag over the environment (it used to stop at 4 of 12)
+    assert p["learner"]["seed"] == p["generator"]["seed"] == p["broker"]["task"]["seed"] == 1
+    p = _plan(tmp_path, "--run-id", "f", "--steps", "12", "--set", "learner.steps=7",
+              "--set", "generator.sampling.temperature=0.9", environ=env)
+    assert p["learner"]["steps"] == 7 and p["generator"]["sampling"]["temperature"] == 0.9
+    # flags over the file too (the file used to win over --steps, --model, --seed, --backend)
+    (tmp_path / "model.toml").write_text("[learner]\nsteps = 20\n[generator.backend]\ntype = 'sglang'\n")
+    p = _plan(tmp_path, "--run-id", "g", "--config", str(tmp_path / "model.toml"), "--steps", "3",
+              "--backend", "torch")
+    assert p["learner"]["steps"] == 3 and p["generator"]["backend"] == {"type": "torch"}
+
+
+def test_environment_forms_of_the_launchers_flags(tmp_path):
+    p = _plan(tmp_path, environ={"RELAY_RUN_ID": "from-env", "RELAY_TASK": "reverse"})
+    assert p["run_id"] == "from-env" and p["learner"]["run_id"] == "from-env"
+    assert p["broker"]["task"]["name"] == "reverse"
+    p = _plan(tmp_path, "--run-id", "flag", "--task", "add", environ={"RELAY_RUN_ID": "x", "RELAY_TASK": "reverse"})
+    assert p["run_id"] == "flag" and p["broker"]["task"]["name"] == "add"
+
+
+@pytest.mark.parametrize("var", ["RELAY_STEPPS", "RELAY_SAMPLING__TEMPRATURE", "RELAY_LEARNER__STEPS"])
+def test_an_unknown_relay_variable_is_refused_by_name(tmp_path, var):
+    with pytest.raises(ConfigError) as e:
+        _plan(tmp_path, "--run-id", "u", environ={var: "3", "RELAY_STEPS": "4"})
+    msg = str(e.value)
+    assert var in msg and "RELAY_STEPS" not in msg.replace(var, "") and "docs/config.md" in msg and "\n" not in msg
+
+
+def test_a_bad_value_from_the_environment_names_the_field(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _plan(tmp_path, "--run-id", "v", environ={"RELAY_SAMPLING__TEMPERATURE": "-1"})
+    assert "sampling.temperature" in str(e.value)
+
+
+def test_services_started_by_relay_up_see_no_config_variable():
+    env = {"RELAY_STEPS": "4", "RELAY_ARGS": "--steps 3", "RELAY_SMOLLM2": "/m", "PATH": "/bin"}
+    assert environment.without_config_vars(env) == {"RELAY_ARGS": "--steps 3", "RELAY_SMOLLM2": "/m", "PATH": "/bin"}
+
+
+def test_every_relay_variable_the_project_uses_is_config_a_flag_or_listed_as_not_config():
+    """A RELAY_* name anywhere in the tree (Makefile, Compose, docs, tests) is either a field of some
+    service, the environment form of a `relay up` flag, or in NOT_CONFIG: none is refused by mistake."""
+    from broker.config import BrokerConfig
+    from generators.config import GeneratorConfig
+    from learner.config import LearnerConfig
+    from reward_service.config import RewardConfig
+
+    models = {"broker": BrokerConfig, "reward": RewardConfig, "generator": GeneratorConfig, "learner": LearnerConfig}
+    text = subprocess.run(["git", "grep", "-ohE", r"RELAY_[A-Z0-9_]+"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+    names = set(text.split()) - {"RELAY_UNRELATED", "RELAY_STEPPS", "RELAY_SAMPLING__TEMPRATURE",
+                                 "RELAY_LEARNER__STEPS", "RELAY_"}  # the misspellings tests use on purpose
+    refused = []
+    for name in sorted(names):
+        try:
+            environment.resolve(models, {name: "1"})
+        except ConfigError:
+            refused.append(name)
+    assert not refused and len(names) > 20
+    assert all(re.fullmatch(r"RELAY_[A-Z0-9_]+", n) for n in environment.NOT_CONFIG)
+
+
+def test_secrets_stay_out_of_the_run_config_files_and_reach_the_service_by_its_environment():
+    public, env = environment.split_secrets({"port": 1, "auth_token": "t0k"})
+    assert public == {"port": 1} and env == {"RELAY_AUTH_TOKEN": '"t0k"'}
+    cfg = {"backend": {"type": "sglang", "api_key": "k"}, "reward_token": "t0k", "seed": 1}
+    public, env = environment.split_secrets(cfg)
+    assert public == {"backend": {"type": "sglang"}, "seed": 1}
+    assert env == {"RELAY_BACKEND__API_KEY": '"k"', "RELAY_REWARD_TOKEN": '"t0k"'}
+    assert cfg["reward_token"] == "t0k"  # the plan itself is left as it was
+    assert environment.split_secrets({"auth_token": ""}) == ({"auth_token": ""}, {})
+    # the service reads the variable back as the same string, digits included
+    from broker.runtime.config import load_config
+    from reward_service.config import RewardConfig
+
+    _, env = environment.split_secrets({"auth_token": "12345"})
+    assert load_config(RewardConfig, None, environ=env).auth_token == "12345"
