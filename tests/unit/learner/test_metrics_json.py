@@ -20,3 +20,17 @@ def test_non_finite_values_become_null_and_are_counted():
 
 def test_finite_metrics_count_zero():
     assert finite_metrics({"loss": 0.1})["metrics_nonfinite"] == 0
+
+
+def test_completion_length_and_truncation_per_step():
+    import numpy as np
+
+    from learner.data import completion_stats
+    from tests.support.data import make_group
+
+    g = make_group()  # two samples: 3 tokens "stop", 1 token "length"
+    g2 = make_group(group_id="g2")
+    g2.samples[0].completion_ids = np.arange(7, dtype=np.int32)
+    g2.samples[0].finish_reason = "length"
+    assert completion_stats([g, g2]) == {"completion_len_mean": (3 + 1 + 7 + 1) / 4, "completion_len_max": 7,
+                                         "completion_truncated_frac": 3 / 4}
