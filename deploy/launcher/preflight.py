@@ -44,7 +44,7 @@ def _tokenizer(path: str):
 def check_run(p: dict) -> list[str]:
     """Check the run ``p`` (``plan()``'s result) before anything starts; raise PreflightError on the first
     mistake. Returns notes worth printing (e.g. a dataset that ends before the last step)."""
-    from broker.prompts.datasets import DatasetError, check_dataset
+    from broker.prompts.datasets import DatasetError, check_dataset, read_rows
     from generators.config import BackendMissing, check_backend_installed
     from learner.model_folder import ModelFolderError, check_model_folder
     from reward_service.config import check_secrets
@@ -81,11 +81,12 @@ def check_run(p: dict) -> list[str]:
             continue
         tok_path = ds.tokenizer or (main.tokenizer if main else "") or learner.model
         try:
-            tok = tokenizer(tok_path)
-        except (OSError, ValueError) as e:
-            raise PreflightError(f"{name}: cannot load the tokenizer of {tok_path}: {_one_line(e)}") from None
-        try:
-            rows = check_dataset(ds, tok)
+            rows = read_rows(ds)  # first, without a tokenizer (transformers takes seconds to import)
+            try:
+                tok = tokenizer(tok_path)
+            except (OSError, ValueError) as e:
+                raise PreflightError(f"{name}: cannot load the tokenizer of {tok_path}: {_one_line(e)}") from None
+            check_dataset(ds, tok, rows)
         except DatasetError as e:
             raise PreflightError(f"{name}: {e}") from None
         if ds is main and main.epochs is not None:
