@@ -204,8 +204,8 @@ class Learner:
             log.info("finished %d steps at version %d", step, self.version)
 
     def warn_if_truncated(self, diag: dict) -> None:
-        """Log once when most of a step's completions stopped at ``max_tokens``: their answers were cut off, and the reward and the
-        gradient are of cut-off text (raise ``generator.sampling.max_tokens``)."""
+        """Log once when most of a step's completions stopped at ``max_tokens``: their answers were cut
+        off, and the reward and the gradient are of cut-off text (raise ``generator.sampling.max_tokens``)."""
         frac = diag["completion_truncated_frac"]
         if frac <= TRUNCATED_WARN_FRAC or self.warned_truncated:
             return

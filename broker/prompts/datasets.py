@@ -205,7 +205,8 @@ class PromptBuilder:
         if cfg.chat_template == "always" and not has_template:
             name = getattr(tokenizer, "name_or_path", "") or "the built-in tiny model's"
             raise DatasetError(f"dataset.chat_template = 'always' but the tokenizer ({name}) has no chat template; "
-                               "use 'never' (or 'auto') for a base model, or set dataset.tokenizer to a folder with one")
+                               "use 'never' (or 'auto') for a base model, or set dataset.tokenizer to a folder "
+                               "with one")
         self.use_template = cfg.chat_template == "always" or (cfg.chat_template == "auto" and has_template)
 
     def messages(self, row: dict) -> list[dict]:

@@ -117,7 +117,8 @@ function renderCards(st) {
   $("length").textContent = `${fmt(ln.completion_len_mean, 1)} / ${fmt(ln.completion_len_max)}`;
   const trunc = ln.completion_truncated_frac;
   $("truncated").textContent = typeof trunc === "number"
-    ? `${Math.round(100 * trunc)}% stopped at max_tokens${trunc > 0.5 ? ": raise generator.sampling.max_tokens" : ""}` : "";
+    ? `${Math.round(100 * trunc)}% stopped at max_tokens` + (trunc > 0.5 ? ": raise generator.sampling.max_tokens" : "")
+    : "";
   $("truncated").classList.toggle("lag-bad", typeof trunc === "number" && trunc > 0.5);
   $("queue").textContent = `${st.queue_depth} / ${st.pending_groups}`;
   $("prompts-ready").textContent = `${st.prompts_ready} prompts ready`;
