@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import torch
@@ -37,7 +37,10 @@ from learner.update import PolicyUpdate
 log = logging.getLogger("relay.learner")
 
 LENGTH_STATS = ("completion_len_mean", "completion_len_max", "completion_truncated_frac")
-TRUNCATED_WARN_FRAC = 0.5  # a step with more completions stopped at max_tokens than this warns (once)
+# more than this share of the completions of the last TRUNCATED_WARN_STEPS steps stopped at max_tokens:
+# warn, once (a window, so a random-init model's long first answers do not set it off)
+TRUNCATED_WARN_FRAC = 0.5
+TRUNCATED_WARN_STEPS = 5
 
 class Learner:
     def __init__(self, cfg: LearnerConfig):
@@ -83,6 +86,7 @@ class Learner:
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
         self.counts = Counter()
+        self.recent_truncated: deque[float] = deque(maxlen=TRUNCATED_WARN_STEPS)
         self.warned_truncated = False
         self.intake = GroupIntake(self.r, self.keys, cfg, vocab, self.counts) if self.leader else None
         self.resume()
@@ -204,15 +208,19 @@ class Learner:
             log.info("finished %d steps at version %d", step, self.version)
 
     def warn_if_truncated(self, diag: dict) -> None:
-        """Log once when most of a step's completions stopped at ``max_tokens``: their answers were cut
-        off, and the reward and the gradient are of cut-off text (raise ``generator.sampling.max_tokens``)."""
-        frac = diag["completion_truncated_frac"]
-        if frac <= TRUNCATED_WARN_FRAC or self.warned_truncated:
+        """Warn once when most completions of the last ``TRUNCATED_WARN_STEPS`` steps stopped at
+        ``max_tokens``: their answers were cut off, and the reward and the gradient are of cut-off text
+        (raise ``generator.sampling.max_tokens``). In the log, and as ``truncated_warning_frac`` in the
+        learner's stats, which ``relay up`` prints once."""
+        self.recent_truncated.append(diag["completion_truncated_frac"])
+        frac = sum(self.recent_truncated) / len(self.recent_truncated)
+        if self.warned_truncated or len(self.recent_truncated) < TRUNCATED_WARN_STEPS or frac <= TRUNCATED_WARN_FRAC:
             return
         self.warned_truncated = True
-        log.warning("%.0f%% of the completions of step %d stopped at max_tokens (mean length %.1f tokens): their "
-                    "answers are cut off; raise generator.sampling.max_tokens (docs/datasets.md)", 100 * frac,
-                    diag["step"], diag["completion_len_mean"])
+        self.r.hset(self.keys.stats("learner"), "truncated_warning_frac", frac)
+        log.warning("%.0f%% of the completions of the last %d steps stopped at max_tokens (mean length %.1f tokens "
+                    "at step %d): their answers are cut off; raise generator.sampling.max_tokens (docs/datasets.md)",
+                    100 * frac, TRUNCATED_WARN_STEPS, diag["completion_len_mean"], diag["step"])
 
     def _agree(self, flag: bool) -> bool:
         """The leader's ``flag`` on every rank (a collective when there are several)."""

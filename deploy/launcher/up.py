@@ -196,22 +196,22 @@ class Progress:
 
 
 class TruncationWarning:
-    """Printed once, on its own line, when most completions of a step stopped at max_tokens (the
-    learner logs the same warning; docs/datasets.md)."""
+    """The learner's warning that most completions stop at max_tokens (``truncated_warning_frac`` in
+    its stats, learner/trainer.py), printed once on its own line (docs/datasets.md)."""
 
     def __init__(self, progress: Progress, max_tokens: int | None):
         self.progress, self.max_tokens, self.shown = progress, max_tokens, False
 
     def check(self, learner: dict) -> None:
-        frac = learner.get("completion_truncated_frac")
-        if self.shown or frac is None or frac <= 0.5:
+        frac = learner.get("truncated_warning_frac")
+        if self.shown or frac is None:
             return
         self.shown = True
         self.progress.done()  # off the progress line
         setting = f" = {self.max_tokens}" if self.max_tokens else f" (default {_default_max_tokens()})"
-        print(f"relay up: warning: {frac:.0%} of the completions of step {int(learner.get('step', 0))} stopped at "
-              f"max_tokens (mean length {learner.get('completion_len_mean', 0):.1f} tokens): answers are cut off; "
-              f"raise generator.sampling.max_tokens{setting} (docs/datasets.md)", flush=True)
+        print(f"relay up: warning: {frac:.0%} of the completions of the last steps stopped at max_tokens (mean "
+              f"length {learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))}): "
+              f"answers are cut off; raise generator.sampling.max_tokens{setting} (docs/datasets.md)", flush=True)
 
 
 def _default_max_tokens() -> int:
