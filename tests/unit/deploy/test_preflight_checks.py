@@ -47,3 +47,20 @@ def test_an_unset_token_env_is_named(monkeypatch):
         check_secrets(cfg)
     monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret")
     check_secrets(cfg)
+
+
+def test_progress_shows_length_and_truncation_and_the_warning_prints_once(capsys):
+    from deploy.launcher.up import Progress, TruncationWarning
+
+    learner = {"step": 7.0, "reward_mean": 0.5, "completion_len_mean": 6.6, "completion_len_max": 8.0,
+               "completion_truncated_frac": 0.625}
+    Progress(True, 40).show({"learner": learner, "learner_version": 7, "queue_depth": 3, "generators": []})
+    assert "step 7/40  version 7  reward 0.500  len 7/8 truncated 62%  queue 3" in capsys.readouterr().out
+    warn = TruncationWarning(Progress(False, 40), 8)
+    warn.check(learner)  # the learner has not warned: nothing
+    assert capsys.readouterr().out == ""
+    for _ in range(3):
+        warn.check(dict(learner, truncated_warning_frac=0.7))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and "70% of the completions of the last steps stopped at max_tokens" in out[0]
+    assert "raise generator.sampling.max_tokens = 8" in out[0]
