@@ -104,3 +104,20 @@ def test_a_service_that_fails_at_start_up_is_not_restarted_and_its_error_comes_l
     summary = json.loads((tmp_path / "runs" / "r" / "summary.json").read_text())
     assert summary["restarts"]["reward"] == 0 and summary["versions_published"] <= 1
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.slow  # the learner gets as far as loading the weights: about 20 s
+def test_a_learner_that_cannot_load_its_weights_is_not_restarted_and_publishes_nothing(tmp_path):
+    """Weights present but unreadable pass the file checks; the learner fails loading them, before its
+    first version: it is not restarted (each restart used to publish another initial version)."""
+    from learner.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m")
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    res = relay("up", "--model", str(model), "--runs-dir", str(tmp_path / "runs"), "--run-id", "r",
+                "--dashboard-port", "0", "--no-progress", timeout=180)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "restart 1/" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("relay up: error: learner failed at start-up: "), res.stderr
+    summary = json.loads((tmp_path / "runs" / "r" / "summary.json").read_text())
+    assert summary["restarts"]["learner"] == 0 and summary["versions_published"] == 0 and summary["steps"] == 0
