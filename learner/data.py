@@ -66,6 +66,17 @@ def group_mean_reward(g: Group, failed_reward: str = "skip", fallback_score: flo
     return sum(kept) / max(1, len(kept))
 
 
+def completion_stats(groups: list[Group]) -> dict[str, float]:
+    """Completion length (tokens: mean and max) and the fraction of completions stopped at
+    ``max_tokens`` (``finish_reason`` "length") over every sample of ``groups``: the step's
+    ``completion_len_mean``, ``completion_len_max`` and ``completion_truncated_frac`` metrics."""
+    lengths = [len(s.completion_ids) for g in groups for s in g.samples]
+    truncated = sum(s.finish_reason == "length" for g in groups for s in g.samples)
+    n = max(1, len(lengths))
+    return {"completion_len_mean": sum(lengths) / n, "completion_len_max": max(lengths, default=0),
+            "completion_truncated_frac": truncated / n}
+
+
 def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version: int, pad_id: int,
             failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
     """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from learner.config import LearnerConfig
+from learner.model_folder import check_model_folder
 
 log = logging.getLogger("relay.learner.engine")
 
@@ -25,8 +26,8 @@ def load_model(cfg: LearnerConfig, build: bool = True):
         path = Path(cfg.run_dir) / "base_model"
         if build:
             build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible)
-    elif not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model folder {path} has no config.json (expected a Hugging Face model folder or 'tiny')")
+    else:
+        check_model_folder(cfg.model)  # the same check relay up makes before anything starts
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model, tokenizer

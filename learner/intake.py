@@ -19,15 +19,35 @@ class GroupIntake:
         self.r, self.keys, self.cfg, self.vocab = r, keys, cfg, vocab
         self.counts = counts  # the learner's counters: drops are added under their reason
         self.reader = queues.TrajectoryReader(r, keys)
+        self.data_ended = False  # set when a batch can no longer fill: the dataset is used up
+
+    def out_of_data(self) -> bool:
+        """The dataset is used up (the feeder fed its last epoch), every prompt fed has been answered
+        and released (the prompts stream is empty), and every group they gave has been read: no
+        further group can come."""
+        return (self.reader.past_pending  # a restarted learner re-read its pending groups first
+                and self.r.hget(self.keys.stats("broker"), "dataset_exhausted") == b"1"
+                and queues.prompts_ready(self.r, self.keys) == 0 and queues.waiting_groups(self.r, self.keys) == 0)
 
     def next_batch(self, version: int, stop: threading.Event):
         """``batch_groups`` trainable groups as (stream id, group) pairs for a learner at ``version``;
-        None when asked to stop."""
+        None when asked to stop, or when the data ran out first (``data_ended`` then; the groups read
+        for the unfinished batch stay in the queue, unacknowledged, and the audit counts them queued)."""
         fresh: list = []
         transform = None
         while len(fresh) < self.cfg.batch_groups:
-            entries = self.reader.wait_for(self.cfg.batch_groups - len(fresh), stop.is_set, self.cfg.wait_timeout_s)
+            ended = False
+
+            def should_stop() -> bool:
+                nonlocal ended
+                ended = ended or self.out_of_data()
+                return stop.is_set() or ended
+
+            entries = self.reader.wait_for(self.cfg.batch_groups - len(fresh), should_stop, self.cfg.wait_timeout_s)
             if stop.is_set():
+                return None
+            if ended and not entries:
+                self.data_ended = True
                 return None
             drops = []  # (stream id, group id, reason)
             for eid, g in entries:

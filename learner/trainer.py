@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from broker.client.announcements import latest_announcement
 from broker.client.connection import connect_redis
 from broker.protocol.keys import Keys
 from learner.config import LearnerConfig
-from learner.data import group_mean_reward
+from learner.data import completion_stats, group_mean_reward
 from learner.engine import build_engine, full_state_dict, init_distributed, load_model
 from learner.intake import GroupIntake
 from learner.logprobs import check_output_head
@@ -35,6 +35,12 @@ from learner.publish import Publisher, first_version
 from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
+
+LENGTH_STATS = ("completion_len_mean", "completion_len_max", "completion_truncated_frac")
+# more than this share of the completions of the last TRUNCATED_WARN_STEPS steps stopped at max_tokens:
+# warn, once (a window, so a random-init model's long first answers do not set it off)
+TRUNCATED_WARN_FRAC = 0.5
+TRUNCATED_WARN_STEPS = 5
 
 class Learner:
     def __init__(self, cfg: LearnerConfig):
@@ -80,6 +86,8 @@ class Learner:
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
         self.counts = Counter()
+        self.recent_truncated: deque[float] = deque(maxlen=TRUNCATED_WARN_STEPS)
+        self.warned_truncated = False
         self.intake = GroupIntake(self.r, self.keys, cfg, vocab, self.counts) if self.leader else None
         self.resume()
 
@@ -176,7 +184,8 @@ class Learner:
                 rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
                 diag.update(step=step, version=self.version, wait_s=wait_s, publish_s=time.perf_counter() - t_pub,
                             t=time.time(), group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
-                            ranks=self.world, **self.counts)
+                            ranks=self.world, **completion_stats(groups), **self.counts)
+                self.warn_if_truncated(diag)
                 diag = finite_metrics(diag)  # strict JSON: a non-finite value becomes null, and is counted
                 mf.write(json.dumps(diag, allow_nan=False) + "\n")
                 mf.flush()
@@ -184,7 +193,7 @@ class Learner:
                 self.records.log(diag)
                 self.r.hset(self.keys.stats("learner"), mapping={
                     "step": step, "version": self.version, **self.counts,
-                    **{k: diag[k] for k in ("reward_mean", "loss") if diag[k] is not None}})
+                    **{k: diag[k] for k in ("reward_mean", "loss", *LENGTH_STATS) if diag[k] is not None}})
                 if step % 10 == 0 or step == 1:
                     log.info("step %d v%d reward %.3f loss %s wait %.2fs compute %.2fs stale %s", step, self.version,
                              diag["reward_mean"], diag["loss"], wait_s, diag["compute_s"], diag["staleness"])
@@ -192,6 +201,54 @@ class Learner:
             if mf is not None:
                 mf.close()
                 self.records.close()
-        if self.leader and step >= self.cfg.steps:
-            self.r.set(self.keys.done, "1")
+        if self._agree(self.leader and self.intake.data_ended):
+            self.end_with_the_data()
+        elif self.leader and step >= self.cfg.steps:
+            self.r.set(self.keys.done, f"finished its {step} steps")  # why the run ended (summary.json's "ended")
             log.info("finished %d steps at version %d", step, self.version)
+
+    def warn_if_truncated(self, diag: dict) -> None:
+        """Warn once when most completions of the last ``TRUNCATED_WARN_STEPS`` steps stopped at
+        ``max_tokens``: their answers were cut off, and the reward and the gradient are of cut-off text
+        (raise ``generator.sampling.max_tokens``). In the log, and as ``truncated_warning_frac`` in the
+        learner's stats, which ``relay up`` prints once."""
+        self.recent_truncated.append(diag["completion_truncated_frac"])
+        frac = sum(self.recent_truncated) / len(self.recent_truncated)
+        if self.warned_truncated or len(self.recent_truncated) < TRUNCATED_WARN_STEPS or frac <= TRUNCATED_WARN_FRAC:
+            return
+        self.warned_truncated = True
+        self.r.hset(self.keys.stats("learner"), "truncated_warning_frac", frac)
+        log.warning("%.0f%% of the completions of the last %d steps stopped at max_tokens (mean length %.1f tokens "
+                    "at step %d): their answers are cut off; raise generator.sampling.max_tokens (docs/datasets.md)",
+                    100 * frac, TRUNCATED_WARN_STEPS, diag["completion_len_mean"], diag["step"])
+
+    def _agree(self, flag: bool) -> bool:
+        """The leader's ``flag`` on every rank (a collective when there are several)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.broadcast(t, 0)
+        return bool(t.item())
+
+    def end_with_the_data(self) -> None:
+        """The dataset ran out before ``steps`` (learner/intake.py): keep what was trained (a checkpoint
+        and the commit of its groups, the last weights published), then mark the run done and say why,
+        so the generators and ``relay up`` end it cleanly instead of waiting for groups that never come."""
+        every = self.cfg.checkpoint_every
+        if self.step and every and self.step % every:  # after_step saved and committed at multiples of `every`
+            checkpoint.save(self.ckpt_dir, self.step, self.engine,
+                            {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted})
+        if self.leader and self.uncommitted:
+            self.commit(self.uncommitted, self.step)
+            self.uncommitted = []
+        if self.step and self.step % self.cfg.publish_every:  # the last steps' weights, not yet published
+            self.version += 1
+            self.publish()
+        if not self.leader:
+            return
+        broker = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.stats("broker")).items()}
+        why = (f"the dataset ran out after {broker.get('epoch', '?')} epoch(s) ({broker.get('prompts_fed', '?')} "
+               f"prompts): trained {self.step} of {self.cfg.steps} steps")
+        self.r.hset(self.keys.stats("learner"), "version", self.version)
+        self.r.set(self.keys.done, why)
+        log.warning("%s; the run ends at version %d", why, self.version)

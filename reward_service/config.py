@@ -97,3 +97,20 @@ class RewardConfig(StrictModel):
                     raise ValueError(f"task_plugins.{key}: plugin type {name!r} needs options; configure it under "
                                      f"plugins ({format_validation_error(e)})") from None
         return self
+
+
+def check_secrets(cfg: RewardConfig) -> None:
+    """Every secret a configured plugin reads from the environment (``token_env``) is set; raises
+    ValueError naming the plugin and the variable. ``relay up`` runs it before anything starts; the
+    plugins resolve their tokens with the same code (reward_service/httpcall.py) when they start."""
+    from reward_service.httpcall import HttpOptions, resolve_token
+    from reward_service.plugins import known_plugins
+
+    known = known_plugins()
+    for name, pc in cfg.plugins.items():
+        opts = known[pc.type].Options.model_validate(pc.options)
+        if isinstance(opts, HttpOptions):
+            try:
+                resolve_token(opts)
+            except ValueError as e:
+                raise ValueError(f"reward.plugins.{name}.options: {e}") from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from typing import Any
@@ -41,6 +42,18 @@ class HttpOptions(StrictModel):
                            "remote (preferred over `token`: keeps the secret out of config files)")
     token: str = Field("", description="bearer token for the remote, inline")
     headers: dict[str, str] = Field(default_factory=dict, description="extra request headers")
+
+
+def resolve_token(opts: HttpOptions) -> str:
+    """The bearer token: the variable ``token_env`` names (which must be set), else ``token``. Called
+    by the plugin at start and by ``relay up`` before anything starts."""
+    if opts.token_env:
+        token = os.environ.get(opts.token_env, "")
+        if not token:
+            raise ValueError(f"token_env names {opts.token_env!r}, which is not set in the environment: "
+                             f"export {opts.token_env}=<token> before starting")
+        return token
+    return opts.token
 
 
 class CallFailed(Exception):
@@ -92,19 +105,13 @@ class CircuitBreaker:
 
 class HttpCaller:
     def __init__(self, url: str, opts: HttpOptions, observer: Observer | None = None):
-        import os
-
         self.url, self.opts = url, opts
         self.observer = observer or Observer()
         self.breaker = CircuitBreaker(opts.breaker_failures, opts.breaker_reset_s, on_change=self.observer.circuit)
         self.sem: asyncio.Semaphore | None = None
         self.client: httpx.AsyncClient | None = None
         self.headers = dict(opts.headers)
-        token = opts.token
-        if opts.token_env:
-            token = os.environ.get(opts.token_env, "")
-            if not token:
-                raise ValueError(f"token_env names {opts.token_env!r}, which is not set in the environment")
+        token = resolve_token(opts)
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
 

@@ -183,6 +183,11 @@ class TrajectoryReader:
                 out.append((eid, None))
         return out
 
+    @property
+    def past_pending(self) -> bool:
+        """This consumer's pending list (a previous learner's unacknowledged groups) has been read."""
+        return self._pending_cursor is None
+
     def wait_for(self, want: int, should_stop, timeout_s: float) -> list[tuple[bytes, Group | None]]:
         """Block until ``want`` entries are read (or stop / timeout)."""
         got: list = []

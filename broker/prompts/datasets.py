@@ -154,13 +154,19 @@ def read_rows(cfg: DatasetConfig) -> list[dict]:
     """Every row of the dataset (after ``start``/``stop``), as dicts."""
     path = Path(cfg.path)
     if not path.exists():
-        raise DatasetError(f"dataset {path} does not exist")
+        raise DatasetError(f"dataset {path} does not exist: fix dataset.path (a relative path is read from "
+                           f"{Path.cwd()})")
     fmt = _detect(path) if cfg.format == "auto" else cfg.format
     readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv,
                "hf_disk": lambda p: _read_hf_disk(p, cfg.split)}
-    rows = readers[fmt](path)[cfg.start:cfg.stop]
+    every = readers[fmt](path)
+    rows = every[cfg.start:cfg.stop]
     if not rows:
-        raise DatasetError(f"dataset {path} has no rows (start={cfg.start}, stop={cfg.stop})")
+        if not every:
+            raise DatasetError(f"dataset {path} has no rows")
+        which = f"dataset.start = {cfg.start}" + (f" with dataset.stop = {cfg.stop}" if cfg.stop is not None else "")
+        raise DatasetError(f"dataset {path} has {len(every)} rows, so {which} leaves none: use a start below "
+                           f"{len(every)}" + (" and a stop above it" if cfg.stop is not None else ""))
     needed = [cfg.messages_field or cfg.prompt_field] + ([cfg.reference_field] if cfg.reference_field else [])
     needed += cfg.metadata_fields
     for i, row in enumerate(rows):
@@ -197,8 +203,10 @@ class PromptBuilder:
         self.cfg, self.tok = cfg, tokenizer
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if cfg.chat_template == "always" and not has_template:
-            raise DatasetError("dataset.chat_template = 'always' but the tokenizer has no chat template; use 'never' "
-                               "for a base model or give a tokenizer folder with one")
+            name = getattr(tokenizer, "name_or_path", "") or "the built-in tiny model's"
+            raise DatasetError(f"dataset.chat_template = 'always' but the tokenizer ({name}) has no chat template; "
+                               "use 'never' (or 'auto') for a base model, or set dataset.tokenizer to a folder "
+                               "with one")
         self.use_template = cfg.chat_template == "always" or (cfg.chat_template == "auto" and has_template)
 
     def messages(self, row: dict) -> list[dict]:
@@ -231,6 +239,18 @@ class PromptBuilder:
         reference = "" if not cfg.reference_field or row[cfg.reference_field] is None else str(row[cfg.reference_field])
         return PromptEntry(text=text, reference=reference, task=task, prompt_ids=ids,
                             metadata={k: row[k] for k in cfg.metadata_fields})
+
+
+def check_dataset(cfg: DatasetConfig, tokenizer, rows: list[dict] | None = None, first: int = 8) -> list[dict]:
+    """The start-up check of a dataset (``relay up`` before anything starts, and the broker): its rows
+    read and their field mapping checked (:func:`read_rows`), the tokenizer's chat template when
+    ``chat_template = "always"``, and the first ``first`` rows built into prompts with ``tokenizer``.
+    Returns the rows; raises :class:`DatasetError`."""
+    rows = read_rows(cfg) if rows is None else rows
+    builder = PromptBuilder(cfg, tokenizer)
+    for row in rows[:first]:
+        builder.build(row)
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------

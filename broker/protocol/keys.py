@@ -131,7 +131,8 @@ class Keys:
 
     @property
     def done(self) -> str:
-        """Set by the learner when it has finished its step budget."""
+        """Set by the learner when the run is over (its step budget done, or the dataset used up); the
+        value says why, in a sentence."""
         return self._k("done")
 
     @property

@@ -8,6 +8,10 @@ Policy, per service (broker, reward, each generator, the learner; never the embe
   ``stable_s``), at most ``max_restarts`` times per service over the run;
 - a clean exit (code 0) is never restarted: the learner finished, or a generator saw the run done;
 - once the run is finished (the learner's done key), nothing is restarted;
+- a service that dies before it first became healthy (``healthy``: the broker serving, the learner's
+  first version published, a generator serving a version, the reward service answering) is never
+  restarted: it failed at start-up, and would fail the same way again; it fails the run at once,
+  with its last log lines;
 - a service past its budget, or one that may not be restarted (``restartable``), fails the run.
 
 Every restart is logged on stderr, counted per service (``restarts``, which ``summary.json``
@@ -45,16 +49,25 @@ class RestartPolicy:
 class GiveUp(Exception):
     """A service died and will not be restarted; the message says which and why."""
 
-    def __init__(self, child: Child, why: str):
+    def __init__(self, child: Child, why: str, at_start: bool = False):
         super().__init__(f"{child.name} (pid {child.pid}) exited with code {child.proc.returncode}; {why}")
         self.child = child
+        self.at_start = at_start  # it died before it first became healthy
+
+    def last_error(self) -> str:
+        """The service's last log line that says what went wrong (the last line of a traceback)."""
+        lines = [" ".join(ln.split()) for ln in self.child.tail(40).splitlines() if ln.strip()]
+        return lines[-1] if lines else "(its log is empty)"
 
 
 class Supervisor:
     def __init__(self, procs: ProcessGroup, policy: RestartPolicy, pids_path: Path,
-                 services: list[str], not_restartable: dict[str, str] | None = None):
+                 services: list[str], not_restartable: dict[str, str] | None = None,
+                 healthy: Callable[[str], bool] | None = None):
         """``services``: the names of the children to watch (the rest, e.g. redis, are left alone).
-        ``not_restartable``: name -> why a restart would be wrong (it fails the run instead)."""
+        ``not_restartable``: name -> why a restart would be wrong (it fails the run instead).
+        ``healthy(name)``: has that service come up (asked until it first says yes)? None: every
+        service counts as up from its start (every death may be restarted)."""
         self.procs = procs
         self.policy = policy
         self.pids_path = pids_path
@@ -63,6 +76,8 @@ class Supervisor:
         self.restarts: Counter[str] = Counter({name: 0 for name in services})
         self._consecutive: Counter[str] = Counter()
         self._due: dict[str, float] = {}  # name -> monotonic time of its pending restart
+        self.healthy = healthy
+        self.came_up: set[str] = set() if healthy else set(services)  # services seen healthy at least once
         self.write_pids()
 
     def child(self, name: str) -> Child:
@@ -81,11 +96,16 @@ class Supervisor:
         now = time.monotonic()
         for name in self.services:
             c = self.child(name)
+            if name not in self.came_up and self.healthy(name):  # asked once more after a death: it may
+                self.came_up.add(name)                           # have come up since the last poll
             if c.alive():
                 continue
             rc = c.proc.returncode
             if (rc == 0 and name == "learner") or finished():
                 continue  # the run is over: exits are expected, nothing is restarted
+            if name not in self.came_up:
+                raise GiveUp(c, "it failed at start-up, before it first became healthy, so it is not restarted",
+                             at_start=True)
             if rc == 0:
                 raise GiveUp(c, "a clean exit before the run finished is not restarted")
             if name in self.not_restartable:

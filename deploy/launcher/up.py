@@ -84,6 +84,7 @@ def plan(args, environ: dict | None = None) -> dict:
     from deploy.launcher.procs import find_redis_server, free_port, port_in_use
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
+    from learner.model_folder import ModelFolderError, check_model_folder
     from reward_service.app import RewardConfig
 
     environ = os.environ if environ is None else environ
@@ -100,13 +101,11 @@ def plan(args, environ: dict | None = None) -> dict:
         raise UsageError("--learner-ranks must be at least 1")
     if args.max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
-    if args.model != "tiny":
-        mp = Path(args.model)
-        if not mp.is_dir():
-            raise UsageError(f"model folder {args.model!r} does not exist (give a local Hugging Face folder, or 'tiny')")
-        if not (mp / "config.json").is_file():
-            raise UsageError(f"model folder {args.model!r} has no config.json: not a Hugging Face model folder")
-        args.model = str(mp.resolve())
+    try:
+        args.model = str(check_model_folder(args.model))
+    except ModelFolderError as e:
+        raise UsageError(str(e)) from None
+    if "model" in flags["learner"]:  # given as --model or RELAY_MODEL: recorded as the resolved folder
         flags["learner"]["model"] = args.model
     if args.redis_url is None:
         find_redis_server()  # fails early with the install hint
@@ -193,8 +192,10 @@ class Progress:
             return
         ln = st.get("learner", {})
         gens = " ".join(f"{g['id']}:v{g['version']}" for g in st.get("generators", []))
+        length = (f"len {ln['completion_len_mean']:.0f}/{ln['completion_len_max']:.0f} "
+                  f"truncated {ln['completion_truncated_frac']:.0%}  " if "completion_truncated_frac" in ln else "")
         line = (f"step {int(ln.get('step', 0))}/{self.total}  version {st.get('learner_version')}  "
-                f"reward {ln.get('reward_mean', float('nan')):.3f}  queue {st.get('queue_depth')}  "
+                f"reward {ln.get('reward_mean', float('nan')):.3f}  {length}queue {st.get('queue_depth')}  "
                 f"stale-dropped {int(ln.get('groups_dropped_stale', 0))}  generators {gens}"
                 + (f"  restarts {restarts}" if restarts else ""))
         if self.tty:
@@ -208,15 +209,45 @@ class Progress:
             print()
 
 
+class TruncationWarning:
+    """The learner's warning that most completions stop at max_tokens (``truncated_warning_frac`` in
+    its stats, learner/trainer.py), printed once on its own line (docs/datasets.md)."""
+
+    def __init__(self, progress: Progress, max_tokens: int | None):
+        self.progress, self.max_tokens, self.shown = progress, max_tokens, False
+
+    def check(self, learner: dict) -> None:
+        frac = learner.get("truncated_warning_frac")
+        if self.shown or frac is None:
+            return
+        self.shown = True
+        self.progress.done()  # off the progress line
+        setting = f" = {self.max_tokens}" if self.max_tokens else f" (default {_default_max_tokens()})"
+        print(f"relay up: warning: {frac:.0%} of the completions of the last steps stopped at max_tokens (mean "
+              f"length {learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))}): "
+              f"answers are cut off; raise generator.sampling.max_tokens{setting} (docs/datasets.md)", flush=True)
+
+
+def _default_max_tokens() -> int:
+    from generators.config import SamplingConfig
+
+    return SamplingConfig.model_fields["max_tokens"].default
+
+
 def run_up(args) -> int:
+    from deploy.launcher.preflight import PreflightError, check_run
+
     try:
         p = plan(args)
-    except (UsageError, ConfigError) as e:
+        notes = check_run(p)  # the dataset, model folder, backend, secrets: before anything starts
+    except (UsageError, ConfigError, PreflightError) as e:
         print(f"relay up: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # RedisNotFound
         print(f"relay up: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"relay up: note: {note}")
     from broker.client.connection import connect_redis
     from broker.client.telemetry import read_heartbeats, read_stats
     from broker.protocol.keys import Keys
@@ -244,6 +275,7 @@ def run_up(args) -> int:
     supervisor = None
     error = None  # why the run failed (summary.json's error)
     started = False  # runs/latest moves here once the learner has published its first version
+    failure = None
     try:
         redis_url = p["redis_url"]
         if p["redis_port"] is not None:
@@ -271,20 +303,22 @@ def run_up(args) -> int:
         if not LearnerConfig.model_validate(cfgs["learner"]).checkpoint_every:
             no_resume["learner"] = ("learner.checkpoint_every = 0, so a new learner would start over from the "
                                     "initial weights")
-        supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
-                                [c.name for c in procs.children if c.name != "redis"], no_resume)
-        print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
-              f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
         r = connect_redis(redis_url)
         keys = Keys(p["run_id"])
+        supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
+                                [c.name for c in procs.children if c.name != "redis"], no_resume,
+                                healthy=_health_probe(r, keys, cfgs["generator"]["reward_url"]))
+        print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
+              f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
         total = cfgs["learner"].get("steps", 600)
         progress = Progress(not args.no_progress, total)
+        truncation = TruncationWarning(progress, cfgs["generator"].get("sampling", {}).get("max_tokens"))
         while stopping["why"] is None:
             if not started and r.hexists(keys.stats("learner"), "version"):
                 started = point_latest(p["runs_dir"], run_dir)
             learner = supervisor.child("learner")
             if not learner.alive() and (learner.proc.returncode == 0 or r.exists(keys.done)):
-                progress.done()  # the run is over: the learner finished its steps
+                progress.done()  # the run is over: the learner finished its steps, or the data ran out
                 if learner.proc.returncode != 0:
                     print(f"relay up: the learner exited with code {learner.proc.returncode} after finishing the "
                           f"run", file=sys.stderr)
@@ -293,12 +327,14 @@ def run_up(args) -> int:
                 supervisor.poll(lambda: bool(r.exists(keys.done)))
             except GiveUp as e:
                 progress.done()
-                print(f"relay up: {e}; last log lines:\n{e.child.tail()}", file=sys.stderr)
+                failure = e  # printed last, after the summary, so it stays on the screen
                 error = str(e)
                 rc = 1
                 break
             try:
-                progress.show(build_state(r, keys), supervisor.total())
+                st = build_state(r, keys)
+                truncation.check(st.get("learner", {}))
+                progress.show(st, supervisor.total())
             except Exception as e:  # the display must never stop the run; show why it is blank
                 print(f"\rrelay up: progress unavailable: {e}", end="", file=sys.stderr)
             time.sleep(supervisor.sleep_hint(1.0))
@@ -306,7 +342,7 @@ def run_up(args) -> int:
             progress.done()
             print(f"relay up: {stopping['why']} received; stopping every service")
             rc = 130
-        else:
+        elif rc == 0:
             # let the generators see "done" and send their final heartbeats
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and any(c.alive() for c in procs.children if c.name.startswith("gen-")):
@@ -321,9 +357,13 @@ def run_up(args) -> int:
         summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
         summary["export"] = export_final(run_dir) if rc == 0 else None  # the final version as an HF folder
         summary["restarts"] = dict(supervisor.restarts)
+        ended = r.get(keys.done)  # the learner's sentence: its steps done, or the dataset ran out
+        summary["ended"] = ended.decode() if ended and rc == 0 else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"relay up: summary in {run_dir / 'summary.json'}")
         print(json.dumps(summary, indent=1))
+        if summary["ended"]:
+            print(f"relay up: the run ended: {summary['ended']}", flush=True)
     except (RuntimeError, OSError, ConnectionError) as e:
         print(f"relay up: error: {e}", file=sys.stderr)
         rc = 1
@@ -332,6 +372,8 @@ def run_up(args) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs.stop()
+        if failure is not None:
+            _print_failure(failure)
     return rc
 
 
@@ -354,6 +396,41 @@ def point_latest(runs_dir: Path, run_dir: Path) -> bool:
     tmp.symlink_to(run_dir.name)
     tmp.replace(latest)  # atomic: readers see the old or the new run, never no link
     return True
+
+
+def _print_failure(e) -> None:
+    """Why the run stopped, last on the screen: the service's log tail, then one line with its error."""
+    print(f"relay up: {e.child.name}'s last log lines ({e.child.log_path}):\n{e.child.tail()}", file=sys.stderr)
+    print(f"relay up: {e}", file=sys.stderr)
+    when = "at start-up" if e.at_start else "during the run"
+    print(f"relay up: error: {e.child.name} failed {when}: {e.last_error()}", file=sys.stderr, flush=True)
+
+
+def _health_probe(r, keys, reward_url: str):
+    """``Supervisor``'s ``healthy(name)``: has that service come up? The broker: it advertised its
+    ingest address; the learner: it published a version; a generator: its heartbeat serves a
+    version; the reward service: ``/healthz`` answers."""
+    import httpx
+    import redis
+
+    from broker.client.announcements import latest_announcement
+    from broker.protocol.codec import ProtocolError
+    from broker.protocol.messages import decode_heartbeat
+
+    def healthy(name: str) -> bool:
+        try:
+            if name == "broker":
+                return bool(r.hexists(keys.run, "ingest_address"))
+            if name == "learner":
+                return latest_announcement(r, keys) is not None
+            if name == "reward":
+                return httpx.get(f"{reward_url}/healthz", timeout=0.5).status_code == 200
+            raw = r.hget(keys.generators, name)
+            return raw is not None and decode_heartbeat(raw).version is not None
+        except (redis.RedisError, httpx.HTTPError, ProtocolError):
+            return False
+
+    return healthy
 
 
 def _int(v) -> int | None:

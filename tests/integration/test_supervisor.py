@@ -92,3 +92,28 @@ def test_a_service_that_may_not_restart_fails_the_run_at_once(group, tmp_path):
     with pytest.raises(GiveUp, match="not restarted: learner.checkpoint_every = 0"):
         sup.poll(lambda: False)
     assert sup.total() == 0
+
+
+def test_a_service_that_dies_before_it_first_became_healthy_is_not_restarted(group, tmp_path):
+    """A start-up failure (a bad dataset, a port taken) would fail the same way on every restart: the
+    run stops at once with the service's last error; a service that was up once is restarted."""
+    group.start("broker", [sys.executable, "-c", "import sys; print('starting', flush=True); "
+                           "sys.exit('ValueError: dataset.path does not exist')"])
+    group.start("gen-0", SLEEPER)
+    up = {"gen-0"}  # what the health probe reports
+    sup = Supervisor(group, RestartPolicy(backoff_s=0.05), tmp_path / "pids.json", ["broker", "gen-0"],
+                     healthy=lambda name: name in up)
+    sup.poll(lambda: False)  # gen-0 is seen healthy
+    group.children[0].proc.wait(10)
+    with pytest.raises(GiveUp, match="failed at start-up, before it first became healthy") as e:
+        sup.poll(lambda: False)
+    assert e.value.at_start and e.value.child.name == "broker"
+    assert e.value.last_error() == "ValueError: dataset.path does not exist"
+    assert sup.total() == 0
+
+    gen = sup.child("gen-0")  # it came up before it died: restarted as usual
+    gen.proc.send_signal(signal.SIGKILL)
+    gen.proc.wait(5)
+    sup.services.remove("broker")
+    wait_until(lambda: (sup.poll(lambda: False), sup.child("gen-0").alive())[1], 10, "restart of gen-0")
+    assert sup.restarts["gen-0"] == 1

@@ -114,6 +114,12 @@ function renderCards(st) {
   const last = S.learner.slice(-10).map((e) => e.reward_mean).filter((x) => typeof x === "number");
   const avg = last.length ? last.reduce((a, b) => a + b, 0) / last.length : null;
   $("reward").textContent = `${fmt(ln.reward_mean)} / ${fmt(avg)}`;
+  $("length").textContent = `${fmt(ln.completion_len_mean, 1)} / ${fmt(ln.completion_len_max)}`;
+  const trunc = ln.completion_truncated_frac;
+  $("truncated").textContent = typeof trunc === "number"
+    ? `${Math.round(100 * trunc)}% stopped at max_tokens` + (trunc > 0.5 ? ": raise generator.sampling.max_tokens" : "")
+    : "";
+  $("truncated").classList.toggle("lag-bad", typeof trunc === "number" && trunc > 0.5);
   $("queue").textContent = `${st.queue_depth} / ${st.pending_groups}`;
   $("prompts-ready").textContent = `${st.prompts_ready} prompts ready`;
   const r = st.rates || {};

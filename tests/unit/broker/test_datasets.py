@@ -116,3 +116,10 @@ def test_seeded_shuffle_epochs_and_resume_from_any_position(tmp_path):
     assert [(e, r) for e, r, _ in pieces] == [(e, r) for e, r, _ in whole]
     unshuffled, _ = DatasetSource(cfg(tmp_path, shuffle=False, epochs=1), tokenizer(), rows=ROWS).take(100, Position())
     assert [r for _, r, _ in unshuffled] == list(range(10))
+
+
+def test_start_past_the_end_says_how_many_rows_there_are(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(5)))
+    with pytest.raises(DatasetError, match=r"has 5 rows, so dataset.start = 7 leaves none: use a start below 5"):
+        read_rows(DatasetConfig(path=str(path), start=7))

@@ -1,0 +1,123 @@
+"""`relay up` checks the whole run before it starts anything (deploy/launcher/preflight.py): each
+start-up mistake a new user makes fails in seconds with one line naming the problem and its fix,
+exit code 2, and no service started (no run folder, so no service logs). A service that still fails
+at start-up is not restarted: the run stops with its error last (deploy/launcher/supervisor.py)."""
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests.support.services import child_env, relay, ROOT
+
+
+def _data(tmp_path, rows: int = 3):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": str(100 + i), "answer": str(100 + i)}) + "\n" for i in range(rows)))
+    return path
+
+
+def _no_weights(tmp_path):
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text('{"model_type": "qwen2"}')
+    return ["--model", str(m)]
+
+
+def _hidden_vllm(tmp_path, env):
+    # vLLM is installed here: a sitecustomize that marks it absent, as on a machine without it
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
+    env["PYTHONPATH"] = f"{shim}:{env.get('PYTHONPATH', ROOT)}"
+    return ["--backend", "vllm"]
+
+
+def _unset_token(tmp_path, env):
+    env.pop("RELAY_TEST_JUDGE_KEY", None)
+    return ["--set", 'reward.plugins.judge={"type": "judge", "options": {"base_url": "http://127.0.0.1:9", '
+                     '"model": "m", "token_env": "RELAY_TEST_JUDGE_KEY"}}']
+
+
+def _dataset(**fields):
+    def args(tmp_path, env):
+        out = ["--set", "broker.eval.every_versions=0", "--set", f"broker.dataset.path={_data(tmp_path)}"]
+        return out + [a for k, v in fields.items() for a in ("--set", f"broker.dataset.{k}={v}")]
+    return args
+
+
+MISTAKES = {
+    "dataset path missing": (lambda tmp_path, env: ["--set", "broker.eval.every_versions=0",
+                                                    "--set", f"broker.dataset.path={tmp_path / 'nope.jsonl'}"],
+                             ["nope.jsonl does not exist", "dataset.path"]),
+    "field not in the file": (_dataset(prompt_field="question"), ["no field 'question'", "fields: answer, prompt",
+                                                                  "prompt_field"]),
+    "start past the end": (_dataset(start=10), ["has 3 rows", "dataset.start = 10", "start below 3"]),
+    "chat template asked for, none there": (_dataset(chat_template="always"),
+                                            ["has no chat template", "'never'"]),
+    "model folder without weights": (lambda tmp_path, env: _no_weights(tmp_path),
+                                     ["has a config.json but no weights", "download the whole model"]),
+    "vllm not installed": (_hidden_vllm, ["vllm backend needs the vllm package", "--backend torch"]),
+    "unset token_env": (_unset_token, ["reward.plugins.judge", "'RELAY_TEST_JUDGE_KEY'", "not set",
+                                       "export RELAY_TEST_JUDGE_KEY="]),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_start_up_mistake_fails_at_once_with_one_line_and_nothing_started(tmp_path, mistake):
+    make_args, needles = MISTAKES[mistake]
+    env = child_env()
+    args = make_args(tmp_path, env)
+    runs = tmp_path / "runs"
+    t0 = time.monotonic()
+    res = relay("up", *args, "--runs-dir", str(runs), "--run-id", "r", "--dashboard-port", "0", env=env, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert elapsed < 5.0, f"{mistake}: took {elapsed:.1f}s\n{res.stderr}"
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("relay up: error: "), res.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    # nothing started: no run folder (so no service logs, no pids.json), no runs/latest
+    assert not runs.exists(), sorted(p.name for p in runs.rglob("*"))
+
+
+def test_a_service_that_fails_at_start_up_is_not_restarted_and_its_error_comes_last(tmp_path):
+    """The reward service's port is taken (found only when it binds): it dies before it ever answered,
+    so it is not restarted (it would fail the same way every time); the run stops at once with the
+    reward service's own error as the last line on the screen."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        res = relay("up", "--set", f"reward.port={port}", "--runs-dir", str(tmp_path / "runs"), "--run-id", "r",
+                    "--dashboard-port", "0", "--no-progress", timeout=120)
+        elapsed = time.monotonic() - t0
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "restart 1/" not in res.stderr and "restarted (pid" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()
+    assert "before it first became healthy" in last[-2], res.stderr
+    assert last[-1].startswith("relay up: error: reward failed at start-up: "), res.stderr
+    assert "address already in use" in last[-1].lower(), res.stderr
+    summary = json.loads((tmp_path / "runs" / "r" / "summary.json").read_text())
+    assert summary["restarts"]["reward"] == 0 and summary["versions_published"] <= 1
+    assert elapsed < 60, elapsed
+
+
+@pytest.mark.slow  # the learner gets as far as loading the weights: about 20 s
+def test_a_learner_that_cannot_load_its_weights_is_not_restarted_and_publishes_nothing(tmp_path):
+    """Weights present but unreadable pass the file checks; the learner fails loading them, before its
+    first version: it is not restarted (each restart used to publish another initial version)."""
+    from learner.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m")
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    res = relay("up", "--model", str(model), "--runs-dir", str(tmp_path / "runs"), "--run-id", "r",
+                "--dashboard-port", "0", "--no-progress", timeout=180)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "restart 1/" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("relay up: error: learner failed at start-up: "), res.stderr
+    summary = json.loads((tmp_path / "runs" / "r" / "summary.json").read_text())
+    assert summary["restarts"]["learner"] == 0 and summary["versions_published"] == 0 and summary["steps"] == 0
