@@ -45,6 +45,8 @@ class EvalConfig(StrictModel):
     every_versions: int = Field(100, ge=0, description="evaluate when the announced version reaches a new multiple "
                                 "of this (version 0 included); 0 = no evaluation")
     final: bool = Field(True, description="also evaluate the last version when the learner finishes")
+    final_timeout_s: float = Field(600.0, gt=0, le=86400, description="relay up waits at most this long after the "
+                                   "learner is done for the generators to answer the final round and exit")
     prompts: int = Field(32, ge=1, le=100_000, description="held-out prompts per round")
     greedy: bool = Field(True, description="one greedy completion per prompt (top_k = 1); pass@1 is its "
                          "correctness")

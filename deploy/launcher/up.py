@@ -343,9 +343,15 @@ def run_up(args) -> int:
             print(f"relay up: {stopping['why']} received; stopping every service")
             rc = 130
         elif rc == 0:
-            # let the generators see "done" and send their final heartbeats
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and any(c.alive() for c in procs.children if c.name.startswith("gen-")):
+            # let the generators see "done", answer the final evaluation round (they load the last version and
+            # exit once it is answered) and send their final heartbeats
+            gens = [c for c in procs.children if c.name.startswith("gen-")]
+            wait_s = final_eval_wait_s(cfgs["broker"])
+            if wait_s > 15 and any(c.alive() for c in gens):
+                print(f"relay up: the learner is done; waiting for the generators to answer the final evaluation "
+                      f"round (at most {wait_s:.0f} s)", flush=True)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and any(c.alive() for c in gens):
                 time.sleep(0.2)
         published = _int(r.hget(keys.stats("learner"), "version"))
         if not started and published is not None:
@@ -396,6 +402,16 @@ def point_latest(runs_dir: Path, run_dir: Path) -> bool:
     tmp.symlink_to(run_dir.name)
     tmp.replace(latest)  # atomic: readers see the old or the new run, never no link
     return True
+
+
+def final_eval_wait_s(broker: dict) -> float:
+    """How long relay up waits for the generators to exit after the learner is done: 15 s, or, with a
+    final evaluation round, as long as ``broker.eval.final_timeout_s`` allows (a round on CPU takes a
+    generator's current batch, a weight load and the round itself)."""
+    from broker.prompts.evals import EvalConfig
+
+    ev = EvalConfig.model_validate(broker.get("eval", {}))
+    return max(15.0, ev.final_timeout_s) if ev.every_versions > 0 and ev.final else 15.0
 
 
 def _print_failure(e) -> None:

@@ -35,9 +35,9 @@ def _hidden_vllm(tmp_path, env):
 
 
 def _unset_token(tmp_path, env):
-    env.pop("RELAY_TEST_JUDGE_KEY", None)
+    env.pop("PREFLIGHT_TEST_JUDGE_KEY", None)
     return ["--set", 'reward.plugins.judge={"type": "judge", "options": {"base_url": "http://127.0.0.1:9", '
-                     '"model": "m", "token_env": "RELAY_TEST_JUDGE_KEY"}}']
+                     '"model": "m", "token_env": "PREFLIGHT_TEST_JUDGE_KEY"}}']
 
 
 def _dataset(**fields):
@@ -59,8 +59,8 @@ MISTAKES = {
     "model folder without weights": (lambda tmp_path, env: _no_weights(tmp_path),
                                      ["has a config.json but no weights", "download the whole model"]),
     "vllm not installed": (_hidden_vllm, ["vllm backend needs the vllm package", "--backend torch"]),
-    "unset token_env": (_unset_token, ["reward.plugins.judge", "'RELAY_TEST_JUDGE_KEY'", "not set",
-                                       "export RELAY_TEST_JUDGE_KEY="]),
+    "unset token_env": (_unset_token, ["reward.plugins.judge", "'PREFLIGHT_TEST_JUDGE_KEY'", "not set",
+                                       "export PREFLIGHT_TEST_JUDGE_KEY="]),
 }
 
 

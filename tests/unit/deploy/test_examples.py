@@ -29,11 +29,16 @@ def test_example_config_validates(path: Path):
     learner = LearnerConfig.model_validate(cfg.get("learner", {}))
     assert broker.dataset is not None and broker.dataset.chat_template == "always"
     assert broker.eval.every_versions > 0 and broker.eval.dataset is not None
-    assert gen.backend.type == "vllm" and learner.deepspeed.zero_stage == 2
-    assert learner.batch_groups % 2 == 0  # --learner-ranks 2
-    # runnable on the stated GPUs: a pretrained model's learning rate, bounded memory (docs/learner.md)
-    assert "lr" in cfg["learner"] and learner.lr <= 1e-5
-    assert learner.deepspeed.bf16 and learner.gradient_checkpointing
-    assert 1024 <= learner.micro_batch_tokens <= 65536 and "micro_batch_tokens" in cfg["learner"]
-    text = (path.parent / "README.md").read_text()
-    assert "not measured" in text and "expected" in text.lower()
+    if path.parent.name.startswith("gsm8k"):  # the GPU example: stated, not measured here
+        assert gen.backend.type == "vllm" and learner.deepspeed.zero_stage == 2
+        assert learner.batch_groups % 2 == 0  # --learner-ranks 2
+        # runnable on the stated GPUs: a pretrained model's learning rate, bounded memory (docs/learner.md)
+        assert "lr" in cfg["learner"] and learner.lr <= 1e-5
+        assert learner.deepspeed.bf16 and learner.gradient_checkpointing
+        assert 1024 <= learner.micro_batch_tokens <= 65536 and "micro_batch_tokens" in cfg["learner"]
+        text = (path.parent / "README.md").read_text()
+        assert "not measured" in text and "expected" in text.lower()
+    else:  # a CPU example: `make` runs it, its README gives what was measured
+        assert gen.backend.type == "torch" and "lr" in cfg["learner"]
+        assert "micro_batch_tokens" in cfg["learner"]
+        assert "measured" in (path.parent / "README.md").read_text().lower()

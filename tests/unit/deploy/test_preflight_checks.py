@@ -41,11 +41,11 @@ def test_a_backend_whose_package_is_missing_is_named_with_the_fix(monkeypatch):
 
 def test_an_unset_token_env_is_named(monkeypatch):
     cfg = RewardConfig.model_validate({"plugins": {"grader": {"type": "remote", "options": {
-        "url": "http://127.0.0.1:9/score", "token_env": "RELAY_TEST_TOKEN"}}}})
-    monkeypatch.delenv("RELAY_TEST_TOKEN", raising=False)
-    with pytest.raises(ValueError, match=r"reward.plugins.grader.options: token_env names 'RELAY_TEST_TOKEN'"):
+        "url": "http://127.0.0.1:9/score", "token_env": "PREFLIGHT_TEST_TOKEN"}}}})
+    monkeypatch.delenv("PREFLIGHT_TEST_TOKEN", raising=False)
+    with pytest.raises(ValueError, match=r"reward.plugins.grader.options: token_env names 'PREFLIGHT_TEST_TOKEN'"):
         check_secrets(cfg)
-    monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret")
+    monkeypatch.setenv("PREFLIGHT_TEST_TOKEN", "s3cret")
     check_secrets(cfg)
 
 
