@@ -1,0 +1,64 @@
+"""`relay up --resume RUN`: a run stopped with Ctrl-C continues to its configured steps, in the same
+run folder, with every group trained exactly once over both parts; `relay status RUN` then shows
+the finished run's report."""
+
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.support.services import ROOT, child_env, relay
+
+STEPS, BATCH = 60, 4
+
+
+@pytest.mark.slow  # two parts of a run of every service (~60 s)
+def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_path):
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(runs), "--run-id", "r",
+                             "--steps", str(STEPS), "--generators", "1", "--dashboard-port", "0", "--no-progress",
+                             "--set", f"learner.batch_groups={BATCH}", "--set", "learner.checkpoint_every=7",
+                             "--set", "broker.eval.every_versions=0"],
+                            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = runs / "r"
+    metrics = run / "learner" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    first = json.loads((run / "summary.json").read_text())
+    assert first["status"] == "interrupted" and 0 < first["steps"] < STEPS, first  # stopped mid-run
+    assert first["audit"]["lost"] == 0 and first["audit"]["trained_twice"] == 0, first["audit"]
+    # the final version exported on Ctrl-C too, and the exact command that resumes the run
+    assert first["export"]["version"] == first["versions_published"] and (run / "export" / "config.json").is_file()
+    m = re.search(r"resume with: (relay up --resume .+)", out)
+    assert m and m.group(1) == f"relay up --resume {run}", out
+    assert "interrupted: " in out and "{" not in out, out  # the report, not summary.json
+
+    resumed = relay(*shlex.split(m.group(1))[1:], "--dashboard-port", "0", "--no-progress", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == STEPS and s["resumes"] == 1, s
+    # the learner continued from the checkpoint it wrote when stopped, not from the initial weights
+    assert f"resumed from checkpoint at step {first['steps']}" in (run / "logs" / "learner.log").read_text()
+    a = s["audit"]  # over both parts
+    assert a["trained_once"] == STEPS * BATCH == s["groups_trained"], a
+    assert a["trained_twice"] == 0 and a["lost"] == 0, a
+    assert len((run / "learner" / "metrics.jsonl").read_text().splitlines()) == STEPS
+    assert s["export"]["version"] == s["versions_published"] > first["versions_published"]
+    assert (runs / "latest").resolve() == run.resolve()
+
+    # a finished run: its report, from the folder; resuming it again is refused
+    shown = relay("status", "r", "--runs-dir", str(runs))
+    assert shown.returncode == 0, shown.stderr
+    assert f"run r completed: {STEPS}/{STEPS} steps" in shown.stdout and "lost 0, trained twice 0" in shown.stdout
+    again = relay("up", "--resume", str(run), "--no-progress")
+    assert again.returncode == 2 and "nothing to resume" in again.stderr, again.stderr
