@@ -52,8 +52,9 @@ def format_report(s: dict, run_dir: Path) -> str:
     if exp:
         lines.append(f"  export       {_path(exp['path'])} (version {exp['version']}; loads with transformers)")
     lines.append(f"  summary      {_path(run_dir / 'summary.json')}")
-    lines.append(f"  logs         {_path(run_dir / 'logs')}/   metrics {_path(run_dir / 'learner' / 'metrics.jsonl')}   "
-                 f"TensorBoard {_path(run_dir / 'learner' / 'tensorboard')}")
+    lines.append(f"  logs         {_path(run_dir / 'logs')}/")
+    lines.append(f"  metrics      {_path(run_dir / 'learner' / 'metrics.jsonl')}, TensorBoard "
+                 f"{_path(run_dir / 'learner' / 'tensorboard')}/")
     if s.get("error"):
         lines.append(f"  error        {s['error']}")
     return "\n".join(lines)

@@ -1,30 +1,34 @@
 """`relay up --resume RUN`: a run stopped with Ctrl-C continues to its configured steps, in the same
 run folder, with every group trained exactly once over both parts; `relay status RUN` then shows
-the finished run's report."""
+the finished run's report. Both commands as the README shows them, in a scratch working folder."""
 
 import json
 import re
-import shlex
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.support.services import ROOT, child_env, relay
+from tests.integration.test_readme import _block_after
+from tests.support.services import child_env, relay
 
 STEPS, BATCH = 60, 4
 
 
 @pytest.mark.slow  # two parts of a run of every service (~60 s)
 def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_path):
-    runs = tmp_path / "runs"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(runs), "--run-id", "r",
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the README's .venv/bin/relay
+    runs = work / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--run-id", "r",
                              "--steps", str(STEPS), "--generators", "1", "--dashboard-port", "0", "--no-progress",
                              "--set", f"learner.batch_groups={BATCH}", "--set", "learner.checkpoint_every=7",
                              "--set", "broker.eval.every_versions=0"],
-                            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = runs / "r"
     metrics = run / "learner" / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -40,10 +44,12 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     # the final version exported on Ctrl-C too, and the exact command that resumes the run
     assert first["export"]["version"] == first["versions_published"] and (run / "export" / "config.json").is_file()
     m = re.search(r"resume with: (relay up --resume .+)", out)
-    assert m and m.group(1) == f"relay up --resume {run}", out
+    assert m and m.group(1) == "relay up --resume runs/r", out
     assert "interrupted: " in out and "{" not in out, out  # the report, not summary.json
 
-    resumed = relay(*shlex.split(m.group(1))[1:], "--dashboard-port", "0", "--no-progress", timeout=300)
+    status, resume = [c for c in _block_after("for a finished run or one that was stopped:").splitlines() if c]
+    assert resume == ".venv/bin/relay up --resume runs/latest" and status == ".venv/bin/relay status runs/latest"
+    resumed = _sh(resume + " --dashboard-port 0 --no-progress", work)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "completed" and s["steps"] == STEPS and s["resumes"] == 1, s
@@ -57,8 +63,12 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     assert (runs / "latest").resolve() == run.resolve()
 
     # a finished run: its report, from the folder; resuming it again is refused
-    shown = relay("status", "r", "--runs-dir", str(runs))
+    shown = _sh(status, work)
     assert shown.returncode == 0, shown.stderr
     assert f"run r completed: {STEPS}/{STEPS} steps" in shown.stdout and "lost 0, trained twice 0" in shown.stdout
     again = relay("up", "--resume", str(run), "--no-progress")
     assert again.returncode == 2 and "nothing to resume" in again.stderr, again.stderr
+
+
+def _sh(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, shell=True, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=300)
