@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_readme import _block_after
-from tests.support.services import child_env, relay
+from tests.support.services import ROOT, child_env, relay
 
 STEPS, BATCH = 60, 4
 
@@ -47,7 +46,9 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     assert m and m.group(1) == "relay up --resume runs/r", out
     assert "interrupted: " in out and "{" not in out, out  # the report, not summary.json
 
-    status, resume = [c for c in _block_after("for a finished run or one that was stopped:").splitlines() if c]
+    block = re.search(r"for a finished run or one that was stopped:\s*```\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "README lost its resume commands"
+    status, resume = [c for c in block.group(1).splitlines() if c]
     assert resume == ".venv/bin/relay up --resume runs/latest" and status == ".venv/bin/relay status runs/latest"
     resumed = _sh(resume + " --dashboard-port 0 --no-progress", work)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
