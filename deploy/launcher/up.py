@@ -2,10 +2,12 @@
 
 Starts an embedded ``redis-server`` (or uses ``--redis-url``), the broker, the reward service,
 N generators and the learner; shows live progress; writes ``runs/<run-id>/`` (per-service logs,
-configs, metrics, ``summary.json``) and points ``runs/latest`` at it. A service that dies before
-the run is finished is restarted (deploy/launcher/supervisor.py). The run ends when the learner exits
-cleanly after its last step. Ctrl-C (SIGINT) or SIGTERM stops every child by PID; children also
-die if the launcher itself is killed.
+configs, metrics, ``summary.json``, Redis's append-only file) and points ``runs/latest`` at it. A
+service that dies before the run is finished is restarted (deploy/launcher/supervisor.py). The
+run ends when the learner exits cleanly after its last step, with a short report
+(deploy/launcher/report.py). Ctrl-C (SIGINT) or SIGTERM stops every child by PID (the learner
+checkpoints first), exports the newest version and prints the ``relay up --resume`` command
+(deploy/launcher/resume.py); children also die if the launcher itself is killed.
 """
 
 from __future__ import annotations
@@ -254,7 +256,7 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     t0 = time.time()
-    print(f"relay up: {'resuming' if resumed is not None else ''} run {p['run_id']} in {run_dir}".replace("  ", " "))
+    print(f"relay up: {'resuming run' if resumed is not None else 'run'} {p['run_id']} in {run_dir}")
     rc = 0
     r = None
     supervisor = None
