@@ -53,6 +53,9 @@ def plan_resume(args, environ, usage_error) -> dict:
         run_dir = run_folder(args.resume, args.runs_dir)
     except FileNotFoundError as e:
         raise usage_error(str(e)) from None
+    running = _still_running(run_dir)
+    if running:
+        raise usage_error(f"run {run_dir.name} is still running ({', '.join(running)}): stop it first (Ctrl-C)")
     if not (run_dir / LAUNCH).is_file():
         raise usage_error(f"{run_dir} has no {LAUNCH}: it was not started by a `relay up` that can resume it")
     launch = json.loads((run_dir / LAUNCH).read_text())
@@ -113,6 +116,23 @@ def plan_resume(args, environ, usage_error) -> dict:
     return {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
             "http_port": http_port, "redis_url": cfgs["learner"]["redis_url"], "redis_port": redis_port,
             "resumed": summary, **cfgs}
+
+
+def _still_running(run_dir: Path) -> list[str]:
+    """The run's processes (``pids.json``) that are alive and still this run's (their command line
+    names the run folder: a PID reused by another program does not count)."""
+    path = run_dir / "pids.json"
+    if not path.is_file():
+        return []
+    alive = []
+    for name, pid in json.loads(path.read_text()).items():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone
+        if str(run_dir) in cmd:
+            alive.append(f"{name} pid {pid}")
+    return alive
 
 
 def _port_of(address: str) -> int:

@@ -4,6 +4,8 @@ moves, on run folders written here (no service started)."""
 import argparse
 import json
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -127,3 +129,17 @@ def test_resume_refuses_what_would_not_continue_the_run_as_recorded(tmp_path, su
 def test_resume_of_a_folder_that_is_not_a_run(tmp_path):
     with pytest.raises(UsageError, match="not a run folder"):
         _plan(tmp_path, "--resume", "nope")
+
+
+def test_resume_of_a_run_that_is_still_running_is_refused(tmp_path):
+    run = _run_folder(tmp_path, None)
+    # a process of the run, as pids.json records it (its command line names the run folder)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", str(run)])
+    try:
+        (run / "pids.json").write_text(json.dumps({"redis": proc.pid}))
+        with pytest.raises(UsageError, match=f"still running \\(redis pid {proc.pid}\\)"):
+            _plan(tmp_path, "--resume", "r1")
+    finally:
+        proc.kill()
+        proc.wait()
+    _plan(tmp_path, "--resume", "r1")  # once it is gone, the run resumes
