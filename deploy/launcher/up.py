@@ -234,12 +234,11 @@ def run_up(args) -> int:
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
     from deploy.launcher.procs import ProcessGroup, start_redis
+    from deploy.launcher.report import format_report
+    from deploy.launcher.resume import LAUNCH, launch_record, resume_command
     from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
-
-    from deploy.launcher.report import format_report
-    from deploy.launcher.resume import LAUNCH, launch_record, resume_command
 
     run_dir: Path = p["run_dir"]
     resumed = p.get("resumed")  # the summary of the part before, when resuming
@@ -345,7 +344,8 @@ def run_up(args) -> int:
         summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
         # the final version as an HF folder, after Ctrl-C too (not after a failure: it may be broken)
         summary["export"] = export_final(run_dir) if rc in (0, 130) else None
-        summary["restarts"] = dict(supervisor.restarts)
+        before = (resumed or {}).get("restarts") or {}
+        summary["restarts"] = {k: v + before.get(k, 0) for k, v in supervisor.restarts.items()}  # every part
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_report(summary, run_dir), flush=True)
         if rc == 130:
