@@ -120,52 +120,40 @@ def format_state(st: dict) -> str:
     return "\n".join(lines)
 
 
-def run_summary(run: str, runs_dir: str, as_json: bool) -> int | None:
-    """Print a finished run's report (or its summary.json); None when the run has no summary yet."""
+def show_run(run: str, runs_dir: str, as_json: bool, dead_after_s: float) -> int:
+    """A run named by its folder: the live state while it runs (its processes in ``pids.json``
+    alive), else the report of its ``summary.json``."""
     from pathlib import Path
 
     from deploy.launcher.report import format_report
-    from deploy.launcher.resume import run_folder
+    from deploy.launcher.resume import run_folder, still_running
 
     try:
         folder = run_folder(run, runs_dir)
     except FileNotFoundError as e:
         raise StatusError(str(e)) from None
+    if still_running(folder):
+        broker = json.loads((folder / "config" / "broker.json").read_text())
+        st = fetch_state(f"http://127.0.0.1:{broker.get('http_port', 8080)}", None, None, dead_after_s)
+        print(json.dumps(st, indent=1) if as_json else format_state(st))
+        return 0
     path = folder / "summary.json"
     if not path.is_file():
-        return None
+        raise StatusError(f"run {run!r} is not running and has no summary.json: it was killed before it finished "
+                          f"(`relay up --resume {run}` continues it)")
     text = path.read_text()
     summary = json.loads(text)
     print(text if as_json else format_report(summary, Path(folder)))
     return 0 if summary.get("status") in ("completed", "interrupted") else 1
 
 
-def _run_url(run: str, runs_dir: str) -> str:
-    """The broker of a run that is still going, at the port in its recorded config."""
-    from deploy.launcher.resume import run_folder
-
-    broker = json.loads((run_folder(run, runs_dir) / "config" / "broker.json").read_text())
-    return f"http://127.0.0.1:{broker.get('http_port', 8080)}"
-
-
 def run_status(args) -> int:
     try:
-        url = args.url
         if args.run:
             if args.url or args.redis_url:
                 raise StatusError("give a RUN folder, or --url / --redis-url, not both")
-            shown = run_summary(args.run, args.runs_dir, args.json)
-            if shown is not None:
-                return shown
-            url = _run_url(args.run, args.runs_dir)  # no summary yet: the run is going (or was killed)
-            try:
-                st = fetch_state(url, None, None, args.dead_after_s)
-            except StatusError:
-                raise StatusError(f"run {args.run!r} has no summary.json and its broker does not answer at {url}: "
-                                  f"it was killed before it finished (`relay up --resume {args.run}` continues "
-                                  f"it)") from None
-        else:
-            st = fetch_state(url, args.redis_url, args.run_id, args.dead_after_s)
+            return show_run(args.run, args.runs_dir, args.json, args.dead_after_s)
+        st = fetch_state(args.url, args.redis_url, args.run_id, args.dead_after_s)
     except StatusError as e:
         print(f"relay status: error: {e}", file=sys.stderr)
         return 1

@@ -53,7 +53,7 @@ def plan_resume(args, environ, usage_error) -> dict:
         run_dir = run_folder(args.resume, args.runs_dir)
     except FileNotFoundError as e:
         raise usage_error(str(e)) from None
-    running = _still_running(run_dir)
+    running = still_running(run_dir)
     if running:
         raise usage_error(f"run {run_dir.name} is still running ({', '.join(running)}): stop it first (Ctrl-C)")
     if not (run_dir / LAUNCH).is_file():
@@ -118,7 +118,7 @@ def plan_resume(args, environ, usage_error) -> dict:
             "resumed": summary, **cfgs}
 
 
-def _still_running(run_dir: Path) -> list[str]:
+def still_running(run_dir: Path) -> list[str]:
     """The run's processes (``pids.json``) that are alive and still this run's (their command line
     names the run folder: a PID reused by another program does not count)."""
     path = run_dir / "pids.json"

@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,19 +55,47 @@ def test_relay_status_shows_a_finished_run_from_its_folder(tmp_path):
     (run / "summary.json").write_text(json.dumps({**SUMMARY, "status": "failed", "error": "boom"}))
     res = relay("status", str(run))
     assert res.returncode == 1 and res.stdout.rstrip().endswith("error        boom")
-    # no summary and no broker answering: killed mid-run, and it says how to continue
+    # no summary and nothing running: killed mid-run, and it says how to continue
     (run / "summary.json").unlink()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
-    (run / "config" / "broker.json").write_text(json.dumps({"http_port": dead}))
     res = relay("status", str(run))
     assert res.returncode == 1 and "relay up --resume" in res.stderr, res.stderr
     res = relay("status", "nope", "--runs-dir", str(tmp_path / "runs"))
     assert res.returncode == 1 and "not a run folder" in res.stderr
 
 
-def _run_folder(tmp_path, summary: dict | None, aof: str = "everysec") -> object:
+def test_relay_status_shows_a_resumed_run_that_is_running_live_not_its_old_summary(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    (run / "config").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({**SUMMARY, "status": "interrupted"}))  # the part before
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (run / "config" / "broker.json").write_text(json.dumps({"http_port": port}))
+    # the run's broker, as far as relay status sees it: a process of the run (pids.json, the run folder
+    # in its command line) serving /api/state on the recorded port
+    state = {"run_id": "r1", "learner_version": 7, "learner": {"step": 9}, "generators": []}
+    server = ("import http.server, json, sys\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers(); self.wfile.write(sys.argv[2].encode())\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    proc = subprocess.Popen([sys.executable, "-c", server, str(port), json.dumps(state), str(run)])
+    try:
+        (run / "pids.json").write_text(json.dumps({"broker": proc.pid}))
+        deadline = time.monotonic() + 10
+        while socket.socket().connect_ex(("127.0.0.1", port)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        res = relay("status", str(run))
+        assert res.returncode == 0 and "learner version 7" in res.stdout and "step 9" in res.stdout, res
+        assert "interrupted" not in res.stdout
+    finally:
+        proc.kill()
+        proc.wait()
+    res = relay("status", str(run))  # stopped again: the summary
+    assert res.returncode == 0 and "run r1 interrupted" in res.stdout
+
+
+def _run_folder(tmp_path, summary: dict | None, aof: str = "everysec"):
     """A run folder as `relay up` leaves it (configs, launch.json, Redis's AOF folder)."""
     run = tmp_path / "runs" / "r1"
     (run / "config").mkdir(parents=True)
