@@ -80,6 +80,7 @@ def test_relay_status_shows_a_resumed_run_that_is_running_live_not_its_old_summa
               "        self.send_response(200); self.end_headers(); self.wfile.write(sys.argv[2].encode())\n"
               "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
     proc = subprocess.Popen([sys.executable, "-c", server, str(port), json.dumps(state), str(run)])
+    _until_exec(proc.pid, run)
     try:
         (run / "pids.json").write_text(json.dumps({"broker": proc.pid}))
         deadline = time.monotonic() + 10
@@ -164,6 +165,7 @@ def test_resume_of_a_run_that_is_still_running_is_refused(tmp_path):
     run = _run_folder(tmp_path, None)
     # a process of the run, as pids.json records it (its command line names the run folder)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", str(run)])
+    _until_exec(proc.pid, run)
     try:
         (run / "pids.json").write_text(json.dumps({"redis": proc.pid}))
         with pytest.raises(UsageError, match=f"still running \\(redis pid {proc.pid}\\)"):
@@ -172,3 +174,11 @@ def test_resume_of_a_run_that_is_still_running_is_refused(tmp_path):
         proc.kill()
         proc.wait()
     _plan(tmp_path, "--resume", "r1")  # once it is gone, the run resumes
+
+
+def _until_exec(pid: int, run) -> None:
+    """Until the child runs its own command (between fork and exec it still shows pytest's)."""
+    deadline = time.monotonic() + 10
+    while str(run).encode() not in open(f"/proc/{pid}/cmdline", "rb").read():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
