@@ -37,6 +37,10 @@ def plan_resume(args, environ, usage_error) -> dict:
     """The plan (as :func:`deploy.launcher.up.plan` returns it) of the run to resume."""
     from deploy.launcher import environment
     from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from pydantic import ValidationError
+
+    from broker.runtime.config import format_validation_error
+    from learner.config import LearnerConfig
 
     given = [f"--{name.replace('_', '-')}" for name in _FIXED if getattr(args, name) is not None] + \
         (["--set"] if args.set else [])
@@ -62,11 +66,15 @@ def plan_resume(args, environ, usage_error) -> dict:
     cfg_dir = run_dir / "config"
     cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
     cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
-    steps = cfgs["learner"].get("steps", 600)
+    try:
+        learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
+    except ValidationError as e:
+        raise usage_error(f"{cfg_dir / 'learner.json'}: {format_validation_error(e)}") from None
+    steps = learner.steps
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     if summary.get("status") == "completed":
         raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
-    if cfgs["learner"].get("checkpoint_every", 50) == 0:
+    if learner.checkpoint_every == 0:
         raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
     redis_port = None
     if launch["embedded_redis"]:
