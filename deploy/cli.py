@@ -6,7 +6,8 @@
     relay generator   one generator replica
     relay learner     the DeepSpeed learner
     relay bench       every stage measured against its raw baseline (benchmarks/, docs/benchmarks.md)
-    relay status      the run's state as a table (generators' versions, hashes, lag; queue; failures)
+    relay status      the run's state as a table (generators' versions, hashes, lag; queue; failures),
+                      or a finished run's report (relay status RUN)
     relay export      a run's trained model as a Hugging Face folder
     relay config      the config reference (docs/config.md) and a run's effective config
 
@@ -174,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="print the run's state as a table",
                             description="The dashboard's state as a table: learner version, every generator's "
-                                        "version, hash, lag and state, the queue, failures.")
+                                        "version, hash, lag and state, the queue, failures. With RUN (a run "
+                                        "folder, or a run id or 'latest' under --runs-dir): a finished run's "
+                                        "report from its summary.json, or the state of the run while it goes.")
     add_status_arguments(status)
     status.set_defaults(fn=cmd_status)
     from deploy.export import add_export_arguments

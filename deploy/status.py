@@ -1,5 +1,9 @@
 """``relay status``: the dashboard's state as a table, for people on a remote shell.
 
+``relay status RUN`` (a run folder, or a run id or ``latest`` under ``--runs-dir``) shows a finished
+run from its ``summary.json`` (the end-of-run report), or, while it runs, reads its broker at the
+port recorded in its ``config/broker.json``.
+
 Reads ``GET /api/state`` from the broker (``--url``), or builds the same state straight from the
 run's Redis (``--redis-url`` + ``--run-id``) when the broker's HTTP port is not reachable.
 """
@@ -11,6 +15,10 @@ import sys
 
 
 def add_status_arguments(p) -> None:
+    p.add_argument("run", nargs="?", default=None, metavar="RUN",
+                   help="a run folder, or a run id or 'latest' under --runs-dir: a finished run's report from its "
+                        "summary.json, or the state of a running one")
+    p.add_argument("--runs-dir", default="runs", help="folder that holds the run folders (default: runs)")
     p.add_argument("--url", default=None, help="the broker's HTTP address (default http://127.0.0.1:8080)")
     p.add_argument("--redis-url", default=None, help="read the state from this Redis instead of the broker")
     p.add_argument("--run-id", default=None, help="the run to show (with --redis-url)")
@@ -112,8 +120,39 @@ def format_state(st: dict) -> str:
     return "\n".join(lines)
 
 
+def show_run(run: str, runs_dir: str, as_json: bool, dead_after_s: float) -> int:
+    """A run named by its folder: the live state while it runs (its processes in ``pids.json``
+    alive), else the report of its ``summary.json``."""
+    from pathlib import Path
+
+    from deploy.launcher.report import format_report
+    from deploy.launcher.resume import run_folder, still_running
+
+    try:
+        folder = run_folder(run, runs_dir)
+    except FileNotFoundError as e:
+        raise StatusError(str(e)) from None
+    if still_running(folder):
+        broker = json.loads((folder / "config" / "broker.json").read_text())
+        st = fetch_state(f"http://127.0.0.1:{broker.get('http_port', 8080)}", None, None, dead_after_s)
+        print(json.dumps(st, indent=1) if as_json else format_state(st))
+        return 0
+    path = folder / "summary.json"
+    if not path.is_file():
+        raise StatusError(f"run {run!r} is not running and has no summary.json: it was killed before it finished "
+                          f"(`relay up --resume {run}` continues it)")
+    text = path.read_text()
+    summary = json.loads(text)
+    print(text if as_json else format_report(summary, Path(folder)))
+    return 0 if summary.get("status") in ("completed", "interrupted") else 1
+
+
 def run_status(args) -> int:
     try:
+        if args.run:
+            if args.url or args.redis_url:
+                raise StatusError("give a RUN folder, or --url / --redis-url, not both")
+            return show_run(args.run, args.runs_dir, args.json, args.dead_after_s)
         st = fetch_state(args.url, args.redis_url, args.run_id, args.dead_after_s)
     except StatusError as e:
         print(f"relay status: error: {e}", file=sys.stderr)

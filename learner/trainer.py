@@ -82,6 +82,7 @@ class Learner:
         latest = latest_announcement(self.r, self.keys)
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
+        self.saved_step = 0  # the step of the newest checkpoint
         self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
@@ -102,7 +103,7 @@ class Learner:
         state = checkpoint.load(self.ckpt_dir, self.engine)  # every rank: the weights and its optimizer partition
         if state is None:
             return
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
         self.counts.update(state["counts"])
         if not self.leader:
             return
@@ -124,9 +125,17 @@ class Learner:
         if self.leader:
             self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)
         if every and due:
-            checkpoint.save(self.ckpt_dir, self.step, self.engine,
-                            {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted})
-        if self.leader and due:
+            self.checkpoint()
+        elif self.leader and due:
+            self.commit(self.uncommitted, self.step)
+            self.uncommitted = []
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint of this step (every rank), then commit what it holds (the leader)."""
+        checkpoint.save(self.ckpt_dir, self.step, self.engine,
+                        {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted})
+        self.saved_step = self.step
+        if self.leader:
             self.commit(self.uncommitted, self.step)
             self.uncommitted = []
 
@@ -203,7 +212,15 @@ class Learner:
                 self.records.close()
         if self._agree(self.leader and self.intake.data_ended):
             self.end_with_the_data()
-        elif self.leader and step >= self.cfg.steps:
+            return
+        if self.cfg.checkpoint_every and self.step > self.saved_step:
+            # stopped (SIGINT/SIGTERM), or finished, between two checkpoints: keep the steps taken, so a restart or
+            # `relay up --resume` continues from here (a checkpoint is written atomically: a learner
+            # killed while writing it resumes from the previous one)
+            self.checkpoint()
+            if self.leader:
+                log.info("checkpoint written at step %d", self.step)
+        if self.leader and step >= self.cfg.steps:
             self.r.set(self.keys.done, f"finished its {step} steps")  # why the run ended (summary.json's "ended")
             log.info("finished %d steps at version %d", step, self.version)
 

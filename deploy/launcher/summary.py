@@ -99,11 +99,12 @@ def eval_records(r, keys, run_dir: Path) -> list[dict]:
 
 
 def export_final(run_dir: Path) -> dict | None:
-    """The newest published version as a Hugging Face folder in ``<run>/export`` (summary's ``export``)."""
+    """The newest published version as a Hugging Face folder in ``<run>/export`` (summary's ``export``;
+    a resumed run replaces the export of its interrupted part)."""
     from deploy.export import ExportError, export
 
     try:
-        rec = export(run_dir, run_dir / "export")
+        rec = export(run_dir, run_dir / "export", overwrite=True)
     except ExportError as e:
         print(f"relay up: no export: {e}")
         return None

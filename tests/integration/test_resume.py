@@ -1,0 +1,102 @@
+"""`relay up --resume RUN`: a run stopped with Ctrl-C, resumed, then crashed (its `relay up` killed
+with SIGKILL), continues to its configured steps in the same run folder, with every group trained
+exactly once over all three parts; `relay status RUN` then shows the finished run's report. Both
+commands as the README shows them, in a scratch working folder."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.services import ROOT, child_env, relay
+
+STEPS, BATCH = 80, 4
+
+
+@pytest.mark.slow  # three parts of a run of every service (~45 s)
+def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the README's .venv/bin/relay
+    runs = work / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--run-id", "r",
+                             "--steps", str(STEPS), "--generators", "1", "--dashboard-port", "0", "--no-progress",
+                             "--set", f"learner.batch_groups={BATCH}", "--set", "learner.checkpoint_every=7",
+                             "--set", "broker.eval.every_versions=0"],
+                            cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = runs / "r"
+    metrics = run / "learner" / "metrics.jsonl"
+    _wait(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    first = json.loads((run / "summary.json").read_text())
+    assert first["status"] == "interrupted" and 0 < first["steps"] < STEPS, first  # stopped mid-run
+    assert first["audit"]["lost"] == 0 and first["audit"]["trained_twice"] == 0, first["audit"]
+    # the final version exported on Ctrl-C too, and the exact command that resumes the run
+    assert first["export"]["version"] == first["versions_published"] and (run / "export" / "config.json").is_file()
+    m = re.search(r"resume with: (relay up --resume .+)", out)
+    assert m and m.group(1) == "relay up --resume runs/r", out
+    assert "interrupted: " in out and "{" not in out, out  # the report, not summary.json
+
+    # resumed, then crashed: relay up killed outright (its children get SIGTERM from the kernel)
+    crash = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--resume", "runs/r", "--dashboard-port", "0",
+                              "--no-progress"], cwd=work, env=child_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    _wait(lambda: metrics.read_text().count("\n") >= first["steps"] + 5, crash)
+    crash.kill()
+    crash.wait()
+    pids = json.loads((run / "pids.json").read_text()).values()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"  # part 1's: nothing since
+
+    block = re.search(r"for a finished run or one that was stopped:\s*```\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block, "README lost its resume commands"
+    status, resume = [c for c in block.group(1).splitlines() if c]
+    assert resume == ".venv/bin/relay up --resume runs/latest" and status == ".venv/bin/relay status runs/latest"
+    resumed = _sh(resume + " --dashboard-port 0 --no-progress", work)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == STEPS and s["resumes"] >= 1, s
+    # the learner continued from the checkpoint it wrote when stopped, not from the initial weights, twice
+    log = (run / "logs" / "learner.log").read_text()
+    assert f"resumed from checkpoint at step {first['steps']}" in log and log.count("resumed from checkpoint") >= 2
+    a = s["audit"]  # over the three parts
+    assert a["trained_once"] == STEPS * BATCH == s["groups_trained"], a
+    assert a["trained_twice"] == 0 and a["lost"] == 0, a
+    assert len((run / "learner" / "metrics.jsonl").read_text().splitlines()) == STEPS
+    assert s["export"]["version"] == s["versions_published"] > first["versions_published"]
+    assert (runs / "latest").resolve() == run.resolve()
+
+    # a finished run: its report, from the folder; resuming it again is refused
+    shown = _sh(status, work)
+    assert shown.returncode == 0, shown.stderr
+    assert f"run r completed: {STEPS}/{STEPS} steps" in shown.stdout and "lost 0, trained twice 0" in shown.stdout
+    again = relay("up", "--resume", str(run), "--no-progress")
+    assert again.returncode == 2 and "nothing to resume" in again.stderr, again.stderr
+
+
+def _sh(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, shell=True, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=300)
+
+
+def _wait(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"relay up exited early with code {proc.returncode}"
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

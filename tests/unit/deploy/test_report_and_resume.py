@@ -1,0 +1,184 @@
+"""The end-of-run report, `relay status RUN` on a finished run, and what `relay up --resume` refuses or
+moves, on run folders written here (no service started)."""
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deploy.launcher.report import format_report
+from deploy.launcher.up import UsageError, add_up_arguments, plan
+from tests.support.services import relay
+
+SUMMARY = {
+    "status": "completed", "error": None, "run_id": "r1", "steps": 600, "steps_total": 600, "versions_published": 600,
+    "reward_first": 0.052, "reward_last": 0.934, "groups_trained": 19200, "groups_dropped_stale": 3,
+    "groups_rejected": 0, "generators": {}, "wall_seconds": 212.4, "resumes": 0,
+    "audit": {"produced": 19210, "trained_once": 19200, "trained_twice": 0, "dropped": 3, "queued": 7, "lost": 0},
+    "eval": [{"version": 0, "round": 0, "pass@1": 0.0}, {"version": 300, "round": 300, "pass@1": 0.5},
+             {"version": 590, "round": 590, "pass@1": 0.95}],
+    "export": {"path": "/x/runs/r1/export", "version": 600, "manifest_hash": "ab"},
+    "restarts": {"broker": 0, "learner": 1},
+}
+
+
+def test_the_report_says_how_the_run_went_in_a_few_lines(tmp_path):
+    text = format_report(SUMMARY, tmp_path / "r1")
+    lines = text.splitlines()
+    assert lines[0] == "relay up: run r1 completed: 600/600 steps in 3m32s"
+    assert "reward       0.052 -> 0.934" in text
+    assert "eval pass@1  0.000 (v0) -> 0.950 (v590)   3 rounds" in text
+    assert "19200 trained, 3 dropped stale, 0 rejected; audit: lost 0, trained twice 0" in text
+    assert "restarts     learner 1" in text and "broker" not in text
+    assert "/x/runs/r1/export (version 600" in text
+    assert str(tmp_path / "r1" / "summary.json") in text and str(tmp_path / "r1" / "logs") in text
+    assert len(lines) <= 10 and "{" not in text  # not the JSON dump
+
+    failed = format_report({**SUMMARY, "status": "failed", "error": "learner (pid 7) exited with code 1",
+                            "export": None, "eval": []}, tmp_path / "r1")
+    assert failed.splitlines()[-1] == "  error        learner (pid 7) exited with code 1"  # last, where it is seen
+    assert "export" not in failed and "eval" not in failed
+
+
+def test_relay_status_shows_a_finished_run_from_its_folder(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    (run / "config").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(SUMMARY))
+    res = relay("status", "r1", "--runs-dir", str(tmp_path / "runs"))
+    assert res.returncode == 0 and res.stdout.startswith("relay up: run r1 completed: 600/600 steps"), res
+    res = relay("status", str(run), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["reward_last"] == 0.934
+    (run / "summary.json").write_text(json.dumps({**SUMMARY, "status": "failed", "error": "boom"}))
+    res = relay("status", str(run))
+    assert res.returncode == 1 and res.stdout.rstrip().endswith("error        boom")
+    # no summary and nothing running: killed mid-run, and it says how to continue
+    (run / "summary.json").unlink()
+    res = relay("status", str(run))
+    assert res.returncode == 1 and "relay up --resume" in res.stderr, res.stderr
+    res = relay("status", "nope", "--runs-dir", str(tmp_path / "runs"))
+    assert res.returncode == 1 and "not a run folder" in res.stderr
+
+
+def test_relay_status_shows_a_resumed_run_that_is_running_live_not_its_old_summary(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    (run / "config").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({**SUMMARY, "status": "interrupted"}))  # the part before
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (run / "config" / "broker.json").write_text(json.dumps({"http_port": port}))
+    # the run's broker, as far as relay status sees it: a process of the run (pids.json, the run folder
+    # in its command line) serving /api/state on the recorded port
+    state = {"run_id": "r1", "learner_version": 7, "learner": {"step": 9}, "generators": []}
+    server = ("import http.server, json, sys\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers(); self.wfile.write(sys.argv[2].encode())\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    proc = subprocess.Popen([sys.executable, "-c", server, str(port), json.dumps(state), str(run)])
+    _until_exec(proc.pid, run)
+    try:
+        (run / "pids.json").write_text(json.dumps({"broker": proc.pid}))
+        deadline = time.monotonic() + 10
+        while socket.socket().connect_ex(("127.0.0.1", port)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        res = relay("status", str(run))
+        assert res.returncode == 0 and "learner version 7" in res.stdout and "step 9" in res.stdout, res
+        assert "interrupted" not in res.stdout
+    finally:
+        proc.kill()
+        proc.wait()
+    res = relay("status", str(run))  # stopped again: the summary
+    assert res.returncode == 0 and "run r1 interrupted" in res.stdout
+
+
+def _run_folder(tmp_path, summary: dict | None, aof: str = "everysec"):
+    """A run folder as `relay up` leaves it (configs, launch.json, Redis's AOF folder)."""
+    run = tmp_path / "runs" / "r1"
+    (run / "config").mkdir(parents=True)
+    (run / "appendonlydir").mkdir()
+    redis = "redis://127.0.0.1:6390/0"
+    cfgs = {"broker": {"run_id": "r1", "redis_url": redis, "ingest_bind": "tcp://127.0.0.1:6391", "http_port": 6392},
+            "reward": {"port": 6393},
+            "learner": {"run_id": "r1", "redis_url": redis, "steps": 50, "run_dir": str(run / "learner")},
+            "generator-0": {"id": "gen-0", "run_id": "r1", "redis_url": redis, "broker_address": "tcp://127.0.0.1:6391",
+                            "reward_url": "http://127.0.0.1:6393"}}
+    for name, c in cfgs.items():
+        (run / "config" / f"{name}.json").write_text(json.dumps(c))
+    (run / "launch.json").write_text(json.dumps({"generators": 3, "learner_ranks": 1, "embedded_redis": True,
+                                                 "redis_aof": aof}))
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def _plan(tmp_path, *argv, environ=None):
+    p = argparse.ArgumentParser()
+    add_up_arguments(p)
+    args = p.parse_args(["--runs-dir", str(tmp_path / "runs"), *argv])
+    return plan(args, environ=environ or {}), args
+
+
+def test_resume_keeps_the_recorded_config_and_moves_only_ports_that_are_taken(tmp_path):
+    run = _run_folder(tmp_path, {"status": "interrupted", "steps": 20, "wall_seconds": 30.0})
+    with socket.socket() as busy:  # the recorded ingest port is taken now
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 6391))
+        busy.listen()
+        p, args = _plan(tmp_path, "--resume", "r1")
+    assert p["run_dir"] == run.resolve() and p["run_id"] == "r1" and args.generators == 3
+    assert p["learner"]["steps"] == 50 and p["resumed"]["steps"] == 20
+    assert p["broker"]["ingest_bind"] != "tcp://127.0.0.1:6391"
+    assert p["generator"]["broker_address"] == p["broker"]["ingest_bind"]  # the generators follow it
+    assert p["generator"]["reward_url"] == f"http://127.0.0.1:{p['reward']['port']}"
+    assert p["broker"]["redis_url"] == p["learner"]["redis_url"] == p["generator"]["redis_url"] == p["redis_url"]
+    assert "redis_url" not in p["reward"] and "id" not in p["generator"]
+    # tokens are never in the run folder: they come from the environment again
+    p, _ = _plan(tmp_path, "--resume", str(run), environ={"RELAY_AUTH_TOKEN": '"t0k"'})
+    assert p["reward"]["auth_token"] == "t0k" and p["generator"]["reward_token"] == "t0k"
+
+
+@pytest.mark.parametrize("summary,aof,argv,environ,message", [
+    ({"status": "completed", "steps": 50}, "everysec", [], {}, "completed (50 of 50 steps): nothing to resume"),
+    ({"status": "interrupted"}, "off", [], {}, "kept no Redis data (--redis-aof off)"),
+    ({"status": "interrupted"}, "everysec", ["--steps", "80", "--set", "learner.lr=0.1"], {},
+     "recorded config (config/*.json); leave out --steps, --set"),
+    ({"status": "interrupted"}, "everysec", [], {"RELAY_STEPS": "80"}, "unset RELAY_STEPS"),
+    (None, "everysec", ["--generators", "1"], {}, "leave out --generators"),
+])
+def test_resume_refuses_what_would_not_continue_the_run_as_recorded(tmp_path, summary, aof, argv, environ, message):
+    _run_folder(tmp_path, summary, aof)
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        _plan(tmp_path, "--resume", "r1", *argv, environ=environ)
+
+
+def test_resume_of_a_folder_that_is_not_a_run(tmp_path):
+    with pytest.raises(UsageError, match="not a run folder"):
+        _plan(tmp_path, "--resume", "nope")
+
+
+def test_resume_of_a_run_that_is_still_running_is_refused(tmp_path):
+    run = _run_folder(tmp_path, None)
+    # a process of the run, as pids.json records it (its command line names the run folder)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", str(run)])
+    _until_exec(proc.pid, run)
+    try:
+        (run / "pids.json").write_text(json.dumps({"redis": proc.pid}))
+        with pytest.raises(UsageError, match=f"still running \\(redis pid {proc.pid}\\)"):
+            _plan(tmp_path, "--resume", "r1")
+    finally:
+        proc.kill()
+        proc.wait()
+    _plan(tmp_path, "--resume", "r1")  # once it is gone, the run resumes
+
+
+def _until_exec(pid: int, run) -> None:
+    """Until the child runs its own command (between fork and exec it still shows pytest's)."""
+    deadline = time.monotonic() + 10
+    while str(run).encode() not in open(f"/proc/{pid}/cmdline", "rb").read():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
