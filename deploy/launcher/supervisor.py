@@ -63,11 +63,13 @@ class GiveUp(Exception):
 class Supervisor:
     def __init__(self, procs: ProcessGroup, policy: RestartPolicy, pids_path: Path,
                  services: list[str], not_restartable: dict[str, str] | None = None,
-                 healthy: Callable[[str], bool] | None = None):
+                 healthy: Callable[[str], bool] | None = None, before_print: Callable[[], None] | None = None):
         """``services``: the names of the children to watch (the rest, e.g. redis, are left alone).
         ``not_restartable``: name -> why a restart would be wrong (it fails the run instead).
         ``healthy(name)``: has that service come up (asked until it first says yes)? None: every
-        service counts as up from its start (every death may be restarted)."""
+        service counts as up from its start (every death may be restarted). ``before_print``: called
+        before a restart is announced (relay up ends its progress line there, so the message gets
+        a line of its own)."""
         self.procs = procs
         self.policy = policy
         self.pids_path = pids_path
@@ -78,6 +80,7 @@ class Supervisor:
         self._due: dict[str, float] = {}  # name -> monotonic time of its pending restart
         self.healthy = healthy
         self.came_up: set[str] = set() if healthy else set(services)  # services seen healthy at least once
+        self.before_print = before_print or (lambda: None)
         self.write_pids()
 
     def child(self, name: str) -> Child:
@@ -119,6 +122,7 @@ class Supervisor:
                 delay = self.policy.delay(self._consecutive[name])
                 self._due[name] = now + delay
                 how = f"signal {-rc}" if rc < 0 else f"code {rc}"
+                self.before_print()
                 print(f"relay up: {name} (pid {c.pid}) died ({how}) after {uptime:.1f}s; restart "
                       f"{self.restarts[name] + 1}/{self.policy.max_restarts} in {delay:.1f}s", file=sys.stderr,
                       flush=True)
@@ -127,6 +131,7 @@ class Supervisor:
                 new = self.procs.restart(c)
                 self.restarts[name] += 1
                 self.write_pids()
+                self.before_print()
                 print(f"relay up: {name} restarted (pid {new.pid})", file=sys.stderr, flush=True)
 
     def sleep_hint(self, idle_s: float) -> float:

@@ -192,60 +192,6 @@ def _child_env() -> dict:
     return env
 
 
-class Progress:
-    def __init__(self, enabled: bool, total_steps: int):
-        self.enabled = enabled
-        self.tty = sys.stdout.isatty()
-        self.total = total_steps
-        self.last_print = 0.0
-
-    def show(self, st: dict, restarts: int = 0) -> None:
-        if not self.enabled:
-            return
-        ln = st.get("learner", {})
-        gens = " ".join(f"{g['id']}:v{g['version']}" for g in st.get("generators", []))
-        length = (f"len {ln['completion_len_mean']:.0f}/{ln['completion_len_max']:.0f} "
-                  f"truncated {ln['completion_truncated_frac']:.0%}  " if "completion_truncated_frac" in ln else "")
-        line = (f"step {int(ln.get('step', 0))}/{self.total}  version {st.get('learner_version')}  "
-                f"reward {ln.get('reward_mean', float('nan')):.3f}  {length}queue {st.get('queue_depth')}  "
-                f"stale-dropped {int(ln.get('groups_dropped_stale', 0))}  generators {gens}"
-                + (f"  restarts {restarts}" if restarts else ""))
-        if self.tty:
-            print("\r\033[K" + line, end="", flush=True)
-        elif time.monotonic() - self.last_print > 15:
-            print(line, flush=True)
-            self.last_print = time.monotonic()
-
-    def done(self) -> None:
-        if self.enabled and self.tty:
-            print()
-
-
-class TruncationWarning:
-    """The learner's warning that most completions stop at max_tokens (``truncated_warning_frac`` in
-    its stats, learner/trainer.py), printed once on its own line (docs/datasets.md)."""
-
-    def __init__(self, progress: Progress, max_tokens: int | None):
-        self.progress, self.max_tokens, self.shown = progress, max_tokens, False
-
-    def check(self, learner: dict) -> None:
-        frac = learner.get("truncated_warning_frac")
-        if self.shown or frac is None:
-            return
-        self.shown = True
-        self.progress.done()  # off the progress line
-        setting = f" = {self.max_tokens}" if self.max_tokens else f" (default {_default_max_tokens()})"
-        print(f"relay up: warning: {frac:.0%} of the completions of the last steps stopped at max_tokens (mean "
-              f"length {learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))}): "
-              f"answers are cut off; raise generator.sampling.max_tokens{setting} (docs/datasets.md)", flush=True)
-
-
-def _default_max_tokens() -> int:
-    from generators.config import SamplingConfig
-
-    return SamplingConfig.model_fields["max_tokens"].default
-
-
 def run_up(args) -> int:
     from deploy.launcher.preflight import PreflightError, check_run
 
@@ -264,6 +210,8 @@ def run_up(args) -> int:
     from broker.client.telemetry import read_heartbeats, read_stats
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
+    from broker.prompts.evals import EvalHistory
+    from deploy.launcher.progress import Progress, TruncationWarning, latest_eval
     from deploy.launcher.procs import ProcessGroup, start_redis
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
@@ -322,13 +270,15 @@ def run_up(args) -> int:
                                     "initial weights")
         r = connect_redis(redis_url)
         keys = Keys(p["run_id"])
-        supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
-                                [c.name for c in procs.children if c.name != "redis"], no_resume,
-                                healthy=_health_probe(r, keys, cfgs["generator"]["reward_url"]))
-        print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
-              f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
         total = cfgs["learner"].get("steps", 600)
         progress = Progress(not args.no_progress, total)
+        supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
+                                [c.name for c in procs.children if c.name != "redis"], no_resume,
+                                healthy=_health_probe(r, keys, cfgs["generator"]["reward_url"]),
+                                before_print=progress.done)
+        print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
+              f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
+        evals = EvalHistory(r, keys)  # read incrementally: the latest round's pass@1 on the progress line
         truncation = TruncationWarning(progress, cfgs["generator"].get("sampling", {}).get("max_tokens"))
         while stopping["why"] is None:
             if not started and r.hexists(keys.stats("learner"), "version"):
@@ -351,7 +301,7 @@ def run_up(args) -> int:
             try:
                 st = build_state(r, keys)
                 truncation.check(st.get("learner", {}))
-                progress.show(st, supervisor.total())
+                progress.show(st, supervisor.total(), latest_eval(evals.rounds()))
             except Exception as e:  # the display must never stop the run; show why it is blank
                 print(f"\rrelay up: progress unavailable: {e}", end="", file=sys.stderr)
             time.sleep(supervisor.sleep_hint(1.0))

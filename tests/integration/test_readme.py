@@ -80,6 +80,33 @@ def test_the_layout_table_has_one_line_per_folder_of_the_tree():
     assert all((ROOT / f).is_dir() for f in listed), "a folder in the table that does not exist"
 
 
+def test_the_progress_capture_has_the_lines_relay_up_prints():
+    """The README's progress capture: each line is one `progress_line` would print for that state
+    (deploy/launcher/progress.py), from waiting for the first version to a running step."""
+    from deploy.launcher.progress import progress_line
+
+    capture = _block_after("While it runs, the progress line").splitlines()
+    assert len(capture) >= 3
+    assert all(re.match(r"step \d+/\d+  elapsed \S+  ", ln) for ln in capture), capture
+    assert "waiting for the learner's first version" in capture[0]
+    last = capture[-1]
+    m = re.search(r"step (\d+)/(\d+)  elapsed (\S+)  eta \S+  ([\d.]+) steps/s  (\d+) tok/s  reward ([\d.]+)  "
+                  r"loss (\S+)  len (\d+)/(\d+) cut (\d+)%  eval pass@1 ([\d.]+) \(v(\d+)\)  queue (\d+)  gen-0", last)
+    assert m, last
+    step, total = int(m[1]), int(m[2])
+    st = {"learner": {"step": step, "reward_mean": float(m[6]), "loss": float(m[7]),
+                      "completion_len_mean": float(m[8]), "completion_len_max": float(m[9]),
+                      "completion_truncated_frac": int(m[10]) / 100},
+          "learner_version": step, "queue_depth": int(m[13]),
+          "generators": [{"id": g.split(":v")[0], "version": int(g.split(":v")[1])} for g in last.split("  ")[-1].split()]}
+    mins, secs = re.fullmatch(r"(?:(\d+)m)?(\d+)s", m[3]).groups()
+    elapsed = int(mins or 0) * 60 + int(secs)
+    steps_s = float(m[4])
+    printed = progress_line(st, total, elapsed, steps_s, float(m[5]), {"version": int(m[12]), "pass@1": float(m[11])})
+    assert printed.split("  eta ")[0] == last.split("  eta ")[0]
+    assert printed.split(" tok/s  ")[1] == last.split(" tok/s  ")[1]
+
+
 def test_the_end_of_run_capture_has_the_reports_lines():
     """The README's terminal capture of a run's end is what `relay up` prints (deploy/launcher/report.py)."""
     from deploy.launcher.report import format_report

@@ -50,12 +50,12 @@ def test_an_unset_token_env_is_named(monkeypatch):
 
 
 def test_progress_shows_length_and_truncation_and_the_warning_prints_once(capsys):
-    from deploy.launcher.up import Progress, TruncationWarning
+    from deploy.launcher.progress import Progress, TruncationWarning
 
     learner = {"step": 7.0, "reward_mean": 0.5, "completion_len_mean": 6.6, "completion_len_max": 8.0,
                "completion_truncated_frac": 0.625}
-    Progress(True, 40).show({"learner": learner, "learner_version": 7, "queue_depth": 3, "generators": []})
-    assert "step 7/40  version 7  reward 0.500  len 7/8 truncated 62%  queue 3" in capsys.readouterr().out
+    Progress(True, 40, tty=False).show({"learner": learner, "learner_version": 7, "queue_depth": 3, "generators": []})
+    assert "reward 0.500  len 7/8 cut 62%  queue 3" in capsys.readouterr().out
     warn = TruncationWarning(Progress(False, 40), 8)
     warn.check(learner)  # the learner has not warned: nothing
     assert capsys.readouterr().out == ""
