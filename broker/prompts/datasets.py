@@ -249,8 +249,22 @@ def check_dataset(cfg: DatasetConfig, tokenizer, rows: list[dict] | None = None,
     rows = read_rows(cfg) if rows is None else rows
     builder = PromptBuilder(cfg, tokenizer)
     for row in rows[:first]:
-        builder.build(row)
+        entry = builder.build(row)
+        if entry is not None and cfg.system_prompt:
+            check_encodes(tokenizer, cfg.system_prompt, entry.prompt_ids, "dataset.system_prompt")
     return rows
+
+
+def check_encodes(tokenizer, text: str, ids: list[int], what: str) -> None:
+    """``text`` must survive into ``ids``: decoding them gives it back (whitespace aside). A tokenizer
+    that cannot spell it (the built-in tiny model knows only digits, '+' and '=') would drop it
+    silently: the stored text would have it, the tokens the model sees would not."""
+    decoded = "".join(tokenizer.decode(ids, skip_special_tokens=True).split())
+    if "".join(text.split()) not in decoded:
+        name = getattr(tokenizer, "name_or_path", "") or "the built-in tiny model's"
+        raise DatasetError(f"{what} does not survive the tokenizer ({name}): decoding the prompt's token ids "
+                           f"gives {decoded[:80]!r} without it; use a model whose tokenizer can spell it (the "
+                           "built-in tiny model knows only digits, '+' and '='), or leave it empty")
 
 
 # ------------------------------------------------------------------------------------------------
