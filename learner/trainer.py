@@ -83,6 +83,7 @@ class Learner:
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
         self.saved_step = 0  # the step of the newest checkpoint
+        self.step_metrics: dict | None = None  # the leader's metrics line of the step just trained
         self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
@@ -110,6 +111,9 @@ class Learner:
         self.commit([tuple(x) for x in state["uncommitted"]], self.step)
         kept = [ln for ln in self.metrics_path.read_text().splitlines()
                 if ln.strip() and json.loads(ln).get("step", 0) <= self.step] if self.metrics_path.is_file() else []
+        last = json.loads(kept[-1]).get("step", 0) if kept else 0
+        if state.get("metrics") and last < self.step:  # killed after the checkpoint, before the step's line
+            kept.append(json.dumps(state["metrics"], allow_nan=False))
         self.metrics_path.write_text("".join(ln + "\n" for ln in kept))  # steps after the checkpoint are redone
         log.info("resumed from checkpoint at step %d (%d groups committed with it)", self.step, len(state["uncommitted"]))
 
@@ -131,9 +135,19 @@ class Learner:
             self.uncommitted = []
 
     def checkpoint(self) -> None:
-        """Write a checkpoint of this step (every rank), then commit what it holds (the leader)."""
+        """Write a checkpoint of this step (every rank), then commit what it holds (the leader). It also
+        holds the step's metrics line: a learner killed after the checkpoint and before writing that
+        line gets it back on resume (metrics.jsonl has one line per step, whatever the crash)."""
+        line = None
+        if self.leader and self.step_metrics is not None and self.step_metrics.get("step") == self.step:
+            line = dict(self.step_metrics)
+            if "version" not in line:  # the checkpoint comes before this step's publication
+                published = self.step % self.cfg.publish_every == 0 or self.step == self.cfg.steps
+                line["version"] = self.version + int(published)
+            line = finite_metrics(line)
         checkpoint.save(self.ckpt_dir, self.step, self.engine,
-                        {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted})
+                        {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted,
+                         "metrics": line})
         self.saved_step = self.step
         if self.leader:
             self.commit(self.uncommitted, self.step)
@@ -184,17 +198,19 @@ class Learner:
                     self.counts["samples_reward_failed"] += failed
                     self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0
                     queues.count_trained(self.r, self.keys, [g.group_id for g in groups])  # before the commit
+                    rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
+                    diag.update(step=step, wait_s=wait_s, group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
+                                ranks=self.world, **completion_stats(groups), **self.counts)
+                    self.step_metrics = diag  # a checkpoint of this step carries its metrics line (resume)
+                publishes = step % self.cfg.publish_every == 0 or step == self.cfg.steps
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 t_pub = time.perf_counter()
-                if step % self.cfg.publish_every == 0 or step == self.cfg.steps:
+                if publishes:
                     self.version += 1
                     self.publish()
                 if not self.leader:
                     continue
-                rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
-                diag.update(step=step, version=self.version, wait_s=wait_s, publish_s=time.perf_counter() - t_pub,
-                            t=time.time(), group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
-                            ranks=self.world, **completion_stats(groups), **self.counts)
+                diag.update(version=self.version, publish_s=time.perf_counter() - t_pub, t=time.time())
                 self.warn_if_truncated(diag)
                 diag = finite_metrics(diag)  # strict JSON: a non-finite value becomes null, and is counted
                 mf.write(json.dumps(diag, allow_nan=False) + "\n")

@@ -97,13 +97,16 @@ def test_a_service_that_may_not_restart_fails_the_run_at_once(group, tmp_path):
 def test_a_service_that_dies_before_it_first_became_healthy_is_not_restarted(group, tmp_path):
     """A start-up failure (a bad dataset, a port taken) would fail the same way on every restart: the
     run stops at once with the service's last error; a service that was up once is restarted."""
-    group.start("broker", [sys.executable, "-c", "import sys; print('starting', flush=True); "
+    fail = tmp_path / "fail-now"  # the broker fails once the first poll has seen it alive (no race)
+    group.start("broker", [sys.executable, "-c", "import os, sys, time; print('starting', flush=True)\n"
+                           f"while not os.path.exists({str(fail)!r}): time.sleep(0.02)\n"
                            "sys.exit('ValueError: dataset.path does not exist')"])
     group.start("gen-0", SLEEPER)
     up = {"gen-0"}  # what the health probe reports
     sup = Supervisor(group, RestartPolicy(backoff_s=0.05), tmp_path / "pids.json", ["broker", "gen-0"],
                      healthy=lambda name: name in up)
-    sup.poll(lambda: False)  # gen-0 is seen healthy
+    sup.poll(lambda: False)  # gen-0 is seen healthy; the broker is still starting
+    fail.touch()
     group.children[0].proc.wait(10)
     with pytest.raises(GiveUp, match="failed at start-up, before it first became healthy") as e:
         sup.poll(lambda: False)
