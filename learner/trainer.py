@@ -268,11 +268,9 @@ class Learner:
         """The dataset ran out before ``steps`` (learner/intake.py): keep what was trained (a checkpoint
         and the commit of its groups, the last weights published), then mark the run done and say why,
         so the generators and ``relay up`` end it cleanly instead of waiting for groups that never come."""
-        every = self.cfg.checkpoint_every
-        if self.step and every and self.step % every:  # after_step saved and committed at multiples of `every`
-            checkpoint.save(self.ckpt_dir, self.step, self.engine,
-                            {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted})
-        if self.leader and self.uncommitted:
+        if self.cfg.checkpoint_every and self.step > self.saved_step:
+            self.checkpoint()  # and commits what it holds
+        elif self.leader and self.uncommitted:
             self.commit(self.uncommitted, self.step)
             self.uncommitted = []
         if self.step and self.step % self.cfg.publish_every:  # the last steps' weights, not yet published
