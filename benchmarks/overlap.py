@@ -39,7 +39,9 @@ def one_run(runs: Path, mode: str, eta: int, steps: int, latency: float, batch_g
            "--set", f"generator.backend.per_token_latency_s={latency}",
            "--set", f"generator.prompts_per_batch={batch_groups // 2}",
            "--set", f"learner.batch_groups={batch_groups}", "--set", f"learner.admission_eta={eta}",
-           "--set", "learner.max_staleness=8"]
+           "--set", "learner.max_staleness=8",
+           # no evaluation rounds: they are not what this measures, and relay up would wait for the last one
+           "--set", "broker.eval.every_versions=0"]
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"relay up ({mode}) failed with {res.returncode}:\n{res.stderr[-3000:]}")
