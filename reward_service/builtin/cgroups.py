@@ -10,10 +10,11 @@ Both hierarchies are supported, found from ``/proc/self/cgroup``:
 
 - **v2** (one ``cgroup2`` mount, e.g. ``/sys/fs/cgroup``): item cgroups are made under the service's
   own cgroup, whose ``cgroup.subtree_control`` must enable ``memory`` and ``pids``. A cgroup with
-  processes in it cannot enable them (the kernel's no-internal-processes rule), so the service's own
-  processes are first moved into a leaf ``<own>/service`` (what a container that runs its own
-  cgroups does); this needs a writable cgroup file system (a private cgroup namespace, see
-  docs/deploy.md).
+  processes in it cannot enable them (the kernel's no-internal-processes rule), so its processes are
+  first moved into a leaf ``<own>/service`` (what a container that runs its own cgroups does). That
+  is done only where the cgroup is the service's own: the root of a private cgroup namespace (a
+  container, see docs/deploy.md) or the ``parent`` the operator named (e.g. a systemd unit's
+  cgroup with ``Delegate=yes``); a host's cgroups are never reorganised.
 - **v1** (separate ``memory`` and ``pids`` mounts): item cgroups are made under the service's own
   cgroup in each.
 
@@ -148,6 +149,9 @@ class Cgroups:
             raise CgroupError(f"{base} does not have the memory and pids controllers (the parent cgroup "
                               "must delegate them)")
         procs = (base / "cgroup.procs").read_text().split()
+        if procs and not self.parent and _own_paths()[""] != "/":
+            raise CgroupError(f"{base} has processes and is not the root of a private cgroup namespace: "
+                              "code_exec reorganises only a cgroup of its own (a container's, or cgroup_parent)")
         if procs:
             leaf = base / "service"
             leaf.mkdir(exist_ok=True)
@@ -177,10 +181,14 @@ class Cgroups:
                     writes.append((d / "memory.swap.max", "0"))
             else:
                 m, p = self.bases["memory"] / name, self.bases["pids"] / name
-                m.mkdir()
-                p.mkdir()
                 cg = ItemCgroup([m, p], [str(m / "cgroup.procs"), str(p / "cgroup.procs")],
                                 m / "memory.max_usage_in_bytes", m / "memory.oom_control")
+                m.mkdir()
+                try:
+                    p.mkdir()
+                except OSError:
+                    m.rmdir()
+                    raise
                 writes = [(m / "memory.limit_in_bytes", mem), (p / "pids.max", str(max_procs))]
                 if (m / "memory.memsw.limit_in_bytes").exists():  # after the memory limit: it must stay >= it
                     writes.append((m / "memory.memsw.limit_in_bytes", mem))
