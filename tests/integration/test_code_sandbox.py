@@ -1,7 +1,11 @@
 """code_exec runs the completion against unit tests in a real sandbox: an infinite loop is killed at
-its time limit, a network connection is refused, files outside the sandbox cannot be read."""
+its time limit, a network connection is refused, files outside the sandbox cannot be read; programs
+written to game the grader (reading the runner's stack, patching builtins, reading the test files)
+score 0; an item's forked processes share one memory and process limit (its cgroup)."""
 
 import asyncio
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,6 +16,9 @@ import pytest
 from reward_service.builtin import sandbox
 from reward_service.plugins import REGISTRY, Item
 from tests.support.services import ROOT
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                reason="the code sandbox needs root and unshare (util-linux) for its namespaces")
 
 
 def score(items, **options):
