@@ -104,13 +104,18 @@ class CodeExec(RewardPlugin):
             return Result.failed(f"bad_tests: metadata.{self.options.tests_field} must be a list of strings")
         if not tests:
             return Result.failed("no_tests: neither metadata tests nor a reference")
-        try:
-            parsed = [grader.parse_test(t) for t in tests]
-        except grader.BadTest as e:
-            return Result.failed(f"bad_tests: {e}"[:300])
+        parsed = []
+        for i, t in enumerate(tests):
+            try:
+                parsed.append(grader.parse_test(t))
+            except grader.BadTest as e:
+                return Result.failed(f"bad_tests: test {i}: {e}"[:300])
         code = extract_code(it.completion) if self.options.extract_code else it.completion
         if self.cgroups is None and self.options.isolation == "cgroup":
-            self.cgroups = Cgroups(self.options.cgroup_parent)  # start() was not called: made here, failing per item
+            try:  # start() was not called: made here, and failing items (never running them unconfined)
+                self.cgroups = Cgroups(self.options.cgroup_parent)
+            except CgroupError as e:
+                return Result.failed(f"sandbox_error: {e}"[:300])
         probes = json.dumps([t.steps for t in parsed])
         async with self.sem:
             try:

@@ -46,6 +46,7 @@ OPS = {ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne), ast.Lt: ("<"
        ast.LtE: ("<=", operator.le), ast.Gt: (">", operator.gt), ast.GtE: (">=", operator.ge),
        ast.In: ("in", lambda a, b: a in b), ast.NotIn: ("not in", lambda a, b: a not in b),
        ast.Is: ("is", operator.is_), ast.IsNot: ("is not", operator.is_not)}
+BY_NAME = {name: fn for name, fn in OPS.values()}
 FLIPPED = {ast.Eq: ast.Eq, ast.NotEq: ast.NotEq, ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE}
 MAX_DEPTH = 64
 
@@ -64,9 +65,8 @@ class Check:
             return value is True
         if self.op == "falsy":
             return value is False
-        fn = next(f for name, f in OPS.values() if name == self.op)
         try:
-            return bool(fn(value, self.expected))
+            return bool(BY_NAME[self.op](value, self.expected))
         except TypeError:  # an ordering between unrelated types, `in` on a non-container: Python raises too
             return False
 
