@@ -30,7 +30,7 @@ LAUNCHER = Path(__file__).with_name("_sandbox_init.py")
 class Limits:
     wall_s: float = 5.0        # killed after this long, whatever it does
     cpu_s: int = 5             # RLIMIT_CPU
-    memory_mb: int = 512       # RLIMIT_AS
+    memory_mb: int = 512       # RLIMIT_AS of each process, and memory.max of the run's cgroup (all together)
     disk_mb: int = 32          # size of the tmpfs root and RLIMIT_FSIZE
     max_procs: int = 32        # pids.max of the run's cgroup; without one, RLIMIT_NPROC (per host user)
     max_output: int = 65536    # bytes of stdout/stderr kept
