@@ -10,7 +10,9 @@ The program sees: a tmpfs root; read-only binds of /usr, the Python installation
 ``src``; a private /tmp. Nothing else of the host: no /etc, no /home, no /root, no /proc, no /work.
 Its network namespace has only a loopback interface that is down: every connection fails.
 It runs as nobody (65534) with no capabilities, under rlimits (CPU, address space, file size,
-open files, processes) and a scrubbed environment. This process stays as PID 1 of the namespace:
+open files, and processes when there is no cgroup) and a scrubbed environment. Before anything else
+this launcher joins the run's cgroups (``cgroup_procs``), so everything below it counts against
+their memory and pids limits. This process stays as PID 1 of the namespace:
 when it exits, the kernel kills everything the program left behind.
 Exit status 125 with a message on stderr means the sandbox itself could not be set up.
 """
@@ -78,14 +80,18 @@ def limit(spec):
                      (resource.RLIMIT_AS, (mem, mem)),
                      (resource.RLIMIT_FSIZE, (spec["disk_mb"] * 2 ** 20,) * 2),
                      (resource.RLIMIT_NOFILE, (64, 64)),
-                     (resource.RLIMIT_NPROC, (spec["max_procs"],) * 2),
                      (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(res, val)
+    if spec["max_procs"] is not None:  # no cgroup: a per-user count, shared by every run as nobody
+        resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_procs"],) * 2)
 
 
 def main():
     spec = json.loads(sys.argv[1])
     try:
+        for procs in spec["cgroup_procs"]:
+            with open(procs, "w") as f:
+                f.write("0")  # this process; its children inherit the cgroup
         setup(spec)
     except OSError as e:
         print(f"sandbox setup failed: {e}", file=sys.stderr)

@@ -8,11 +8,18 @@ Each test runs after the solution, in the solution's namespace.
 What the program does is the *model's* doing, so its outcomes are scores, never failures: tests
 failing, an exception, an infinite loop killed at ``timeout_s`` (``details.timeout = 1``), memory
 exhausted, a crash: all score what passed before, usually 0. An item is *failed* only when the
-sandbox itself did not work (``sandbox_error``) or there are no tests (``no_tests``).
+sandbox itself did not work (``sandbox_error``), there are no tests (``no_tests``) or they cannot be
+graded outside the sandbox (``bad_tests``).
 
-The runner prints a line with a per-run random nonce only after the last test, so a program that
-exits early (``os._exit(0)``) does not pass. It is not a defence against a program written to read
-the runner's memory; see docs/rewards.md.
+The verdict is given outside the sandbox (reward_service/builtin/grader.py): the tests are parsed
+here, the sandboxed child gets only the solution and the tests' probes (``f(2)`` of ``assert f(2) ==
+4``), never an expected value, and writes the probes' values as data; the grader compares them with
+the expected values it alone holds. Nothing the program prints, patches or exits with can make a
+test pass. Tests the grader cannot split this way fail the item as ``bad_tests``.
+
+Limits: one cgroup per item (``isolation = "cgroup"``, the default: memory and process counts for
+the whole process tree), or, only when the operator says so, ``isolation = "rlimits"`` (per-process
+memory, a per-user process count shared by all items: weaker, see docs/rewards.md).
 """
 
 from __future__ import annotations
@@ -20,44 +27,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import secrets
+from typing import Literal
 
 from pydantic import Field
 
 from broker.runtime.config import StrictModel
-from reward_service.builtin import sandbox
+from reward_service.builtin import grader, sandbox
+from reward_service.builtin.cgroups import CgroupError, Cgroups
 from reward_service.plugins import Item, Result, RewardPlugin, register
-
-RUNNER = r'''
-import json, sys
-
-
-def main():
-    nonce = sys.stdin.readline().strip()  # a local: not reachable as a module global
-    out = sys.stdout
-    src = open("solution.py").read()
-    tests = json.load(open("tests.json"))
-    ns = {"__name__": "__main__"}
-    passed = 0
-    try:
-        exec(compile(src, "solution.py", "exec"), ns)
-        ok = True
-    except BaseException as e:
-        print(f"solution raised {type(e).__name__}: {e}", file=sys.stderr)
-        ok = False
-    if ok:
-        for i, t in enumerate(tests):
-            try:
-                exec(compile(t, f"test_{i}", "exec"), ns)
-                passed += 1
-            except BaseException as e:
-                print(f"test {i} failed: {type(e).__name__}: {e}", file=sys.stderr)
-    out.write(f"\n{nonce} {passed} {len(tests)}\n")
-    out.flush()
-
-
-main()
-'''
 
 FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -72,7 +49,17 @@ class CodeOptions(StrictModel):
 
     timeout_s: float = Field(5.0, gt=0, le=300, description="wall-clock limit per item; CPU limit is the same, "
                              "rounded up")
-    memory_mb: int = Field(512, ge=64, le=65536, description="address-space limit of the program")
+    memory_mb: int = Field(512, ge=64, le=65536, description="memory of the program, all its processes together "
+                           "(the item's cgroup); also each process's address-space limit")
+    max_processes: int = Field(32, ge=2, le=4096, description="processes and threads of one item at once (pids.max "
+                               "of its cgroup; with isolation = \"rlimits\", RLIMIT_NPROC of the shared user)")
+    isolation: Literal["cgroup", "rlimits"] = Field(
+        "cgroup", description="\"cgroup\": one cgroup per item, limits for the whole process tree (refuses to start "
+        "where cgroups cannot be made); \"rlimits\": per-process limits only, forked children multiply memory and "
+        "one item's fork bomb can starve the others (weaker, opt-in)")
+    cgroup_parent: str | None = Field(None, description="cgroup to make item cgroups under (v2: a directory of the "
+                                      "cgroup2 file system; v1: a path under each controller); default: the "
+                                      "service's own cgroup")
     disk_mb: int = Field(32, ge=1, le=4096, description="size of the program's writable file system")
     max_concurrency: int = Field(2, ge=1, le=256, description="sandboxes running at once")
     extract_code: bool = Field(True, description="take the last ```python block of the completion")
@@ -88,12 +75,21 @@ class CodeExec(RewardPlugin):
         super().__init__(options, observer)
         o = self.options
         self.limits = sandbox.Limits(wall_s=o.timeout_s, cpu_s=max(1, int(o.timeout_s + 0.999)),
-                                     memory_mb=o.memory_mb, disk_mb=o.disk_mb)
+                                     memory_mb=o.memory_mb, disk_mb=o.disk_mb, max_procs=o.max_processes,
+                                     max_output=2 ** 20)
         self.sem: asyncio.Semaphore | None = None
+        self.cgroups: Cgroups | None = None
 
     async def start(self) -> None:
+        if self.options.isolation == "cgroup":
+            try:
+                self.cgroups = Cgroups(self.options.cgroup_parent)
+                self.cgroups.check()
+            except (CgroupError, OSError) as e:
+                raise sandbox.SandboxError(f"{e}; code_exec needs a cgroup per item (see docs/deploy.md), or "
+                                           "isolation = \"rlimits\" to accept per-process limits only") from e
         if self.options.check_sandbox:
-            await sandbox.probe()
+            await sandbox.probe(self.cgroups)
 
     async def score(self, items: list[Item]) -> list[Result]:
         if self.sem is None:
@@ -108,21 +104,28 @@ class CodeExec(RewardPlugin):
             return Result.failed(f"bad_tests: metadata.{self.options.tests_field} must be a list of strings")
         if not tests:
             return Result.failed("no_tests: neither metadata tests nor a reference")
+        parsed = []
+        for i, t in enumerate(tests):
+            try:
+                parsed.append(grader.parse_test(t))
+            except grader.BadTest as e:
+                return Result.failed(f"bad_tests: test {i}: {e}"[:300])
         code = extract_code(it.completion) if self.options.extract_code else it.completion
-        nonce = secrets.token_hex(16)
+        if self.cgroups is None and self.options.isolation == "cgroup":
+            try:  # start() was not called: made here, and failing items (never running them unconfined)
+                self.cgroups = Cgroups(self.options.cgroup_parent)
+            except CgroupError as e:
+                return Result.failed(f"sandbox_error: {e}"[:300])
+        probes = json.dumps([t.steps for t in parsed])
         async with self.sem:
             try:
-                o = await sandbox.run({"solution.py": code, "tests.json": json.dumps(tests), "_runner.py": RUNNER},
-                                      ["_runner.py"], (nonce + "\n").encode(), self.limits)
+                o = await sandbox.run({"solution.py": code, "probes.json": probes, "_runner.py": grader.RUNNER},
+                                      ["_runner.py"], b"", self.limits, self.cgroups)
             except sandbox.SandboxError as e:
                 return Result.failed(f"sandbox_error: {e}"[:300])
-        passed, total = 0, len(tests)
-        for line in reversed(o.stdout.splitlines()):
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == nonce:
-                passed, total = int(parts[1]), int(parts[2])
-                break
-        finished = any(line.startswith(nonce) for line in o.stdout.splitlines())
-        return Result(passed / total, details={"passed": float(passed), "total": float(total),
-                                               "timeout": float(o.timed_out), "completed": float(finished),
-                                               "seconds": round(o.seconds, 3)})
+        v = grader.grade(parsed, o.stdout)
+        details = {"passed": float(v.passed), "total": float(v.total), "timeout": float(o.timed_out),
+                   "completed": float(v.finished), "seconds": round(o.seconds, 3), "oom_kills": float(o.oom_kills)}
+        if o.memory_peak_mb is not None:
+            details["memory_peak_mb"] = o.memory_peak_mb
+        return Result(v.passed / v.total, details=details)

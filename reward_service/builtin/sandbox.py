@@ -1,9 +1,11 @@
 """Run untrusted Python in a sandbox: no network, no host files, time and memory limits.
 
 The isolation is Linux namespaces (``unshare`` from util-linux, which needs root or
-CAP_SYS_ADMIN), a minimal chroot, an unprivileged user and rlimits; see ``_sandbox_init.py`` for
-exactly what the program can see. :func:`probe` checks at start-up that it works on this machine:
-where it does not, the ``code_exec`` plugin refuses to start rather than run code unconfined.
+CAP_SYS_ADMIN), a minimal chroot, an unprivileged user, rlimits and, given a
+:class:`~reward_service.builtin.cgroups.Cgroups`, one cgroup per run whose memory and process
+limits hold for the whole process tree; see ``_sandbox_init.py`` for exactly what the program can
+see. :func:`probe` checks at start-up that it works on this machine: where it does not, the
+``code_exec`` plugin refuses to start rather than run code unconfined.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from reward_service.builtin.cgroups import Cgroups, CgroupError
+
 LAUNCHER = Path(__file__).with_name("_sandbox_init.py")
 
 
@@ -26,9 +30,9 @@ LAUNCHER = Path(__file__).with_name("_sandbox_init.py")
 class Limits:
     wall_s: float = 5.0        # killed after this long, whatever it does
     cpu_s: int = 5             # RLIMIT_CPU
-    memory_mb: int = 512       # RLIMIT_AS
+    memory_mb: int = 512       # RLIMIT_AS of each process, and memory.max of the run's cgroup (all together)
     disk_mb: int = 32          # size of the tmpfs root and RLIMIT_FSIZE
-    max_procs: int = 32        # RLIMIT_NPROC
+    max_procs: int = 32        # pids.max of the run's cgroup; without one, RLIMIT_NPROC (per host user)
     max_output: int = 65536    # bytes of stdout/stderr kept
 
 
@@ -39,6 +43,8 @@ class Outcome:
     stderr: str
     timed_out: bool
     seconds: float
+    memory_peak_mb: float | None = None  # the run's cgroup's peak (all its processes together)
+    oom_kills: int = 0                   # processes the kernel killed at the cgroup's memory limit
 
 
 class SandboxError(RuntimeError):
@@ -59,12 +65,34 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
     return bytes(buf)
 
 
-async def run(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limits) -> Outcome:
-    """Run ``argv`` (paths relative to /sandbox, where ``files`` are written) in the sandbox."""
+async def run(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limits,
+              cgroups: Cgroups | None = None) -> Outcome:
+    """Run ``argv`` (paths relative to /sandbox, where ``files`` are written) in the sandbox.
+
+    With ``cgroups``, the run gets its own cgroup (memory ``limits.memory_mb`` and ``limits.max_procs``
+    processes in all); without, only per-process rlimits hold.
+    """
     unshare = shutil.which("unshare")
     if unshare is None:
         raise SandboxError("the `unshare` command (util-linux) is not installed")
     py = python_executable()
+    try:
+        cg = cgroups.make(limits.memory_mb, limits.max_procs) if cgroups else None
+    except CgroupError as e:
+        raise SandboxError(str(e)) from e
+    try:
+        outcome = await _run(unshare, py, files, argv, stdin, limits, cg)
+    finally:
+        if cg is not None:
+            cg.kill()
+            try:
+                await asyncio.to_thread(cg.remove)
+            except CgroupError as e:
+                raise SandboxError(str(e)) from e
+    return outcome
+
+
+async def _run(unshare, py, files, argv, stdin, limits, cg) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="relay-sandbox-") as tmp:
         src, root = Path(tmp, "src"), Path(tmp, "root")
         src.mkdir()
@@ -73,7 +101,8 @@ async def run(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limi
             (src / name).write_text(text)
         spec = {"root": str(root), "src": str(src), "ro_paths": [sys.base_prefix],
                 "argv": [py, "-I", "-S", "-B", *argv], "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-                "disk_mb": limits.disk_mb, "max_procs": limits.max_procs}
+                "disk_mb": limits.disk_mb, "max_procs": None if cg else limits.max_procs,
+                "cgroup_procs": cg.procs if cg else []}
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
@@ -108,15 +137,17 @@ async def run(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limi
     if proc.returncode == 125 and b"sandbox setup failed" in err:
         raise SandboxError(err.decode(errors="replace").strip()[-300:])
     return Outcome(None if timed_out else proc.returncode, out.decode(errors="replace"),
-                   err.decode(errors="replace"), timed_out, seconds)
+                   err.decode(errors="replace"), timed_out, seconds,
+                   cg.peak_mb() if cg else None, cg.oom_kills() if cg else 0)
 
 
-async def probe() -> None:
-    """Raise SandboxError unless a program runs in the sandbox and cannot see the network."""
+async def probe(cgroups: Cgroups | None = None) -> None:
+    """Raise SandboxError unless a program runs in the sandbox (in a cgroup of ``cgroups`` when
+    given) and cannot see the network."""
     code = ("import socket\n"
             "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n    print('isolated', e.errno)\n")
     try:
-        o = await run({"p.py": code}, ["p.py"], b"", Limits(wall_s=10))
+        o = await run({"p.py": code}, ["p.py"], b"", Limits(wall_s=10), cgroups)
     except OSError as e:
         raise SandboxError(f"cannot start the sandbox: {e}") from e
     if o.returncode != 0 or "isolated" not in o.stdout:

@@ -289,6 +289,8 @@ DOC_COMMANDS = {
         (TESTS, '"--builtin-schema", "vendor.compose-spec", "docker-compose.yml"'),
     "docker compose config -q": (TESTS, 'r = _compose(*args, "config", "-q")'),
     "kubectl kustomize deploy/k8s/overlays/cpu": (TESTS, '"kustomize", str(K8S / "overlays" / overlay)'),
+    "docker compose -f docker-compose.yml -f deploy/compose/code-sandbox.yml config":
+        ("tests/unit/deploy/test_code_sandbox_deploy.py", '_compose("-f", str(OVERRIDE), "config")'),
     "kubectl -n relay create secret generic relay-reward-token --from-literal=token=test-token --dry-run=client -o yaml":
         (TESTS, '"-n", "relay", "create", "secret", "generic", "relay-reward-token",\n'
                 '             "--from-literal=token=test-token", "--dry-run=client", "-o", "yaml"'),
