@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from broker.protocol.group import Group
@@ -70,7 +71,7 @@ def nonfinite_reason(g: Group, advantage_fn, failed_reward: str = "skip", fallba
     if not bool(torch.isfinite(rewards).all()):
         return "a reward is not finite as float32"
     for i, s in enumerate(g.samples):
-        if not bool(torch.isfinite(torch.as_tensor(s.logprobs, dtype=torch.float32)).all()):
+        if not bool(np.isfinite(np.asarray(s.logprobs, dtype=np.float32)).all()):
             return f"sample {i}'s behaviour log-probs are not all finite"
     if kept and not bool(torch.isfinite(advantage_fn(rewards)).all()):
         return "an advantage is not finite"
