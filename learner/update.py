@@ -78,8 +78,9 @@ class PolicyUpdate:
 
     def _nonfinite_gradient(self) -> bool:
         """Whether this rank's accumulated gradient has a NaN or ±inf. At ZeRO stage 0 the gradients are
-        the parameters' ``.grad``; the ZeRO optimizers hold theirs in partitions, which the loss check and
-        the check of the weights before publishing (learner/trainer.py) stand in for."""
+        the parameters' ``.grad``; the ZeRO optimizers hold theirs in partitions and check their norm
+        themselves (DeepSpeed skips a step whose norm is not finite, with clipping on), and the weights are
+        checked before publishing (learner/publish.py)."""
         if self.engine.zero_optimization_stage() != 0:
             return False
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -94,8 +95,26 @@ class PolicyUpdate:
         return f"non-finite {' and '.join(bad)}" if bad else None
 
     def _skip_step(self) -> None:
-        """Drop the accumulated gradients without stepping: no weight and no optimizer moment changes."""
-        self.engine.zero_grad()
+        """Drop the accumulated gradients without stepping: no weight and no optimizer moment changes, and
+        the next (mini)batch accumulates from zero. At ZeRO stages 1-3 the gradients sit in the optimizer's
+        partitions: they are dropped the way its own overflow path (fp16 loss scaling's skipped step) drops
+        them, and its micro-step count restarts as after a step (the first backward copies, not adds)."""
+        opt, stage = self.engine.optimizer, self.engine.zero_optimization_stage()
+        if stage == 3:
+            opt._overflow_clean_up(opt.loss_scale)
+            opt._pre_step()
+        elif stage in (1, 2):
+            from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+            opt.zero_grad(set_to_none=True)
+            opt._release_preflattened_grad_buffers()
+            if opt.cpu_offload:
+                opt.reset_cpu_buffers()
+            else:
+                for k in opt.averaged_gradients:
+                    opt.averaged_gradients[k] = None
+                    opt.all_grad_tensors[k] = None
+            opt.micro_step_id = INITIAL_MICRO_STEP_ID
         for p in self.engine.module.parameters():
             p.grad = None
 
@@ -203,7 +222,8 @@ class PolicyUpdate:
                     compute_s=time.perf_counter() - t0, samples=n, tokens=int(b.loss_mask.sum()),
                     staleness={str(k): v for k, v in sorted(Counter(b.staleness).items())})
         diag.pop("padded_tokens"), diag.pop("forward_tokens")
-        # optimizer steps of this batch skipped for a non-finite loss or gradient, and the first reason
-        diag.update(updates_skipped=sum(s is not None for s in skipped),
-                    skip_reason=next((s for s in skipped if s), None), optimizer_steps=len(steps))
+        # optimizer steps of this batch skipped for a non-finite loss or gradient (and the first reason, when any)
+        diag.update(updates_skipped=sum(s is not None for s in skipped), optimizer_steps=len(steps))
+        if diag["updates_skipped"]:
+            diag["skip_reason"] = next(s for s in skipped if s)
         return diag

@@ -75,3 +75,15 @@ def test_a_nonfinite_loss_skips_the_step_and_publishes_nothing(redis_url, tmp_pa
     assert latest_announcement(redis.Redis.from_url(redis_url), Keys("bench")).version == 2
     assert metric_value(out["metrics"], "relay_learner_skipped_steps_total") == 1
     assert math.isfinite(lines[2]["loss"])
+
+
+@pytest.mark.slow  # six DeepSpeed engines (~1 min)
+def test_a_skipped_step_leaves_nothing_behind_at_every_zero_stage(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "tests.support.learner_skip_zero", str(tmp_path), "1", "2", "3"],
+                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    result = json.loads((tmp_path / "skip.json").read_text())
+    for stage in ("1", "2", "3"):
+        assert result[stage]["skipped"] == 1 and result[stage]["reason"].startswith("non-finite loss"), stage
+        # the next finite step lands exactly where it would have without the poisoned batch
+        assert result[stage]["identical"], stage
