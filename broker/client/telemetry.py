@@ -80,8 +80,19 @@ def emit_event(r: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:
 
 
 def read_events(r: redis.Redis, keys: Keys, after: str | None, limit: int) -> list[tuple[str, Event]]:
-    """Events after stream id ``after`` (as :func:`read_after`), oldest first."""
-    return [(eid, Event.from_fields(f)) for eid, f in read_after(r, keys.events, after, limit)]
+    """Events after stream id ``after`` (as :func:`read_after`), oldest first; an entry whose time is not
+    a finite number or whose data is not an object is skipped (logged once)."""
+    out = []
+    for eid, f in read_after(r, keys.events, after, limit):
+        try:
+            e = Event.from_fields(f)
+            if not math.isfinite(e.t) or not isinstance(e.data, dict):
+                raise ValueError(f"t {e.t!r:.40} / data {type(e.data).__name__}")
+        except ValueError as err:
+            _warn_once("events", eid.encode(), "skipped the malformed event %s: %s", eid, err)
+            continue
+        out.append((eid, e))
+    return out
 
 
 class Stats(dict[str, float]):
@@ -120,7 +131,8 @@ def read_after(r: redis.Redis, stream: str, after: str | None, limit: int) -> li
         entries = r.xrange(stream, min=f"({after}", max="+", count=limit)
     else:
         entries = list(reversed(r.xrevrange(stream, max="+", min="-", count=limit)))
-    return [(eid.decode(), {k.decode(): v.decode() for k, v in f.items()}) for eid, f in entries]
+    return [(eid.decode(), {k.decode(errors="replace"): v.decode(errors="replace") for k, v in f.items()})
+            for eid, f in entries]
 
 
 def newest_id(r: redis.Redis, stream: str) -> str:

@@ -134,9 +134,13 @@ def learner_history(r: redis.Redis, keys: Keys, after: str | None = None, limit:
     """Per-step learner metrics, each ``{"id": stream id, **metrics}`` (see learner/observe.py)."""
     out = []
     for eid, f in read_after(r, keys.learner_metrics, after, limit):
-        try:
-            out.append({"id": eid, **json.loads(f.get("data", "{}"))})
-        except json.JSONDecodeError:
+        try:  # strict JSON objects only: a NaN in one entry would make the page's JSON unreadable
+            entry = json.loads(f.get("data", "{}"))
+            if not isinstance(entry, dict):
+                raise ValueError(f"a {type(entry).__name__}, not an object")
+            json.dumps(entry, allow_nan=False)  # ValueError on NaN or ±inf (also 1e999, parsed as inf)
+            out.append({"id": eid, **entry})
+        except ValueError:  # JSONDecodeError is a ValueError
             out.append({"id": eid, "error": "unreadable entry"})
     return out
 

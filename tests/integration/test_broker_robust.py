@@ -3,6 +3,7 @@ malformed heartbeat, evaluation round, evaluation result or stats field is skipp
 broken page or /metrics; connections that never finish their request (a slowloris) do not keep
 /healthz from answering."""
 
+import json
 import socket
 import time
 
@@ -13,6 +14,14 @@ from broker.client import queues
 from broker.protocol.keys import Keys
 from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound, encode_eval_result
 from tests.support.services import metric_value, start_broker
+
+
+def _strict(text: str):
+    """JSON as a browser parses it: NaN and Infinity are errors."""
+    def refuse(constant):
+        raise ValueError(f"bare {constant}: not JSON")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_malformed_records_are_skipped_and_counted_and_state_and_metrics_keep_working(procs, redis_url, tmp_path):
@@ -28,10 +37,14 @@ def test_malformed_records_are_skipped_and_counted_and_state_and_metrics_keep_wo
     r.xadd(keys.eval_results, {"round": "zero", "data": encode_eval_result(good)})  # a field of the wrong type
     r.hset(keys.generators, "gen-junk", b"\x00\x01 not json")
     r.hset(keys.stats("learner"), mapping={"step": 3, "loss": "NaN", "reward_mean": b"\xff\xff"})
+    r.xadd(keys.learner_metrics, {"step": 1, "data": '{"step": 1, "loss": NaN}'})  # not strict JSON
+    r.xadd(keys.learner_metrics, {"step": 2, "data": '{"step": 2, "loss": 0.5}'})
+    r.xadd(keys.events, {"kind": "published", "t": "soon", "data": "{}"})  # a time that is not a number
+    r.xadd(keys.events, {"kind": "published", "t": "12.5", "data": b"\xff[1]"})
 
     st = httpx.get(f"{http}/api/state", timeout=10)
     assert st.status_code == 200
-    st = st.json()  # strict JSON: no NaN made it through
+    st = _strict(st.text)  # no NaN made it through
     assert st["failures"]["malformed_records"] == {"heartbeats": 1, "stats": 2, "eval_results": 5, "eval_rounds": 1}
     assert set(st["failures"]["malformed_stats"]) == {"learner:loss", "learner:reward_mean"}
     assert st["learner"] == {"step": 3.0}
@@ -43,6 +56,10 @@ def test_malformed_records_are_skipped_and_counted_and_state_and_metrics_keep_wo
     assert metric_value(m.text, "relay_broker_malformed_records", kind="stats") == 2
     assert metric_value(m.text, "relay_eval_pass_at_1") == 1.0
     assert httpx.get(f"{http}/", timeout=10).status_code == 200
+    learner = _strict(httpx.get(f"{http}/api/history/learner", timeout=10).text)["entries"]
+    assert [e.get("loss", e.get("error")) for e in learner] == ["unreadable entry", 0.5]
+    events = httpx.get(f"{http}/api/history/events", timeout=10).json()["entries"]
+    assert [e["kind"] for e in events] == ["published"] and events[0]["t"] == 12.5
     # read again (the broker keeps what it read): the counts stay, the page stays up
     again = httpx.get(f"{http}/api/state", timeout=10).json()
     assert again["failures"]["malformed_records"]["eval_results"] == 5 and len(again["eval"]) == 1
