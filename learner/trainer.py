@@ -161,6 +161,7 @@ class Learner:
         Weights that are not all finite are never published: the leader counts ``publish_refused_nonfinite``,
         logs which, and keeps the previous version (the version number is not used)."""
         weights = full_state_dict(self.engine)
+        self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
             try:
                 self.publisher.publish(self.engine.module, weights, self.version)
@@ -170,7 +171,6 @@ class Learner:
                 log.error("%s; generators keep version %d", e, self.version)
                 return
             self.r.hset(self.keys.stats("learner"), mapping={"version": self.version})
-        self.unpublished = False
 
     def publish_next(self) -> None:
         """Publish the next version when an optimizer step changed the weights since the last one (a batch

@@ -16,7 +16,8 @@ backwards: a rank with fewer micro-batches runs empty ones (a loss of 0 through 
 
 Finite numbers only. A (mini)batch whose loss or gradient is not finite on any rank skips its
 optimizer step on every rank (the ranks agree with one all-reduce): the accumulated gradients are
-dropped, the weights and the optimizer state stay as they were, and the step's ``skipped`` says why.
+dropped, the weights and the optimizer state stay as they were, and ``train_step`` reports
+``updates_skipped`` (of ``optimizer_steps``) and the first ``skip_reason``.
 """
 
 from __future__ import annotations
