@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from http.server import ThreadingHTTPServer
 
 import redis
 from prometheus_client import CollectorRegistry
@@ -22,6 +21,7 @@ from broker.feeder import PromptFeeder
 from broker.ingest import Ingest
 from broker.prompts.evals import EvalScheduler
 from broker.protocol.keys import Keys
+from broker.runtime.httpserver import BoundedHTTPServer
 
 log = logging.getLogger("relay.broker")
 
@@ -55,6 +55,6 @@ class Broker:
                 time.sleep(0.5)
         sock.close(linger=0)
 
-    def serve_http(self) -> ThreadingHTTPServer:
+    def serve_http(self) -> BoundedHTTPServer:
         """The dashboard, its API, /metrics and /healthz on ``http_host:http_port`` (a thread)."""
         return dashboard.serve(self.cfg.http_host, self.cfg.http_port, self.dashboard, self.registry)

@@ -86,7 +86,8 @@ fi
 #    on Python < 3.11.3, and Debian bookworm's Python is 3.11.2, older than the host's)
 if ! ls "$WHEELHOUSE"/async_timeout-*.whl >/dev/null 2>&1; then
   log "pip wheel into $WHEELHOUSE"
-  "$VENV/bin/pip" wheel -q --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel async-timeout
+  # the versions the image pins (deploy/docker/constraints.txt)
+  "$VENV/bin/pip" wheel -q --constraint deploy/docker/constraints.txt --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel async-timeout
 fi
 
 # 4. the reward token, shared by the reward service and the generators (an env file, git-ignored)

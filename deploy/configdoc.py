@@ -30,6 +30,8 @@ variables `RELAY_<FIELD>` (nested fields joined with `__`: `RELAY_SAMPLING__TEMP
 `--set field.sub=value` (values parsed as JSON when they parse, else taken as strings). Unknown
 fields are errors, and so is a `RELAY_*` variable that names no field of any service (the few that
 are not config, such as `RELAY_ARGS` of `make run`, are listed in `deploy/launcher/environment.py`).
+A number field takes finite values only: NaN and ±inf (`inf` in TOML, `Infinity` in JSON) are errors
+that name the field; where a field may be unbounded, it says so and takes `null`.
 A service on its own uses the paths below without the service's name (`relay generator --set
 sampling.temperature=0.7`); `relay up` takes them with it (`--set
 generator.sampling.temperature=0.7`, or `[generator.sampling]` in its config file).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from broker.protocol.group import Group
@@ -58,6 +59,23 @@ def trained_rewards(g: Group, failed_reward: str = "skip", fallback_score: float
     None (left out) under ``skip`` or ``fallback_score`` under ``fallback``."""
     fallback = fallback_score if failed_reward == "fallback" else None
     return [s.reward if s.reward_status == "ok" and s.reward is not None else fallback for s in g.samples]
+
+
+def nonfinite_reason(g: Group, advantage_fn, failed_reward: str = "skip", fallback_score: float = 0.0) -> str | None:
+    """What of ``g`` is not a finite float32 (None: all of it is): its trained rewards, its behaviour
+    log-probs, the advantages ``advantage_fn`` gives them. The learner trains in float32, so a reward of
+    1e300 (finite as float64) is infinite there and makes every advantage of its group NaN. The broker
+    checks rewards and log-probs at ingest; this is the learner's own check behind it."""
+    kept = [r for r in trained_rewards(g, failed_reward, fallback_score) if r is not None]
+    rewards = torch.tensor(kept, dtype=torch.float64).to(torch.float32)
+    if not bool(torch.isfinite(rewards).all()):
+        return "a reward is not finite as float32"
+    for i, s in enumerate(g.samples):
+        if not bool(np.isfinite(np.asarray(s.logprobs, dtype=np.float32)).all()):
+            return f"sample {i}'s behaviour log-probs are not all finite"
+    if kept and not bool(torch.isfinite(advantage_fn(rewards)).all()):
+        return "an advantage is not finite"
+    return None
 
 
 def group_mean_reward(g: Group, failed_reward: str = "skip", fallback_score: float = 0.0) -> float:

@@ -1,23 +1,28 @@
 """The leader's intake: batches of trainable groups from the replay queue. What cannot be trained
-(too stale, every reward failed, a token outside the vocabulary, another sampling transform,
-undecodable) is acknowledged, dropped and counted on the way, never silently."""
+(too stale, every reward failed, a token outside the vocabulary, another sampling transform, a reward,
+log-prob or advantage that is not a finite float32, undecodable) is acknowledged, dropped and counted on the way, never silently."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 
 from broker.client import queues
 from broker.protocol.group import sampling_transform
 from broker.protocol.keys import Keys
+from learner.advantages import GROUP_ESTIMATORS
 from learner.config import LearnerConfig
-from learner.data import trained_rewards
+from learner.data import nonfinite_reason, trained_rewards
+
+log = logging.getLogger("relay.learner.intake")
 
 
 class GroupIntake:
     def __init__(self, r, keys: Keys, cfg: LearnerConfig, vocab: int, counts: Counter):
         self.r, self.keys, self.cfg, self.vocab = r, keys, cfg, vocab
         self.counts = counts  # the learner's counters: drops are added under their reason
+        self.advantage_fn = GROUP_ESTIMATORS[cfg.advantage]
         self.reader = queues.TrajectoryReader(r, keys)
         self.data_ended = False  # set when a batch can no longer fill: the dataset is used up
 
@@ -59,6 +64,11 @@ class GroupIntake:
                     why = "groups_dropped_reward_failed"
                 elif max(int(g.prompt_ids.max()), *(int(s.completion_ids.max()) for s in g.samples)) >= self.vocab:
                     why = "groups_dropped_bad_token"
+                elif (bad := nonfinite_reason(g, self.advantage_fn, self.cfg.failed_reward,
+                                              self.cfg.fallback_score)) is not None:
+                    # the broker refuses these at ingest; a group that got past it is not trained
+                    why = "groups_dropped_nonfinite"
+                    log.warning("dropped group %s from %s: %s", g.group_id, g.generator_id, bad)
                 elif transform is not None and sampling_transform(g.sampling) != transform:
                     # one batch is recomputed with one sampling transform; a group sampled
                     # differently would be mis-corrected, so it is dropped and counted

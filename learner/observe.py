@@ -46,6 +46,11 @@ GAUGES = {
     "metrics_nonfinite": "non-finite values replaced by null in the last step's metrics",
 }
 PHASES = ("wait", "compute", "publish")
+# counters of the learner's refusals of non-finite numbers (the metrics line's running totals)
+NONFINITE_COUNTERS = {
+    "skipped_steps": "optimizer steps skipped because the loss or the gradient norm was NaN or inf",
+    "publish_refused_nonfinite": "publications refused because a weight was NaN or inf",
+}
 
 
 def finite_metrics(diag: dict) -> dict:
@@ -96,6 +101,10 @@ class _StepCollector(Collector):
         tokens = CounterMetricFamily("relay_learner_tokens_trained", "completion tokens trained on")
         tokens.add_metric([], self.obs.tokens)
         yield tokens
+        for key, doc in NONFINITE_COUNTERS.items():
+            c = CounterMetricFamily(f"relay_learner_{key}", doc)
+            c.add_metric([], self.obs.last.get(key) or 0)
+            yield c
 
 
 class LearnerObserver:

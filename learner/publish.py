@@ -17,6 +17,15 @@ from broker.protocol.messages import Announcement
 log = logging.getLogger("relay.learner.publish")
 
 
+class NonFiniteWeights(ValueError):
+    """Weights with a NaN or ±inf: never published (generators would serve garbage or crash)."""
+
+
+def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors of ``state_dict`` that hold a NaN or ±inf."""
+    return [k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
 def first_version(latest_announced: int | None, store: str | Path) -> int:
     """The version a (re)starting learner publishes first: one past both the latest announcement and
     the newest snapshot in the store. A learner killed between sealing a snapshot (the rename) and
@@ -35,7 +44,13 @@ class Publisher:
         self.heartbeat_ttl_s = 60.0
 
     def publish(self, model, state_dict: dict[str, torch.Tensor], version: int) -> Announcement:
+        """Seal and announce ``state_dict`` as ``version``; NonFiniteWeights (nothing written) when a
+        weight is not finite."""
         t0 = time.perf_counter()
+        bad = nonfinite_tensors(state_dict)
+        if bad:
+            raise NonFiniteWeights(f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
+                                   f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         staging = weightstore.staging_dir(self.store, version)
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state_dict.items()}
         if getattr(model.config, "tie_word_embeddings", False):

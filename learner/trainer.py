@@ -31,7 +31,7 @@ from learner.observe import LearnerObserver, finite_metrics
 from learner import checkpoint
 from learner.ranks import share_batch, write_checksum
 from learner.records import RunRecords
-from learner.publish import Publisher, first_version
+from learner.publish import NonFiniteWeights, Publisher, first_version
 from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
@@ -84,10 +84,13 @@ class Learner:
         self.step = 0
         self.saved_step = 0  # the step of the newest checkpoint
         self.step_metrics: dict | None = None  # the leader's metrics line of the step just trained
+        self.unpublished = False  # an optimizer step changed the weights since the last publication
         self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
         self.ckpt_dir = Path(cfg.run_dir) / "checkpoints"
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
-        self.counts = Counter()
+        # skipped_steps: optimizer steps skipped for a non-finite loss or gradient (learner/update.py);
+        # publish_refused_nonfinite: publications refused for non-finite weights. Both in every metrics line.
+        self.counts = Counter(skipped_steps=0, publish_refused_nonfinite=0)
         self.recent_truncated: deque[float] = deque(maxlen=TRUNCATED_WARN_STEPS)
         self.warned_truncated = False
         self.intake = GroupIntake(self.r, self.keys, cfg, vocab, self.counts) if self.leader else None
@@ -143,7 +146,7 @@ class Learner:
             line = dict(self.step_metrics)
             if "version" not in line:  # the checkpoint comes before this step's publication
                 published = self.step % self.cfg.publish_every == 0 or self.step == self.cfg.steps
-                line["version"] = self.version + int(published)
+                line["version"] = self.version + int(published and self.unpublished)
             line = finite_metrics(line)
         checkpoint.save(self.ckpt_dir, self.step, self.engine,
                         {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted,
@@ -154,11 +157,27 @@ class Learner:
             self.uncommitted = []
 
     def publish(self) -> None:
-        """On every rank (ZeRO-3 gathers the weights, a collective); the leader writes and announces them."""
+        """On every rank (ZeRO-3 gathers the weights, a collective); the leader writes and announces them.
+        Weights that are not all finite are never published: the leader counts ``publish_refused_nonfinite``,
+        logs which, and keeps the previous version (the version number is not used)."""
         weights = full_state_dict(self.engine)
+        self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
-            self.publisher.publish(self.engine.module, weights, self.version)
+            try:
+                self.publisher.publish(self.engine.module, weights, self.version)
+            except NonFiniteWeights as e:
+                self.counts["publish_refused_nonfinite"] += 1
+                self.version -= 1
+                log.error("%s; generators keep version %d", e, self.version)
+                return
             self.r.hset(self.keys.stats("learner"), mapping={"version": self.version})
+
+    def publish_next(self) -> None:
+        """Publish the next version when an optimizer step changed the weights since the last one (a batch
+        whose steps were all skipped for non-finite numbers publishes nothing new)."""
+        if self.unpublished:
+            self.version += 1
+            self.publish()
 
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -189,6 +208,12 @@ class Learner:
                 diag = self.update.train_step(groups, groups[0].sampling, self.version)  # each rank trains its share
                 self.step += 1
                 step = self.step
+                self.unpublished = self.unpublished or diag["updates_skipped"] < diag["optimizer_steps"]
+                if diag["updates_skipped"] and self.leader:
+                    self.counts["skipped_steps"] += diag["updates_skipped"]
+                    log.warning("step %d: %d of %d optimizer step(s) skipped (%s): the weights and the optimizer "
+                                "state are unchanged", step, diag["updates_skipped"], diag["optimizer_steps"],
+                                diag["skip_reason"])
                 if self.cfg.rank_checksums:
                     write_checksum(self.engine.module, Path(self.cfg.run_dir) / f"rank-{self.rank}.checksums", step)
                 if self.leader:
@@ -206,8 +231,7 @@ class Learner:
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 t_pub = time.perf_counter()
                 if publishes:
-                    self.version += 1
-                    self.publish()
+                    self.publish_next()
                 if not self.leader:
                     continue
                 diag.update(version=self.version, publish_s=time.perf_counter() - t_pub, t=time.time())
@@ -274,8 +298,7 @@ class Learner:
             self.commit(self.uncommitted, self.step)
             self.uncommitted = []
         if self.step and self.step % self.cfg.publish_every:  # the last steps' weights, not yet published
-            self.version += 1
-            self.publish()
+            self.publish_next()
         if not self.leader:
             return
         broker = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.stats("broker")).items()}

@@ -13,6 +13,11 @@ sums reduced over ranks (learner/diagnostics.py). DeepSpeed runs with
 ``managed_gradient_accumulation: false``: ``backward`` accumulates, the one ``step`` per (mini)batch
 reduces and updates. ZeRO 2-3 communicate at every backward, so every rank runs the same number of
 backwards: a rank with fewer micro-batches runs empty ones (a loss of 0 through every parameter).
+
+Finite numbers only. A (mini)batch whose loss or gradient is not finite on any rank skips its
+optimizer step on every rank (the ranks agree with one all-reduce): the accumulated gradients are
+dropped, the weights and the optimizer state stay as they were, and ``train_step`` reports
+``updates_skipped`` (of ``optimizer_steps``) and the first ``skip_reason``.
 """
 
 from __future__ import annotations
@@ -72,6 +77,48 @@ class PolicyUpdate:
                 logp[part, :width], outside[part, :width] = lp.logp.cpu(), lp.outside.cpu()
         return logp, outside
 
+    def _nonfinite_gradient(self) -> bool:
+        """Whether this rank's accumulated gradient has a NaN or ±inf. At ZeRO stage 0 the gradients are
+        the parameters' ``.grad``; the ZeRO optimizers hold theirs in partitions and check their norm
+        themselves (DeepSpeed skips a step whose norm is not finite, with clipping on), and the weights are
+        checked before publishing (learner/publish.py)."""
+        if self.engine.zero_optimization_stage() != 0:
+            return False
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return bool(grads) and not bool(torch.isfinite(torch.stack([g.norm() for g in grads]).norm()))
+
+    def _skip_reason(self, loss_finite: bool) -> str | None:
+        """Why every rank skips this optimizer step (None: take it): a non-finite loss or gradient norm
+        on any rank."""
+        flags = {"loss": float(not loss_finite), "gradient norm": float(self._nonfinite_gradient())}
+        flags = self._reduce(flags, dist.ReduceOp.MAX)
+        bad = [k for k, v in flags.items() if v]
+        return f"non-finite {' and '.join(bad)}" if bad else None
+
+    def _skip_step(self) -> None:
+        """Drop the accumulated gradients without stepping: no weight and no optimizer moment changes, and
+        the next (mini)batch accumulates from zero. At ZeRO stages 1-3 the gradients sit in the optimizer's
+        partitions: they are dropped the way its own overflow path (fp16 loss scaling's skipped step) drops
+        them, and its micro-step count restarts as after a step (the first backward copies, not adds)."""
+        opt, stage = self.engine.optimizer, self.engine.zero_optimization_stage()
+        if stage == 3:
+            opt._overflow_clean_up(opt.loss_scale)
+            opt._pre_step()
+        elif stage in (1, 2):
+            from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+            opt.zero_grad(set_to_none=True)
+            opt._release_preflattened_grad_buffers()
+            if opt.cpu_offload:
+                opt.reset_cpu_buffers()
+            else:
+                for k in opt.averaged_gradients:
+                    opt.averaged_gradients[k] = None
+                    opt.all_grad_tensors[k] = None
+            opt.micro_step_id = INITIAL_MICRO_STEP_ID
+        for p in self.engine.module.parameters():
+            p.grad = None
+
     def _empty_backward(self, transform) -> None:
         """A backward of a loss of 0 through every parameter: keeps this rank's ZeRO collectives in step
         with ranks that have more micro-batches."""
@@ -91,6 +138,7 @@ class PolicyUpdate:
         norm = Normalisers(float(b.loss_mask[rows].sum()), float(len(rows)), float(b.lengths[rows].max() - 1),
                            ranks=self.world)
         sums, totals = NO_TOKENS, Counter()
+        loss_finite = True
         for part in plans[self.rank]:
             mb = b.select(part).to(self.device)
             mask = mb.loss_mask
@@ -114,6 +162,7 @@ class PolicyUpdate:
                                            cfg.kl_estimator), both.float(), cfg.aggregation, norm)
                 loss = loss + cfg.kl_coef * kl
                 totals["kl_ref"] += float(kl.detach()) / self.world
+            loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
             self.engine.backward(loss)
             sums = merge(sums, s)
             totals["loss"] += float(loss.detach()) / self.world
@@ -123,7 +172,11 @@ class PolicyUpdate:
             totals["forward_tokens"] += mb.input_ids.numel()
         for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
             self._empty_backward(transform)
-        self.engine.step()
+        skipped = self._skip_reason(loss_finite)
+        if skipped:
+            self._skip_step()
+        else:
+            self.engine.step()
         sums = {**self._reduce({k: v for k, v in sums.items() if k not in EXTREMES}),
                 **self._reduce({"rho_min": sums["rho_min"]}, dist.ReduceOp.MIN),
                 **self._reduce({"rho_max": sums["rho_max"]}, dist.ReduceOp.MAX)}
@@ -135,6 +188,7 @@ class PolicyUpdate:
                     padded_tokens=totals["padded_tokens"], forward_tokens=totals["forward_tokens"])
         if self.reference is not None:
             diag["kl_ref"] = totals["kl_ref"]
+        diag["skipped"] = skipped
         return diag
 
     def train_step(self, groups, sampling: dict, version: int) -> dict:
@@ -159,6 +213,7 @@ class PolicyUpdate:
             for rows in split:
                 if len(rows):
                     steps.append(self._optimizer_step(b, rows, transform, old))
+        skipped = [d.pop("skipped") for d in steps]
         diag = {k: sum(d[k] for d in steps) / len(steps) for k in steps[0]}
         padded, forward = sum(d.pop("padded_tokens") for d in steps), sum(d.pop("forward_tokens") for d in steps)
         diag.update(ratio_min=min(d["ratio_min"] for d in steps), ratio_max=max(d["ratio_max"] for d in steps),
@@ -168,4 +223,8 @@ class PolicyUpdate:
                     compute_s=time.perf_counter() - t0, samples=n, tokens=int(b.loss_mask.sum()),
                     staleness={str(k): v for k, v in sorted(Counter(b.staleness).items())})
         diag.pop("padded_tokens"), diag.pop("forward_tokens")
+        # optimizer steps of this batch skipped for a non-finite loss or gradient (and the first reason, when any)
+        diag.update(updates_skipped=sum(s is not None for s in skipped), optimizer_steps=len(steps))
+        if diag["updates_skipped"]:
+            diag["skip_reason"] = next(s for s in skipped if s)
         return diag

@@ -48,6 +48,8 @@ class Metrics:
         self.circuit = Gauge("relay_reward_circuit_open", "1 while the plugin's circuit breaker is open or "
                              "half-open", ["plugin"], registry=r)
         self.cache = Counter("relay_reward_cache", "content-hash cache lookups", ["plugin", "result"], registry=r)
+        self.abandoned = Counter("relay_reward_abandoned_requests", "requests whose client went away before the "
+                                 "reply: their scoring was cancelled", registry=r)
 
 
 class _Observer(P.Observer):

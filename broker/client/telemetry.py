@@ -4,6 +4,7 @@ the dashboard's events stream, per-service counters."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -34,6 +35,16 @@ class Heartbeats(dict[str, Heartbeat]):
 _reported: set[tuple[str, bytes]] = set()  # malformed entries already logged by this process
 
 
+def _warn_once(key: str, value: bytes, msg: str, *args) -> None:
+    """Log a malformed entry once, not at every read (a bounded memory of what was logged)."""
+    if (key, value) in _reported:
+        return
+    if len(_reported) > 1000:
+        _reported.clear()
+    _reported.add((key, value))
+    log.warning(msg, *args)
+
+
 def read_heartbeats(r: redis.Redis, keys: Keys) -> Heartbeats:
     good, bad = {}, {}
     for k, v in r.hgetall(keys.generators).items():
@@ -42,11 +53,7 @@ def read_heartbeats(r: redis.Redis, keys: Keys) -> Heartbeats:
             good[gid] = decode_heartbeat(v)
         except ProtocolError as e:
             bad[gid] = e.detail
-            if (gid, v) not in _reported:  # each bad entry logged once, not at every read
-                if len(_reported) > 1000:
-                    _reported.clear()
-                _reported.add((gid, v))
-                log.warning("skipped the malformed heartbeat of %r: %s (entry starts %r)", gid, e.detail, v[:80])
+            _warn_once(gid, v, "skipped the malformed heartbeat of %r: %s (entry starts %r)", gid, e.detail, v[:80])
     return Heartbeats(good, bad)
 
 
@@ -73,12 +80,43 @@ def emit_event(r: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:
 
 
 def read_events(r: redis.Redis, keys: Keys, after: str | None, limit: int) -> list[tuple[str, Event]]:
-    """Events after stream id ``after`` (as :func:`read_after`), oldest first."""
-    return [(eid, Event.from_fields(f)) for eid, f in read_after(r, keys.events, after, limit)]
+    """Events after stream id ``after`` (as :func:`read_after`), oldest first; an entry whose time is not
+    a finite number or whose data is not an object is skipped (logged once)."""
+    out = []
+    for eid, f in read_after(r, keys.events, after, limit):
+        try:
+            e = Event.from_fields(f)
+            if not math.isfinite(e.t) or not isinstance(e.data, dict):
+                raise ValueError(f"t {e.t!r:.40} / data {type(e.data).__name__}")
+        except ValueError as err:
+            _warn_once("events", eid.encode(), "skipped the malformed event %s: %s", eid, err)
+            continue
+        out.append((eid, e))
+    return out
 
 
-def read_stats(r: redis.Redis, keys: Keys, service: str) -> dict[str, float]:
-    return {k.decode(): float(v) for k, v in r.hgetall(keys.stats(service)).items()}
+class Stats(dict[str, float]):
+    """A service's counters (field -> number). ``malformed``: field -> what is wrong with each value
+    that is not a finite number (skipped, logged once, counted where the state is shown)."""
+
+    def __init__(self, good: dict[str, float], malformed: dict[str, str]):
+        super().__init__(good)
+        self.malformed = malformed
+
+
+def read_stats(r: redis.Redis, keys: Keys, service: str) -> Stats:
+    good, bad = {}, {}
+    for k, v in r.hgetall(keys.stats(service)).items():
+        name = k.decode(errors="replace")
+        try:
+            x = float(v)
+            if not math.isfinite(x):
+                raise ValueError(f"{x} is not finite")
+            good[name] = x
+        except ValueError as e:  # garbage bytes, not a number, NaN or inf
+            bad[name] = f"not a finite number: {str(e)[:80]}"
+            _warn_once(f"stats:{service}:{name}", v, "skipped the malformed %s stat %r: %r", service, name, v[:80])
+    return Stats(good, bad)
 
 
 def add_learner_step(r: redis.Redis, keys: Keys, step: int, data: str, keep: int) -> None:
@@ -93,7 +131,8 @@ def read_after(r: redis.Redis, stream: str, after: str | None, limit: int) -> li
         entries = r.xrange(stream, min=f"({after}", max="+", count=limit)
     else:
         entries = list(reversed(r.xrevrange(stream, max="+", min="-", count=limit)))
-    return [(eid.decode(), {k.decode(): v.decode() for k, v in f.items()}) for eid, f in entries]
+    return [(eid.decode(), {k.decode(errors="replace"): v.decode(errors="replace") for k, v in f.items()})
+            for eid, f in entries]
 
 
 def newest_id(r: redis.Redis, stream: str) -> str:

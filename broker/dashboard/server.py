@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -32,12 +32,14 @@ from prometheus_client.registry import Collector
 from broker.client.telemetry import newest_id, read_heartbeats, read_services
 from broker.prompts.evals import EvalHistory
 from broker.protocol.keys import Keys
+from broker.runtime.httpserver import BoundedHTTPServer
 from broker.runtime.metrics import CONTENT_TYPE, advertised_host, render
 from broker.dashboard.state import Throughput, build_state, events_history, learner_history, shown_state
 
 log = logging.getLogger("relay.broker.dashboard")
 
 STATIC = Path(__file__).with_name("static")
+WORKERS, STREAMS = 16, 8  # the HTTP server's worker threads; of them, the most that event streams may hold
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
           ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
 
@@ -51,6 +53,7 @@ class Dashboard:
         self.dead_after_s, self.push_s = dead_after_s, push_s
         self.throughput = Throughput(r, keys, every_s=sample_s)
         self.eval_history = EvalHistory(r, keys)
+        self.http = None  # the BoundedHTTPServer serving this dashboard, once serve() started it
 
     def start(self) -> None:
         self.throughput.start(self.stop)
@@ -58,6 +61,9 @@ class Dashboard:
     def state(self) -> dict:
         st = build_state(self.r, self.keys, self.dead_after_s, self.throughput.rates())
         st["eval"] = self.eval_history.rounds()  # evaluation rounds so far (broker/prompts/evals.py)
+        st["failures"]["malformed_records"].update(self.eval_history.malformed)  # unreadable results are skipped
+        if self.http is not None:  # connections the HTTP server closed unserved (slow, oversized, evicted)
+            st["http_refused"] = dict(sorted(self.http.refused.items()))
         return st
 
     def targets(self, self_host: str, self_port: int) -> list[dict]:
@@ -170,10 +176,18 @@ class BrokerGauges(Collector):
                     [(g["id"], g["age_s"]) for g in gens if g["age_s"] is not None], "generator")
         yield gauge("relay_broker_malformed_heartbeats", "heartbeat entries that cannot be read (skipped; the broker "
                     "logs why)", len(st["failures"]["malformed_heartbeats"]))
+        yield gauge("relay_broker_malformed_records", "records in Redis that cannot be read, skipped: heartbeats, "
+                    "stats fields and evaluation rounds now, evaluation results since the broker started (it logs why)",
+                    sorted(st["failures"]["malformed_records"].items()), "kind")
+        yield gauge("relay_broker_http_refused", "HTTP connections closed unserved since the broker started, by "
+                    "reason (head_timeout, head_too_large, body, evicted, busy)",
+                    sorted(st.get("http_refused", {}).items()), "reason")
 
 
-def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistry) -> ThreadingHTTPServer:
-    """Start the broker's HTTP server (a daemon thread); raises OSError naming the address."""
+def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistry) -> BoundedHTTPServer:
+    """Start the broker's HTTP server (a selector thread and a pool of workers: broker/runtime/httpserver.py);
+    raises OSError naming the address. At most ``STREAMS`` event streams are open at once (each holds a
+    worker); one more is answered 503, so the page's streams can never take every worker from ``/healthz``."""
     gauges = BrokerGauges(dashboard)
 
     class Handler(BaseHTTPRequestHandler):
@@ -238,6 +252,15 @@ def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistr
                 self._send(200, p.read_bytes(), _TYPES.get(p.suffix, "application/octet-stream"))
 
         def _stream(self, q: dict) -> None:
+            if not self.server.stream_slots.acquire(blocking=False):
+                self._send(503, f"too many open event streams (at most {STREAMS})\n".encode(), "text/plain")
+                return
+            try:
+                self._stream_events(q)
+            finally:
+                self.server.stream_slots.release()
+
+        def _stream_events(self, q: dict) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-store")
@@ -251,11 +274,11 @@ def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistr
             dashboard.stream(write, q)
 
     try:
-        server = ThreadingHTTPServer((host, port), Handler)
+        server = BoundedHTTPServer((host, port), Handler, workers=WORKERS, stream_slots=STREAMS)
     except OSError as e:
         raise OSError(f"cannot serve HTTP on {host}:{port}: {e.strerror} (is the port in use? set http_port)") from None
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    dashboard.http = server  # its refusals are counted in /metrics
+    server.start()
     dashboard.start()
     log.info("dashboard on http://%s:%d/", host, server.server_address[1])
     return server

@@ -103,11 +103,20 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
             "rejected": _prefixed(broker, "rejected:"),
             "learner_dropped": {k: int(v) for k, v in sorted(learner.items())
                                 if k.startswith("groups_dropped_") or k == "groups_undecodable"},
+            # optimizer steps skipped and publications refused for NaN/inf (docs/learner.md)
+            "learner_nonfinite": {k: int(learner[k]) for k in ("skipped_steps", "publish_refused_nonfinite")
+                                  if k in learner},
             "reward_failures_by_plugin": dict(sorted(reward_failures.items())),
             "reward_failures": sum(int(g["reward_failures"] or 0) for g in gens),
             "refused_updates": sum(int(g["refused_updates"] or 0) for g in gens),
             # heartbeat entries that could not be read (skipped above; the reader logs why)
             "malformed_heartbeats": dict(sorted(heartbeats.malformed.items())),
+            # stats fields whose value is not a finite number ("service:field" -> why; skipped above)
+            "malformed_stats": {f"{svc}:{k}": why for svc, st in (("broker", broker), ("learner", learner))
+                                for k, why in sorted(st.malformed.items())},
+            # records skipped at this read, by kind (the broker adds eval_results and eval_rounds)
+            "malformed_records": {"heartbeats": len(heartbeats.malformed),
+                                  "stats": len(broker.malformed) + len(learner.malformed)},
         },
         "flags": {
             "hash_mismatch": [g["id"] for g in gens if not g["hash_ok"]],
@@ -125,9 +134,13 @@ def learner_history(r: redis.Redis, keys: Keys, after: str | None = None, limit:
     """Per-step learner metrics, each ``{"id": stream id, **metrics}`` (see learner/observe.py)."""
     out = []
     for eid, f in read_after(r, keys.learner_metrics, after, limit):
-        try:
-            out.append({"id": eid, **json.loads(f.get("data", "{}"))})
-        except json.JSONDecodeError:
+        try:  # strict JSON objects only: a NaN in one entry would make the page's JSON unreadable
+            entry = json.loads(f.get("data", "{}"))
+            if not isinstance(entry, dict):
+                raise ValueError(f"a {type(entry).__name__}, not an object")
+            json.dumps(entry, allow_nan=False)  # ValueError on NaN or ±inf (also 1e999, parsed as inf)
+            out.append({"id": eid, **entry})
+        except ValueError:  # JSONDecodeError is a ValueError
             out.append({"id": eid, "error": "unreadable entry"})
     return out
 

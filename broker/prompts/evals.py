@@ -20,6 +20,7 @@ read it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, defaultdict
 from dataclasses import replace
@@ -140,9 +141,49 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def read_rounds(r: redis.Redis, keys: Keys) -> dict[int, EvalRound]:
-    """The rounds enqueued so far, by version."""
-    return {int(v): EvalRound.decode(m) for v, m in r.hgetall(keys.eval_rounds).items()}
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_round(meta: EvalRound) -> EvalRound:
+    """``meta`` when its fields have the types the aggregation needs; ValueError naming the field."""
+    for name in ("version", "prompts", "samples"):
+        if not isinstance(getattr(meta, name), int) or isinstance(getattr(meta, name), bool) or getattr(meta, name) < 0:
+            raise ValueError(f"{name} is not a non-negative integer: {getattr(meta, name)!r:.40}")
+    if not _finite(meta.threshold):
+        raise ValueError(f"threshold is not a finite number: {meta.threshold!r:.40}")
+    return meta
+
+
+def check_result(res: EvalResult) -> EvalResult:
+    """``res`` when every completion has a finite reward (or none, failed), a status string and an integer
+    length, and the version is an integer or null; ValueError naming what is wrong."""
+    if res.version is not None and (not isinstance(res.version, int) or isinstance(res.version, bool)):
+        raise ValueError(f"version is not an integer: {res.version!r:.40}")
+    if not isinstance(res.samples, list):
+        raise ValueError("samples is not a list")
+    for c in ([res.greedy] if res.greedy is not None else []) + res.samples:
+        if not isinstance(c, EvalCompletion):
+            raise ValueError("a completion is not an object")
+        if c.reward is not None and not _finite(c.reward):
+            raise ValueError(f"a reward is not a finite number: {c.reward!r:.40}")
+        if not isinstance(c.status, str) or not isinstance(c.length, int) or isinstance(c.length, bool):
+            raise ValueError("a completion's status is not a string or its length not an integer")
+    return res
+
+
+def read_rounds(r: redis.Redis, keys: Keys, malformed: Counter | None = None) -> dict[int, EvalRound]:
+    """The rounds enqueued so far, by version; an unreadable one is skipped, logged and counted in
+    ``malformed`` (under ``eval_rounds``)."""
+    out = {}
+    for v, m in r.hgetall(keys.eval_rounds).items():
+        try:
+            out[int(v)] = check_round(EvalRound.decode(m))
+        except ValueError as e:  # ProtocolError is a ValueError
+            if malformed is not None:
+                malformed["eval_rounds"] += 1
+            log.warning("skipped the unreadable evaluation round %r: %s", v[:40], e)
+    return out
 
 
 def summarize_round(meta: EvalRound, results: dict[int, EvalResult]) -> dict:
@@ -198,26 +239,33 @@ def summarize_round(meta: EvalRound, results: dict[int, EvalResult]) -> dict:
 
 
 class EvalHistory:
-    """The rounds so far, read incrementally from Redis (``rounds()`` is cheap to call every second)."""
+    """The rounds so far, read incrementally from Redis (``rounds()`` is cheap to call every second).
+    A result or round that cannot be read (not JSON, a field of the wrong type, a reward that is not a
+    finite number) is skipped, logged and counted in ``malformed`` (``eval_results``: each entry once;
+    ``eval_rounds``: at the last read); it never stops the other rounds from being summarised."""
 
     def __init__(self, r: redis.Redis, keys: Keys):
         self.r, self.keys = r, keys
         self._after = "-"
         self._results: dict[int, dict[int, EvalResult]] = defaultdict(dict)
+        self.malformed: Counter = Counter(eval_results=0, eval_rounds=0)
 
     def rounds(self) -> list[dict]:
-        meta = read_rounds(self.r, self.keys)
+        rounds_bad: Counter = Counter()
+        meta = read_rounds(self.r, self.keys, rounds_bad)
+        self.malformed["eval_rounds"] = rounds_bad["eval_rounds"]
         while True:
             entries = queues.read_eval_results(self.r, self.keys, self._after)
             if not entries:
                 break
             for eid, f in entries:
                 try:
-                    res = decode_eval_result(f[b"data"])
+                    res = check_result(decode_eval_result(f[b"data"]))
                     # a prompt evaluated twice (reclaimed after a generator died) counts once
                     self._results[int(f[b"round"])].setdefault(int(f[b"idx"]), res)
-                except (KeyError, ValueError):  # ProtocolError is a ValueError
-                    log.warning("unreadable evaluation result %s", eid)
+                except (KeyError, ValueError) as e:  # ProtocolError is a ValueError
+                    self.malformed["eval_results"] += 1
+                    log.warning("skipped the unreadable evaluation result %s: %s", eid, e)
             self._after = entries[-1][0].decode()
         return [summarize_round(meta[v], self._results.get(v, {})) for v in sorted(meta)]
 

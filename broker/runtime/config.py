@@ -24,9 +24,11 @@ T = TypeVar("T", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
-    """Base for every config model: unknown fields are rejected, assignments validated."""
+    """Base for every config model: unknown fields are rejected, assignments validated, and NaN and
+    ±inf refused in every float field (no field of Relay's config has a meaning for them: an unbounded
+    value is spelled ``null`` where a field allows it, e.g. ``learner.tis_cap``)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ConfigError(Exception):

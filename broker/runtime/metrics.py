@@ -11,15 +11,15 @@ is rendered, so a metric definition never repeats them. Every name is listed in
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker.client.connection import connect_host
+from broker.runtime.httpserver import BoundedHTTPServer
 
 log = logging.getLogger("relay.metrics")
 
@@ -71,7 +71,8 @@ def advertised_host(bind_host: str) -> str:
 
 
 class MetricsServer:
-    """``GET /metrics`` (Prometheus text) and ``GET /healthz`` on ``host:port`` in a daemon thread.
+    """``GET /metrics`` (Prometheus text) and ``GET /healthz`` on ``host:port``: a bounded server
+    (broker/runtime/httpserver.py: a few workers, a deadline on each request's head).
 
     ``port`` 0 picks a free port; the chosen one is ``self.port`` (services report it in their
     heartbeat or stats so tools can find it). ``healthy`` returns ``(ok, detail)``; a failing
@@ -104,14 +105,13 @@ class MetricsServer:
                     self._send(404, b"not found (try /metrics or /healthz)\n", "text/plain")
 
         try:
-            self.server = ThreadingHTTPServer((host, port), Handler)
+            self.server = BoundedHTTPServer((host, port), Handler, workers=4, max_connections=64)
         except OSError as e:
             raise OSError(f"cannot serve metrics on {host}:{port}: {e.strerror} (set metrics_port; 0 picks a free one)"
                           ) from None
-        self.server.daemon_threads = True
         self.host = host
         self.port: int = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, name="metrics-http", daemon=True).start()
+        self.server.start("metrics-http")
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 
     def close(self) -> None:

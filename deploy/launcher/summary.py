@@ -45,6 +45,8 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         "reward_last": last,
         "groups_trained": lastm.get("groups_trained", 0),
         "groups_dropped_stale": lastm.get("groups_dropped_stale", 0),
+        "groups_dropped_nonfinite": lastm.get("groups_dropped_nonfinite", 0),
+        "skipped_steps": lastm.get("skipped_steps", 0),  # optimizer steps skipped for a NaN/inf loss or gradient
         "groups_rejected": int(sum(v for k, v in broker_stats.items() if k.startswith("rejected:"))),
         "generators": {
             gid: {"backend": hb.backend, "version_applied": hb.version, "groups_sent": hb.groups_sent,

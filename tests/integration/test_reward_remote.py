@@ -143,3 +143,55 @@ def test_bearer_token_and_request_size_limit(procs, tmp_path):
     assert r.status_code == 413
     assert httpx.post(f"{base}/score", json={"items": ITEMS * 2}, headers=auth).status_code == 413  # max_batch
     assert httpx.get(f"{base}/healthz").status_code == 200  # only /score is guarded
+
+
+def _head(sock) -> bytes:
+    """What the server answered, up to the end of its head (or what came before it closed)."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        part = sock.recv(4096)
+        if not part:
+            break
+        got += part
+    return got
+
+
+def test_an_unauthenticated_31_mib_body_is_refused_from_its_headers_without_being_read(procs, tmp_path):
+    import socket
+
+    base = _service(procs, tmp_path, {"auth_token": "letmein"})  # max_request_bytes: the default 32 MiB
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        # an attacker without the token announces 31 MiB and sends 1 KiB of it: the reply must not wait for more
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (31 * 2 ** 20) + b"{" * 1024)
+        t0 = time.monotonic()
+        head = _head(s)
+    assert head.startswith(b"HTTP/1.1 401") and time.monotonic() - t0 < 5, head
+    auth = {"Authorization": "Bearer letmein"}
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # with the token, over the limit: 413
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer letmein\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (33 * 2 ** 20))
+        assert _head(s).startswith(b"HTTP/1.1 413")
+    assert httpx.post(f"{base}/score", json={"items": ITEMS}, headers=auth).json()["results"][0]["score"] == 1.0
+
+
+def test_a_client_that_goes_away_has_its_scoring_cancelled(procs, tmp_path):
+    remote = _remote(procs)
+    httpx.post(f"{remote}/control", json={"mode": "hang"})  # the remote takes 60 s to answer
+    base = _service(procs, tmp_path, {"plugins": {"rm": {"type": "remote", "options": {
+        "url": f"{remote}/score", "timeout_s": 30, "retries": 1}}}, "task_plugins": {"copy": "rm"}})
+    try:
+        httpx.post(f"{base}/score", json={"items": ITEMS}, timeout=1.0)
+        raise AssertionError("the remote hangs: the request cannot be answered within 1 s")
+    except httpx.TimeoutException:
+        pass  # the client gave up and closed its connection
+    deadline = time.monotonic() + 10
+    while metric_value(httpx.get(f"{base}/metrics").text, "relay_reward_abandoned_requests_total") != 1:
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.1)
+    m = httpx.get(f"{base}/metrics").text
+    # cancelled, not scored: no item of it was counted (as a timeout 30 s later, or at all)
+    assert metric_value(m, "relay_reward_items_total", plugin="rm", status="failed", reason="remote_timeout") == 0
+    httpx.post(f"{remote}/control", json={"mode": "ok"})
+    assert httpx.post(f"{base}/score", json={"items": ITEMS}, timeout=30).json()["results"][0]["score"] == 1.0

@@ -330,7 +330,9 @@ function renderFailures(st) {
   $("failures").innerHTML = kvTable("groups rejected by the broker, by reason", f.rejected) +
     kvTable("groups dropped by the learner, by reason", f.learner_dropped) +
     kvTable("reward failures (samples), by plugin", f.reward_failures_by_plugin) +
-    kvTable("weight updates refused, by generator", refused);
+    kvTable("weight updates refused, by generator", refused) +
+    kvTable("learner: non-finite numbers refused", f.learner_nonfinite) +
+    kvTable("records in Redis skipped as malformed, by kind", f.malformed_records);
 }
 
 function renderEval(st) {  // evaluation rounds on the held-out set (docs/eval.md)

@@ -266,8 +266,9 @@ SMOKE = "deploy/compose_smoke.sh"
 TESTS = "tests/unit/deploy/test_deploy.py"
 # each command of the doc -> (the file that runs it, the fragment of that file that does)
 DOC_COMMANDS = {
-    ".venv/bin/pip wheel --wheel-dir deploy/docker/wheelhouse torch==2.13.0 . setuptools wheel async-timeout":
-        (SMOKE, '"$VENV/bin/pip" wheel -q --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel async-timeout'),
+    ".venv/bin/pip wheel --constraint deploy/docker/constraints.txt --wheel-dir deploy/docker/wheelhouse torch==2.13.0 . setuptools wheel async-timeout":
+        (SMOKE, '"$VENV/bin/pip" wheel -q --constraint deploy/docker/constraints.txt --wheel-dir "$WHEELHOUSE" '
+                'torch==2.13.0 . setuptools wheel async-timeout'),
     "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,ca-certificates,"
     "redis-server,g++ bookworm .cache/smoke/rootfs http://deb.debian.org/debian":
         (SMOKE, "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,"

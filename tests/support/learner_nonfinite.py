@@ -1,0 +1,75 @@
+"""A real learner (learner/trainer.py: real DeepSpeed on CPU, the tiny model, a real Redis) whose second
+step gets NaN advantages, fed below the broker's and the intake's checks (the advantage estimator of
+its update replaced for that step: the test hook), between two normal steps.
+
+    python -m tests.support.learner_nonfinite REDIS_URL RUN_DIR
+
+Writes RUN_DIR/out.json: the weights' sha256 before training and after each step (rank checksums),
+the optimizer state's digest before and after the poisoned step, and the learner's /metrics text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import sys
+from pathlib import Path
+
+
+def optimizer_digest(engine) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for i, state in sorted(engine.optimizer.state_dict()["state"].items()):
+        for k, v in sorted(state.items()):
+            h.update(f"{i}.{k}".encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+    return h.hexdigest()
+
+
+def main(redis_url: str, run_dir: Path) -> None:
+    import httpx
+    import redis
+    import torch
+
+    from benchmarks.learner import make_groups
+    from broker.client import queues
+    from broker.protocol.group import encode_group
+    from broker.protocol.keys import Keys
+    from learner.config import LearnerConfig
+    from learner.ranks import write_checksum
+    from learner.trainer import Learner
+
+    cfg = LearnerConfig(run_id="bench", redis_url=redis_url, run_dir=str(run_dir), weight_store=str(run_dir / "weights"),
+                        steps=3, batch_groups=2, publish_every=1, checkpoint_every=0, tensorboard=False,
+                        rank_checksums=True, wait_timeout_s=60, admission_eta=None)
+    r, keys = redis.Redis.from_url(redis_url), Keys(cfg.run_id)
+    queues.ensure_groups(r, keys)
+    pipe = r.pipeline()
+    queues.append_groups(pipe, keys, 100, [(g, encode_group(g)) for g in make_groups(6, 4, 6, seed=3)])
+    pipe.execute()
+
+    learner = Learner(cfg)
+    write_checksum(learner.engine.module, run_dir / "rank-0.checksums", 0)
+    real, calls = learner.update.advantage_fn, itertools.count()
+    digests = {}
+
+    def poisoned(rewards):
+        """NaN advantages for the second step's groups (the hook), the real estimator otherwise."""
+        n, b = next(calls), cfg.batch_groups
+        if n == b:
+            digests["optimizer_before"] = optimizer_digest(learner.engine)
+        if n == 2 * b:
+            digests["optimizer_after_skip"] = optimizer_digest(learner.engine)
+        return torch.full_like(rewards, float("nan")) if b <= n < 2 * b else real(rewards)
+
+    learner.update.advantage_fn = poisoned
+    learner.run()
+    metrics = httpx.get(f"http://127.0.0.1:{learner.observer.server.port}/metrics", timeout=10).text
+    sums = [json.loads(x)["sha256"] for x in (run_dir / "rank-0.checksums").read_text().splitlines()]
+    (run_dir / "out.json").write_text(json.dumps({"weights": sums, "metrics": metrics, **digests}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
