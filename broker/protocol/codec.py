@@ -67,9 +67,20 @@ def optional_field(m: dict, key: str, types: type, default):
     return get_field(m, key, types)
 
 
-def unpack_map(data: bytes) -> dict:
+def unpack_limits(max_bytes: int) -> dict:
+    """msgpack's per-object limits for a message of at most ``max_bytes``: a string or bin at most the
+    message, an array at most ``max_bytes / 4096`` elements (4096 at the default 16 MiB; a group's samples
+    and version runs stay far below), a map a quarter of that. msgpack allocates a container's slots when
+    it reads its header, so these bound what a few bytes of nested headers can make it allocate."""
+    return {"max_bin_len": max_bytes, "max_str_len": max_bytes, "max_ext_len": 0,
+            "max_array_len": max(256, max_bytes >> 12), "max_map_len": max(64, max_bytes >> 14)}
+
+
+def unpack_map(data: bytes | memoryview, max_bytes: int | None = None) -> dict:
+    """Decode one msgpack map (string keys), within :func:`unpack_limits` of ``max_bytes`` (default: the
+    data's own length)."""
     try:
-        m = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True, **unpack_limits(max_bytes or max(len(data), 1024)))
     except Exception as e:  # msgpack raises several unrelated exception types on garbage
         raise ProtocolError("not_msgpack", f"cannot decode msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(m, dict):
