@@ -67,6 +67,12 @@ def optional_field(m: dict, key: str, types: type, default):
     return get_field(m, key, types)
 
 
+# Below this size a message is decoded by msgpack's C decoder in one call: its worst case (about 70 bytes
+# of Python objects per byte of message, for a message of empty maps) stays a few MiB. Larger
+# messages are walked object by object within a budget of objects (_BoundedDecoder).
+SMALL_MESSAGE = 64 << 10
+
+
 def unpack_limits(max_bytes: int) -> dict:
     """msgpack's per-object limits for a message of at most ``max_bytes``: a string or bin at most the
     message, an array at most ``max_bytes / 4096`` elements (4096 at the default 16 MiB; a group's samples
@@ -76,13 +82,66 @@ def unpack_limits(max_bytes: int) -> dict:
             "max_array_len": max(256, max_bytes >> 12), "max_map_len": max(64, max_bytes >> 14)}
 
 
+def object_budget(max_bytes: int) -> int:
+    """The most msgpack objects (containers and scalars; a str or bin is one) a message of ``max_bytes`` may
+    hold: 65536 at the default 16 MiB, far above a group's (about 30 per sample plus 3 per version run)."""
+    return max(4096, max_bytes >> 8)
+
+
 def unpack_map(data: bytes | memoryview, max_bytes: int | None = None) -> dict:
-    """Decode one msgpack map (string keys), within :func:`unpack_limits` of ``max_bytes`` (default: the
-    data's own length)."""
+    """Decode one msgpack map (string keys) within :func:`unpack_limits` and :func:`object_budget` of
+    ``max_bytes`` (default: the data's own length), so the memory it takes is bounded by the message size
+    (about 2x: the objects made, the strings and bins copied out), whatever its shape."""
+    max_bytes = max_bytes or max(len(data), 1024)
     try:
-        m = msgpack.unpackb(data, raw=False, strict_map_key=True, **unpack_limits(max_bytes or max(len(data), 1024)))
+        if len(data) <= SMALL_MESSAGE:
+            m = msgpack.unpackb(data, raw=False, strict_map_key=True, **unpack_limits(max_bytes))
+        else:
+            m = _BoundedDecoder(data, max_bytes).decode()
+    except ProtocolError:
+        raise
     except Exception as e:  # msgpack raises several unrelated exception types on garbage
         raise ProtocolError("not_msgpack", f"cannot decode msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(m, dict):
         raise ProtocolError("not_a_map", f"top level must be a map, got {type(m).__name__}")
     return m
+
+
+class _BoundedDecoder:
+    """msgpack decoded one object at a time: a container's header is read, then its elements, each
+    counted against ``object_budget`` (``too_complex`` when exceeded, before the objects are made) and
+    nested at most ``MAX_DEPTH`` deep. Scalars, strings and bins are decoded by msgpack itself."""
+
+    MAX_DEPTH = 32
+
+    def __init__(self, data: bytes | memoryview, max_bytes: int):
+        self.data = memoryview(data).cast("B")
+        self.u = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1),
+                                  **unpack_limits(max_bytes))
+        self.u.feed(data)
+        self.left = object_budget(max_bytes)
+
+    def decode(self) -> Any:
+        obj = self._next(0)
+        if self.u.tell() != len(self.data):
+            raise ProtocolError("not_msgpack", f"{len(self.data) - self.u.tell()} bytes after the message")
+        return obj
+
+    def _next(self, depth: int) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError("too_complex", "more msgpack objects than a message of this size may hold")
+        if depth > self.MAX_DEPTH:
+            raise ProtocolError("too_complex", f"nested deeper than {self.MAX_DEPTH}")
+        first = self.data[self.u.tell()]
+        if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):  # array
+            return [self._next(depth + 1) for _ in range(self.u.read_array_header())]
+        if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):  # map
+            m = {}
+            for _ in range(self.u.read_map_header()):
+                key = self._next(depth + 1)
+                if not isinstance(key, str):
+                    raise ProtocolError("not_msgpack", f"map key of type {type(key).__name__}, not str")
+                m[key] = self._next(depth + 1)
+            return m
+        return self.u.unpack()  # a scalar, str or bin: one object

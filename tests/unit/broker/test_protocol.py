@@ -103,6 +103,14 @@ def test_nested_container_headers_cannot_make_the_decoder_allocate_more_than_the
     assert e.value.reason == "not_msgpack"
 
 
+def test_a_message_of_many_small_objects_is_refused_before_they_are_made():
+    # 16 MiB of empty maps would be ~1 GiB of Python dicts: refused by the object budget
+    many = msgpack.packb({"schema": 1, "kind": "group", "x": [[{}] * 4096] * 4000})
+    with pytest.raises(ProtocolError) as e:
+        decode_group(many, max_bytes=16 << 20)
+    assert e.value.reason == "too_complex"
+
+
 def test_size_limit():
     with pytest.raises(ProtocolError) as e:
         decode_group(encode_group(make_group()), max_bytes=100)
