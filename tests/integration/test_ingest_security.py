@@ -2,7 +2,9 @@
 without a listed key, a listed key sending as another generator, a forged weight hash, numbers that
 are not finite as float32, a 16 MiB message, a queue full in bytes, a broker started without keys."""
 
+import json
 import math
+import stat
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from broker.protocol.ingest_auth import load_client_keys, write_ingest_keys
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
 from tests.support.data import MAKE_GROUP_HASH, announce_make_group_versions, make_group
-from tests.support.services import child_env, metric_value, producer_keys, start_broker, start_service
+from tests.support.services import metric_value, producer_keys, relay, start_broker, start_service
 
 
 def _keys(tmp_path: Path, *generator_ids: str) -> dict:
@@ -159,3 +161,25 @@ def test_an_insecure_ingest_is_shown_on_the_dashboard(procs, redis_url, tmp_path
     address, http = start_broker(procs, redis_url, tmp_path, ingest_auth="insecure")
     assert httpx.get(f"{http}/api/state").json()["ingest_auth"] == "insecure"
     assert 'id="ingest-insecure"' in httpx.get(f"{http}/").text
+
+
+@pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
+def test_relay_up_runs_with_per_run_keys_and_private_config_files(tmp_path):
+    res = relay("up", "--steps", "3", "--generators", "2", "--runs-dir", str(tmp_path), "--run-id", "k",
+                "--dashboard-port", "0", "--no-progress", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = tmp_path / "k"
+    s = json.loads((run / "summary.json").read_text())
+    assert s["steps"] == 3 and s["groups_rejected"] == 0 and set(s["generators"]) == {"gen-0", "gen-1"}
+    keydir = run / "secrets" / "ingest"
+    assert stat.S_IMODE(keydir.stat().st_mode) == 0o700
+    assert {p.name for p in keydir.iterdir()} >= {"broker.key_secret", "clients.json", "generator-gen-0.key_secret",
+                                                  "generator-gen-1.key_secret"}
+    files = [*keydir.iterdir(), *(run / "config").iterdir()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), files
+    broker = json.loads((run / "config" / "broker.json").read_text())
+    gen1 = json.loads((run / "config" / "generator-1.json").read_text())
+    assert broker.get("ingest_auth", "curve") == "curve" == gen1["ingest_auth"]  # the default, on
+    assert gen1["ingest_key_file"].endswith("generator-gen-1.key_secret")
+    allow = json.loads((keydir / "clients.json").read_text())["clients"]
+    assert sorted(c["generator_id"] for c in allow) == ["gen-0", "gen-1"]  # each key bound to one id
