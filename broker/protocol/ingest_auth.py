@@ -120,9 +120,10 @@ def _literal(generator_id: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in generator_id)
 
 
-def write_ingest_keys(directory: str | Path, generator_ids: list[str]) -> dict:
+def write_ingest_keys(directory: str | Path, generator_ids: list[str], patterns: dict[str, str] | None = None) -> dict:
     """Write a broker certificate, one certificate per generator id and the allow-list binding each
-    generator's key to exactly its id, into ``directory`` (made 0700; every file 0600).
+    generator's key to exactly its id (or to ``patterns[id]``, an fnmatch pattern, e.g. one benchmark
+    producer sending as any id: ``{"producer": "*"}``), into ``directory`` (made 0700; every file 0600).
 
     Returns the paths: ``broker_key_file`` (the broker's secret certificate), ``broker_public_key_file``,
     ``clients_file`` and ``generators`` (generator id -> its secret certificate)."""
@@ -136,7 +137,7 @@ def write_ingest_keys(directory: str | Path, generator_ids: list[str]) -> dict:
     for gid in generator_ids:
         public_file, secret_file = zmq.auth.create_certificates(str(d), f"generator-{gid}")
         public, _ = zmq.auth.load_certificate(public_file)
-        clients.append({"public_key": public.decode(), "generator_id": _literal(gid)})
+        clients.append({"public_key": public.decode(), "generator_id": (patterns or {}).get(gid, _literal(gid))})
         paths["generators"][gid] = secret_file
     paths["clients_file"] = str(d / "clients.json")
     Path(paths["clients_file"]).write_text(json.dumps({"clients": clients}, indent=1))

@@ -33,10 +33,7 @@ def test_ingest_keys(tmp_path: Path) -> dict:
     binding of keys to ids (those write their own with write_ingest_keys)."""
     d = tmp_path / "ingest-keys"
     if not (d / "clients.json").exists():
-        paths = write_ingest_keys(d, ["test-producer"])
-        allow = json.loads(Path(paths["clients_file"]).read_text())
-        allow["clients"][0]["generator_id"] = "*"
-        Path(paths["clients_file"]).write_text(json.dumps(allow))
+        write_ingest_keys(d, ["test-producer"], patterns={"test-producer": "*"})
     return {"broker_key_file": str(d / "broker.key_secret"), "broker_public_key_file": str(d / "broker.key"),
             "clients_file": str(d / "clients.json"), "producer_key_file": str(d / "generator-test-producer.key_secret")}
 
