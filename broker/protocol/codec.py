@@ -84,8 +84,9 @@ def unpack_limits(max_bytes: int) -> dict:
 
 def object_budget(max_bytes: int) -> int:
     """The most msgpack objects (containers and scalars; a str or bin is one) a message of ``max_bytes`` may
-    hold: 65536 at the default 16 MiB, far above a group's (about 30 per sample plus 3 per version run)."""
-    return max(4096, max_bytes >> 8)
+    hold: 65536 (never fewer than a SMALL_MESSAGE can hold, so both decoders accept the same messages),
+    far above a group's (about 30 per sample plus 3 per version run)."""
+    return max(SMALL_MESSAGE, max_bytes >> 8)
 
 
 def unpack_map(data: bytes | memoryview, max_bytes: int | None = None) -> dict:
