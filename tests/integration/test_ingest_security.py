@@ -161,6 +161,7 @@ def test_an_insecure_ingest_is_shown_on_the_dashboard(procs, redis_url, tmp_path
     address, http = start_broker(procs, redis_url, tmp_path, ingest_auth="insecure")
     assert httpx.get(f"{http}/api/state").json()["ingest_auth"] == "insecure"
     assert 'id="ingest-insecure"' in httpx.get(f"{http}/").text
+    assert metric_value(httpx.get(f"{http}/metrics").text, "relay_broker_ingest_insecure") == 1
 
 
 @pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)

@@ -133,7 +133,7 @@ def metric_value(text: str, name: str, **labels) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     total = 0.0
     for line in text.splitlines():
-        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+        m = re.match(rf"{name}(?:\{{(.*)\}})? (\S+)$", line)  # with labels or without
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
     return total
