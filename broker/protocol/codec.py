@@ -67,38 +67,42 @@ def optional_field(m: dict, key: str, types: type, default):
     return get_field(m, key, types)
 
 
-# Below this size a message is decoded by msgpack's C decoder in one call: its worst case (about 70 bytes
-# of Python objects per byte of message, for a message of empty maps) stays a few MiB. Larger
-# messages are walked object by object within a budget of objects (_BoundedDecoder).
+# Below this size a message is decoded by msgpack's C decoder in one call: its worst cases stay a few
+# MiB (about 70 bytes of Python objects per byte for a message of empty maps), or ~32 MiB for nested
+# array headers (1024 levels, each allocating MAX_ARRAY_LEN slots), freed before the next message.
+# Larger messages are walked object by object within a budget of objects (_BoundedDecoder).
 SMALL_MESSAGE = 64 << 10
+# msgpack allocates a container's slots when it reads its header: these bound what a few bytes of
+# headers can make it allocate. A group's samples (at most 256) and version runs stay far below.
+MAX_ARRAY_LEN = 4096
+MAX_MAP_LEN = 1024
+MAX_DEPTH = 32
 
 
-def unpack_limits(max_bytes: int) -> dict:
-    """msgpack's per-object limits for a message of at most ``max_bytes``: a string or bin at most the
-    message, an array at most ``max_bytes / 4096`` elements (4096 at the default 16 MiB; a group's samples
-    and version runs stay far below), a map a quarter of that. msgpack allocates a container's slots when
-    it reads its header, so these bound what a few bytes of nested headers can make it allocate."""
-    return {"max_bin_len": max_bytes, "max_str_len": max_bytes, "max_ext_len": 0,
-            "max_array_len": max(256, max_bytes >> 12), "max_map_len": max(64, max_bytes >> 14)}
+def unpack_limits(nbytes: int) -> dict:
+    """msgpack's per-object limits for a message of ``nbytes``: a string or bin at most the message,
+    arrays and maps at most MAX_ARRAY_LEN and MAX_MAP_LEN elements, no extension types."""
+    return {"max_bin_len": nbytes, "max_str_len": nbytes, "max_ext_len": 0,
+            "max_array_len": MAX_ARRAY_LEN, "max_map_len": MAX_MAP_LEN}
 
 
-def object_budget(max_bytes: int) -> int:
-    """The most msgpack objects (containers and scalars; a str or bin is one) a message of ``max_bytes`` may
-    hold: 65536 (never fewer than a SMALL_MESSAGE can hold, so both decoders accept the same messages),
-    far above a group's (about 30 per sample plus 3 per version run)."""
-    return max(SMALL_MESSAGE, max_bytes >> 8)
+def object_budget(nbytes: int) -> int:
+    """The most msgpack objects (containers and scalars; a str or bin is one) a message of ``nbytes``
+    may hold: max(65536, nbytes / 256), so 65536 up to 16 MiB (never fewer than a SMALL_MESSAGE can
+    hold, so both decoders accept the same messages); a group needs about 30 per sample and 3 per
+    version run. The limits depend only on the message, so the broker and the learner agree."""
+    return max(SMALL_MESSAGE, nbytes >> 8)
 
 
-def unpack_map(data: bytes | memoryview, max_bytes: int | None = None) -> dict:
-    """Decode one msgpack map (string keys) within :func:`unpack_limits` and :func:`object_budget` of
-    ``max_bytes`` (default: the data's own length), so the memory it takes is bounded by the message size
-    (about 2x: the objects made, the strings and bins copied out), whatever its shape."""
-    max_bytes = max_bytes or max(len(data), 1024)
+def unpack_map(data: bytes | memoryview) -> dict:
+    """Decode one msgpack map (string keys) within :func:`unpack_limits` and :func:`object_budget`, so
+    the memory it takes is bounded by the message size (about 2x: the objects made, the strings and
+    bins copied out), whatever its shape."""
     try:
         if len(data) <= SMALL_MESSAGE:
-            m = msgpack.unpackb(data, raw=False, strict_map_key=True, **unpack_limits(max_bytes))
+            m = msgpack.unpackb(data, raw=False, strict_map_key=True, **unpack_limits(len(data)))
         else:
-            m = _BoundedDecoder(data, max_bytes).decode()
+            m = _BoundedDecoder(data).decode()
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises several unrelated exception types on garbage
@@ -113,14 +117,12 @@ class _BoundedDecoder:
     counted against ``object_budget`` (``too_complex`` when exceeded, before the objects are made) and
     nested at most ``MAX_DEPTH`` deep. Scalars, strings and bins are decoded by msgpack itself."""
 
-    MAX_DEPTH = 32
-
-    def __init__(self, data: bytes | memoryview, max_bytes: int):
+    def __init__(self, data: bytes | memoryview):
         self.data = memoryview(data).cast("B")
         self.u = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1),
-                                  **unpack_limits(max_bytes))
+                                  **unpack_limits(len(data)))
         self.u.feed(data)
-        self.left = object_budget(max_bytes)
+        self.left = object_budget(len(data))
 
     def decode(self) -> Any:
         obj = self._next(0)
@@ -132,8 +134,8 @@ class _BoundedDecoder:
         self.left -= 1
         if self.left < 0:
             raise ProtocolError("too_complex", "more msgpack objects than a message of this size may hold")
-        if depth > self.MAX_DEPTH:
-            raise ProtocolError("too_complex", f"nested deeper than {self.MAX_DEPTH}")
+        if depth > MAX_DEPTH:
+            raise ProtocolError("too_complex", f"nested deeper than {MAX_DEPTH}")
         first = self.data[self.u.tell()]
         if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):  # array
             return [self._next(depth + 1) for _ in range(self.u.read_array_header())]

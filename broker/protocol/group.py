@@ -168,10 +168,10 @@ def decode_group(data: bytes | memoryview, max_bytes: int | None = None) -> Grou
 
 def unpack_group(data: bytes | memoryview, max_bytes: int | None = None) -> dict:
     """The one msgpack decode of a group message: its size checked first (``too_large``), then decoded
-    within the limits of ``max_bytes`` (codec.unpack_limits). Validate the map with :func:`group_from_map`."""
+    within msgpack's limits (codec.unpack_map). Validate the map with :func:`group_from_map`."""
     if max_bytes is not None and len(data) > max_bytes:
         raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
-    return unpack_map(data, max_bytes)
+    return unpack_map(data)
 
 
 def group_from_map(m: dict) -> Group:
