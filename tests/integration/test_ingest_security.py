@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import redis
 
+from broker.client import queues
 from broker.client.sender import GroupSender
 from broker.client.telemetry import read_stats
 from broker.protocol.group import Group, Sample, encode_group
@@ -144,6 +145,11 @@ def test_the_queue_bound_in_bytes_answers_busy(procs, redis_url, tmp_path):
     assert sender.busy_waits > 0 and r.xlen(k.trajectories) == 2
     assert read_stats(r, k, "broker")["busy"] >= 1
     assert 2 * (400 << 10) - 8192 < httpx.get(f"{http}/api/state").json()["queue_bytes"] <= 1 << 20
+    # the learner commits one group: its bytes are given back, and the waiting group gets in
+    eid, fields = r.xrange(k.trajectories, count=1)[0]
+    queues.commit(r, k, [(eid.decode(), fields[b"gid"].decode())], step=1)
+    assert sender.send("g2", _message_of(400 << 10, "g2")).status == "ok"
+    assert queues.queued_bytes(r, k) == sum(int(n) for n in r.hvals(k.queue_sizes)) < 1 << 20
 
 
 def test_a_broker_without_its_keys_refuses_to_start_and_says_how_to_fix_it(procs, redis_url, tmp_path):
