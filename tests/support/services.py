@@ -27,7 +27,7 @@ def child_env() -> dict:
     return env
 
 
-def test_ingest_keys(tmp_path: Path) -> dict:
+def ingest_test_keys(tmp_path: Path) -> dict:
     """The ingest keys of a test (made once per ``tmp_path``): a broker certificate and one producer key
     that the allow-list lets send as any generator id ("*"), for tests of things other than the
     binding of keys to ids (those write their own with write_ingest_keys)."""
@@ -40,16 +40,16 @@ def test_ingest_keys(tmp_path: Path) -> dict:
 
 def producer_keys(tmp_path: Path) -> CurveClientKeys:
     """The test producer's CURVE keys, for a GroupSender (``GroupSender(address, curve=producer_keys(tmp_path))``)."""
-    k = test_ingest_keys(tmp_path)
+    k = ingest_test_keys(tmp_path)
     return load_client_keys(k["producer_key_file"], k["broker_public_key_file"])
 
 
 def with_ingest_keys(service: str, cfg: dict, tmp_path: Path) -> dict:
-    """``cfg`` with the test's CURVE keys (test_ingest_keys) for a broker or a generator that does not set
+    """``cfg`` with the test's CURVE keys (ingest_test_keys) for a broker or a generator that does not set
     ingest_auth itself: authenticated ingest is what every test runs unless it says otherwise."""
     if service not in ("broker", "generator") or "ingest_auth" in cfg:
         return cfg
-    k = test_ingest_keys(tmp_path)
+    k = ingest_test_keys(tmp_path)
     if service == "broker":
         return {"ingest_key_file": k["broker_key_file"], "ingest_clients_file": k["clients_file"], **cfg}
     return {"ingest_key_file": k["producer_key_file"], "broker_public_key_file": k["broker_public_key_file"], **cfg}
