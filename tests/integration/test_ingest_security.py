@@ -21,6 +21,7 @@ from broker.protocol.group import Group, Sample, encode_group
 from broker.protocol.ingest_auth import load_client_keys, write_ingest_keys
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
+from tests.support.browser import browser  # noqa: F401  (a fixture)
 from tests.support.data import MAKE_GROUP_HASH, announce_make_group_versions, make_group
 from tests.support.services import metric_value, producer_keys, relay, start_broker, start_service
 
@@ -163,11 +164,18 @@ def test_a_broker_without_its_keys_refuses_to_start_and_says_how_to_fix_it(procs
     assert "Traceback" not in log
 
 
-def test_an_insecure_ingest_is_shown_on_the_dashboard(procs, redis_url, tmp_path):
-    address, http = start_broker(procs, redis_url, tmp_path, ingest_auth="insecure")
+def test_an_insecure_ingest_is_shown_on_the_dashboard(procs, redis_url, tmp_path, browser):  # noqa: F811
+    _, http = start_broker(procs, redis_url, tmp_path, ingest_auth="insecure")
     assert httpx.get(f"{http}/api/state").json()["ingest_auth"] == "insecure"
-    assert 'id="ingest-insecure"' in httpx.get(f"{http}/").text
     assert metric_value(httpx.get(f"{http}/metrics").text, "relay_broker_ingest_insecure") == 1
+    page = browser.new_page()
+    page.goto(http + "/")
+    badge = page.locator("#ingest-insecure")
+    badge.wait_for(state="visible", timeout=30_000)
+    assert badge.inner_text() == "ingest: insecure"
+    # the same page for an authenticated ingest: no badge (the advertisement is what the page reads)
+    redis.Redis.from_url(redis_url).hset(Keys("r").run, "ingest_auth", "curve")
+    badge.wait_for(state="hidden", timeout=30_000)
 
 
 @pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
