@@ -124,7 +124,25 @@ class Stack:
         _, self.redis_url = start_redis(self.procs, self.dir, free_port())
         return self.redis_url
 
+    def ingest_keys(self) -> dict:
+        """The stack's ingest keys (made once): the broker's, and one producer key the allow-list lets send
+        as any generator id; write_ingest_keys' paths, the producer's certificate under ``producer``."""
+        from broker.protocol.ingest_auth import write_ingest_keys
+
+        d = self.dir / "ingest-keys"
+        if not hasattr(self, "_ingest_keys"):
+            paths = write_ingest_keys(d, ["producer"], patterns={"producer": "*"})
+            self._ingest_keys = {**paths, "producer": paths["generators"]["producer"]}
+        return self._ingest_keys
+
     def service(self, name: str, service: str, cfg: dict):
+        """Start ``relay <service>``; a broker or a generator gets the stack's CURVE keys (ingest_keys)
+        unless ``cfg`` sets ingest_auth: the benchmarks measure the authenticated ingest a run uses."""
+        if service in ("broker", "generator") and "ingest_auth" not in cfg:
+            k = self.ingest_keys()
+            cfg = {**({"ingest_key_file": k["broker_key_file"], "ingest_clients_file": k["clients_file"]}
+                      if service == "broker" else
+                      {"ingest_key_file": k["producer"], "broker_public_key_file": k["broker_public_key_file"]}), **cfg}
         path = self.dir / f"{name}.json"
         path.write_text(json.dumps(cfg))
         return self.procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)],

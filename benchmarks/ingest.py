@@ -28,7 +28,7 @@ RAW_STREAM = "relay:raw:trajectories"
 WINDOW = 64  # groups in flight per broker producer (GroupSender.send_many), = the raw pipeline depth
 
 
-def producer(mode: str, target: str, count: int, tokens: int, seed: int) -> None:
+def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: list[str]) -> None:
     """One producer process: encode ``count`` groups, print "ready", wait for "go" on stdin, send."""
     from benchmarks.codec import make_group
     from broker.protocol.group import encode_group
@@ -37,8 +37,9 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int) -> None
     payloads = [(g.group_id, encode_group(g), str(g.min_version)) for g in groups]
     if mode == "broker":
         from broker.client.sender import GroupSender
+        from broker.protocol.ingest_auth import load_client_keys
 
-        sender = GroupSender(target)
+        sender = GroupSender(target, curve=load_client_keys(*keys))  # the producer's certificate, the broker's key
     else:
         import redis
 
@@ -81,10 +82,11 @@ def consume(r, stream: str, total: int, timeout_s: float) -> tuple[int, float]:
     return nbytes, time.perf_counter()
 
 
-def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens: int, seed: int) -> tuple[float, float]:
-    """(groups/s, MB/s) of one round of 2 producers."""
+def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens: int, seed: int,
+              keys: list[str] = ()) -> tuple[float, float]:
+    """(groups/s, MB/s) of one round of 2 producers (``keys``: a broker producer's CURVE key files)."""
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--producer", mode, target,
-                               str(per_producer), str(tokens), str(seed + k)], cwd=ROOT, env=child_env(),
+                               str(per_producer), str(tokens), str(seed + k), *keys], cwd=ROOT, env=child_env(),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
              for k in range(2)]
     try:
@@ -111,8 +113,10 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
 def run(quick: bool) -> list[dict]:
     import redis
 
+    from broker.client.announcements import announce
     from broker.client.telemetry import read_stats
     from broker.protocol.keys import Keys
+    from broker.protocol.messages import Announcement
     from deploy.launcher.procs import free_port
 
     per_producer, tokens, rounds = (40, 128, 1) if quick else (400, 1024, 3)
@@ -124,10 +128,14 @@ def run(quick: bool) -> list[dict]:
                                                     "http_port": 0, "max_queue_groups": 10**9})
         keys = Keys("bench")
         wait_until(lambda: r.exists(keys.prompts), 60, "the broker to start", broker)
+        for v in (10, 11):  # the versions benchmarks.codec.make_group's groups carry, with their hash
+            announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"))
+        k = stack.ingest_keys()
+        producer_keys = [k["producer"], k["broker_public_key_file"]]
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
         ours, raw = [], []
         for i in range(rounds):
-            ours.append(one_round("broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i))
+            ours.append(one_round("broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i, producer_keys))
             raw.append(one_round("raw", url, r, RAW_STREAM, per_producer, tokens, 10 * i + 5))
         accepted = int(read_stats(r, keys, "broker").get("accepted", 0))
         if accepted != 2 * per_producer * rounds:
@@ -144,6 +152,7 @@ def run(quick: bool) -> list[dict]:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="an ingest benchmark producer (started by relay bench ingest)")
-    ap.add_argument("--producer", nargs=5, metavar=("MODE", "TARGET", "COUNT", "TOKENS", "SEED"), required=True)
-    mode, target, count, tokens, seed = ap.parse_args().producer
-    producer(mode, target, int(count), int(tokens), int(seed))
+    ap.add_argument("--producer", nargs="+", metavar="MODE TARGET COUNT TOKENS SEED [KEY_FILE BROKER_PUBLIC_KEY_FILE]",
+                    required=True)
+    mode, target, count, tokens, seed, *keys = ap.parse_args().producer
+    producer(mode, target, int(count), int(tokens), int(seed), keys)

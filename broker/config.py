@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from broker.client.connection import connect_address
@@ -20,13 +22,24 @@ class BrokerConfig(StrictModel):
     ingest_advertise: str = Field("", description="the address producers are told to connect to (the run's "
                                   "advertisement in Redis, docs/protocol.md 7.11); '' = ingest_bind, a wildcard host "
                                   "(*, 0.0.0.0, ::) replaced by this host's name")
+    ingest_auth: Literal["curve", "insecure"] = Field(
+        "curve", description="who may send groups: 'curve' = only producers whose CURVE public key is in "
+        "ingest_clients_file, each bound to the generator ids it may use; 'insecure' = anyone who reaches "
+        "ingest_bind (shown on the dashboard; docs/security.md)")
+    ingest_key_file: str = Field("", description="the broker's CURVE certificate (the .key_secret file "
+                                 "zmq.auth.create_certificates writes; relay up makes one per run)")
+    ingest_clients_file: str = Field("", description='the allow-list: JSON {"clients": [{"public_key": "<z85>", '
+                                     '"generator_id": "<fnmatch pattern>"}]}')
     http_host: str = Field("127.0.0.1", description="host of the HTTP server (health, metrics, state)")
     http_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP server; 0 picks a free one")
     dead_after_s: float = Field(10.0, gt=0, description="the dashboard shows a generator as dead when its last "
                                 "heartbeat is older than this")
     dashboard_push_s: float = Field(1.0, gt=0, le=60, description="seconds between the dashboard's live updates")
     max_queue_groups: int = Field(256, ge=1, description="trajectories stream bound; above it producers get 'busy'")
-    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message")
+    max_queue_bytes: int = Field(256 << 20, ge=1 << 20, description="trajectories stream bound in bytes (the "
+                                 "group messages held, read or not); above it producers get 'busy'")
+    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message; a larger "
+                                   "ZeroMQ frame closes the producer's connection")
     dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
     prompt_backlog: int = Field(64, ge=1, description="prompts kept ready in the prompts stream")
     task: TaskConfig = Field(default_factory=TaskConfig, description="the built-in task that feeds prompts "

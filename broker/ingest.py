@@ -10,6 +10,13 @@ Ingest works in batches: the broker takes every message waiting on its socket (u
 in one pipeline (the rejections' counters and dead letters, and one script call for the valid
 groups), and only then sends the batch's acks. When Redis fails mid-batch no ack is sent at all:
 the producers resend and the de-duplication answers what did get in.
+
+Who may send (docs/security.md "Ingest"): with ``ingest_auth = "curve"`` the socket is a CURVE server
+and a ZAP handler admits only the public keys of the allow-list; a producer with any other key never
+completes the handshake, so nothing it sends is read. Each message carries the key it came with
+(ZeroMQ's ``User-Id``), and a group whose ``generator_id`` is not one that key may use is rejected
+``wrong_generator``. A frame larger than ``max_message_bytes`` closes the connection
+(``ZMQ_MAXMSGSIZE``); every message is decoded once, within msgpack's per-object limits.
 """
 
 from __future__ import annotations
@@ -17,16 +24,17 @@ from __future__ import annotations
 import logging
 import time
 
-import msgpack
 import redis
 import zmq
 from prometheus_client import CollectorRegistry, Counter
+from zmq.auth.thread import ThreadAuthenticator
 
 from broker.client import queues
-from broker.client.announcements import latest_announcement
+from broker.client.announcements import announced_hashes, latest_announcement
 from broker.config import BrokerConfig
 from broker.protocol.codec import ProtocolError
-from broker.protocol.group import decode_group
+from broker.protocol.group import Group, group_from_map, group_id_of, unpack_group
+from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
 
@@ -46,19 +54,52 @@ class Ingest:
         self.r, self.keys, self.cfg = r, keys, cfg
         self._latest_version: int | None = None  # cached; see _version_ahead
         self._latest_read_at = float("-inf")
+        self._hashes: dict[int, str] = {}  # announced hash per version, cached; see _check_hash
+        # CURVE: the keys and the allow-list are read now, so a missing file fails at start-up
+        self.allowed: AllowList | None = None
+        if cfg.ingest_auth == "curve":
+            self._server_keys = load_server_keys(cfg.ingest_key_file)
+            self.allowed = load_allow_list(cfg.ingest_clients_file)
+        self._auth: ThreadAuthenticator | None = None
         self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
                                 registry=registry)
         self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=registry)
+        self.m_denied = Counter("relay_broker_ingest_denied", "CURVE handshakes refused: key not in the allow-list",
+                                registry=registry)
 
     def bind(self) -> zmq.Socket:
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)  # a larger frame closes the connection
+        if self.allowed is not None:
+            self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("relay.broker.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=self)
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = self._server_keys
+        else:
+            log.warning("ingest_auth = insecure: any process that reaches %s can send groups", self.cfg.ingest_bind)
         try:
             sock.bind(self.cfg.ingest_bind)
         except zmq.ZMQError as e:
             raise OSError(f"cannot bind ingest address {self.cfg.ingest_bind}: {e} (is the port in use?)") from None
-        log.info("ingest listening on %s", self.cfg.ingest_bind)
+        log.info("ingest listening on %s (%s)", self.cfg.ingest_bind, self.cfg.ingest_auth)
         return sock
+
+    def close(self, sock: zmq.Socket) -> None:
+        sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP (the authenticator's thread): admit a CURVE client only when its z85 key is listed."""
+        ok = self.allowed is not None and self.allowed.allows_key(key.decode("ascii"))
+        if not ok:
+            self.m_denied.inc()
+            log.warning("ingest: refused a CURVE handshake from an unlisted key %s", key.decode("ascii"))
+        return ok
 
     def _count(self, outcome: str, reason: str = "") -> None:
         self.m_groups.labels(outcome, reason).inc()
@@ -85,22 +126,48 @@ class Ingest:
         latest = self._read_latest()
         return latest if latest is not None and newest > latest else None
 
-    def handle_batch(self, payloads: list[bytes]) -> list[Ack]:
+    def _check_hash(self, g: Group) -> None:
+        """The group's weight_hash must be the hash announced for its weight_version. Announced hashes are
+        cached; a mismatch with the cache reads Redis again first (a version re-announced by a learner
+        resumed from an older checkpoint), so only a real mismatch is rejected."""
+        v = g.weight_version
+        if self._hashes.get(v) != g.weight_hash:
+            announced = announced_hashes(self.r, self.keys, [v]).get(v)
+            if announced is None:
+                raise ProtocolError("weight_hash", f"weight_version {v} was never announced")
+            self._hashes[v] = announced
+            if announced != g.weight_hash:
+                raise ProtocolError("weight_hash", f"weight_hash {g.weight_hash[:16]!r} is not the hash announced "
+                                    f"for version {v} ({announced[:16]!r})")
+
+    def _validate(self, m: dict, user_id: str | None) -> Group:
+        """The checks of a decoded message, in order: the message itself, then the key's generator ids,
+        the run, the versions and their hash."""
+        g = group_from_map(m)
+        if self.allowed is not None and not self.allowed.allows(user_id or "", g.generator_id):
+            raise ProtocolError("wrong_generator", f"key {user_id} may not send as generator {g.generator_id!r}")
+        if g.run_id != self.cfg.run_id:
+            raise ProtocolError("wrong_run", f"run_id {g.run_id!r} is not this run ({self.cfg.run_id!r})")
+        newest = max((v for s in g.samples for v, _ in s.version_runs), default=0)
+        latest = self._version_ahead(newest)
+        if latest is not None:
+            raise ProtocolError("version_ahead", f"token version {newest} > latest published {latest}")
+        self._check_hash(g)
+        return g
+
+    def handle_batch(self, payloads: list[bytes | memoryview], user_ids: list[str | None] | None = None) -> list[Ack]:
         """Validate a batch of messages and write it to Redis in one pipeline; one Ack per message, in
-        order. Never raises for bad input; raises redis errors (then nothing may be acknowledged)."""
+        order. ``user_ids``: the CURVE key (z85) each message came with (None without CURVE). Never
+        raises for bad input; raises redis errors (then nothing may be acknowledged)."""
         acks: list[Ack | None] = [None] * len(payloads)
         valid = []  # (index, group, payload)
         pipe = self.r.pipeline(transaction=False)
         rejected = []
         for i, payload in enumerate(payloads):
+            m = None  # the message, decoded once (its group id goes in a rejection's ack)
             try:
-                g = decode_group(payload, self.cfg.max_message_bytes)
-                if g.run_id != self.cfg.run_id:
-                    raise ProtocolError("wrong_run", f"run_id {g.run_id!r} is not this run ({self.cfg.run_id!r})")
-                newest = max((v for s in g.samples for v, _ in s.version_runs), default=0)
-                latest = self._version_ahead(newest)
-                if latest is not None:
-                    raise ProtocolError("version_ahead", f"token version {newest} > latest published {latest}")
+                m = unpack_group(payload, self.cfg.max_message_bytes)
+                g = self._validate(m, user_ids[i] if user_ids else None)
             except ProtocolError as e:
                 rejected.append(e.reason)
                 pipe.hincrby(self.keys.stats("broker"), f"rejected:{e.reason}", 1)
@@ -108,11 +175,12 @@ class Ingest:
                 if self.cfg.dead_letter_max:
                     queues.dead_letter(pipe, self.keys, e.reason, e.detail, payload, self.cfg.dead_letter_max)
                 log.warning("rejected a message: %s", e)
-                acks[i] = Ack(group_id=_peek_group_id(payload), status="rejected", reason=e.reason)
+                acks[i] = Ack(group_id=group_id_of(m), status="rejected", reason=e.reason)
                 continue
             valid.append((i, g, payload))
         if valid:
-            queues.append_groups(pipe, self.keys, self.cfg.max_queue_groups, [(g, payload) for _, g, payload in valid])
+            queues.append_groups(pipe, self.keys, self.cfg.max_queue_groups, self.cfg.max_queue_bytes,
+                                 [(g, payload) for _, g, payload in valid])
         results = pipe.execute() if len(pipe) else []
         for reason in rejected:
             self.m_groups.labels("rejected", reason).inc()
@@ -136,36 +204,29 @@ class Ingest:
     def serve_waiting(self, sock: zmq.Socket) -> None:
         """Handle every message waiting on ``sock`` (one batch) and send their acks."""
         batch = self._drain(sock)
-        acks = iter(self.handle_batch([payload for _, payload in batch if payload is not None]))
+        good = [(payload, user) for _, payload, user in batch if payload is not None]
+        acks = iter(self.handle_batch([p for p, _ in good], [u for _, u in good]))
         replies = [(ident, next(acks) if payload is not None else Ack("", "rejected", "bad_framing"))
-                   for ident, payload in batch]
+                   for ident, payload, _ in batch]
         for ident, ack in replies:
             sock.send_multipart([ident, b"", encode_ack(ack)])
 
-    def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, bytes | None]]:
-        """Every message waiting on the socket, up to the batch limits: (identity, payload), payload
-        None for a badly framed one (counted here, answered 'rejected' with an empty group id, never
-        appended)."""
+    def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, memoryview | None, str | None]]:
+        """Every message waiting on the socket, up to the batch limits: (identity, payload, the CURVE
+        key it came with), payload None for a badly framed one (counted here, answered 'rejected' with
+        an empty group id, never appended). Payloads are views of ZeroMQ's frames (not copied)."""
         batch, nbytes = [], 0
         while len(batch) < INGEST_BATCH and nbytes < INGEST_BATCH_BYTES:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            if len(frames) != 3 or frames[1] != b"":
+            ident = frames[0].bytes
+            if len(frames) != 3 or len(frames[1]) != 0:
                 self._count("rejected", "bad_framing")
-                batch.append((frames[0], None))
+                batch.append((ident, None, None))
                 continue
-            batch.append((frames[0], frames[2]))
+            user = frames[2].get("User-Id") if self.allowed is not None else None
+            batch.append((ident, frames[2].buffer, user))
             nbytes += len(frames[2])
         return batch
-
-
-def _peek_group_id(payload: bytes) -> str:
-    """Best-effort group id of an invalid message, for the ack (empty when unreadable)."""
-    try:
-        m = msgpack.unpackb(payload, raw=False)
-        gid = m.get("group_id", "") if isinstance(m, dict) else ""
-        return gid if isinstance(gid, str) else ""
-    except Exception:  # garbage is expected here; the message was already rejected and counted
-        return ""

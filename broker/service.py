@@ -39,7 +39,7 @@ class Broker:
         self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
                                              cfg.dashboard_push_s)
         queues.ensure_groups(self.r, self.keys)
-        advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest())  # how producers reach the ingest
+        advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest(), ingest_auth=cfg.ingest_auth)  # how producers reach the ingest
 
     def run(self) -> None:
         sock = self.ingest.bind()
@@ -53,7 +53,7 @@ class Broker:
                 # No ack is sent: the generator keeps the group and resends once Redis is back.
                 log.warning("redis unavailable (%s); retrying", e)
                 time.sleep(0.5)
-        sock.close(linger=0)
+        self.ingest.close(sock)
 
     def serve_http(self) -> BoundedHTTPServer:
         """The dashboard, its API, /metrics and /healthz on ``http_host:http_port`` (a thread)."""

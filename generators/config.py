@@ -146,6 +146,11 @@ class GeneratorConfig(StrictModel):
     run_id: str = Field("default", description="run id; namespaces every Redis key")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL")
     broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")
+    ingest_auth: Literal["curve", "insecure"] = Field("curve", description="the broker's ingest_auth (they must "
+                                                       "match): 'curve' needs the two key files below")
+    ingest_key_file: str = Field("", description="this generator's CURVE certificate (.key_secret), whose public "
+                                 "key the broker's allow-list binds to this generator's id")
+    broker_public_key_file: str = Field("", description="the broker's CURVE public key (its .key file)")
     reward_url: str = Field("http://127.0.0.1:8090", description="reward service base URL")
     backend: Annotated[Union[BACKEND_CONFIGS], Field(discriminator="type")] = Field(
         default_factory=TorchBackendConfig, description="inference backend, chosen by its type")

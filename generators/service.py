@@ -28,7 +28,7 @@ from generators.eval import Evaluator
 from generators.metrics import serve_metrics
 from generators.prompts import prompt_token_ids
 from generators.reward_client import RewardClient
-from generators.sink import Batch, Sink
+from generators.sink import Batch, Sink, sender_keys
 from generators.weights import WeightApplier
 
 log = logging.getLogger("relay.generator")
@@ -38,6 +38,7 @@ class Generator:
     def __init__(self, cfg: GeneratorConfig):
         self.cfg = cfg
         self.keys = Keys(cfg.run_id)
+        curve = sender_keys(cfg)  # before the backend loads its model: a missing key file fails at once
         self.r = connect_redis(cfg.redis_url)
         self.backend = cfg.backend.build()
         self.state = "starting"
@@ -48,7 +49,8 @@ class Generator:
         self._batch = 0
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set)
         self.rewards = RewardClient(cfg, self.stop.is_set)
-        self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat)
+        self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
+                         curve)
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
         self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
         # the run's advertisement: the first generator's reward URL and sampling are the run's

@@ -24,6 +24,7 @@ from broker.client import queues
 from broker.client.connection import Backoff
 from broker.client.sender import GroupSender
 from broker.protocol.group import Group, Sample, encode_group, versions_to_runs
+from broker.protocol.ingest_auth import CurveClientKeys, load_client_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import PromptEntry, ResultOut
 from generators.backends.base import Completion
@@ -45,12 +46,18 @@ class Batch:
     created_at: float
 
 
+def sender_keys(cfg: GeneratorConfig) -> CurveClientKeys | None:
+    """This generator's CURVE keys (None with ingest_auth = "insecure"); a missing file fails here, at start."""
+    return load_client_keys(cfg.ingest_key_file, cfg.broker_public_key_file) if cfg.ingest_auth == "curve" else None
+
+
 class Sink:
     def __init__(self, cfg: GeneratorConfig, r: redis.Redis, keys: Keys, rewards: RewardClient,
-                 decode: Callable[[list[int]], str], stop: threading.Event, heartbeat: Callable[[], None]):
+                 decode: Callable[[list[int]], str], stop: threading.Event, heartbeat: Callable[[], None],
+                 curve: CurveClientKeys | None = None):
         self.cfg, self.r, self.keys, self.rewards, self.decode = cfg, r, keys, rewards, decode
         self.stop, self.heartbeat = stop, heartbeat
-        self.sender = GroupSender(cfg.broker_address)
+        self.sender = GroupSender(cfg.broker_address, curve=curve)
         self.state = "idle"  # idle | scoring | sending | paused_backpressure (reported in the heartbeat)
         self.error = ""
         self.groups_sent = self.groups_rejected = self.reward_failures = 0

@@ -110,21 +110,28 @@ def unadmit(r: redis.Redis, keys: Keys, n: int) -> None:
 # trajectories: the broker's side
 
 
-def append_groups(pipe, keys: Keys, max_queue_groups: int, groups: list[tuple[Group, bytes]]) -> None:
-    """Queue on ``pipe`` the atomic append of a batch of valid groups (bound, de-dup, XADD, counters).
-    Its reply, per group: ``b"B"`` busy, ``b"D"`` duplicate, else the new stream id."""
-    args: list = [max_queue_groups, TRAJECTORIES_GROUP]
+def append_groups(pipe, keys: Keys, max_queue_groups: int, max_queue_bytes: int,
+                  groups: list[tuple[Group, bytes | memoryview]]) -> None:
+    """Queue on ``pipe`` the atomic append of a batch of valid groups (the bounds in groups and in bytes,
+    de-dup, XADD, counters). Its reply, per group: ``b"B"`` busy, ``b"D"`` duplicate, else the new stream id."""
+    args: list = [max_queue_groups, max_queue_bytes, TRAJECTORIES_GROUP]
     for g, payload in groups:
         args += [g.group_id, payload, g.min_version, g.generator_id]
     # EVAL, not EVALSHA: a pipeline's registered script costs a SCRIPT EXISTS round trip per
     # execute, and Redis caches the compiled body anyway
-    pipe.eval(scripts.APPEND_BATCH, 3, keys.seen, keys.trajectories, keys.stats("broker"), *args)
+    pipe.eval(scripts.APPEND_BATCH, 5, keys.seen, keys.trajectories, keys.stats("broker"), keys.queue_bytes,
+              keys.queue_sizes, *args)
 
 
 def dead_letter(pipe, keys: Keys, reason: str, detail: str, payload: bytes, keep: int) -> None:
     """Keep a rejected message (its first 64 KiB) for inspection, capped at about ``keep`` entries."""
     pipe.xadd(keys.dead_letter, {"reason": reason, "detail": detail[:500], "data": payload[:65536]},
               maxlen=keep, approximate=True)
+
+
+def queued_bytes(r: redis.Redis, keys: Keys) -> int:
+    """Bytes of the group messages in the trajectories stream (the byte bound's measure)."""
+    return int(r.get(keys.queue_bytes) or 0)
 
 
 def pending_groups(r: redis.Redis, keys: Keys) -> int:
@@ -211,7 +218,8 @@ def count_trained(r: redis.Redis, keys: Keys, group_ids: list[str]) -> None:
 def commit(r: redis.Redis, keys: Keys, entries: list[tuple[str, str]], step: int) -> None:
     """Acknowledge trained groups ``(stream id, group id)`` and record them once each in the audit log."""
     if entries:
-        r.register_script(scripts.COMMIT)(keys=[keys.trained, keys.trained_log, keys.trajectories, keys.counted],
+        r.register_script(scripts.COMMIT)(keys=[keys.trained, keys.trained_log, keys.trajectories, keys.counted,
+                                                  keys.queue_bytes, keys.queue_sizes],
                                           args=[step, TRAJECTORIES_GROUP, *[x for e in entries for x in e]])
 
 
@@ -219,7 +227,7 @@ def drop(r: redis.Redis, keys: Keys, drops: list[tuple[bytes | str, str, str]]) 
     """Record, acknowledge, delete and count dropped groups ``(stream id, group id, reason)`` in one step."""
     if drops:
         r.register_script(scripts.DROP)(keys=[keys.dropped_log, keys.trajectories, keys.counted,
-                                              keys.stats("learner")],
+                                              keys.stats("learner"), keys.queue_bytes, keys.queue_sizes],
                                         args=[TRAJECTORIES_GROUP, *[x for d in drops for x in d]])
 
 

@@ -16,6 +16,7 @@ import zmq
 
 from broker.client.connection import Backoff
 from broker.protocol.codec import ProtocolError
+from broker.protocol.ingest_auth import CurveClientKeys
 from broker.protocol.messages import Ack, decode_ack
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,10 @@ class GroupSender:
     ``send_many`` keeps several groups in flight on the same socket (a bulk producer's path).
     """
 
-    def __init__(self, address: str, timeout_s: float = 10.0, busy_wait_s: float = 0.05):
+    def __init__(self, address: str, timeout_s: float = 10.0, busy_wait_s: float = 0.05,
+                 curve: CurveClientKeys | None = None):
         self.address = address
+        self.curve = curve  # None: plain ZMTP (a broker with ingest_auth = "insecure")
         self.timeout_s = timeout_s
         self.busy_wait_s = busy_wait_s
         self.ctx = zmq.Context.instance()
@@ -45,6 +48,8 @@ class GroupSender:
             self.sock.close(linger=0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(self.sock)
         self.sock.connect(self.address)
 
     def send(self, group_id: str, payload: bytes, give_up_s: float = 3600.0,
@@ -97,7 +102,9 @@ class GroupSender:
             if not self.sock.poll(int(self.timeout_s * 1000)):
                 if should_stop():
                     raise TimeoutError(f"stopping before broker {self.address} acknowledged {len(inflight)} groups")
-                log.warning("no ack from broker %s in %.1fs; resending group(s) %s", self.address, self.timeout_s,
+                log.warning("no ack from broker %s in %.1fs; resending group(s) %s (if this goes on: does "
+                            "ingest_auth match the broker's, and is this producer's key in its allow-list?)",
+                            self.address, self.timeout_s,
                             ", ".join(list(inflight)[:4]) + (f" and {len(inflight) - 4} more" if len(inflight) > 4 else ""))
                 self.resends += len(inflight)
                 self._connect()

@@ -147,6 +147,10 @@ class BrokerGauges(Collector):
         yield gauge("relay_broker_pending_groups", "groups read by the learner and not yet acknowledged",
                     st["pending_groups"])
         yield gauge("relay_broker_prompts_ready", "prompts waiting in the prompts stream", st["prompts_ready"])
+        yield gauge("relay_broker_queue_bytes", "bytes of the group messages in the trajectories stream",
+                    st["queue_bytes"])
+        yield gauge("relay_broker_ingest_insecure", "1 when ingest_auth = insecure: anyone who reaches the ingest "
+                    "can send groups", None if st["ingest_auth"] is None else int(st["ingest_auth"] == "insecure"))
         yield gauge("relay_broker_learner_version", "the latest announced weight version", st["learner_version"])
         rates = st["rates"]
         yield gauge("relay_broker_groups_in_per_second", "groups accepted per second (10 s window)",

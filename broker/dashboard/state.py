@@ -94,7 +94,11 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
         "learner_published_at": latest.published_at if latest else None,
         "learner": learner,
         "generators": gens,
+        # "insecure": any process that reaches the ingest can send groups (shown on the page); null
+        # before the broker started
+        "ingest_auth": (r.hget(keys.run, "ingest_auth") or b"").decode() or None,
         "queue_depth": queues.waiting_groups(r, keys),
+        "queue_bytes": queues.queued_bytes(r, keys),
         "pending_groups": queues.pending_groups(r, keys),
         "prompts_ready": queues.prompts_ready(r, keys),
         "rates": rates or {},

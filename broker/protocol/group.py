@@ -19,6 +19,7 @@ from broker.protocol.codec import (SCHEMA_VERSION, ProtocolError, decode_array, 
 
 FINISH_REASONS = ("stop", "length")
 REWARD_STATUSES = ("ok", "failed")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,9 +90,8 @@ class Group:
     samples:        the n completions.
     generator_id:   id of the generator replica that produced it.
     weight_version: the version the generator served when it started the group.
-    weight_hash:    the manifest hash of that version (not checked by the broker or the learner: it
-                    identifies the weights in logs; the dashboard compares each generator's heartbeat hash
-                    with the announced one).
+    weight_hash:    the manifest hash of that version; the broker rejects a group whose hash is not the
+                    one announced for weight_version (``weight_hash``).
     sampling:       sampling parameters: temperature, top_p, top_k, max_tokens, n.
     task:           the task / reward plugin name.
     reference:      the reference answer given to the reward (may be empty).
@@ -161,23 +161,44 @@ def encode_group(g: Group) -> bytes:
     )
 
 
-def decode_group(data: bytes, max_bytes: int | None = None) -> Group:
-    """Decode and validate a group message. Raises ProtocolError with a reason code.
-
-    The value checks on the arrays (log-probs finite and <= 0, token ids >= 0) run once over all of
-    a group's arrays together; a message failing any check is decoded again checking in the
-    documented order (docs/protocol.md section 4), so the reason is that of the first problem.
-    Both passes run the same checks: they accept exactly the same messages."""
-    try:
-        return _decode_group(data, max_bytes, in_order=False)
-    except ProtocolError:
-        return _decode_group(data, max_bytes, in_order=True)  # raises the first problem's reason
+def decode_group(data: bytes | memoryview, max_bytes: int | None = None) -> Group:
+    """Decode and validate a group message. Raises ProtocolError with a reason code."""
+    return group_from_map(unpack_group(data, max_bytes))
 
 
-def _decode_group(data: bytes, max_bytes: int | None, in_order: bool) -> Group:
+def unpack_group(data: bytes | memoryview, max_bytes: int | None = None) -> dict:
+    """The one msgpack decode of a group message: its size checked first (``too_large``), then decoded
+    within msgpack's limits (codec.unpack_map). Validate the map with :func:`group_from_map`."""
     if max_bytes is not None and len(data) > max_bytes:
         raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
-    m = unpack_map(data)
+    return unpack_map(data)
+
+
+def group_from_map(m: dict) -> Group:
+    """Validate a decoded group message (docs/protocol.md section 4).
+
+    The value checks on the arrays (log-probs finite as float32 and <= 0, token ids >= 0) run once over
+    all of a group's arrays together; a map failing any check is validated again checking in the
+    documented order, so the reason is that of the first problem. Both passes run the same checks:
+    they accept exactly the same messages. Neither decodes the message again."""
+    try:
+        return _validate_group(m, in_order=False)
+    except ProtocolError:
+        return _validate_group(m, in_order=True)  # raises the first problem's reason
+
+
+def group_id_of(m: dict | None) -> str:
+    """The group id of a decoded (possibly invalid) message, for its ack ("" when it has none)."""
+    gid = m.get("group_id", "") if isinstance(m, dict) else ""
+    return gid if isinstance(gid, str) else ""
+
+
+def finite32(x: float) -> bool:
+    """Finite as float32, the dtype the learner computes in (1e300 is finite as float64, inf as float32)."""
+    return math.isfinite(x) and abs(x) <= FLOAT32_MAX
+
+
+def _validate_group(m: dict, in_order: bool) -> Group:
     schema = m.get("schema")
     if not isinstance(schema, int) or isinstance(schema, bool) or schema != SCHEMA_VERSION:
         raise ProtocolError("bad_schema", f"schema must be {SCHEMA_VERSION}, got {schema!r}")
@@ -204,8 +225,10 @@ def _decode_group(data: bytes, max_bytes: int | None, in_order: bool) -> Group:
         if not in_order:
             all_lps.append(lps)
             all_ids.append(ids)
-        elif not np.all(np.isfinite(lps)) or np.any(lps > 0):
-            raise ProtocolError("bad_logprob", f"{where}: log-probs must be finite and <= 0")
+        elif not np.all(np.isfinite(lps)):
+            raise ProtocolError("non_finite", f"{where}.logprobs: NaN or infinite log-prob")
+        elif np.any(lps > 0):
+            raise ProtocolError("bad_logprob", f"{where}: log-probs must be <= 0")
         elif np.any(ids < 0):
             raise ProtocolError("bad_token", f"{where}: negative token id")
         runs = get_field(s, "version_runs", list, where)
@@ -226,13 +249,16 @@ def _decode_group(data: bytes, max_bytes: int | None, in_order: bool) -> Group:
         reward = s.get("reward")
         if status == "ok":
             reward = get_field(s, "reward", float, where)
-            if not math.isfinite(reward):
-                raise ProtocolError("bad_reward", f"{where}.reward must be finite when status is ok")
+            if not finite32(reward):
+                raise ProtocolError("non_finite", f"{where}.reward = {reward!r} is not finite as float32")
         elif reward is not None:
             raise ProtocolError("bad_reward", f"{where}.reward must be nil when status is failed")
         details = s.get("reward_details", {})
         if not isinstance(details, dict):
             raise ProtocolError("bad_type", f"{where}.reward_details must be a map")
+        bad = next((k for k, v in details.items() if isinstance(v, float) and not finite32(v)), None)
+        if bad is not None:
+            raise ProtocolError("non_finite", f"{where}.reward_details.{bad} is not finite as float32")
         samples.append(Sample(ids, lps, runs, finish, reward, status, details))
     prompt_ids = decode_array(get_field(m, "prompt_ids", dict), "int32", "group.prompt_ids")
     if len(prompt_ids) == 0:
@@ -248,8 +274,9 @@ def _decode_group(data: bytes, max_bytes: int | None, in_order: bool) -> Group:
     _check_sampling(sampling)
     created_at = get_field(m, "created_at", float)
     times = {k: optional_field(m, k, float, 0.0) for k in ("scored_at", "sent_at")}
-    if not all(math.isfinite(t) for t in (created_at, *times.values())):
-        raise ProtocolError("bad_time", "timestamps must be finite")
+    bad = next((k for k, t in {"created_at": created_at, **times}.items() if not finite32(t)), None)
+    if bad is not None:
+        raise ProtocolError("non_finite", f"group.{bad} is not finite")
     if not in_order:
         lps_all = np.concatenate(all_lps)
         if not (np.isfinite(lps_all).all() and (lps_all <= 0).all() and np.concatenate(all_ids).min() >= 0):

@@ -5,6 +5,7 @@
 | prompts                   | stream     | broker     | prompts to sample; group ``generators`` claims  |
 | trajectories              | stream     | broker     | scored groups (the replay queue); group ``learner`` |
 | seen                      | set        | broker     | group ids already appended (de-duplication)     |
+| queue_bytes / queue_sizes | string/hash | broker, learner | bytes of the groups in trajectories; group id -> its bytes (the byte bound) |
 | dead_letter               | stream     | broker     | rejected messages + reason (capped)             |
 | latest                    | string     | learner    | msgpack announcement of the latest version      |
 | announce                  | pub/sub    | learner    | channel carrying each announcement              |
@@ -58,6 +59,16 @@ class Keys:
     @property
     def seen(self) -> str:
         return self._k("seen")
+
+    @property
+    def queue_bytes(self) -> str:
+        """Bytes of the group messages in the trajectories stream (added on append, removed on commit/drop)."""
+        return self._k("queue_bytes")
+
+    @property
+    def queue_sizes(self) -> str:
+        """Group id -> bytes of its message, for each group in the trajectories stream."""
+        return self._k("queue_sizes")
 
     @property
     def dead_letter(self) -> str:

@@ -359,6 +359,8 @@ class RunInfo:
     """How to join a run, each field written by the service that knows it (docs/protocol.md 7.11).
 
     ingest_address: str, the broker's ZeroMQ address to connect a DEALER to (the broker, at start-up).
+    ingest_auth:    str, "curve" (a producer needs a listed CURVE key, docs/protocol.md 2.1) or
+                    "insecure" (plain ZMTP) (the broker, at start-up).
     reward_url:     str, the reward service's base URL (the first generator to start).
     sampling:       JSON object {n, temperature, top_p, top_k, max_tokens}: the sampling parameters
                     every producer of the run MUST use (the first generator to start).
@@ -366,6 +368,7 @@ class RunInfo:
     Absent fields are "" / {} / None: nobody has written them yet."""
 
     ingest_address: str = ""
+    ingest_auth: str = ""
     reward_url: str = ""
     sampling: dict[str, Any] = field(default_factory=dict)
     eos_token_id: int | None = None
@@ -385,7 +388,8 @@ def encode_run_fields(**values: Any) -> dict[str, str]:
 def decode_run_info(fields: dict[bytes, bytes]) -> RunInfo:
     f = {k.decode(): v.decode() for k, v in fields.items()}
     try:
-        return RunInfo(ingest_address=f.get("ingest_address", ""), reward_url=f.get("reward_url", ""),
+        return RunInfo(ingest_address=f.get("ingest_address", ""), ingest_auth=f.get("ingest_auth", ""),
+                       reward_url=f.get("reward_url", ""),
                        sampling=json.loads(f["sampling"]) if "sampling" in f else {},
                        eos_token_id=int(f["eos_token_id"]) if "eos_token_id" in f else None)
     except ValueError as e:  # json.JSONDecodeError is a ValueError

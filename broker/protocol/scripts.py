@@ -3,30 +3,39 @@ of the replay queue. Each names its KEYS and ARGV; the callers are in broker/cli
 """
 
 # The valid groups of one ingest batch, in arrival order, in one atomic step.
-# KEYS: seen set, trajectories stream, broker stats. ARGV[1]: max_queue_groups, ARGV[2]: the learner's
-# consumer group, then 4 per group: group id, payload, min version, generator.
-# Per group the reply is 'B' (busy: the unread groups are at the bound; nothing stored, nothing
-# checked for duplicates), 'D' (duplicate: the id was appended before) or the new entry's id.
-# Unread = XLEN - the learner's pending count, counted up as the batch appends: the bound is exact.
+# KEYS: seen set, trajectories stream, broker stats, queue bytes counter, queue sizes hash.
+# ARGV[1]: max_queue_groups, ARGV[2]: max_queue_bytes, ARGV[3]: the learner's consumer group, then 4 per
+# group: group id, payload, min version, generator.
+# Per group the reply is 'B' (busy: the unread groups are at the bound, or this group's bytes would take
+# the stream past its byte bound; nothing stored, nothing checked for duplicates), 'D' (duplicate: the
+# id was appended before) or the new entry's id.
+# Unread = XLEN - the learner's pending count, counted up as the batch appends: the bound is exact. The
+# byte bound counts every group in the stream (read or not: both hold Redis memory); a group alone
+# larger than the bound is accepted into an empty stream, so no valid group waits forever.
 APPEND_BATCH = """
 local waiting = redis.call('XLEN', KEYS[2])
 if waiting > 0 then
-  local p = redis.pcall('XPENDING', KEYS[2], ARGV[2])
+  local p = redis.pcall('XPENDING', KEYS[2], ARGV[3])
   if type(p) == 'table' and p.err == nil then waiting = waiting - tonumber(p[1]) end
 end
-local bound = tonumber(ARGV[1])
+local bound, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
+local held = tonumber(redis.call('GET', KEYS[4]) or '0')
 local out, n = {}, {ok = 0, dup = 0, busy = 0}
-for i = 3, #ARGV, 4 do
-  if waiting >= bound then
+for i = 4, #ARGV, 4 do
+  local size = string.len(ARGV[i + 1])
+  if waiting >= bound or (held > 0 and held + size > max_bytes) then
     out[#out + 1] = 'B'; n.busy = n.busy + 1
   elseif redis.call('SADD', KEYS[1], ARGV[i]) == 0 then
     out[#out + 1] = 'D'; n.dup = n.dup + 1
   else
     out[#out + 1] = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[i], 'data', ARGV[i + 1], 'v', ARGV[i + 2],
                                'gen', ARGV[i + 3])
+    redis.call('HSET', KEYS[5], ARGV[i], size)
+    held = held + size
     waiting = waiting + 1; n.ok = n.ok + 1
   end
 end
+if n.ok > 0 then redis.call('SET', KEYS[4], held) end
 if n.ok > 0 then redis.call('HINCRBY', KEYS[3], 'accepted', n.ok) end
 if n.dup > 0 then redis.call('HINCRBY', KEYS[3], 'duplicate', n.dup) end
 if n.busy > 0 then redis.call('HINCRBY', KEYS[3], 'busy', n.busy) end
@@ -51,8 +60,9 @@ return grant
 """
 
 # The learner's commit of trained groups (exactly-once training, docs/protocol.md 7.3).
-# KEYS: trained set, trained log, trajectories stream, counted set. ARGV: step, consumer group, then
-# pairs (stream id, group id). Idempotent: a group already recorded is only acknowledged again.
+# KEYS: trained set, trained log, trajectories stream, counted set, queue bytes, queue sizes. ARGV: step,
+# consumer group, then pairs (stream id, group id). Idempotent: a group already recorded is only
+# acknowledged again (its bytes were given back the first time).
 COMMIT = """
 for i = 3, #ARGV, 2 do
   local eid, gid = ARGV[i], ARGV[i + 1]
@@ -62,6 +72,8 @@ for i = 3, #ARGV, 2 do
   redis.call('XACK', KEYS[3], ARGV[2], eid)
   redis.call('XDEL', KEYS[3], eid)
   redis.call('SREM', KEYS[4], gid)
+  local size = redis.call('HGET', KEYS[6], gid)
+  if size then redis.call('HDEL', KEYS[6], gid); redis.call('DECRBY', KEYS[5], size) end
 end
 return 1
 """
@@ -78,7 +90,7 @@ return n
 
 # A drop in one step: recorded, acknowledged, deleted and counted (unless it was counted when a
 # learner before a restart trained it). KEYS: dropped log, trajectories stream, counted set, learner
-# stats. ARGV: consumer group, then triples (stream id, group id, reason).
+# stats, queue bytes, queue sizes. ARGV: consumer group, then triples (stream id, group id, reason).
 DROP = """
 local n = 0
 for i = 2, #ARGV, 3 do
@@ -87,6 +99,8 @@ for i = 2, #ARGV, 3 do
   redis.call('XACK', KEYS[2], ARGV[1], eid)
   redis.call('XDEL', KEYS[2], eid)
   if redis.call('SREM', KEYS[3], gid) == 0 then n = n + 1 end
+  local size = redis.call('HGET', KEYS[6], gid)
+  if size then redis.call('HDEL', KEYS[6], gid); redis.call('DECRBY', KEYS[5], size) end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[4], 'consumed', n) end
 return n

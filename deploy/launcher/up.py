@@ -154,7 +154,10 @@ def plan(args, environ: dict | None = None) -> dict:
             base = deep_merge(base, layer)
         return base
 
+    keydir = ingest_key_dir(run_dir)  # written by run_up (write_ingest_keys), one certificate per generator
     broker = section("broker", {**common, "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
+                                "ingest_key_file": str(keydir / "broker.key_secret"),
+                                "ingest_clients_file": str(keydir / "clients.json"),
                                 "task": {"name": args.task, "seed": args.seed}})
     reward = section("reward", {"port": free_port()})
     # the generators reach the broker and the reward service where they are, overrides included
@@ -163,6 +166,8 @@ def plan(args, environ: dict | None = None) -> dict:
     learner = section("learner", {**common, "run_dir": str(run_dir / "learner"),
                                   "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed})
     generator = section("generator", {**common, "broker_address": ingest, "backend": {"type": args.backend},
+                                      "ingest_auth": broker.get("ingest_auth", "curve"),
+                                      "broker_public_key_file": str(keydir / "broker.key"),
                                       "reward_url": reward_url, "seed": args.seed})
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
         learner.setdefault("tiny_vllm_compatible", True)
@@ -223,7 +228,7 @@ def run_up(args) -> int:
     resumed = p.get("resumed")  # the summary of the part before, when resuming
     if resumed is None:
         run_dir.mkdir(parents=True)
-        (run_dir / "config").mkdir()
+        (run_dir / "config").mkdir(mode=0o700)
         (run_dir / LAUNCH).write_text(json.dumps(launch_record(args, p["redis_port"] is not None), indent=1))
     procs = ProcessGroup(run_dir / "logs")
     stopping = {"why": None}
@@ -246,6 +251,8 @@ def run_up(args) -> int:
         if p["redis_port"] is not None:
             start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof)
         cfgs = {name: p[name] for name in SERVICES}
+        gen_ids = [f"gen-{i}" for i in range(args.generators)]
+        gen_keys = _ingest_keys(run_dir, cfgs["broker"], gen_ids)
         env = _child_env()
         envs = {name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], env)
                 for name in ("broker", "reward", "learner")}
@@ -261,6 +268,8 @@ def run_up(args) -> int:
             procs.start("learner", relay + learner_cmd, envs["learner"])
         for i in range(args.generators):
             gcfg = dict(cfgs["generator"], id=f"gen-{i}")
+            if gcfg.get("ingest_auth", "curve") == "curve" and not gcfg.get("ingest_key_file"):
+                gcfg["ingest_key_file"] = gen_keys[gcfg["id"]]  # its own key, bound to its id by the allow-list
             path = run_dir / "config" / f"generator-{i}.json"
             procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], _write_config(path, gcfg, env))
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
@@ -362,13 +371,34 @@ def run_up(args) -> int:
     return rc
 
 
+def ingest_key_dir(run_dir: Path) -> Path:
+    return run_dir / "secrets" / "ingest"
+
+
+def _ingest_keys(run_dir: Path, broker: dict, generator_ids: list[str]) -> dict[str, str]:
+    """The run's ingest keys (generator id -> its certificate), written on the first start (0700/0600;
+    kept by a resume); none with ``broker.ingest_auth = "insecure"``."""
+    from broker.protocol.ingest_auth import write_ingest_keys
+
+    d = ingest_key_dir(run_dir)
+    if broker.get("ingest_auth", "curve") != "curve":
+        return {}
+    if not (d / "clients.json").exists():
+        write_ingest_keys(d, generator_ids)
+        os.chmod(d.parent, 0o700)
+    return {gid: str(d / f"generator-{gid}.key_secret") for gid in generator_ids}
+
+
 def _write_config(path: Path, cfg: dict, env: dict) -> dict:
-    """Write a service's effective config; its secrets (tokens) reach it through its environment
-    instead, never a file in the run folder. Returns that environment."""
+    """Write a service's effective config (mode 0600); its secrets (tokens) reach it through its
+    environment instead, never a file in the run folder. Returns that environment."""
     from deploy.launcher.environment import split_secrets
 
     public, secret_env = split_secrets(cfg)
-    path.write_text(json.dumps(public, indent=1))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file written before (a resume) may have had another mode
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(public, indent=1))
     return {**env, **secret_env}
 
 

@@ -16,8 +16,8 @@ from broker.client.telemetry import read_stats
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
 from broker.protocol.messages import decode_ack
-from tests.support.services import start_broker
-from tests.support.data import make_group
+from tests.support.services import producer_keys, start_broker
+from tests.support.data import announce_make_group_versions, make_group
 
 N = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "100000"))
 BATCH = 100
@@ -73,7 +73,9 @@ def test_ingest_survives_and_accounts_for_every_message(procs, redis_url, tmp_pa
     broker = next(c for c in procs.children if c.name == "broker")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    producer_keys(tmp_path).apply(sock)
     sock.connect(address)
+    announce_make_group_versions(redis.Redis.from_url(redis_url), Keys("r"))
     outcomes = {"ok": 0, "duplicate": 0, "rejected": 0}
 
     @settings(max_examples=N // BATCH, deadline=None, database=None, phases=[Phase.generate],

@@ -13,8 +13,8 @@ from broker.protocol.group import encode_group
 from broker.protocol.messages import Announcement
 from broker.config import BrokerConfig
 from broker.service import Broker
-from tests.support.services import start_broker
-from tests.support.data import make_group
+from tests.support.services import producer_keys, start_broker
+from tests.support.data import announce_make_group_versions, make_group
 
 
 def _group(gid: str, **kw) -> bytes:
@@ -22,12 +22,14 @@ def _group(gid: str, **kw) -> bytes:
 
 
 def _broker(redis_url: str, **extra) -> Broker:
-    return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, **extra))
+    """A broker in this process whose ingest is driven directly (handle_batch; no socket, so no keys)."""
+    return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure", **extra))
 
 
 def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_url):
     b = _broker(redis_url, max_queue_groups=3)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    announce_make_group_versions(r, keys)
     bad = msgpack.unpackb(_group("neg"), raw=False)
     bad["samples"][0]["logprobs"]["data"] = b"\x00\x00\x80\x3f" * 3  # +1.0: not a log-prob
     batch = [_group("a"), _group("a"), b"\x00garbage", _group("w", run_id="other"), _group("b"),
@@ -57,7 +59,9 @@ def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_ur
 def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url):
     b = _broker(redis_url)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    assert b.ingest.handle(_group("before")).status == "ok"  # nothing announced: not checked
+    ack = b.ingest.handle(_group("before"))  # nothing announced: its version's hash cannot match
+    assert ack.status == "rejected" and ack.reason == "weight_hash"
+    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"))
     announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"))
     b.ingest._read_latest()  # the broker has cached version 2
     announce(r, keys, Announcement(version=4, hash="ab" * 32, path="/x"))
@@ -73,7 +77,8 @@ def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url
 def test_send_many_windows_groups_through_a_real_broker(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=1000)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    sender = GroupSender(address, timeout_s=5)
+    announce_make_group_versions(r, keys)
+    sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     items = [(f"g{i}", _group(f"g{i}")) for i in range(40)]
     acks = sender.send_many(items, window=16)
     assert sorted(acks) == sorted(g for g, _ in items) and {a.status for a in acks.values()} == {"ok"}
@@ -88,7 +93,8 @@ def test_send_many_windows_groups_through_a_real_broker(procs, redis_url, tmp_pa
 def test_send_many_meets_the_bound_exactly_and_backs_off(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=5)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    sender = GroupSender(address, timeout_s=5)
+    announce_make_group_versions(r, keys)
+    sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     items = [(f"g{i}", _group(f"g{i}")) for i in range(8)]
     with pytest.raises(TimeoutError):
         sender.send_many(items, window=8, give_up_s=1.0)

@@ -12,8 +12,8 @@ from broker.client.sender import GroupSender
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
 from deploy.launcher.procs import ProcessGroup, free_port, start_redis
-from tests.support.services import start_broker
-from tests.support.data import make_group
+from tests.support.services import producer_keys, start_broker
+from tests.support.data import announce_make_group_versions, make_group
 
 
 def test_acknowledged_groups_survive_a_redis_kill(procs, tmp_path):
@@ -24,11 +24,12 @@ def test_acknowledged_groups_survive_a_redis_kill(procs, tmp_path):
     try:
         child, url = start_redis(redis_procs, data, port, aof="always")
         address, _ = start_broker(procs, url, tmp_path, max_queue_groups=10**6)
+        announce_make_group_versions(redis.Redis.from_url(url), Keys("r"))
         acked: list[str] = []
         stop = threading.Event()
 
         def produce():
-            sender = GroupSender(address, timeout_s=2.0)
+            sender = GroupSender(address, timeout_s=2.0, curve=producer_keys(tmp_path))
             i = 0
             while not stop.is_set():
                 gid = f"g{i}"

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from broker.client.announcements import announce
 from broker.protocol import weightstore as ws
 from broker.protocol.group import Group, Sample
+from broker.protocol.messages import Announcement
+
+MAKE_GROUP_HASH = "ab" * 32  # make_group's weight_hash
+
+
+def announce_make_group_versions(r, keys) -> None:
+    """Announce versions 3 and 4 with make_group's hash, as a learner would have: the broker then accepts
+    make_group's groups (weight_version 3, tokens of versions 3 and 4)."""
+    for v in (3, 4):
+        announce(r, keys, Announcement(version=v, hash=MAKE_GROUP_HASH, path=f"/weights/v{v}"))
 
 
 def make_group(**kw) -> Group:
@@ -15,7 +26,7 @@ def make_group(**kw) -> Group:
                {"reason": "timeout"}),
     ]
     fields = dict(group_id="g1", run_id="r", prompt_id="p1", prompt_ids=np.array([1, 4, 14], np.int32),
-                  samples=samples, generator_id="gen-0", weight_version=3, weight_hash="ab" * 32,
+                  samples=samples, generator_id="gen-0", weight_version=3, weight_hash=MAKE_GROUP_HASH,
                   sampling={"temperature": 1.0, "n": 2}, task="copy", reference="45")
     fields.update(kw)
     return Group(**fields)

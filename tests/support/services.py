@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from broker.protocol.ingest_auth import CurveClientKeys, load_client_keys, write_ingest_keys
 from deploy.launcher.procs import Child, ProcessGroup, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,36 @@ def child_env() -> dict:
     return env
 
 
+def ingest_test_keys(tmp_path: Path) -> dict:
+    """The ingest keys of a test (made once per ``tmp_path``): a broker certificate and one producer key
+    that the allow-list lets send as any generator id ("*"), for tests of things other than the
+    binding of keys to ids (those write their own with write_ingest_keys)."""
+    d = tmp_path / "ingest-keys"
+    if not (d / "clients.json").exists():
+        write_ingest_keys(d, ["test-producer"], patterns={"test-producer": "*"})
+    return {"broker_key_file": str(d / "broker.key_secret"), "broker_public_key_file": str(d / "broker.key"),
+            "clients_file": str(d / "clients.json"), "producer_key_file": str(d / "generator-test-producer.key_secret")}
+
+
+def producer_keys(tmp_path: Path) -> CurveClientKeys:
+    """The test producer's CURVE keys, for a GroupSender (``GroupSender(address, curve=producer_keys(tmp_path))``)."""
+    k = ingest_test_keys(tmp_path)
+    return load_client_keys(k["producer_key_file"], k["broker_public_key_file"])
+
+
+def with_ingest_keys(service: str, cfg: dict, tmp_path: Path) -> dict:
+    """``cfg`` with the test's CURVE keys (ingest_test_keys) for a broker or a generator that does not set
+    ingest_auth itself: authenticated ingest is what every test runs unless it says otherwise."""
+    if service not in ("broker", "generator") or "ingest_auth" in cfg:
+        return cfg
+    k = ingest_test_keys(tmp_path)
+    if service == "broker":
+        return {"ingest_key_file": k["broker_key_file"], "ingest_clients_file": k["clients_file"], **cfg}
+    return {"ingest_key_file": k["producer_key_file"], "broker_public_key_file": k["broker_public_key_file"], **cfg}
+
+
 def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_path: Path):
+    cfg = with_ingest_keys(service, cfg, tmp_path)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),
@@ -103,7 +133,7 @@ def metric_value(text: str, name: str, **labels) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     total = 0.0
     for line in text.splitlines():
-        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+        m = re.match(rf"{name}(?:\{{(.*)\}})? (\S+)$", line)  # with labels or without
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
     return total

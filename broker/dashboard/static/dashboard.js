@@ -105,6 +105,7 @@ function render() {
 
 function renderCards(st) {
   $("run-id").textContent = st.run_id;
+  $("ingest-insecure").hidden = st.ingest_auth !== "insecure";
   $("learner-version").textContent = st.learner_version ?? "–";
   $("learner-hash").textContent = st.learner_hash ? short(st.learner_hash) : "nothing published yet";
   $("learner-hash").title = st.learner_hash || "";

@@ -45,14 +45,17 @@ def test_arrays_are_little_endian_raw_bytes():
     ({"kind": "ack"}, "bad_kind"),
     ({"samples": []}, "empty_group"),
     ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, 0.5, -1], "<f4").tobytes()}}, "bad_logprob"),
-    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, math.nan, -1], "<f4").tobytes()}}, "bad_logprob"),
+    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, math.nan, -1], "<f4").tobytes()}}, "non_finite"),
+    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, -math.inf, -1], "<f4").tobytes()}}, "non_finite"),
     ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, -1], "<f4").tobytes()}}, "length_mismatch"),
     ({"samples.0.completion_ids": {"dtype": "int64", "data": b"\0" * 24}}, "bad_dtype"),
     ({"samples.0.completion_ids": {"dtype": "int32", "data": b"\0" * 7}}, "bad_array"),
     ({"samples.0.version_runs": [[3, 2]]}, "length_mismatch"),
     ({"samples.0.version_runs": [[-1, 3]]}, "bad_versions"),
     ({"samples.0.finish_reason": "eos"}, "bad_finish_reason"),
-    ({"samples.0.reward": math.inf}, "bad_reward"),
+    ({"samples.0.reward": math.inf}, "non_finite"),
+    ({"samples.0.reward": 1e300}, "non_finite"),  # finite as float64, inf as float32
+    ({"samples.0.reward_details": {"score": 1e39}}, "non_finite"),
     ({"samples.1.reward": 0.0}, "bad_reward"),
     ({"group_id": ""}, "bad_group_id"),
     ({"weight_version": "3"}, "bad_type"),
@@ -62,7 +65,7 @@ def test_arrays_are_little_endian_raw_bytes():
     ({"sampling": {"temperature": 0.0}}, "bad_sampling"),
     ({"sampling": {"top_p": 1.5}}, "bad_sampling"),
     ({"sampling": {"top_k": 1.5}}, "bad_type"),
-    ({"created_at": math.nan}, "bad_time"),
+    ({"created_at": math.nan}, "non_finite"),
     ({"scored_at": "soon"}, "bad_type"),
     ({"task": 3}, "bad_type"),
 ])
@@ -80,6 +83,32 @@ def test_missing_field_and_garbage():
     for junk in (b"", b"\xc1", b"\x92\x01\x02", b"hello"):
         with pytest.raises(ProtocolError):
             decode_group(junk)
+
+
+def test_the_non_finite_reason_names_the_field():
+    with pytest.raises(ProtocolError) as e:
+        decode_group(mutate(**{"samples.0.reward": 1e300}))
+    assert e.value.reason == "non_finite" and "samples[0].reward" in e.value.detail
+    nan = np.array([-0.5, math.nan, -0.1], np.float32).tobytes()
+    with pytest.raises(ProtocolError) as e:
+        decode_group(mutate(**{"samples.0.logprobs.data": nan}))
+    assert e.value.reason == "non_finite" and "samples[0].logprobs" in e.value.detail
+
+
+def test_nested_container_headers_cannot_make_the_decoder_allocate_more_than_the_limits():
+    # 1000 nested arrays, each claiming 2**31 elements: a few KiB that must not become gigabytes
+    bomb = b"\xdd\x7f\xff\xff\xff" * 1000
+    with pytest.raises(ProtocolError) as e:
+        decode_group(bomb, max_bytes=16 << 20)
+    assert e.value.reason == "not_msgpack"
+
+
+def test_a_message_of_many_small_objects_is_refused_before_they_are_made():
+    # 16 MiB of empty maps would be ~1 GiB of Python dicts: refused by the object budget
+    many = msgpack.packb({"schema": 1, "kind": "group", "x": [[{}] * 4096] * 4000})
+    with pytest.raises(ProtocolError) as e:
+        decode_group(many, max_bytes=16 << 20)
+    assert e.value.reason == "too_complex"
 
 
 def test_size_limit():

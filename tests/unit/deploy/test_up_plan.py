@@ -133,3 +133,15 @@ def test_secrets_stay_out_of_the_run_config_files_and_reach_the_service_by_its_e
 
     _, env = environment.split_secrets({"auth_token": "12345"})
     assert load_config(RewardConfig, None, environ=env).auth_token == "12345"
+
+
+def test_the_ingest_is_authenticated_with_the_run_s_keys_unless_the_broker_says_insecure(tmp_path):
+    p = _plan(tmp_path, "--run-id", "a")
+    keydir = tmp_path / "a" / "secrets" / "ingest"
+    assert p["broker"].get("ingest_auth", "curve") == "curve" == p["generator"]["ingest_auth"]
+    assert p["broker"]["ingest_key_file"] == str(keydir / "broker.key_secret")
+    assert p["broker"]["ingest_clients_file"] == str(keydir / "clients.json")
+    assert p["generator"]["broker_public_key_file"] == str(keydir / "broker.key")
+    # turned off on the broker: its generators follow (a mismatch would leave them unheard)
+    off = _plan(tmp_path, "--run-id", "b", "--set", "broker.ingest_auth=insecure")
+    assert off["broker"]["ingest_auth"] == "insecure" == off["generator"]["ingest_auth"]
