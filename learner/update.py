@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from broker.protocol.group import sampling_transform
-from learner.advantages import GROUP_ESTIMATORS
+from learner.advantages import batch_advantages
 from learner.config import LearnerConfig
+from learner.correction import REJECTING, importance_weights
 from learner.data import Batch, collate, micro_batches, trained_rewards
 from learner.diagnostics import EXTREMES, merge, summarise
 from learner.logprobs import TokenLogprobs, token_logprobs
@@ -43,7 +44,6 @@ class PolicyUpdate:
     def __init__(self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1):
         self.engine, self.cfg, self.pad_id, self.reference = engine, cfg, pad_id, reference
         self.rank, self.world = rank, world
-        self.advantage_fn = GROUP_ESTIMATORS[cfg.advantage]
         self.device = engine.device
         self.shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch split: the same on every rank
 
@@ -80,6 +80,21 @@ class PolicyUpdate:
                             self.cfg.logprob_chunk_tokens)
         self.engine.backward(lp.logp.sum() * 0.0)
 
+    def _counts_rejected_sequences(self) -> bool:
+        """The seq-mean modes leave out sequences the correction rejects whole: counting them before the
+        micro-batches run needs π_old first (one more forward without gradient)."""
+        return self.cfg.aggregation != "token-mean" and self.cfg.correction.mode in REJECTING
+
+    def _sequences(self, b: Batch, rows: torch.Tensor, old) -> float:
+        """The samples of ``rows`` (on every rank) left with a kept token: the seq-mean modes' denominator.
+        Without π_old (one update per batch, no rejecting correction): the samples with a loss token."""
+        if old is None:
+            return float((b.loss_mask[rows].sum(-1) > 0).sum())
+        mine = rows[b.groups[rows] % self.world == self.rank]
+        valid = b.loss_mask[mine] * ~old[1][mine]
+        _, keep = importance_weights(old[0][mine], b.behaviour_logp[mine], valid, self.cfg.correction)
+        return self._reduce({"sequences": float((keep.sum(-1) > 0).sum())})["sequences"]
+
     # -- one optimizer step ------------------------------------------------------------------------
 
     def _optimizer_step(self, b: Batch, rows: torch.Tensor, transform, old) -> dict:
@@ -88,8 +103,8 @@ class PolicyUpdate:
         owner = b.groups[rows] % self.world
         plans = [micro_batches(b.lengths, rows[owner == r], cfg.micro_batch_tokens) if bool((owner == r).any())
                  else [] for r in range(self.world)]
-        norm = Normalisers(float(b.loss_mask[rows].sum()), float(len(rows)), float(b.lengths[rows].max() - 1),
-                           ranks=self.world)
+        norm = Normalisers(float(b.loss_mask[rows].sum()), self._sequences(b, rows, old),
+                           float(b.lengths[rows].max() - 1), ranks=self.world)
         sums, totals = NO_TOKENS, Counter()
         for part in plans[self.rank]:
             mb = b.select(part).to(self.device)
@@ -137,21 +152,28 @@ class PolicyUpdate:
             diag["kl_ref"] = totals["kl_ref"]
         return diag
 
+    def advantages(self, groups) -> list[torch.Tensor]:
+        """Per group, the advantage of each sample trained on (``learner.advantage`` over the batch)."""
+        rewards, tokens = [], []
+        for g in groups:
+            kept = [(r, len(s.completion_ids)) for s, r in
+                    zip(g.samples, trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)) if r is not None]
+            rewards.append(torch.tensor([r for r, _ in kept], dtype=torch.float32))
+            tokens.append(torch.tensor([n for _, n in kept]))
+        return batch_advantages(self.cfg.advantage, rewards, tokens)
+
     def train_step(self, groups, sampling: dict, version: int) -> dict:
         """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch (every rank gets all of it and
         trains its share). π_old is the policy at the start of the step (recomputed once when there is
         more than one update)."""
-        advs = []
-        for g in groups:
-            kept = [r for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score) if r is not None]
-            advs.append(self.advantage_fn(torch.tensor(kept, dtype=torch.float32)))
-        b = collate(groups, advs, version, self.pad_id, self.cfg.failed_reward, self.cfg.fallback_score)
+        b = collate(groups, self.advantages(groups), version, self.pad_id, self.cfg.failed_reward, self.cfg.fallback_score)
         transform = sampling_transform(sampling)
         t0 = time.perf_counter()
         self.engine.train()
         n = len(b.lengths)
         multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
-        old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) if multi else None
+        old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) \
+            if multi or self._counts_rejected_sequences() else None
         steps = []
         for _ in range(self.cfg.ppo_epochs):
             split = torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches) if multi \
