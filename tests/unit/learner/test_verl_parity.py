@@ -337,3 +337,41 @@ def test_the_learner_counts_the_sequences_left_after_rejection_before_its_micro_
     assert update._sequences(b, torch.arange(3), None) == 3.0
     token_mean = PolicyUpdate(SimpleNamespace(device="cpu"), LearnerConfig(correction=CorrectionConfig(mode="seq_mis")), 0)
     assert not token_mean._counts_rejected_sequences()  # token-mean needs no π_old up front
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_is_weights_match_verl_rollout_correction_weights(level):
+    """verl rollout_corr_helper.compute_rollout_correction_weights (token / sequence, truncated at the
+    threshold, log-ratios clamped to ±20, detached; no batch normalisation) = Relay's tis / seq_tis."""
+    g = torch.Generator().manual_seed(10)
+    mask = _masks(torch.tensor([6, 3, 0, 5]), 6)
+    old = torch.randn(4, 6, generator=g) * 0.3 - 1
+    mu = old + torch.randn(4, 6, generator=g) * 0.8
+    log_ratio = (old - mu) * mask
+    if level == "token":
+        want = torch.exp(log_ratio.clamp(-20, 20)).clamp(max=2.0)
+    else:
+        want = torch.exp(log_ratio.sum(-1, keepdim=True).clamp(-20, 20)).expand_as(old).clamp(max=2.0)
+    mode = "tis" if level == "token" else "seq_tis"
+    w, keep = importance_weights(old, mu, mask, CorrectionConfig(mode=mode, tis_cap=2.0))
+    assert torch.allclose(w * mask, want * mask, atol=1e-6) and torch.equal(keep, mask)
+    assert 0 < int(((want < 2.0) & mask.bool()).sum()) < int(mask.sum())  # some truncated, some not
+
+
+def test_cispo_matches_verl_compute_policy_loss_cispo_without_a_lower_clip():
+    """verl compute_policy_loss_cispo: −sg(clamp(r, 1 − ε_low, 1 + ε_high))·A·log π. Relay's cispo clips
+    only above (MiniMax-M1), which is verl's with ε_low = 1."""
+    g = torch.Generator().manual_seed(11)
+    old = torch.randn(3, 5, generator=g) * 0.3 - 1
+    logp = (old + torch.randn(3, 5, generator=g) * 0.6).requires_grad_()
+    a = torch.randn(3, 5, generator=g)
+    mask = _masks(torch.tensor([5, 2, 4]), 5)
+    r = torch.exp((logp - old).clamp(-20, 20))
+    want_mat = -r.clamp(1 - 1.0, 1 + 0.28).detach() * a * logp
+    cfg = PolicyLossConfig(policy_loss="cispo", clip_eps_high=0.28, correction=CorrectionConfig(mode="none"))
+    loss, _ = compute_policy_loss(logp, old, old, a, mask, cfg)
+    want = verl_agg_loss(want_mat, mask, "token-mean")
+    assert torch.allclose(loss, want, atol=1e-6)
+    (g1,) = torch.autograd.grad(loss, logp, retain_graph=True)
+    (g2,) = torch.autograd.grad(want, logp)
+    assert torch.allclose(g1, g2, atol=1e-9)
