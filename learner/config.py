@@ -75,6 +75,9 @@ class LearnerConfig(PolicyLossConfig):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
                            "model (the initial weights); 0 = no reference model")
+    kl_in_reward: bool = Field(False, description="put the KL term in the reward instead of the loss (verl's "
+                               "use_kl_in_reward with a fixed coefficient): each sample's reward minus kl_coef × "
+                               "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs kl_coef > 0")
     kl_estimator: KLEstimator = Field("k3", description="per-token KL estimator of that term: k1 = log π − log π_ref, "
                                       "k2 = ½(log π − log π_ref)², k3 = verl's low_var_kl (clamped to ±10), "
                                       "abs = |log π − log π_ref|")
@@ -127,6 +130,12 @@ class LearnerConfig(PolicyLossConfig):
             raise ValueError(f"advantage {v!r} needs a critic (a value model), which the learner does not have yet; "
                              f"valid: {', '.join(get_args(AdvantageEstimator))}")
         return v
+
+    @model_validator(mode="after")
+    def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise ValueError("kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
+        return self
 
     @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:

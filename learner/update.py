@@ -121,7 +121,7 @@ class PolicyUpdate:
             ent = aggregate(lp.entropy, mask, cfg.aggregation, norm)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent
-            if self.reference is not None:
+            if self.reference is not None and not cfg.kl_in_reward:
                 with torch.no_grad():
                     ref = self._logprobs(self.reference, mb, transform)
                 both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
@@ -148,32 +148,71 @@ class PolicyUpdate:
         diag.update(loss=totals["loss"], entropy=totals["entropy"], micro_batches=sum(len(p) for p in plans),
                     tokens_outside_kept_set=int(totals["tokens_outside_kept_set"]),
                     padded_tokens=totals["padded_tokens"], forward_tokens=totals["forward_tokens"])
-        if self.reference is not None:
+        if self.reference is not None and not cfg.kl_in_reward:
             diag["kl_ref"] = totals["kl_ref"]
         return diag
 
-    def advantages(self, groups) -> list[torch.Tensor]:
-        """Per group, the advantage of each sample trained on (``learner.advantage`` over the batch)."""
+    # -- advantages ------------------------------------------------------------------------------
+
+    def _rewards(self, groups) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per group, the reward and the completion tokens of each sample trained on."""
         rewards, tokens = [], []
         for g in groups:
             kept = [(r, len(s.completion_ids)) for s, r in
                     zip(g.samples, trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)) if r is not None]
             rewards.append(torch.tensor([r for r, _ in kept], dtype=torch.float32))
             tokens.append(torch.tensor([n for _, n in kept]))
-        return batch_advantages(self.cfg.advantage, rewards, tokens)
+        return rewards, tokens
+
+    def advantages(self, groups) -> list[torch.Tensor]:
+        """Per group, the advantage of each sample trained on (``learner.advantage`` over the batch), the
+        reward without a KL term."""
+        return batch_advantages(self.cfg.advantage, *self._rewards(groups))
+
+    def _kl_in_reward(self) -> bool:
+        return self.cfg.kl_in_reward and self.reference is not None
+
+    def _sequence_kl(self, b: Batch, old, transform) -> tuple[torch.Tensor, float]:
+        """Per sample [B] (every rank's), Σ_t of the KL estimate between π_old and π_ref over the tokens
+        where both are defined (verl ``apply_kl_penalty``'s kld, summed as the outcome estimators sum the
+        token rewards), and those tokens' count."""
+        kl, tokens = torch.zeros(len(b.lengths), dtype=torch.float64), 0.0
+        mine = torch.arange(len(b.lengths))[b.groups % self.world == self.rank]
+        with torch.no_grad():
+            for part in micro_batches(b.lengths, mine, self.cfg.micro_batch_tokens):
+                mb = b.select(part)
+                width = mb.loss_mask.shape[1]
+                ref = self._logprobs(self.reference, mb.to(self.device), transform)
+                both = mb.loss_mask.bool() & ~old[1][part, :width] & ~ref.outside.cpu()
+                est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.kl_estimator)
+                kl[part] = torch.where(both, est, 0.0).sum(-1).double()
+                tokens += float(both.sum())
+        if self.world > 1:
+            t = torch.cat([kl, torch.tensor([tokens], dtype=torch.float64)]).to(self.device)
+            dist.all_reduce(t)  # each sample is summed on the one rank that trains it
+            kl, tokens = t[:-1].cpu(), float(t[-1])
+        return kl, tokens
 
     def train_step(self, groups, sampling: dict, version: int) -> dict:
         """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch (every rank gets all of it and
         trains its share). π_old is the policy at the start of the step (recomputed once when there is
         more than one update)."""
-        b = collate(groups, self.advantages(groups), version, self.pad_id, self.cfg.failed_reward, self.cfg.fallback_score)
+        rewards, tokens = self._rewards(groups)
+        b = collate(groups, [torch.zeros(len(r)) for r in rewards], version, self.pad_id, self.cfg.failed_reward,
+                    self.cfg.fallback_score)  # its advantages are set below, once π_old is known
         transform = sampling_transform(sampling)
         t0 = time.perf_counter()
         self.engine.train()
         n = len(b.lengths)
         multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
         old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) \
-            if multi or self._counts_rejected_sequences() else None
+            if multi or self._counts_rejected_sequences() or self._kl_in_reward() else None
+        kl_ref = None
+        if self._kl_in_reward():  # verl's use_kl_in_reward: r − β Σ_t kl(π_old, π_ref), then the estimator
+            kl, kl_tokens = self._sequence_kl(b, old, transform)
+            kl_ref = float(kl.sum()) / max(kl_tokens, 1.0)
+            rewards = [r - self.cfg.kl_coef * k.float() for r, k in zip(rewards, kl.split([len(r) for r in rewards]))]
+        b.advantages = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))[:, None].to(b.advantages.dtype)
         steps = []
         for _ in range(self.cfg.ppo_epochs):
             split = torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches) if multi \
@@ -190,4 +229,6 @@ class PolicyUpdate:
                     compute_s=time.perf_counter() - t0, samples=n, tokens=int(b.loss_mask.sum()),
                     staleness={str(k): v for k, v in sorted(Counter(b.staleness).items())})
         diag.pop("padded_tokens"), diag.pop("forward_tokens")
+        if kl_ref is not None:
+            diag["kl_ref"] = kl_ref  # the mean per-token estimate of KL(π_old || π_ref) that went into the rewards
         return diag
