@@ -77,7 +77,8 @@ class LearnerConfig(PolicyLossConfig):
                            "model (the initial weights); 0 = no reference model")
     kl_in_reward: bool = Field(False, description="put the KL term in the reward instead of the loss (verl's "
                                "use_kl_in_reward with a fixed coefficient): each sample's reward minus kl_coef × "
-                               "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs kl_coef > 0")
+                               "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs "
+                               "kl_coef > 0")
     kl_estimator: KLEstimator = Field("k3", description="per-token KL estimator of that term: k1 = log π − log π_ref, "
                                       "k2 = ½(log π − log π_ref)², k3 = verl's low_var_kl (clamped to ±10), "
                                       "abs = |log π − log π_ref|")

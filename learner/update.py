@@ -158,8 +158,8 @@ class PolicyUpdate:
         """Per group, the reward and the completion tokens of each sample trained on."""
         rewards, tokens = [], []
         for g in groups:
-            kept = [(r, len(s.completion_ids)) for s, r in
-                    zip(g.samples, trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)) if r is not None]
+            trained = trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)
+            kept = [(r, len(s.completion_ids)) for s, r in zip(g.samples, trained) if r is not None]
             rewards.append(torch.tensor([r for r, _ in kept], dtype=torch.float32))
             tokens.append(torch.tensor([n for _, n in kept]))
         return rewards, tokens

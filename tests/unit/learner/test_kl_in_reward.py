@@ -83,7 +83,8 @@ def test_kl_in_reward_matches_verl_compute_rewards_then_grpo():
                                                                         for s in g.samples)
     assert min(want_kl) > 1e-3  # two different models: a real KL
     for gi, g in enumerate(groups):
-        scores = torch.tensor([s.reward - 0.3 * want_kl[3 * gi + i] for i, s in enumerate(g.samples)], dtype=torch.float64)
+        scores = torch.tensor([s.reward - 0.3 * want_kl[3 * gi + i] for i, s in enumerate(g.samples)],
+                              dtype=torch.float64)
         want = (scores - scores.mean()) / (scores.std() + 1e-6)  # verl compute_grpo_outcome_advantage
         penalised = rewards[gi] - 0.3 * kl[3 * gi:3 * gi + 3].float()
         assert grpo(penalised).tolist() == pytest.approx(want.tolist(), abs=1e-4)

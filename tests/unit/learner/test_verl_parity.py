@@ -156,7 +156,8 @@ def test_reinforce_pp_matches_verl_over_the_batch_tokens(baseline):
     for i, n in enumerate(flat_n.tolist()):
         if n:
             token_rewards[i, n - 1] = flat_r[i]  # the outcome reward on the last token
-    want = verl_reinforce_pp_baseline(token_rewards, mask, index) if baseline else verl_reinforce_pp(token_rewards, mask)
+    want = (verl_reinforce_pp_baseline(token_rewards, mask, index) if baseline
+            else verl_reinforce_pp(token_rewards, mask))
     got = torch.cat(batch_advantages("reinforce_pp_baseline" if baseline else "reinforce_pp", rewards, tokens))
     assert torch.allclose(got[:, None] * mask, want, atol=1e-6)
     assert float(got[mask.sum(-1) > 0].abs().max()) > 0.5  # real advantages, not zeros
@@ -335,7 +336,8 @@ def test_the_learner_counts_the_sequences_left_after_rejection_before_its_micro_
     # sample 1: ρ = e³ per token, e⁶ over its 2 tokens > mask_hi = 5: rejected
     assert update._sequences(b, torch.arange(3), old) == 2.0
     assert update._sequences(b, torch.arange(3), None) == 3.0
-    token_mean = PolicyUpdate(SimpleNamespace(device="cpu"), LearnerConfig(correction=CorrectionConfig(mode="seq_mis")), 0)
+    token_mean = PolicyUpdate(SimpleNamespace(device="cpu"),
+                              LearnerConfig(correction=CorrectionConfig(mode="seq_mis")), pad_id=0)
     assert not token_mean._counts_rejected_sequences()  # token-mean needs no π_old up front
 
 
