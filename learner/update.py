@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,8 @@ class PolicyUpdate:
                  else [] for r in range(self.world)]
         norm = Normalisers(float(b.loss_mask[rows].sum()), self._sequences(b, rows, old),
                            float(b.lengths[rows].max() - 1), ranks=self.world)
+        # the entropy bonus and the KL term count every sample with a loss token, rejected or not
+        every = replace(norm, sequences=float((b.loss_mask[rows].sum(-1) > 0).sum()))
         sums, totals = NO_TOKENS, Counter()
         for part in plans[self.rank]:
             mb = b.select(part).to(self.device)
@@ -118,7 +121,7 @@ class PolicyUpdate:
                 outside = lp.outside | old[1][part, :width].to(self.device)
             valid = mask * ~outside
             loss, s = policy_loss_terms(lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid)
-            ent = aggregate(lp.entropy, mask, cfg.aggregation, norm)
+            ent = aggregate(lp.entropy, mask, cfg.aggregation, every)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent
             if self.reference is not None and not cfg.kl_in_reward:
@@ -126,7 +129,7 @@ class PolicyUpdate:
                     ref = self._logprobs(self.reference, mb, transform)
                 both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
                 kl = aggregate(kl_estimate(torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0),
-                                           cfg.kl_estimator), both.float(), cfg.aggregation, norm)
+                                           cfg.kl_estimator), both.float(), cfg.aggregation, every)
                 loss = loss + cfg.kl_coef * kl
                 totals["kl_ref"] += float(kl.detach()) / self.world
             self.engine.backward(loss)
