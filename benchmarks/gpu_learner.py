@@ -141,7 +141,7 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
     meter = Meter(device)
 
     opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr)
-    advs = [update.advantage_fn(torch.tensor([s.reward for s in g.samples])) for g in groups]
+    advs = update.advantages(groups)
     transform = sampling_transform(groups[0].sampling)
     if size["gradient_checkpointing"]:
         plain.config.use_cache = False

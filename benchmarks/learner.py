@@ -89,7 +89,7 @@ def run(quick: bool) -> list[dict]:
         # the plain loop: the same initial weights, optimizer, clipping; a token-mean policy-gradient loss
         model = copy.deepcopy(learner.engine.module).train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        advs = [learner.update.advantage_fn(torch.tensor([s.reward for s in g.samples])) for g in groups]
+        advs = learner.update.advantages(groups)
         b = collate(groups, advs, 0, learner.update.pad_id)
 
         def plain_step() -> None:

@@ -82,7 +82,7 @@ def child(model: str, samples: int, micro_batch_tokens: int, prompt: int, comple
 
     plain_net = copy.deepcopy(engine.module).train()  # made after the peak was read: not in it
     opt = torch.optim.AdamW(plain_net.parameters(), lr=cfg.lr)
-    advs = [update.advantage_fn(torch.tensor([s.reward for s in g.samples])) for g in groups]
+    advs = update.advantages(groups)
     transform = sampling_transform(groups[0].sampling)
     b = collate(groups, advs, 0, update.pad_id)
 

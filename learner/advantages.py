@@ -2,7 +2,9 @@
 
 Outcome estimators map one group's rewards [G] to per-sample advantages [G]; batch estimators
 (REINFORCE++) see the whole batch; GAE and V-trace work on token-level rewards and values.
-A group whose rewards are all equal gets zero advantage, never NaN.
+A group whose rewards are all equal gets zero advantage, never NaN. A group left with a single
+sample (the others' rewards failed) has no baseline of its own: its centred reward is 0 (verl
+keeps its raw score, mean 0 and std 1; docs/off-policy.md says why Relay does not).
 
 Each function names the verl ``core_algos.py`` function whose formula it follows.
 """
@@ -50,19 +52,54 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return (x - mean) * torch.rsqrt(var + eps)
 
 
-def reinforce_pp(seq_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor | None = None) -> torch.Tensor:
-    """REINFORCE++ for outcome rewards: each sample's reward on all its tokens, whitened over the
-    batch's tokens [B, T]. With ``group_index`` the group mean is subtracted first (the "baseline"
-    variant) (verl ``compute_reinforce_plus_plus_outcome_advantage`` with γ = 1 and
-    ``compute_reinforce_plus_plus_baseline_outcome_advantage``)."""
-    r = seq_rewards.clone().float()
+def reinforce_pp(rewards: torch.Tensor, tokens: torch.Tensor, group_index: torch.Tensor | None = None,
+                 eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++ for outcome rewards, per sample [B]. The outcome reward sits on the last token, so
+    with γ = 1 every token of sample i has the return r_i; those returns are whitened over the batch's
+    tokens (``tokens[i]`` completion tokens of sample i): (r_i − μ) / sqrt(σ² + eps), μ and the
+    unbiased σ² weighted by tokens. With ``group_index`` each group's mean is subtracted first (the
+    "baseline" variant; a group of one is centred to 0). (verl
+    ``compute_reinforce_plus_plus_outcome_advantage`` with γ = 1 and
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage``, whose per-token advantages are
+    constant along each sample and equal these.) Fewer than 2 tokens or equal returns: exactly 0."""
+    r = rewards.clone().to(torch.float64)
     if group_index is not None:
         for g in group_index.unique():
             sel = group_index == g
-            if sel.sum() > 1:
-                r[sel] = r[sel] - r[sel].mean()
-    tok = r[:, None].expand_as(mask).clone() * mask
-    return masked_whiten(tok, mask) * mask
+            r[sel] = r[sel] - r[sel].mean()
+    n = tokens.to(torch.float64)
+    total = n.sum()
+    live = r[n > 0]
+    if total < 2 or live.numel() == 0 or bool(live.max() == live.min()):
+        return torch.zeros_like(rewards)
+    mean = (n * r).sum() / total
+    var = (n * (r - mean) ** 2).sum() / (total - 1)
+    return ((r - mean) * torch.rsqrt(var + eps)).to(rewards.dtype)
+
+
+def reinforce_pp_baseline(rewards: torch.Tensor, tokens: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ with the group mean as baseline (verl ``compute_reinforce_plus_plus_baseline_outcome_advantage``)."""
+    return reinforce_pp(rewards, tokens, group_index)
+
+
+# ``learner.advantage`` -> an estimator of the whole batch: (rewards [B], completion tokens [B], group index [B])
+BATCH_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "reinforce_pp": lambda r, n, _index: reinforce_pp(r, n), "reinforce_pp_baseline": reinforce_pp_baseline}
+
+
+def batch_advantages(estimator: str, rewards: list[torch.Tensor], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The advantages of one training batch: per group, one per kept sample. ``rewards[i]`` and
+    ``tokens[i]`` are group i's kept samples' rewards and completion lengths; a group estimator sees
+    one group at a time, a batch estimator the whole batch."""
+    if estimator in GROUP_ESTIMATORS:
+        return [GROUP_ESTIMATORS[estimator](r) for r in rewards]
+    if estimator in BATCH_ESTIMATORS:
+        sizes = [len(r) for r in rewards]
+        index = torch.repeat_interleave(torch.arange(len(rewards)), torch.tensor(sizes))
+        flat = BATCH_ESTIMATORS[estimator](torch.cat(rewards), torch.cat(tokens), index)
+        return list(flat.split(sizes))
+    valid = ", ".join([*GROUP_ESTIMATORS, *BATCH_ESTIMATORS])
+    raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {valid}")
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from broker.runtime.config import StrictModel
 from learner.records import WandbConfig
 
 # The valid option names, defined once: losses.py, correction.py and advantages.py derive theirs from these.
-CorrectionMode = Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled"]
+CorrectionMode = Literal["none", "tis", "mis", "token_mis", "icepop", "seq_tis", "seq_mis", "geo_mis", "decoupled"]
 PolicyLoss = Literal["ppo", "cispo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
-AdvantageEstimator = Literal["grpo", "drgrpo", "rloo"]
+KLEstimator = Literal["k1", "k2", "k3", "abs"]
+AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+NEEDS_CRITIC = ("gae", "vtrace")  # estimators in learner/advantages.py that need a value model (none yet)
 
 TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
 PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
@@ -24,11 +25,13 @@ class CorrectionConfig(StrictModel):
     """Off-policy correction against the behaviour log-probs μ (see docs/off-policy.md)."""
 
     mode: CorrectionMode = Field(
-        "tis", description="none: plain PPO-clip; tis: truncated IS per token; mis/icepop: mask tokens whose "
-        "π_old/μ is outside [mask_lo, mask_hi]; seq_tis/seq_mis/geo_mis: sequence-level weights or masks; "
-        "decoupled: AReaL's π_prox/μ weight")
+        "tis", description="none: plain PPO-clip; tis: truncated IS per token; mis: mask tokens whose π_old/μ "
+        "is above mask_hi; token_mis: mask tokens whose π_old/μ is outside [mask_lo, mask_hi]; icepop: weight "
+        "π_old/μ inside [mask_lo, mask_hi], 0 outside, nothing masked; seq_tis/seq_mis/geo_mis: sequence-level "
+        "weights or masks; decoupled: AReaL's π_prox/μ weight")
     tis_cap: float | None = Field(2.0, gt=0, description="truncation C of the weight (tis, seq_tis, decoupled); null = none")
-    mask_lo: float = Field(0.5, ge=0, description="lower bound of the kept ratio interval (icepop, seq_mis, geo_mis)")
+    mask_lo: float = Field(0.5, ge=0, description="lower bound of the kept ratio interval (token_mis, icepop, seq_mis, "
+                          "geo_mis)")
     mask_hi: float = Field(5.0, gt=0, description="upper bound of the kept ratio interval (masking modes)")
 
 
@@ -72,9 +75,17 @@ class LearnerConfig(PolicyLossConfig):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
                            "model (the initial weights); 0 = no reference model")
-    kl_estimator: KLEstimator = Field("k3", description="per-token KL estimator of that term")
+    kl_in_reward: bool = Field(False, description="put the KL term in the reward instead of the loss (verl's "
+                               "use_kl_in_reward with a fixed coefficient): each sample's reward minus kl_coef × "
+                               "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs "
+                               "kl_coef > 0")
+    kl_estimator: KLEstimator = Field("k3", description="per-token KL estimator of that term: k1 = log π − log π_ref, "
+                                      "k2 = ½(log π − log π_ref)², k3 = verl's low_var_kl (clamped to ±10), "
+                                      "abs = |log π − log π_ref|")
     entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
-    advantage: AdvantageEstimator = Field("grpo", description="advantage estimator over each group")
+    advantage: AdvantageEstimator = Field("grpo", description="advantage estimator: grpo, drgrpo, rloo (over each "
+                                          "group); reinforce_pp, reinforce_pp_baseline (whitened over the batch). gae "
+                                          "and vtrace need a critic, which the learner does not have yet")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
     micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one forward/backward: samples of "
                                     "similar length, (samples × the longest one's prompt + completion tokens) at most "
@@ -112,6 +123,20 @@ class LearnerConfig(PolicyLossConfig):
     tensorboard: bool = Field(True, description="write every step's scalars as TensorBoard event files to "
                               "run_dir/tensorboard")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
+
+    @field_validator("advantage", mode="before")
+    @classmethod
+    def _no_critic(cls, v):
+        if v in NEEDS_CRITIC:
+            raise ValueError(f"advantage {v!r} needs a critic (a value model), which the learner does not have yet; "
+                             f"valid: {', '.join(get_args(AdvantageEstimator))}")
+        return v
+
+    @model_validator(mode="after")
+    def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise ValueError("kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
+        return self
 
     @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:

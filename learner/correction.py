@@ -15,6 +15,7 @@ import torch
 from learner.config import CorrectionConfig, CorrectionMode
 
 CORRECTIONS = get_args(CorrectionMode)
+REJECTING = ("mis", "token_mis", "seq_mis", "geo_mis")  # the modes whose ``keep`` can drop a whole sequence
 
 
 def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
@@ -27,7 +28,8 @@ def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mas
       decoupled   w = ρ (min(ρ, C) when C is set): AReaL's π_prox/μ factor; with the PPO loss on
                   u = π_θ/π_prox this is decoupled PPO. The same weight as tis.
       mis         w = 1, tokens with ρ > hi masked
-      icepop      w = 1, tokens with ρ outside [lo, hi] masked           (two-sided token masking)
+      token_mis   w = 1, tokens with ρ outside [lo, hi] masked           (verl's token rejection, ``token_k1``)
+      icepop      w = ρ inside [lo, hi], 0 outside; nothing masked       (verl's token-level IcePop)
       seq_tis     w = min(exp(Σ_t log ρ_t), C) per sequence
       seq_mis     w = 1, sequences with exp(Σ log ρ) outside [lo, hi] masked
       geo_mis     w = 1, sequences with exp(mean log ρ) outside [lo, hi] masked
@@ -45,8 +47,10 @@ def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mas
         w = rho.clamp(max=cap) if cap is not None else rho
     elif mode == "mis":
         w, keep = ones, keep * (rho <= hi).float()
-    elif mode == "icepop":
+    elif mode == "token_mis":
         w, keep = ones, keep * ((rho >= lo) & (rho <= hi)).float()
+    elif mode == "icepop":  # out-of-band tokens weigh 0 but stay in the mask (and the token-mean denominator)
+        w = torch.where((rho >= lo) & (rho <= hi), rho, torch.zeros_like(rho))
     elif mode in ("seq_tis", "seq_mis", "geo_mis"):
         seq_log = log_rho.sum(-1)
         if mode == "geo_mis":

@@ -15,7 +15,8 @@ Each function names the verl ``core_algos.py`` function or paper it follows.
 Aggregation divides by :class:`Normalisers` fixed for the whole (mini)batch on every rank before
 its micro-batches run (verl's global batch info), so k micro-batches on n ranks accumulate exactly
 the gradient of one piece on one rank. Tokens masked by the correction (or outside the sampling
-transform's kept set) contribute 0 and still count in the normaliser (IcePop's formula).
+transform's kept set) contribute 0 and still count in the token normaliser; the seq-mean modes count
+only the sequences left with a kept token (verl ``agg_loss``).
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ class Normalisers:
     """The denominators of :func:`aggregate` for a whole (mini)batch across all ranks."""
 
     tokens: float     # loss tokens (token-mean)
-    sequences: float  # samples (the seq-mean modes)
+    sequences: float  # samples with at least one kept token (the seq-mean modes)
     length: float     # T of seq-mean-token-sum-norm: the padded length, L − 1 of the longest sample
     ranks: int = 1    # DeepSpeed averages gradients over ranks: each rank's share is multiplied by this
 
     @classmethod
-    def of(cls, mask: torch.Tensor) -> Normalisers:
-        """Those of ``mask`` alone: one whole batch in one piece on one rank."""
-        return cls(float(mask.sum()), float(mask.shape[0]), float(mask.shape[-1]))
+    def of(cls, mask: torch.Tensor, kept: torch.Tensor | None = None) -> Normalisers:
+        """Those of ``mask`` alone: one whole batch in one piece on one rank; ``kept`` (default: ``mask``)
+        marks the tokens left after the correction's masking, which decide the sequences that count."""
+        kept = mask if kept is None else kept
+        return cls(float(mask.sum()), float((kept.sum(-1) > 0).sum()), float(mask.shape[-1]))
 
     def one_rank(self) -> Normalisers:
         """For diagnostics: summed over ranks, not averaged by DeepSpeed."""
@@ -65,9 +68,10 @@ class Normalisers:
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
               norm: Normalisers | None = None) -> torch.Tensor:
     """token-mean: Σ ℓ / Σ mask; seq-mean-token-sum: mean over sequences of Σ_t ℓ;
-    seq-mean-token-mean: mean over sequences of mean_t ℓ; seq-mean-token-sum-norm: Σ ℓ / T
-    (T = the padded length, Dr.GRPO's constant normaliser). The sums run over this piece's tokens
-    (``mask``), the denominators are ``norm``'s (by default, those of ``mask``)."""
+    seq-mean-token-mean: mean over sequences of mean_t ℓ; seq-mean-token-sum-norm: mean over
+    sequences of Σ_t ℓ / T (T = the padded length, Dr.GRPO's constant normaliser). "Sequences" are
+    those with a kept token. The sums run over this piece's tokens (``mask``), the denominators are
+    ``norm``'s (by default, those of ``mask``)."""
     norm = norm or Normalisers.of(mask)
     seq_sum = (loss_mat * mask).sum(-1)
     if mode == "token-mean":
@@ -77,7 +81,7 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
     elif mode == "seq-mean-token-mean":
         total = (seq_sum / mask.sum(-1).clamp(min=1)).sum() / max(norm.sequences, 1.0)
     elif mode == "seq-mean-token-sum-norm":
-        total = seq_sum.sum() / max(norm.length, 1.0)
+        total = seq_sum.sum() / (max(norm.sequences, 1.0) * max(norm.length, 1.0))
     else:
         raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")
     return total * norm.ranks
@@ -88,16 +92,20 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(π || π_ref) from samples of π.
-    k1 = log π − log π_ref; k2 = ½(log π − log π_ref)²; k3 = π_ref/π − log(π_ref/π) − 1 (≥ 0,
-    unbiased, low variance)."""
+    """Per-token estimate of KL(π || π_ref) from samples of π (verl ``kl_penalty_forward``).
+    k1 = log π − log π_ref; abs = |k1|; k2 = ½(log π − log π_ref)²; k3 = π_ref/π − log(π_ref/π) − 1
+    (≥ 0, unbiased, low variance; verl's ``low_var_kl``), its log-ratio clamped to ±20 and the value
+    to at most 10 as verl does, so one token far from π_ref cannot dominate the loss."""
     d = logp - ref_logp
     if kind == "k1":
         return d
+    if kind == "abs":
+        return d.abs()
     if kind == "k2":
         return 0.5 * d ** 2
     if kind == "k3":
-        return torch.exp(-d) + d - 1
+        log_ratio = (-d).clamp(-20.0, 20.0)
+        return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_ESTIMATORS)}")
 
 
@@ -165,7 +173,7 @@ def policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLoss
     valid = mask if valid is None else valid * mask
     w, keep = importance_weights(old_logp, behaviour_logp, valid, cfg.correction)
     mat, clipped = policy_loss_mat(logp, old_logp, adv, cfg)
-    loss = aggregate(w * mat * keep, mask, cfg.aggregation, norm)
+    loss = aggregate(w * mat * keep, mask, cfg.aggregation, norm or Normalisers.of(mask, valid * keep))
     with torch.no_grad():
         m = valid.bool()
         rho = torch.exp(((old_logp - behaviour_logp) * valid).clamp(-20.0, 20.0))

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from broker.protocol.group import sampling_transform
-from learner.advantages import GROUP_ESTIMATORS
+from learner.advantages import batch_advantages
 from learner.config import LearnerConfig
+from learner.correction import REJECTING, importance_weights
 from learner.data import Batch, collate, micro_batches, trained_rewards
 from learner.diagnostics import EXTREMES, merge, summarise
 from learner.logprobs import TokenLogprobs, token_logprobs
@@ -48,7 +50,6 @@ class PolicyUpdate:
     def __init__(self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1):
         self.engine, self.cfg, self.pad_id, self.reference = engine, cfg, pad_id, reference
         self.rank, self.world = rank, world
-        self.advantage_fn = GROUP_ESTIMATORS[cfg.advantage]
         self.device = engine.device
         self.shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch split: the same on every rank
 
@@ -127,6 +128,21 @@ class PolicyUpdate:
                             self.cfg.logprob_chunk_tokens)
         self.engine.backward(lp.logp.sum() * 0.0)
 
+    def _counts_rejected_sequences(self) -> bool:
+        """The seq-mean modes leave out sequences the correction rejects whole: counting them before the
+        micro-batches run needs π_old first (one more forward without gradient)."""
+        return self.cfg.aggregation != "token-mean" and self.cfg.correction.mode in REJECTING
+
+    def _sequences(self, b: Batch, rows: torch.Tensor, old) -> float:
+        """The samples of ``rows`` (on every rank) left with a kept token: the seq-mean modes' denominator.
+        Without π_old (one update per batch, no rejecting correction): the samples with a loss token."""
+        if old is None:
+            return float((b.loss_mask[rows].sum(-1) > 0).sum())
+        mine = rows[b.groups[rows] % self.world == self.rank]
+        valid = b.loss_mask[mine] * ~old[1][mine]
+        _, keep = importance_weights(old[0][mine], b.behaviour_logp[mine], valid, self.cfg.correction)
+        return self._reduce({"sequences": float((keep.sum(-1) > 0).sum())})["sequences"]
+
     # -- one optimizer step ------------------------------------------------------------------------
 
     def _optimizer_step(self, b: Batch, rows: torch.Tensor, transform, old) -> dict:
@@ -135,8 +151,10 @@ class PolicyUpdate:
         owner = b.groups[rows] % self.world
         plans = [micro_batches(b.lengths, rows[owner == r], cfg.micro_batch_tokens) if bool((owner == r).any())
                  else [] for r in range(self.world)]
-        norm = Normalisers(float(b.loss_mask[rows].sum()), float(len(rows)), float(b.lengths[rows].max() - 1),
-                           ranks=self.world)
+        norm = Normalisers(float(b.loss_mask[rows].sum()), self._sequences(b, rows, old),
+                           float(b.lengths[rows].max() - 1), ranks=self.world)
+        # the entropy bonus and the KL term count every sample with a loss token, rejected or not
+        every = replace(norm, sequences=float((b.loss_mask[rows].sum(-1) > 0).sum()))
         sums, totals = NO_TOKENS, Counter()
         loss_finite = True
         for part in plans[self.rank]:
@@ -151,15 +169,15 @@ class PolicyUpdate:
                 outside = lp.outside | old[1][part, :width].to(self.device)
             valid = mask * ~outside
             loss, s = policy_loss_terms(lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid)
-            ent = aggregate(lp.entropy, mask, cfg.aggregation, norm)
+            ent = aggregate(lp.entropy, mask, cfg.aggregation, every)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent
-            if self.reference is not None:
+            if self.reference is not None and not cfg.kl_in_reward:
                 with torch.no_grad():
                     ref = self._logprobs(self.reference, mb, transform)
                 both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
                 kl = aggregate(kl_estimate(torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0),
-                                           cfg.kl_estimator), both.float(), cfg.aggregation, norm)
+                                           cfg.kl_estimator), both.float(), cfg.aggregation, every)
                 loss = loss + cfg.kl_coef * kl
                 totals["kl_ref"] += float(kl.detach()) / self.world
             loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
@@ -186,26 +204,72 @@ class PolicyUpdate:
         diag.update(loss=totals["loss"], entropy=totals["entropy"], micro_batches=sum(len(p) for p in plans),
                     tokens_outside_kept_set=int(totals["tokens_outside_kept_set"]),
                     padded_tokens=totals["padded_tokens"], forward_tokens=totals["forward_tokens"])
-        if self.reference is not None:
+        if self.reference is not None and not cfg.kl_in_reward:
             diag["kl_ref"] = totals["kl_ref"]
         diag["skipped"] = skipped
         return diag
+
+    # -- advantages ------------------------------------------------------------------------------
+
+    def _rewards(self, groups) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per group, the reward and the completion tokens of each sample trained on."""
+        rewards, tokens = [], []
+        for g in groups:
+            trained = trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)
+            kept = [(r, len(s.completion_ids)) for s, r in zip(g.samples, trained) if r is not None]
+            rewards.append(torch.tensor([r for r, _ in kept], dtype=torch.float32))
+            tokens.append(torch.tensor([n for _, n in kept]))
+        return rewards, tokens
+
+    def advantages(self, groups) -> list[torch.Tensor]:
+        """Per group, the advantage of each sample trained on (``learner.advantage`` over the batch), the
+        reward without a KL term."""
+        return batch_advantages(self.cfg.advantage, *self._rewards(groups))
+
+    def _kl_in_reward(self) -> bool:
+        return self.cfg.kl_in_reward and self.reference is not None
+
+    def _sequence_kl(self, b: Batch, old, transform) -> tuple[torch.Tensor, float]:
+        """Per sample [B] (every rank's), Σ_t of the KL estimate between π_old and π_ref over the tokens
+        where both are defined (verl ``apply_kl_penalty``'s kld, summed as the outcome estimators sum the
+        token rewards), and those tokens' count."""
+        kl, tokens = torch.zeros(len(b.lengths), dtype=torch.float64), 0.0
+        mine = torch.arange(len(b.lengths))[b.groups % self.world == self.rank]
+        with torch.no_grad():
+            for part in micro_batches(b.lengths, mine, self.cfg.micro_batch_tokens):
+                mb = b.select(part)
+                width = mb.loss_mask.shape[1]
+                ref = self._logprobs(self.reference, mb.to(self.device), transform)
+                both = mb.loss_mask.bool() & ~old[1][part, :width] & ~ref.outside.cpu()
+                est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.kl_estimator)
+                kl[part] = torch.where(both, est, 0.0).sum(-1).double()
+                tokens += float(both.sum())
+        if self.world > 1:
+            t = torch.cat([kl, torch.tensor([tokens], dtype=torch.float64)]).to(self.device)
+            dist.all_reduce(t)  # each sample is summed on the one rank that trains it
+            kl, tokens = t[:-1].cpu(), float(t[-1])
+        return kl, tokens
 
     def train_step(self, groups, sampling: dict, version: int) -> dict:
         """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch (every rank gets all of it and
         trains its share). π_old is the policy at the start of the step (recomputed once when there is
         more than one update)."""
-        advs = []
-        for g in groups:
-            kept = [r for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score) if r is not None]
-            advs.append(self.advantage_fn(torch.tensor(kept, dtype=torch.float32)))
-        b = collate(groups, advs, version, self.pad_id, self.cfg.failed_reward, self.cfg.fallback_score)
+        rewards, tokens = self._rewards(groups)
+        b = collate(groups, [torch.zeros(len(r)) for r in rewards], version, self.pad_id, self.cfg.failed_reward,
+                    self.cfg.fallback_score)  # its advantages are set below, once π_old is known
         transform = sampling_transform(sampling)
         t0 = time.perf_counter()
         self.engine.train()
         n = len(b.lengths)
         multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
-        old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) if multi else None
+        old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) \
+            if multi or self._counts_rejected_sequences() or self._kl_in_reward() else None
+        kl_ref = None
+        if self._kl_in_reward():  # verl's use_kl_in_reward: r − β Σ_t kl(π_old, π_ref), then the estimator
+            kl, kl_tokens = self._sequence_kl(b, old, transform)
+            kl_ref = float(kl.sum()) / max(kl_tokens, 1.0)
+            rewards = [r - self.cfg.kl_coef * k.float() for r, k in zip(rewards, kl.split([len(r) for r in rewards]))]
+        b.advantages = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))[:, None].to(b.advantages.dtype)
         steps = []
         for _ in range(self.cfg.ppo_epochs):
             split = torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches) if multi \
@@ -227,4 +291,6 @@ class PolicyUpdate:
         diag.update(updates_skipped=sum(s is not None for s in skipped), optimizer_steps=len(steps))
         if diag["updates_skipped"]:
             diag["skip_reason"] = next(s for s in skipped if s)
+        if kl_ref is not None:
+            diag["kl_ref"] = kl_ref  # the mean per-token estimate of KL(π_old || π_ref) that went into the rewards
         return diag

@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 
 # (aggregation, policy loss, correction mode, minibatches): every aggregation × policy loss, plus the
-# masking correction and two optimizer steps per batch
+# weighting (icepop) and masking (token_mis) corrections and two optimizer steps per batch
 CASES = [(agg, pol, "tis", 1) for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                           "seq-mean-token-sum-norm") for pol in ("ppo", "cispo", "reinforce")]
-CASES += [("token-mean", "ppo", "icepop", 2), ("seq-mean-token-mean", "cispo", "icepop", 2)]
+CASES += [("token-mean", "ppo", "icepop", 2), ("seq-mean-token-mean", "cispo", "token_mis", 2)]
 LR = 0.1
 SAMPLING = {"temperature": 0.9, "top_k": 10, "top_p": 0.95}
 

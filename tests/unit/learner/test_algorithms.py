@@ -140,8 +140,10 @@ def test_masking_modes_drop_what_is_outside_the_interval():
     old = torch.log(torch.tensor([[1.0, 1.0, 1.0, 1.0]]))
     mu = torch.log(torch.tensor([[1.0, 0.1, 4.0, 0.25]]))  # ρ = 1, 10, 0.25, 4
     mask = torch.ones(1, 4)
-    _, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="icepop", mask_lo=0.5, mask_hi=5.0))
+    _, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="token_mis", mask_lo=0.5, mask_hi=5.0))
     assert keep.tolist() == [[1.0, 0.0, 0.0, 1.0]]
+    w, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="icepop", mask_lo=0.5, mask_hi=5.0))
+    assert keep.tolist() == [[1.0, 1.0, 1.0, 1.0]] and torch.allclose(w, torch.tensor([[1.0, 0.0, 0.0, 4.0]]))
     _, keep = importance_weights(old, mu, mask, CorrectionConfig(mode="mis", mask_hi=5.0))
     assert keep.tolist() == [[1.0, 0.0, 1.0, 1.0]]
     # geometric mean of ρ: (1·10·0.25·4)^(1/4) = 10^(1/4) ≈ 1.78 -> kept; sequence product 10 -> masked
@@ -183,7 +185,8 @@ def test_grpo_matches_verl_compute_grpo_outcome_advantage():
 def test_reinforce_pp_matches_verl():
     """verl compute_reinforce_plus_plus_outcome_advantage (γ = 1: the return at every token is the
     sequence reward) and ..._baseline_outcome_advantage (group mean subtracted first), each
-    whitened over the batch's tokens with masked_whiten (unbiased variance, eps 1e-8)."""
+    whitened over the batch's tokens with masked_whiten (unbiased variance, eps 1e-8); Relay's
+    per-sample value is the (constant) per-token one."""
     g = torch.Generator().manual_seed(5)
     r = torch.rand(6, generator=g)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]],
@@ -196,12 +199,13 @@ def test_reinforce_pp_matches_verl():
         return (x - m) / math.sqrt(var + 1e-8) * mask
 
     want = whiten(r[:, None] * mask)
-    assert torch.allclose(adv.reinforce_pp(r, mask), want, atol=1e-6)
+    n = mask.sum(-1)
+    assert torch.allclose(adv.reinforce_pp(r, n)[:, None] * mask, want, atol=1e-6)
     idx = torch.tensor([0, 0, 0, 1, 1, 1])
     rb = r.clone()
     for k in (0, 1):
         rb[idx == k] -= r[idx == k].mean()
-    assert torch.allclose(adv.reinforce_pp(r, mask, idx), whiten(rb[:, None] * mask), atol=1e-6)
+    assert torch.allclose(adv.reinforce_pp(r, n, idx)[:, None] * mask, whiten(rb[:, None] * mask), atol=1e-6)
 
 
 def test_gae_matches_verl_recursion():
@@ -295,7 +299,7 @@ def test_aggregation_modes_match_verl_agg_loss():
         "token-mean": (x * m).sum() / m.sum(),
         "seq-mean-token-sum": (x * m).sum(-1).mean(),
         "seq-mean-token-mean": ((x * m).sum(-1) / m.sum(-1)).mean(),
-        "seq-mean-token-sum-norm": (x * m).sum() / 4,
+        "seq-mean-token-sum-norm": (x * m).sum(-1).mean() / 4,
     }
     assert set(want) == set(AGGREGATIONS)
     for mode, w in want.items():

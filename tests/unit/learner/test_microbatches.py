@@ -45,7 +45,7 @@ def test_diagnostic_sums_of_pieces_equal_those_of_the_whole():
     mu = logp + torch.randn(6, 5, generator=g, dtype=torch.float64) * 0.7
     adv = torch.randn(6, 1, generator=g, dtype=torch.float64)
     mask = (torch.rand(6, 5, generator=g) > 0.2).double()
-    cfg = PolicyLossConfig(correction=CorrectionConfig(mode="icepop"))
+    cfg = PolicyLossConfig(correction=CorrectionConfig(mode="token_mis"))
     _, whole = policy_loss_terms(logp, logp, mu, adv, mask, cfg)
     parts = [policy_loss_terms(logp[r], logp[r], mu[r], adv[r], mask[r], cfg, Normalisers.of(mask))[1]
              for r in (torch.tensor([0, 1]), torch.tensor([2, 3, 4, 5]))]
