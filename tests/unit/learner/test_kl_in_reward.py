@@ -34,6 +34,9 @@ class PlainEngine(torch.nn.Module):
         self.opt.step()
         self.opt.zero_grad()
 
+    def zero_optimization_stage(self):
+        return 0
+
 
 def _model(seed):
     from transformers import Qwen2Config, Qwen2ForCausalLM
