@@ -35,10 +35,12 @@ def run(out: Path, stage: int, poison: bool) -> tuple[str, dict | None]:
     update.train_step(groups[:2], groups[0].sampling, 1)
     skipped = None
     if poison:
-        real = update.advantage_fn
-        update.advantage_fn = lambda r: torch.full_like(r, float("nan"))
+        import learner.update as update_module
+
+        real = update_module.batch_advantages
+        update_module.batch_advantages = lambda *a: [torch.full_like(x, float("nan")) for x in real(*a)]
         skipped = update.train_step(groups[2:4], groups[0].sampling, 1)
-        update.advantage_fn = real
+        update_module.batch_advantages = real
     update.train_step(groups[4:6], groups[0].sampling, 1)
     h = hashlib.sha256()
     params = dict(engine.module.named_parameters())
