@@ -124,7 +124,22 @@ class Stack:
         _, self.redis_url = start_redis(self.procs, self.dir, free_port())
         return self.redis_url
 
+    @property
+    def announce_key_file(self) -> str:
+        """The announcement key the stack's learner signs with and its broker and generators check."""
+        from broker.protocol.signing import write_key_file
+
+        return str(write_key_file(self.dir / "announce.key"))
+
+    @property
+    def announce_key(self) -> bytes:
+        from broker.protocol.signing import read_key_file
+
+        return read_key_file(self.announce_key_file)
+
     def service(self, name: str, service: str, cfg: dict):
+        if service in ("broker", "learner", "generator"):
+            cfg = {"announce_key_file": self.announce_key_file, **cfg}
         path = self.dir / f"{name}.json"
         path.write_text(json.dumps(cfg))
         return self.procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)],

@@ -42,8 +42,10 @@ LATEST_TTL_S = 0.1
 class Ingest:
     """Validates and appends groups; counts every outcome (Redis ``stats:broker`` and Prometheus)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry):
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
+                 announce_key: bytes | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
+        self.announce_key = announce_key  # a forged announcement's version never drives version_ahead
         self._latest_version: int | None = None  # cached; see _version_ahead
         self._latest_read_at = float("-inf")
         self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
@@ -69,7 +71,7 @@ class Ingest:
         pipe.execute()
 
     def _read_latest(self) -> int | None:
-        latest = latest_announcement(self.r, self.keys)
+        latest = latest_announcement(self.r, self.keys, self.announce_key)
         self._latest_version = None if latest is None else latest.version
         self._latest_read_at = time.monotonic()
         return self._latest_version

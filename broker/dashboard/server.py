@@ -46,8 +46,9 @@ class Dashboard:
     """State, histories and the event stream of one run, for the broker's HTTP server."""
 
     def __init__(self, r: redis.Redis, keys: Keys, stop: threading.Event, dead_after_s: float = 10.0,
-                 push_s: float = 1.0, sample_s: float = 1.0):
+                 push_s: float = 1.0, sample_s: float = 1.0, announce_key: bytes | None = None):
         self.r, self.keys, self.stop = r, keys, stop
+        self.announce_key = announce_key
         self.dead_after_s, self.push_s = dead_after_s, push_s
         self.throughput = Throughput(r, keys, every_s=sample_s)
         self.eval_history = EvalHistory(r, keys)
@@ -56,7 +57,7 @@ class Dashboard:
         self.throughput.start(self.stop)
 
     def state(self) -> dict:
-        st = build_state(self.r, self.keys, self.dead_after_s, self.throughput.rates())
+        st = build_state(self.r, self.keys, self.dead_after_s, self.throughput.rates(), announce_key=self.announce_key)
         st["eval"] = self.eval_history.rounds()  # evaluation rounds so far (broker/prompts/evals.py)
         return st
 

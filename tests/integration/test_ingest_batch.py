@@ -13,7 +13,7 @@ from broker.protocol.group import encode_group
 from broker.protocol.messages import Announcement
 from broker.config import BrokerConfig
 from broker.service import Broker
-from tests.support.services import start_broker
+from tests.support.services import announce_key, announce_key_file, start_broker
 from tests.support.data import make_group
 
 
@@ -21,12 +21,13 @@ def _group(gid: str, **kw) -> bytes:
     return encode_group(make_group(group_id=gid, **kw))  # its newest token version is 4
 
 
-def _broker(redis_url: str, **extra) -> Broker:
-    return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, **extra))
+def _broker(redis_url: str, tmp_path, **extra) -> Broker:
+    return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0,
+                               announce_key_file=str(announce_key_file(tmp_path)), **extra))
 
 
-def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_url):
-    b = _broker(redis_url, max_queue_groups=3)
+def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_url, tmp_path):
+    b = _broker(redis_url, tmp_path, max_queue_groups=3)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
     bad = msgpack.unpackb(_group("neg"), raw=False)
     bad["samples"][0]["logprobs"]["data"] = b"\x00\x00\x80\x3f" * 3  # +1.0: not a log-prob
@@ -54,16 +55,17 @@ def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_ur
     assert r.xlen(keys.trajectories) == 5
 
 
-def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url):
-    b = _broker(redis_url)
+def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url, tmp_path):
+    b = _broker(redis_url, tmp_path)
+    key = announce_key(tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
     assert b.ingest.handle(_group("before")).status == "ok"  # nothing announced: not checked
-    announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"))
+    announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"), key)
     b.ingest._read_latest()  # the broker has cached version 2
-    announce(r, keys, Announcement(version=4, hash="ab" * 32, path="/x"))
+    announce(r, keys, Announcement(version=4, hash="ab" * 32, path="/x"), key)
     # within the cache's lifetime, version 4 is ahead of the cached 2: a fresh read, not a rejection
     assert b.ingest.handle(_group("v4")).status == "ok"
-    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"))
+    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"), key)
     b.ingest._read_latest()
     ack = b.ingest.handle(_group("v4-again"))
     assert ack.status == "rejected" and ack.reason == "version_ahead"

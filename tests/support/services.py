@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from broker.protocol.signing import read_key_file, write_key_file
 from deploy.launcher.procs import Child, ProcessGroup, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,22 @@ def child_env() -> dict:
     return env
 
 
+def announce_key_file(tmp_path: Path) -> Path:
+    """The announcement key of the services a test starts (made on first use, one per test)."""
+    return write_key_file(tmp_path / "announce.key")
+
+
+def announce_key(tmp_path: Path) -> bytes:
+    """That key, for a test that publishes (``Publisher``, ``announce``) to the services it started."""
+    return read_key_file(announce_key_file(tmp_path))
+
+
 def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_path: Path):
+    """``relay <service>`` with ``cfg``; the broker, learner and generators share the test's announcement
+    key (:func:`announce_key_file`) unless ``cfg`` says otherwise."""
+    if service in ("broker", "learner", "generator") and "announce_key_file" not in cfg \
+            and cfg.get("announce_auth", "hmac") == "hmac":
+        cfg = {**cfg, "announce_key_file": str(announce_key_file(tmp_path))}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),
