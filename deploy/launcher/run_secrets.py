@@ -4,7 +4,7 @@ read back by ``relay up --resume``:
     secrets/announce.key          the announcement key (learner signs, generators and broker verify)
     secrets/redis/<user>.password one password per Redis user (broker, learner, generator, launcher)
     secrets/redis/users.acl       the embedded redis-server's ACL file (``--aclfile``): those users,
-                                  passwords as SHA-256, the ``default`` user off
+                                  passwords as SHA-256, no way to log in as ``default``
 
 Each Redis user may touch only the run's keys and pub/sub channels (``relay:<run id>:*``) and no
 command of the ``@dangerous`` category (FLUSHALL, FLUSHDB, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL,
@@ -106,7 +106,11 @@ class RedisUsers:
         return f"redis://{user}:{self.passwords[user]}@127.0.0.1:{port}/0"
 
     def acl_text(self) -> str:
-        lines = ["user default off resetkeys resetchannels -@all"]
+        # `default` with no password at all (resetpass: not even nopass) cannot be logged in as, so a client
+        # without credentials gets NOAUTH for everything. It keeps its rights because Redis (before 8.x)
+        # replays the append-only file's MULTI/EXEC blocks as `default` and re-checks them against its ACL:
+        # `default off` or `-@all` silently drops those transactions when a run is resumed (redis/redis#14541)
+        lines = ["user default on resetpass ~* &* +@all"]
         lines += [acl_rules(self.run_id, u, self.passwords[u]) for u in USERS]
         return "\n".join(lines) + "\n"
 

@@ -35,6 +35,7 @@ def test_secrets_are_private_files(acl_redis, tmp_path):
     users, _ = acl_redis
     acl = (folder / "users.acl").read_text()
     assert all(p not in acl for p in users.passwords.values())  # the ACL file holds hashes only
+    assert "user default on resetpass" in acl  # nobody can log in as default (it replays the AOF)
     assert RedisUsers.read(tmp_path, RUN).passwords == users.passwords  # what --resume reads back
 
 
@@ -80,3 +81,26 @@ def test_run_redis_url_gives_the_launchers_credentials(tmp_path):
     (tmp_path / "config" / "broker.json").write_text(
         '{"run_id": "acl", "redis_url": "redis://broker:***@127.0.0.1:6399/0"}')
     assert run_redis_url(tmp_path) == users.url("launcher", 6399)
+
+
+def test_a_restarted_redis_replays_every_transaction_of_its_append_only_file(tmp_path):
+    """`relay up --resume`: the run's Redis comes back from its AOF, transactions included (Redis 7
+    replays them as `default`, checked against the ACL file)."""
+    from deploy.launcher.procs import ProcessGroup
+
+    users = RedisUsers.new(RUN)
+    acl = users.write(tmp_path)
+    port = free_port()
+    for part in range(2):
+        procs = ProcessGroup(tmp_path / f"logs{part}")
+        try:
+            start_redis(procs, tmp_path, port, aof="always", acl_file=acl)
+            learner = _client(users.url("learner", port))
+            if part == 0:
+                with learner.pipeline(transaction=True) as pipe:
+                    pipe.set(f"relay:{RUN}:latest", b"v1").hset(f"relay:{RUN}:versions", "1", b"v1").execute()
+            else:
+                assert learner.get(f"relay:{RUN}:latest") == b"v1"
+                assert learner.hget(f"relay:{RUN}:versions", "1") == b"v1"
+        finally:
+            procs.stop()
