@@ -83,7 +83,8 @@ def newest_signed(r: redis.Redis, keys: Keys, key: bytes) -> Announcement | None
     return best
 
 
-def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int], key: bytes | None = None) -> dict[int, str | None]:
+def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int],
+                     key: bytes | None = None) -> dict[int, str | None]:
     """The hash announced for each of ``versions`` (None when that version was never announced,
     or, with ``key``, when its entry is not signed by that key or cannot be read)."""
     versions = sorted(set(versions))

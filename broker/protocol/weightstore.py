@@ -7,9 +7,10 @@ Layout of ``<root>/v000012/`` (Hugging Face layout plus a manifest):
 other file. A reader trusts nothing beyond the manifest (:func:`verify`): each name is a plain file
 name of the version folder (no ``/``, no ``..``), no entry of the folder is a symbolic link, a folder
 holding anything the manifest does not list (an extra ``.safetensors``) is refused, and so is an
-empty manifest; with the store's root given, the version folder itself must be one of the root's. The version's *hash* is the sha256 of the manifest's canonical JSON (sorted keys, no
-spaces). A snapshot is written under a temporary name and renamed when complete, and is announced
-only after the rename, so a reader never sees a half-written version.
+empty manifest; with the store's root given, the version folder itself must be one of the root's.
+The version's *hash* is the sha256 of the manifest's canonical JSON (sorted keys, no spaces). A
+snapshot is written under a temporary name and renamed when complete, and is announced only after
+the rename, so a reader never sees a half-written version.
 
 No torch here: the learner writes the files, this module seals, verifies and prunes them.
 """

@@ -67,7 +67,8 @@ def acl_rules(run_id: str, user: str, password: str) -> str:
     digest = hashlib.sha256(password.encode()).hexdigest()
     prefix = f"relay:{run_id}:*"
     extra = f" {EXTRA[user]}" if user in EXTRA else ""
-    return f"user {user} on #{digest} resetkeys ~{prefix} resetchannels &{prefix} -@all {COMMANDS[user]} -@dangerous{extra}"
+    return (f"user {user} on #{digest} resetkeys ~{prefix} resetchannels &{prefix} "
+            f"-@all {COMMANDS[user]} -@dangerous{extra}")
 
 
 def run_redis_url(run_dir: Path, user: str = LAUNCHER_USER) -> str:

@@ -162,7 +162,8 @@ def plan(args, environ: dict | None = None) -> dict:
             base = deep_merge(base, layer)
         return base
 
-    broker = section("broker", {**common, "redis_url": redis_url("broker"), "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
+    broker = section("broker", {**common, "redis_url": redis_url("broker"),
+                                "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
                                 "task": {"name": args.task, "seed": args.seed}})
     reward = section("reward", {"port": free_port()})
     # the generators reach the broker and the reward service where they are, overrides included
@@ -171,7 +172,8 @@ def plan(args, environ: dict | None = None) -> dict:
     learner = section("learner", {**common, "redis_url": redis_url("learner"), "run_dir": str(run_dir / "learner"),
                                   "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed})
     generator = section("generator", {**common, "redis_url": redis_url("generator"), "broker_address": ingest,
-                                      "weight_store": learner.get("weight_store", ""), "backend": {"type": args.backend},
+                                      "weight_store": learner.get("weight_store", ""),
+                                      "backend": {"type": args.backend},
                                       "reward_url": reward_url, "seed": args.seed})
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
         learner.setdefault("tiny_vllm_compatible", True)
