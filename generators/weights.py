@@ -49,7 +49,8 @@ class WeightApplier:
         self.report, self.stopped = report, stopped
         self.version: int | None = None  # the version served (None before the first load)
         self.hash = ""
-        self.refused: dict[str, str] = {}  # hash -> reason, so a bad snapshot is not retried forever
+        self.refused: dict[str, str] = {}  # hash -> reason: snapshots refused and forged announcements (shown)
+        self.bad: set[str] = set()  # hashes of snapshots that failed verification: never retried
         self.updates = 0
         self.refused_updates = 0
         self.last_update_latency_s: float | None = None
@@ -63,7 +64,7 @@ class WeightApplier:
                 break
             self.report("waiting_for_weights", True)
             time.sleep(0.2)
-        while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.refused:
+        while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
                 weightstore.verify(a.path, a.hash, self.store)
@@ -102,7 +103,7 @@ class WeightApplier:
             if (a.hash, a.sig) not in self._forged_seen:
                 self._forged_seen.add((a.hash, a.sig))
                 self.forged_announcements += 1
-                self.refused[a.hash] = e.reason
+                self.refused[a.hash] = e.reason  # shown only: a signed announcement of that hash still loads
                 log.error("ignored a forged weight announcement (%s): version %d, hash %s, path %s; still serving "
                           "version %s", e.reason, a.version, a.hash[:12], a.path, self.version)
                 emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=a.version,
@@ -112,6 +113,7 @@ class WeightApplier:
     def _refuse(self, a, e: Exception) -> None:
         reason = getattr(e, "reason", type(e).__name__)
         self.refused[a.hash] = reason
+        self.bad.add(a.hash)
         self.refused_updates += 1
         log.error("refused weight version %d (%s): %s; still serving version %s", a.version, reason, e, self.version)
         emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=a.version, reason=reason)

@@ -126,3 +126,43 @@ def test_a_service_without_its_key_file_does_not_start(procs, redis_url, tmp_pat
                                                     "announce_key_file": str(tmp_path / "missing.key")}, tmp_path)
     assert gen.proc.wait(60) == 2
     assert "cannot read the announcement key" in gen.tail()
+
+
+class _Backend:
+    name = "stub"
+
+    def __init__(self):
+        self.loaded = []
+
+    def load(self, path):
+        self.loaded.append(path)
+
+    update_weights = load
+
+
+def test_a_forgery_that_copies_a_real_hash_neither_loads_nor_blocks_the_real_version(redis_url, tmp_path):
+    """The attacker replays the hash the learner announced, with a folder of their own: the generator loads
+    the learner's folder, and still loads that hash when the learner's signed announcement stands."""
+    from generators.weights import WeightApplier
+    from tests.support.data import snapshot
+
+    r, keys, key = redis.Redis.from_url(redis_url), Keys("copy"), announce_key(tmp_path)
+    store = tmp_path / "store"
+    p1, h1 = snapshot(store, 1)
+    announce(r, keys, Announcement(1, h1, str(p1)), key)
+    backend = _Backend()
+    w = WeightApplier(r, keys, backend, "g", announce_key=key, store=str(store))
+    w.update(block=True)
+    p2, h2 = snapshot(store, 2, b"v2 weights")
+    real = signing.signed(key, "copy", Announcement(2, h2, str(p2)))
+    r.hset(keys.versions, "2", encode_announcement(real))  # the learner's record of version 2...
+    evil_path, _ = snapshot(tmp_path / "evil", 2, b"v2 weights")
+    r.set(keys.latest, encode_announcement(Announcement(2, h2, str(evil_path))))  # ...the attacker's latest, same hash
+    w.update()
+    assert w.version == 2 and backend.loaded == [str(p1), str(p2)] and w.forged_announcements == 1
+    assert w.refused == {h2: "unsigned"} and w.refused_updates == 0
+    # a version outside the store, even signed (a stolen key), is refused as a bad snapshot
+    p3, h3 = snapshot(tmp_path / "elsewhere", 3)
+    announce(r, keys, Announcement(3, h3, str(p3)), key)
+    w.update()
+    assert w.version == 2 and w.refused[h3] == "outside_store" and w.refused_updates == 1
