@@ -1,7 +1,7 @@
 """``relay up``: the whole stack on one machine as child processes.
 
-Starts an embedded ``redis-server`` (or uses ``--redis-url``; the embedded one with a password per
-service and the ``default`` user off, deploy/launcher/run_secrets.py), the broker, the reward service,
+Starts an embedded ``redis-server`` (or uses ``--redis-url``; the embedded one with a user and password
+per service and no way in without one, deploy/launcher/run_secrets.py), the broker, the reward service,
 N generators and the learner; shows live progress; writes ``runs/<run-id>/`` (per-service logs,
 configs, metrics, ``summary.json``, Redis's append-only file) and points ``runs/latest`` at it. A
 service that dies before the run is finished is restarted (deploy/launcher/supervisor.py). The
@@ -219,6 +219,7 @@ def run_up(args) -> int:
         print(f"relay up: note: {note}")
     from broker.client.connection import connect_redis
     from broker.client.telemetry import read_heartbeats, read_stats
+    from broker.protocol.signing import announce_key
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
     from broker.prompts.evals import EvalHistory
@@ -227,7 +228,6 @@ def run_up(args) -> int:
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
     from deploy.launcher.run_secrets import write_announce_key
-    from broker.protocol.signing import announce_key
     from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
