@@ -135,9 +135,25 @@ class Stack:
             self._ingest_keys = {**paths, "producer": paths["generators"]["producer"]}
         return self._ingest_keys
 
+    @property
+    def announce_key_file(self) -> str:
+        """The announcement key the stack's learner signs with and its broker and generators check."""
+        from broker.protocol.signing import write_key_file
+
+        return str(write_key_file(self.dir / "announce.key"))
+
+    @property
+    def announce_key(self) -> bytes:
+        from broker.protocol.signing import read_key_file
+
+        return read_key_file(self.announce_key_file)
+
     def service(self, name: str, service: str, cfg: dict):
         """Start ``relay <service>``; a broker or a generator gets the stack's CURVE keys (ingest_keys)
-        unless ``cfg`` sets ingest_auth: the benchmarks measure the authenticated ingest a run uses."""
+        unless ``cfg`` sets ingest_auth: the benchmarks measure the authenticated ingest a run uses; the
+        broker, the learner and the generators get the stack's announcement key."""
+        if service in ("broker", "learner", "generator"):
+            cfg = {"announce_key_file": self.announce_key_file, **cfg}
         if service in ("broker", "generator") and "ingest_auth" not in cfg:
             k = self.ingest_keys()
             cfg = {**({"ingest_key_file": k["broker_key_file"], "ingest_clients_file": k["clients_file"]}

@@ -79,7 +79,8 @@ def measure(kind: str, quick: bool) -> dict:
                                                "http_port": 0, "max_queue_groups": 10**9,
                                                "task": {"name": "copy", "seed": 0}})
             stack.service("reward", "reward", {"port": reward_port})
-            Publisher(r, keys, str(Path(tmp) / "weights"), AutoTokenizer.from_pretrained(base), 3).publish(
+            Publisher(r, keys, str(Path(tmp) / "weights"), AutoTokenizer.from_pretrained(base), 3,
+                      stack.announce_key).publish(
                 *(lambda m: (m, m.state_dict()))(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)), 0)
             gen = stack.service("gen-0", "generator", {
                 "id": "gen-0", "run_id": "bench", "redis_url": url, "broker_address": ingest,

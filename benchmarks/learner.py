@@ -81,7 +81,8 @@ def run(quick: bool) -> list[dict]:
     steps, warmup = (3, 1) if quick else (30, 3)
     with tempfile.TemporaryDirectory(prefix="relay-bench-learner-") as tmp, Stack(Path(tmp)) as stack:
         cfg = LearnerConfig(run_id="bench", redis_url=stack.redis(), run_dir=str(Path(tmp) / "learner"),
-                            weight_store=str(Path(tmp) / "weights"), batch_groups=batch_groups, checkpoint_every=0)
+                            weight_store=str(Path(tmp) / "weights"), batch_groups=batch_groups, checkpoint_every=0,
+                            announce_key_file=stack.announce_key_file)
         learner = Learner(cfg)
         groups = make_groups(batch_groups, n, max_tokens)
         sampling = groups[0].sampling

@@ -22,6 +22,7 @@ import redis
 from broker.client import queues
 from broker.client.telemetry import read_stats
 from broker.protocol.keys import Keys
+from deploy.launcher.run_secrets import run_redis_url
 
 
 def rss_mb(pid: int) -> float:
@@ -47,7 +48,7 @@ def main() -> None:
     while not (run / "pids.json").is_file():
         time.sleep(0.5)
     pids = json.loads((run / "pids.json").read_text())
-    url = json.loads((run / "config" / "learner.json").read_text())["redis_url"]
+    url = run_redis_url(run)  # the launcher's Redis user: reads the run's keys and INFO
     r = redis.Redis.from_url(url)
     keys = Keys("soak")
     rows, t0 = [], time.monotonic()

@@ -61,7 +61,8 @@ def measure(kind: str, quick: bool) -> dict:
         url = stack.redis()
         r = redis.Redis.from_url(url)
         queues.ensure_groups(r, keys)  # no prompts: the generators idle
-        pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=3)
+        pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=3,
+                        announce_key=stack.announce_key)
         pub.publish(model, model.state_dict(), 0)
         gens = [stack.service(f"gen-{i}", "generator", {
             "id": f"gen-{i}", "run_id": "bench", "redis_url": url, "broker_address": f"tcp://127.0.0.1:{free_port()}",

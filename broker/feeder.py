@@ -24,8 +24,10 @@ FEED_EVERY_S = 0.1
 
 
 class PromptFeeder:
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry):
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
+                 announce_key: bytes | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
+        self.announce_key = announce_key  # the tokenizer comes from a verified announcement's folder only
         self._next_feed = 0.0
         # the prompt source: the built-in task, or a dataset (its rows read now, so a bad path or
         # field mapping stops the broker at start; its tokenizer once the weights are announced, or
@@ -44,7 +46,7 @@ class PromptFeeder:
     def _tokenizer(self, path: str):
         """The dataset's tokenizer: the configured folder, else the announced weights' (None until announced)."""
         if not path:
-            latest = latest_announcement(self.r, self.keys)
+            latest = latest_announcement(self.r, self.keys, self.announce_key)
             if latest is None:
                 return None
             path = latest.path

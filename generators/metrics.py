@@ -50,6 +50,9 @@ class GeneratorCollector(Collector):
         upd.add_metric(["applied"], w.updates)
         upd.add_metric(["refused"], w.refused_updates)
         yield upd
+        yield CounterMetricFamily("relay_generator_forged_announcements", "announcements ignored: their signature "
+                                  "is missing or wrong (written into Redis by someone without the run's key)",
+                                  value=w.forged_announcements)
         lat = GaugeMetricFamily("relay_generator_last_update_latency_seconds",
                                 "publish -> apply latency of the last weight update")
         if w.last_update_latency_s is not None:

@@ -23,6 +23,7 @@ from broker.client.connection import connect_redis
 from broker.client.telemetry import heartbeat
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat, PromptEntry
+from broker.protocol.signing import announce_key
 from generators.config import GeneratorConfig
 from generators.eval import Evaluator
 from generators.metrics import serve_metrics
@@ -39,6 +40,7 @@ class Generator:
         self.cfg = cfg
         self.keys = Keys(cfg.run_id)
         curve = sender_keys(cfg)  # before the backend loads its model: a missing key file fails at once
+        key = announce_key(cfg.announce_auth, cfg.announce_key_file)  # a bad key file fails here, first
         self.r = connect_redis(cfg.redis_url)
         self.backend = cfg.backend.build()
         self.state = "starting"
@@ -47,7 +49,8 @@ class Generator:
         self.tokens_per_s = 0.0
         self._last_hb = 0.0
         self._batch = 0
-        self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set)
+        self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
+                                     key, cfg.weight_store)
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
                          curve)
@@ -84,6 +87,7 @@ class Generator:
             tokens_per_s=round(self.tokens_per_s, 1), refused=dict(list(w.refused.items())[-3:]),
             metrics_port=self.metrics.port, groups_sent=sink.groups_sent, groups_rejected=sink.groups_rejected,
             tokens=self.tokens, updates=w.updates, refused_updates=w.refused_updates,
+            forged_announcements=w.forged_announcements,
             reward_failures=sink.reward_failures, reward_failures_by_plugin=dict(sink.reward_failures_by_plugin),
             last_update_latency_s=w.last_update_latency_s))
 

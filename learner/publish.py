@@ -36,8 +36,9 @@ def first_version(latest_announced: int | None, store: str | Path) -> int:
 
 
 class Publisher:
-    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int):
+    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
+        self.announce_key = announce_key  # signs each announcement (None: unsigned, announce_auth insecure)
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
@@ -62,7 +63,7 @@ class Publisher:
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
         path, digest = weightstore.seal(self.store, version, staging)
         a = Announcement(version=version, hash=digest, path=str(path))
-        announce(self.r, self.keys, a)
+        announce(self.r, self.keys, a, self.announce_key)
         advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
         emit_event(self.r, self.keys, "published", version=version, hash=digest)
         # versions served by generators seen recently (a dead generator's heartbeat does not pin)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from broker.client import queues
 from broker.client.announcements import latest_announcement
-from broker.client.connection import connect_redis
+from broker.protocol.signing import announce_key
+from broker.client.connection import connect_redis, redact_url
 from broker.protocol.keys import Keys
 from learner.config import LearnerConfig
 from learner.data import completion_stats, group_mean_reward
@@ -48,6 +49,7 @@ class Learner:
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.keys = Keys(cfg.run_id)
+        self.announce_key = announce_key(cfg.announce_auth, cfg.announce_key_file)  # signs every announcement
         init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.leader = self.rank == 0  # reads the queue, commits, publishes; the others train their share
@@ -58,7 +60,8 @@ class Learner:
         # /metrics, /healthz, per-step metrics stream (leader only)
         self.observer = LearnerObserver(self.r, self.keys, cfg) if self.leader else None
         # TensorBoard event files in run_dir/tensorboard (and W&B when enabled): learner/records.py
-        self.records = RunRecords(cfg.run_dir, cfg.tensorboard, cfg.wandb, cfg.run_id, cfg.model_dump()) \
+        shown = {**cfg.model_dump(), "redis_url": redact_url(cfg.redis_url)}  # the config W&B records: no password
+        self.records = RunRecords(cfg.run_dir, cfg.tensorboard, cfg.wandb, cfg.run_id, shown) \
             if self.leader else None
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         if self.leader or cfg.model != "tiny":
@@ -78,8 +81,9 @@ class Learner:
         if reference is not None:
             reference.to(self.engine.device)
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world)
-        self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions)
-        latest = latest_announcement(self.r, self.keys)
+        self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
+                                   self.announce_key)
+        latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
         self.saved_step = 0  # the step of the newest checkpoint

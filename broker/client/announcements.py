@@ -1,7 +1,12 @@
 """What a run announces to its producers: weight versions (the latest published version in a key,
 every version's hash in a hash, and a pub/sub message to wake subscribers; written by the learner,
 read by generators, the broker and the dashboard), and the run's advertisement (``run``: how to join
-it, each field written by the service that knows it)."""
+it, each field written by the service that knows it).
+
+Announcements are signed by the learner with the run's announcement key (broker/protocol/signing.py).
+A reader given the key sees only verified ones: under a forged ``latest`` (unsigned, or signed with
+another key) the latest is the newest signed entry of ``versions`` (:func:`checked_latest` says what
+was forged), and a forged ``versions`` entry reads as a version never announced."""
 
 from __future__ import annotations
 
@@ -9,18 +14,30 @@ from typing import Any
 
 import redis
 
+from broker.protocol import signing
+from broker.protocol.codec import ProtocolError
 from broker.protocol.keys import Keys
 from broker.protocol.messages import (Announcement, RunInfo, decode_announcement, decode_run_info,
                                       encode_announcement, encode_run_fields)
 
 
-def announce(r: redis.Redis, keys: Keys, a: Announcement) -> None:
-    """Make version ``a.version`` the latest (a key), record its hash in ``versions`` (so anyone can
-    check the hash a generator serves for any version), and tell subscribers (pub/sub)."""
-    data = encode_announcement(a)
+class ForgedAnnouncement(Exception):
+    """An announcement in Redis that the run's key did not sign. ``reason``: ``unsigned`` or
+    ``bad_signature``; ``announcement``: what it claims."""
+
+    def __init__(self, announcement: Announcement, reason: str):
+        super().__init__(f"{reason}: version {announcement.version} ({announcement.hash[:12]}) at {announcement.path}")
+        self.announcement, self.reason = announcement, reason
+
+
+def announce(r: redis.Redis, keys: Keys, a: Announcement, key: bytes | None = None) -> None:
+    """Make version ``a.version`` the latest (a key), record it in ``versions`` (so anyone can
+    check the hash a generator serves for any version), and tell subscribers (pub/sub); signed
+    with ``key`` (the run's announcement key) when given."""
+    data = encode_announcement(signing.signed(key, keys.run_id, a))
     pipe = r.pipeline()
     pipe.set(keys.latest, data)
-    pipe.hset(keys.versions, str(a.version), a.hash)
+    pipe.hset(keys.versions, str(a.version), data)
     pipe.publish(keys.announce, data)
     pipe.execute()
 
@@ -30,18 +47,63 @@ def announced_runs(r: redis.Redis) -> list[str]:
     return sorted({Keys.run_of(k.decode()) for k in r.scan_iter(Keys("*").latest)})
 
 
-def latest_announcement(r: redis.Redis, keys: Keys) -> Announcement | None:
+def checked_latest(r: redis.Redis, keys: Keys, key: bytes | None) -> Announcement | None:
+    """The latest announcement (None before the first); with ``key``, ForgedAnnouncement when the
+    key did not sign it."""
     data = r.get(keys.latest)
-    return decode_announcement(data) if data else None
+    if not data:
+        return None
+    a = decode_announcement(data)
+    why = signing.check(key, keys.run_id, a) if key is not None else None
+    if why is not None:
+        raise ForgedAnnouncement(a, why)
+    return a
 
 
-def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int]) -> dict[int, str | None]:
-    """The hash announced for each of ``versions`` (None when that version was never announced)."""
+def latest_announcement(r: redis.Redis, keys: Keys, key: bytes | None = None) -> Announcement | None:
+    """The latest announcement; with ``key``, the newest one that key signed (``latest``, or when
+    someone overwrote it, the newest signed entry of ``versions``)."""
+    try:
+        return checked_latest(r, keys, key)
+    except ForgedAnnouncement:
+        return newest_signed(r, keys, key)
+
+
+def newest_signed(r: redis.Redis, keys: Keys, key: bytes) -> Announcement | None:
+    """The newest entry of ``versions`` signed by ``key`` (None when there is none)."""
+    best = None
+    for field, raw in r.hgetall(keys.versions).items():
+        try:
+            a = decode_announcement(raw)
+        except ProtocolError:
+            continue  # a bare hash (a run from before signing) or garbage: not signed
+        if str(a.version).encode() == field and signing.check(key, keys.run_id, a) is None \
+                and (best is None or a.version > best.version):
+            best = a
+    return best
+
+
+def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int],
+                     key: bytes | None = None) -> dict[int, str | None]:
+    """The hash announced for each of ``versions`` (None when that version was never announced,
+    or, with ``key``, when its entry is not signed by that key or cannot be read)."""
     versions = sorted(set(versions))
     if not versions:
         return {}
     got = r.hmget(keys.versions, [str(v) for v in versions])
-    return {v: (h.decode() if h is not None else None) for v, h in zip(versions, got)}
+    return {v: _entry_hash(keys, v, raw, key) for v, raw in zip(versions, got)}
+
+
+def _entry_hash(keys: Keys, version: int, raw: bytes | None, key: bytes | None) -> str | None:
+    if raw is None:
+        return None
+    try:
+        a = decode_announcement(raw)
+    except ProtocolError:  # a bare hash: how runs recorded versions before announcements were signed
+        return raw.decode(errors="replace") if key is None else None
+    if a.version != version or (key is not None and signing.check(key, keys.run_id, a) is not None):
+        return None
+    return a.hash
 
 
 def advertise_run(r: redis.Redis, keys: Keys, first_writer_wins: bool = False, **values: Any) -> dict[str, Any]:

@@ -1,13 +1,15 @@
 """Connections: every service reaches the run's Redis through :func:`connect_redis`; every retry
 loop (Redis, the reward service, the broker's ``busy``, restarts) waits with :class:`Backoff`
 (exponential, capped), never by swallowing the error; :func:`connect_address` turns the address a
-server binds into one its clients can connect to."""
+server binds into one its clients can connect to; :func:`redact_url` is how a URL is printed (its
+password is a secret)."""
 
 from __future__ import annotations
 
 import logging
 import socket
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -44,9 +46,25 @@ class Backoff:
         return self.delay(self.attempts + 1) >= self.cap_s
 
 
+def redact_url(url: str) -> str:
+    """``url`` as it may be printed: its password replaced by ``***`` (``redis://learner:***@host:6379/0``);
+    a URL without one is returned as it is."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not parseable as a URL: show nothing of it that could be a secret
+        return "<a URL that cannot be parsed>"
+    if password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 def connect_redis(url: str, wait_s: float = 30.0) -> redis.Redis:
-    """A Redis client for ``url`` (``redis://host:port/db`` or ``unix:///path.sock``), waiting with
-    back-off (0.05 s doubling to 1 s) up to ``wait_s`` for the server to answer."""
+    """A Redis client for ``url`` (``redis://[user:password@]host:port/db``, ``rediss://`` for TLS,
+    or ``unix:///path.sock``), waiting with back-off (0.05 s doubling to 1 s) up to ``wait_s`` for the
+    server to answer. A refused password fails at once (no retry)."""
     r = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30)
     deadline = time.monotonic() + wait_s
     backoff = Backoff(0.05, 1.0)
@@ -54,9 +72,11 @@ def connect_redis(url: str, wait_s: float = 30.0) -> redis.Redis:
         try:
             r.ping()
             return r
+        except redis.AuthenticationError as e:
+            raise ConnectionError(f"Redis at {redact_url(url)} refused the credentials: {e}") from None
         except redis.ConnectionError as e:
             if time.monotonic() > deadline:
-                raise ConnectionError(f"cannot reach Redis at {url}: {e}") from None
+                raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {e}") from None
             backoff.sleep()
 
 

@@ -48,8 +48,9 @@ class Dashboard:
     """State, histories and the event stream of one run, for the broker's HTTP server."""
 
     def __init__(self, r: redis.Redis, keys: Keys, stop: threading.Event, dead_after_s: float = 10.0,
-                 push_s: float = 1.0, sample_s: float = 1.0):
+                 push_s: float = 1.0, sample_s: float = 1.0, announce_key: bytes | None = None):
         self.r, self.keys, self.stop = r, keys, stop
+        self.announce_key = announce_key
         self.dead_after_s, self.push_s = dead_after_s, push_s
         self.throughput = Throughput(r, keys, every_s=sample_s)
         self.eval_history = EvalHistory(r, keys)
@@ -59,7 +60,7 @@ class Dashboard:
         self.throughput.start(self.stop)
 
     def state(self) -> dict:
-        st = build_state(self.r, self.keys, self.dead_after_s, self.throughput.rates())
+        st = build_state(self.r, self.keys, self.dead_after_s, self.throughput.rates(), announce_key=self.announce_key)
         st["eval"] = self.eval_history.rounds()  # evaluation rounds so far (broker/prompts/evals.py)
         st["failures"]["malformed_records"].update(self.eval_history.malformed)  # unreadable results are skipped
         if self.http is not None:  # connections the HTTP server closed unserved (slow, oversized, evicted)

@@ -20,7 +20,7 @@ from collections import deque
 
 import redis
 
-from broker.client.announcements import announced_hashes, latest_announcement
+from broker.client.announcements import ForgedAnnouncement, announced_hashes, checked_latest, newest_signed
 from broker.client import queues
 from broker.client.telemetry import read_after, read_events, read_heartbeats, read_stats
 from broker.protocol.keys import Keys
@@ -40,15 +40,24 @@ def _prefixed(stats: dict[str, float], prefix: str) -> dict[str, int]:
 
 
 def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: dict | None = None,
-                now: float | None = None) -> dict:
+                now: float | None = None, announce_key: bytes | None = None) -> dict:
     """The whole state (see docs/dashboard.md for every field). ``rates`` is the broker's
-    throughput estimate (``groups_in_per_s``, ``groups_out_per_s``); None outside the broker."""
+    throughput estimate (``groups_in_per_s``, ``groups_out_per_s``); None outside the broker.
+    With ``announce_key``, only announcements it signed count: a forged ``latest`` is shown in
+    ``flags.forged_announcement`` (the learner's version is then the newest signed one), a forged
+    ``versions`` entry as a version never announced."""
     now = time.time() if now is None else now
-    latest = latest_announcement(r, keys)
+    forged = None
+    try:
+        latest = checked_latest(r, keys, announce_key)
+    except ForgedAnnouncement as e:
+        latest = newest_signed(r, keys, announce_key)
+        a = e.announcement
+        forged = {"reason": e.reason, "version": a.version, "hash": a.hash, "path": a.path}
     lv = latest.version if latest else None
     heartbeats = read_heartbeats(r, keys)
     served = [hb.version for hb in heartbeats.values() if hb.version is not None]
-    announced = announced_hashes(r, keys, served)
+    announced = announced_hashes(r, keys, served, announce_key)
     if latest is not None and announced.get(latest.version) is None:  # announced before `versions` existed
         announced[latest.version] = latest.hash
     gens = []
@@ -75,6 +84,7 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
             "groups_rejected": hb.groups_rejected,
             "updates": hb.updates,
             "refused_updates": hb.refused_updates,
+            "forged_announcements": hb.forged_announcements,
             "refused": hb.refused,
             "reward_failures": hb.reward_failures,
             "reward_failures_by_plugin": hb.reward_failures_by_plugin,
@@ -113,6 +123,7 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
             "reward_failures_by_plugin": dict(sorted(reward_failures.items())),
             "reward_failures": sum(int(g["reward_failures"] or 0) for g in gens),
             "refused_updates": sum(int(g["refused_updates"] or 0) for g in gens),
+            "forged_announcements": sum(int(g["forged_announcements"] or 0) for g in gens),
             # heartbeat entries that could not be read (skipped above; the reader logs why)
             "malformed_heartbeats": dict(sorted(heartbeats.malformed.items())),
             # stats fields whose value is not a finite number ("service:field" -> why; skipped above)
@@ -125,6 +136,10 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
         "flags": {
             "hash_mismatch": [g["id"] for g in gens if not g["hash_ok"]],
             "dead": [g["id"] for g in gens if g["state"] == "dead"],
+            # the announcement in Redis now is not signed by the run's key (null when it is, or unchecked)
+            "forged_announcement": forged,
+            # generators that saw (and ignored) a forged announcement
+            "forged_seen": [g["id"] for g in gens if g["forged_announcements"]],
         },
         "done": bool(r.exists(keys.done)),
     }

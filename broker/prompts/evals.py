@@ -71,8 +71,10 @@ class EvalConfig(StrictModel):
 class EvalScheduler:
     """Appends a round of held-out prompts when one is due (call :meth:`tick` from the broker loop)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: EvalConfig, make_source, check_every_s: float = 0.2):
+    def __init__(self, r: redis.Redis, keys: Keys, cfg: EvalConfig, make_source, check_every_s: float = 0.2,
+                 announce_key: bytes | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
+        self.announce_key = announce_key
         self.make_source = make_source  # () -> a source with take(k, Position), or None while not ready
         self.check_every_s = check_every_s
         self._next_check = 0.0
@@ -99,7 +101,7 @@ class EvalScheduler:
         if not every or time.monotonic() < self._next_check:
             return None
         self._next_check = time.monotonic() + self.check_every_s
-        latest = latest_announcement(self.r, self.keys)
+        latest = latest_announcement(self.r, self.keys, self.announce_key)
         if latest is None:
             return None
         v = latest.version

@@ -79,6 +79,8 @@ class Announcement:
     path:    folder of the snapshot in the weight store (shared volume).
     url:     optional HTTP base URL serving the same folder.
     published_at: unix time.
+    sig:     hex HMAC-SHA256 of every other field by the run's announcement key (signing.py), or ""
+             when the run's announcements are not signed (``announce_auth = "insecure"``).
     """
 
     version: int
@@ -86,14 +88,15 @@ class Announcement:
     path: str
     url: str = ""
     published_at: float = field(default_factory=time.time)
+    sig: str = ""
 
 
 def encode_announcement(a: Announcement) -> bytes:
-    return msgpack.packb(
-        {"schema": SCHEMA_VERSION, "kind": "announce", "version": a.version, "hash": a.hash,
-         "path": a.path, "url": a.url, "published_at": a.published_at},
-        use_bin_type=True,
-    )
+    m = {"schema": SCHEMA_VERSION, "kind": "announce", "version": a.version, "hash": a.hash,
+         "path": a.path, "url": a.url, "published_at": a.published_at}
+    if a.sig:
+        m["sig"] = a.sig
+    return msgpack.packb(m, use_bin_type=True)
 
 
 def decode_announcement(data: bytes) -> Announcement:
@@ -106,6 +109,7 @@ def decode_announcement(data: bytes) -> Announcement:
         path=get_field(m, "path", str, "announce"),
         url=str(m.get("url", "")),
         published_at=float(m.get("published_at", 0.0)),
+        sig=str(m.get("sig", "")),
     )
 
 
@@ -282,6 +286,8 @@ class Heartbeat(BaseModel):
     tokens: int = Field(0, description="int: completion tokens sampled")
     updates: int = Field(0, description="int: weight versions applied")
     refused_updates: int = Field(0, description="int: weight versions refused (failed verification)")
+    forged_announcements: int = Field(0, description="int: announcements ignored because their signature is missing "
+                                      "or wrong (not the learner's)")
     reward_failures: int = Field(0, description="int: samples whose reward failed")
     reward_failures_by_plugin: dict[str, int] = Field(default_factory=dict, description="object: plugin -> samples "
                                                       "whose reward failed")

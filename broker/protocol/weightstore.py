@@ -4,9 +4,13 @@ Layout of ``<root>/v000012/`` (Hugging Face layout plus a manifest):
     config.json, tokenizer files, model.safetensors (or shards), manifest.json
 
 ``manifest.json`` = ``{"version": 12, "files": {"<name>": "<sha256 hex>", ...}}`` covering every
-other file. The version's *hash* is the sha256 of the manifest's canonical JSON (sorted keys, no
-spaces). A snapshot is written under a temporary name and renamed when complete, and is announced
-only after the rename, so a reader never sees a half-written version.
+other file. A reader trusts nothing beyond the manifest (:func:`verify`): each name is a plain file
+name of the version folder (no ``/``, no ``..``), no entry of the folder is a symbolic link, a folder
+holding anything the manifest does not list (an extra ``.safetensors``) is refused, and so is an
+empty manifest; with the store's root given, the version folder itself must be one of the root's.
+The version's *hash* is the sha256 of the manifest's canonical JSON (sorted keys, no spaces). A
+snapshot is written under a temporary name and renamed when complete, and is announced only after
+the rename, so a reader never sees a half-written version.
 
 No torch here: the learner writes the files, this module seals, verifies and prunes them.
 """
@@ -89,13 +93,43 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def verify(path: str | Path, expected_hash: str | None = None) -> dict:
+def check_in_store(path: str | Path, root: str | Path) -> Path:
+    """``path`` resolved, when it is a version folder directly under the store ``root`` (symbolic
+    links resolved first: a link out of the store is outside it); else WeightStoreError."""
+    real, store = Path(path).resolve(), Path(root).resolve()
+    if real.parent != store or not _VERSION_DIR.match(real.name):
+        raise WeightStoreError("outside_store", f"{path} is not a version folder (vNNNNNN) of the weight store {store}")
+    return real
+
+
+def _check_names(path: Path, files: dict) -> None:
+    """Every manifest name is a plain file name of ``path``; nothing unlisted or linked lies there."""
+    if not files:
+        raise WeightStoreError("empty_manifest", f"{path / MANIFEST} lists no file")
+    for name in files:
+        if not isinstance(name, str) or name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name \
+                or "\0" in name:
+            raise WeightStoreError("bad_name", f"{path / MANIFEST} lists {name!r}: not a plain file name of the folder")
+    for entry in path.iterdir():
+        if entry.is_symlink():
+            raise WeightStoreError("symlink", f"{entry} is a symbolic link; a snapshot holds only plain files")
+        if entry.name != MANIFEST and entry.name not in files:
+            raise WeightStoreError("unlisted_file", f"{entry} is not listed in the manifest; a snapshot holds "
+                                   f"only the files its manifest lists")
+
+
+def verify(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None) -> dict:
     """Check a snapshot file by file against its manifest (and the manifest against the announced
-    hash). Returns the manifest; raises WeightStoreError naming the first problem."""
-    path = Path(path)
+    hash): only listed plain files, none missing or altered, nothing else in the folder, and with
+    ``root`` the folder inside that store. Returns the manifest; raises WeightStoreError naming the
+    first problem."""
+    path = Path(path) if root is None else check_in_store(path, root)
+    if Path(path).is_symlink():
+        raise WeightStoreError("symlink", f"{path} is a symbolic link; a version folder is a plain folder")
     manifest = read_manifest(path)
     if expected_hash is not None and manifest_hash(manifest) != expected_hash:
         raise WeightStoreError("hash_mismatch", f"{path}: manifest hash differs from the announced {expected_hash[:12]}")
+    _check_names(path, manifest["files"])
     for name, digest in manifest["files"].items():
         f = path / name
         if not f.is_file():

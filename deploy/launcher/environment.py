@@ -113,11 +113,15 @@ def resolve(models: dict[str, type[BaseModel]], environ: typing.Mapping[str, str
 
 # config fields that hold secrets: kept out of the run's config files, given to the service as these
 SECRETS = {("auth_token",): "RELAY_AUTH_TOKEN", ("reward_token",): "RELAY_REWARD_TOKEN",
-           ("backend", "api_key"): "RELAY_BACKEND__API_KEY"}
+           ("backend", "api_key"): "RELAY_BACKEND__API_KEY", ("redis_url",): "RELAY_REDIS_URL"}
+# secrets of which the file keeps a redacted copy (the URL, its password replaced by ***)
+REDACTED = {("redis_url",)}
 
 
 def split_secrets(cfg: dict) -> tuple[dict, dict]:
     """A service's config without its secrets, and the environment variables that carry them."""
+    from broker.client.connection import redact_url
+
     public, env = json.loads(json.dumps(cfg)), {}
     for path, var in SECRETS.items():
         d = public
@@ -125,6 +129,8 @@ def split_secrets(cfg: dict) -> tuple[dict, dict]:
             d = d.get(p) if isinstance(d.get(p), dict) else {}
         if d.get(path[-1]):
             value = d.pop(path[-1])
+            if path in REDACTED:
+                d[path[-1]] = redact_url(value)
             env[var] = json.dumps(value)  # JSON, as the service parses it: a token of digits stays a string
     return public, env
 

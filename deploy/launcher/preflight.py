@@ -101,10 +101,12 @@ def check_run(p: dict) -> list[str]:
 def _check_redis(url: str) -> None:
     import redis
 
+    from broker.client.connection import redact_url
+
     try:
         redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
     except redis.RedisError as e:
-        raise PreflightError(f"Redis at {url} (--redis-url) does not answer: {e}") from None
+        raise PreflightError(f"Redis at {redact_url(url)} (--redis-url) does not answer: {e}") from None
 
 
 def _one_line(e: Exception) -> str:

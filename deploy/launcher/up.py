@@ -1,6 +1,7 @@
 """``relay up``: the whole stack on one machine as child processes.
 
-Starts an embedded ``redis-server`` (or uses ``--redis-url``), the broker, the reward service,
+Starts an embedded ``redis-server`` (or uses ``--redis-url``; the embedded one with a user and password
+per service and no way in without one, deploy/launcher/run_secrets.py), the broker, the reward service,
 N generators and the learner; shows live progress; writes ``runs/<run-id>/`` (per-service logs,
 configs, metrics, ``summary.json``, Redis's append-only file) and points ``runs/latest`` at it. A
 service that dies before the run is finished is restarted (deploy/launcher/supervisor.py). The
@@ -88,6 +89,7 @@ def plan(args, environ: dict | None = None) -> dict:
     from broker.config import BrokerConfig
     from deploy.launcher import environment
     from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
     from learner.model_folder import ModelFolderError, check_model_folder
@@ -146,8 +148,14 @@ def plan(args, environ: dict | None = None) -> dict:
         raise UsageError(f"--set must start with a service name ({', '.join(SERVICES)}), got {sorted(unknown)}")
 
     redis_port = None if args.redis_url else free_port()  # the embedded redis-server's port
-    redis_url = args.redis_url or f"redis://127.0.0.1:{redis_port}/0"
-    common = {"run_id": run_id, "redis_url": redis_url}
+    # the embedded Redis: one user (and password) per service; an external one: the URL as given
+    users = RedisUsers.new(run_id) if redis_port is not None else None
+
+    def redis_url(user: str) -> str:
+        return users.url(user, redis_port) if users is not None else args.redis_url
+
+    # the learner signs its announcements with this key, the broker and the generators check them
+    common = {"run_id": run_id, "announce_key_file": str(announce_key_path(run_dir))}
 
     def section(name: str, base: dict) -> dict:
         for layer in (file_cfg.get(name, {}), env_over[name], flags[name], over.get(name, {})):
@@ -155,7 +163,8 @@ def plan(args, environ: dict | None = None) -> dict:
         return base
 
     keydir = ingest_key_dir(run_dir)  # written by run_up (write_ingest_keys), one certificate per generator
-    broker = section("broker", {**common, "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
+    broker = section("broker", {**common, "redis_url": redis_url("broker"),
+                                "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
                                 "ingest_key_file": str(keydir / "broker.key_secret"),
                                 "ingest_clients_file": str(keydir / "clients.json"),
                                 "task": {"name": args.task, "seed": args.seed}})
@@ -163,9 +172,11 @@ def plan(args, environ: dict | None = None) -> dict:
     # the generators reach the broker and the reward service where they are, overrides included
     ingest = connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1")
     reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
-    learner = section("learner", {**common, "run_dir": str(run_dir / "learner"),
+    learner = section("learner", {**common, "redis_url": redis_url("learner"), "run_dir": str(run_dir / "learner"),
                                   "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed})
-    generator = section("generator", {**common, "broker_address": ingest, "backend": {"type": args.backend},
+    generator = section("generator", {**common, "redis_url": redis_url("generator"), "broker_address": ingest,
+                                      "weight_store": learner.get("weight_store", ""),
+                                      "backend": {"type": args.backend},
                                       "ingest_auth": broker.get("ingest_auth", "curve"),
                                       "broker_public_key_file": str(keydir / "broker.key"),
                                       "reward_url": reward_url, "seed": args.seed})
@@ -180,7 +191,7 @@ def plan(args, environ: dict | None = None) -> dict:
     if batch % args.learner_ranks:
         raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({args.learner_ranks})")
     return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
-            "redis_url": redis_url, "redis_port": redis_port,
+            "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
             "broker": broker, "reward": reward, "learner": learner, "generator": generator}
 
 
@@ -213,6 +224,7 @@ def run_up(args) -> int:
         print(f"relay up: note: {note}")
     from broker.client.connection import connect_redis
     from broker.client.telemetry import read_heartbeats, read_stats
+    from broker.protocol.signing import announce_key
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
     from broker.prompts.evals import EvalHistory
@@ -220,6 +232,7 @@ def run_up(args) -> int:
     from deploy.launcher.procs import ProcessGroup, start_redis
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
+    from deploy.launcher.run_secrets import write_announce_key
     from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
@@ -248,8 +261,11 @@ def run_up(args) -> int:
     failure = None
     try:
         redis_url = p["redis_url"]
+        write_announce_key(run_dir)  # kept when resuming: the same key signs the rest of the run
         if p["redis_port"] is not None:
-            start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof)
+            users = p.get("redis_users")  # None: a run from before Redis had users, resumed as it was
+            start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof,
+                        acl_file=users.write(run_dir) if users is not None else None)
         cfgs = {name: p[name] for name in SERVICES}
         gen_ids = [f"gen-{i}" for i in range(args.generators)]
         gen_keys = _ingest_keys(run_dir, cfgs["broker"], gen_ids)
@@ -279,11 +295,12 @@ def run_up(args) -> int:
                                     "initial weights")
         r = connect_redis(redis_url)
         keys = Keys(p["run_id"])
+        key = announce_key(cfgs["broker"].get("announce_auth", "hmac"), cfgs["broker"].get("announce_key_file", ""))
         total = cfgs["learner"].get("steps", 600)
         progress = Progress(not args.no_progress, total)
         supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
                                 [c.name for c in procs.children if c.name != "redis"], no_resume,
-                                healthy=_health_probe(r, keys, cfgs["generator"]["reward_url"]),
+                                healthy=_health_probe(r, keys, cfgs["generator"]["reward_url"], key),
                                 before_print=progress.done)
         print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
               f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
@@ -308,7 +325,7 @@ def run_up(args) -> int:
                 rc = 1
                 break
             try:
-                st = build_state(r, keys)
+                st = build_state(r, keys, announce_key=key)
                 truncation.check(st.get("learner", {}))
                 progress.show(st, supervisor.total(), latest_eval(evals.rounds()))
             except Exception as e:  # the display must never stop the run; show why it is blank
@@ -357,7 +374,7 @@ def run_up(args) -> int:
             print(f"relay up: resume with: {resume_command(run_dir)}", flush=True)
         if error and failure is None:  # a service's failure is printed after the services stop, below
             print(f"relay up: error: {error}", file=sys.stderr, flush=True)  # last, where it is seen
-    except (RuntimeError, OSError, ConnectionError) as e:
+    except (RuntimeError, OSError, ConnectionError, ConfigError) as e:
         rc = 1
         summary = {"run_id": p["run_id"], **outcome(rc, str(e)), "wall_seconds": round(time.time() - t0, 1)}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -431,7 +448,7 @@ def _print_failure(e) -> None:
     print(f"relay up: error: {e.child.name} failed {when}: {e.last_error()}", file=sys.stderr, flush=True)
 
 
-def _health_probe(r, keys, reward_url: str):
+def _health_probe(r, keys, reward_url: str, key: bytes | None = None):
     """``Supervisor``'s ``healthy(name)``: has that service come up? The broker: it advertised its
     ingest address; the learner: it published a version; a generator: its heartbeat serves a
     version; the reward service: ``/healthz`` answers."""
@@ -447,7 +464,7 @@ def _health_probe(r, keys, reward_url: str):
             if name == "broker":
                 return bool(r.hexists(keys.run, "ingest_address"))
             if name == "learner":
-                return latest_announcement(r, keys) is not None
+                return latest_announcement(r, keys, key) is not None
             if name == "reward":
                 return httpx.get(f"{reward_url}/healthz", timeout=0.5).status_code == 200
             raw = r.hget(keys.generators, name)

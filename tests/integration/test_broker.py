@@ -9,14 +9,14 @@ from broker.client.telemetry import heartbeat, read_stats, register_service
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
 from broker.protocol.messages import Heartbeat
-from tests.support.services import metric_value, producer_keys, start_broker
+from tests.support.services import announce_key, metric_value, producer_keys, start_broker
 from tests.support.data import announce_make_group_versions, make_group
 
 
 def test_groups_are_appended_once_and_bad_ones_rejected_with_reason(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, keys)
+    announce_make_group_versions(r, keys, announce_key(tmp_path))
     sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     g = make_group(group_id="abc")
     ack = sender.send("abc", encode_group(g))
@@ -43,7 +43,7 @@ def test_groups_are_appended_once_and_bad_ones_rejected_with_reason(procs, redis
 def test_full_queue_answers_busy_until_the_learner_consumes(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=2)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, keys)
+    announce_make_group_versions(r, keys, announce_key(tmp_path))
     sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     for i in range(2):
         assert sender.send(f"g{i}", encode_group(make_group(group_id=f"g{i}"))).status == "ok"

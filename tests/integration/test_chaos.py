@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from broker.protocol.keys import Keys
+from deploy.launcher.run_secrets import run_redis_url
 from tests.support.services import ROOT, child_env
 
 STEPS = 400  # a run without kills reaches a mean reward above 0.95 within 250-500 steps (about 60-90 s idle)
@@ -111,7 +112,7 @@ class Killer(threading.Thread):
         try:
             while not (self.run_dir / "config" / "broker.json").is_file() and not self.stop.is_set():
                 time.sleep(0.2)
-            url = json.loads((self.run_dir / "config" / "broker.json").read_text())["redis_url"]
+            url = run_redis_url(self.run_dir)
             r, keys = redis.Redis.from_url(url, socket_timeout=5), Keys("chaos")
             while not self.stop.is_set():
                 try:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deploy.launcher.run_secrets import run_redis_url
 from tests.support.services import ROOT, child_env, relay
 from tests.support.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
 
@@ -219,7 +220,7 @@ def test_relay_status_prints_the_state_as_a_table(loop):
     for r in rows.values():
         assert r[1] == "torch" and int(r[3]) <= int(m.group(1)) + 1 and r[6] == "ok"
 
-    redis_url = json.loads((loop.run_dir / "config" / "broker.json").read_text())["redis_url"]
+    redis_url = run_redis_url(loop.run_dir)  # the launcher's Redis user: it may read the run's keys
     res = relay("status", "--redis-url", redis_url, "--run-id", "dash", "--json", "--check", timeout=30)
     assert res.returncode == 0, res.stderr
     st = json.loads(res.stdout)

@@ -19,7 +19,7 @@ from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.support.services import relay, start_service, wait_http, wait_until
+from tests.support.services import announce_key, relay, start_service, wait_http, wait_until
 from tests.support.browser import browser, screenshot  # noqa: F401  (browser is a fixture)
 
 pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
@@ -50,7 +50,8 @@ def test_stale_hash_backpressure_and_death_are_flagged(procs, redis_url, tmp_pat
     path = build_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    pub = Publisher(r, keys, str(tmp_path / "weights"), tok, keep_versions=10)
+    pub = Publisher(r, keys, str(tmp_path / "weights"), tok, keep_versions=10,
+                    announce_key=announce_key(tmp_path))
     pub.publish(model, model.state_dict(), 0)
     a1 = pub.publish(model, model.state_dict(), 1)
     start_service(procs, "gen-a", "generator", _gen_cfg("gen-a", redis_url, ingest, reward), tmp_path)
@@ -61,7 +62,8 @@ def test_stale_hash_backpressure_and_death_are_flagged(procs, redis_url, tmp_pat
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    a1b = Publisher(r, keys, str(tmp_path / "weights-b"), tok, keep_versions=10).publish(model, model.state_dict(), 1)
+    a1b = Publisher(r, keys, str(tmp_path / "weights-b"), tok, keep_versions=10,
+                    announce_key=announce_key(tmp_path)).publish(model, model.state_dict(), 1)
     assert a1b.hash != a1.hash
     # gen-b also cannot reach its reward service: its samples are marked failed, counted by "plugin"
     cfg_b = dict(_gen_cfg("gen-b", redis_url, ingest, free_port()), reward_retries=0, reward_timeout_s=2,

@@ -16,7 +16,7 @@ from broker.client.telemetry import read_stats
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
 from broker.protocol.messages import decode_ack
-from tests.support.services import producer_keys, start_broker
+from tests.support.services import announce_key, producer_keys, start_broker
 from tests.support.data import announce_make_group_versions, make_group
 
 N = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "100000"))
@@ -75,7 +75,7 @@ def test_ingest_survives_and_accounts_for_every_message(procs, redis_url, tmp_pa
     sock.setsockopt(zmq.LINGER, 0)
     producer_keys(tmp_path).apply(sock)
     sock.connect(address)
-    announce_make_group_versions(redis.Redis.from_url(redis_url), Keys("r"))
+    announce_make_group_versions(redis.Redis.from_url(redis_url), Keys("r"), announce_key(tmp_path))
     outcomes = {"ok": 0, "duplicate": 0, "rejected": 0}
 
     @settings(max_examples=N // BATCH, deadline=None, database=None, phases=[Phase.generate],

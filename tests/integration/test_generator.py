@@ -18,7 +18,7 @@ from generators.config import SamplingConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.models import needs_gpu, recompute_logprobs
-from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
+from tests.support.services import announce_key, generator_cfg, start_broker_and_reward, start_service, wait_until
 
 pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 
@@ -52,7 +52,8 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     r, keys = redis.Redis.from_url(redis_url), Keys("t")
     path = build_tiny_model(tmp_path / "model", vllm_compatible=True)  # one model for the torch and vLLM runs
     model = AutoModelForCausalLM.from_pretrained(path)
-    pub = Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10)
+    pub = Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10,
+                    announce_key=announce_key(tmp_path))
     a0 = pub.publish(model, model.state_dict(), 0)
 
     gen = start_service(procs, "gen", "generator", generator_cfg(
@@ -98,7 +99,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     with open(p2 / "model.safetensors", "r+b") as f:
         f.seek(200)
         f.write(b"\xff\xff\xff\xff")
-    announce(r, keys, Announcement(2, h2, str(p2)))
+    announce(r, keys, Announcement(2, h2, str(p2)), announce_key(tmp_path))
     hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.refused_updates >= 1 and h,
                     what="refusal reported")
     assert hb.version == 1 and hb.hash == a1.hash and hb.refused == {h2: "corrupt_file"}

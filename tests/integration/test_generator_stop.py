@@ -13,7 +13,7 @@ from broker.protocol.keys import PROMPTS_GROUP, Keys
 from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_http
+from tests.support.services import announce_key, generator_cfg, start_broker_and_reward, start_service, wait_http
 
 pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 
@@ -27,7 +27,8 @@ def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis
     for i in range(4):
         r.xadd(keys.prompts, {"text": "123=", "reference": "123", "task": "copy", "seq": i})
     path = build_tiny_model(tmp_path / "model")
-    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4).publish(
+    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4,
+              announce_key(tmp_path)).publish(
         AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
     gen = start_service(procs, "gen", "generator", {
         "id": "g", "run_id": "stop", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{free_port()}",
@@ -53,7 +54,8 @@ def test_sigterm_drains_what_the_generator_holds(procs, redis_url, tmp_path):
     svc = start_broker_and_reward(procs, redis_url, tmp_path, "drain", prompt_backlog=64, eval={"every_versions": 0})
     r, keys = redis.Redis.from_url(redis_url), Keys("drain")
     path = build_tiny_model(tmp_path / "model")
-    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4).publish(
+    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4,
+              announce_key(tmp_path)).publish(
         AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
     gen = start_service(procs, "gen", "generator", generator_cfg(
         svc, redis_url, "drain", "g", prompts_per_batch=8, sampling={"n": 16, "max_tokens": 32}), tmp_path)

@@ -13,7 +13,7 @@ from broker.protocol.group import encode_group
 from broker.protocol.messages import Announcement
 from broker.config import BrokerConfig
 from broker.service import Broker
-from tests.support.services import producer_keys, start_broker
+from tests.support.services import announce_key, announce_key_file, producer_keys, start_broker
 from tests.support.data import announce_make_group_versions, make_group
 
 
@@ -21,15 +21,16 @@ def _group(gid: str, **kw) -> bytes:
     return encode_group(make_group(group_id=gid, **kw))  # its newest token version is 4
 
 
-def _broker(redis_url: str, **extra) -> Broker:
-    """A broker in this process whose ingest is driven directly (handle_batch; no socket, so no keys)."""
-    return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure", **extra))
+def _broker(redis_url: str, tmp_path, **extra) -> Broker:
+    """A broker in this process whose ingest is driven directly (handle_batch; no socket, so no CURVE keys)."""
+    return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
+                               announce_key_file=str(announce_key_file(tmp_path)), **extra))
 
 
-def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_url):
-    b = _broker(redis_url, max_queue_groups=3)
+def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_url, tmp_path):
+    b = _broker(redis_url, tmp_path, max_queue_groups=3)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, keys)
+    announce_make_group_versions(r, keys, announce_key(tmp_path))
     bad = msgpack.unpackb(_group("neg"), raw=False)
     bad["samples"][0]["logprobs"]["data"] = b"\x00\x00\x80\x3f" * 3  # +1.0: not a log-prob
     batch = [_group("a"), _group("a"), b"\x00garbage", _group("w", run_id="other"), _group("b"),
@@ -56,18 +57,19 @@ def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_ur
     assert r.xlen(keys.trajectories) == 5
 
 
-def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url):
-    b = _broker(redis_url)
+def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url, tmp_path):
+    b = _broker(redis_url, tmp_path)
+    key = announce_key(tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
     ack = b.ingest.handle(_group("before"))  # nothing announced: its version's hash cannot match
     assert ack.status == "rejected" and ack.reason == "weight_hash"
-    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"))
-    announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"))
+    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"), key)
+    announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"), key)
     b.ingest._read_latest()  # the broker has cached version 2
-    announce(r, keys, Announcement(version=4, hash="ab" * 32, path="/x"))
+    announce(r, keys, Announcement(version=4, hash="ab" * 32, path="/x"), key)
     # within the cache's lifetime, version 4 is ahead of the cached 2: a fresh read, not a rejection
     assert b.ingest.handle(_group("v4")).status == "ok"
-    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"))
+    announce(r, keys, Announcement(version=3, hash="ab" * 32, path="/x"), key)
     b.ingest._read_latest()
     ack = b.ingest.handle(_group("v4-again"))
     assert ack.status == "rejected" and ack.reason == "version_ahead"
@@ -77,7 +79,7 @@ def test_cached_latest_version_never_rejects_a_newly_announced_version(redis_url
 def test_send_many_windows_groups_through_a_real_broker(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=1000)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, keys)
+    announce_make_group_versions(r, keys, announce_key(tmp_path))
     sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     items = [(f"g{i}", _group(f"g{i}")) for i in range(40)]
     acks = sender.send_many(items, window=16)
@@ -93,7 +95,7 @@ def test_send_many_windows_groups_through_a_real_broker(procs, redis_url, tmp_pa
 def test_send_many_meets_the_bound_exactly_and_backs_off(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path, max_queue_groups=5)
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, keys)
+    announce_make_group_versions(r, keys, announce_key(tmp_path))
     sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     items = [(f"g{i}", _group(f"g{i}")) for i in range(8)]
     with pytest.raises(TimeoutError):

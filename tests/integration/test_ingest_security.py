@@ -23,7 +23,7 @@ from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
 from tests.support.browser import browser  # noqa: F401  (a fixture)
 from tests.support.data import MAKE_GROUP_HASH, announce_make_group_versions, make_group
-from tests.support.services import metric_value, producer_keys, relay, start_broker, start_service
+from tests.support.services import announce_key, metric_value, producer_keys, relay, start_broker, start_service
 
 
 def _keys(tmp_path: Path, *generator_ids: str) -> dict:
@@ -34,7 +34,7 @@ def _broker(procs, redis_url, tmp_path, keys: dict, **cfg):
     address, http = start_broker(procs, redis_url, tmp_path, ingest_key_file=keys["broker_key_file"],
                                  ingest_clients_file=keys["clients_file"], **cfg)
     r, k = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, k)
+    announce_make_group_versions(r, k, announce_key(tmp_path))
     return address, http, r, k
 
 
@@ -77,7 +77,7 @@ def test_a_listed_key_cannot_send_as_another_generator(procs, redis_url, tmp_pat
 def test_forged_hashes_and_numbers_that_are_not_finite_as_float32_are_rejected(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path)
     r, k = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, k)
+    announce_make_group_versions(r, k, announce_key(tmp_path))
     sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     forged = sender.send("h", encode_group(make_group(group_id="h", weight_hash="cd" * 32)))
     assert (forged.status, forged.reason) == ("rejected", "weight_hash")
@@ -115,7 +115,7 @@ def _message_of(nbytes: int, group_id: str = "huge") -> bytes:
 def test_a_16_mib_message_grows_the_broker_by_less_than_4x_its_size(procs, redis_url, tmp_path):
     address, _ = start_broker(procs, redis_url, tmp_path)
     r, k = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, k)
+    announce_make_group_versions(r, k, announce_key(tmp_path))
     pid = next(c for c in procs.children if c.name == "broker").proc.pid
     sender = GroupSender(address, timeout_s=30, curve=producer_keys(tmp_path))
     assert sender.send("warm", encode_group(make_group(group_id="warm"))).status == "ok"  # sockets and scripts warm
@@ -137,7 +137,7 @@ def test_a_16_mib_message_grows_the_broker_by_less_than_4x_its_size(procs, redis
 def test_the_queue_bound_in_bytes_answers_busy(procs, redis_url, tmp_path):
     address, http = start_broker(procs, redis_url, tmp_path, max_queue_bytes=1 << 20)
     r, k = redis.Redis.from_url(redis_url), Keys("r")
-    announce_make_group_versions(r, k)
+    announce_make_group_versions(r, k, announce_key(tmp_path))
     sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     # 400 KiB groups: two fit in 1 MiB, a third would pass it (far below max_queue_groups = 256)
     assert [sender.send(f"g{i}", _message_of(400 << 10, f"g{i}")).status for i in range(2)] == ["ok", "ok"]

@@ -12,7 +12,7 @@ from broker.client.sender import GroupSender
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
 from deploy.launcher.procs import ProcessGroup, free_port, start_redis
-from tests.support.services import producer_keys, start_broker
+from tests.support.services import announce_key, producer_keys, start_broker
 from tests.support.data import announce_make_group_versions, make_group
 
 
@@ -24,7 +24,7 @@ def test_acknowledged_groups_survive_a_redis_kill(procs, tmp_path):
     try:
         child, url = start_redis(redis_procs, data, port, aof="always")
         address, _ = start_broker(procs, url, tmp_path, max_queue_groups=10**6)
-        announce_make_group_versions(redis.Redis.from_url(url), Keys("r"))
+        announce_make_group_versions(redis.Redis.from_url(url), Keys("r"), announce_key(tmp_path))
         acked: list[str] = []
         stop = threading.Event()
 

@@ -15,6 +15,7 @@ from broker.client.connection import connect_redis
 from broker.client.telemetry import read_heartbeats
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
+from deploy.launcher.run_secrets import run_redis_url
 from tests.support.services import ROOT, child_env, metric_value, wait_http
 
 STEPS, GROUPS, N = 20, 4, 4
@@ -64,7 +65,7 @@ sampling = {{ n = {N} }}
             assert up.poll() is None and time.monotonic() < deadline, up.stdout.read() if up.poll() is not None else ""
             time.sleep(0.5)
         reward = f"http://127.0.0.1:{json.loads((run / 'config' / 'reward.json').read_text())['port']}"
-        r = connect_redis(json.loads((run / "config" / "learner.json").read_text())["redis_url"])
+        r = connect_redis(run_redis_url(run))
         keys = Keys("remote")
 
         def heartbeat_failures() -> int:

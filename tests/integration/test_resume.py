@@ -82,6 +82,17 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     again = relay("up", "--resume", str(run), "--no-progress")
     assert again.returncode == 2 and "nothing to resume" in again.stderr, again.stderr
 
+    # the same secrets served all three parts, and no file of the run folder but secrets/ holds one
+    # (the configs carry the Redis URLs redacted; the services got them in their environment)
+    secrets = [f.read_text().strip() for f in (run / "secrets" / "redis").glob("*.password")]
+    secrets.append((run / "secrets" / "announce.key").read_text().strip())
+    assert len(secrets) == 5 and all(len(x) >= 32 for x in secrets)
+    assert json.loads((run / "config" / "learner.json").read_text())["redis_url"].startswith("redis://learner:***@")
+    for f in run.rglob("*"):
+        if f.is_file() and f.relative_to(run).parts[0] != "secrets":
+            data = f.read_bytes()
+            assert not any(x.encode() in data for x in secrets), f"a secret in {f}"
+
 
 def _sh(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, shell=True, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=300)

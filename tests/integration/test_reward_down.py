@@ -11,7 +11,7 @@ from broker.protocol.group import decode_group
 from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.support.services import start_service, wait_http, wait_until
+from tests.support.services import announce_key, start_service, wait_http, wait_until
 
 pytestmark = pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 
@@ -24,7 +24,8 @@ def _setup(procs, redis_url, tmp_path, run):
     wait_http(f"http://127.0.0.1:{http}/healthz", b)
     r, keys = redis.Redis.from_url(redis_url), Keys(run)
     path = build_tiny_model(tmp_path / "model")
-    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=4).publish(
+    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=4,
+                    announce_key=announce_key(tmp_path)).publish(
         AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
     return ingest, r, keys
 

@@ -18,7 +18,7 @@ from generators.config import GeneratorConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.models import recompute_logprobs
-from tests.support.services import ROOT, child_env, start_service, wait_http, wait_until
+from tests.support.services import ROOT, announce_key, child_env, start_service, wait_http, wait_until
 
 
 @pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
@@ -28,7 +28,8 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys("t")
     path = build_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path)
-    pub = Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10)
+    pub = Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10,
+                    announce_key=announce_key(tmp_path))
     a0 = pub.publish(model, model.state_dict(), 0)
 
     sgl_port, ingest, http, reward = free_port(), free_port(), free_port(), free_port()

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from broker.protocol.ingest_auth import CurveClientKeys, load_client_keys, write_ingest_keys
+from broker.protocol.signing import read_key_file, write_key_file
 from deploy.launcher.procs import Child, ProcessGroup, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +56,24 @@ def with_ingest_keys(service: str, cfg: dict, tmp_path: Path) -> dict:
     return {"ingest_key_file": k["producer_key_file"], "broker_public_key_file": k["broker_public_key_file"], **cfg}
 
 
+def announce_key_file(tmp_path: Path) -> Path:
+    """The announcement key of the services a test starts (made on first use, one per test)."""
+    return write_key_file(tmp_path / "announce.key")
+
+
+def announce_key(tmp_path: Path) -> bytes:
+    """That key, for a test that publishes (``Publisher``, ``announce``) to the services it started."""
+    return read_key_file(announce_key_file(tmp_path))
+
+
 def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_path: Path):
+    """``relay <service>`` with ``cfg``; brokers and generators get the test's CURVE keys unless ``cfg``
+    sets ingest_auth, and the broker, learner and generators share the test's announcement key
+    (:func:`announce_key_file`) unless ``cfg`` says otherwise."""
     cfg = with_ingest_keys(service, cfg, tmp_path)
+    if service in ("broker", "learner", "generator") and "announce_key_file" not in cfg \
+            and cfg.get("announce_auth", "hmac") == "hmac":
+        cfg = {**cfg, "announce_key_file": str(announce_key_file(tmp_path))}
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),

@@ -137,7 +137,7 @@ function renderGenerators(st) {
   $("gen-count").textContent = `(${gens.length})`;
   const maxStale = 4;
   const rows = gens.map((g) => {
-    const cls = [g.hash_ok ? "" : "hash-mismatch", g.state === "dead" ? "dead" : ""].join(" ").trim();
+    const cls = [g.hash_ok && !g.forged_announcements ? "" : "hash-mismatch", g.state === "dead" ? "dead" : ""].join(" ").trim();
     const lagCls = g.lag === null ? "" : g.lag > maxStale ? "lag-bad" : g.lag > 1 ? "lag-warn" : "";
     const hash = g.hash_ok ? esc(short(g.hash))
       : `⚠ ${esc(short(g.hash))} ≠ announced ${esc(short(g.announced_hash))}`;
@@ -155,7 +155,11 @@ function renderGenerators(st) {
   $("generators").tBodies[0].innerHTML = rows.join("") ||
     `<tr><td colspan="12" class="count">no generator has sent a heartbeat yet</td></tr>`;
   const alerts = [];
+  const forged = (st.flags || {}).forged_announcement;
+  if (forged) alerts.push(`forged weight announcement in Redis (${forged.reason}): version ${forged.version}, ` +
+    `hash ${short(forged.hash)}, ${forged.path}; generators ignore it`);
   for (const g of gens) {
+    if (g.forged_announcements) alerts.push(`${g.id} ignored ${g.forged_announcements} forged announcement(s)`);
     if (!g.hash_ok) alerts.push(`${g.id} serves hash ${short(g.hash)} for version ${g.version}, but ${short(g.announced_hash)} was announced for it`);
     if (g.state === "dead") alerts.push(`${g.id}: no heartbeat for ${ago(g.age_s).replace(" ago", "")}`);
     for (const [h, why] of Object.entries(g.refused || {})) alerts.push(`${g.id} refused snapshot ${short(h)}: ${why}`);

@@ -1,0 +1,125 @@
+"""A run's secrets, written by ``relay up`` into ``runs/<id>/secrets/`` (mode 0700, files 0600) and
+read back by ``relay up --resume``:
+
+    secrets/announce.key          the announcement key (learner signs, generators and broker verify)
+    secrets/redis/<user>.password one password per Redis user (broker, learner, generator, launcher)
+    secrets/redis/users.acl       the embedded redis-server's ACL file (``--aclfile``): those users,
+                                  passwords as SHA-256, no way to log in as ``default``
+
+Each Redis user may touch only the run's keys and pub/sub channels (``relay:<run id>:*``) and no
+command of the ``@dangerous`` category (FLUSHALL, FLUSHDB, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL,
+MONITOR, CLIENT KILL, ...); the launcher, which only watches the run, may only read. The services get
+their user's credentials in their Redis URL (``redis://learner:<password>@127.0.0.1:<port>/0``),
+through the environment (deploy/launcher/environment.py ``SECRETS``), never a config file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from pathlib import Path
+
+from broker.protocol.signing import write_key_file
+
+SERVICE_USERS = ("broker", "learner", "generator")
+LAUNCHER_USER = "launcher"
+USERS = (*SERVICE_USERS, LAUNCHER_USER)
+# what each user may run, after "-@all"; every user loses @dangerous whatever it was granted
+COMMANDS = {"broker": "+@all", "learner": "+@all", "generator": "+@all",
+            LAUNCHER_USER: "+@read +@connection +@transaction"}
+EXTRA = {LAUNCHER_USER: "+info"}  # granted after -@dangerous: INFO (memory, clients) for watching a run
+
+
+def secrets_dir(run_dir: Path) -> Path:
+    return run_dir / "secrets"
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``text`` into ``path`` with mode 0600 from its creation (replacing the file if it exists)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def announce_key_path(run_dir: Path) -> Path:
+    return secrets_dir(run_dir) / "announce.key"
+
+
+def write_announce_key(run_dir: Path) -> Path:
+    """The run's announcement key (kept when it exists: a resumed run signs with the same key)."""
+    _private_dir(secrets_dir(run_dir))
+    return write_key_file(announce_key_path(run_dir))
+
+
+def acl_rules(run_id: str, user: str, password: str) -> str:
+    """One line of the ACL file: ``user`` with ``password`` (stored as its SHA-256), the run's keys
+    and channels only, its commands without @dangerous."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    prefix = f"relay:{run_id}:*"
+    extra = f" {EXTRA[user]}" if user in EXTRA else ""
+    return (f"user {user} on #{digest} resetkeys ~{prefix} resetchannels &{prefix} "
+            f"-@all {COMMANDS[user]} -@dangerous{extra}")
+
+
+def run_redis_url(run_dir: Path, user: str = LAUNCHER_USER) -> str:
+    """The URL of a run's Redis with ``user``'s credentials, for a tool (or a test) that watches the run:
+    the recorded URL (``config/broker.json``, password redacted) with the password of ``secrets/redis/``.
+    A run with an external Redis (or from before Redis had users) gives the recorded URL as it is."""
+    import json
+
+    recorded = json.loads((run_dir / "config" / "broker.json").read_text())
+    users = RedisUsers.read(run_dir, recorded["run_id"])
+    if users is None:
+        return recorded["redis_url"]
+    port = int(recorded["redis_url"].rsplit(":", 1)[1].split("/")[0])
+    return users.url(user, port)
+
+
+class RedisUsers:
+    """The embedded Redis's users and their passwords, for one run."""
+
+    def __init__(self, run_id: str, passwords: dict[str, str]):
+        self.run_id, self.passwords = run_id, passwords
+
+    @classmethod
+    def new(cls, run_id: str) -> "RedisUsers":
+        return cls(run_id, {u: secrets.token_urlsafe(32) for u in USERS})
+
+    @classmethod
+    def read(cls, run_dir: Path, run_id: str) -> "RedisUsers | None":
+        """The users a run recorded (None for a run started before Redis had users)."""
+        folder = secrets_dir(run_dir) / "redis"
+        if not folder.is_dir():
+            return None
+        return cls(run_id, {u: (folder / f"{u}.password").read_text().strip() for u in USERS})
+
+    def url(self, user: str, port: int) -> str:
+        return f"redis://{user}:{self.passwords[user]}@127.0.0.1:{port}/0"
+
+    def acl_text(self) -> str:
+        # `default` with no password at all (resetpass: not even nopass) cannot be logged in as, so a client
+        # without credentials gets NOAUTH for everything. It keeps its rights because Redis (before 8.x)
+        # replays the append-only file's MULTI/EXEC blocks as `default` and re-checks them against its ACL:
+        # `default off` or `-@all` silently drops those transactions when a run is resumed (redis/redis#14541)
+        lines = ["user default on resetpass ~* &* +@all"]
+        lines += [acl_rules(self.run_id, u, self.passwords[u]) for u in USERS]
+        return "\n".join(lines) + "\n"
+
+    def write(self, run_dir: Path) -> Path:
+        """The passwords and the ACL file into ``secrets/redis/``; returns the ACL file's path."""
+        folder = _private_dir(_private_dir(secrets_dir(run_dir)) / "redis")
+        for u, password in self.passwords.items():
+            _write_private(folder / f"{u}.password", password + "\n")
+        acl = folder / "users.acl"
+        _write_private(acl, self.acl_text())
+        return acl

@@ -1,0 +1,168 @@
+"""A forged weight announcement, written straight into Redis by someone who can write there but has not
+the run's announcement key (docs/security.md, "Redis and announcements"): a running generator never loads
+it, the dashboard flags it, the broker's version checks ignore it."""
+
+import httpx
+import pytest
+import redis
+import torch
+
+from broker.client.announcements import announce, latest_announcement
+from broker.client.telemetry import read_heartbeats, read_stats
+from broker.config import BrokerConfig
+from broker.protocol import signing
+from broker.protocol.group import encode_group
+from broker.protocol.keys import Keys
+from broker.protocol.messages import Announcement, encode_announcement
+from broker.service import Broker
+from learner.publish import Publisher
+from learner.tiny_model import build_tiny_model
+from tests.support.browser import browser  # noqa: F401  (a fixture)
+from tests.support.data import make_group
+from tests.support.services import (announce_key, announce_key_file, generator_cfg, start_broker_and_reward,
+                                    start_service, wait_until)
+
+
+def _forge(r, keys, a: Announcement) -> None:
+    """What an attacker with Redis access writes: the announcement where the learner writes its own."""
+    data = encode_announcement(a)
+    r.set(keys.latest, data)
+    r.hset(keys.versions, str(a.version), data)
+    r.publish(keys.announce, data)
+
+
+@pytest.mark.slow  # a generator process with a model: like the other generator tests, left to `make test`
+def test_a_running_generator_never_loads_a_forged_announcement_and_the_dashboard_flags_it(procs, redis_url, tmp_path,
+                                                                                        request):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    svc = start_broker_and_reward(procs, redis_url, tmp_path, "forge", prompt_backlog=8, max_queue_groups=100_000,
+                                  eval={"every_versions": 0})
+    r, keys = redis.Redis.from_url(redis_url), Keys("forge")
+    path = build_tiny_model(tmp_path / "model")
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    learner = Publisher(r, keys, str(tmp_path / "weights"), tok, keep_versions=10, announce_key=announce_key(tmp_path))
+    a0 = learner.publish(model, model.state_dict(), 0)
+    gen = start_service(procs, "gen", "generator", generator_cfg(
+        svc, redis_url, "forge", "g0", prompts_per_batch=2, sampling={"n": 2, "max_tokens": 4},
+        weight_store=str(tmp_path / "weights")), tmp_path)
+
+    def heartbeat():
+        return read_heartbeats(r, keys).get("g0")
+
+    wait_until(lambda: (hb := heartbeat()) and hb.version == 0, timeout=60, what=f"version 0 served:\n{gen.tail()}")
+
+    # the attacker's own weights: a valid snapshot (correct manifest and hash) in a folder of their own,
+    # announced as a much newer version, unsigned
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.01)
+    evil = Publisher(r, keys, str(tmp_path / "attacker"), tok, keep_versions=10)  # no key: unsigned
+    forged = evil.publish(model, model.state_dict(), 99)
+    _forge(r, keys, forged)
+    hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 1 and h, timeout=60,
+                    what=f"the forged announcement noticed:\n{gen.tail()}")
+    # and one signed with a key that is not the run's
+    other = signing.signed(bytes(32), "forge", Announcement(100, forged.hash, forged.path))
+    _forge(r, keys, other)
+    hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 2 and h, timeout=60,
+                    what=f"the second forgery noticed:\n{gen.tail()}")
+    assert hb.version == 0 and hb.hash == a0.hash and hb.updates == 1 and gen.alive()
+    assert hb.refused.get(forged.hash) in ("unsigned", "bad_signature")
+    assert "ignored a forged weight announcement" in gen.tail(200)
+    assert latest_announcement(r, keys, announce_key(tmp_path)).version == 0  # the newest signed one
+
+    st = httpx.get(f"{svc.http}/api/state", timeout=10).json()
+    assert st["flags"]["forged_announcement"]["reason"] == "bad_signature"
+    assert st["flags"]["forged_announcement"]["version"] == 100 and st["flags"]["forged_seen"] == ["g0"]
+    assert st["learner_version"] == 0 and st["learner_hash"] == a0.hash  # the real learner's, not the forger's
+    assert st["failures"]["forged_announcements"] >= 2
+    assert [g["version"] for g in st["generators"]] == [0]
+    page_checked = _check_page(request, svc.http)
+
+    # the learner's next version is loaded as usual
+    a1 = learner.publish(AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+                         .state_dict(), 1)
+    wait_until(lambda: (h := heartbeat()) and h.version == 1 and h.hash == a1.hash, timeout=60,
+               what=f"version 1 served:\n{gen.tail()}")
+    assert httpx.get(f"{svc.http}/api/state", timeout=10).json()["flags"]["forged_announcement"] is None
+    if not page_checked:
+        pytest.skip("the API flags were checked; the page was not (no browser, see the reason above)")
+
+
+def _check_page(request, url: str) -> bool:
+    """The dashboard shows the forgery in red: an alert, and the generator's row. False when there is no browser."""
+    from tests.support.browser import chromium_or_skip
+
+    try:
+        chromium_or_skip()
+    except pytest.skip.Exception as e:  # keep going with the API checks; the test reports the skip at the end
+        print(f"page not checked: {e}")
+        return False
+    page = request.getfixturevalue("browser").new_page(viewport={"width": 1400, "height": 900})
+    page.goto(url + "/")
+    page.wait_for_function("document.querySelector('#alerts')?.innerText.includes('forged weight announcement')",
+                           timeout=30_000)
+    assert "bad_signature" in page.inner_text("#alerts") and "g0 ignored 2 forged" in page.inner_text("#alerts")
+    assert "hash-mismatch" in page.locator('#generators tr[data-id="g0"]').get_attribute("class")
+    page.close()
+    return True
+
+
+def test_a_forged_version_does_not_drive_the_brokers_version_checks(redis_url, tmp_path):
+    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0,
+                            announce_key_file=str(announce_key_file(tmp_path))))
+    r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"), announce_key(tmp_path))
+    _forge(r, keys, Announcement(version=10**9, hash="cd" * 32, path="/attacker"))
+    b.ingest._read_latest()
+    ack = b.ingest.handle(encode_group(make_group(group_id="ahead")))  # its newest token version is 4
+    assert ack.status == "rejected" and ack.reason == "version_ahead"  # ahead of 2, the newest signed version
+    assert read_stats(r, keys, "broker")["rejected:version_ahead"] == 1
+
+
+def test_a_service_without_its_key_file_does_not_start(procs, redis_url, tmp_path):
+    gen = start_service(procs, "gen", "generator", {"run_id": "nokey", "redis_url": redis_url,
+                                                    "announce_key_file": str(tmp_path / "missing.key")}, tmp_path)
+    assert gen.proc.wait(60) == 2
+    assert "cannot read the announcement key" in gen.tail()
+
+
+class _Backend:
+    name = "stub"
+
+    def __init__(self):
+        self.loaded = []
+
+    def load(self, path):
+        self.loaded.append(path)
+
+    update_weights = load
+
+
+def test_a_forgery_that_copies_a_real_hash_neither_loads_nor_blocks_the_real_version(redis_url, tmp_path):
+    """The attacker replays the hash the learner announced, with a folder of their own: the generator loads
+    the learner's folder, and still loads that hash when the learner's signed announcement stands."""
+    from generators.weights import WeightApplier
+    from tests.support.data import snapshot
+
+    r, keys, key = redis.Redis.from_url(redis_url), Keys("copy"), announce_key(tmp_path)
+    store = tmp_path / "store"
+    p1, h1 = snapshot(store, 1)
+    announce(r, keys, Announcement(1, h1, str(p1)), key)
+    backend = _Backend()
+    w = WeightApplier(r, keys, backend, "g", announce_key=key, store=str(store))
+    w.update(block=True)
+    p2, h2 = snapshot(store, 2, b"v2 weights")
+    real = signing.signed(key, "copy", Announcement(2, h2, str(p2)))
+    r.hset(keys.versions, "2", encode_announcement(real))  # the learner's record of version 2...
+    evil_path, _ = snapshot(tmp_path / "evil", 2, b"v2 weights")
+    r.set(keys.latest, encode_announcement(Announcement(2, h2, str(evil_path))))  # ...the attacker's latest, same hash
+    w.update()
+    assert w.version == 2 and backend.loaded == [str(p1), str(p2)] and w.forged_announcements == 1
+    assert w.refused == {h2: "unsigned"} and w.refused_updates == 0
+    # a version outside the store, even signed (a stolen key), is refused as a bad snapshot
+    p3, h3 = snapshot(tmp_path / "elsewhere", 3)
+    announce(r, keys, Announcement(3, h3, str(p3)), key)
+    w.update()
+    assert w.version == 2 and w.refused[h3] == "outside_store" and w.refused_updates == 1
