@@ -110,7 +110,7 @@ def _check_page(request, url: str) -> bool:
 
 
 def test_a_forged_version_does_not_drive_the_brokers_version_checks(redis_url, tmp_path):
-    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0,
+    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
                             announce_key_file=str(announce_key_file(tmp_path))))
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
     announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"), announce_key(tmp_path))
