@@ -127,6 +127,12 @@ def cmd_config(args) -> int:
     return run_config(args)
 
 
+def cmd_secrets(args) -> int:
+    from deploy.provision import run
+
+    return run(args)
+
+
 def cmd_up(args) -> int:
     from deploy.launcher.up import run_up
 
@@ -196,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
                                         "config a run's services ran with.")
     add_config_arguments(config)
     config.set_defaults(fn=cmd_config)
+
+    from deploy.provision import add_arguments as add_secrets_arguments
+
+    sec = sub.add_parser("secrets", help="make the secrets of a Compose or Kubernetes deployment",
+                         description="Keys and passwords for docker-compose.yml (deploy/secrets) and, with --k8s, "
+                                     "the Kubernetes Secrets of deploy/k8s: the announcement key, the ingest's CURVE "
+                                     "certificates, Redis users, the reward token (docs/deploy.md, docs/security.md).")
+    add_secrets_arguments(sec)
+    sec.set_defaults(fn=cmd_secrets)
     return parser
 
 

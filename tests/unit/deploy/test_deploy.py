@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -55,9 +56,32 @@ def _run(*cmd: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.Com
                           env={**os.environ, **(env or {})})
 
 
-def _compose(*args: str, file: Path | None = None) -> subprocess.CompletedProcess:
-    # --project-directory keeps relative paths (./deploy/config/...) and .env resolving from the repo
-    cmd = [_tool("docker-compose"), "--project-directory", str(ROOT), "-f", str(file or ROOT / "docker-compose.yml")]
+_PROJECTS: dict[bool, Path] = {}
+
+
+def _project(with_secrets: bool = True) -> Path:
+    """The compose project as a user has it: the repository (linked, so relative paths such as
+    ./deploy/config/... resolve to its files), with ``deploy/secrets`` made by the real `relay secrets`
+    command, or without any secret."""
+    if with_secrets not in _PROJECTS:
+        d = Path(tempfile.mkdtemp(prefix="relay-compose-"))
+        for p in ROOT.iterdir():
+            if p.name != "deploy":
+                (d / p.name).symlink_to(p)
+        (d / "deploy").mkdir()
+        for p in (ROOT / "deploy").iterdir():
+            if p.name != "secrets":
+                (d / "deploy" / p.name).symlink_to(p)
+        if with_secrets:
+            r = _run(sys.executable, "-m", "deploy.cli", "secrets", str(d / "deploy" / "secrets"))
+            assert r.returncode == 0, r.stdout + r.stderr
+        _PROJECTS[with_secrets] = d
+    return _PROJECTS[with_secrets]
+
+
+def _compose(*args: str, file: Path | None = None, with_secrets: bool = True) -> subprocess.CompletedProcess:
+    project = _project(with_secrets)
+    cmd = [_tool("docker-compose"), "--project-directory", str(project), "-f", str(file or project / "docker-compose.yml")]
     return _run(*cmd, *args, env={"DOCKER_CONFIG": str(ROOT / ".cache" / "docker")})
 
 
@@ -111,7 +135,18 @@ def test_compose_wiring():
     assert "weights:/weights:ro" in services["sglang"]["volumes"]  # the server reads the snapshots announced
     assert {services[n]["image"] for n in MODELS} == {services["broker"]["image"]}
     for name in ("reward", "generator"):
-        assert services[name]["env_file"][0]["path"] == "deploy/secrets/relay.env"
+        assert "deploy/secrets/relay.env" in [e["path"] for e in services[name]["env_file"]]
+    # authentication on: each service's Redis user from its env file, CURVE keys and the announcement key
+    # from compose secrets (made by `relay secrets deploy/secrets`), no insecure ingest anywhere
+    assert "--aclfile" in services["redis"]["command"] and "redis_acl" in services["redis"]["secrets"]
+    for name in ("broker", "learner", "generator", "generator-vllm", "generator-sglang"):
+        env = services[name]["environment"]
+        assert "RELAY_REDIS_URL" not in env and "RELAY_INGEST_AUTH" not in env, name
+        assert f"deploy/secrets/{name.split('-')[0]}.env" in [e["path"] for e in services[name]["env_file"]], name
+        assert "announce_key" in services[name]["secrets"], name
+    assert {"ingest_broker_key", "ingest_clients"} <= set(services["broker"]["secrets"])
+    assert {"ingest_generator_key", "ingest_broker_public"} <= set(services["generator"]["secrets"])
+    assert all(v["file"].startswith("deploy/secrets/") for v in compose["secrets"].values())
     assert services["generator"]["depends_on"]["reward"]["condition"] == "service_healthy"
     # learner and generators share the weight store at the same path (announcements carry the path)
     assert services["learner"]["environment"]["RELAY_WEIGHT_STORE"] == "/weights"
@@ -122,6 +157,24 @@ def test_compose_wiring():
     # secrets are never sent into an image build
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert "deploy/secrets" in ignored and ".env" in ignored
+
+
+def test_compose_refuses_to_start_without_the_secrets_and_accepts_what_relay_secrets_makes(tmp_path):
+    r = _compose("config", "-q", with_secrets=False)
+    assert r.returncode != 0 and "deploy/secrets/" in r.stderr, r.stderr
+    assert _compose("config", "-q").returncode == 0
+    made = _project() / "deploy" / "secrets"
+    assert oct(made.stat().st_mode & 0o777) == "0o700"
+    services = yaml.safe_load(_compose("config").stdout)["services"]
+    urls = {}
+    for name in ("broker", "learner", "generator"):
+        urls[name] = services[name]["environment"]["RELAY_REDIS_URL"]
+        assert urls[name].startswith(f"redis://{name}:") and urls[name].endswith("@redis:6379/0")
+    assert len(set(urls.values())) == 3  # one user and password each
+    # run again: nothing changes (the deployment keeps its keys)
+    before = {p: p.read_bytes() for p in made.rglob("*") if p.is_file()}
+    r = _run(sys.executable, "-m", "deploy.cli", "secrets", str(made))
+    assert r.returncode == 0 and before == {p: p.read_bytes() for p in made.rglob("*") if p.is_file()}
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------
@@ -248,16 +301,35 @@ def test_reward_configmap_is_the_compose_config_file():
     assert tomllib.loads(text)  # and it parses
 
 
-def test_reward_token_secret_command_renders_a_valid_secret(tmp_path):
-    """The docs' `kubectl create secret` command, run client-side, yields the Secret the pods read."""
-    r = _run(_tool("kubectl"), "-n", "relay", "create", "secret", "generic", "relay-reward-token",
-             "--from-literal=token=test-token", "--dry-run=client", "-o", "yaml")
-    assert r.returncode == 0, r.stderr
-    (tmp_path / "secret.yaml").write_text(r.stdout)
-    v = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(tmp_path / "secret.yaml"))
+def test_relay_secrets_k8s_writes_valid_secrets_with_every_key_the_manifests_read(rendered, tmp_path):
+    """`relay secrets DIR --k8s FILE` (docs/deploy.md) writes Secrets that validate, and every Secret and
+    key a rendered manifest reads (env secretKeyRef, secret volumes with the files the env points at)
+    is among them."""
+    out = tmp_path / "relay-secrets.yaml"
+    r = _run(sys.executable, "-m", "deploy.cli", "secrets", str(tmp_path / "k8s-secrets"), "--k8s", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert oct(out.stat().st_mode & 0o777) == "0o600"
+    v = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(out))
     assert v.returncode == 0, v.stdout + v.stderr
-    secret = yaml.safe_load(r.stdout)
-    assert secret["metadata"]["name"] == "relay-reward-token" and "token" in secret["data"]
+    made = {d["metadata"]["name"]: set(d["data"]) for d in _docs(out)}
+    for overlay in OVERLAYS:
+        for d in _docs(rendered[overlay]):
+            if d["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            pod = d["spec"]["template"]["spec"]
+            volumes = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+            for c in pod["containers"]:
+                for e in c.get("env", []):
+                    ref = e.get("valueFrom", {}).get("secretKeyRef")
+                    if ref:
+                        assert ref["key"] in made.get(ref["name"], ()), (overlay, d["metadata"]["name"], ref)
+                mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in volumes}
+                files = [e["value"] for e in c.get("env", []) if e["name"].endswith("_FILE") and "value" in e]
+                files += [a for a in c.get("args", []) if a.startswith("/etc/redis/")]
+                for f in files:
+                    folder, name = f.rsplit("/", 1)
+                    assert folder in mounts, (overlay, d["metadata"]["name"], f)
+                    assert name in made[mounts[folder]], (overlay, d["metadata"]["name"], f, mounts[folder])
 
 
 # -- docs/deploy.md: every command in it is run by these tests or by make compose-smoke ----------
@@ -277,10 +349,7 @@ DOC_COMMANDS = {
         (SMOKE, 'tar -C "$WORK/rootfs" -c . | docker import - "$BASE_IMAGE"'),
     "RELAY_BASE_IMAGE=local/relay-base:bookworm RELAY_REDIS_IMAGE=local/relay-base:bookworm docker compose build":
         (SMOKE, 'export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE"'),
-    """python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\\nRELAY_REWARD_TOKEN={t}")' """
-    "> deploy/secrets/relay.env":
-        (SMOKE, """python3 -c 'import secrets; t = secrets.token_hex(16); print(f"RELAY_AUTH_TOKEN={t}\\nRELAY_REWARD_TOKEN={t}")' """
-                "> deploy/secrets/relay.env"),
+    "relay secrets deploy/secrets": (SMOKE, '"$VENV/bin/relay" secrets deploy/secrets'),
     "docker compose up -d --scale generator=2": (SMOKE, "docker compose up -d --scale generator=2"),
     "relay status --url http://127.0.0.1:8080": (SMOKE, '"$VENV/bin/relay" status --url "$URL"'),
     "docker compose down -v": (SMOKE, "docker compose down -v"),
@@ -292,9 +361,8 @@ DOC_COMMANDS = {
     "kubectl kustomize deploy/k8s/overlays/cpu": (TESTS, '"kustomize", str(K8S / "overlays" / overlay)'),
     "docker compose -f docker-compose.yml -f deploy/compose/code-sandbox.yml config":
         ("tests/unit/deploy/test_code_sandbox_deploy.py", '_compose("-f", str(OVERRIDE), "config")'),
-    "kubectl -n relay create secret generic relay-reward-token --from-literal=token=test-token --dry-run=client -o yaml":
-        (TESTS, '"-n", "relay", "create", "secret", "generic", "relay-reward-token",\n'
-                '             "--from-literal=token=test-token", "--dry-run=client", "-o", "yaml"'),
+    "relay secrets .cache/k8s-secrets --k8s relay-secrets.yaml":
+        (TESTS, '"secrets", str(tmp_path / "k8s-secrets"), "--k8s", str(out)'),
 }
 
 
