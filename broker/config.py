@@ -10,22 +10,12 @@ from broker.client.connection import connect_address
 from broker.prompts.datasets import DatasetConfig
 from broker.prompts.evals import EvalConfig
 from broker.prompts.tasks import TaskConfig
-from broker.runtime.config import StrictModel
+from broker.runtime.config import RunConnection, StrictModel
 
 
-class BrokerConfig(StrictModel):
+class BrokerConfig(RunConnection):
     """The broker: where it listens, how much it queues, which prompts it feeds."""
 
-    run_id: str = Field("default", description="run id; namespaces every Redis key")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL: redis://[user:password@]"
-                           "host:port/db, rediss:// for TLS, or unix://; the password is a secret (give it as "
-                           "RELAY_REDIS_URL; relay up never writes it to the run folder, shows it redacted)")
-    announce_auth: Literal["hmac", "insecure"] = Field(
-        "hmac", description="hmac: weight announcements checked (for version_ahead, the dashboard) with the run's "
-        "HMAC-SHA256 key (docs/security.md); insecure: neither signed nor checked (anyone who can write to Redis "
-        "chooses the weights the generators load)")
-    announce_key_file: str = Field("", description="file holding the run's announcement key (64 hex digits, "
-                                   "mode 0600; relay up writes runs/<id>/secrets/announce.key); needed by hmac")
     ingest_bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address generators send groups to")
     ingest_advertise: str = Field("", description="the address producers are told to connect to (the run's "
                                   "advertisement in Redis, docs/protocol.md 7.11); '' = ingest_bind, a wildcard host "

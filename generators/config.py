@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from broker.runtime.config import StrictModel
+from broker.runtime.config import RunConnection, StrictModel
 
 if TYPE_CHECKING:
     from generators.backends.base import Backend
@@ -138,21 +138,11 @@ def check_backend_installed(backend) -> None:
 BACKEND_CONFIGS = (TorchBackendConfig, VLLMBackendConfig, SGLangBackendConfig, SimulatedBackendConfig)
 
 
-class GeneratorConfig(StrictModel):
+class GeneratorConfig(RunConnection):
     """One generator replica."""
 
     id: str = Field(default_factory=lambda: f"gen-{socket.gethostname()}-{os.getpid()}",
                     description="replica id, unique in the run (default: from the host name and PID)")
-    run_id: str = Field("default", description="run id; namespaces every Redis key")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL: redis://[user:password@]"
-                           "host:port/db, rediss:// for TLS, or unix://; the password is a secret (give it as "
-                           "RELAY_REDIS_URL; relay up never writes it to the run folder, shows it redacted)")
-    announce_auth: Literal["hmac", "insecure"] = Field(
-        "hmac", description="hmac: weight announcements checked before loading with the run's HMAC-SHA256 "
-        "key (docs/security.md); insecure: neither signed nor checked (anyone who can write to Redis chooses "
-        "the weights the generators load)")
-    announce_key_file: str = Field("", description="file holding the run's announcement key (64 hex digits, "
-                                   "mode 0600; relay up writes runs/<id>/secrets/announce.key); needed by hmac")
     weight_store: str = Field("", description="the weight store folder: an announced version that is not one "
                               "of its folders is refused; empty: wherever the (signed) announcement says")
     broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")

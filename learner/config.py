@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from broker.runtime.config import StrictModel
+from broker.runtime.config import RunConnection, StrictModel
 from learner.records import WandbConfig
 
 # The valid option names, defined once: losses.py, correction.py and advantages.py derive theirs from these.
@@ -57,19 +57,9 @@ class PolicyLossConfig(StrictModel):
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
 
 
-class LearnerConfig(PolicyLossConfig):
+class LearnerConfig(RunConnection, PolicyLossConfig):
     """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
 
-    run_id: str = Field("default", description="run id; namespaces every Redis key")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL: redis://[user:password@]"
-                           "host:port/db, rediss:// for TLS, or unix://; the password is a secret (give it as "
-                           "RELAY_REDIS_URL; relay up never writes it to the run folder, shows it redacted)")
-    announce_auth: Literal["hmac", "insecure"] = Field(
-        "hmac", description="hmac: weight announcements signed with the run's HMAC-SHA256 key "
-        "(docs/security.md); insecure: neither signed nor checked (anyone who can write to Redis chooses "
-        "the weights the generators load)")
-    announce_key_file: str = Field("", description="file holding the run's announcement key (64 hex digits, "
-                                   "mode 0600; relay up writes runs/<id>/secrets/announce.key); needed by hmac")
     run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")

@@ -16,9 +16,9 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -29,6 +29,22 @@ class StrictModel(BaseModel):
     value is spelled ``null`` where a field allows it, e.g. ``learner.tis_cap``)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+class RunConnection(StrictModel):
+    """The fields of every service that joins a run through its Redis (broker, learner, generators):
+    the run, the Redis URL and the announcement key (the learner signs, the others check)."""
+
+    run_id: str = Field("default", description="run id; namespaces every Redis key")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL: redis://[user:password@]"
+                           "host:port/db, rediss:// for TLS, or unix://; the password is a secret (give it as "
+                           "RELAY_REDIS_URL; relay up never writes it to the run folder, shows it redacted)")
+    announce_auth: Literal["hmac", "insecure"] = Field(
+        "hmac", description="hmac: weight announcements signed by the learner with the run's HMAC-SHA256 key and "
+        "checked by the broker and the generators (docs/security.md); insecure: neither signed nor checked "
+        "(anyone who can write to Redis chooses the weights the generators load)")
+    announce_key_file: str = Field("", description="file holding the run's announcement key (64 hex digits, "
+                                   "mode 0600; relay up writes runs/<id>/secrets/announce.key); needed by hmac")
 
 
 class ConfigError(Exception):
