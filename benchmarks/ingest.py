@@ -61,15 +61,19 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: l
             pipe.execute()
 
 
-def consume(r, stream: str, total: int, timeout_s: float) -> tuple[int, float]:
+def consume(r, stream: str, total: int, timeout_s: float, producers=()) -> tuple[int, float]:
     """The benchmark's consumer, raw Redis on purpose (it drains the broker's stream and the raw
     baseline's alike, so both sides pay the same consumer). Read ``total`` entries through the ``learner`` group, acknowledging and deleting each batch;
-    returns (bytes read, time.perf_counter() at the last one)."""
+    returns (bytes read, time.perf_counter() at the last one). A producer that failed (``producers``:
+    their processes) ends the wait at once."""
     got = nbytes = 0
     deadline = time.monotonic() + timeout_s
     while got < total:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the consumer got {got} of {total} groups from {stream} in {timeout_s}s")
+        failed = [p.returncode for p in producers if p.poll() not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"an ingest producer failed (exit {failed[0]}) after {got} of {total} groups")
         resp = r.xreadgroup("learner", "bench", {stream: ">"}, count=256, block=200)
         for _, entries in resp or []:
             ids = [eid for eid, _ in entries]
@@ -98,7 +102,7 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        nbytes, t1 = consume(r, stream, 2 * per_producer, timeout_s=600)
+        nbytes, t1 = consume(r, stream, 2 * per_producer, timeout_s=600, producers=procs)
         for p in procs:
             if p.wait(60) != 0:
                 raise RuntimeError(f"ingest producer ({mode}) exited with {p.returncode}")
@@ -129,7 +133,7 @@ def run(quick: bool) -> list[dict]:
         keys = Keys("bench")
         wait_until(lambda: r.exists(keys.prompts), 60, "the broker to start", broker)
         for v in (10, 11):  # the versions benchmarks.codec.make_group's groups carry, with their hash
-            announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"))
+            announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"), stack.announce_key)
         k = stack.ingest_keys()
         producer_keys = [k["producer"], k["broker_public_key_file"]]
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
