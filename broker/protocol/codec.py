@@ -67,16 +67,10 @@ def optional_field(m: dict, key: str, types: type, default):
     return get_field(m, key, types)
 
 
-# Below this size a message is decoded by msgpack's C decoder in one call: its worst cases stay a few
-# MiB (about 70 bytes of Python objects per byte for a message of empty maps), or ~32 MiB for nested
-# array headers (1024 levels, each allocating MAX_ARRAY_LEN slots), freed before the next message.
-# Larger messages are walked object by object within a budget of objects (_BoundedDecoder).
-SMALL_MESSAGE = 64 << 10
 # msgpack allocates a container's slots when it reads its header: these bound what a few bytes of
 # headers can make it allocate. A group's samples (at most 256) and version runs stay far below.
 MAX_ARRAY_LEN = 4096
 MAX_MAP_LEN = 1024
-MAX_DEPTH = 32
 
 
 def unpack_limits(nbytes: int) -> dict:
@@ -87,22 +81,44 @@ def unpack_limits(nbytes: int) -> dict:
 
 
 def object_budget(nbytes: int) -> int:
-    """The most msgpack objects (containers and scalars; a str or bin is one) a message of ``nbytes``
-    may hold: max(65536, nbytes / 256), so 65536 up to 16 MiB (never fewer than a SMALL_MESSAGE can
-    hold, so both decoders accept the same messages); a group needs about 30 per sample and 3 per
-    version run. The limits depend only on the message, so the broker and the learner agree."""
-    return max(SMALL_MESSAGE, nbytes >> 8)
+    """The most msgpack objects (containers and their elements; a str or bin is one) a message of
+    ``nbytes`` may hold: max(65536, nbytes / 256), so 65536 up to 16 MiB; a group needs about 30 per
+    sample and 3 per version run. The limits depend only on the message, so the broker and the learner
+    agree."""
+    return max(1 << 16, nbytes >> 8)
+
+
+class _Budget:
+    """Counts the objects msgpack's C decoder makes, through its hooks (called once per array and per
+    map, as each is completed): a container counts one plus its elements (a map's keys and values),
+    so every object but the top level is counted once. Past the budget decoding stops
+    (``too_complex``), with at most one container (MAX_ARRAY_LEN elements) made beyond it."""
+
+    def __init__(self, nbytes: int):
+        self.left = object_budget(nbytes)
+
+    def _spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ProtocolError("too_complex", "more msgpack objects than a message of this size may hold")
+
+    def list_hook(self, xs: list) -> list:
+        self._spend(1 + len(xs))
+        return xs
+
+    def object_hook(self, m: dict) -> dict:
+        self._spend(1 + 2 * len(m))
+        return m
 
 
 def unpack_map(data: bytes | memoryview) -> dict:
-    """Decode one msgpack map (string keys) within :func:`unpack_limits` and :func:`object_budget`, so
-    the memory it takes is bounded by the message size (about 2x: the objects made, the strings and
-    bins copied out), whatever its shape."""
+    """Decode one msgpack map (string keys) by msgpack's C decoder within :func:`unpack_limits` and
+    :func:`object_budget`, so the memory it takes is bounded by the message size (about 2x: the
+    objects made, the strings and bins copied out), whatever its shape."""
+    budget = _Budget(len(data))
     try:
-        if len(data) <= SMALL_MESSAGE:
-            m = msgpack.unpackb(data, raw=False, strict_map_key=True, **unpack_limits(len(data)))
-        else:
-            m = _BoundedDecoder(data).decode()
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True, list_hook=budget.list_hook,
+                            object_hook=budget.object_hook, **unpack_limits(len(data)))
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises several unrelated exception types on garbage
@@ -110,41 +126,3 @@ def unpack_map(data: bytes | memoryview) -> dict:
     if not isinstance(m, dict):
         raise ProtocolError("not_a_map", f"top level must be a map, got {type(m).__name__}")
     return m
-
-
-class _BoundedDecoder:
-    """msgpack decoded one object at a time: a container's header is read, then its elements, each
-    counted against ``object_budget`` (``too_complex`` when exceeded, before the objects are made) and
-    nested at most ``MAX_DEPTH`` deep. Scalars, strings and bins are decoded by msgpack itself."""
-
-    def __init__(self, data: bytes | memoryview):
-        self.data = memoryview(data).cast("B")
-        self.u = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1),
-                                  **unpack_limits(len(data)))
-        self.u.feed(data)
-        self.left = object_budget(len(data))
-
-    def decode(self) -> Any:
-        obj = self._next(0)
-        if self.u.tell() != len(self.data):
-            raise ProtocolError("not_msgpack", f"{len(self.data) - self.u.tell()} bytes after the message")
-        return obj
-
-    def _next(self, depth: int) -> Any:
-        self.left -= 1
-        if self.left < 0:
-            raise ProtocolError("too_complex", "more msgpack objects than a message of this size may hold")
-        if depth > MAX_DEPTH:
-            raise ProtocolError("too_complex", f"nested deeper than {MAX_DEPTH}")
-        first = self.data[self.u.tell()]
-        if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):  # array
-            return [self._next(depth + 1) for _ in range(self.u.read_array_header())]
-        if 0x80 <= first <= 0x8F or first in (0xDE, 0xDF):  # map
-            m = {}
-            for _ in range(self.u.read_map_header()):
-                key = self._next(depth + 1)
-                if not isinstance(key, str):
-                    raise ProtocolError("not_msgpack", f"map key of type {type(key).__name__}, not str")
-                m[key] = self._next(depth + 1)
-            return m
-        return self.u.unpack()  # a scalar, str or bin: one object
