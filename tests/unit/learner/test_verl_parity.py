@@ -205,6 +205,7 @@ def test_estimators_that_need_a_critic_are_refused_naming_it():
         with pytest.raises(ValueError, match="needs a critic"):
             LearnerConfig(advantage=name)
     assert LearnerConfig(advantage="reinforce_pp_baseline").advantage == "reinforce_pp_baseline"
+    assert LearnerConfig(advantage="gae", critic={"enabled": True}).critic.lr == LearnerConfig().lr
 
 
 # ----------------------------------------------------------------------------------------------
