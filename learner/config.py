@@ -56,7 +56,8 @@ class CriticConfig(StrictModel):
     lr: float | None = Field(None, gt=0, description="the critic's AdamW learning rate; null = the policy's")
     cliprange_value: float = Field(0.5, gt=0, description="verl's cliprange_value: the new value is clipped to "
                                    "the old one ± this in the clipped value loss")
-    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="the critic's DeepSpeed engine")
+    deepspeed: DeepSpeedConfig | None = Field(None, description="the critic's DeepSpeed engine (ZeRO stage, bf16, "
+                                              "gradient clipping); null = the same settings as learner.deepspeed")
 
 
 class PolicyLossConfig(StrictModel):
@@ -163,4 +164,6 @@ class LearnerConfig(PolicyLossConfig):
             self.lr = TINY_LR if self.model == "tiny" else PRETRAINED_LR
         if self.critic.lr is None:
             self.critic.lr = self.lr
+        if self.critic.deepspeed is None:
+            self.critic.deepspeed = self.deepspeed.model_copy()
         return self
