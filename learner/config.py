@@ -18,6 +18,7 @@ AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforc
 NEEDS_CRITIC = ("gae", "vtrace")  # per-token estimators over the critic's values (learner/critic.py)
 
 TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
+TINY_LR_PER_TOKEN = 1e-3  # ... and with gae / vtrace, whose whitened per-token advantages keep unit scale (docs/learner.md)
 PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
 
 
@@ -85,7 +86,8 @@ class LearnerConfig(PolicyLossConfig):
     steps: int = Field(600, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
     lr: float | None = Field(None, gt=0, description="AdamW learning rate; null = the default for the model: "
-                             f"{TINY_LR} for 'tiny', {PRETRAINED_LR} for a model given by path (docs/learner.md)")
+                             f"{TINY_LR} for 'tiny' ({TINY_LR_PER_TOKEN} with gae or vtrace), {PRETRAINED_LR} for a "
+                             "model given by path (docs/learner.md)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
                            "model (the initial weights); 0 = no reference model")
@@ -161,7 +163,8 @@ class LearnerConfig(PolicyLossConfig):
     @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:
         if self.lr is None:  # a rate that fits the model: the toy's would make a pretrained LM diverge
-            self.lr = TINY_LR if self.model == "tiny" else PRETRAINED_LR
+            tiny = TINY_LR_PER_TOKEN if self.advantage in NEEDS_CRITIC else TINY_LR
+            self.lr = tiny if self.model == "tiny" else PRETRAINED_LR
         if self.critic.lr is None:
             self.critic.lr = self.lr
         if self.critic.deepspeed is None:
