@@ -18,7 +18,8 @@ AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforc
 NEEDS_CRITIC = ("gae", "vtrace")  # per-token estimators over the critic's values (learner/critic.py)
 
 TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
-TINY_LR_PER_TOKEN = 5e-4  # ... and with gae / vtrace, whose whitened per-token advantages keep unit scale (docs/learner.md)
+# ... and with gae / vtrace, whose whitened per-token advantages keep unit scale (docs/learner.md)
+TINY_LR_PER_TOKEN = 5e-4
 PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
 
 

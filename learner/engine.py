@@ -55,9 +55,10 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.op
                  critic: bool = False):
     """Wrap ``model`` in a DeepSpeed engine with a torch AdamW (avoids compiling DeepSpeed's fused Adam),
     or ``optimizer``; with ``critic``, the critic's (its learning rate and DeepSpeed settings,
-    ``learner.critic``; learner/critic.py enables its activation checkpointing). Gradient accumulation is the caller's: every ``backward`` accumulates, every
-    ``step`` reduces over ranks and updates (``managed_gradient_accumulation: false``), so a
-    (mini)batch can have any number of micro-batches (learner/update.py)."""
+    ``learner.critic``; learner/critic.py enables its activation checkpointing). Gradient
+    accumulation is the caller's: every ``backward`` accumulates, every ``step`` reduces over ranks
+    and updates (``managed_gradient_accumulation: false``), so a (mini)batch can have any number of
+    micro-batches (learner/update.py)."""
     import deepspeed
 
     init_distributed()

@@ -232,7 +232,8 @@ class PolicyUpdate:
         if self.reference is not None and not cfg.kl_in_reward:
             diag["kl_ref"] = totals["kl_ref"]
         if self.critic is not None:  # verl's critic/vf_loss and critic/vf_clipfrac
-            diag.update(value_loss=totals["value_loss"], value_clip_frac=totals["value_clipped"] / max(norm.tokens, 1.0))
+            diag.update(value_loss=totals["value_loss"],
+                        value_clip_frac=totals["value_clipped"] / max(norm.tokens, 1.0))
         diag["skipped"] = skipped
         return diag
 
@@ -342,7 +343,8 @@ class PolicyUpdate:
         if self.critic is not None:
             self._critic_targets(b, torch.cat(rewards), old)
         if self.cfg.advantage not in NEEDS_CRITIC:
-            b.advantages = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))[:, None].to(b.advantages.dtype)
+            adv = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))
+            b.advantages = adv[:, None].to(b.advantages.dtype)
         steps = []
         for _ in range(self.cfg.ppo_epochs):
             split = torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches) if multi \

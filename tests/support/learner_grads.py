@@ -68,7 +68,8 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpo
     value_model = build_value_model(model, base)
     torch.nn.init.normal_(value_model.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
     engine = build_engine(model, base, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    critic = build_engine(value_model, base, optimizer=torch.optim.SGD(value_model.parameters(), lr=CRITIC_LR), critic=True)
+    critic = build_engine(value_model, base, optimizer=torch.optim.SGD(value_model.parameters(), lr=CRITIC_LR),
+                          critic=True)
     groups = make_groups(8, 4, 12, seed=1, sampling=SAMPLING)  # behaviour log-probs unrelated to π: stale samples
     diags = []
     for i, (agg, pol, mode, minibatches, advantage) in enumerate(CASES):
