@@ -30,7 +30,8 @@ def main(redis_url: str, run_dir: Path, steps: int) -> None:
     cfg = LearnerConfig(run_id="critic", redis_url=redis_url, run_dir=str(run_dir),
                         weight_store=str(run_dir / "weights"),
                         steps=steps, batch_groups=4, checkpoint_every=0, tensorboard=False, wait_timeout_s=60,
-                        admission_eta=None, max_staleness=10_000, advantage="gae", critic={"enabled": True})
+                        admission_eta=None, max_staleness=10_000, advantage="gae",
+                        critic={"enabled": True, "lr": 2e-3})  # the test's few steps: a faster critic
     groups = make_groups(4 * steps, 4, 6, seed=5)
     rng = np.random.default_rng(5)
     for g in groups:
