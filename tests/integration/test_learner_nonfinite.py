@@ -37,7 +37,7 @@ def test_groups_with_nonfinite_float32_numbers_are_dropped_and_counted(redis_url
     nan_logprob.samples[0].logprobs = np.array([-0.5, np.nan, -0.1], np.float32)
     good = make_group(group_id="good", run_id="nf")
     pipe = r.pipeline()  # straight into the queue: below the broker's ingest check
-    queues.append_groups(pipe, keys, 100, [(g, encode_group(g)) for g in (huge, nan_logprob, good)])
+    queues.append_groups(pipe, keys, 100, 1 << 30, [(g, encode_group(g)) for g in (huge, nan_logprob, good)])
     pipe.execute()
     counts = Counter()
     intake = GroupIntake(r, keys, LearnerConfig(run_id="nf", redis_url=redis_url, batch_groups=1, wait_timeout_s=30),

@@ -40,6 +40,7 @@ def main(redis_url: str, run_dir: Path) -> None:
     from learner.config import LearnerConfig
     from learner.ranks import write_checksum
     from learner.trainer import Learner
+    import learner.update as update_module
 
     cfg = LearnerConfig(run_id="bench", redis_url=redis_url, run_dir=str(run_dir), weight_store=str(run_dir / "weights"),
                         steps=3, batch_groups=2, publish_every=1, checkpoint_every=0, tensorboard=False,
@@ -47,24 +48,24 @@ def main(redis_url: str, run_dir: Path) -> None:
     r, keys = redis.Redis.from_url(redis_url), Keys(cfg.run_id)
     queues.ensure_groups(r, keys)
     pipe = r.pipeline()
-    queues.append_groups(pipe, keys, 100, [(g, encode_group(g)) for g in make_groups(6, 4, 6, seed=3)])
+    queues.append_groups(pipe, keys, 100, 1 << 30, [(g, encode_group(g)) for g in make_groups(6, 4, 6, seed=3)])
     pipe.execute()
 
     learner = Learner(cfg)
     write_checksum(learner.engine.module, run_dir / "rank-0.checksums", 0)
-    real, calls = learner.update.advantage_fn, itertools.count()
+    real, calls = update_module.batch_advantages, itertools.count()
     digests = {}
 
-    def poisoned(rewards):
+    def poisoned(estimator, rewards, tokens):
         """NaN advantages for the second step's groups (the hook), the real estimator otherwise."""
-        n, b = next(calls), cfg.batch_groups
-        if n == b:
+        n = next(calls)  # one call per step
+        if n == 1:
             digests["optimizer_before"] = optimizer_digest(learner.engine)
-        if n == 2 * b:
+        if n == 2:
             digests["optimizer_after_skip"] = optimizer_digest(learner.engine)
-        return torch.full_like(rewards, float("nan")) if b <= n < 2 * b else real(rewards)
+        return [torch.full_like(r, float("nan")) for r in rewards] if n == 1 else real(estimator, rewards, tokens)
 
-    learner.update.advantage_fn = poisoned
+    update_module.batch_advantages = poisoned
     learner.run()
     metrics = httpx.get(f"http://127.0.0.1:{learner.observer.server.port}/metrics", timeout=10).text
     sums = [json.loads(x)["sha256"] for x in (run_dir / "rank-0.checksums").read_text().splitlines()]

@@ -23,6 +23,7 @@ def run(out: Path, stage: int, poison: bool) -> tuple[str, dict | None]:
     from benchmarks.learner import make_groups
     from learner.config import LearnerConfig
     from learner.engine import build_engine, load_model
+    import learner.update
     from learner.update import PolicyUpdate
 
     cfg = LearnerConfig(run_dir=str(out / f"model-{stage}"), logprob_chunk_tokens=16)
@@ -35,10 +36,11 @@ def run(out: Path, stage: int, poison: bool) -> tuple[str, dict | None]:
     update.train_step(groups[:2], groups[0].sampling, 1)
     skipped = None
     if poison:
-        real = update.advantage_fn
-        update.advantage_fn = lambda r: torch.full_like(r, float("nan"))
+        real = learner.update.batch_advantages  # the hook: NaN advantages for this step
+        learner.update.batch_advantages = lambda _est, rewards, _tokens: [torch.full_like(r, float("nan"))
+                                                                           for r in rewards]
         skipped = update.train_step(groups[2:4], groups[0].sampling, 1)
-        update.advantage_fn = real
+        learner.update.batch_advantages = real
     update.train_step(groups[4:6], groups[0].sampling, 1)
     h = hashlib.sha256()
     params = dict(engine.module.named_parameters())
