@@ -12,6 +12,8 @@ Layout of ``<dir>/step-000050/``:
   (stages 1-3: its partition of the fp32 master weights, AdamW's ``exp_avg``/``exp_avg_sq`` and step,
   the loss scaler; stage 0: torch's AdamW state, or DeepSpeed's bf16 wrapper around it), flattened by
   ``learner.state_codec``, plus the engine's step counters and the rank's torch RNG state.
+- ``critic/`` (with ``learner.critic``): the critic's engine in the same layout (``model.safetensors``,
+  the ranks' parts); ``state.json``'s ``critic`` holds its engine settings (null without a critic).
 
 Every rank calls ``save`` (ZeRO-3 gathers its persistent parameters afterwards, a collective). The
 leader makes ``.tmp-step-000050``, every rank writes and fsyncs its part there, a barrier waits
@@ -141,9 +143,23 @@ def _load_part(folder: Path, rank: int) -> dict:
         raise CheckpointError(f"{tree_path}: {e}") from e
 
 
-def save(root: str | Path, step: int, engine, state: dict, keep: int = 2) -> Path:
-    """Write checkpoint ``step`` of ``engine`` with the leader's ``state`` (JSON values); every rank
-    must call it. Returns the checkpoint's folder once ``latest`` names it."""
+def _save_engine(folder: Path, engine, rank: int) -> None:
+    """This rank's part of ``engine`` in ``folder`` (the module's weights too, on the leader below ZeRO-3)."""
+    zero = engine.zero_optimization_stage()
+    if hasattr(engine.optimizer, "checkpoint_event_prologue"):
+        engine.optimizer.checkpoint_event_prologue()  # ZeRO-3: every parameter back to its partition
+    if rank == 0 or zero > 0:
+        _save_part(folder, rank, _rank_part(engine))
+    if hasattr(engine.optimizer, "checkpoint_event_epilogue"):
+        engine.optimizer.checkpoint_event_epilogue()  # ZeRO-3: persistent parameters gathered again
+    if rank == 0 and zero < 3:
+        _save_module(engine.module, folder / "model.safetensors")
+
+
+def save(root: str | Path, step: int, engine, state: dict, keep: int = 2, critic=None) -> Path:
+    """Write checkpoint ``step`` of ``engine`` (and of the ``critic``'s engine, in ``critic/`` with the
+    same layout) with the leader's ``state`` (JSON values); every rank must call it. Returns the
+    checkpoint's folder once ``latest`` names it."""
     rank, world = _rank_world()
     root = Path(root)
     name = f"step-{step:06d}"
@@ -153,18 +169,18 @@ def save(root: str | Path, step: int, engine, state: dict, keep: int = 2) -> Pat
         for stale in root.glob(".tmp-*"):  # left by a learner killed while writing
             shutil.rmtree(stale)
         tmp.mkdir()
+        if critic is not None:
+            (tmp / "critic").mkdir()
     _barrier()
-    zero = engine.zero_optimization_stage()
-    if hasattr(engine.optimizer, "checkpoint_event_prologue"):
-        engine.optimizer.checkpoint_event_prologue()  # ZeRO-3: every parameter back to its partition
-    if rank == 0 or zero > 0:
-        _save_part(tmp, rank, _rank_part(engine))
-    if hasattr(engine.optimizer, "checkpoint_event_epilogue"):
-        engine.optimizer.checkpoint_event_epilogue()  # ZeRO-3: persistent parameters gathered again
+    _save_engine(tmp, engine, rank)
+    if critic is not None:
+        _save_engine(tmp / "critic", critic, rank)
     if rank == 0:
-        if zero < 3:
-            _save_module(engine.module, tmp / "model.safetensors")
-        _write_json(tmp / "state.json", {"format": FORMAT, "step": step, **_engine_settings(engine, world), **state})
+        crit = _engine_settings(critic, world) if critic is not None else None
+        _write_json(tmp / "state.json", {"format": FORMAT, "step": step, **_engine_settings(engine, world),
+                                         "critic": crit, **state})
+        if critic is not None:
+            _fsync_dir(tmp / "critic")
     _barrier()  # every rank's part is on disk
     if rank == 0:
         _fsync_dir(tmp)
@@ -182,9 +198,9 @@ def save(root: str | Path, step: int, engine, state: dict, keep: int = 2) -> Pat
     return final
 
 
-def load(root: str | Path, engine) -> dict | None:
-    """Restore the newest checkpoint into ``engine`` (weights, optimizer, counters, RNG) on this rank;
-    return the leader's state (None if there is no checkpoint). Every rank must call it."""
+def load(root: str | Path, engine, critic=None) -> dict | None:
+    """Restore the newest checkpoint into ``engine`` (weights, optimizer, counters, RNG) and ``critic``
+    on this rank; return the leader's state (None if there is no checkpoint). Every rank must call it."""
     rank, world = _rank_world()
     root = Path(root)
     pointer = root / "latest"
@@ -197,7 +213,21 @@ def load(root: str | Path, engine) -> dict | None:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} was written by an older Relay (format {meta.get('format', 1)}, this one reads "
                               f"{FORMAT}); start the run in a new run_dir")
-    settings, saved = _engine_settings(engine, world), {k: meta.pop(k) for k in ("ranks", "zero_stage", "bf16")}
+    saved_critic = meta.pop("critic", None)
+    if (saved_critic is None) != (critic is None):
+        raise CheckpointError(f"{path} was written {'with' if saved_critic else 'without'} a critic, this learner "
+                              f"runs {'with' if critic is not None else 'without'} one (learner.critic.enabled): "
+                              "resume with the setting that wrote it, or start the run in a new run_dir")
+    _load_engine(path, engine, {k: meta.pop(k) for k in ("ranks", "zero_stage", "bf16")}, rank, world)
+    if critic is not None:
+        _load_engine(path / "critic", critic, saved_critic, rank, world)
+    return meta
+
+
+def _load_engine(path: Path, engine, saved: dict, rank: int, world: int) -> None:
+    """``engine``'s weights, this rank's optimizer part, counters and RNG from checkpoint folder ``path``,
+    written with the engine ``saved`` settings."""
+    settings = _engine_settings(engine, world)
     if settings["zero_stage"] == 0 and saved["zero_stage"] == 0:
         saved["ranks"] = settings["ranks"]  # the same state on every rank: any number of ranks may load it
     if saved != settings:
@@ -226,4 +256,3 @@ def load(root: str | Path, engine) -> dict | None:
     torch.set_rng_state(part["rng"]["cpu"])
     if "cuda" in part["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state(part["rng"]["cuda"])
-    return meta

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from broker.runtime.config import RunConnection, StrictModel
 from learner.records import WandbConfig
@@ -14,10 +14,12 @@ CorrectionMode = Literal["none", "tis", "mis", "token_mis", "icepop", "seq_tis",
 PolicyLoss = Literal["ppo", "cispo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
-AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-NEEDS_CRITIC = ("gae", "vtrace")  # estimators in learner/advantages.py that need a value model (none yet)
+AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "vtrace"]
+NEEDS_CRITIC = ("gae", "vtrace")  # per-token estimators over the critic's values (learner/critic.py)
 
 TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
+# ... and with gae / vtrace, whose whitened per-token advantages keep unit scale (docs/learner.md)
+TINY_LR_PER_TOKEN = 5e-4
 PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
 
 
@@ -46,6 +48,20 @@ class DeepSpeedConfig(StrictModel):
         "rank instead of being partitioned (DeepSpeed's stage3_param_persistence_threshold); 0 partitions all")
 
 
+class CriticConfig(StrictModel):
+    """The value model (learner/critic.py): a separate model, the policy's trunk with a scalar head, trained by
+    its own DeepSpeed engine with verl's clipped value loss (docs/learner.md)."""
+
+    enabled: bool = Field(False, description="train a critic; gae and vtrace need it")
+    model: str | None = Field(None, description="the critic's trunk: null = a copy of the policy's initial weights; "
+                              "or a local Hugging Face folder (a causal LM: its trunk is used, its LM head dropped)")
+    lr: float | None = Field(None, gt=0, description="the critic's AdamW learning rate; null = the policy's")
+    cliprange_value: float = Field(0.5, gt=0, description="verl's cliprange_value: the new value is clipped to "
+                                   "the old one ± this in the clipped value loss")
+    deepspeed: DeepSpeedConfig | None = Field(None, description="the critic's DeepSpeed engine (ZeRO stage, bf16, "
+                                              "gradient clipping); null = the same settings as learner.deepspeed")
+
+
 class PolicyLossConfig(StrictModel):
     """The policy loss (learner/losses.py): its fields sit directly under ``learner`` (LearnerConfig extends it)."""
 
@@ -69,7 +85,8 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     steps: int = Field(600, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
     lr: float | None = Field(None, gt=0, description="AdamW learning rate; null = the default for the model: "
-                             f"{TINY_LR} for 'tiny', {PRETRAINED_LR} for a model given by path (docs/learner.md)")
+                             f"{TINY_LR} for 'tiny' ({TINY_LR_PER_TOKEN} with gae or vtrace), {PRETRAINED_LR} for a "
+                             "model given by path (docs/learner.md)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
                            "model (the initial weights); 0 = no reference model")
@@ -82,8 +99,14 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
                                       "abs = |log π − log π_ref|")
     entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
     advantage: AdvantageEstimator = Field("grpo", description="advantage estimator: grpo, drgrpo, rloo (over each "
-                                          "group); reinforce_pp, reinforce_pp_baseline (whitened over the batch). gae "
-                                          "and vtrace need a critic, which the learner does not have yet")
+                                          "group); reinforce_pp, reinforce_pp_baseline (whitened over the batch); gae, "
+                                          "vtrace (per token, over the critic's values; need critic.enabled)")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model (gae, vtrace)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount γ of gae and vtrace")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE λ")
+    rho_bar: float = Field(1.0, gt=0, description="vtrace: truncation ρ̄ of the importance ratio π_old/μ in the "
+                           "temporal differences")
+    c_bar: float = Field(1.0, gt=0, description="vtrace: truncation c̄ of the ratio in the traces")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
     micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one forward/backward: samples of "
                                     "similar length, (samples × the longest one's prompt + completion tokens) at most "
@@ -122,13 +145,13 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
                               "run_dir/tensorboard")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
 
-    @field_validator("advantage", mode="before")
-    @classmethod
-    def _no_critic(cls, v):
-        if v in NEEDS_CRITIC:
-            raise ValueError(f"advantage {v!r} needs a critic (a value model), which the learner does not have yet; "
-                             f"valid: {', '.join(get_args(AdvantageEstimator))}")
-        return v
+    @model_validator(mode="after")
+    def _estimator_needs_a_critic(self) -> LearnerConfig:
+        if self.advantage in NEEDS_CRITIC and not self.critic.enabled:
+            valid = ", ".join(a for a in get_args(AdvantageEstimator) if a not in NEEDS_CRITIC)
+            raise ValueError(f"advantage {self.advantage!r} needs a critic (a value model): set "
+                             f"learner.critic.enabled=true; without one, valid: {valid}")
+        return self
 
     @model_validator(mode="after")
     def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:
@@ -139,5 +162,10 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:
         if self.lr is None:  # a rate that fits the model: the toy's would make a pretrained LM diverge
-            self.lr = TINY_LR if self.model == "tiny" else PRETRAINED_LR
+            tiny = TINY_LR_PER_TOKEN if self.advantage in NEEDS_CRITIC else TINY_LR
+            self.lr = tiny if self.model == "tiny" else PRETRAINED_LR
+        if self.critic.lr is None:
+            self.critic.lr = self.lr
+        if self.critic.deepspeed is None:
+            self.critic.deepspeed = self.deepspeed.model_copy()
         return self

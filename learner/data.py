@@ -18,22 +18,32 @@ class Batch:
     attention_mask: torch.Tensor   # [B, L]
     loss_mask: torch.Tensor        # [B, L-1] 1 where position t+1 is a completion token to train on
     behaviour_logp: torch.Tensor   # [B, L-1] μ of the token at t+1
-    advantages: torch.Tensor       # [B, 1]
+    advantages: torch.Tensor       # [B, 1] one per sample, or [B, L-1] per token (gae, vtrace)
     staleness: list[int]           # per sample
     lengths: torch.Tensor          # [B] prompt + completion tokens of each sample (the rest is padding)
     groups: torch.Tensor           # [B] the index of each sample's group in the batch
+    values: torch.Tensor | None = None   # [B, L-1] the critic's values before the update (with a critic)
+    returns: torch.Tensor | None = None  # [B, L-1] the critic's targets (with a critic)
 
     def select(self, rows: torch.Tensor) -> Batch:
         """The samples ``rows``, padded only to the longest of them."""
         width = int(self.lengths[rows].max()) if len(rows) else 1
+
+        def tokens(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows, :width - 1] if t.shape[1] > 1 else t[rows]
+
         return Batch(self.input_ids[rows, :width], self.attention_mask[rows, :width], self.loss_mask[rows, :width - 1],
-                     self.behaviour_logp[rows, :width - 1], self.advantages[rows],
-                     [self.staleness[i] for i in rows.tolist()], self.lengths[rows], self.groups[rows])
+                     self.behaviour_logp[rows, :width - 1], tokens(self.advantages),
+                     [self.staleness[i] for i in rows.tolist()], self.lengths[rows], self.groups[rows],
+                     tokens(self.values), tokens(self.returns))
 
     def to(self, device) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
                      self.behaviour_logp.to(device), self.advantages.to(device), self.staleness, self.lengths,
-                     self.groups)
+                     self.groups, move(self.values), move(self.returns))
 
 
 def micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget: int) -> list[torch.Tensor]:

@@ -51,33 +51,37 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.optim.Optimizer | None = None):
+def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.optim.Optimizer | None = None,
+                 critic: bool = False):
     """Wrap ``model`` in a DeepSpeed engine with a torch AdamW (avoids compiling DeepSpeed's fused Adam),
-    or ``optimizer``. Gradient accumulation is the caller's: every ``backward`` accumulates, every
-    ``step`` reduces over ranks and updates (``managed_gradient_accumulation: false``), so a
-    (mini)batch can have any number of micro-batches (learner/update.py)."""
+    or ``optimizer``; with ``critic``, the critic's (its learning rate and DeepSpeed settings,
+    ``learner.critic``; learner/critic.py enables its activation checkpointing). Gradient
+    accumulation is the caller's: every ``backward`` accumulates, every ``step`` reduces over ranks
+    and updates (``managed_gradient_accumulation: false``), so a (mini)batch can have any number of
+    micro-batches (learner/update.py)."""
     import deepspeed
 
     init_distributed()
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing and not critic:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ds, lr = (cfg.critic.deepspeed, cfg.critic.lr) if critic else (cfg.deepspeed, cfg.lr)
     if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg.deepspeed.gradient_clipping,
-        "bf16": {"enabled": cfg.deepspeed.bf16},
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage,
-                              "stage3_param_persistence_threshold": cfg.deepspeed.zero3_persistence_threshold},
+        "gradient_clipping": ds.gradient_clipping,
+        "bf16": {"enabled": ds.bf16},
+        "zero_optimization": {"stage": ds.zero_stage,
+                              "stage3_param_persistence_threshold": ds.zero3_persistence_threshold},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # a torch optimizer (AdamW, or the tests' SGD) under ZeRO
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    if engine.world_size == 1 and cfg.deepspeed.zero_stage == 0:
+    if engine.world_size == 1 and ds.zero_stage == 0:
         engine.enable_backward_allreduce = False  # nothing to average over: skip flattening every gradient
     return engine
 

@@ -22,7 +22,9 @@ class GroupIntake:
     def __init__(self, r, keys: Keys, cfg: LearnerConfig, vocab: int, counts: Counter):
         self.r, self.keys, self.cfg, self.vocab = r, keys, cfg, vocab
         self.counts = counts  # the learner's counters: drops are added under their reason
-        self.advantage_fn = GROUP_ESTIMATORS[cfg.advantage]
+        # the finiteness check of a group's advantages: its own estimator, or for those over the batch or over
+        # the critic's values (not defined on one group) grpo's, finite exactly when the rewards are
+        self.advantage_fn = GROUP_ESTIMATORS.get(cfg.advantage, GROUP_ESTIMATORS["grpo"])
         self.reader = queues.TrajectoryReader(r, keys)
         self.data_ended = False  # set when a batch can no longer fill: the dataset is used up
 

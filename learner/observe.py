@@ -43,6 +43,10 @@ GAUGES = {
     "completion_truncated_frac": "fraction of completions stopped at max_tokens (finish_reason length), last step",
     "padding_fraction": "share of the forward passes' token slots that were padding, last step",
     "tokens_outside_kept_set": "trained tokens outside the current policy's top-k/top-p kept set (masked), last step",
+    "value_loss": "the critic's clipped value loss, last step (learner.critic)",
+    "explained_variance": "1 - Var(returns - values) / Var(returns) of the critic's values, last step",
+    "value_clip_frac": "fraction of tokens whose clipped value error was the larger, last step",
+    "values_mean": "mean value of the critic over the last step's tokens",
     "metrics_nonfinite": "non-finite values replaced by null in the last step's metrics",
 }
 PHASES = ("wait", "compute", "publish")

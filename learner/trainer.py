@@ -77,10 +77,16 @@ class Learner:
             import copy
 
             reference = copy.deepcopy(model).eval().requires_grad_(False)
+        critic = None  # verl's critic worker: a value model with its own engine (learner/critic.py)
+        if cfg.critic.enabled:
+            from learner.critic import build_value_model
+
+            critic = build_value_model(model, cfg)  # before the policy's engine: from its initial weights
         self.engine = build_engine(model, cfg)
         if reference is not None:
             reference.to(self.engine.device)
-        self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world)
+        self.critic = build_engine(critic, cfg, critic=True) if critic is not None else None
+        self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key)
         latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
@@ -108,7 +114,8 @@ class Learner:
         and trained again from the checkpoint's weights."""
         if not self.cfg.checkpoint_every:
             return
-        state = checkpoint.load(self.ckpt_dir, self.engine)  # every rank: the weights and its optimizer partition
+        # every rank: the weights and its optimizer partition, the critic's too
+        state = checkpoint.load(self.ckpt_dir, self.engine, self.critic)
         if state is None:
             return
         self.step = self.saved_step = state["step"]
@@ -154,7 +161,7 @@ class Learner:
             line = finite_metrics(line)
         checkpoint.save(self.ckpt_dir, self.step, self.engine,
                         {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted,
-                         "metrics": line})
+                         "metrics": line}, critic=self.critic)
         self.saved_step = self.step
         if self.leader:
             self.commit(self.uncommitted, self.step)

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from broker.protocol.group import sampling_transform
-from learner.advantages import batch_advantages
-from learner.config import LearnerConfig
+from learner.advantages import batch_advantages, gae, masked_whiten, vtrace
+from learner.config import NEEDS_CRITIC, LearnerConfig
 from learner.correction import REJECTING, importance_weights
+from learner.critic import explained_variance, value_loss
 from learner.data import Batch, collate, micro_batches, trained_rewards
 from learner.diagnostics import EXTREMES, merge, summarise
 from learner.logprobs import TokenLogprobs, token_logprobs
@@ -44,11 +45,13 @@ NO_TOKENS = {"tokens": 0.0, "valid": 0.0, "kept": 0.0, "rho_sum": 0.0, "rho_min"
 
 
 class PolicyUpdate:
-    """The trained ``engine`` (DeepSpeed), and with ``kl_coef`` > 0 a frozen ``reference`` model;
-    this process is rank ``rank`` of ``world`` data-parallel ranks."""
+    """The trained ``engine`` (DeepSpeed), and with ``kl_coef`` > 0 a frozen ``reference`` model, with
+    ``learner.critic`` the ``critic`` (a DeepSpeed engine of a learner/critic.py ValueModel), trained on
+    the same micro-batches; this process is rank ``rank`` of ``world`` data-parallel ranks."""
 
-    def __init__(self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1):
-        self.engine, self.cfg, self.pad_id, self.reference = engine, cfg, pad_id, reference
+    def __init__(self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1,
+                 critic=None):
+        self.engine, self.cfg, self.pad_id, self.reference, self.critic = engine, cfg, pad_id, reference, critic
         self.rank, self.world = rank, world
         self.device = engine.device
         self.shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch split: the same on every rank
@@ -78,30 +81,40 @@ class PolicyUpdate:
                 logp[part, :width], outside[part, :width] = lp.logp.cpu(), lp.outside.cpu()
         return logp, outside
 
-    def _nonfinite_gradient(self) -> bool:
-        """Whether this rank's accumulated gradient has a NaN or ±inf. At ZeRO stage 0 the gradients are
-        the parameters' ``.grad``; the ZeRO optimizers hold theirs in partitions and check their norm
-        themselves (DeepSpeed skips a step whose norm is not finite, with clipping on), and the weights are
-        checked before publishing (learner/publish.py)."""
-        if self.engine.zero_optimization_stage() != 0:
+    @staticmethod
+    def _nonfinite_gradient(engine) -> bool:
+        """Whether this rank's accumulated gradient of ``engine`` has a NaN or ±inf. At ZeRO stage 0 the
+        gradients are the parameters' ``.grad``; the ZeRO optimizers hold theirs in partitions and check
+        their norm themselves (DeepSpeed skips a step whose norm is not finite, with clipping on), and the
+        weights are checked before publishing (learner/publish.py)."""
+        if engine.zero_optimization_stage() != 0:
             return False
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
         return bool(grads) and not bool(torch.isfinite(torch.stack([g.norm() for g in grads]).norm()))
 
-    def _skip_reason(self, loss_finite: bool) -> str | None:
-        """Why every rank skips this optimizer step (None: take it): a non-finite loss or gradient norm
-        on any rank."""
-        flags = {"loss": float(not loss_finite), "gradient norm": float(self._nonfinite_gradient())}
+    def _skip_reason(self, loss_finite: bool, value_loss_finite: bool = True) -> str | None:
+        """Why every rank skips this optimizer step, of the policy and of the critic (None: take it): a
+        non-finite loss or gradient norm of either on any rank."""
+        flags = {"loss": float(not loss_finite), "gradient norm": float(self._nonfinite_gradient(self.engine))}
+        if self.critic is not None:
+            flags.update({"value loss": float(not value_loss_finite),
+                          "critic gradient norm": float(self._nonfinite_gradient(self.critic))})
         flags = self._reduce(flags, dist.ReduceOp.MAX)
         bad = [k for k, v in flags.items() if v]
         return f"non-finite {' and '.join(bad)}" if bad else None
 
     def _skip_step(self) -> None:
+        for engine in (self.engine, self.critic):
+            if engine is not None:
+                self._drop_gradients(engine)
+
+    @staticmethod
+    def _drop_gradients(engine) -> None:
         """Drop the accumulated gradients without stepping: no weight and no optimizer moment changes, and
         the next (mini)batch accumulates from zero. At ZeRO stages 1-3 the gradients sit in the optimizer's
         partitions: they are dropped the way its own overflow path (fp16 loss scaling's skipped step) drops
         them, and its micro-step count restarts as after a step (the first backward copies, not adds)."""
-        opt, stage = self.engine.optimizer, self.engine.zero_optimization_stage()
+        opt, stage = engine.optimizer, engine.zero_optimization_stage()
         if stage == 3:
             opt._overflow_clean_up(opt.loss_scale)
             opt._pre_step()
@@ -117,7 +130,7 @@ class PolicyUpdate:
                     opt.averaged_gradients[k] = None
                     opt.all_grad_tensors[k] = None
             opt.micro_step_id = INITIAL_MICRO_STEP_ID
-        for p in self.engine.module.parameters():
+        for p in engine.module.parameters():
             p.grad = None
 
     def _empty_backward(self, transform) -> None:
@@ -127,6 +140,8 @@ class PolicyUpdate:
         lp = token_logprobs(self.engine, ids, torch.ones_like(ids), torch.ones((1, 1), device=self.device), transform,
                             self.cfg.logprob_chunk_tokens)
         self.engine.backward(lp.logp.sum() * 0.0)
+        if self.critic is not None:
+            self.critic.backward(self.critic(ids, torch.ones_like(ids)).sum() * 0.0)
 
     def _counts_rejected_sequences(self) -> bool:
         """The seq-mean modes leave out sequences the correction rejects whole: counting them before the
@@ -156,7 +171,7 @@ class PolicyUpdate:
         # the entropy bonus and the KL term count every sample with a loss token, rejected or not
         every = replace(norm, sequences=float((b.loss_mask[rows].sum(-1) > 0).sum()))
         sums, totals = NO_TOKENS, Counter()
-        loss_finite = True
+        loss_finite = value_finite = True
         for part in plans[self.rank]:
             mb = b.select(part).to(self.device)
             mask = mb.loss_mask
@@ -182,6 +197,13 @@ class PolicyUpdate:
                 totals["kl_ref"] += float(kl.detach()) / self.world
             loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
             self.engine.backward(loss)
+            if self.critic is not None:  # the same micro-batch, every sample with a loss token counted
+                vloss, v = value_loss(self.critic(mb.input_ids, mb.attention_mask), mb.values, mb.returns, mask,
+                                      cfg.critic.cliprange_value, cfg.aggregation, every)
+                value_finite = value_finite and bool(torch.isfinite(vloss.detach()))
+                self.critic.backward(vloss)
+                totals["value_loss"] += float(vloss.detach()) / self.world
+                totals["value_clipped"] += v["clipped"]
             sums = merge(sums, s)
             totals["loss"] += float(loss.detach()) / self.world
             totals["entropy"] += float(ent.detach()) / self.world
@@ -190,22 +212,28 @@ class PolicyUpdate:
             totals["forward_tokens"] += mb.input_ids.numel()
         for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
             self._empty_backward(transform)
-        skipped = self._skip_reason(loss_finite)
+        skipped = self._skip_reason(loss_finite, value_finite)
         if skipped:
             self._skip_step()
         else:
             self.engine.step()
+            if self.critic is not None:
+                self.critic.step()
         sums = {**self._reduce({k: v for k, v in sums.items() if k not in EXTREMES}),
                 **self._reduce({"rho_min": sums["rho_min"]}, dist.ReduceOp.MIN),
                 **self._reduce({"rho_max": sums["rho_max"]}, dist.ReduceOp.MAX)}
         totals = self._reduce({k: totals[k] for k in ("loss", "entropy", "kl_ref", "tokens_outside_kept_set",
-                                                         "padded_tokens", "forward_tokens")})
+                                                         "padded_tokens", "forward_tokens", "value_loss",
+                                                         "value_clipped")})
         diag = summarise(sums)
         diag.update(loss=totals["loss"], entropy=totals["entropy"], micro_batches=sum(len(p) for p in plans),
                     tokens_outside_kept_set=int(totals["tokens_outside_kept_set"]),
                     padded_tokens=totals["padded_tokens"], forward_tokens=totals["forward_tokens"])
         if self.reference is not None and not cfg.kl_in_reward:
             diag["kl_ref"] = totals["kl_ref"]
+        if self.critic is not None:  # verl's critic/vf_loss and critic/vf_clipfrac
+            diag.update(value_loss=totals["value_loss"],
+                        value_clip_frac=totals["value_clipped"] / max(norm.tokens, 1.0))
         diag["skipped"] = skipped
         return diag
 
@@ -250,6 +278,48 @@ class PolicyUpdate:
             kl, tokens = t[:-1].cpu(), float(t[-1])
         return kl, tokens
 
+    def _values(self, b: Batch, rows: torch.Tensor) -> torch.Tensor:
+        """The critic's values [B, L-1] of ``rows`` before the update (0 elsewhere and off the loss tokens)."""
+        values = torch.zeros_like(b.behaviour_logp)
+        with torch.no_grad():
+            for part in micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens):
+                mb = b.select(part)
+                v = self.critic(mb.input_ids.to(self.device), mb.attention_mask.to(self.device)).cpu()
+                values[part, :mb.loss_mask.shape[1]] = v * mb.loss_mask
+        return values
+
+    def _critic_targets(self, b: Batch, rewards: torch.Tensor, old) -> None:
+        """Set ``b.values`` and ``b.returns`` (the critic's targets) and, for gae and vtrace, the per-token
+        ``b.advantages``. The outcome reward ``rewards`` [B] sits on each sample's last completion token
+        (verl's token_level_rewards). gae: verl ``compute_gae_advantage_return`` (returns = A + V, A
+        whitened over the batch's loss tokens); vtrace: the V-trace targets v_s as returns and ρ_s(r_s +
+        γv_{s+1} − V(x_s)) as advantages, with ρ = π_old/μ truncated at rho_bar (c_bar in the traces),
+        whitened the same way. Other estimators: the returns are the reward (γ = λ = 1 Monte-Carlo).
+        Each rank computes its own samples; a sum over ranks gives every rank all of them."""
+        cfg, mask = self.cfg, b.loss_mask
+        mine = (b.groups % self.world == self.rank)
+        values = self._values(b, torch.arange(len(b.lengths))[mine])
+        token_rewards = torch.zeros_like(values)
+        has = mask.sum(-1) > 0
+        token_rewards[has, b.lengths[has] - 2] = rewards[has].to(values.dtype)  # position t predicts token t+1
+        if cfg.advantage == "vtrace":
+            valid = mask * ~old[1]
+            returns, adv = vtrace(token_rewards, values, (old[0] - b.behaviour_logp) * valid, mask, cfg.gamma,
+                                  cfg.rho_bar, cfg.c_bar)
+        else:
+            gamma, lam = (cfg.gamma, cfg.lam) if cfg.advantage == "gae" else (1.0, 1.0)
+            adv, returns = gae(token_rewards, values, mask, gamma, lam)
+        own = mine[:, None].to(values.dtype)
+        values, adv, returns = values * own, adv * own * mask, returns * own * mask
+        if self.world > 1:
+            t = torch.stack([values, adv, returns]).to(self.device)
+            dist.all_reduce(t)  # each sample on the one rank that trains it
+            values, adv, returns = t.cpu().unbind(0)
+        b.values, b.returns = values, returns
+        if cfg.advantage in NEEDS_CRITIC:
+            b.advantages = (masked_whiten(adv, mask) * mask).to(b.behaviour_logp.dtype) if mask.any() \
+                else torch.zeros_like(mask)
+
     def train_step(self, groups, sampling: dict, version: int) -> dict:
         """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch (every rank gets all of it and
         trains its share). π_old is the policy at the start of the step (recomputed once when there is
@@ -263,13 +333,18 @@ class PolicyUpdate:
         n = len(b.lengths)
         multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
         old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) \
-            if multi or self._counts_rejected_sequences() or self._kl_in_reward() else None
+            if multi or self._counts_rejected_sequences() or self._kl_in_reward() or self.cfg.advantage == "vtrace" \
+            else None
         kl_ref = None
         if self._kl_in_reward():  # verl's use_kl_in_reward: r − β Σ_t kl(π_old, π_ref), then the estimator
             kl, kl_tokens = self._sequence_kl(b, old, transform)
             kl_ref = float(kl.sum()) / max(kl_tokens, 1.0)
             rewards = [r - self.cfg.kl_coef * k.float() for r, k in zip(rewards, kl.split([len(r) for r in rewards]))]
-        b.advantages = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))[:, None].to(b.advantages.dtype)
+        if self.critic is not None:
+            self._critic_targets(b, torch.cat(rewards), old)
+        if self.cfg.advantage not in NEEDS_CRITIC:
+            adv = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))
+            b.advantages = adv[:, None].to(b.advantages.dtype)
         steps = []
         for _ in range(self.cfg.ppo_epochs):
             split = torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches) if multi \
@@ -293,4 +368,9 @@ class PolicyUpdate:
             diag["skip_reason"] = next(s for s in skipped if s)
         if kl_ref is not None:
             diag["kl_ref"] = kl_ref  # the mean per-token estimate of KL(π_old || π_ref) that went into the rewards
+        if self.critic is not None:  # of the values before this step's update (verl's critic/* metrics)
+            m = b.loss_mask.bool()
+            diag.update(explained_variance=explained_variance(b.returns, b.values, b.loss_mask),
+                        values_mean=float(b.values[m].mean()) if m.any() else 0.0,
+                        returns_mean=float(b.returns[m].mean()) if m.any() else 0.0)
         return diag

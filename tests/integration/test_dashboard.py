@@ -115,6 +115,8 @@ def test_browser_lists_generators_and_shows_the_version_rising_live(loop, browse
     assert page.locator("#timeline circle").count() >= 3  # published versions
     assert page.locator("#timeline rect").count() >= 2  # applied by the generators
     assert page.locator("#chart-staleness rect").count() >= 1
+    # the critic's panel only shows when the learner trains one (learner.critic.enabled; not in this run)
+    assert page.evaluate("getComputedStyle(document.getElementById('panel-critic')).display") == "none"
     shot = screenshot(page, "dashboard.png")
     assert shot.stat().st_size > 20_000
     # everything came from the broker itself: no CDN, works offline

@@ -1,5 +1,6 @@
 """Micro-batches and ranks change nothing but memory: for every aggregation mode and policy loss
-(plus the icepop and token_mis corrections with two minibatches), one optimizer step of the real
+(plus the icepop and token_mis corrections with two minibatches, and gae and vtrace with the critic,
+whose gradients are compared too), one optimizer step of the real
 learner update with real DeepSpeed gives the same gradients and diagnostics (to 1e-5) with one piece on one rank, with k
 micro-batches (also with activation checkpointing), and with 2 ranks (torchrun, gloo) in ZeRO 0 and
 ZeRO 2. The samples are stale and

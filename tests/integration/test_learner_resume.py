@@ -1,7 +1,8 @@
 """The learner killed with SIGKILL mid-run and restarted: it resumes from its checkpoint, versions
 keep increasing, and the broker's records show every group trained exactly once or accounted
 for (dropped with a reason, or still queued): none lost, none trained twice. Once without ZeRO in
-fp32, once with ZeRO-2 in bf16 (fp32 master weights and AdamW moments partitioned by DeepSpeed)."""
+fp32, once with ZeRO-2 in bf16 (fp32 master weights and AdamW moments partitioned by DeepSpeed), and once
+with the critic on (gae): both models resume from the checkpoint."""
 
 import json
 
@@ -18,14 +19,16 @@ def _step(r, keys) -> int:
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
-@pytest.mark.parametrize("engine", [{"zero_stage": 0, "bf16": False}, {"zero_stage": 2, "bf16": True}],
-                         ids=["zero0-fp32", "zero2-bf16"])
-def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path, engine):
+@pytest.mark.parametrize("engine,extra", [
+    ({"zero_stage": 0, "bf16": False}, {}), ({"zero_stage": 2, "bf16": True}, {}),
+    ({"zero_stage": 0, "bf16": False}, {"advantage": "gae", "critic": {"enabled": True}})],
+    ids=["zero0-fp32", "zero2-bf16", "critic-gae"])
+def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path, engine, extra):
     run, steps, batch = "resume", 40, 8
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)
     learner_cfg = {"run_id": run, "redis_url": redis_url, "run_dir": str(tmp_path / "learner"),
                    "weight_store": str(tmp_path / "weights"), "steps": steps, "batch_groups": batch,
-                   "checkpoint_every": 5, "keep_versions": 50, "deepspeed": engine}
+                   "checkpoint_every": 5, "keep_versions": 50, "deepspeed": engine, **extra}
     learner = start_service(procs, "learner", "learner", learner_cfg, tmp_path)
     for i in range(2):
         start_service(procs, f"gen-{i}", "generator",
@@ -38,6 +41,9 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     ckpt = tmp_path / "learner" / "checkpoints"
     held = json.loads((ckpt / (ckpt / "latest").read_text() / "state.json").read_text())
     assert (held["zero_stage"], held["bf16"]) == (engine["zero_stage"], engine["bf16"])
+    critic = "critic" in extra
+    assert (held["critic"] is not None) == critic
+    assert (ckpt / (ckpt / "latest").read_text() / "critic" / "model.safetensors").is_file() == critic
     assert 5 <= held["step"] <= killed_at  # steps after it are trained again by the second learner
 
     learner2 = start_service(procs, "learner2", "learner", learner_cfg, tmp_path)
@@ -69,3 +75,6 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
 
     metrics = [json.loads(ln) for ln in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # rolled-back steps are not reported twice
+    if critic:  # the critic resumed with its weights: it does not start again from zero values
+        after = [m for m in metrics if m["step"] > held["step"]]
+        assert all("explained_variance" in m for m in metrics) and after[0]["values_mean"] != 0.0

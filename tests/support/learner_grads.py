@@ -18,12 +18,15 @@ import argparse
 import json
 from pathlib import Path
 
-# (aggregation, policy loss, correction mode, minibatches): every aggregation × policy loss, plus the
-# weighting (icepop) and masking (token_mis) corrections and two optimizer steps per batch
-CASES = [(agg, pol, "tis", 1) for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                          "seq-mean-token-sum-norm") for pol in ("ppo", "cispo", "reinforce")]
-CASES += [("token-mean", "ppo", "icepop", 2), ("seq-mean-token-mean", "cispo", "token_mis", 2)]
+# (aggregation, policy loss, correction mode, minibatches, advantage): every aggregation × policy loss, plus
+# the weighting (icepop) and masking (token_mis) corrections and two optimizer steps per batch, and the
+# critic's estimators (the critic's gradient recorded too, its weights under "critic.")
+CASES = [(agg, pol, "tis", 1, "grpo") for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                                  "seq-mean-token-sum-norm") for pol in ("ppo", "cispo", "reinforce")]
+CASES += [("token-mean", "ppo", "icepop", 2, "grpo"), ("seq-mean-token-mean", "cispo", "token_mis", 2, "grpo")]
+CASES += [("token-mean", "ppo", "tis", 1, "gae"), ("seq-mean-token-sum", "ppo", "tis", 2, "vtrace")]
 LR = 0.1
+CRITIC_LR = 0.01  # the value loss's gradients are larger: a step of 0.1 would blow the values up for the next case
 SAMPLING = {"temperature": 0.9, "top_k": 10, "top_p": 0.95}
 
 
@@ -44,7 +47,8 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpo
     from safetensors.torch import save_file
 
     from benchmarks.learner import make_groups
-    from learner.config import CorrectionConfig, LearnerConfig
+    from learner.config import NEEDS_CRITIC, CorrectionConfig, LearnerConfig
+    from learner.critic import build_value_model
     from learner.engine import build_engine, init_distributed
     from learner.engine import load_model
     from learner.update import PolicyUpdate
@@ -60,16 +64,25 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpo
         load_model(base)
     dist.barrier()
     model, _ = load_model(base, build=False)
+    base.critic.enabled, base.critic.deepspeed = True, base.deepspeed
+    value_model = build_value_model(model, base)
+    torch.nn.init.normal_(value_model.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
     engine = build_engine(model, base, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    critic = build_engine(value_model, base, optimizer=torch.optim.SGD(value_model.parameters(), lr=CRITIC_LR),
+                          critic=True)
     groups = make_groups(8, 4, 12, seed=1, sampling=SAMPLING)  # behaviour log-probs unrelated to π: stale samples
     diags = []
-    for i, (agg, pol, mode, minibatches) in enumerate(CASES):
+    for i, (agg, pol, mode, minibatches, advantage) in enumerate(CASES):
         cfg = base.model_copy(update={"aggregation": agg, "policy_loss": pol, "minibatches": minibatches,
-                                      "correction": CorrectionConfig(mode=mode)})
-        update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world)
+                                      "correction": CorrectionConfig(mode=mode), "advantage": advantage})
+        trains_critic = advantage in NEEDS_CRITIC
+        update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world, critic=critic if trains_critic else None)
         before = weights(engine)
+        critic_before = weights(critic) if trains_critic else {}
         diag = update.train_step(groups, groups[0].sampling, version=1)
         grads = {n: (before[n] - w) / LR for n, w in weights(engine).items()}
+        if trains_critic:
+            grads.update({f"critic.{n}": (critic_before[n] - w) / CRITIC_LR for n, w in weights(critic).items()})
         if rank == 0:
             save_file({n: g.contiguous() for n, g in grads.items()}, str(out / f"{label}-{i}.safetensors"))
             diags.append({k: v for k, v in diag.items() if k not in ("compute_s",)})

@@ -23,6 +23,7 @@ def run(out: Path, stage: int, poison: bool) -> tuple[str, dict | None]:
     from benchmarks.learner import make_groups
     from learner.config import LearnerConfig
     from learner.engine import build_engine, load_model
+    import learner.update as update_module
     from learner.update import PolicyUpdate
 
     cfg = LearnerConfig(run_dir=str(out / f"model-{stage}"), logprob_chunk_tokens=16)
@@ -35,8 +36,6 @@ def run(out: Path, stage: int, poison: bool) -> tuple[str, dict | None]:
     update.train_step(groups[:2], groups[0].sampling, 1)
     skipped = None
     if poison:
-        import learner.update as update_module
-
         real = update_module.batch_advantages
         update_module.batch_advantages = lambda *a: [torch.full_like(x, float("nan")) for x in real(*a)]
         skipped = update.train_step(groups[2:4], groups[0].sampling, 1)

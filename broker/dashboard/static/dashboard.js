@@ -313,6 +313,11 @@ function renderCharts() {
   const fracKeys = [...new Set(S.learner.flatMap((e) => Object.keys(e).filter((k) => k.startsWith("frac_"))))].sort();
   lineChart($("chart-frac"), fracKeys.map((k) => ({ name: k.replace("frac_", ""), points: series(k) })), { yMin: 0 });
   lineChart($("chart-kl"), [{ name: "mismatch KL", points: series("mismatch_kl") }]);
+  const critic = series("value_loss").length > 0;  // shown only when the learner trains a critic
+  $("panel-critic").style.display = critic ? "" : "none";
+  if (critic) lineChart($("chart-critic"), [{ name: "value loss", points: series("value_loss") },
+    { name: "explained variance", points: series("explained_variance") },
+    { name: "value clip fraction", points: series("value_clip_frac"), dash: "4 3" }]);
   lineChart($("chart-padding"), [{ name: "padding", points: series("padding_fraction") }], { yMin: 0, yMax: 1 });
   const now = S.state.time;
   const tf = (v) => `${Math.round(v)} s`;

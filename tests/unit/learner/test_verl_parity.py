@@ -205,6 +205,9 @@ def test_estimators_that_need_a_critic_are_refused_naming_it():
         with pytest.raises(ValueError, match="needs a critic"):
             LearnerConfig(advantage=name)
     assert LearnerConfig(advantage="reinforce_pp_baseline").advantage == "reinforce_pp_baseline"
+    with_critic = LearnerConfig(advantage="gae", critic={"enabled": True})
+    assert with_critic.critic.lr == with_critic.lr == 5e-4  # the tiny model's per-token default (docs/learner.md)
+    assert with_critic.critic.deepspeed == with_critic.deepspeed  # the policy's engine settings by default
 
 
 # ----------------------------------------------------------------------------------------------
