@@ -27,7 +27,10 @@ def main(redis_url: str, run_dir: Path, steps: int) -> None:
     from learner.config import LearnerConfig
     from learner.trainer import Learner
 
-    cfg = LearnerConfig(run_id="critic", redis_url=redis_url, run_dir=str(run_dir),
+    from broker.protocol.signing import write_key_file
+
+    key = write_key_file(Path(run_dir) / "announce.key")  # the learner signs what it announces
+    cfg = LearnerConfig(announce_key_file=str(key), run_id="critic", redis_url=redis_url, run_dir=str(run_dir),
                         weight_store=str(run_dir / "weights"),
                         steps=steps, batch_groups=4, checkpoint_every=0, tensorboard=False, wait_timeout_s=60,
                         admission_eta=None, max_staleness=10_000, advantage="gae",
