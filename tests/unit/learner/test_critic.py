@@ -15,11 +15,8 @@ from learner.data import collate
 from learner.losses import AGGREGATIONS
 from learner.update import PolicyUpdate
 from tests.support.data import make_group
-from tests.unit.learner.test_kl_in_reward import PlainEngine, _model
+from tests.unit.learner.test_kl_in_reward import SAMPLING, PlainEngine, _groups, _model
 from tests.unit.learner.test_verl_parity import verl_agg_loss
-
-SAMPLING = {"temperature": 1.0, "n": 3}
-
 
 class CriticEngine(PlainEngine):
     """The critic's stand-in engine (positional inputs)."""
@@ -82,16 +79,6 @@ def test_explained_variance_is_verls_vf_explained_var():
     assert explained_variance(returns, values, mask) == pytest.approx(float(want), abs=1e-6)
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert explained_variance(torch.ones(2, 3), values[:2, :3], torch.ones(2, 3)) == 0.0  # nothing to explain
-
-
-def _groups():
-    rng = np.random.default_rng(0)
-
-    def sample(t, reward):
-        return Sample(rng.integers(3, 13, t).astype(np.int32), np.full(t, -2.0, np.float32), [[0, t]], "stop", reward)
-
-    return [make_group(samples=[sample(3, 1.0), sample(5, 0.0), sample(2, 1.0)], sampling=SAMPLING),
-            make_group(samples=[sample(4, 0.5), sample(4, 0.25), sample(1, 0.0)], sampling=SAMPLING)]
 
 
 def _critic(seed=2):

@@ -18,14 +18,7 @@ from learner.data import collate
 from learner.losses import AGGREGATIONS, aggregate, compute_policy_loss, kl_estimate, ppo_loss_mat
 from learner.update import PolicyUpdate
 from tests.support.data import make_group
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+from tests.unit.learner.test_algorithms import float64  # noqa: F401 (autouse: exact comparisons in float64)
 
 
 def _groups_of(sizes, seed=0):
