@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from broker.runtime.config import RunConnection, StrictModel
+from broker.runtime.config import RunConnection, StrictModel, WeightsConfig
 
 if TYPE_CHECKING:
     from generators.backends.base import Backend
@@ -145,6 +145,8 @@ class GeneratorConfig(RunConnection):
                     description="replica id, unique in the run (default: from the host name and PID)")
     weight_store: str = Field("", description="the weight store folder: an announced version that is not one "
                               "of its folders is refused; empty: wherever the (signed) announcement says")
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions arrive: the "
+                                   "learner's weights section (relay up gives both the run's [weights])")
     broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")
     ingest_auth: Literal["curve", "insecure"] = Field("curve", description="the broker's ingest_auth (they must "
                                                        "match): 'curve' needs the two key files below")

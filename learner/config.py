@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
-from broker.runtime.config import RunConnection, StrictModel
+from broker.runtime.config import RunConnection, StrictModel, WeightsConfig
 from learner.records import WandbConfig
 
 # The valid option names, defined once: losses.py, correction.py and advantages.py derive theirs from these.
@@ -78,6 +78,8 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
 
     run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions reach the generators "
+                                   "(relay up: the run's [weights] section, given to the generators too)")
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
     tiny_vllm_compatible: bool = Field(False, description="with model 'tiny': build it as a Llama with attention heads "
                                        "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)")

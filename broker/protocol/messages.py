@@ -79,6 +79,9 @@ class Announcement:
     path:    folder of the snapshot in the weight store (shared volume).
     url:     optional HTTP base URL serving the same folder.
     published_at: unix time.
+    digest:  sha256 of the tensors themselves (broker/protocol/tensordigest.py), the same however they
+             travel (store, http, collective): each generator compares it with the digest of what it
+             applied. "" from a learner before digests existed.
     sig:     hex HMAC-SHA256 of every other field by the run's announcement key (signing.py), or ""
              when the run's announcements are not signed (``announce_auth = "insecure"``).
     """
@@ -89,11 +92,14 @@ class Announcement:
     url: str = ""
     published_at: float = field(default_factory=time.time)
     sig: str = ""
+    digest: str = ""
 
 
 def encode_announcement(a: Announcement) -> bytes:
     m = {"schema": SCHEMA_VERSION, "kind": "announce", "version": a.version, "hash": a.hash,
          "path": a.path, "url": a.url, "published_at": a.published_at}
+    if a.digest:
+        m["digest"] = a.digest
     if a.sig:
         m["sig"] = a.sig
     return msgpack.packb(m, use_bin_type=True)
@@ -110,6 +116,7 @@ def decode_announcement(data: bytes) -> Announcement:
         url=str(m.get("url", "")),
         published_at=float(m.get("published_at", 0.0)),
         sig=str(m.get("sig", "")),
+        digest=str(m.get("digest", "")),
     )
 
 

@@ -80,9 +80,11 @@ def _netstring(value: str) -> bytes:
 
 def canonical_bytes(run_id: str, a: Announcement) -> bytes:
     """What the signature covers, in this order: the context, the schema version, the run id, the
-    version (decimal), the hash, the path, the url, published_at (``%.6f``), each a netstring."""
+    version (decimal), the hash, the path, the url, published_at (``%.6f``), each a netstring; then
+    the tensor digest, only when the announcement has one (so signatures made before digests existed
+    still check)."""
     fields = [CONTEXT, str(SCHEMA_VERSION), run_id, str(int(a.version)), a.hash, a.path, a.url,
-              f"{float(a.published_at):.6f}"]
+              f"{float(a.published_at):.6f}"] + ([a.digest] if a.digest else [])
     return b"".join(_netstring(f) for f in fields)
 
 

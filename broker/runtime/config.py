@@ -47,6 +47,46 @@ class RunConnection(StrictModel):
                                    "mode 0600; relay up writes runs/<id>/secrets/announce.key); needed by hmac")
 
 
+class HttpWeightsConfig(StrictModel):
+    """``weights.transport = "http"``: the learner serves the weight store over HTTP (docs/weights.md)."""
+
+    host: str = Field("127.0.0.1", description="address the learner's weight server binds")
+    port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the URL is announced)")
+    advertise_url: str = Field("", description="base URL the generators fetch from (default: http://host:port; "
+                               "set it when the generators reach the learner under another name)")
+    cache_dir: str = Field("", description="generators: folder the fetched versions are kept in (default: a "
+                           "private temporary folder)")
+
+
+class CollectiveWeightsConfig(StrictModel):
+    """``weights.transport = "collective"``: versions broadcast over torch.distributed (docs/weights.md)."""
+
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process-group backend: auto = nccl on "
+                                                     "GPUs, gloo on CPU")
+    host: str = Field("127.0.0.1", description="address of the learner's rendezvous (TCPStore) server")
+    port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the address is advertised in Redis)")
+    bucket_mb: float = Field(64.0, gt=0, description="tensors are broadcast in buckets of about this many MiB")
+    timeout_s: float = Field(60.0, gt=0, description="a broadcast (or a join) that takes longer drops the "
+                             "generator from the group; it catches up from the store and joins again")
+
+
+class WeightsConfig(StrictModel):
+    """How versions travel from the learner to the generators: one section that ``relay up`` gives to both
+    (``--set weights.transport=http``); a service on its own takes it as ``weights.*`` (docs/weights.md)."""
+
+    transport: Literal["store", "http", "collective"] = Field(
+        "store", description="store: immutable folders on a shared volume; http: the learner serves them, no "
+        "shared volume; collective: broadcast straight into the generators' engines (store copy written behind)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="dtype of the published weights: auto = the training dtype (bf16 when "
+        "learner.deepspeed.bf16), else as given")
+    shard_mb: float = Field(2048.0, gt=0, description="safetensors shard size in MiB (several shards: the Hugging "
+                            "Face index is written too)")
+    http: HttpWeightsConfig = Field(default_factory=HttpWeightsConfig, description="the http transport")
+    collective: CollectiveWeightsConfig = Field(default_factory=CollectiveWeightsConfig,
+                                                description="the collective transport")
+
+
 class ConfigError(Exception):
     """A config that cannot be used; the message names the field and what would be valid."""
 

@@ -27,6 +27,7 @@ from broker.runtime.config import ConfigError, deep_merge, format_validation_err
 from broker.prompts.tasks import TASKS, UnknownTaskError, check_task
 
 SERVICES = ("broker", "reward", "generator", "learner")
+SHARED = {"weights": ("learner", "generator")}  # run-wide sections, given to each of these services
 
 
 class UsageError(Exception):
@@ -78,6 +79,19 @@ def _validate(model, data: dict, section: str):
         return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"[{section}] " + format_validation_error(e)) from None
+
+
+def _shared_sections(cfg: dict) -> dict:
+    """``cfg`` with each run-wide section (``weights``) moved into the services it belongs to:
+    ``{"weights": {...}}`` becomes ``{"learner": {"weights": {...}}, "generator": {"weights": {...}}}``,
+    under what those services' own sections set (the more specific wins)."""
+    cfg = dict(cfg)
+    for name, owners in SHARED.items():
+        if name in cfg:
+            shared = cfg.pop(name)
+            for owner in owners:
+                cfg[owner] = deep_merge({name: shared}, cfg.get(owner, {}))
+    return cfg
 
 
 def plan(args, environ: dict | None = None) -> dict:
@@ -138,14 +152,15 @@ def plan(args, environ: dict | None = None) -> dict:
     run_dir = runs_dir / run_id
     if run_dir.exists():
         raise UsageError(f"run folder {run_dir} already exists; choose another --run-id")
-    file_cfg = read_file(args.config) if args.config else {}
+    file_cfg = _shared_sections(read_file(args.config) if args.config else {})
     unknown = set(file_cfg) - set(SERVICES)
     if unknown:
-        raise UsageError(f"config file sections {sorted(unknown)} unknown; valid: {', '.join(SERVICES)}")
-    over = set_overrides(args.set)
+        raise UsageError(f"config file sections {sorted(unknown)} unknown; valid: {', '.join(SERVICES + tuple(SHARED))}")
+    over = _shared_sections(set_overrides(args.set))
     unknown = set(over) - set(SERVICES)
     if unknown:
-        raise UsageError(f"--set must start with a service name ({', '.join(SERVICES)}), got {sorted(unknown)}")
+        raise UsageError(f"--set must start with a service name or a run-wide section "
+                         f"({', '.join(SERVICES + tuple(SHARED))}), got {sorted(unknown)}")
 
     redis_port = None if args.redis_url else free_port()  # the embedded redis-server's port
     # the embedded Redis: one user (and password) per service; an external one: the URL as given

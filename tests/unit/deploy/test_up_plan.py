@@ -145,3 +145,17 @@ def test_the_ingest_is_authenticated_with_the_run_s_keys_unless_the_broker_says_
     # turned off on the broker: its generators follow (a mismatch would leave them unheard)
     off = _plan(tmp_path, "--run-id", "b", "--set", "broker.ingest_auth=insecure")
     assert off["broker"]["ingest_auth"] == "insecure" == off["generator"]["ingest_auth"]
+
+
+def test_the_run_wide_weights_section_reaches_the_learner_and_the_generators(tmp_path):
+    """``--set weights.transport=http`` (or ``[weights]`` in the file) configures both ends of the weight
+    transfer; a service's own ``weights`` fields win over the run-wide ones."""
+    (tmp_path / "run.toml").write_text("[weights]\ntransport = \"collective\"\n[weights.collective]\nbucket_mb = 8\n")
+    p = _plan(tmp_path, "--run-id", "a", "--set", "weights.transport=http")
+    assert p["learner"]["weights"] == p["generator"]["weights"] == {"transport": "http"}
+    p = _plan(tmp_path, "--run-id", "b", "--config", str(tmp_path / "run.toml"),
+              "--set", "generator.weights.collective.timeout_s=5")
+    assert p["learner"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8}}
+    assert p["generator"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8, "timeout_s": 5}}
+    with pytest.raises(ConfigError, match="weights.transport"):
+        _plan(tmp_path, "--run-id", "c", "--set", "weights.transport=ftp")
