@@ -23,8 +23,7 @@ MODES = {
     "tis": ["--set", "learner.correction.mode=tis", "--set", "learner.correction.tis_cap=2.0"],
     "decoupled": ["--set", "learner.correction.mode=decoupled", "--set", "learner.correction.tis_cap=null"],
     # the critic's estimators (issue 19): V-trace's own truncated ratios (ρ̄ = c̄ = 1) from the behaviour
-    # log-probs, no correction on top; GAE with the same TIS as the `tis` row. Both at their tiny-model
-    # default rate (5e-4, docs/learner.md), where the rows above run at GRPO's (2e-3).
+    # log-probs, no correction on top; GAE with the same TIS as the `tis` row
     "vtrace": ["--set", "learner.advantage=vtrace", "--set", "learner.critic.enabled=true",
                "--set", "learner.correction.mode=none"],
     "gae+tis": ["--set", "learner.advantage=gae", "--set", "learner.critic.enabled=true",
@@ -32,7 +31,7 @@ MODES = {
 }
 
 
-def one_run(mode: str, seed: int, steps: int, out: Path, eta: int) -> dict:
+def one_run(mode: str, seed: int, steps: int, out: Path, eta: int, lr: float) -> dict:
     """Run (or read, when it already finished under ``out``) one mode at one seed; its figures."""
     run_id = f"{mode.replace('+', '_')}-s{seed}"
     folder = out / run_id
@@ -42,7 +41,8 @@ def one_run(mode: str, seed: int, steps: int, out: Path, eta: int) -> dict:
         cmd = [sys.executable, "-m", "deploy.cli", "up", "--steps", str(steps), "--seed", str(seed),
                "--runs-dir", str(out), "--run-id", run_id, "--dashboard-port", "0", "--no-progress",
                "--set", f"learner.admission_eta={eta}", "--set", "learner.max_staleness=8",
-               "--set", "learner.minibatches=2", "--set", "broker.eval.every_versions=0", *MODES[mode]]
+               "--set", "learner.minibatches=2", "--set", "broker.eval.every_versions=0",
+               "--set", f"learner.lr={lr}", *MODES[mode]]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     s = json.loads((folder / "summary.json").read_text())
     metrics = [json.loads(x) for x in (folder / "learner" / "metrics.jsonl").read_text().splitlines()]
@@ -58,8 +58,8 @@ def one_run(mode: str, seed: int, steps: int, out: Path, eta: int) -> dict:
             "dropped_stale": s["groups_dropped_stale"]}
 
 
-def run(steps: int, out: Path, seeds: list[int], eta: int, modes: list[str]) -> list[dict]:
-    return [one_run(mode, seed, steps, out, eta) for seed in seeds for mode in modes]
+def run(steps: int, out: Path, seeds: list[int], eta: int, modes: list[str], lr: float) -> list[dict]:
+    return [one_run(mode, seed, steps, out, eta, lr) for seed in seeds for mode in modes]
 
 
 def table(runs: list[dict], modes: list[str]) -> list[str]:
@@ -87,10 +87,12 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--eta", type=int, default=3)
+    p.add_argument("--lr", type=float, default=5e-4, help="one learning rate for every mode (the tiny model's "
+                   "default with a critic; GRPO's own default, 2e-3, drifts on stale samples even corrected)")
     p.add_argument("--out", default="runs/staleness")
     a = p.parse_args()
     out = Path(a.out)
-    runs = run(a.steps, out, a.seeds, a.eta, a.modes)
+    runs = run(a.steps, out, a.seeds, a.eta, a.modes, a.lr)
     print("\n".join(table(runs, a.modes)))
     (out / "table.json").write_text(json.dumps(runs, indent=1))
 
