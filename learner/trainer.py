@@ -89,6 +89,12 @@ class Learner:
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key)
+        self.weight_server = None  # weights.transport http: the leader serves the store (learner/weight_server.py)
+        if self.leader and cfg.weights.transport == "http":
+            from learner.weight_server import serve_store
+
+            self.weight_server = serve_store(cfg.weight_store, cfg.weights.http, self.announce_key, cfg.run_id)
+            self.publisher.url_for = self.weight_server.url
         latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
