@@ -411,6 +411,8 @@ DOC_COMMANDS = {
     "kubectl kustomize deploy/k8s/overlays/cpu": (TESTS, '"kustomize", str(K8S / "overlays" / overlay)'),
     "docker compose -f docker-compose.yml -f deploy/compose/code-sandbox.yml config":
         ("tests/unit/deploy/test_code_sandbox_deploy.py", '_compose("-f", str(OVERRIDE), "config")'),
+    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml config":
+        (TESTS, '_compose("-f", str(ROOT / "deploy" / "compose" / "weights-http.yml"), "config")'),
     "relay secrets .cache/k8s-secrets --k8s relay-secrets.yaml":
         (TESTS, '"secrets", str(tmp_path / "k8s-secrets"), "--k8s", str(out)'),
 }
