@@ -40,6 +40,7 @@ from broker.runtime.config import HttpWeightsConfig
 log = logging.getLogger("relay.generator.weight_fetch")
 
 CHUNK = 1 << 20
+MAX_MANIFEST = 16 << 20  # a manifest lists file names and hashes: kilobytes
 _RETRYABLE = (OSError, http.client.HTTPException)
 
 
@@ -171,9 +172,13 @@ class WeightFetcher:
         def attempt(_):
             conn, resp = self._request(url, name)
             try:
-                data = resp.read()
+                data = resp.read(MAX_MANIFEST + 1)
             finally:
                 conn.close()
+            if len(data) > MAX_MANIFEST:
+                raise weightstore.WeightStoreError("bad_manifest", f"{url}{name} is larger than {MAX_MANIFEST} bytes")
+            if resp.length:
+                raise _Dropped(f"connection closed with {resp.length} bytes of {name} still to come")
             return data
 
         return self._retrying(f"{url}{name}", attempt)

@@ -12,6 +12,8 @@ An announcement the run's key did not sign (written into Redis by someone else) 
 is logged, counted (``forged_announcements``, in the heartbeat and /metrics), reported as a
 ``refused`` event, and the generator keeps serving its version. With ``store`` set, a version
 outside the weight store is refused as well (broker/protocol/weightstore.py ``check_in_store``).
+With ``weights.transport = "http"`` a version is first fetched from the learner's weight server into the
+generator's own cache (generators/weight_fetch.py), then verified and loaded from there the same way.
 """
 
 from __future__ import annotations
