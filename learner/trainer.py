@@ -279,8 +279,19 @@ class Learner:
             if self.leader:
                 log.info("checkpoint written at step %d", self.step)
         if self.leader and step >= self.cfg.steps:
+            self.stop_serving_weights()
             self.r.set(self.keys.done, f"finished its {step} steps")  # why the run ended (summary.json's "ended")
             log.info("finished %d steps at version %d", step, self.version)
+
+    def stop_serving_weights(self) -> None:
+        """weights.transport http: the run is over; serve until the generators have the last version (their
+        final evaluation round uses it), at most ``weights.http.linger_s``, then close the weight server."""
+        if self.weight_server is not None:
+            from learner.weight_server import wait_until_served
+
+            wait_until_served(self.r, self.keys, self.version, self.cfg.weights.http.linger_s)
+            self.weight_server.close()
+            self.weight_server = None
 
     def warn_if_truncated(self, diag: dict) -> None:
         """Warn once when most completions of the last ``TRUNCATED_WARN_STEPS`` steps stopped at
@@ -322,5 +333,6 @@ class Learner:
         why = (f"the dataset ran out after {broker.get('epoch', '?')} epoch(s) ({broker.get('prompts_fed', '?')} "
                f"prompts): trained {self.step} of {self.cfg.steps} steps")
         self.r.hset(self.keys.stats("learner"), "version", self.version)
+        self.stop_serving_weights()
         self.r.set(self.keys.done, why)
         log.warning("%s; the run ends at version %d", why, self.version)

@@ -28,6 +28,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -151,6 +152,27 @@ class WeightServer:
 def serve_store(store: str | Path, cfg: HttpWeightsConfig, announce_key: bytes | None, run_id: str) -> WeightServer:
     """The learner leader's weight server for ``weights.transport = "http"``, started."""
     return WeightServer(store, cfg.host, cfg.port, bearer_token(announce_key, run_id), cfg.advertise_url).start()
+
+
+def wait_until_served(r, keys, version: int, timeout_s: float, fresh_s: float = 15.0) -> bool:
+    """Block until every generator whose heartbeat is fresh (``fresh_s``) serves ``version`` or newer, at most
+    ``timeout_s``: the learner's last version is fetched from its server, so the leader keeps serving
+    until the generators have it (their final evaluation uses it) before the run is marked done."""
+    from broker.client.telemetry import read_heartbeats
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = time.time()
+        behind = sorted(gid for gid, hb in read_heartbeats(r, keys).items()
+                        if hb.last_seen is not None and now - hb.last_seen < fresh_s
+                        and (hb.version is None or hb.version < version))
+        if not behind:
+            return True
+        if time.monotonic() >= deadline:
+            log.warning("stopped serving the weights with generator(s) %s still short of version %d after %.0fs",
+                        ", ".join(behind), version, timeout_s)
+            return False
+        time.sleep(0.2)
 
 
 def _url_host(host: str) -> str:
