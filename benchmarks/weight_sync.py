@@ -219,6 +219,8 @@ def _bench_http(model, tokenizer, workdir: Path, stack, versions: int = 3, gener
                    "model_params": sum(p.numel() for p in model.parameters()), "version_bytes": nbytes,
                    "versions": versions, "per_version_s": ours, "raw_per_version_s": raw,
                    "publish_s_median": statistics.median(publish_s), "bytes_served": fetched,
+                   # fetch + verify + load on the slower generator, once the learner has announced
+                   "after_publish_s_median": statistics.median(o - p for o, p in zip(ours, publish_s)),
                    "raw": f"safetensors save_file, then {generators} concurrent plain HTTP GETs of the file "
                           "(stdlib http.server) loaded with safetensors.torch.load"})
 
