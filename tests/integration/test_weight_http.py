@@ -147,7 +147,8 @@ def test_a_dropped_download_resumes_with_a_range_request(served, tmp_path):
     assert proxy.cut == 2 and fetcher.resumed == 2
     ranges = [h for h in proxy.requests if b"model.safetensors" in h and b"Range: bytes=" in h]
     assert len(ranges) == 2  # the two resumes asked only for what was missing
-    assert (path / "model.safetensors").read_bytes() == (weightstore.version_dir(store, 5) / "model.safetensors").read_bytes()
+    served_bytes = (weightstore.version_dir(store, 5) / "model.safetensors").read_bytes()
+    assert (path / "model.safetensors").read_bytes() == served_bytes
     assert weightstore.verify(path, a.hash, tmp_path / "cache")["version"] == 5
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["v000005"]  # no staging folder left
 
