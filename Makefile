@@ -64,9 +64,12 @@ smollm2-demo: setup
 
 # docker-compose.yml on a real Docker engine (not part of `make test`; see docs/deploy.md): starts
 # dockerd if none answers, builds a Debian base image and a wheelhouse when nothing can be pulled,
-# runs `docker compose up --scale generator=2` until both generators apply >= 3 versions
+# runs `docker compose up --scale generator=2` until both generators apply >= 3 versions; with the http
+# weight transport and no shared weight volume (deploy/compose/weights-http.yml; SMOKE_WEIGHTS=store: the
+# shared volume of docker-compose.yml alone)
+SMOKE_WEIGHTS ?= http
 compose-smoke: $(STAMP)
-	VENV=$(VENV) deploy/compose_smoke.sh
+	VENV=$(VENV) SMOKE_WEIGHTS=$(SMOKE_WEIGHTS) deploy/compose_smoke.sh
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

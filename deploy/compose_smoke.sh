@@ -8,8 +8,11 @@
 #  4. a wheelhouse (pip wheel on the host), so the image build needs no network;
 #  5. the secrets in deploy/secrets (relay secrets: announcement key, CURVE certificates, Redis users,
 #     reward token; each when absent; removed again at the end);
-#  6. docker compose build; docker compose up -d --scale generator=2;
-#  7. wait until both generators report >= 3 applied weight versions through the dashboard API;
+#  6. docker compose build; docker compose up -d --scale generator=2, with the http weight transport by
+#     default (SMOKE_WEIGHTS=http: deploy/compose/weights-http.yml, no weight volume shared by the learner
+#     and the generators; SMOKE_WEIGHTS=store: docker-compose.yml alone, the shared volume);
+#  7. wait until both generators report >= 3 applied weight versions through the dashboard API (http:
+#     and that no generator container mounts a volume and each fetched its versions over HTTP);
 #  8. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
 set -euo pipefail
 
@@ -21,6 +24,7 @@ BASE_IMAGE=${RELAY_BASE_IMAGE:-local/relay-base:bookworm}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 WAIT_S=${SMOKE_WAIT_S:-600}
 WHEELHOUSE=deploy/docker/wheelhouse
+SMOKE_WEIGHTS=${SMOKE_WEIGHTS:-http}
 mkdir -p "$WORK"
 log() { echo "[compose-smoke $(date +%H:%M:%S)] $*"; }
 
@@ -100,7 +104,14 @@ BEFORE=$(cd deploy/secrets && find . -type f | sort)
 "$VENV/bin/relay" secrets deploy/secrets
 CREATED_SECRETS=1
 
-# 5. build and run: the base image doubles as the Redis image (it has redis-server)
+# 5. build and run: the base image doubles as the Redis image (it has redis-server); the weight transport's
+#    compose files (COMPOSE_FILE: every docker compose command below uses them)
+case "$SMOKE_WEIGHTS" in
+  http) export COMPOSE_FILE=docker-compose.yml:deploy/compose/weights-http.yml ;;
+  store) export COMPOSE_FILE=docker-compose.yml ;;
+  *) log "SMOKE_WEIGHTS must be http or store, not $SMOKE_WEIGHTS"; exit 2 ;;
+esac
+log "weight transport: $SMOKE_WEIGHTS ($COMPOSE_FILE)"
 export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE" RELAY_STEPS=${RELAY_STEPS:-300}
 export RELAY_DASHBOARD_PORT=${RELAY_DASHBOARD_PORT:-$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 log "docker compose build"
@@ -129,3 +140,14 @@ EOF
   sleep 5
 done
 "$VENV/bin/relay" status --url "$URL"
+if [ "$SMOKE_WEIGHTS" = http ]; then
+  # no shared weight volume: the generator containers mount no volume (only the secrets' files), and each
+  # fetched its versions over HTTP
+  for c in $(docker compose ps -q generator); do
+    volumes=$(docker inspect --format '{{range .Mounts}}{{if eq .Type "volume"}}{{.Name}}:{{.Destination}} {{end}}{{end}}' "$c")
+    fetched=$(docker logs "$c" 2>&1 | grep -c "fetched version .* over http" || true)
+    log "generator ${c:0:12}: volumes [${volumes}], $fetched version(s) fetched over http"
+    [ -z "$volumes" ] || { log "a generator mounts a volume under the http transport"; exit 1; }
+    [ "$fetched" -ge 3 ] || { log "a generator fetched fewer than 3 versions over http"; exit 1; }
+  done
+fi

@@ -49,8 +49,14 @@ class Generator:
         self.tokens_per_s = 0.0
         self._last_hb = 0.0
         self._batch = 0
+        fetcher = None
+        if cfg.weights.transport == "http":  # versions fetched from the learner's weight server, no shared volume
+            from generators.weight_fetch import WeightFetcher
+            from broker.protocol.weightauth import bearer_token
+
+            fetcher = WeightFetcher(cfg.weights.http, bearer_token(key, cfg.run_id))
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
-                                     key, cfg.weight_store)
+                                     key, cfg.weight_store, fetcher)
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
                          curve)

@@ -12,6 +12,8 @@ An announcement the run's key did not sign (written into Redis by someone else) 
 is logged, counted (``forged_announcements``, in the heartbeat and /metrics), reported as a
 ``refused`` event, and the generator keeps serving its version. With ``store`` set, a version
 outside the weight store is refused as well (broker/protocol/weightstore.py ``check_in_store``).
+With ``weights.transport = "http"`` a version is first fetched from the learner's weight server into the
+generator's own cache (generators/weight_fetch.py), then verified and loaded from there the same way.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ class WeightApplier:
     def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
                  report: Callable[[str, bool], None] = lambda state, heartbeat: None,
                  stopped: Callable[[], bool] = lambda: False, announce_key: bytes | None = None,
-                 store: str = ""):
+                 store: str = "", fetcher=None):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
         self.store = store or None  # the weight store every version must be in (None: anywhere)
+        self.fetcher = fetcher  # weights.transport http: generators/weight_fetch.py WeightFetcher (None: store)
         self.forged_announcements = 0  # distinct announcements seen whose signature is missing or wrong
         self._forged_seen: set[tuple[str, str]] = set()
         self.report, self.stopped = report, stopped
@@ -67,11 +70,13 @@ class WeightApplier:
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
-                weightstore.verify(a.path, a.hash, self.store)
+                path, root = (self.fetcher.fetch(a, self.version), self.fetcher.cache) if self.fetcher \
+                    else (a.path, self.store)
+                weightstore.verify(path, a.hash, root)
                 if self.version is None:
-                    self.backend.load(a.path)
+                    self.backend.load(str(path))
                 else:
-                    self.backend.update_weights(a.path)
+                    self.backend.update_weights(str(path))
                 break
             except (weightstore.WeightStoreError, ValueError, OSError) as e:
                 newer = self._latest()

@@ -43,6 +43,7 @@ class Publisher:
         self.store.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
         self.heartbeat_ttl_s = 60.0
+        self.url_for = None  # weights.transport http: version -> the base URL of its files (learner/weight_server.py)
 
     def publish(self, model, state_dict: dict[str, torch.Tensor], version: int) -> Announcement:
         """Seal and announce ``state_dict`` as ``version``; NonFiniteWeights (nothing written) when a
@@ -62,7 +63,7 @@ class Publisher:
 
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
         path, digest = weightstore.seal(self.store, version, staging)
-        a = Announcement(version=version, hash=digest, path=str(path))
+        a = Announcement(version=version, hash=digest, path=str(path), url=self.url_for(version) if self.url_for else "")
         announce(self.r, self.keys, a, self.announce_key)
         advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
         emit_event(self.r, self.keys, "published", version=version, hash=digest)

@@ -89,6 +89,12 @@ class Learner:
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key)
+        self.weight_server = None  # weights.transport http: the leader serves the store (learner/weight_server.py)
+        if self.leader and cfg.weights.transport == "http":
+            from learner.weight_server import serve_store
+
+            self.weight_server = serve_store(cfg.weight_store, cfg.weights.http, self.announce_key, cfg.run_id)
+            self.publisher.url_for = self.weight_server.url
         latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
@@ -273,8 +279,19 @@ class Learner:
             if self.leader:
                 log.info("checkpoint written at step %d", self.step)
         if self.leader and step >= self.cfg.steps:
+            self.stop_serving_weights()
             self.r.set(self.keys.done, f"finished its {step} steps")  # why the run ended (summary.json's "ended")
             log.info("finished %d steps at version %d", step, self.version)
+
+    def stop_serving_weights(self) -> None:
+        """weights.transport http: the run is over; serve until the generators have the last version (their
+        final evaluation round uses it), at most ``weights.http.linger_s``, then close the weight server."""
+        if self.weight_server is not None:
+            from learner.weight_server import wait_until_served
+
+            wait_until_served(self.r, self.keys, self.version, self.cfg.weights.http.linger_s)
+            self.weight_server.close()
+            self.weight_server = None
 
     def warn_if_truncated(self, diag: dict) -> None:
         """Warn once when most completions of the last ``TRUNCATED_WARN_STEPS`` steps stopped at
@@ -316,5 +333,6 @@ class Learner:
         why = (f"the dataset ran out after {broker.get('epoch', '?')} epoch(s) ({broker.get('prompts_fed', '?')} "
                f"prompts): trained {self.step} of {self.cfg.steps} steps")
         self.r.hset(self.keys.stats("learner"), "version", self.version)
+        self.stop_serving_weights()
         self.r.set(self.keys.done, why)
         log.warning("%s; the run ends at version %d", why, self.version)

@@ -56,6 +56,8 @@ class HttpWeightsConfig(StrictModel):
                                "set it when the generators reach the learner under another name)")
     cache_dir: str = Field("", description="generators: folder the fetched versions are kept in (default: a "
                            "private temporary folder)")
+    linger_s: float = Field(60.0, ge=0, le=3600, description="learner: at the end of the run, keep serving until "
+                            "every live generator serves the last version, at most this long")
 
 
 class CollectiveWeightsConfig(StrictModel):

@@ -195,6 +195,8 @@ def plan(args, environ: dict | None = None) -> dict:
                                       "ingest_auth": broker.get("ingest_auth", "curve"),
                                       "broker_public_key_file": str(keydir / "broker.key"),
                                       "reward_url": reward_url, "seed": args.seed})
+    if generator.get("weights", {}).get("transport") == "http":
+        generator["weight_store"] = ""  # no shared folder: versions are fetched from the learner's weight server
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
         learner.setdefault("tiny_vllm_compatible", True)
     if reward.get("auth_token") and not generator.get("reward_token"):

@@ -33,6 +33,8 @@ from tests.support.services import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+# overlays with the http weight transport (components/weights-http): no shared weight volume
+HTTP_OVERLAYS = {o for o in OVERLAYS if "components/weights-http" in (K8S / "overlays" / o / "kustomization.yaml").read_text()}
 MODELS = {"broker": BrokerConfig, "reward": RewardConfig, "learner": LearnerConfig, "generator": GeneratorConfig}
 TOKEN_VARS = {"RELAY_AUTH_TOKEN", "RELAY_REWARD_TOKEN"}
 # the port each service serves /healthz on, by the config field that sets it
@@ -159,6 +161,22 @@ def test_compose_wiring():
     assert "deploy/secrets" in ignored and ".env" in ignored
 
 
+def test_compose_http_override_shares_no_weight_volume():
+    """docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml: the generators mount no volume
+    (the learner's weight volume is its own), both sides use the http transport, the URL names the learner."""
+    r = _compose("-f", str(ROOT / "deploy" / "compose" / "weights-http.yml"), "config")
+    assert r.returncode == 0, r.stderr
+    services = yaml.safe_load(r.stdout)["services"]
+    assert not services["generator"].get("volumes")
+    genv, lenv = services["generator"]["environment"], services["learner"]["environment"]
+    assert genv["RELAY_WEIGHTS__TRANSPORT"] == lenv["RELAY_WEIGHTS__TRANSPORT"] == "http"
+    assert lenv["RELAY_WEIGHTS__HTTP__ADVERTISE_URL"] == f"http://learner:{lenv['RELAY_WEIGHTS__HTTP__PORT']}"
+    mounts = [(v["source"], v["target"]) for s in services.values() for v in s.get("volumes", [])]
+    assert [m for m in mounts if m[0] == "weights"] == [("weights", "/weights")]  # the learner's alone
+    for name in ("learner", "generator"):
+        load_config(MODELS[name], None, environ={k: str(v) for k, v in services[name]["environment"].items()})
+
+
 def test_compose_refuses_to_start_without_the_secrets_and_accepts_what_relay_secrets_makes(tmp_path):
     r = _compose("config", "-q", with_secrets=False)
     assert r.returncode != 0 and "deploy/secrets/" in r.stderr, r.stderr
@@ -200,7 +218,36 @@ def _docs(path: Path) -> list[dict]:
 
 
 def test_there_are_cpu_and_gpu_overlays():
-    assert {"cpu", "gpu"} <= set(OVERLAYS)
+    assert {"cpu", "gpu"} <= set(OVERLAYS) and "cpu-http" in HTTP_OVERLAYS
+
+
+def test_http_overlay_shares_no_weight_volume_and_wires_the_weight_server(rendered):
+    """kubectl kustomize deploy/k8s/overlays/cpu-http: no ReadWriteMany claim, no persistent volume in the
+    generators, the learner serves its store on the port its Service and the policies open, and the URL the
+    generators are given names that Service."""
+    docs = _docs(rendered["cpu-http"])
+    assert {d["spec"]["accessModes"][0] for d in docs if d["kind"] == "PersistentVolumeClaim"} == {"ReadWriteOnce"}
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    gen = deps["generator"]["spec"]["template"]["spec"]
+    assert not [v for v in gen["volumes"] if "persistentVolumeClaim" in v]
+    genv = {e["name"]: e.get("value") for e in gen["containers"][0]["env"]}
+    assert genv["RELAY_WEIGHTS__TRANSPORT"] == "http" and "RELAY_WEIGHT_STORE" not in genv
+    cache = genv["RELAY_WEIGHTS__HTTP__CACHE_DIR"]
+    assert cache in {m["mountPath"] for m in gen["containers"][0]["volumeMounts"] if not m.get("readOnly")}
+    lc = deps["learner"]["spec"]["template"]["spec"]["containers"][0]
+    lenv = {e["name"]: e.get("value") for e in lc["env"]}
+    assert lenv["RELAY_WEIGHTS__TRANSPORT"] == "http" and lenv["RELAY_WEIGHTS__HTTP__HOST"] == "0.0.0.0"
+    port = int(lenv["RELAY_WEIGHTS__HTTP__PORT"])
+    assert {p["name"]: p["containerPort"] for p in lc["ports"]}["weights"] == port
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "learner")
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["weights"] == port
+    assert lenv["RELAY_WEIGHTS__HTTP__ADVERTISE_URL"] == f"http://learner:{port}"
+    assert lenv["RELAY_WEIGHT_STORE"].startswith("/runs/")  # in the learner's own (ReadWriteOnce) volume
+    assert "/runs" in {m["mountPath"] for m in lc["volumeMounts"]}
+    pol = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    assert any(r.get("to", [{}])[0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "learner"
+               and r["ports"][0]["port"] == port for r in pol["generator"]["spec"]["egress"])
+    assert any(r["ports"][0]["port"] == port for r in pol["learner"]["spec"]["ingress"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -209,8 +256,9 @@ def test_rendered_manifests_pass_kubernetes_validate_strict(rendered, overlay):
     assert r.returncode == 0, r.stdout + r.stderr
     kinds = {(d["kind"], d["metadata"]["name"]) for d in _docs(rendered[overlay])}
     assert {("StatefulSet", "redis"), ("Deployment", "broker"), ("Deployment", "reward"),
-            ("Deployment", "learner"), ("Deployment", "generator"), ("NetworkPolicy", "default-deny"),
-            ("PersistentVolumeClaim", "relay-weights")} <= kinds
+            ("Deployment", "learner"), ("Deployment", "generator"), ("NetworkPolicy", "default-deny")} <= kinds
+    # the shared weight volume: in every overlay but those of the http weight transport
+    assert (("PersistentVolumeClaim", "relay-weights") in kinds) == (overlay not in HTTP_OVERLAYS)
 
 
 def test_kubernetes_validate_rejects_an_unknown_field(rendered, tmp_path):
@@ -256,8 +304,9 @@ def test_k8s_workloads_env_probes_security(rendered, overlay):
                 assert ports[c[kind]["httpGet"]["port"]] == port, f"{name}: {kind} is not on port {port}"
     # generators scale on their own: no fixed identity, the weight store shared read-many
     assert "RELAY_ID" not in {e["name"] for e in workloads["generator"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "relay-weights")
-    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    if overlay not in HTTP_OVERLAYS:
+        pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "relay-weights")
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     # the env vars also load: each service's config validates with what the manifest sets
     for name, model in MODELS.items():
         c = workloads[name]["spec"]["template"]["spec"]["containers"][0]
@@ -290,6 +339,7 @@ def test_network_policies_select_real_pods(rendered, overlay):
                     allowed_in.setdefault(t, set()).update(names(peer))
     assert allowed_in["redis"] == {"broker", "learner", "generator"}
     assert allowed_in["reward"] == {"generator"}
+    assert ("generator" in allowed_in.get("learner", set())) == (overlay in HTTP_OVERLAYS)  # the weight server
     assert "reward" not in allowed_in["redis"], "the reward service has no business with Redis"
 
 
@@ -361,6 +411,8 @@ DOC_COMMANDS = {
     "kubectl kustomize deploy/k8s/overlays/cpu": (TESTS, '"kustomize", str(K8S / "overlays" / overlay)'),
     "docker compose -f docker-compose.yml -f deploy/compose/code-sandbox.yml config":
         ("tests/unit/deploy/test_code_sandbox_deploy.py", '_compose("-f", str(OVERRIDE), "config")'),
+    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml config":
+        (TESTS, '_compose("-f", str(ROOT / "deploy" / "compose" / "weights-http.yml"), "config")'),
     "relay secrets .cache/k8s-secrets --k8s relay-secrets.yaml":
         (TESTS, '"secrets", str(tmp_path / "k8s-secrets"), "--k8s", str(out)'),
 }

@@ -159,3 +159,12 @@ def test_the_run_wide_weights_section_reaches_the_learner_and_the_generators(tmp
     assert p["generator"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8, "timeout_s": 5}}
     with pytest.raises(ConfigError, match="weights.transport"):
         _plan(tmp_path, "--run-id", "c", "--set", "weights.transport=ftp")
+
+
+def test_under_the_http_transport_the_generators_get_no_weight_store(tmp_path):
+    """No shared folder: the generators fetch from the learner's weight server, so `relay up` gives them no
+    weight store path (with `store` they get the learner's, to refuse versions outside it)."""
+    p = _plan(tmp_path, "--run-id", "a", "--set", "weights.transport=http")
+    assert p["generator"]["weight_store"] == "" and p["learner"]["weight_store"].endswith("weights")
+    p = _plan(tmp_path, "--run-id", "b")
+    assert p["generator"]["weight_store"] == p["learner"]["weight_store"] != ""

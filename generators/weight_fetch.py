@@ -1,0 +1,238 @@
+"""The ``http`` weight transport, generator side: fetch an announced version from the learner's weight
+server (learner/weight_server.py) into a local cache, then verify and load it as from the store.
+
+:meth:`WeightFetcher.fetch` downloads ``manifest.json`` first and checks it against the hash in the
+signed announcement (``weightstore.manifest_hash``), then streams each file the manifest lists into a
+staging folder of the cache, hashing while downloading. A connection that drops (or times out)
+mid-file is resumed with a Range request from the last byte written, up to ``attempts`` times per
+file with back-off; a file whose sha256 differs from the manifest's is refused (``corrupt_file``)
+without waiting for the load. The complete folder is renamed to ``<cache>/v000012``, so the cache,
+like the store, never holds a half version; the generator then runs the same
+``weightstore.verify(path, hash, root=cache)`` and backend load as for the store.
+
+Failures are WeightStoreError with a reason, which generators/weights.py handles as for the store:
+``not_found`` (404: the version was pruned, i.e. superseded: the newer one is fetched), ``hash_mismatch``
+and ``corrupt_file`` (refused, never retried), ``unauthorized`` (401: the token is not the run's),
+``fetch_failed`` (the server unreachable or too slow after every attempt).
+
+The cache keeps the newest ``keep`` fetched versions plus the one served; the default cache is a
+private temporary folder (mode 0700) removed when the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import http.client
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from broker.protocol import weightstore
+from broker.protocol.messages import Announcement
+from broker.runtime.config import HttpWeightsConfig
+
+log = logging.getLogger("relay.generator.weight_fetch")
+
+CHUNK = 1 << 20
+MAX_MANIFEST = 16 << 20  # a manifest lists file names and hashes: kilobytes
+_RETRYABLE = (OSError, http.client.HTTPException)
+
+
+class _Dropped(Exception):
+    """The connection ended before the bytes the server announced."""
+
+
+class WeightFetcher:
+    """Fetches announced versions into ``cache`` (``cfg.cache_dir``, or a private temporary folder).
+
+    ``token``: the bearer token of the run's weight server (broker/protocol/weightauth.py),
+    None when announcements are unsigned. ``timeout_s``: per connection and per read; ``attempts``: the
+    tries per file (a drop resumes where it stopped; back-off 0.2 s doubling, at most 5 s)."""
+
+    def __init__(self, cfg: HttpWeightsConfig, token: str | None = None, keep: int = 3, timeout_s: float = 30.0,
+                 attempts: int = 5):
+        if cfg.cache_dir:
+            self.cache = Path(cfg.cache_dir).resolve()
+            self.cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        else:
+            self.cache = Path(tempfile.mkdtemp(prefix="relay-weights-")).resolve()  # mode 0700
+            atexit.register(shutil.rmtree, self.cache, ignore_errors=True)
+        self.token, self.keep, self.timeout_s, self.attempts = token, keep, timeout_s, attempts
+        self.fetched = 0  # versions downloaded
+        self.fetched_bytes = 0
+        self.resumed = 0  # Range requests after a dropped connection
+
+    def fetch(self, a: Announcement, serving: int | None = None) -> Path:
+        """The local folder of version ``a`` (downloaded unless already cached and intact); the cache is
+        pruned to the newest ``keep`` versions plus ``serving``. Raises WeightStoreError."""
+        if not a.url:
+            raise weightstore.WeightStoreError("no_url", f"version {a.version} was announced without a URL (the "
+                                               "learner's weights.transport is not http)")
+        final = weightstore.version_dir(self.cache, a.version)
+        if final.is_dir():
+            try:
+                weightstore.verify(final, a.hash, self.cache)
+                return final
+            except weightstore.WeightStoreError as e:
+                log.warning("cached version %d is not intact (%s): fetching it again", a.version, e)
+                shutil.rmtree(final)
+        t0, nbytes = time.perf_counter(), 0
+        staging = self.cache / f".fetch-v{a.version:06d}-{os.getpid()}"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(mode=0o700)
+        try:
+            raw = self._get_small(a.url, weightstore.MANIFEST)
+            try:
+                manifest = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise weightstore.WeightStoreError("bad_manifest", f"{a.url}{weightstore.MANIFEST}: {e}") from None
+            if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+                raise weightstore.WeightStoreError("bad_manifest", f"{a.url}{weightstore.MANIFEST} has no 'files' map")
+            if weightstore.manifest_hash(manifest) != a.hash:
+                raise weightstore.WeightStoreError("hash_mismatch", f"{a.url}{weightstore.MANIFEST}: manifest hash "
+                                                   f"differs from the announced {a.hash[:12]}")
+            for name in manifest["files"]:
+                if not isinstance(name, str) or name in ("", ".", "..", weightstore.MANIFEST) or "/" in name \
+                        or "\\" in name or "\0" in name:
+                    raise weightstore.WeightStoreError("bad_name", f"{a.url}{weightstore.MANIFEST} lists {name!r}: "
+                                                       "not a plain file name")
+            (staging / weightstore.MANIFEST).write_bytes(raw)
+            for name, digest in manifest["files"].items():
+                nbytes += self._get_file(a.url, name, staging / name, digest)
+            os.rename(staging, final)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        dt = time.perf_counter() - t0
+        self.fetched += 1
+        self.fetched_bytes += nbytes
+        log.info("fetched version %d over http: %.1f MB in %.2fs from %s", a.version, nbytes / 1e6, dt, a.url)
+        self.prune({a.version} | ({serving} if serving is not None else set()))
+        return final
+
+    def prune(self, keep_also: set[int]) -> list[int]:
+        """Delete cached versions older than the newest ``keep`` that are not in ``keep_also``."""
+        versions = weightstore.list_versions(self.cache)
+        doomed = [v for v in versions[:-self.keep] if v not in keep_also]
+        for v in doomed:
+            shutil.rmtree(weightstore.version_dir(self.cache, v), ignore_errors=True)
+        return doomed
+
+    # -- HTTP ---------------------------------------------------------------------------------------------
+
+    def _request(self, url: str, name: str, start: int = 0, method: str = "GET"):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise weightstore.WeightStoreError("bad_url", f"announced URL {url!r} is not an http(s) URL")
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = cls(parts.hostname, parts.port, timeout=self.timeout_s)
+        headers = {"Accept-Encoding": "identity"}
+        if self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token}"
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        conn.request(method, parts.path.rstrip("/") + "/" + name, headers=headers)
+        resp = conn.getresponse()
+        if resp.status in (200, 206):
+            return conn, resp
+        body = resp.read(4096)
+        conn.close()
+        where = f"{url}{name}"
+        if resp.status == 404:
+            raise weightstore.WeightStoreError("not_found", f"{where}: 404 (pruned, or never published)")
+        if resp.status in (401, 403):
+            raise weightstore.WeightStoreError("unauthorized", f"{where}: {resp.status} (the run's bearer token is "
+                                               "derived from its announcement key: is it the same key?)")
+        if resp.status == 416:
+            raise _Dropped(f"{where}: 416 for a resume at byte {start}: {body[:200]!r}")
+        raise _Dropped(f"{where}: HTTP {resp.status} {body[:200]!r}")
+
+    def _retrying(self, what: str, attempt_fn):
+        delay, last = 0.2, None
+        for i in range(self.attempts):
+            try:
+                return attempt_fn(i)
+            except (_Dropped, *_RETRYABLE) as e:
+                last = e
+                log.warning("%s: attempt %d of %d failed (%s: %s)", what, i + 1, self.attempts, type(e).__name__, e)
+                if i + 1 < self.attempts:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+        raise weightstore.WeightStoreError("fetch_failed", f"{what}: {self.attempts} attempts failed, the last: "
+                                           f"{type(last).__name__}: {last}")
+
+    def _get_small(self, url: str, name: str) -> bytes:
+        def attempt(_):
+            conn, resp = self._request(url, name)
+            try:
+                data = resp.read(MAX_MANIFEST + 1)
+            finally:
+                conn.close()
+            if len(data) > MAX_MANIFEST:
+                raise weightstore.WeightStoreError("bad_manifest", f"{url}{name} is larger than {MAX_MANIFEST} bytes")
+            if resp.length:
+                raise _Dropped(f"connection closed with {resp.length} bytes of {name} still to come")
+            return data
+
+        return self._retrying(f"{url}{name}", attempt)
+
+    def _get_file(self, url: str, name: str, dest: Path, digest: str) -> int:
+        """Stream ``name`` into ``dest`` hashing as it comes; resume from the last byte after a drop."""
+        dl = _Download(dest)
+        try:
+            def attempt(i: int) -> None:
+                if i and dl.got:
+                    self.resumed += 1
+                    log.info("%s%s: resuming at byte %d", url, name, dl.got)
+                conn, resp = self._request(url, name, start=dl.got)
+                try:
+                    if dl.got and resp.status != 206:  # the server ignored the range: start over
+                        dl.restart()
+                    left = resp.length  # bytes still to come (None: until the connection closes)
+                    while left is None or left > 0:
+                        chunk = resp.read(CHUNK if left is None else min(CHUNK, left))
+                        if not chunk:
+                            break
+                        dl.write(chunk)
+                        if left is not None:
+                            left -= len(chunk)
+                    if left:
+                        raise _Dropped(f"connection closed with {left} bytes of {name} still to come")
+                finally:
+                    conn.close()
+
+            self._retrying(f"{url}{name}", attempt)
+        finally:
+            dl.out.close()
+        actual = dl.hash.hexdigest()
+        if actual != digest:
+            raise weightstore.WeightStoreError("corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest "
+                                               f"{digest[:12]}")
+        return dl.got
+
+
+class _Download:
+    """One file being downloaded: the bytes written so far and their running sha256."""
+
+    def __init__(self, dest: Path):
+        self.out = open(dest, "wb")
+        self.hash = hashlib.sha256()
+        self.got = 0
+
+    def write(self, chunk: bytes) -> None:
+        self.out.write(chunk)
+        self.hash.update(chunk)
+        self.got += len(chunk)
+
+    def restart(self) -> None:
+        self.out.seek(0)
+        self.out.truncate()
+        self.hash = hashlib.sha256()
+        self.got = 0

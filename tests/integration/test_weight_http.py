@@ -1,0 +1,224 @@
+"""The http weight transport over real HTTP on free ports: the learner's weight server
+(learner/weight_server.py) serves only sealed versions' listed files, with ranges; the generator's
+fetcher (generators/weight_fetch.py) resumes a dropped download, refuses a corrupted byte, and a
+version pruned before it was fetched is superseded, not refused (real Redis for the applier)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+
+import pytest
+
+from broker.client.announcements import announce
+from broker.client.connection import connect_redis
+from broker.client.telemetry import read_events
+from broker.protocol import weightstore
+from broker.protocol.keys import Keys
+from broker.protocol.messages import Announcement
+from broker.runtime.config import HttpWeightsConfig
+from generators.weight_fetch import WeightFetcher
+from generators.weights import WeightApplier
+from learner.weight_server import WeightServer, parse_range, RangeError
+from tests.support.flaky_proxy import FlakyProxy
+
+SIZE = 3 * (1 << 20) + 12345  # several chunks of the fetcher, not a multiple of one
+
+
+def _publish(store, version: int, size: int = SIZE) -> Announcement:
+    d = weightstore.staging_dir(store, version)
+    (d / "model.safetensors").write_bytes(os.urandom(size))
+    (d / "config.json").write_text(json.dumps({"version": version}))
+    path, digest = weightstore.seal(store, version, d)
+    return Announcement(version, digest, str(path))
+
+
+@pytest.fixture
+def served(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    server = WeightServer(store).start()
+    yield store, server
+    server.close()
+
+
+def _get(server: WeightServer, path: str, method: str = "GET", **headers):
+    host, port = server.http.server_address
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    conn.request(method, path, headers=headers)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp, body
+
+
+def test_serves_listed_files_whole_by_range_and_head(served):
+    store, server = served
+    a = _publish(store, 3)
+    data = (weightstore.version_dir(store, 3) / "model.safetensors").read_bytes()
+    digest = weightstore.read_manifest(weightstore.version_dir(store, 3))["files"]["model.safetensors"]
+
+    resp, body = _get(server, "/v000003/model.safetensors")
+    assert resp.status == 200 and body == data and resp.getheader("ETag") == f'"{digest}"'
+    resp, body = _get(server, "/v000003/manifest.json")
+    assert weightstore.manifest_hash(json.loads(body)) == a.hash
+    resp, body = _get(server, "/v000003/model.safetensors", "HEAD")
+    assert resp.status == 200 and body == b"" and int(resp.getheader("Content-Length")) == SIZE
+    assert resp.getheader("Accept-Ranges") == "bytes"
+
+    resp, body = _get(server, "/v000003/model.safetensors", Range="bytes=1000-1999")
+    assert resp.status == 206 and body == data[1000:2000]
+    assert resp.getheader("Content-Range") == f"bytes 1000-1999/{SIZE}"
+    resp, body = _get(server, "/v000003/model.safetensors", Range="bytes=-10")
+    assert resp.status == 206 and body == data[-10:]
+    resp, body = _get(server, "/v000003/model.safetensors", Range=f"bytes={SIZE - 5}-")
+    assert resp.status == 206 and body == data[-5:]
+    for bad in (f"bytes={SIZE}-", "bytes=0-1,5-9", "bytes=9-2", "lines=0-9", "bytes=-0"):
+        resp, _ = _get(server, "/v000003/model.safetensors", Range=bad)
+        assert resp.status == 416 and resp.getheader("Content-Range") == f"bytes */{SIZE}", bad
+    assert server.url(3) == f"{server.base_url}/v000003/"
+
+
+def test_nothing_but_sealed_versions_listed_files(served, tmp_path):
+    store, server = served
+    _publish(store, 1)
+    (tmp_path / "secret.txt").write_text("not weights")
+    vdir = weightstore.version_dir(store, 1)
+    (vdir / "unlisted.bin").write_bytes(b"x")  # in the folder, not in its manifest
+    staging = weightstore.staging_dir(store, 2)  # a version still being written
+    (staging / "config.json").write_text("{}")
+    os.symlink(vdir, store / "v000007")  # a linked version folder
+    a3 = _publish(store, 3)
+    v3 = weightstore.version_dir(store, 3)
+    (v3 / "config.json").unlink()
+    os.symlink(tmp_path / "secret.txt", v3 / "config.json")  # a listed name that is now a link out
+    for path in ("/v000001/unlisted.bin", "/v000001/../../secret.txt", "/v000001/%2e%2e/%2e%2e/secret.txt",
+                 "/../secret.txt", "/secret.txt", "/", "/v000001", "/v000001/", f"/{staging.name}/config.json",
+                 "/v000007/config.json", "/v000003/config.json", "/v000004/config.json", "/v1/config.json",
+                 "/v000001//config.json", "/v000001/.hidden"):
+        resp, body = _get(server, path)
+        assert resp.status == 404 and b"not weights" not in body, path
+        resp, _ = _get(server, path, "HEAD")
+        assert resp.status == 404, path
+    assert _get(server, "/v000001/config.json")[0].status == 200
+    assert _get(server, "/v000003/model.safetensors")[0].status == 200 and a3.version == 3
+
+
+def test_bearer_token_required_when_the_run_signs(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    a = _publish(store, 1, 1000)
+    server = WeightServer(store, token="t0ken").start()
+    try:
+        assert _get(server, "/v000001/manifest.json")[0].status == 401
+        assert _get(server, "/v000001/manifest.json", Authorization="Bearer wrong")[0].status == 401
+        assert _get(server, "/v000001/manifest.json", Authorization="Bearer t0ken")[0].status == 200
+        a.url = server.url(1)
+        with pytest.raises(weightstore.WeightStoreError) as e:
+            WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c1")), token="nope").fetch(a)
+        assert e.value.reason == "unauthorized"
+        path = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c2")), token="t0ken").fetch(a)
+        assert weightstore.verify(path, a.hash, tmp_path / "c2")["version"] == 1
+    finally:
+        server.close()
+
+
+def test_parse_range_edges():
+    assert parse_range("bytes=0-0", 10) == (0, 1)
+    assert parse_range("bytes=5-100", 10) == (5, 10)
+    assert parse_range("bytes=-100", 10) == (0, 10)
+    for bad in ("bytes=10-", "bytes=-", "bytes=a-b", "bytes=3-1", "bytes=0-1,2-3"):
+        with pytest.raises(RangeError):
+            parse_range(bad, 10)
+
+
+def test_a_dropped_download_resumes_with_a_range_request(served, tmp_path):
+    store, server = served
+    a = _publish(store, 5)
+    proxy = FlakyProxy(server.http.server_address, b"model.safetensors", cut_after=1_500_000, drops=2)
+    try:
+        a.url = f"http://127.0.0.1:{proxy.port}/v000005/"
+        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache")))
+        path = fetcher.fetch(a)
+    finally:
+        proxy.close()
+    assert proxy.cut == 2 and fetcher.resumed == 2
+    ranges = [h for h in proxy.requests if b"model.safetensors" in h and b"Range: bytes=" in h]
+    assert len(ranges) == 2  # the two resumes asked only for what was missing
+    served_bytes = (weightstore.version_dir(store, 5) / "model.safetensors").read_bytes()
+    assert (path / "model.safetensors").read_bytes() == served_bytes
+    assert weightstore.verify(path, a.hash, tmp_path / "cache")["version"] == 5
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["v000005"]  # no staging folder left
+
+
+class StubBackend:
+    """Loads nothing; records which folders it was given (each must hold the config)."""
+
+    name = "stub"
+
+    def __init__(self):
+        self.loaded = []
+
+    def load(self, path):
+        assert os.path.isfile(os.path.join(path, "config.json")), path
+        self.loaded.append(path)
+
+    update_weights = load
+
+
+def test_applier_fetches_refuses_a_corrupted_byte_and_skips_a_pruned_version(served, redis_url, tmp_path):
+    store, server = served
+    r, keys = connect_redis(redis_url), Keys("http")
+    cache = tmp_path / "cache"
+    fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(cache)), keep=2)
+    backend = StubBackend()
+    weights = WeightApplier(r, keys, backend, "g", fetcher=fetcher)
+
+    def publish(v):
+        a = _publish(store, v, 200_000)
+        a.url = server.url(v)
+        announce(r, keys, a)
+        return a
+
+    publish(1)
+    weights.update(block=True)
+    assert weights.version == 1 and backend.loaded == [str(cache / "v000001")]
+
+    # a byte of version 2 altered on the server after sealing: refused, version 1 keeps serving
+    a2 = publish(2)
+    f = weightstore.version_dir(store, 2) / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[100_000] ^= 1
+    f.write_bytes(bytes(data))
+    weights.update()
+    assert weights.version == 1 and weights.refused == {a2.hash: "corrupt_file"} and weights.refused_updates == 1
+    assert not (cache / "v000002").exists()
+    refused = [e for _, e in read_events(r, keys, None, 100) if e.kind == "refused"]
+    assert refused and refused[-1].data["reason"] == "corrupt_file" and refused[-1].data["version"] == 2
+
+    # version 3 pruned between its announcement and its fetch (the learner moved on to 4): not refused
+    real_fetch = fetcher.fetch
+
+    def learner_moves_on(a, serving):
+        if a.version == 3:
+            publish(4)
+            shutil.rmtree(weightstore.version_dir(store, 3))
+        return real_fetch(a, serving)
+
+    fetcher.fetch = learner_moves_on
+    publish(3)
+    weights.update()
+    assert weights.version == 4 and weights.refused_updates == 1
+    with pytest.raises(weightstore.WeightStoreError) as e:
+        real_fetch(Announcement(3, "0" * 64, "", url=server.url(3)))
+    assert e.value.reason == "not_found"
+
+    # the cache keeps the newest two and the one served
+    for v in (5, 6, 7):
+        publish(v)
+        weights.update()
+    assert weights.version == 7 and weightstore.list_versions(cache) == [6, 7]
+    fetcher.prune({1})
+    assert fetcher.fetched == 5  # 1, 4, 5, 6, 7 (2 refused, 3 pruned)
