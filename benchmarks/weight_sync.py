@@ -139,6 +139,13 @@ class Bench:
                    if e.kind == "applied" and e.data["version"] == version]
         return max(e.t for e in applied) - t0
 
+    def event_time(self, kind: str, version: int) -> float:
+        """When the first ``kind`` event of ``version`` was emitted."""
+        from broker.client.telemetry import read_events
+
+        return min(e.t for _, e in read_events(self.r, self.keys, "0-0", 10**6)
+                   if e.kind == kind and e.data.get("version") == version)
+
     def stop(self, procs: list) -> None:
         self.stack.procs.stop([p.name for p in procs], timeout=10)
 
@@ -178,15 +185,16 @@ def _bench_store(b: Bench) -> list[dict]:
     procs = b.generators({"transport": "store", "shard_mb": shard_mb}, str(store))
     try:
         b.wait_applied(v, 0.0, procs)  # the first load (the engine starts)
-        ours, raw, blocked = [], [], []
+        ours, raw, blocked, announced = [], [], [], []
         for _ in range(b.versions):
             v = b.new_weights()
             t0 = time.time()
-            state = snapshot(b.model.state_dict(), v, torch.bfloat16, tied)  # what the learner waits for
+            state = snapshot(b.model.state_dict(), v, torch.bfloat16, tied, bg.spare())  # the learner waits for it
             bg.submit(v, state)
             blocked.append(time.time() - t0)
             del state
             ours.append(b.wait_applied(v, t0, procs))
+            announced.append(b.event_time("published", v) - t0)
             raw.append(_raw_store(b.published_state(), b.tmp / "raw.safetensors"))
         bg.close()
     finally:
@@ -199,6 +207,7 @@ def _bench_store(b: Bench) -> list[dict]:
     latency = statistics.median(ours)
     store_row = row("weight_sync/store", latency, statistics.median(raw), UNIT, TARGETS["store"], "lower", {
         **b.details, "versions": b.versions, "per_version_s": ours, "raw_per_version_s": raw,
+        "announced_after_s": announced,
         "safetensors_files": sorted(f for f in files if f.endswith(".safetensors")),
         "safetensors_bytes": sum((Path(a.path) / f).stat().st_size for f in files if f.endswith(".safetensors")),
         "shard_mb": shard_mb, "verify_hash_and_digest_s_one_reader": verify_s,

@@ -24,6 +24,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -66,16 +67,24 @@ def publication_dtype(dtype: str, bf16: bool) -> torch.dtype:
 
 
 def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: torch.dtype = torch.float32,
-             tied: bool = False) -> dict[str, torch.Tensor]:
+             tied: bool = False, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The tensors to publish: a CPU copy of ``state_dict`` (floating-point tensors in ``dtype``), without
     ``lm_head.weight`` when the embeddings are ``tied``. NonFiniteWeights when one is not finite. The
-    copy is what the learner waits for; its own weights change at the next step."""
+    copy is what the learner waits for; its own weights change at the next step. ``into``: a previous
+    snapshot done with (``BackgroundPublisher.spare``), whose buffers are reused where name, shape and
+    dtype match (no fresh gigabyte to allocate and fault in each version)."""
     state = {}
+    into = into or {}
     for k, v in state_dict.items():
         if tied and k == "lm_head.weight":
             continue
         v = v.detach()
-        state[k] = v.to("cpu", dtype if v.is_floating_point() else v.dtype, copy=True).contiguous()
+        want = dtype if v.is_floating_point() else v.dtype
+        old = into.get(k)
+        if old is not None and old.shape == v.shape and old.dtype == want:
+            state[k] = old.copy_(v)
+        else:
+            state[k] = v.to("cpu", want, copy=True).contiguous()
     bad = nonfinite_tensors(state)
     if bad:
         raise NonFiniteWeights(f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
@@ -161,8 +170,10 @@ class Publisher:
         staging = weightstore.staging_dir(self.store, version)
         config.save_pretrained(staging)
         self.tokenizer.save_pretrained(staging)
-        known = write_safetensors(staging, state, self.shard_bytes, {"version": str(version)})
-        digest = tensordigest.state_digest(state)
+        with ThreadPoolExecutor(1, thread_name_prefix="relay-digest") as pool:  # both hash passes at once
+            digest = pool.submit(tensordigest.state_digest, state)
+            known = write_safetensors(staging, state, self.shard_bytes, {"version": str(version)})
+            digest = digest.result()
         path, manifest_hash = weightstore.seal(self.store, version, staging, known)
         a = Announcement(version=version, hash=manifest_hash, path=str(path), digest=digest)
         announce(self.r, self.keys, a, self.announce_key)
@@ -191,6 +202,7 @@ class BackgroundPublisher:
         self._error: BaseException | None = None
         self._closed = False
         self._skipped = 0  # skipped since the last take_skipped()
+        self._spare: dict | None = None  # a snapshot written (or skipped) and done with: its buffers are reused
         self.announced: int | None = None  # the newest version this publisher announced
         self.last: Announcement | None = None
         self._thread = threading.Thread(target=self._loop, name="relay-publisher", daemon=True)
@@ -204,9 +216,16 @@ class BackgroundPublisher:
                 raise RuntimeError("the publisher is closed")
             if self._waiting is not None:
                 self._skipped += 1
+                self._spare = self._waiting[1]
                 log.info("publication behind: version %d skipped (version %d replaces it)", self._waiting[0], version)
             self._waiting = (version, state)
             self._cv.notify_all()
+
+    def spare(self) -> dict | None:
+        """A snapshot the publisher is done with, for :func:`snapshot`'s ``into`` (None when there is none)."""
+        with self._cv:
+            s, self._spare = self._spare, None
+            return s
 
     def take_skipped(self) -> int:
         """Versions skipped since the last call (the learner adds them to its ``publish_skipped`` count)."""
@@ -249,7 +268,7 @@ class BackgroundPublisher:
                     self._error, self._writing = e, None
                     self._cv.notify_all()
                 return
-            del state
             with self._cv:
-                self.announced, self.last, self._writing = version, a, None
+                self.announced, self.last, self._writing, self._spare = version, a, None, state
+                del state
                 self._cv.notify_all()

@@ -186,7 +186,7 @@ class Learner:
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
             try:
-                state = snapshot(weights, self.version, self.publisher.dtype, self.tied)
+                state = snapshot(weights, self.version, self.publisher.dtype, self.tied, self.background.spare())
             except NonFiniteWeights as e:
                 self.counts["publish_refused_nonfinite"] += 1
                 self.version -= 1

@@ -118,3 +118,19 @@ def test_a_failed_publication_is_raised_in_the_learner():
         bg.drain(timeout=10)
     with pytest.raises(RuntimeError, match="disk full"):
         bg.submit(2, {})
+
+
+def test_a_snapshot_done_with_is_reused_for_the_next():
+    w = GatedWriter()
+    w.gate.set()
+    bg = BackgroundPublisher(w, config=None)
+    first = snapshot(_state(1), 1, torch.bfloat16)
+    bg.submit(1, first)
+    bg.drain(timeout=10)
+    spare = bg.spare()
+    assert spare is first and bg.spare() is None
+    ptr = spare["embed.weight"].data_ptr()
+    second = snapshot(_state(2), 2, torch.bfloat16, into=spare)
+    assert second["embed.weight"].data_ptr() == ptr  # the same buffer, new values
+    assert torch.equal(second["embed.weight"], _state(2)["embed.weight"].bfloat16())
+    bg.close()
