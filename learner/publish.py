@@ -107,24 +107,51 @@ def plan_shards(state: dict[str, torch.Tensor], shard_bytes: int) -> list[list[s
     return shards
 
 
+# torch dtype -> safetensors' name for it
+SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float64: "F64",
+                     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                     torch.bool: "BOOL"}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write ``tensors`` as one safetensors file (8-byte little-endian header length, the JSON header
+    padded with spaces to 8 bytes, the tensors' bytes in name order) straight from their memory: no
+    serialized copy in between, and the sha256 of the file computed from the bytes as they are written.
+    Returns that sha256 hex."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for k in sorted(tensors):
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(head).to_bytes(8, "little"), head, *(_raw(tensors[k]) for k in sorted(tensors))):
+            h.update(chunk)
+            f.write(chunk)
+    return h.hexdigest()
+
+
 def write_safetensors(folder: Path, state: dict[str, torch.Tensor], shard_bytes: int,
                       metadata: dict[str, str] | None = None) -> dict[str, str]:
     """Write ``state`` into ``folder``: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
-    and the Hugging Face index when it exceeds ``shard_bytes``. Each shard is serialized in memory (so
-    memory beyond ``state`` is bounded by the shard size), hashed, then written: returns {file: sha256
-    hex} of the files written, never read back."""
-    from safetensors.torch import save
-
+    and the Hugging Face index when it exceeds ``shard_bytes``. Each file is written straight from the
+    tensors' memory and hashed as it is written (:func:`write_shard`): returns {file: sha256 hex} of the
+    files written, never read back."""
     shards = plan_shards(state, shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     digests = {}
     for name, keys in zip(names, shards):
-        data = save({k: state[k] for k in keys}, metadata={"format": "pt", **(metadata or {})})
-        digests[name] = hashlib.sha256(data).hexdigest()
-        with open(folder / name, "wb") as f:
-            f.write(data)
-        del data
+        digests[name] = write_shard(folder / name, {k: state[k] for k in keys}, {"format": "pt", **(metadata or {})})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
