@@ -55,7 +55,7 @@ def one_run(runs: Path, mode: str, eta: int, steps: int, latency: float, batch_g
     total = sum(step_s)
     return {"step_s": total / len(step_s), "wait_s": sum(wait) / len(wait), "idle_fraction": sum(wait) / total,
             "compute_s": statistics.mean(m["compute_s"] for m in tail),
-            "publish_s": statistics.mean(m["publish_s"] for m in tail), "steps_timed": len(step_s),
+            "publish_blocked_s": statistics.mean(m["publish_blocked_s"] for m in tail), "steps_timed": len(step_s),
             "staleness": _hist(tail)}
 
 

@@ -1,125 +1,253 @@
-"""weight_sync: seconds from the start of a publication (the learner's ``Publisher.publish``: safetensors
-file, tokenizer, sha256 manifest, rename, announcement) until 2 running ``relay generator`` processes
-have applied it (each verifies every file against the manifest and loads the weights in place; the
-time is that of its ``applied`` event), against a raw ``safetensors`` save and load of the same weights.
+"""weight_sync: seconds from the start of a publication (the learner's snapshot of its weights) until 2
+running ``relay generator`` processes (torch backend) have applied it, one row per transport
+(``weights.transport``), each against a raw baseline measured in the same run on the same bytes:
 
-A ~52M-parameter model (the tiny model's tokenizer, hidden 640, 8 layers), for the torch backend and
-the vLLM backend; the vLLM row is skipped, with the reason, when vLLM or its backend is missing.
-Versions and raw copies alternate; the figure is the median over the versions.
+    store        the publisher thread writes sharded safetensors (hashed while written), seals and
+                 announces; each generator verifies every file's sha256 and the tensors' digest in one
+                 read, then loads in place   vs   a plain safetensors save_file + load_file
+    http         (engineer B: ``_bench_http``)        vs   a plain HTTP GET of the same bytes
+    collective   (engineer C: ``_bench_collective``)  vs   torch.distributed.broadcast over gloo
+
+and a row for the time the learner was blocked per publication (the snapshot: a CPU copy in the
+publication dtype, checked finite) against the store transport's latency (target ≤ 10%).
+
+The model: a random-init model of Qwen2.5-0.5B's shape (~0.49B parameters, tied embeddings) in bf16,
+built locally; with ``--quick`` the 166k-parameter tiny model, published in shards of 0.25 MiB (so that
+the sharded path and its index run in CI). Versions and raw copies alternate; each figure is the median
+over the versions. Each transport starts its own 2 generators and stops them before the next (memory:
+a bf16 0.5B model is ~1 GB per copy).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import Stack, bench_model, row, skipped, wait_until
 
-TARGET = 3.0
+TARGETS = {"store": 2.0, "http": 2.0, "collective": 1.5}  # latency / raw baseline, at most
+BLOCKED_TARGET = 0.10  # learner blocked per publication / store latency, at most
+UNIT = "s publish -> applied on 2"
+GENERATORS = ("gen-0", "gen-1")
+
+# Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random init
+QWEN05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+               intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+               rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu")
 
 
-def vllm_missing() -> str | None:
-    """Why the vLLM rows cannot run here, or None when they can."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed in this environment"
-    if importlib.util.find_spec("generators.backends.vllm") is None:
-        return "generators/backends/vllm.py (the vLLM backend) does not exist yet"
-    return None
-
-
-def backend_config(kind: str) -> dict:
-    if kind == "torch":
-        return {"type": "torch"}
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM on CPU fails at start-up without it
-    return {"type": "vllm"}
-
-
-def measure(kind: str, quick: bool) -> dict:
-    import redis
+def build_model(out: Path, quick: bool) -> Path:
+    """The benchmark's model folder (config, tokenizer, bf16 safetensors): the tiny model with ``quick``,
+    else Qwen2.5-0.5B's shape with the tiny model's tokenizer (the generators only load, never sample)."""
     import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tiny = bench_model(out.parent / "tiny", quick=True)
+    if quick:
+        return tiny
+    tok = AutoTokenizer.from_pretrained(tiny)
+    cfg = Qwen2Config(**QWEN05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of 2 GB on the way
+    try:
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+@dataclass
+class Bench:
+    """What every transport's measurement shares: the stack (Redis), the model whose weights change each
+    version, and 2 generators started per transport."""
+
+    tmp: Path
+    stack: Stack
+    quick: bool
+    versions: int
+    model: object = None
+    tokenizer: object = None
+    r: object = None
+    keys: object = None
+    next_version: int = 0
+    details: dict = field(default_factory=dict)
+
+    def setup(self) -> None:
+        import redis
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from broker.client import queues
+        from broker.protocol.keys import Keys
+
+        base = build_model(self.tmp / "base", self.quick)
+        self.model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        self.tokenizer = AutoTokenizer.from_pretrained(base)
+        self.keys = Keys("bench")
+        self.r = redis.Redis.from_url(self.stack.redis())
+        queues.ensure_groups(self.r, self.keys)  # no prompts: the generators idle
+        self.details.update(model_params=sum(p.numel() for p in self.model.parameters()), dtype="bfloat16",
+                            tie_word_embeddings=bool(self.model.config.tie_word_embeddings))
+
+    def new_weights(self) -> int:
+        """Change the weights (as a step would); the next version's number."""
+        import torch
+
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(1e-3)
+        self.next_version += 1
+        return self.next_version
+
+    def published_state(self) -> dict:
+        """The tensors a publication carries (bf16, without the tied head): the raw baselines' bytes."""
+        import torch
+
+        from learner.publish import snapshot
+
+        return snapshot(self.model.state_dict(), 0, torch.bfloat16, bool(self.model.config.tie_word_embeddings))
+
+    def generators(self, weights: dict, store: str) -> list:
+        """Start 2 generators (torch backend, bf16) with the ``weights`` section."""
+        from deploy.launcher.procs import free_port
+
+        return [self.stack.service(f"{g}-{weights['transport']}", "generator", {
+            "id": g, "run_id": "bench", "redis_url": self.stack.redis_url, "weight_store": store,
+            "broker_address": f"tcp://127.0.0.1:{free_port()}", "backend": {"type": "torch", "dtype": "bfloat16"},
+            "heartbeat_s": 0.05, "weights": weights}) for g in GENERATORS]
+
+    def served(self) -> list:
+        from broker.client.telemetry import read_heartbeats
+
+        hb = read_heartbeats(self.r, self.keys)
+        return [hb[g].version if g in hb else None for g in GENERATORS]
+
+    def wait_applied(self, version: int, t0: float, procs: list, timeout: float = 600) -> float:
+        """Seconds from ``t0`` until both generators applied ``version`` (their ``applied`` events)."""
+        from broker.client.telemetry import read_events
+
+        for i, p in enumerate(procs):
+            wait_until(lambda: (self.served()[i] or -1) >= version, timeout, f"{p.name} to apply version {version}", p)
+        applied = [e for _, e in read_events(self.r, self.keys, "0-0", 10**6)
+                   if e.kind == "applied" and e.data["version"] == version]
+        return max(e.t for e in applied) - t0
+
+    def event_time(self, kind: str, version: int) -> float:
+        """When the first ``kind`` event of ``version`` was emitted."""
+        from broker.client.telemetry import read_events
+
+        return min(e.t for _, e in read_events(self.r, self.keys, "0-0", 10**6)
+                   if e.kind == kind and e.data.get("version") == version)
+
+    def stop(self, procs: list) -> None:
+        self.stack.procs.stop([p.name for p in procs], timeout=10)
+
+
+def _raw_store(state: dict, path: Path) -> float:
+    """The store's raw baseline: a plain safetensors save_file + load_file of the same tensors."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    save_file(state, str(path))
+    back = load_file(str(path))
+    dt = time.perf_counter() - t0
+    assert len(back) == len(state)
+    path.unlink()
+    return dt
+
+
+def _bench_store(b: Bench) -> list[dict]:
+    """The ``store`` row and the learner's blocked time per publication: the learner's own path (snapshot,
+    BackgroundPublisher: write, hash while writing, seal, announce) to 2 generators verifying hash and
+    digest and loading in place."""
+    import torch
 
     from broker.protocol import weightstore
-    from broker.client import queues
-    from broker.client.telemetry import read_events, read_heartbeats
-    from broker.protocol.keys import Keys
-    from deploy.launcher.procs import free_port
-    from learner.publish import Publisher
+    from broker.runtime.config import WeightsConfig
+    from learner.publish import BackgroundPublisher, Publisher, snapshot
 
-    versions = 2 if quick else 5
-    keys = Keys("bench")
-    with tempfile.TemporaryDirectory(prefix="relay-bench-weights-") as tmp, Stack(Path(tmp)) as stack:
-        base = bench_model(Path(tmp) / "base", quick)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(base)
-        url = stack.redis()
-        r = redis.Redis.from_url(url)
-        queues.ensure_groups(r, keys)  # no prompts: the generators idle
-        pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=3,
-                        announce_key=stack.announce_key)
-        pub.publish(model, model.state_dict(), 0)
-        gens = [stack.service(f"gen-{i}", "generator", {
-            "id": f"gen-{i}", "run_id": "bench", "redis_url": url, "broker_address": f"tcp://127.0.0.1:{free_port()}",
-            "backend": backend_config(kind), "heartbeat_s": 0.05}) for i in range(2)]
-
-        def served() -> list:
-            hb = read_heartbeats(r, keys)
-            return [hb[g].version if g in hb else None for g in ("gen-0", "gen-1")]
-
-        for g in gens:
-            wait_until(lambda: served()[int(g.name[-1])] == 0, 600, f"{g.name} to load version 0", g)
-        ours, raw, publish_s = [], [], []
-        for v in range(1, versions + 1):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1e-4)  # new weights each version
+    shard_mb = 0.25 if b.quick else WeightsConfig().shard_mb
+    store = b.tmp / "weights-store"
+    pub = Publisher(b.r, b.keys, str(store), b.tokenizer, keep_versions=3, announce_key=b.stack.announce_key,
+                    dtype=torch.bfloat16, shard_mb=shard_mb)
+    tied = bool(b.model.config.tie_word_embeddings)
+    bg = BackgroundPublisher(pub, b.model.config)
+    v = b.new_weights()
+    bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied))
+    bg.drain()
+    procs = b.generators({"transport": "store", "shard_mb": shard_mb}, str(store))
+    try:
+        b.wait_applied(v, 0.0, procs)  # the first load (the engine starts)
+        ours, raw, blocked, announced = [], [], [], []
+        for _ in range(b.versions):
+            v = b.new_weights()
             t0 = time.time()
-            a = pub.publish(model, model.state_dict(), v)
-            publish_s.append(time.time() - t0)
-            wait_until(lambda: served() == [v, v], 120, f"both generators to apply version {v}")
-            applied = [e for _, e in read_events(r, keys, "0-0", 10**6) if e.kind == "applied"]
-            ours.append(max(e.t for e in applied if e.data["version"] == v) - t0)
-            state = {k: t.detach().contiguous() for k, t in model.state_dict().items() if k != "lm_head.weight"}
-            t1 = time.perf_counter()
-            save_file(state, str(Path(tmp) / "raw.safetensors"))
-            back = load_file(str(Path(tmp) / "raw.safetensors"))
-            raw.append(time.perf_counter() - t1)
-            assert len(back) == len(state)
-        # where the time goes, measured once in this process: verify the snapshot, load it in place
-        t2 = time.perf_counter()
-        weightstore.verify(a.path, a.hash)
-        verify_s = time.perf_counter() - t2
-        load_s = None
-        if kind == "torch":
-            from generators.config import TorchBackendConfig
-            from generators.backends.torch import TorchBackend
-
-            tb = TorchBackend(TorchBackendConfig())
-            tb.load(a.path)
-            t3 = time.perf_counter()
-            tb.update_weights(a.path)
-            load_s = time.perf_counter() - t3
-        params = sum(p.numel() for p in model.parameters())
-        nbytes = (Path(a.path) / "model.safetensors").stat().st_size
-    return row(f"weight_sync/{kind}", statistics.median(ours), statistics.median(raw), "s publish -> applied on 2",
-               TARGET, "lower", {
-                   "model_params": params, "safetensors_bytes": nbytes, "versions": versions,
-                   "per_version_s": ours, "raw_per_version_s": raw, "publish_s_median": statistics.median(publish_s),
-                   "verify_s_one_generator": verify_s, "update_weights_s_one_generator": load_s,
-                   "raw": "safetensors save_file + load_file of the same tensors"})
+            state = snapshot(b.model.state_dict(), v, torch.bfloat16, tied, bg.spare())  # the learner waits for it
+            bg.submit(v, state)
+            blocked.append(time.time() - t0)
+            del state
+            ours.append(b.wait_applied(v, t0, procs))
+            announced.append(b.event_time("published", v) - t0)
+            raw.append(_raw_store(b.published_state(), b.tmp / "raw.safetensors"))
+        bg.close()
+    finally:
+        b.stop(procs)
+    a = bg.last
+    files = weightstore.read_manifest(a.path)["files"]
+    t1 = time.perf_counter()  # where the time goes, once, in this process
+    weightstore.check(a.path, a.hash, expected_digest=a.digest)
+    verify_s = time.perf_counter() - t1
+    latency = statistics.median(ours)
+    store_row = row("weight_sync/store", latency, statistics.median(raw), UNIT, TARGETS["store"], "lower", {
+        **b.details, "versions": b.versions, "per_version_s": ours, "raw_per_version_s": raw,
+        "announced_after_s": announced,
+        "safetensors_files": sorted(f for f in files if f.endswith(".safetensors")),
+        "safetensors_bytes": sum((Path(a.path) / f).stat().st_size for f in files if f.endswith(".safetensors")),
+        "shard_mb": shard_mb, "verify_hash_and_digest_s_one_reader": verify_s,
+        "raw": "safetensors save_file + load_file of the same bf16 tensors"})
+    blocked_row = row("weight_sync/learner_blocked", statistics.median(blocked), latency,
+                      "s learner blocked per publication", BLOCKED_TARGET, "lower", {
+                          "per_version_s": blocked, "baseline": "the store transport's publish -> applied latency",
+                          "what": "snapshot: a CPU copy in bf16, checked finite; writing runs in a thread"})
+    return [store_row, blocked_row]
 
 
-def run(quick: bool, include_vllm: bool = True) -> list[dict]:
-    rows = [measure("torch", quick)]
-    why = vllm_missing() if include_vllm else "skipped in --quick mode (vLLM starts in ~20 s); name it to run it"
-    rows.append(skipped("weight_sync/vllm", why, "s publish -> applied on 2", TARGET, "lower") if why
-                else measure("vllm", quick))
+# --- the other transports: each returns its row (or ``skipped`` with the reason) ---------------------
+# ``_bench_http(b)``: generators with weights.transport=http fetch each version from the learner's weight
+# server; baseline: a plain HTTP GET of the same bytes. (engineer B)
+# ``_bench_collective(b)``: a gloo group between the publisher and the 2 generators; baseline:
+# torch.distributed.broadcast of the same bytes over gloo. (engineer C)
+
+
+def _bench_http(b: Bench) -> dict:
+    return skipped("weight_sync/http", "the http transport is not built yet (issue 18)", UNIT, TARGETS["http"], "lower")
+
+
+def _bench_collective(b: Bench) -> dict:
+    return skipped("weight_sync/collective", "the collective transport is not built yet (issue 18)", UNIT,
+                   TARGETS["collective"], "lower")
+
+
+TRANSPORTS = (_bench_store, _bench_http, _bench_collective)
+
+
+def run(quick: bool, include_vllm: bool = False) -> list[dict]:
+    """One row per transport, torch backend (``include_vllm`` is accepted for ``relay bench``'s interface;
+    the vLLM backend's update path is measured by ``relay bench generator``)."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="relay-bench-weights-") as tmp, Stack(Path(tmp)) as stack:
+        b = Bench(Path(tmp), stack, quick, versions=2 if quick else 3)
+        b.setup()
+        for bench in TRANSPORTS:
+            out = bench(b)
+            rows.extend(out if isinstance(out, list) else [out])
     return rows
 
 

@@ -8,6 +8,12 @@ refused: its hash is remembered (never retried), counted, reported in the heartb
 ``refused`` event, and the previous version keeps serving. A version superseded (and perhaps
 pruned) while it was being read is not a bad snapshot: the newer one is loaded instead.
 
+Provenance: when the announcement carries the digest of the published tensors, the same single read
+that checks each file's sha256 computes the digest of the tensors the files hold
+(``weightstore.check``); a digest other than the announced one (a weight file altered and its
+manifest recomputed) is refused as ``digest_mismatch``, like a bad hash. The ``applied`` event
+carries the digest of what was applied (docs/weights.md).
+
 An announcement the run's key did not sign (written into Redis by someone else) is never loaded: it
 is logged, counted (``forged_announcements``, in the heartbeat and /metrics), reported as a
 ``refused`` event, and the generator keeps serving its version. With ``store`` set, a version
@@ -52,6 +58,7 @@ class WeightApplier:
         self.report, self.stopped = report, stopped
         self.version: int | None = None  # the version served (None before the first load)
         self.hash = ""
+        self.digest = ""  # the tensor digest of the version served ("" when its announcement had none)
         self.refused: dict[str, str] = {}  # hash -> reason: snapshots refused and forged announcements (shown)
         self.bad: set[str] = set()  # hashes of snapshots that failed verification: never retried
         self.updates = 0
@@ -72,7 +79,7 @@ class WeightApplier:
             try:
                 path, root = (self.fetcher.fetch(a, self.version), self.fetcher.cache) if self.fetcher \
                     else (a.path, self.store)
-                weightstore.verify(path, a.hash, root)
+                checked = weightstore.check(path, a.hash, root, expected_digest=a.digest or None)
                 if self.version is None:
                     self.backend.load(str(path))
                 else:
@@ -91,10 +98,11 @@ class WeightApplier:
         else:
             return
         latency = time.time() - a.published_at
-        self.version, self.hash = a.version, a.hash
+        self.version, self.hash, self.digest = a.version, a.hash, checked.digest or ""
         self.updates += 1
         self.last_update_latency_s = round(latency, 4)
-        emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency)
+        emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency,
+                   digest=self.digest)
         log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
         self.report("sampling", True)  # the update is done; sampling resumes right after (the heartbeat says so)
 

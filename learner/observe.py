@@ -49,11 +49,17 @@ GAUGES = {
     "values_mean": "mean value of the critic over the last step's tokens",
     "metrics_nonfinite": "non-finite values replaced by null in the last step's metrics",
 }
-PHASES = ("wait", "compute", "publish")
+# phase -> the metrics line's key: the seconds of each step spent waiting for groups, computing, and
+# blocked by publication (the snapshot and any wait for the publisher thread; writing runs behind)
+PHASES = {"wait": "wait_s", "compute": "compute_s", "publish": "publish_blocked_s"}
 # counters of the learner's refusals of non-finite numbers (the metrics line's running totals)
 NONFINITE_COUNTERS = {
     "skipped_steps": "optimizer steps skipped because the loss or the gradient norm was NaN or inf",
     "publish_refused_nonfinite": "publications refused because a weight was NaN or inf",
+}
+# counters of the publisher's back-pressure (learner/publish.py)
+PUBLISH_COUNTERS = {
+    "publish_skipped": "versions replaced by a newer one while waiting for the publisher (skip to the newest)",
 }
 
 
@@ -105,7 +111,7 @@ class _StepCollector(Collector):
         tokens = CounterMetricFamily("relay_learner_tokens_trained", "completion tokens trained on")
         tokens.add_metric([], self.obs.tokens)
         yield tokens
-        for key, doc in NONFINITE_COUNTERS.items():
+        for key, doc in {**NONFINITE_COUNTERS, **PUBLISH_COUNTERS}.items():
             c = CounterMetricFamily(f"relay_learner_{key}", doc)
             c.add_metric([], self.obs.last.get(key) or 0)
             yield c
@@ -122,7 +128,7 @@ class LearnerObserver:
         self.tokens = 0
         registry = CollectorRegistry()
         self.phase = Histogram("relay_learner_step_phase_seconds", "time per step waiting for groups, computing, "
-                               "publishing", ["phase"], registry=registry,
+                               "blocked by publication", ["phase"], registry=registry,
                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 
         def healthy() -> tuple[bool, str]:
@@ -149,6 +155,6 @@ class LearnerObserver:
         for k, n in (entry.get("staleness") or {}).items():
             self.staleness[int(k)] += int(n)
         self.tokens += int(entry.get("tokens", 0))
-        for phase in PHASES:
-            if isinstance(entry.get(f"{phase}_s"), (int, float)):
-                self.phase.labels(phase).observe(entry[f"{phase}_s"])
+        for phase, key in PHASES.items():
+            if isinstance(entry.get(key), (int, float)):
+                self.phase.labels(phase).observe(entry[key])

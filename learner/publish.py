@@ -1,20 +1,44 @@
-"""Publishing versions: an immutable snapshot in the weight store, then the announcement."""
+"""Publishing versions, off the learner's critical path (docs/weights.md).
+
+The learner takes a *snapshot* of its weights (:func:`snapshot`: a CPU copy in the publication dtype,
+checked finite), the only part it waits for, and hands it to :class:`BackgroundPublisher`, whose thread
+writes the version into the weight store (:meth:`Publisher.write`: sharded safetensors, each file's
+sha256 computed from the bytes written, the manifest, the rename), then announces it, while the
+learner trains the next step.
+
+- Order: one thread writes and announces, versions in the order they were handed over.
+- Back-pressure: at most one version waits behind the one being written; a newer snapshot replaces a
+  waiting one (skip to the newest: generators want the newest weights, not a queue of stale ones),
+  and the skip is counted (``publish_skipped``).
+- Crash safety: a version is announced only after its folder is sealed (renamed into place); a learner
+  killed at any moment leaves at most an unannounced folder (skipped by :func:`first_version`) or a
+  temporary one, never a half version announced.
+- Failure: an error in the thread (a full disk) is raised in the learner at its next hand-over or
+  :meth:`BackgroundPublisher.drain`: the learner fails as it did when publication was synchronous.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from broker.client.announcements import advertise_run, announce
 from broker.client.telemetry import emit_event, read_heartbeats
-from broker.protocol import weightstore
+from broker.protocol import tensordigest, weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
 
 log = logging.getLogger("relay.learner.publish")
+
+SINGLE_FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"  # the Hugging Face index of a sharded checkpoint
 
 
 class NonFiniteWeights(ValueError):
@@ -22,8 +46,117 @@ class NonFiniteWeights(ValueError):
 
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors of ``state_dict`` that hold a NaN or ±inf."""
-    return [k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    """The names of the floating-point tensors of ``state_dict`` that hold a NaN or ±inf. A float32 sum
+    first (no temporary the size of the tensor): finite sums, the common case, need nothing more."""
+    bad = []
+    for k, v in state_dict.items():
+        if not v.is_floating_point() or not v.numel():
+            continue
+        if bool(torch.isfinite(v.sum(dtype=torch.float32))):  # a NaN or inf anywhere makes the sum non-finite
+            continue
+        if not bool(torch.isfinite(v).all()):  # a non-finite sum of finite weights (overflow) is not refused
+            bad.append(k)
+    return bad
+
+
+def publication_dtype(dtype: str, bf16: bool) -> torch.dtype:
+    """``weights.dtype``: ``auto`` is the training dtype (bf16 with ``learner.deepspeed.bf16``, else fp32)."""
+    if dtype == "auto":
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, dtype)
+
+
+def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: torch.dtype = torch.float32,
+             tied: bool = False, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors to publish: a CPU copy of ``state_dict`` (floating-point tensors in ``dtype``), without
+    ``lm_head.weight`` when the embeddings are ``tied``. NonFiniteWeights when one is not finite. The
+    copy is what the learner waits for; its own weights change at the next step. ``into``: a previous
+    snapshot done with (``BackgroundPublisher.spare``), whose buffers are reused where name, shape and
+    dtype match (no fresh gigabyte to allocate and fault in each version)."""
+    state = {}
+    into = into or {}
+    for k, v in state_dict.items():
+        if tied and k == "lm_head.weight":
+            continue
+        v = v.detach()
+        want = dtype if v.is_floating_point() else v.dtype
+        old = into.get(k)
+        if old is not None and old.shape == v.shape and old.dtype == want:
+            state[k] = old.copy_(v)
+        else:
+            state[k] = v.to("cpu", want, copy=True).contiguous()
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise NonFiniteWeights(f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
+                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+    return state
+
+
+def plan_shards(state: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into shards of at most ``shard_bytes`` (in name order; a larger tensor
+    gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k in sorted(state):
+        n = state[k].numel() * state[k].element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    return shards
+
+
+# torch dtype -> safetensors' name for it
+SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float64: "F64",
+                     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                     torch.bool: "BOOL"}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write ``tensors`` as one safetensors file (8-byte little-endian header length, the JSON header
+    padded with spaces to 8 bytes, the tensors' bytes in name order) straight from their memory: no
+    serialized copy in between, and the sha256 of the file computed from the bytes as they are written.
+    Returns that sha256 hex."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for k in sorted(tensors):
+        t = tensors[k]
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(head).to_bytes(8, "little"), head, *(_raw(tensors[k]) for k in sorted(tensors))):
+            h.update(chunk)
+            f.write(chunk)
+    return h.hexdigest()
+
+
+def write_safetensors(folder: Path, state: dict[str, torch.Tensor], shard_bytes: int,
+                      metadata: dict[str, str] | None = None) -> dict[str, str]:
+    """Write ``state`` into ``folder``: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
+    and the Hugging Face index when it exceeds ``shard_bytes``. Each file is written straight from the
+    tensors' memory and hashed as it is written (:func:`write_shard`): returns {file: sha256 hex} of the
+    files written, never read back."""
+    shards = plan_shards(state, shard_bytes)
+    names = [SINGLE_FILE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    digests = {}
+    for name, keys in zip(names, shards):
+        digests[name] = write_shard(folder / name, {k: state[k] for k in keys}, {"format": "pt", **(metadata or {})})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return digests
 
 
 def first_version(latest_announced: int | None, store: str | Path) -> int:
@@ -36,41 +169,135 @@ def first_version(latest_announced: int | None, store: str | Path) -> int:
 
 
 class Publisher:
-    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None):
+    """Writes a snapshot into the weight store, seals it and announces it (:meth:`write`); :meth:`publish`
+    is the synchronous whole (snapshot, then write), for tools and tests."""
+
+    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
+                 dtype: torch.dtype = torch.float32, shard_mb: float = 2048.0):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
         self.announce_key = announce_key  # signs each announcement (None: unsigned, announce_auth insecure)
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
         self.keep_versions = keep_versions
+        self.dtype = dtype  # of the published floating-point tensors
+        self.shard_bytes = max(1, int(shard_mb * (1 << 20)))
         self.heartbeat_ttl_s = 60.0
         self.url_for = None  # weights.transport http: version -> the base URL of its files (learner/weight_server.py)
 
     def publish(self, model, state_dict: dict[str, torch.Tensor], version: int) -> Announcement:
         """Seal and announce ``state_dict`` as ``version``; NonFiniteWeights (nothing written) when a
         weight is not finite."""
-        t0 = time.perf_counter()
-        bad = nonfinite_tensors(state_dict)
-        if bad:
-            raise NonFiniteWeights(f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
-                                   f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
-        staging = weightstore.staging_dir(self.store, version)
-        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state_dict.items()}
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        model.config.save_pretrained(staging)
-        self.tokenizer.save_pretrained(staging)
-        from safetensors.torch import save_file
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        state = snapshot(state_dict, version, self.dtype, tied)
+        return self.write(model.config, state, version)
 
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
-        path, digest = weightstore.seal(self.store, version, staging)
-        a = Announcement(version=version, hash=digest, path=str(path), url=self.url_for(version) if self.url_for else "")
+    def write(self, config, state: dict[str, torch.Tensor], version: int) -> Announcement:
+        """Write ``state`` (a :func:`snapshot`) as ``version`` with the model's ``config`` and the tokenizer,
+        seal it, announce it (with the digest of its tensors), prune old versions."""
+        t0 = time.perf_counter()
+        staging = weightstore.staging_dir(self.store, version)
+        config.save_pretrained(staging)
+        self.tokenizer.save_pretrained(staging)
+        with ThreadPoolExecutor(1, thread_name_prefix="relay-digest") as pool:  # both hash passes at once
+            digest = pool.submit(tensordigest.state_digest, state)
+            known = write_safetensors(staging, state, self.shard_bytes, {"version": str(version)})
+            digest = digest.result()
+        path, manifest_hash = weightstore.seal(self.store, version, staging, known)
+        a = Announcement(version=version, hash=manifest_hash, path=str(path), digest=digest,
+                         url=self.url_for(version) if self.url_for else "")
         announce(self.r, self.keys, a, self.announce_key)
         advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
-        emit_event(self.r, self.keys, "published", version=version, hash=digest)
+        emit_event(self.r, self.keys, "published", version=version, hash=manifest_hash, digest=digest)
         # versions served by generators seen recently (a dead generator's heartbeat does not pin)
         now = time.time()
         in_use = {hb.version for hb in read_heartbeats(self.r, self.keys).values()
                   if hb.last_seen is not None and now - hb.last_seen < self.heartbeat_ttl_s}
         weightstore.prune(self.store, self.keep_versions, {v for v in in_use if v is not None})
-        log.debug("published version %d in %.3fs", version, time.perf_counter() - t0)
+        log.debug("wrote and announced version %d in %.3fs (%d files)", version, time.perf_counter() - t0, len(known))
         return a
+
+
+class BackgroundPublisher:
+    """A thread that writes and announces the snapshots handed to it (:meth:`submit`), in order, at most
+    one waiting (a newer one replaces it: ``skipped``). :meth:`drain` waits until everything handed over
+    is announced; :meth:`close` drains and ends the thread. An error of the thread is raised by the next
+    :meth:`submit` or :meth:`drain`."""
+
+    def __init__(self, publisher: Publisher, config):
+        self.publisher, self.config = publisher, config
+        self._cv = threading.Condition()
+        self._waiting: tuple[int, dict] | None = None
+        self._writing: int | None = None  # the version being written
+        self._error: BaseException | None = None
+        self._closed = False
+        self._skipped = 0  # skipped since the last take_skipped()
+        self._spare: dict | None = None  # a snapshot written (or skipped) and done with: its buffers are reused
+        self.announced: int | None = None  # the newest version this publisher announced
+        self.last: Announcement | None = None
+        self._thread = threading.Thread(target=self._loop, name="relay-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Hand ``state`` over as ``version`` (greater than any handed over before); returns at once."""
+        with self._cv:
+            self._raise()
+            if self._closed:
+                raise RuntimeError("the publisher is closed")
+            if self._waiting is not None:
+                self._skipped += 1
+                self._spare = self._waiting[1]
+                log.info("publication behind: version %d skipped (version %d replaces it)", self._waiting[0], version)
+            self._waiting = (version, state)
+            self._cv.notify_all()
+
+    def spare(self) -> dict | None:
+        """A snapshot the publisher is done with, for :func:`snapshot`'s ``into`` (None when there is none)."""
+        with self._cv:
+            s, self._spare = self._spare, None
+            return s
+
+    def take_skipped(self) -> int:
+        """Versions skipped since the last call (the learner adds them to its ``publish_skipped`` count)."""
+        with self._cv:
+            n, self._skipped = self._skipped, 0
+            return n
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every version handed over is announced (or skipped). TimeoutError after ``timeout``."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._error is not None or (self._waiting is None and self._writing is None),
+                                     timeout):
+                raise TimeoutError(f"publication of version {self._writing} still running after {timeout}s")
+            self._raise()
+
+    def close(self) -> None:
+        self.drain()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"publishing weights failed: {self._error}") from self._error
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._waiting is not None or self._closed)
+                if self._waiting is None:
+                    return
+                (version, state), self._waiting = self._waiting, None
+                self._writing = version
+            try:
+                a = self.publisher.write(self.config, state, version)
+            except BaseException as e:  # raised in the learner by its next submit() or drain()
+                log.error("publishing version %d failed: %s", version, e)
+                with self._cv:
+                    self._error, self._writing = e, None
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self.announced, self.last, self._writing, self._spare = version, a, None, state
+                del state
+                self._cv.notify_all()

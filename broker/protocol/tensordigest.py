@@ -28,8 +28,13 @@ def _netstring(b: bytes) -> bytes:
 
 def tensor_entry(name: str, dtype: str, shape: Iterable[int], data) -> tuple[str, bytes]:
     """(name, the entry that goes into the digest) for one tensor; ``data`` is a bytes-like object."""
+    return tensor_entry_from_sha(name, dtype, shape, hashlib.sha256(data).digest())
+
+
+def tensor_entry_from_sha(name: str, dtype: str, shape: Iterable[int], sha256: bytes) -> tuple[str, bytes]:
+    """:func:`tensor_entry` when the sha256 of the tensor's bytes is already known (hashed as they streamed by)."""
     head = _netstring(name.encode()) + _netstring(dtype.encode()) + _netstring(",".join(map(str, shape)).encode())
-    return name, head + hashlib.sha256(data).digest()
+    return name, head + sha256
 
 
 def combine(entries: Iterable[tuple[str, bytes]]) -> str:

@@ -10,7 +10,13 @@ holding anything the manifest does not list (an extra ``.safetensors``) is refus
 empty manifest; with the store's root given, the version folder itself must be one of the root's.
 The version's *hash* is the sha256 of the manifest's canonical JSON (sorted keys, no spaces). A
 snapshot is written under a temporary name and renamed when complete, and is announced only after
-the rename, so a reader never sees a half-written version.
+the rename, so a reader never sees a half-written version. The writer may hand :func:`seal` the
+digests it computed while writing (the weight files: hashed from the bytes it wrote, never read back);
+``seal`` hashes the other, small files itself.
+
+:func:`check` reads each file once: the sha256 of the file and, for ``.safetensors`` files when asked,
+the digest of the tensors they hold (broker/protocol/tensordigest.py), from the same chunks, so that a
+generator compares what it loads with the digest announced for the version (docs/weights.md).
 
 No torch here: the learner writes the files, this module seals, verifies and prunes them.
 """
@@ -22,9 +28,21 @@ import json
 import os
 import re
 import shutil
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
+from broker.protocol import tensordigest
+
 MANIFEST = "manifest.json"
+CHUNK = 1 << 22  # bytes read at a time while hashing (memory stays bounded whatever the file size)
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused (safetensors' own bound)
+# safetensors' dtype names -> torch's (the names in the tensor digest)
+SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64", "I64": "int64",
+    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
@@ -61,11 +79,18 @@ def staging_dir(root: str | Path, version: int) -> Path:
     return p
 
 
-def seal(root: str | Path, version: int, staging: Path) -> tuple[Path, str]:
-    """Write the manifest into ``staging``, rename it to its version folder, return (path, hash)."""
+def seal(root: str | Path, version: int, staging: Path, known: dict[str, str] | None = None) -> tuple[Path, str]:
+    """Write the manifest into ``staging``, rename it to its version folder, return (path, hash).
+    ``known``: {file name: sha256 hex} the writer computed from the bytes it wrote; the other files
+    are hashed here."""
+    known = known or {}
     files = {
-        p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST
+        p.name: known.get(p.name) or sha256_file(p)
+        for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST
     }
+    stray = set(known) - set(files)
+    if stray:
+        raise WeightStoreError("missing_file", f"{staging} lacks {sorted(stray)[0]}, whose digest the writer gave")
     if not files:
         raise WeightStoreError("empty_snapshot", f"{staging} holds no files")
     manifest = {"version": version, "files": files}
@@ -118,11 +143,146 @@ def _check_names(path: Path, files: dict) -> None:
                                    f"only the files its manifest lists")
 
 
+class _TensorHasher:
+    """The per-tensor sha256 of a safetensors file fed in order, chunk by chunk (the same chunks as the
+    file's sha256): the 8-byte little-endian header length, the JSON header (dtype, shape, data_offsets
+    of each tensor), then the data, each tensor's range hashed apart. Entries for tensordigest.combine."""
+
+    def __init__(self, name: str):
+        self.name, self.pos, self.head = name, 0, b""
+        self.tensors: list[tuple[int, int, str, str, list[int]]] | None = None  # (begin, end, name, dtype, shape)
+        self.data_start = 0
+        self.entries: list[tuple[str, bytes]] = []
+        self._i, self._h = 0, None
+
+    def _bad(self, why: str) -> WeightStoreError:
+        return WeightStoreError("bad_safetensors", f"{self.name}: {why}")
+
+    def _parse(self) -> None:
+        (n,) = struct.unpack("<Q", self.head[:8])
+        header = json.loads(self.head[8:8 + n])
+        if not isinstance(header, dict):
+            raise self._bad("the header is not a JSON object")
+        tensors = []
+        for tname, info in header.items():
+            if tname == "__metadata__":
+                continue
+            try:
+                dtype = SAFETENSORS_DTYPES[info["dtype"]]
+                shape = [int(x) for x in info["shape"]]
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise self._bad(f"tensor {tname!r} has no valid dtype/shape/data_offsets ({e!r})") from None
+            if not 0 <= begin <= end:
+                raise self._bad(f"tensor {tname!r} has data_offsets {begin}, {end}")
+            tensors.append((begin, end, tname, dtype, shape))
+        tensors.sort()
+        for (b0, e0, n0, *_), (b1, *_rest) in zip(tensors, tensors[1:]):
+            if b1 < e0:
+                raise self._bad(f"tensor {n0!r} overlaps the next one")
+        self.tensors, self.data_start = tensors, 8 + n
+
+    def update(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while len(view):
+            if self.tensors is None:  # still in the header
+                if len(self.head) < 8:
+                    take = min(8 - len(self.head), len(view))
+                else:
+                    need = 8 + struct.unpack("<Q", self.head[:8])[0]
+                    if need > MAX_HEADER:
+                        raise self._bad(f"a header of {need} bytes")
+                    take = min(need - len(self.head), len(view))
+                self.head += bytes(view[:take])
+                view, self.pos = view[take:], self.pos + take
+                if len(self.head) >= 8 and len(self.head) == 8 + struct.unpack("<Q", self.head[:8])[0]:
+                    try:
+                        self._parse()
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        raise self._bad(f"the header is not JSON ({e})") from None
+                continue
+            off = self.pos - self.data_start  # offset in the data section of view[0]
+            while self._i < len(self.tensors) and self.tensors[self._i][1] <= off and self._h is None \
+                    and self.tensors[self._i][0] == self.tensors[self._i][1]:
+                self._finish_empty()
+            if self._i >= len(self.tensors):
+                return  # trailing bytes: not part of any tensor (the file's sha256 still covers them)
+            begin, end = self.tensors[self._i][:2]
+            if off < begin:  # a gap before the next tensor
+                skip = min(begin - off, len(view))
+                view, self.pos = view[skip:], self.pos + skip
+                continue
+            if self._h is None:
+                self._h = hashlib.sha256()
+            take = min(end - off, len(view))
+            self._h.update(view[:take])
+            view, self.pos = view[take:], self.pos + take
+            if off + take == end:
+                self._close()
+
+    def _finish_empty(self) -> None:
+        self._h = hashlib.sha256()
+        self._close()
+
+    def _close(self) -> None:
+        _, _, tname, dtype, shape = self.tensors[self._i]
+        self.entries.append(tensordigest.tensor_entry_from_sha(tname, dtype, shape, self._h.digest()))
+        self._i, self._h = self._i + 1, None
+
+    def finish(self) -> list[tuple[str, bytes]]:
+        if self.tensors is None:
+            raise self._bad("the file ends inside its header")
+        while self._i < len(self.tensors) and self.tensors[self._i][0] == self.tensors[self._i][1] \
+                and self.pos - self.data_start >= self.tensors[self._i][1]:
+            self._finish_empty()
+        if self._i < len(self.tensors):
+            raise self._bad(f"the file ends inside tensor {self.tensors[self._i][2]!r}")
+        return self.entries
+
+
+def safetensors_entries(data: bytes, name: str = "<bytes>") -> list[tuple[str, bytes]]:
+    """The tensor-digest entries of a whole safetensors file held in memory (see :class:`_TensorHasher`)."""
+    h = _TensorHasher(name)
+    h.update(data)
+    return h.finish()
+
+
+def _hash_file(f: Path, tensors: bool) -> tuple[str, list[tuple[str, bytes]]]:
+    """(sha256 hex of the file, its tensor-digest entries when ``tensors``) from one read."""
+    h = hashlib.sha256()
+    th = _TensorHasher(f.name) if tensors else None
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(CHUNK), b""):
+            h.update(chunk)
+            if th is not None:
+                th.update(chunk)
+    return h.hexdigest(), (th.finish() if th is not None else [])
+
+
+@dataclass
+class Verified:
+    """What :func:`check` found: the manifest, and the tensor digest of the version's ``.safetensors``
+    files (None when not asked for)."""
+
+    manifest: dict
+    digest: str | None
+
+
 def verify(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None) -> dict:
     """Check a snapshot file by file against its manifest (and the manifest against the announced
     hash): only listed plain files, none missing or altered, nothing else in the folder, and with
     ``root`` the folder inside that store. Returns the manifest; raises WeightStoreError naming the
     first problem."""
+    return check(path, expected_hash, root).manifest
+
+
+def check(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None,
+          expected_digest: str | None = None, tensor_digest: bool = False) -> Verified:
+    """:func:`verify`, and with ``tensor_digest`` (or an ``expected_digest``) the digest of the tensors
+    of the version's ``.safetensors`` files, computed from the same single read of each file; a digest
+    other than ``expected_digest`` raises WeightStoreError ``digest_mismatch`` (a file altered and its
+    manifest recomputed: the hash matches, the tensors are not the ones published)."""
+    tensor_digest = tensor_digest or bool(expected_digest)
     path = Path(path) if root is None else check_in_store(path, root)
     if Path(path).is_symlink():
         raise WeightStoreError("symlink", f"{path} is a symbolic link; a version folder is a plain folder")
@@ -130,14 +290,25 @@ def verify(path: str | Path, expected_hash: str | None = None, root: str | Path 
     if expected_hash is not None and manifest_hash(manifest) != expected_hash:
         raise WeightStoreError("hash_mismatch", f"{path}: manifest hash differs from the announced {expected_hash[:12]}")
     _check_names(path, manifest["files"])
+    entries: list[tuple[str, bytes]] = []
     for name, digest in manifest["files"].items():
         f = path / name
         if not f.is_file():
             raise WeightStoreError("missing_file", f"{f} is listed in the manifest but missing")
-        actual = sha256_file(f)
+        actual, found = _hash_file(f, tensor_digest and name.endswith(".safetensors"))
         if actual != digest:
             raise WeightStoreError("corrupt_file", f"{f}: sha256 {actual[:12]} != manifest {digest[:12]}")
-    return manifest
+        entries.extend(found)
+    if not tensor_digest:
+        return Verified(manifest, None)
+    try:
+        digest = tensordigest.combine(entries)
+    except ValueError as e:
+        raise WeightStoreError("bad_safetensors", f"{path}: {e}") from None
+    if expected_digest and digest != expected_digest:
+        raise WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {digest[:12]} differs from the "
+                               f"announced {expected_digest[:12]}")
+    return Verified(manifest, digest)
 
 
 def list_versions(root: str | Path) -> list[int]:

@@ -8,7 +8,8 @@ import pytest
 
 from tests.support.services import relay
 
-NAMES = {"codec", "ingest", "weight_sync/torch", "weight_sync/vllm", "overlap", "generator/torch", "generator/vllm",
+NAMES = {"codec", "ingest", "weight_sync/store", "weight_sync/learner_blocked", "weight_sync/http",
+         "weight_sync/collective", "overlap", "generator/torch", "generator/vllm",
          "learner", "learner_memory", "learner_memory/step_time"}
 
 
@@ -28,7 +29,9 @@ def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
         assert {"value", "baseline", "ratio", "target", "unit", "met"} <= set(r), name
         assert "error" not in r, (name, r.get("error"))
         if r.get("skipped"):
-            assert name.endswith("/vllm") and isinstance(r["skipped"], str) and r["skipped"], name
+            # vLLM missing, or a weight transport not built yet (issue 18)
+            assert name.endswith(("/vllm", "/http", "/collective")) and isinstance(r["skipped"], str) \
+                and r["skipped"], name
             continue
         assert r["value"] > 0 and r["baseline"] > 0 and r["unit"], name
         assert math.isclose(r["ratio"], r["value"] / r["baseline"]), name

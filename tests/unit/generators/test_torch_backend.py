@@ -30,3 +30,35 @@ def test_a_group_shares_its_prompts_prefill_and_samples_as_if_each_row_had_its_o
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     assert len({tuple(c.token_ids) for c in grouped[0]}) > 1, "the samples of a group must differ"
+
+
+def test_a_bf16_sharded_version_loads_into_an_fp32_engine(tmp_path):
+    """A version published in bf16, in shards with the Hugging Face index (learner/publish.py), loads into
+    the fp32 torch backend, first load and in-place update: the engine keeps its dtype and holds the
+    published values."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.publish import snapshot, write_safetensors
+    from learner.tiny_model import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    versions = []
+    for v in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        state = snapshot(model.state_dict(), v, torch.bfloat16, tied=model.config.tie_word_embeddings)
+        out = tmp_path / f"v{v}"
+        out.mkdir()
+        model.config.save_pretrained(out)
+        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+        assert len(write_safetensors(out, state, shard_bytes=64 * 1024)) > 1  # sharded
+        versions.append((out, state))
+    b = TorchBackend(TorchBackendConfig())  # float32
+    for i, (path, state) in enumerate(versions):
+        b.load(str(path)) if i == 0 else b.update_weights(str(path))
+        live = b.model.state_dict()
+        assert all(t.dtype == torch.float32 for t in live.values() if t.is_floating_point())
+        for k, t in state.items():
+            assert torch.equal(live[k], t.float()), k

@@ -1,0 +1,71 @@
+"""The tensor digest a generator computes from the safetensors files it verifies (one read per file,
+the header parsed without torch: broker/protocol/weightstore.py) equals the digest the learner announces
+(tensordigest.state_digest of the published tensors); a tensor altered with its manifest recomputed
+passes the hash check and is refused by the digest."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from broker.protocol import tensordigest
+from broker.protocol import weightstore as ws
+from learner.publish import write_safetensors
+
+
+def _state():
+    g = torch.Generator().manual_seed(1)
+    return {"a.weight": torch.randn(33, 7, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g),
+            "c.half": torch.randn(3, 3, generator=g).half(), "ids": torch.arange(6, dtype=torch.int64),
+            "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False])}
+
+
+def test_header_digest_equals_state_digest_in_any_chunking():
+    state = _state()
+    data = save(state)
+    assert tensordigest.combine(ws.safetensors_entries(data)) == tensordigest.state_digest(state)
+    for chunk in (1, 7, 64, 4096):  # fed as the file is read, in chunks of any size
+        h = ws._TensorHasher("f")
+        for i in range(0, len(data), chunk):
+            h.update(data[i:i + chunk])
+        assert tensordigest.combine(h.finish()) == tensordigest.state_digest(state), chunk
+
+
+def test_sharded_version_digest_equals_state_digest(tmp_path):
+    state = {f"w{i}": torch.randn(64, 64).to(torch.bfloat16) for i in range(6)}
+    staging = ws.staging_dir(tmp_path, 1)
+    known = write_safetensors(staging, state, shard_bytes=3 * 64 * 64 * 2)
+    assert len(known) == 2
+    path, h = ws.seal(tmp_path, 1, staging, known)
+    assert ws.check(path, h, tensor_digest=True).digest == tensordigest.state_digest(state)
+
+
+def test_a_tampered_tensor_with_a_recomputed_manifest_is_refused(tmp_path):
+    state = _state()
+    staging = ws.staging_dir(tmp_path, 2)
+    write_safetensors(staging, state, shard_bytes=1 << 20)
+    announced = tensordigest.state_digest(state)
+    tampered = dict(state)
+    tampered["b"] = state["b"].clone()
+    tampered["b"][0] += 1.0
+    (staging / "model.safetensors").write_bytes(save(tampered))  # altered, then sealed: a consistent manifest
+    path, h = ws.seal(tmp_path, 2, staging)
+    assert ws.verify(path, h)  # the files match their manifest and the manifest its hash
+    with pytest.raises(ws.WeightStoreError) as e:
+        ws.check(path, h, expected_digest=announced)
+    assert e.value.reason == "digest_mismatch"
+
+
+def test_a_malformed_header_is_a_clear_error():
+    good = save({"x": torch.ones(4)})
+    with pytest.raises(ws.WeightStoreError, match="bad_safetensors.*ends inside tensor"):
+        ws.safetensors_entries(good[:-3])
+    with pytest.raises(ws.WeightStoreError, match="bad_safetensors.*not JSON"):
+        ws.safetensors_entries(struct.pack("<Q", 3) + b"{{{")
+    with pytest.raises(ws.WeightStoreError, match="bad_safetensors.*header"):
+        ws.safetensors_entries(struct.pack("<Q", 0))
+    header = json.dumps({"x": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    with pytest.raises(ws.WeightStoreError, match="bad_safetensors.*'x'"):
+        ws.safetensors_entries(struct.pack("<Q", len(header)) + header + b"\0" * 4)

@@ -1,0 +1,136 @@
+"""The publication pipeline's pure parts (learner/publish.py): the sharded safetensors writer that hashes
+what it writes, the snapshot in the publication dtype, and the background publisher's ordering,
+skip-to-the-newest back-pressure and drain. No Redis: the publisher's write step is replaced by one
+that records what it was given (the real one is exercised by tests/integration/test_publish_pipeline.py)."""
+
+import hashlib
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from broker.protocol import tensordigest
+from broker.protocol import weightstore as ws
+from learner.publish import (BackgroundPublisher, NonFiniteWeights, publication_dtype, snapshot,
+                             write_safetensors)
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(64, 32, generator=g) for i in range(5)} | {
+        "embed.weight": torch.randn(100, 32, generator=g), "norm.bias": torch.zeros(32), "step": torch.tensor(3)}
+
+
+def test_sharded_writer_hashes_what_it_writes_and_writes_the_hf_index(tmp_path):
+    state = snapshot(_state(), 1, torch.bfloat16)
+    digests = write_safetensors(tmp_path, state, shard_bytes=8 * 1024)  # 64x32 bf16 = 4 KiB per layer
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(digests) == set(shards)
+    for name, d in digests.items():  # the sha256 given to the manifest is that of the file on disk
+        assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == d
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(state)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    back = {}
+    for name in shards:
+        part = load_file(tmp_path / name)
+        assert all(index["weight_map"][k] == name for k in part)
+        back.update(part)
+    assert set(back) == set(state)
+    for k, t in state.items():  # a bf16 round trip, bit for bit
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    assert back["layers.0.weight"].dtype == torch.bfloat16 and back["step"].dtype == torch.int64
+
+
+def test_a_small_state_is_one_file_sealed_with_the_writers_digests(tmp_path):
+    staging = ws.staging_dir(tmp_path, 4)
+    state = snapshot(_state(), 4)
+    known = write_safetensors(staging, state, shard_bytes=1 << 30)
+    (staging / "config.json").write_text("{}")
+    assert list(known) == ["model.safetensors"] and not (staging / "model.safetensors.index.json").exists()
+    path, h = ws.seal(tmp_path, 4, staging, known)
+    checked = ws.check(path, h, tmp_path, expected_digest=tensordigest.state_digest(state))
+    assert checked.manifest["files"]["model.safetensors"] == known["model.safetensors"]
+    assert checked.digest == tensordigest.state_digest(state)
+
+
+def test_snapshot_is_a_copy_in_the_publication_dtype_without_the_tied_head():
+    live = _state() | {"lm_head.weight": torch.ones(100, 32)}
+    snap = snapshot(live, 1, torch.bfloat16, tied=True)
+    assert "lm_head.weight" not in snap and snap["embed.weight"].dtype == torch.bfloat16
+    assert snap["step"].dtype == torch.int64  # integers keep their dtype
+    live["embed.weight"].add_(1.0)  # training goes on: the snapshot does not move
+    assert not torch.equal(snap["embed.weight"].float(), live["embed.weight"].bfloat16().float())
+    assert publication_dtype("auto", bf16=True) == torch.bfloat16
+    assert publication_dtype("auto", bf16=False) == torch.float32
+    assert publication_dtype("float32", bf16=True) == torch.float32
+    with pytest.raises(NonFiniteWeights, match="version 7.*layers.2.weight"):
+        bad = _state()
+        bad["layers.2.weight"][3, 4] = float("inf")
+        snapshot(bad, 7)
+    big = {"w": torch.full((4,), 3e38)}  # a sum that overflows, of finite weights: published
+    assert snapshot(big, 1)["w"].shape == (4,)
+
+
+class GatedWriter:
+    """Stands for Publisher.write: records each version it writes; waits for ``gate`` before each."""
+
+    def __init__(self):
+        self.written, self.gate, self.started = [], threading.Event(), threading.Event()
+
+    def write(self, config, state, version):
+        self.started.set()
+        assert self.gate.wait(10)
+        if state.get("fail") is not None:
+            raise OSError("disk full")
+        self.written.append(version)
+        return version
+
+
+def test_background_publisher_keeps_order_and_skips_to_the_newest():
+    w = GatedWriter()
+    bg = BackgroundPublisher(w, config=None)
+    bg.submit(1, {})
+    assert w.started.wait(10)  # version 1 is being written
+    bg.submit(2, {})  # waits
+    bg.submit(3, {})  # replaces 2: skipped
+    bg.submit(4, {})  # replaces 3: skipped
+    assert bg.take_skipped() == 2 and bg.take_skipped() == 0
+    with pytest.raises(TimeoutError):
+        bg.drain(timeout=0.2)
+    w.gate.set()
+    bg.drain(timeout=10)
+    assert w.written == [1, 4] and bg.announced == 4
+    bg.submit(5, {})
+    bg.close()  # drains first
+    assert w.written == [1, 4, 5]
+
+
+def test_a_failed_publication_is_raised_in_the_learner():
+    w = GatedWriter()
+    w.gate.set()
+    bg = BackgroundPublisher(w, config=None)
+    bg.submit(1, {"fail": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match="publishing weights failed: disk full"):
+        bg.drain(timeout=10)
+    with pytest.raises(RuntimeError, match="disk full"):
+        bg.submit(2, {})
+
+
+def test_a_snapshot_done_with_is_reused_for_the_next():
+    w = GatedWriter()
+    w.gate.set()
+    bg = BackgroundPublisher(w, config=None)
+    first = snapshot(_state(1), 1, torch.bfloat16)
+    bg.submit(1, first)
+    bg.drain(timeout=10)
+    spare = bg.spare()
+    assert spare is first and bg.spare() is None
+    ptr = spare["embed.weight"].data_ptr()
+    second = snapshot(_state(2), 2, torch.bfloat16, into=spare)
+    assert second["embed.weight"].data_ptr() == ptr  # the same buffer, new values
+    assert torch.equal(second["embed.weight"], _state(2)["embed.weight"].bfloat16())
+    bg.close()
