@@ -227,7 +227,82 @@ def _bench_store(b: Bench) -> list[dict]:
 
 
 def _bench_http(b: Bench) -> dict:
-    return skipped("weight_sync/http", "the http transport is not built yet (issue 18)", UNIT, TARGETS["http"], "lower")
+    """The ``http`` row: the learner's path (snapshot, BackgroundPublisher into a store that only its weight
+    server reads) to 2 generators with ``weights.transport = "http"`` and no weight store, each fetching the
+    version over HTTP (hashing while it downloads), checking hash and digest and loading in place; against
+    a plain ``save_file`` of the same tensors, then one plain HTTP GET of the file per generator,
+    concurrently, from a stdlib ``http.server``, each loaded with ``safetensors.torch.load``."""
+    import functools
+    import http.server
+    import threading
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from safetensors.torch import load as load_bytes, save_file
+
+    from broker.protocol.weightauth import bearer_token
+    from broker.runtime.config import WeightsConfig
+    from learner.publish import BackgroundPublisher, Publisher, snapshot
+    from learner.weight_server import WeightServer
+
+    shard_mb = 0.25 if b.quick else WeightsConfig().shard_mb
+    store, raw_dir = b.tmp / "weights-http", b.tmp / "http-raw"
+    store.mkdir(parents=True, exist_ok=True)
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    server = WeightServer(store, token=bearer_token(b.stack.announce_key, b.keys.run_id)).start()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(raw_dir)))
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    procs: list = []
+    try:
+        pub = Publisher(b.r, b.keys, str(store), b.tokenizer, keep_versions=3, announce_key=b.stack.announce_key,
+                        dtype=torch.bfloat16, shard_mb=shard_mb)
+        pub.url_for = server.url
+        tied = bool(b.model.config.tie_word_embeddings)
+        bg = BackgroundPublisher(pub, b.model.config)
+        v = b.new_weights()
+        bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied))
+        bg.drain()
+        procs = b.generators({"transport": "http", "shard_mb": shard_mb}, "")  # each its own private cache
+        b.wait_applied(v, 0.0, procs)  # the first fetch and load (the engine starts)
+        ours, raw = [], []
+        for _ in range(b.versions):
+            v = b.new_weights()
+            t0 = time.time()
+            bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied, bg.spare()))
+            ours.append(b.wait_applied(v, t0, procs))
+            state = b.published_state()
+            t1 = time.perf_counter()
+            save_file(state, str(raw_dir / "raw.safetensors"))
+
+            def get(_):
+                with urllib.request.urlopen(f"http://127.0.0.1:{plain.server_address[1]}/raw.safetensors") as resp:
+                    return len(load_bytes(resp.read()))
+
+            with ThreadPoolExecutor(len(procs)) as pool:
+                loaded = list(pool.map(get, range(len(procs))))
+            raw.append(time.perf_counter() - t1)
+            assert loaded == [len(state)] * len(procs)
+        bg.close()
+        a = bg.last
+        nbytes = sum(f.stat().st_size for f in Path(a.path).iterdir())
+        served = server.counts["bytes_sent"]
+    finally:
+        if procs:
+            b.stop(procs)
+        server.close()
+        plain.shutdown()
+        plain.server_close()
+    return row("weight_sync/http", statistics.median(ours), statistics.median(raw), UNIT, TARGETS["http"], "lower", {
+        **b.details, "versions": b.versions, "per_version_s": ours, "raw_per_version_s": raw,
+        "version_bytes": nbytes, "bytes_served": served, "shard_mb": shard_mb,
+        "raw": f"safetensors save_file, then {len(procs)} concurrent plain HTTP GETs of the file (stdlib "
+               "http.server), each loaded with safetensors.torch.load"})
 
 
 def _bench_collective(b: Bench) -> dict:
@@ -249,106 +324,3 @@ def run(quick: bool, include_vllm: bool = False) -> list[dict]:
             out = bench(b)
             rows.extend(out if isinstance(out, list) else [out])
     return rows
-
-
-def _bench_http(model, tokenizer, workdir: Path, stack, versions: int = 3, generators: int = 2,
-                run_id: str = "bench-http") -> dict:
-    """The ``http`` transport's row (engineer B; self-contained, the caller gives the model, its tokenizer, a
-    work folder and a running :class:`benchmarks.common.Stack`): seconds from the start of a publication
-    (``Publisher.publish`` into a store that only the learner's weight server reads) until ``generators``
-    ``relay generator`` processes with ``weights.transport = "http"`` and no weight store have fetched it
-    over HTTP, verified it and applied it (their ``applied`` events), median over ``versions``; against a
-    raw baseline measured in the same run on the same machine: ``save_file`` of the same tensors, then one
-    plain HTTP GET of those bytes per generator, concurrently, from a stdlib ``http.server``, each loaded
-    with ``safetensors.torch.load`` (what a transfer with no manifest, no hash and no engine costs)."""
-    import functools
-    import http.server
-    import threading
-    import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
-
-    import redis
-    import torch
-    from safetensors.torch import load as load_bytes, save_file
-
-    from broker.client import queues
-    from broker.client.telemetry import read_events, read_heartbeats
-    from broker.protocol.keys import Keys
-    from broker.protocol.weightauth import bearer_token
-    from deploy.launcher.procs import free_port
-    from learner.publish import Publisher
-    from learner.weight_server import WeightServer
-
-    keys = Keys(run_id)
-    url = stack.redis()
-    r = redis.Redis.from_url(url)
-    queues.ensure_groups(r, keys)  # no prompts: the generators idle
-    store, raw_dir = workdir / "http-store", workdir / "http-raw"
-    store.mkdir(parents=True, exist_ok=True)
-    raw_dir.mkdir(parents=True, exist_ok=True)
-    server = WeightServer(store, token=bearer_token(stack.announce_key, run_id)).start()
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(raw_dir)))
-    threading.Thread(target=plain.serve_forever, daemon=True).start()
-    try:
-        pub = Publisher(r, keys, str(store), tokenizer, keep_versions=3, announce_key=stack.announce_key)
-        pub.url_for = server.url
-        pub.publish(model, model.state_dict(), 0)
-        names = [f"{run_id}-gen-{i}" for i in range(generators)]
-        procs = [stack.service(name, "generator", {
-            "id": name, "run_id": run_id, "redis_url": url, "broker_address": f"tcp://127.0.0.1:{free_port()}",
-            "backend": {"type": "torch"}, "heartbeat_s": 0.05, "weight_store": "",
-            "weights": {"transport": "http", "http": {"cache_dir": str(workdir / f"http-cache-{i}")}}})
-            for i, name in enumerate(names)]
-
-        def served() -> list:
-            hb = read_heartbeats(r, keys)
-            return [hb[g].version if g in hb else None for g in names]
-
-        for i, p in enumerate(procs):
-            wait_until(lambda: served()[i] == 0, 600, f"{names[i]} to load version 0 over http", p)
-        ours, raw, publish_s = [], [], []
-        for v in range(1, versions + 1):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1e-4)  # new weights each version
-            t0 = time.time()
-            pub.publish(model, model.state_dict(), v)
-            publish_s.append(time.time() - t0)
-            wait_until(lambda: served() == [v] * generators, 300, f"the generators to apply version {v} over http")
-            applied = [e for _, e in read_events(r, keys, "0-0", 10**6) if e.kind == "applied"]
-            ours.append(max(e.t for e in applied if e.data["version"] == v) - t0)
-            # the raw baseline: the same tensors saved, then one plain GET per generator, loaded from the bytes
-            state = {k: t.detach().contiguous() for k, t in model.state_dict().items()
-                     if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))}
-            t1 = time.perf_counter()
-            save_file(state, str(raw_dir / "raw.safetensors"))
-
-            def get(_):
-                with urllib.request.urlopen(f"http://127.0.0.1:{plain.server_address[1]}/raw.safetensors") as resp:
-                    return len(load_bytes(resp.read()))
-
-            with ThreadPoolExecutor(generators) as pool:
-                loaded = list(pool.map(get, range(generators)))
-            raw.append(time.perf_counter() - t1)
-            assert loaded == [len(state)] * generators
-        nbytes = sum(f.stat().st_size for f in (store / f"v{versions:06d}").iterdir())
-        fetched = server.counts["bytes_sent"]
-    finally:
-        server.close()
-        plain.shutdown()
-        plain.server_close()
-    return row("weight_sync/http", statistics.median(ours), statistics.median(raw),
-               f"s publish -> applied on {generators}", 2.0, "lower", {
-                   "model_params": sum(p.numel() for p in model.parameters()), "version_bytes": nbytes,
-                   "versions": versions, "per_version_s": ours, "raw_per_version_s": raw,
-                   "publish_s_median": statistics.median(publish_s), "bytes_served": fetched,
-                   # fetch + verify + load on the slower generator, once the learner has announced
-                   "after_publish_s_median": statistics.median(o - p for o, p in zip(ours, publish_s)),
-                   "raw": f"safetensors save_file, then {generators} concurrent plain HTTP GETs of the file "
-                          "(stdlib http.server) loaded with safetensors.torch.load"})
-
