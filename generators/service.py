@@ -50,7 +50,7 @@ class Generator:
         self._last_hb = 0.0
         self._batch = 0
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
-                                     key, cfg.weight_store)
+                                     key, cfg.weight_store, receiver=self._receiver(key))
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
                          curve)
@@ -63,6 +63,19 @@ class Generator:
             log.error("this generator samples with %s but the run advertises %s: the learner drops groups whose "
                       "sampling differs from its batch's (docs/protocol.md 3.4)", cfg.sampling.model_dump(),
                       run["sampling"])
+
+    def _receiver(self, key: bytes | None):
+        """The collective transport's receiver (generators/weight_receive.py), or None: another transport,
+        or a backend that cannot take tensors in process (it follows the store copy instead)."""
+        if self.cfg.weights.transport != "collective":
+            return None
+        if not hasattr(self.backend, "update_weights_from_tensors"):
+            log.warning("weights.transport = collective: the %s backend cannot apply tensors in process; this "
+                        "generator loads each version from the store copy instead", self.backend.name)
+            return None
+        from generators.weight_receive import Receiver
+
+        return Receiver(self.r, self.keys, self.cfg.weights.collective, self.cfg.id, key)
 
     # -- state and heartbeats -------------------------------------------------------------------
 
@@ -180,5 +193,7 @@ class Generator:
         self.send_heartbeat(force=True)
         self.sink.close()
         self.rewards.close()
+        if self.weights.receiver is not None:
+            self.weights.receiver.close()
         if self.sink.error:
             raise RuntimeError(f"generator stopped after a sink failure: {self.sink.error}")

@@ -24,7 +24,9 @@ import redis
 
 from broker.client.announcements import ForgedAnnouncement, checked_latest, newest_signed
 from broker.client.telemetry import emit_event
-from broker.protocol import weightstore
+from broker.protocol import signing, weightstore
+from broker.protocol.codec import ProtocolError
+from broker.protocol.messages import decode_announcement
 from broker.protocol.keys import Keys
 from generators.backends.base import Backend
 
@@ -40,7 +42,7 @@ class WeightApplier:
     def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
                  report: Callable[[str, bool], None] = lambda state, heartbeat: None,
                  stopped: Callable[[], bool] = lambda: False, announce_key: bytes | None = None,
-                 store: str = ""):
+                 store: str = "", receiver=None):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
         self.store = store or None  # the weight store every version must be in (None: anywhere)
@@ -54,10 +56,19 @@ class WeightApplier:
         self.updates = 0
         self.refused_updates = 0
         self.last_update_latency_s: float | None = None
+        # the collective transport (generators/weight_receive.py): versions that arrive before their
+        # announcement; None with the other transports
+        self.receiver = receiver
+        self.via = "store"  # how the version served arrived
+        self.digest = ""  # the tensor digest of the version served ("" when unknown: a store load before digests)
+        self.unconfirmed: dict[int, str] = {}  # version applied via the collective -> digest, until its announcement
+        self.collective_updates = 0
 
     def update(self, block: bool = False) -> None:
         """Apply the latest announced version if it is newer than the one served. ``block``: wait
         (every 0.2 s) until a first version is announced."""
+        if self.receiver is not None and self.version is not None:
+            self._from_collective()
         while True:
             a = self._latest()
             if a is not None or not block or self.stopped():
@@ -86,12 +97,78 @@ class WeightApplier:
         else:
             return
         latency = time.time() - a.published_at
-        self.version, self.hash = a.version, a.hash
+        self.version, self.hash, self.digest, self.via = a.version, a.hash, a.digest, "store"
         self.updates += 1
         self.last_update_latency_s = round(latency, 4)
-        emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency)
+        emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency,
+                   digest=a.digest, via="store")
         log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
         self.report("sampling", True)  # the update is done; sampling resumes right after (the heartbeat says so)
+        if self.receiver is not None:
+            self.receiver.start()  # joins the broadcast once the engine runs (a no-op when started)
+
+    # -- the collective transport ---------------------------------------------------------------
+
+    def _from_collective(self) -> None:
+        """Apply the newest version received over the collective, if newer than the one served; refuse
+        and flag what arrived with a bad digest or signature; check applied versions against their
+        announcements as these arrive."""
+        for bad in self.receiver.take_rejected():
+            self._refuse_collective(bad.version, bad.problem, bad.digest)
+        got = self.receiver.take(self.version)
+        if got is not None:
+            self.report("updating", False)
+            try:
+                self.backend.update_weights_from_tensors(got.state)
+            except (ValueError, RuntimeError) as e:
+                self._refuse_collective(got.version, f"apply_failed: {e}", got.digest)
+            else:
+                self.version, self.digest, self.via = got.version, got.digest, "collective"
+                self.hash = ""  # the manifest hash of its files: known from the announcement (below)
+                self.unconfirmed[got.version] = got.digest
+                self.updates += 1
+                self.collective_updates += 1
+                latency = time.time() - got.received_at + got.seconds
+                self.last_update_latency_s = round(latency, 4)
+                emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=got.version,
+                           latency_s=latency, digest=got.digest, via="collective")
+                log.info("serving version %d (digest %s) via the collective", got.version, got.digest[:12])
+                self.report("sampling", True)
+        self._confirm()
+
+    def _confirm(self) -> None:
+        """Compare each version applied via the collective with its signed announcement once that exists."""
+        for v, digest in list(self.unconfirmed.items()):
+            raw = self.r.hget(self.keys.versions, str(v))
+            if raw is None:
+                if len(self.unconfirmed) > 64:  # never announced (the learner died after the broadcast)
+                    del self.unconfirmed[v]
+                continue
+            try:
+                a = decode_announcement(raw)
+            except ProtocolError:
+                continue
+            if self.announce_key is not None and signing.check(self.announce_key, self.keys.run_id, a) is not None:
+                continue  # forged: the signed one is what counts (and it may still come)
+            del self.unconfirmed[v]
+            if not a.digest or a.digest == digest:
+                if v == self.version:
+                    self.hash = a.hash
+                continue
+            self._refuse_collective(v, "announced_digest_mismatch", digest)
+            if v == self.version:
+                self.version = v - 1  # what we serve is not what was announced: load the store copy now
+
+    def _refuse_collective(self, version: int, reason: str, digest: str) -> None:
+        """A version from the collective that is not served: flagged as a bad snapshot is (shown, counted,
+        a ``refused`` event); the previous version keeps serving, later ones still arrive."""
+        reason = reason.splitlines()[0][:200]
+        self.refused[f"collective:v{version}:{digest[:12]}"] = reason
+        self.refused_updates += 1
+        log.error("refused weight version %d received via the collective (%s); still serving version %s",
+                  version, reason, self.version)
+        emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=version, reason=reason,
+                   via="collective", digest=digest)
 
     def _latest(self):
         """The latest announcement signed by the run's key (None before the first). A forged one in

@@ -36,8 +36,10 @@ def first_version(latest_announced: int | None, store: str | Path) -> int:
 
 
 class Publisher:
-    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None):
+    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
+                 broadcaster=None):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
+        self.broadcaster = broadcaster  # the collective transport (learner/broadcast.py): broadcast before the store copy
         self.announce_key = announce_key  # signs each announcement (None: unsigned, announce_auth insecure)
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
@@ -56,13 +58,14 @@ class Publisher:
         state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state_dict.items()}
         if getattr(model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
+        tensors = self.broadcaster.send(version, state) if self.broadcaster is not None else ""
         model.config.save_pretrained(staging)
         self.tokenizer.save_pretrained(staging)
         from safetensors.torch import save_file
 
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
         path, digest = weightstore.seal(self.store, version, staging)
-        a = Announcement(version=version, hash=digest, path=str(path))
+        a = Announcement(version=version, hash=digest, path=str(path), digest=tensors)
         announce(self.r, self.keys, a, self.announce_key)
         advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
         emit_event(self.r, self.keys, "published", version=version, hash=digest)

@@ -87,8 +87,13 @@ class Learner:
             reference.to(self.engine.device)
         self.critic = build_engine(critic, cfg, critic=True) if critic is not None else None
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
+        self.broadcaster = None  # weights.transport = collective: versions broadcast to the generators first
+        if self.leader and cfg.weights.transport == "collective":
+            from learner.broadcast import Broadcaster
+
+            self.broadcaster = Broadcaster(self.r, self.keys, cfg.weights.collective, self.announce_key).start()
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
-                                   self.announce_key)
+                                   self.announce_key, self.broadcaster)
         latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.step = 0
