@@ -153,11 +153,15 @@ class Broadcaster:
         flat = torch.zeros(layout.total, dtype=torch.uint8)
         by_name = {s.name: s for s in layout.slots}
         hashes = []
+        filled = 0  # slots[:filled] are in the buffer
         for start, end in layout.buckets or [(0, 0)]:
-            for s in layout.completed_by(start, end):  # fill the tensors that end in this bucket
+            while filled < len(layout.slots) and layout.slots[filled].offset < max(end, 1):
+                s = layout.slots[filled]  # every tensor that begins in this bucket, before it leaves
                 if s.nbytes:
                     flat[s.offset:s.offset + s.nbytes].copy_(state[s.name].detach().contiguous().reshape(-1)
                                                              .view(torch.uint8))
+                filled += 1
+            for s in layout.completed_by(start, end):  # hashed once complete, while the next buckets leave
                 hashes.append(self._hasher.submit(wire.slot_entry, s, flat))
             if end > start:
                 bucket = flat[start:end]
