@@ -53,7 +53,7 @@ class Generator:
                                      key, cfg.weight_store, receiver=self._receiver(key))
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
-                         curve)
+                         curve, self.weights.hash_for if self.weights.receiver is not None else None)
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
         self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
         # the run's advertisement: the first generator's reward URL and sampling are the run's

@@ -63,6 +63,7 @@ class WeightApplier:
         self.digest = ""  # the tensor digest of the version served ("" when unknown: a store load before digests)
         self.unconfirmed: dict[int, str] = {}  # version applied via the collective -> digest, until its announcement
         self.collective_updates = 0
+        self.applied_digests: dict[int, str] = {}  # version -> digest of what was applied via the collective
 
     def update(self, block: bool = False) -> None:
         """Apply the latest announced version if it is newer than the one served. ``block``: wait
@@ -126,6 +127,9 @@ class WeightApplier:
                 self.version, self.digest, self.via = got.version, got.digest, "collective"
                 self.hash = ""  # the manifest hash of its files: known from the announcement (below)
                 self.unconfirmed[got.version] = got.digest
+                self.applied_digests[got.version] = got.digest
+                for old in [v for v in self.applied_digests if v < got.version - 1000]:
+                    del self.applied_digests[old]
                 self.updates += 1
                 self.collective_updates += 1
                 latency = time.time() - got.received_at + got.seconds
@@ -158,6 +162,31 @@ class WeightApplier:
             self._refuse_collective(v, "announced_digest_mismatch", digest)
             if v == self.version:
                 self.version = v - 1  # what we serve is not what was announced: load the store copy now
+
+    def hash_for(self, version: int, wait_s: float = 30.0) -> str:
+        """The manifest hash announced for ``version`` (what the broker checks a group's ``weight_hash``
+        against). A version applied via the collective is served before its announcement exists: this
+        waits for the announcement (at most ``wait_s``; "" then, and the broker rejects the group, counted).
+        Called from the sink's thread, so generation never waits for it."""
+        if version == self.version and self.hash:
+            return self.hash
+        deadline = time.monotonic() + wait_s
+        while True:
+            raw = self.r.hget(self.keys.versions, str(version))
+            if raw is not None:
+                try:
+                    a = decode_announcement(raw)
+                except ProtocolError:
+                    a = None
+                if a is not None and (self.announce_key is None
+                                      or signing.check(self.announce_key, self.keys.run_id, a) is None):
+                    applied = self.applied_digests.get(version)
+                    # a digest other than the one applied: flagged by _confirm; its groups must not pass
+                    return a.hash if not (a.digest and applied and a.digest != applied) else ""
+            if time.monotonic() > deadline or self.stopped():
+                log.error("version %d was applied via the collective but not announced within %.0fs", version, wait_s)
+                return ""
+            time.sleep(0.02)
 
     def _refuse_collective(self, version: int, reason: str, digest: str) -> None:
         """A version from the collective that is not served: flagged as a bad snapshot is (shown, counted,

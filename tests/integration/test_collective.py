@@ -129,3 +129,15 @@ def test_a_dead_generator_is_dropped_and_the_others_still_receive(redis_url, tmp
     assert b.member_ids() == [] and b.dropped == 1  # closed; g-dead was dropped at version 2
     dropped = [e.data for _, e in read_events(r, keys, None, 100) if e.kind == "collective_dropped"]
     assert [(d["generator"], d["version"]) for d in dropped] == [("g-dead", 2)]
+
+
+@pytest.mark.slow
+def test_the_benchmark_row_of_the_collective_transport():
+    """`relay bench weight_sync`'s collective row at the tiny size: both figures measured, versions applied
+    via the collective (the bench asserts it), the ratio and target filled in."""
+    from benchmarks.weight_sync import _bench_collective
+
+    row = _bench_collective(quick=True, bucket_mb=1 / 16)
+    assert row["name"] == "weight_sync/collective" and row["target"] == 1.5
+    assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] == row["value"] / row["baseline"]
+    assert row["details"]["versions"] == 2 and len(row["details"]["per_version_s"]) == 2
