@@ -178,6 +178,7 @@ def _bench_collective(quick: bool, model_dir: str | Path | None = None, bucket_m
     applied the version via the collective (the latest of their ``applied`` events), against the same
     bytes broadcast by plain ``torch.distributed.broadcast`` over one gloo group of the same 3 processes
     (rounds alternate; medians). ``model_dir``: the model to publish (default: :func:`bench_model`)."""
+    import datetime
     import subprocess
     import sys
 
@@ -208,6 +209,17 @@ def _bench_collective(quick: bool, model_dir: str | Path | None = None, bucket_m
         b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), stack.announce_key).start()
         pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=2,
                         announce_key=stack.announce_key, broadcaster=b)
+        send_s: list[float] = []  # of each publication: the broadcast (Broadcaster.send), for the breakdown
+        send = b.send
+
+        def timed_send(version, state):
+            t = time.perf_counter()
+            try:
+                return send(version, state)
+            finally:
+                send_s.append(time.perf_counter() - t)
+
+        b.send = timed_send
         state0 = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         total = wire.plan([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state0.items()],
                           1 << 20).total
@@ -219,10 +231,18 @@ def _bench_collective(quick: bool, model_dir: str | Path | None = None, bucket_m
                     f"{total}, {bucket_mb})")
             peers.append(subprocess.Popen([sys.executable, "-c", code], env=child_env(), cwd=ROOT,
                                           stderr=open(Path(tmp) / f"gen-{i}.log", "w")))
+        def alive() -> bool:
+            for i, p in enumerate(peers):
+                if p.poll() is not None:
+                    raise RuntimeError(f"generator gen-{i} exited ({p.returncode}):\n"
+                                       f"{(Path(tmp) / f'gen-{i}.log').read_text()[-2000:]}")
+            return True
+
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://{raw_addr}", rank=0, world_size=3)
-            wait_until(lambda: b.member_ids() == ["gen-0", "gen-1"], 600, "both generators to join the broadcast")
-            ours, raw = [], []
+            dist.init_process_group("gloo", init_method=f"tcp://{raw_addr}", rank=0, world_size=3,
+                                    timeout=datetime.timedelta(seconds=600))
+            wait_until(lambda: alive() and b.member_ids() == ["gen-0", "gen-1"], 600, "both generators to join the broadcast")
+            ours, raw, receive_s = [], [], []
             flat = torch.zeros(total, dtype=torch.uint8)
             for v in range(1, rounds + 1):
                 with torch.no_grad():
@@ -233,13 +253,14 @@ def _bench_collective(quick: bool, model_dir: str | Path | None = None, bucket_m
                 raw.append(time.perf_counter() - t1)
                 t0 = time.time()
                 pub.publish(model, model.state_dict(), v)
-                wait_until(lambda: sorted(e.data["generator"] for _, e in read_events(r, keys, "0-0", 10**6)
+                wait_until(lambda: alive() and sorted(e.data["generator"] for _, e in read_events(r, keys, "0-0", 10**6)
                                           if e.kind == "applied" and e.data["version"] == v) == ["gen-0", "gen-1"],
                            300, f"both generators to apply version {v}")
                 applied = [e for _, e in read_events(r, keys, "0-0", 10**6) if e.kind == "applied"
                            and e.data["version"] == v]
                 assert all(e.data["via"] == "collective" for e in applied)
                 ours.append(max(e.t for e in applied) - t0)
+                receive_s.append(max(e.data["latency_s"] for e in applied))
             for p in peers:
                 p.wait(timeout=120)
         finally:
@@ -254,4 +275,8 @@ def _bench_collective(quick: bool, model_dir: str | Path | None = None, bucket_m
                "s publish -> applied on 2", COLLECTIVE_TARGET, "lower", {
                    "model_params": params, "bytes": total, "bucket_mb": bucket_mb, "versions": rounds,
                    "per_version_s": ours, "raw_per_version_s": raw,
+                   # where the time goes: the learner's broadcast (copy, send, digest, trailer: the rest of
+                   # `publish` before it is the non-finite check), a generator's header -> applied
+                   "broadcast_s_median": statistics.median(send_s),
+                   "receive_to_applied_s_median": statistics.median(receive_s),
                    "raw": "torch.distributed.broadcast of the same bytes over gloo, learner -> the same 2 processes"})

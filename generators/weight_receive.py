@@ -24,6 +24,7 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -42,6 +43,7 @@ from broker.runtime.config import CollectiveWeightsConfig
 
 log = logging.getLogger("relay.generator.receive")
 
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # sha256 releases the GIL: tensors hash in parallel
 IDLE_WAIT = datetime.timedelta(days=1)  # a header may be long in coming (a dead learner fails the wait at once)
 
 
@@ -57,6 +59,7 @@ class Received:
     signed_digest: str = ""      # the digest the learner signed
     received_at: float = 0.0
     seconds: float = 0.0         # from the header to the trailer
+    flat: torch.Tensor | None = field(default=None, repr=False)  # the staging buffer the state views
 
 
 class Receiver:
@@ -78,7 +81,8 @@ class Receiver:
         self.joins = 0
         self.pg = None
         self._thread: threading.Thread | None = None
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="relay-digest")
+        self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relay-digest")
+        self._spare: torch.Tensor | None = None  # a staging buffer no longer in use (reused: no page faults)
 
     def start(self) -> "Receiver":
         if self._thread is None:
@@ -99,6 +103,17 @@ class Receiver:
         if got is not None and after is not None and got.version <= after:
             return None
         return got
+
+    def recycle(self, got: Received) -> None:
+        """``got`` was applied (copied into the engine): its staging buffer may hold the next version."""
+        with self.lock:
+            if got.flat is not None:
+                self._spare, got.flat, got.state = got.flat, None, {}
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        with self.lock:
+            spare, self._spare = self._spare, None
+        return spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
 
     def take_rejected(self) -> list[Received]:
         """The versions refused on arrival (bad signature, digest mismatch) since the last call."""
@@ -156,7 +171,7 @@ class Receiver:
         t0 = time.perf_counter()
         timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
         version, layout = wire.parse_header(header, self.max_bytes)  # malformed: the group is left (ValueError)
-        flat = torch.empty(layout.total, dtype=torch.uint8)
+        flat = self._buffer(layout.total)
         hashes = []
         for i, (start, end) in enumerate(layout.buckets or [(0, 0)]):
             if end > start:
@@ -179,16 +194,18 @@ class Receiver:
             problem = "digest_mismatch"
         state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape)
                  for s in layout.slots}
-        got = Received(version, digest, state, problem, trailer["digest"], time.time(), time.perf_counter() - t0)
+        got = Received(version, digest, state, problem, trailer["digest"], time.time(), time.perf_counter() - t0, flat)
         self.received += 1
         if problem is not None:
             self.rejected += 1
             log.error("version %d received over the collective is refused (%s)", version, problem)
         with self.lock:
             if problem is not None:
-                got.state = {}  # never applied: the memory goes back at once
+                self._spare, got.state, got.flat = flat, {}, None  # never applied: its buffer is reused
                 self.rejects.append(got)
             else:
-                self.ready = got  # an older one not yet taken is superseded: never applied
+                if self.ready is not None:  # superseded before it was taken: never applied
+                    self._spare = self.ready.flat
+                self.ready = got
         log.debug("received version %d (%.1f MiB) in %.3fs", version, layout.total / (1 << 20), got.seconds)
 

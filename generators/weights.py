@@ -121,8 +121,12 @@ class WeightApplier:
             self.report("updating", False)
             try:
                 self.backend.update_weights_from_tensors(got.state)
+                failed = None
             except (ValueError, RuntimeError) as e:
-                self._refuse_collective(got.version, f"apply_failed: {e}", got.digest)
+                failed = e
+            self.receiver.recycle(got)  # copied (or refused): its staging buffer takes the next version
+            if failed is not None:
+                self._refuse_collective(got.version, f"apply_failed: {failed}", got.digest)
             else:
                 self.version, self.digest, self.via = got.version, got.digest, "collective"
                 self.hash = ""  # the manifest hash of its files: known from the announcement (below)

@@ -70,7 +70,8 @@ class Broadcaster:
         self.store = None
         self.port = 0
         self._seen = 0
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="relay-digest")
+        self._hasher = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 1) - 1)), thread_name_prefix="relay-digest")
+        self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
 
     def start(self) -> "Broadcaster":
         self.store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=True, wait_for_workers=False,
@@ -150,7 +151,9 @@ class Broadcaster:
 
         for m in members:
             issue(m, lambda pg: wire.send_blob(pg, header, timeout))
-        flat = torch.zeros(layout.total, dtype=torch.uint8)
+        flat = self._flat if self._flat is not None and self._flat.numel() == layout.total else \
+            torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero: the layout never changes them
+        self._flat = flat
         by_name = {s.name: s for s in layout.slots}
         hashes = []
         filled = 0  # slots[:filled] are in the buffer
