@@ -91,7 +91,10 @@ class Generator:
         self._last_hb = now
         w, sink = self.weights, self.sink
         heartbeat(self.r, self.keys, Heartbeat(
-            id=self.cfg.id, backend=self.backend.name, version=w.version, hash=w.hash,
+            id=self.cfg.id, backend=self.backend.name, version=w.version,
+            # a version applied via the collective: its announced hash as soon as it is announced
+            hash=w.hash or (w.hash_for(w.version, wait_s=0) if w.receiver is not None and w.version is not None
+                            else ""),
             # back-pressure on the sink shows even while the engine is busy generating
             state="paused_backpressure" if sink.state == "paused_backpressure" else self.state,
             sink_state=sink.state, in_flight=self.cfg.in_flight,

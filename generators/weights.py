@@ -171,7 +171,8 @@ class WeightApplier:
         """The manifest hash announced for ``version`` (what the broker checks a group's ``weight_hash``
         against). A version applied via the collective is served before its announcement exists: this
         waits for the announcement (at most ``wait_s``; "" then, and the broker rejects the group, counted).
-        Called from the sink's thread, so generation never waits for it."""
+        Called from the sink's thread, so generation never waits for it, and (``wait_s=0``) for heartbeats.
+        Reads only: safe from any thread."""
         if version == self.version and self.hash:
             return self.hash
         deadline = time.monotonic() + wait_s
@@ -187,8 +188,10 @@ class WeightApplier:
                     applied = self.applied_digests.get(version)
                     # a digest other than the one applied: flagged by _confirm; its groups must not pass
                     return a.hash if not (a.digest and applied and a.digest != applied) else ""
-            if time.monotonic() > deadline or self.stopped():
-                log.error("version %d was applied via the collective but not announced within %.0fs", version, wait_s)
+            if time.monotonic() >= deadline or self.stopped():
+                if wait_s > 0:
+                    log.error("version %d was applied via the collective but not announced within %.0fs", version,
+                              wait_s)
                 return ""
             time.sleep(0.02)
 

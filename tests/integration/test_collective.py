@@ -141,3 +141,28 @@ def test_the_benchmark_row_of_the_collective_transport():
     assert row["name"] == "weight_sync/collective" and row["target"] == 1.5
     assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] == row["value"] / row["baseline"]
     assert row["details"]["versions"] == 2 and len(row["details"]["per_version_s"]) == 2
+
+
+def test_groups_of_a_version_applied_before_its_announcement_get_the_announced_hash(redis_url, tmp_path):
+    """WeightApplier.hash_for (the sink and the heartbeat use it): the manifest hash once the signed
+    announcement exists, "" before (the heartbeat) or when its digest is not the one applied."""
+    import threading
+    import time
+
+    from broker.client.announcements import announce
+    from broker.protocol.messages import Announcement
+    from generators.weights import WeightApplier
+
+    r, keys, key = connect_redis(redis_url), Keys("coll"), announce_key(tmp_path)
+    w = WeightApplier(r, keys, backend=None, generator_id="g", announce_key=key)
+    w.version, w.hash, w.applied_digests = 5, "", {5: "d5", 6: "d6"}
+    assert w.hash_for(5, wait_s=0) == ""  # not announced yet: the heartbeat says nothing
+    later = threading.Timer(0.3, announce, (r, keys, Announcement(version=5, hash="h5", path="/p5", digest="d5"), key))
+    later.start()
+    t0 = time.monotonic()
+    assert w.hash_for(5, wait_s=10) == "h5"  # the sink waits for it
+    assert 0.2 < time.monotonic() - t0 < 5
+    announce(r, keys, Announcement(version=6, hash="h6", path="/p6", digest="other"), key)
+    assert w.hash_for(6, wait_s=0) == ""  # announced with another digest than the one applied: never vouched for
+    announce(r, keys, Announcement(version=7, hash="h7", path="/p7", digest="d7"), None)  # unsigned: not ours
+    assert w.hash_for(7, wait_s=0) == ""
