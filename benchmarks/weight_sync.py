@@ -72,6 +72,7 @@ class Bench:
     stack: Stack
     quick: bool
     versions: int
+    base: Path | None = None  # the model folder (what a generator starts from)
     model: object = None
     tokenizer: object = None
     r: object = None
@@ -87,7 +88,7 @@ class Bench:
         from broker.client import queues
         from broker.protocol.keys import Keys
 
-        base = build_model(self.tmp / "base", self.quick)
+        base = self.base = build_model(self.tmp / "base", self.quick)
         self.model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         self.keys = Keys("bench")
@@ -305,11 +306,6 @@ def _bench_http(b: Bench) -> dict:
                "http.server), each loaded with safetensors.torch.load"})
 
 
-def _bench_collective(b: Bench) -> dict:
-    return skipped("weight_sync/collective", "the collective transport is not built yet (issue 18)", UNIT,
-                   TARGETS["collective"], "lower")
-
-
 TRANSPORTS = (_bench_store, _bench_http, _bench_collective)
 
 
@@ -324,3 +320,156 @@ def run(quick: bool, include_vllm: bool = False) -> list[dict]:
             out = bench(b)
             rows.extend(out if isinstance(out, list) else [out])
     return rows
+
+
+# -- the collective transport (weights.transport = "collective"; learner/broadcast.py) -----------------------
+
+
+def _collective_peer(redis_url: str, key_file: str, model: str, gid: str, raw_addr: str, rank: int,
+                     rounds: int, total: int, bucket_mb: float) -> None:
+    """A generator's side, in its own process: the torch backend, a WeightApplier with the real Receiver
+    (generators/weight_receive.py), plus rank ``rank`` of a plain gloo group for the raw baseline. Each
+    round: receive ``total`` bytes by ``torch.distributed.broadcast``, then apply what the collective
+    transport brings (its ``applied`` events carry the time)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from broker.client.connection import connect_redis
+    from broker.protocol.keys import Keys
+    from broker.protocol.signing import read_key_file
+    from broker.runtime.config import CollectiveWeightsConfig
+    from generators.config import TorchBackendConfig
+    from generators.weight_receive import Receiver
+    from generators.weights import WeightApplier
+
+    torch.set_num_threads(1)
+    r, keys = connect_redis(redis_url), Keys("bench-coll")
+    key = read_key_file(key_file)
+    backend = TorchBackendConfig(dtype="bfloat16").build()  # as the other rows' generators
+    backend.load(model)
+    receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), gid, key).start()
+    w = WeightApplier(r, keys, backend, gid, announce_key=key, receiver=receiver)
+    w.version = 0
+
+    def raw() -> None:
+        host, port = raw_addr.split(":")
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=3)
+        buf = torch.empty(total, dtype=torch.uint8)
+        for _ in range(rounds):
+            dist.broadcast(buf, 0)
+
+    t = threading.Thread(target=raw, daemon=True)
+    t.start()
+    while w.version < rounds:
+        w.update()
+        time.sleep(0.002)
+    t.join()
+    receiver.close()
+
+
+def _bench_collective(b: Bench) -> dict:
+    """The ``weight_sync/collective`` row: seconds from the start of ``Publisher.publish`` (with the
+    collective broadcaster: broadcast first, the store copy behind) until 2 generator processes have
+    applied the version via the collective (the latest of their ``applied`` events), against the same
+    bytes broadcast by plain ``torch.distributed.broadcast`` over one gloo group of the same 3 processes
+    (rounds alternate; medians). Buckets of 64 MiB (1/16 MiB with ``--quick``, so that there are several)."""
+    import datetime
+    import subprocess
+    import sys
+
+    import redis
+    import torch
+    import torch.distributed as dist
+
+    from broker.client import queues
+    from broker.client.telemetry import read_events
+    from broker.protocol import collective as wire
+    from broker.protocol.keys import Keys
+    from broker.runtime.config import CollectiveWeightsConfig
+    from deploy.launcher.procs import free_port
+    from learner.broadcast import Broadcaster
+    from learner.publish import Publisher
+    from tests.support.services import ROOT, child_env
+
+    rounds, bucket_mb = b.versions, (1 / 16 if b.quick else 64.0)
+    keys = Keys("bench-coll")
+    stack, base, model, tokenizer, tmp = b.stack, b.base, b.model, b.tokenizer, b.tmp / "collective"
+    tmp.mkdir()
+    url = stack.redis()
+    r = redis.Redis.from_url(url)
+    queues.ensure_groups(r, keys)
+    bc = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), stack.announce_key).start()
+    pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=2,
+                    announce_key=stack.announce_key, dtype=torch.bfloat16, broadcaster=bc)
+    send_s: list[float] = []  # of each publication: the broadcast (Broadcaster.send), for the breakdown
+    send = bc.send
+
+    def timed_send(version, state):
+        t = time.perf_counter()
+        try:
+            return send(version, state)
+        finally:
+            send_s.append(time.perf_counter() - t)
+
+    bc.send = timed_send
+    state0 = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    total = wire.plan([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state0.items()],
+                      1 << 20).total
+    raw_addr = f"127.0.0.1:{free_port()}"
+    peers = []
+    for i in range(2):
+        code = (f"from benchmarks.weight_sync import _collective_peer; _collective_peer({url!r}, "
+                f"{stack.announce_key_file!r}, {str(base)!r}, 'gen-{i}', {raw_addr!r}, {i + 1}, {rounds}, "
+                f"{total}, {bucket_mb})")
+        peers.append(subprocess.Popen([sys.executable, "-c", code], env=child_env(), cwd=ROOT,
+                                      stderr=open(Path(tmp) / f"gen-{i}.log", "w")))
+
+    def alive() -> bool:
+        for i, p in enumerate(peers):
+            if p.poll() is not None:
+                raise RuntimeError(f"generator gen-{i} exited ({p.returncode}):\n"
+                                   f"{(Path(tmp) / f'gen-{i}.log').read_text()[-2000:]}")
+        return True
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{raw_addr}", rank=0, world_size=3,
+                                timeout=datetime.timedelta(seconds=600))
+        wait_until(lambda: alive() and bc.member_ids() == ["gen-0", "gen-1"], 600, "both generators to join the broadcast")
+        ours, raw, receive_s = [], [], []
+        flat = torch.zeros(total, dtype=torch.uint8)
+        for v in range(1, rounds + 1):
+            b.new_weights()
+            t1 = time.perf_counter()
+            dist.broadcast(flat, 0)  # the raw baseline: the same bytes, the same processes, one call
+            raw.append(time.perf_counter() - t1)
+            t0 = time.time()
+            pub.publish(model, model.state_dict(), v)
+            wait_until(lambda: alive() and sorted(e.data["generator"] for _, e in read_events(r, keys, "0-0", 10**6)
+                                      if e.kind == "applied" and e.data["version"] == v) == ["gen-0", "gen-1"],
+                       300, f"both generators to apply version {v}")
+            applied = [e for _, e in read_events(r, keys, "0-0", 10**6) if e.kind == "applied"
+                       and e.data["version"] == v]
+            assert all(e.data["via"] == "collective" for e in applied)
+            ours.append(max(e.t for e in applied) - t0)
+            receive_s.append(max(e.data["latency_s"] for e in applied))
+        for p in peers:
+            p.wait(timeout=120)
+    finally:
+        for p in peers:
+            if p.poll() is None:
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        bc.close()
+    params = sum(p.numel() for p in model.parameters())
+    return row("weight_sync/collective", statistics.median(ours), statistics.median(raw),
+               UNIT, TARGETS["collective"], "lower", {
+                   **b.details, "model_params": params, "bytes": total, "bucket_mb": bucket_mb, "versions": rounds,
+                   "per_version_s": ours, "raw_per_version_s": raw,
+                   # where the time goes: the learner's broadcast (copy, send, digest, trailer: the rest of
+                   # `publish` before it is the non-finite check), a generator's header -> applied
+                   "broadcast_s_median": statistics.median(send_s),
+                   "receive_to_applied_s_median": statistics.median(receive_s),
+                   "raw": "torch.distributed.broadcast of the same bytes over gloo, learner -> the same 2 processes"})

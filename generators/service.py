@@ -56,10 +56,10 @@ class Generator:
 
             fetcher = WeightFetcher(cfg.weights.http, bearer_token(key, cfg.run_id))
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
-                                     key, cfg.weight_store, fetcher)
+                                     key, cfg.weight_store, fetcher, receiver=self._receiver(key))
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
-                         curve)
+                         curve, self.weights.hash_for if self.weights.receiver is not None else None)
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
         self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
         # the run's advertisement: the first generator's reward URL and sampling are the run's
@@ -69,6 +69,19 @@ class Generator:
             log.error("this generator samples with %s but the run advertises %s: the learner drops groups whose "
                       "sampling differs from its batch's (docs/protocol.md 3.4)", cfg.sampling.model_dump(),
                       run["sampling"])
+
+    def _receiver(self, key: bytes | None):
+        """The collective transport's receiver (generators/weight_receive.py), or None: another transport,
+        or a backend that cannot take tensors in process (it follows the store copy instead)."""
+        if self.cfg.weights.transport != "collective":
+            return None
+        if not hasattr(self.backend, "update_weights_from_tensors"):
+            log.warning("weights.transport = collective: the %s backend cannot apply tensors in process; this "
+                        "generator loads each version from the store copy instead", self.backend.name)
+            return None
+        from generators.weight_receive import Receiver
+
+        return Receiver(self.r, self.keys, self.cfg.weights.collective, self.cfg.id, key)
 
     # -- state and heartbeats -------------------------------------------------------------------
 
@@ -84,7 +97,10 @@ class Generator:
         self._last_hb = now
         w, sink = self.weights, self.sink
         heartbeat(self.r, self.keys, Heartbeat(
-            id=self.cfg.id, backend=self.backend.name, version=w.version, hash=w.hash,
+            id=self.cfg.id, backend=self.backend.name, version=w.version,
+            # a version applied via the collective: its announced hash as soon as it is announced
+            hash=w.hash or (w.hash_for(w.version, wait_s=0) if w.receiver is not None and w.version is not None
+                            else ""),
             # back-pressure on the sink shows even while the engine is busy generating
             state="paused_backpressure" if sink.state == "paused_backpressure" else self.state,
             sink_state=sink.state, in_flight=self.cfg.in_flight,
@@ -186,5 +202,7 @@ class Generator:
         self.send_heartbeat(force=True)
         self.sink.close()
         self.rewards.close()
+        if self.weights.receiver is not None:
+            self.weights.receiver.close()
         if self.sink.error:
             raise RuntimeError(f"generator stopped after a sink failure: {self.sink.error}")

@@ -32,7 +32,9 @@ import redis
 
 from broker.client.announcements import ForgedAnnouncement, checked_latest, newest_signed
 from broker.client.telemetry import emit_event
-from broker.protocol import weightstore
+from broker.protocol import signing, weightstore
+from broker.protocol.codec import ProtocolError
+from broker.protocol.messages import decode_announcement
 from broker.protocol.keys import Keys
 from generators.backends.base import Backend
 
@@ -48,7 +50,7 @@ class WeightApplier:
     def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
                  report: Callable[[str, bool], None] = lambda state, heartbeat: None,
                  stopped: Callable[[], bool] = lambda: False, announce_key: bytes | None = None,
-                 store: str = "", fetcher=None):
+                 store: str = "", fetcher=None, receiver=None):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
         self.store = store or None  # the weight store every version must be in (None: anywhere)
@@ -64,10 +66,19 @@ class WeightApplier:
         self.updates = 0
         self.refused_updates = 0
         self.last_update_latency_s: float | None = None
+        # the collective transport (generators/weight_receive.py): versions that arrive before their
+        # announcement; None with the other transports
+        self.receiver = receiver
+        self.via = "store"  # how the version served arrived: store, http or collective
+        self.unconfirmed: dict[int, str] = {}  # version applied via the collective -> digest, until its announcement
+        self.collective_updates = 0
+        self.applied_digests: dict[int, str] = {}  # version -> digest of what was applied via the collective
 
     def update(self, block: bool = False) -> None:
         """Apply the latest announced version if it is newer than the one served. ``block``: wait
         (every 0.2 s) until a first version is announced."""
+        if self.receiver is not None and self.version is not None:
+            self._from_collective()
         while True:
             a = self._latest()
             if a is not None or not block or self.stopped():
@@ -99,12 +110,113 @@ class WeightApplier:
             return
         latency = time.time() - a.published_at
         self.version, self.hash, self.digest = a.version, a.hash, checked.digest or ""
+        self.via = "http" if self.fetcher else "store"
         self.updates += 1
         self.last_update_latency_s = round(latency, 4)
         emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency,
-                   digest=self.digest)
+                   digest=self.digest, via=self.via)
         log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
         self.report("sampling", True)  # the update is done; sampling resumes right after (the heartbeat says so)
+        if self.receiver is not None:
+            self.receiver.start()  # joins the broadcast once the engine runs (a no-op when started)
+
+    # -- the collective transport ---------------------------------------------------------------
+
+    def _from_collective(self) -> None:
+        """Apply the newest version received over the collective, if newer than the one served; refuse
+        and flag what arrived with a bad digest or signature; check applied versions against their
+        announcements as these arrive."""
+        for bad in self.receiver.take_rejected():
+            self._refuse_collective(bad.version, bad.problem, bad.digest)
+        got = self.receiver.take(self.version)
+        if got is not None:
+            self.report("updating", False)
+            try:
+                self.backend.update_weights_from_tensors(got.state)
+                failed = None
+            except (ValueError, RuntimeError) as e:
+                failed = e
+            self.receiver.recycle(got)  # copied (or refused): its staging buffer takes the next version
+            if failed is not None:
+                self._refuse_collective(got.version, f"apply_failed: {failed}", got.digest)
+            else:
+                self.version, self.digest, self.via = got.version, got.digest, "collective"
+                self.hash = ""  # the manifest hash of its files: known from the announcement (below)
+                self.unconfirmed[got.version] = got.digest
+                self.applied_digests[got.version] = got.digest
+                for old in [v for v in self.applied_digests if v < got.version - 1000]:
+                    del self.applied_digests[old]
+                self.updates += 1
+                self.collective_updates += 1
+                latency = time.time() - got.received_at + got.seconds
+                self.last_update_latency_s = round(latency, 4)
+                emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=got.version,
+                           latency_s=latency, digest=got.digest, via="collective")
+                log.info("serving version %d (digest %s) via the collective", got.version, got.digest[:12])
+                self.report("sampling", True)
+        self._confirm()
+
+    def _confirm(self) -> None:
+        """Compare each version applied via the collective with its signed announcement once that exists."""
+        for v, digest in list(self.unconfirmed.items()):
+            raw = self.r.hget(self.keys.versions, str(v))
+            if raw is None:
+                if len(self.unconfirmed) > 64:  # never announced (the learner died after the broadcast)
+                    del self.unconfirmed[v]
+                continue
+            try:
+                a = decode_announcement(raw)
+            except ProtocolError:
+                continue
+            if self.announce_key is not None and signing.check(self.announce_key, self.keys.run_id, a) is not None:
+                continue  # forged: the signed one is what counts (and it may still come)
+            del self.unconfirmed[v]
+            if not a.digest or a.digest == digest:
+                if v == self.version:
+                    self.hash = a.hash
+                continue
+            self._refuse_collective(v, "announced_digest_mismatch", digest)
+            if v == self.version:
+                self.version = v - 1  # what we serve is not what was announced: load the store copy now
+
+    def hash_for(self, version: int, wait_s: float = 30.0) -> str:
+        """The manifest hash announced for ``version`` (what the broker checks a group's ``weight_hash``
+        against). A version applied via the collective is served before its announcement exists: this
+        waits for the announcement (at most ``wait_s``; "" then, and the broker rejects the group, counted).
+        Called from the sink's thread, so generation never waits for it, and (``wait_s=0``) for heartbeats.
+        Reads only: safe from any thread."""
+        if version == self.version and self.hash:
+            return self.hash
+        deadline = time.monotonic() + wait_s
+        while True:
+            raw = self.r.hget(self.keys.versions, str(version))
+            if raw is not None:
+                try:
+                    a = decode_announcement(raw)
+                except ProtocolError:
+                    a = None
+                if a is not None and (self.announce_key is None
+                                      or signing.check(self.announce_key, self.keys.run_id, a) is None):
+                    applied = self.applied_digests.get(version)
+                    # a digest other than the one applied: flagged by _confirm; its groups must not pass
+                    return a.hash if not (a.digest and applied and a.digest != applied) else ""
+            if time.monotonic() >= deadline or self.stopped():
+                if wait_s > 0:
+                    log.error("version %d was applied via the collective but not announced within %.0fs", version,
+                              wait_s)
+                return ""
+            time.sleep(0.02)
+
+    def _refuse_collective(self, version: int, reason: str, digest: str) -> None:
+        """A version from the collective that is not served: flagged as a bad snapshot is (shown, counted,
+        a ``refused`` event); the previous version keeps serving, later ones still arrive."""
+        reason = reason.splitlines()[0][:200]
+        self.refused[f"collective:v{version}:{digest[:12]}"] = reason
+        self.refused_updates += 1
+        log.error("refused weight version %d received via the collective (%s); still serving version %s",
+                  version, reason, self.version)
+        emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=version, reason=reason,
+                   via="collective", digest=digest)
 
     def _latest(self):
         """The latest announcement signed by the run's key (None before the first). A forged one in

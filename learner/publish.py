@@ -173,8 +173,9 @@ class Publisher:
     is the synchronous whole (snapshot, then write), for tools and tests."""
 
     def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
-                 dtype: torch.dtype = torch.float32, shard_mb: float = 2048.0):
+                 dtype: torch.dtype = torch.float32, shard_mb: float = 2048.0, broadcaster=None):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
+        self.broadcaster = broadcaster  # the collective transport (learner/broadcast.py): broadcast before the store copy
         self.announce_key = announce_key  # signs each announcement (None: unsigned, announce_auth insecure)
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
@@ -195,13 +196,20 @@ class Publisher:
         """Write ``state`` (a :func:`snapshot`) as ``version`` with the model's ``config`` and the tokenizer,
         seal it, announce it (with the digest of its tensors), prune old versions."""
         t0 = time.perf_counter()
+        # the collective transport: the generators get the tensors first (the broadcaster computes their digest
+        # as it sends); the store copy follows, for late joiners, restarts and the audit
+        sent = self.broadcaster.send(version, state) if self.broadcaster is not None else None
         staging = weightstore.staging_dir(self.store, version)
         config.save_pretrained(staging)
         self.tokenizer.save_pretrained(staging)
-        with ThreadPoolExecutor(1, thread_name_prefix="relay-digest") as pool:  # both hash passes at once
-            digest = pool.submit(tensordigest.state_digest, state)
+        if sent is not None:
+            digest = sent
             known = write_safetensors(staging, state, self.shard_bytes, {"version": str(version)})
-            digest = digest.result()
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="relay-digest") as pool:  # both hash passes at once
+                digest = pool.submit(tensordigest.state_digest, state)
+                known = write_safetensors(staging, state, self.shard_bytes, {"version": str(version)})
+                digest = digest.result()
         path, manifest_hash = weightstore.seal(self.store, version, staging, known)
         a = Announcement(version=version, hash=manifest_hash, path=str(path), digest=digest,
                          url=self.url_for(version) if self.url_for else "")

@@ -89,9 +89,14 @@ class Learner:
             reference.to(self.engine.device)
         self.critic = build_engine(critic, cfg, critic=True) if critic is not None else None
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
+        self.broadcaster = None  # weights.transport = collective: versions broadcast to the generators first
+        if self.leader and cfg.weights.transport == "collective":
+            from learner.broadcast import Broadcaster
+
+            self.broadcaster = Broadcaster(self.r, self.keys, cfg.weights.collective, self.announce_key).start()
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key, publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
-                                   cfg.weights.shard_mb)
+                                   cfg.weights.shard_mb, self.broadcaster)
         # writes, seals and announces each version while the next steps train (the leader only)
         self.background = BackgroundPublisher(self.publisher, model.config) if self.leader else None
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -172,3 +172,9 @@ class Keys:
     def eval_results(self) -> str:
         """Stream of evaluated prompts: round, idx, data (JSON: version served, greedy and sampled results)."""
         return self._k("eval_results")
+
+    @property
+    def collective(self) -> str:
+        """Hash {host, port, pid}: the learner leader's rendezvous (TCPStore) for the collective weight
+        transport, written when it starts (learner/broadcast.py); generators join through it."""
+        return self._k("collective")

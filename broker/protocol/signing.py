@@ -104,3 +104,22 @@ def check(key: bytes, run_id: str, a: Announcement) -> str | None:
     if not a.sig:
         return "unsigned"
     return None if hmac.compare_digest(a.sig, signature(key, run_id, a)) else "bad_signature"
+
+
+COLLECTIVE_CONTEXT = "relay-collective-v1"  # what the key signs in a collective broadcast's trailer
+
+
+def collective_signature(key: bytes, run_id: str, version: int, digest: str, header_sha256: str) -> str:
+    """The HMAC that closes a version broadcast over the collective transport
+    (broker/protocol/collective.py): its context, the schema version, the run id, the version, the
+    tensor digest and the sha256 of the header it came with, each a netstring."""
+    fields = [COLLECTIVE_CONTEXT, str(SCHEMA_VERSION), run_id, str(int(version)), digest, header_sha256]
+    return hmac.new(key, b"".join(_netstring(f) for f in fields), hashlib.sha256).hexdigest()
+
+
+def check_collective(key: bytes, run_id: str, version: int, digest: str, header_sha256: str, sig: str) -> str | None:
+    """Why a collective trailer is not the learner's (``unsigned`` or ``bad_signature``), or None."""
+    if not sig:
+        return "unsigned"
+    good = collective_signature(key, run_id, version, digest, header_sha256)
+    return None if hmac.compare_digest(sig, good) else "bad_signature"

@@ -60,6 +60,22 @@ class TorchBackend(HFText):
         if missing or unexpected:
             raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
+    def update_weights_from_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (CPU tensors, any float dtype; the collective transport) into the model's
+        parameters in place. Checked first, all or nothing: every tensor of the model (``lm_head.weight``
+        may be absent when tied) with its shape; ValueError otherwise and nothing is changed."""
+        own = self.model.state_dict()
+        tied = self.model.config.tie_word_embeddings
+        missing = [k for k in own if k not in state and not (k == "lm_head.weight" and tied)]
+        unexpected = [k for k in state if k not in own]
+        wrong = [k for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
+        if missing or unexpected or wrong:
+            raise ValueError(f"received tensors do not match the model: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}, wrong shape {wrong[:3]}")
+        with torch.no_grad():
+            for k, t in state.items():
+                own[k].copy_(t)
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
                  on_step: StepHook | None = None) -> list[list[Completion]]:

@@ -1,0 +1,175 @@
+"""The wire format of the ``collective`` weight transport (learner/broadcast.py -> generators/weight_receive.py).
+
+A version travels over a 2-rank torch.distributed group (the learner's leader is rank 0, one generator
+rank 1) as four broadcasts from rank 0, in this order:
+
+1. ``header``: a length-prefixed JSON object (``blob``: an int64 tensor ``[n]``, then ``n`` uint8 bytes)::
+
+       {"kind": "weights", "version": int, "total": int,        # bytes of the flat buffer
+        "bucket_bytes": int,                                     # every bucket but the last has this size
+        "tensors": [[name, dtype, [sizes...], offset, nbytes], ...]}   # in name order
+
+2. ``buckets``: the flat uint8 buffer that holds every tensor at its offset (little-endian, C order;
+   offsets aligned to :data:`ALIGN` bytes, the gaps zero), sliced in ``bucket_bytes`` pieces.
+3. ``trailer``: a length-prefixed JSON object ``{"version", "digest", "header_sha256", "sig"}``:
+   the tensor digest (broker/protocol/tensordigest.py, the same one the announcement carries) and the
+   HMAC of the run's announcement key over them (broker/protocol/signing.py ``collective_signature``).
+
+Nothing received is applied before the trailer's signature checks and the digest of the bytes
+received equals the signed digest: whoever can reach the rendezvous port cannot inject weights, and a
+bucket altered in flight is refused. Only JSON and raw tensor bytes travel (no pickle).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from dataclasses import dataclass
+
+ALIGN = 64  # every tensor starts at a multiple of this many bytes of the flat buffer (any dtype can view it)
+MAX_BLOB = 64 << 20  # a header or trailer longer than this is refused (a peer that is not the learner)
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "bool": 1}
+
+
+class CollectiveError(ValueError):
+    """A malformed header or trailer; ``reason`` is what the generator reports (the ``refused`` event)."""
+
+    def __init__(self, message: str, reason: str = "bad_collective_header"):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: str           # torch's name without "torch." (tensordigest.py)
+    shape: tuple[int, ...]
+    offset: int          # first byte in the flat buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor lies in the flat buffer and how the buffer is cut into buckets."""
+
+    slots: tuple[Slot, ...]
+    total: int
+    bucket_bytes: int
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """(start, end) of each bucket: ``bucket_bytes`` each, the last one shorter; none when empty."""
+        return [(s, min(s + self.bucket_bytes, self.total)) for s in range(0, self.total, self.bucket_bytes)]
+
+    def completed_by(self, start: int, end: int) -> list[Slot]:
+        """The tensors complete once the bucket [start, end) has landed (buckets land in order): those
+        whose end lies in (start, end]; an empty tensor at offset 0 goes with the first bucket."""
+        return [s for s in self.slots if start < s.offset + s.nbytes <= end or (start == 0 and s.offset + s.nbytes == 0)]
+
+    def header(self, version: int) -> bytes:
+        return json.dumps({"kind": "weights", "version": version, "total": self.total,
+                           "bucket_bytes": self.bucket_bytes,
+                           "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.slots]},
+                          separators=(",", ":")).encode()
+
+
+def plan(tensors: list[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> Layout:
+    """The layout of ``(name, dtype, shape)`` tensors: name order, each at an ALIGN-aligned offset."""
+    if bucket_bytes < ALIGN:
+        raise ValueError(f"bucket_bytes must be at least {ALIGN}")
+    slots, off = [], 0
+    names = set()
+    for name, dtype, shape in sorted(tensors):
+        if name in names:
+            raise ValueError(f"tensor {name!r} appears twice")
+        names.add(name)
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype!r} cannot travel (one of {sorted(DTYPE_SIZES)})")
+        n = DTYPE_SIZES[dtype]
+        for d in shape:
+            n *= int(d)
+        slots.append(Slot(name, dtype, tuple(int(d) for d in shape), off, n))
+        off = -(-(off + n) // ALIGN) * ALIGN
+    total = slots[-1].offset + slots[-1].nbytes if slots else 0
+    return Layout(tuple(slots), total, bucket_bytes)
+
+
+def parse_header(raw: bytes, max_total: int) -> tuple[int, Layout]:
+    """(version, layout) of a received header; CollectiveError when it is malformed, overlaps, or
+    announces more than ``max_total`` bytes."""
+    try:
+        h = json.loads(raw)
+        if h.get("kind") != "weights":
+            raise CollectiveError(f"header kind {h.get('kind')!r} is not 'weights'")
+        version, total, bucket_bytes = int(h["version"]), int(h["total"]), int(h["bucket_bytes"])
+        entries = [(str(n), str(d), tuple(int(x) for x in shape)) for n, d, shape, _, _ in h["tensors"]]
+        got = [(int(o), int(b)) for _, _, _, o, b in h["tensors"]]
+    except CollectiveError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CollectiveError(f"malformed header: {e}") from None
+    if not 0 <= total <= max_total:
+        raise CollectiveError(f"header announces {total} bytes (at most {max_total})")
+    try:
+        layout = plan(entries, bucket_bytes)
+    except ValueError as e:
+        raise CollectiveError(f"malformed header: {e}") from None
+    if layout.total != total or [(s.offset, s.nbytes) for s in layout.slots] != got:
+        raise CollectiveError("header layout is not the canonical one for its tensors")
+    return version, layout
+
+
+def parse_trailer(raw: bytes) -> dict:
+    try:
+        t = json.loads(raw)
+        out = {"version": int(t["version"]), "digest": str(t["digest"]), "header_sha256": str(t["header_sha256"]),
+               "sig": str(t.get("sig", ""))}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CollectiveError(f"malformed trailer: {e}", "bad_collective_trailer") from None
+    return out
+
+
+# -- the torch side (imported lazily: this module stays importable without torch) ----------------
+
+def gloo_group(store, prefix: str, rank: int, host: str, timeout_s: float):
+    """A 2-rank gloo group under ``prefix`` of ``store`` (blocks until the other rank builds its side)."""
+    import torch.distributed
+
+    opts = torch.distributed.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback
+                     else torch.distributed.ProcessGroupGloo.create_default_device()]
+    return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, 2, opts)
+
+
+def send_blob(pg, data: bytes, timeout: datetime.timedelta) -> list:
+    """Broadcast a length-prefixed byte string from rank 0 (async; the works to wait on)."""
+    import torch
+
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return [pg.broadcast(n, 0, timeout), pg.broadcast(body, 0, timeout)]
+
+
+def abort_group(pg) -> None:
+    """Tear a member's group down (its peer's pending receive fails at once; it rejoins)."""
+    for name in ("abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except RuntimeError as e:
+            logging.getLogger("relay.collective").debug("%s of a member group failed: %s", name, e)
+
+
+def slot_entry(s: Slot, flat) -> tuple[str, bytes]:
+    """The digest entry (tensordigest.py ``tensor_entry``) of slot ``s`` of the flat uint8 buffer ``flat``."""
+    from broker.protocol.tensordigest import tensor_entry
+
+    data = flat[s.offset:s.offset + s.nbytes].numpy() if s.nbytes else b""
+    return tensor_entry(s.name, s.dtype, s.shape, data)

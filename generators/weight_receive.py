@@ -1,0 +1,211 @@
+"""The ``collective`` weight transport, generator side: a thread that receives versions broadcast by
+the learner (learner/broadcast.py; the wire format in broker/protocol/collective.py).
+
+The generator first loads the newest stored version as with every transport (late joiners and
+restarts catch up from the store), then :meth:`Receiver.start` joins: it reads the learner's
+rendezvous address from Redis (``Keys.collective``), takes a ticket in its TCPStore, writes its id
+and a fresh session nonce, and builds its side of a 2-rank gloo group. Each version lands in a fresh
+CPU staging buffer, bucket by bucket; each tensor is hashed as soon as its last byte has landed
+(a hashing thread, meanwhile the next buckets arrive). A version is *ready* only when the trailer's
+signature checks (the run's announcement key) and the digest of the bytes received equals the signed
+digest; otherwise it is *rejected* (kept for the WeightApplier to refuse and flag, never applied).
+The WeightApplier (generators/weights.py) takes the newest ready version between batches (and
+between decode steps with in_flight=continue). Versions that arrive while an older one waits replace
+it (the newest wins; the older is never applied).
+
+On any failure of the group (the learner dropped this generator, or died, or a timeout) the thread
+waits a second and joins again, through whatever address Redis then advertises; meanwhile the
+generator follows the announcements and the store, as with ``transport = "store"``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from broker.protocol import collective as wire
+from broker.protocol import signing
+from broker.protocol.keys import Keys
+from broker.protocol.tensordigest import combine
+from broker.runtime.config import CollectiveWeightsConfig
+
+log = logging.getLogger("relay.generator.receive")
+
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # sha256 releases the GIL: tensors hash in parallel
+IDLE_WAIT = datetime.timedelta(days=1)  # a header may be long in coming (a dead learner fails the wait at once)
+
+
+@dataclass
+class Received:
+    """One version received over the collective. ``problem`` is None for a version that may be applied;
+    else why it must be refused (``digest_mismatch``, ``bad_signature``, ``unsigned``)."""
+
+    version: int
+    digest: str                  # the digest of the bytes received
+    state: dict[str, torch.Tensor] = field(repr=False)
+    problem: str | None = None
+    signed_digest: str = ""      # the digest the learner signed
+    received_at: float = 0.0
+    seconds: float = 0.0         # from the header to the trailer
+    flat: torch.Tensor | None = field(default=None, repr=False)  # the staging buffer the state views
+
+
+class Receiver:
+    """``take(after)``: the newest received version newer than ``after`` (None when there is none).
+    ``tamper(bucket_index, bucket)`` is a test hook: it may alter a bucket right after it landed, as a
+    faulty link would."""
+
+    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, generator_id: str, announce_key: bytes | None,
+                 max_bytes: int = 1 << 40, tamper: Callable[[int, torch.Tensor], None] | None = None):
+        self.r, self.keys, self.cfg, self.generator_id, self.key = r, keys, cfg, generator_id, announce_key
+        self.max_bytes, self.tamper = max_bytes, tamper
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.ready: Received | None = None  # the newest good version not yet taken
+        self.rejects: list[Received] = []  # versions refused on arrival, not yet reported
+        self.joined = threading.Event()  # set while this generator is a member of the learner's broadcast
+        self.received = 0
+        self.rejected = 0
+        self.joins = 0
+        self.pg = None
+        self._thread: threading.Thread | None = None
+        self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relay-digest")
+        self._spare: torch.Tensor | None = None  # a staging buffer no longer in use (reused: no page faults)
+
+    def start(self) -> "Receiver":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="relay-collective-receive", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        pg = self.pg
+        if pg is not None:
+            wire.abort_group(pg)
+
+    def take(self, after: int | None) -> Received | None:
+        """The newest good version received since the last call, if newer than ``after``."""
+        with self.lock:
+            got, self.ready = self.ready, None
+        if got is not None and after is not None and got.version <= after:
+            return None
+        return got
+
+    def recycle(self, got: Received) -> None:
+        """``got`` was applied (copied into the engine): its staging buffer may hold the next version."""
+        with self.lock:
+            if got.flat is not None:
+                self._spare, got.flat, got.state = got.flat, None, {}
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        with self.lock:
+            spare, self._spare = self._spare, None
+        return spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
+
+    def take_rejected(self) -> list[Received]:
+        """The versions refused on arrival (bad signature, digest mismatch) since the last call."""
+        with self.lock:
+            out, self.rejects = self.rejects, []
+        return out
+
+    # -- the thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._join()
+                while not self.stop.is_set():
+                    self._receive_one()
+            except (RuntimeError, ValueError, OSError) as e:  # the group failed, or no learner yet
+                if self.joined.is_set():
+                    log.warning("left the weight broadcast (%s); following the store until it joins again",
+                                str(e).splitlines()[0][:200])
+                self.joined.clear()
+                if self.pg is not None:
+                    wire.abort_group(self.pg)
+                    self.pg = None
+                self.stop.wait(1.0)
+
+    def _join(self) -> None:
+        addr = self.r.hgetall(self.keys.collective)
+        if not addr:
+            raise RuntimeError("the learner has not opened its rendezvous yet")
+        host, port = addr[b"host"].decode(), int(addr[b"port"])
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
+        session = secrets.token_hex(8)
+        ticket = store.add("joins", 1)
+        store.set(f"join/{ticket}", json.dumps({"generator": self.generator_id, "session": session}))
+        self.pg = wire.gloo_group(store, f"member/{ticket}", 1, host, self.cfg.timeout_s)
+        self._store = store  # kept alive with the group
+        self.joins += 1
+        self.joined.set()
+        log.info("joined the weight broadcast at %s:%d (ticket %d)", host, port, ticket)
+
+    def _blob(self, timeout: datetime.timedelta) -> bytes:
+        n = torch.zeros(1, dtype=torch.int64)
+        self.pg.broadcast(n, 0, timeout).wait()
+        size = int(n[0])
+        if not 0 <= size <= wire.MAX_BLOB:
+            raise ValueError(f"a blob of {size} bytes (at most {wire.MAX_BLOB})")
+        body = torch.empty(size, dtype=torch.uint8)
+        if size:
+            self.pg.broadcast(body, 0, timeout).wait()
+        return body.numpy().tobytes()
+
+    def _receive_one(self) -> None:
+        header = self._blob(IDLE_WAIT)
+        t0 = time.perf_counter()
+        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
+        version, layout = wire.parse_header(header, self.max_bytes)  # malformed: the group is left (ValueError)
+        flat = self._buffer(layout.total)
+        hashes = []
+        for i, (start, end) in enumerate(layout.buckets or [(0, 0)]):
+            if end > start:
+                bucket = flat[start:end]
+                self.pg.broadcast(bucket, 0, timeout).wait()
+                if self.tamper is not None:
+                    self.tamper(i, bucket)
+            for s in layout.completed_by(start, end):
+                hashes.append(self._hasher.submit(wire.slot_entry, s, flat))
+        trailer = wire.parse_trailer(self._blob(timeout))
+        digest = combine(h.result() for h in hashes)
+        problem = None
+        if self.key is not None:
+            problem = signing.check_collective(self.key, self.keys.run_id, trailer["version"], trailer["digest"],
+                                               trailer["header_sha256"], trailer["sig"])
+        if problem is None and (trailer["version"] != version
+                                or trailer["header_sha256"] != hashlib.sha256(header).hexdigest()):
+            problem = "header_mismatch"
+        if problem is None and trailer["digest"] != digest:
+            problem = "digest_mismatch"
+        state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape)
+                 for s in layout.slots}
+        got = Received(version, digest, state, problem, trailer["digest"], time.time(), time.perf_counter() - t0, flat)
+        self.received += 1
+        if problem is not None:
+            self.rejected += 1
+            log.error("version %d received over the collective is refused (%s)", version, problem)
+        with self.lock:
+            if problem is not None:
+                self._spare, got.state, got.flat = flat, {}, None  # never applied: its buffer is reused
+                self.rejects.append(got)
+            else:
+                if self.ready is not None:  # superseded before it was taken: never applied
+                    self._spare = self.ready.flat
+                self.ready = got
+        log.debug("received version %d (%.1f MiB) in %.3fs", version, layout.total / (1 << 20), got.seconds)
+

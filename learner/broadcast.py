@@ -1,0 +1,210 @@
+"""The ``collective`` weight transport, learner side: each version broadcast straight to the generators.
+
+torch.distributed has no dynamic membership, so there is no global process group: the leader runs a
+``TCPStore`` server (``weights.collective.host``/``port``; the address is advertised in Redis under
+``Keys.collective``) and builds one independent 2-rank group per generator session. A generator joins
+by taking a ticket in the store (``joins``) and writing ``join/<ticket>`` (its id and a fresh session
+nonce); an acceptor thread builds the group (rank 0 here, rank 1 there, under the prefix
+``member/<ticket>``). A generator that dies, hangs or joins never blocks the others.
+
+Per version (:meth:`Broadcaster.send`, called by the publisher before it writes the store copy):
+the tensors are copied into one flat uint8 buffer bucket by bucket, each bucket broadcast to every
+member as soon as it is filled (asynchronously: the members receive in parallel, each on its group's
+own threads), the tensor digest computed meanwhile; then the signed trailer
+(broker/protocol/collective.py). A member whose broadcast fails or does not finish within
+``weights.collective.timeout_s`` is dropped (counted, a ``collective_dropped`` event); it catches up
+from the store copy and joins again. Back-pressure: ``send`` returns when every member has the
+version or was dropped, so a slow generator delays the store copy of that version by at most
+``timeout_s``, once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from broker.client.telemetry import emit_event
+from broker.protocol import collective as wire
+from broker.protocol import signing
+from broker.protocol.keys import Keys
+from broker.protocol.tensordigest import combine
+from broker.runtime.config import CollectiveWeightsConfig
+
+log = logging.getLogger("relay.learner.broadcast")
+
+
+@dataclass
+class Member:
+    ticket: int
+    generator: str
+    session: str
+    pg: object
+    joined_at: float
+    versions: int = 0
+
+
+class Broadcaster:
+    """The leader's side of the collective transport. ``start`` opens the rendezvous; ``send`` (from
+    the publisher's thread) broadcasts one version to the members present; ``close`` stops."""
+
+    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, announce_key: bytes | None):
+        if cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()):
+            # the buckets are CPU tensors (the publication snapshot); NCCL groups would need them on a device
+            log.warning("weights.collective.backend=%s: this build sends CPU snapshots over gloo "
+                        "(docs/weights-collective.md, 'NCCL on GPUs')", cfg.backend)
+        self.r, self.keys, self.cfg, self.key = r, keys, cfg, announce_key
+        self.members: dict[int, Member] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.dropped = 0
+        self.store = None
+        self.port = 0
+        self._seen = 0
+        self._hasher = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 1) - 1)), thread_name_prefix="relay-digest")
+        self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
+
+    def start(self) -> "Broadcaster":
+        self.store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
+        self.port = self.store.port
+        self.store.add("joins", 0)
+        self.r.hset(self.keys.collective, mapping={"host": self.cfg.host, "port": self.port, "pid": os.getpid(),
+                                                   "started_at": time.time()})
+        threading.Thread(target=self._accept, name="relay-collective-accept", daemon=True).start()
+        log.info("collective weight transport: rendezvous on %s:%d", self.cfg.host, self.port)
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        with self.lock:
+            members, self.members = list(self.members.values()), {}
+        for m in members:
+            wire.abort_group(m.pg)
+        self._hasher.shutdown(wait=False)
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self.stop.wait(0.1):
+            try:
+                n = self.store.add("joins", 0)
+            except RuntimeError as e:  # the store is ours: this happens only while closing
+                log.warning("rendezvous store unavailable: %s", e)
+                continue
+            while self._seen < n:
+                self._seen += 1
+                threading.Thread(target=self._admit, args=(self._seen,), daemon=True,
+                                 name=f"relay-collective-join-{self._seen}").start()
+
+    def _admit(self, ticket: int) -> None:
+        try:
+            req = json.loads(self.store.get(f"join/{ticket}"))
+            gen, session = str(req["generator"]), str(req["session"])
+            pg = wire.gloo_group(self.store, f"member/{ticket}", 0, self.cfg.host, self.cfg.timeout_s)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            log.warning("join %d failed: %s", ticket, e)
+            return
+        with self.lock:
+            stale = [t for t, m in self.members.items() if m.generator == gen]  # the same generator restarted
+            for t in stale:
+                wire.abort_group(self.members.pop(t).pg)
+            self.members[ticket] = Member(ticket, gen, session, pg, time.time())
+        log.info("generator %s joined the weight broadcast (session %s, ticket %d)", gen, session[:8], ticket)
+        emit_event(self.r, self.keys, "collective_joined", generator=gen, session=session)
+
+    def member_ids(self) -> list[str]:
+        with self.lock:
+            return sorted(m.generator for m in self.members.values())
+
+    # -- one version ----------------------------------------------------------------------------
+
+    def send(self, version: int, state: dict[str, torch.Tensor]) -> str:
+        """Broadcast ``state`` (CPU tensors in the publication dtype) as ``version`` to every member;
+        return its tensor digest (computed from the bytes sent). Members that fail are dropped."""
+        t0 = time.perf_counter()
+        layout = wire.plan([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()],
+                           max(wire.ALIGN, int(self.cfg.bucket_mb * (1 << 20))))
+        header = layout.header(version)
+        with self.lock:
+            members = list(self.members.values())
+        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
+        works: dict[int, list] = {m.ticket: [] for m in members}
+        failed: dict[int, str] = {}
+
+        def issue(m: Member, fn) -> None:
+            if m.ticket in failed:
+                return
+            try:
+                works[m.ticket].extend(fn(m.pg))
+            except RuntimeError as e:
+                failed[m.ticket] = str(e)
+
+        for m in members:
+            issue(m, lambda pg: wire.send_blob(pg, header, timeout))
+        flat = self._flat if self._flat is not None and self._flat.numel() == layout.total else \
+            torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero: the layout never changes them
+        self._flat = flat
+        by_name = {s.name: s for s in layout.slots}
+        hashes = []
+        filled = 0  # slots[:filled] are in the buffer
+        for start, end in layout.buckets or [(0, 0)]:
+            while filled < len(layout.slots) and layout.slots[filled].offset < max(end, 1):
+                s = layout.slots[filled]  # every tensor that begins in this bucket, before it leaves
+                if s.nbytes:
+                    flat[s.offset:s.offset + s.nbytes].copy_(state[s.name].detach().contiguous().reshape(-1)
+                                                             .view(torch.uint8))
+                filled += 1
+            for s in layout.completed_by(start, end):  # hashed once complete, while the next buckets leave
+                hashes.append(self._hasher.submit(wire.slot_entry, s, flat))
+            if end > start:
+                bucket = flat[start:end]
+                for m in members:
+                    issue(m, lambda pg: [pg.broadcast(bucket, 0, timeout)])
+        assert len(hashes) == len(by_name)
+        digest = combine(h.result() for h in hashes)
+        header_sha = hashlib.sha256(header).hexdigest()
+        trailer = json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,
+                              "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest,
+                                                                  header_sha) if self.key is not None else ""},
+                             separators=(",", ":")).encode()
+        for m in members:
+            issue(m, lambda pg: wire.send_blob(pg, trailer, timeout))
+        deadline = time.monotonic() + self.cfg.timeout_s
+        for m in members:
+            for w in works[m.ticket]:
+                if m.ticket in failed:
+                    break
+                try:
+                    w.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                except RuntimeError as e:
+                    failed[m.ticket] = str(e)
+        for m in members:
+            if m.ticket in failed:
+                self._drop(m, failed[m.ticket], version)
+            else:
+                m.versions += 1
+        log.info("broadcast version %d (%.1f MiB, %d bucket(s)) to %d of %d generator(s) in %.3fs", version,
+                 layout.total / (1 << 20), len(layout.buckets), len(members) - len(failed), len(members),
+                 time.perf_counter() - t0)
+        return digest
+
+    def _drop(self, m: Member, why: str, version: int) -> None:
+        with self.lock:
+            self.members.pop(m.ticket, None)
+        self.dropped += 1
+        wire.abort_group(m.pg)
+        log.warning("dropped generator %s from the weight broadcast at version %d (%s); it catches up from the "
+                    "store and joins again", m.generator, version, why.splitlines()[0][:200])
+        emit_event(self.r, self.keys, "collective_dropped", generator=m.generator, version=version,
+                   reason=why.splitlines()[0][:200])
+

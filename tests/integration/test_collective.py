@@ -1,0 +1,156 @@
+"""The collective weight transport over real gloo groups between real processes (learner/broadcast.py,
+generators/weight_receive.py): the learner's broadcaster in this process, generators' receivers in
+subprocesses (tests/support/collective_peer.py), real Redis, real TCPStore on a free port."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from broker.client.connection import connect_redis
+from broker.client.telemetry import read_events
+from broker.protocol.keys import Keys
+from broker.protocol.tensordigest import state_digest
+from broker.runtime.config import CollectiveWeightsConfig
+from learner.broadcast import Broadcaster
+from learner.tiny_model import build_tiny_model
+from tests.support.services import ROOT, announce_key, announce_key_file, child_env, wait_until
+
+
+def _peer(procs_list, redis_url, tmp_path, model, gid, *extra):
+    cmd = [sys.executable, str(ROOT / "tests/support/collective_peer.py"), "--redis", redis_url, "--run", "coll",
+           "--key-file", str(announce_key_file(tmp_path)), "--model", str(model), "--id", gid, *extra]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{gid}.log", "w"), env=child_env(),
+                         cwd=ROOT, text=True)
+    procs_list.append(p)
+    return p
+
+
+def _result(p, tmp_path, gid) -> dict:
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, (tmp_path / f"{gid}.log").read_text()[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _version(model_dir, delta: float) -> dict[str, torch.Tensor]:
+    """The tiny model's published tensors (lm_head tied: left out), each moved by ``delta``."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir)
+    return {k: (v + delta).contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}
+
+
+@pytest.fixture
+def peers():
+    ps = []
+    yield ps
+    for p in ps:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_served(redis_url, tmp_path, peers):
+    model = build_tiny_model(tmp_path / "model")
+    r, keys = connect_redis(redis_url), Keys("coll")
+    # buckets of 64 KiB: the tiny model (~0.5 MiB in fp32) travels in several
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path)).start()
+    try:
+        good = _peer(peers, redis_url, tmp_path, model, "g-good", "--until", "2")
+        bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "2", "--until-refused", "1",
+                    "--flip-bucket", "2")
+        wait_until(lambda: b.member_ids() == ["g-bad", "g-good"], timeout=60, what="both generators joined")
+        initial = state_digest(_version(model, 0.0))
+        v1, v2 = _version(model, 0.01), _version(model, 0.02)
+        assert b.send(1, v1) == state_digest(v1)
+        assert b.send(2, v2) == state_digest(v2)
+        ok, flipped = _result(good, tmp_path, "g-good"), _result(bad, tmp_path, "g-bad")
+    finally:
+        b.close()
+    # the healthy generator serves exactly what was sent, through the collective
+    assert ok["version"] == 2 and ok["via"] == "collective" and ok["collective_updates"] == 2
+    assert ok["engine_digest"] == ok["digest"] == state_digest(v2)
+    assert ok["refused_updates"] == 0
+    # the one whose bucket 2 of version 1 was altered in flight refused version 1 (its weights stayed the
+    # initial ones meanwhile: checked below through the events), flagged it, and then applied version 2
+    assert flipped["flipped"] == [2]
+    assert flipped["refused_updates"] == 1
+    assert list(flipped["refused"].values()) == ["digest_mismatch"]
+    assert flipped["version"] == 2 and flipped["engine_digest"] == state_digest(v2)
+    events = [e for _, e in read_events(r, keys, None, 100)]
+    refused = [e.data for e in events if e.kind == "refused"]
+    assert refused == [{"generator": "g-bad", "version": 1, "reason": "digest_mismatch", "via": "collective",
+                        "digest": refused[0]["digest"]}]
+    assert refused[0]["digest"] != state_digest(v1)
+    applied = [(e.data["generator"], e.data["version"], e.data["digest"], e.data["via"]) for e in events
+               if e.kind == "applied"]
+    assert sorted(applied) == [("g-bad", 2, state_digest(v2), "collective"),
+                               ("g-good", 1, state_digest(v1), "collective"),
+                               ("g-good", 2, state_digest(v2), "collective")]
+    assert initial != state_digest(v1)
+
+
+def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_path, peers):
+    """Only the corrupted version is sent: the generator must still serve its initial weights, bit for bit."""
+    model = build_tiny_model(tmp_path / "model")
+    r, keys = connect_redis(redis_url), Keys("coll")
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path)).start()
+    try:
+        bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "0", "--until-refused", "1",
+                    "--flip-bucket", "0")
+        wait_until(lambda: b.member_ids() == ["g-bad"], timeout=60, what="the generator joined")
+        b.send(1, _version(model, 0.01))
+        res = _result(bad, tmp_path, "g-bad")
+    finally:
+        b.close()
+    assert res["refused_updates"] == 1 and res["version"] == 0 and res["collective_updates"] == 0
+    assert res["engine_digest"] == state_digest(_version(model, 0.0))  # not served: the weights are unchanged
+
+
+def test_a_dead_generator_is_dropped_and_the_others_still_receive(redis_url, tmp_path, peers):
+    model = build_tiny_model(tmp_path / "model")
+    r, keys = connect_redis(redis_url), Keys("coll")
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=10), announce_key(tmp_path)).start()
+    try:
+        alive = _peer(peers, redis_url, tmp_path, model, "g-alive", "--until", "2")
+        dead = _peer(peers, redis_url, tmp_path, model, "g-dead", "--until", "99")
+        wait_until(lambda: b.member_ids() == ["g-alive", "g-dead"], timeout=60, what="both generators joined")
+        b.send(1, _version(model, 0.01))
+        dead.kill()  # SIGKILL between two versions
+        dead.wait()
+        v2 = _version(model, 0.02)
+        assert b.send(2, v2) == state_digest(v2)
+        res = _result(alive, tmp_path, "g-alive")
+    finally:
+        b.close()
+    assert res["version"] == 2 and res["engine_digest"] == state_digest(v2)
+    assert b.member_ids() == [] and b.dropped == 1  # closed; g-dead was dropped at version 2
+    dropped = [e.data for _, e in read_events(r, keys, None, 100) if e.kind == "collective_dropped"]
+    assert [(d["generator"], d["version"]) for d in dropped] == [("g-dead", 2)]
+
+
+def test_groups_of_a_version_applied_before_its_announcement_get_the_announced_hash(redis_url, tmp_path):
+    """WeightApplier.hash_for (the sink and the heartbeat use it): the manifest hash once the signed
+    announcement exists, "" before (the heartbeat) or when its digest is not the one applied."""
+    import threading
+    import time
+
+    from broker.client.announcements import announce
+    from broker.protocol.messages import Announcement
+    from generators.weights import WeightApplier
+
+    r, keys, key = connect_redis(redis_url), Keys("coll"), announce_key(tmp_path)
+    w = WeightApplier(r, keys, backend=None, generator_id="g", announce_key=key)
+    w.version, w.hash, w.applied_digests = 5, "", {5: "d5", 6: "d6"}
+    assert w.hash_for(5, wait_s=0) == ""  # not announced yet: the heartbeat says nothing
+    later = threading.Timer(0.3, announce, (r, keys, Announcement(version=5, hash="h5", path="/p5", digest="d5"), key))
+    later.start()
+    t0 = time.monotonic()
+    assert w.hash_for(5, wait_s=10) == "h5"  # the sink waits for it
+    assert 0.2 < time.monotonic() - t0 < 5
+    announce(r, keys, Announcement(version=6, hash="h6", path="/p6", digest="other"), key)
+    assert w.hash_for(6, wait_s=0) == ""  # announced with another digest than the one applied: never vouched for
+    announce(r, keys, Announcement(version=7, hash="h7", path="/p7", digest="d7"), None)  # unsigned: not ours
+    assert w.hash_for(7, wait_s=0) == ""

@@ -1,0 +1,70 @@
+"""A generator's side of the collective weight transport, alone in its process (tests of
+learner/broadcast.py + generators/weight_receive.py over real gloo groups): a torch backend loaded from
+a model folder, a WeightApplier with a real Receiver. It applies what arrives until it serves
+``--until`` (or refused ``--until-refused`` versions), then prints one JSON line: what it serves, what
+it refused, and a checksum of the engine's weights as they are.
+
+``--flip-bucket I`` flips one byte of bucket I of the first version received (a faulty link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from broker.client.connection import connect_redis
+from broker.protocol.keys import Keys
+from broker.protocol.signing import read_key_file
+from broker.protocol.tensordigest import state_digest
+from broker.runtime.config import CollectiveWeightsConfig
+from generators.config import TorchBackendConfig
+from generators.weight_receive import Receiver
+from generators.weights import WeightApplier
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    for a in ("--redis", "--run", "--key-file", "--model", "--id"):
+        p.add_argument(a, required=True)
+    p.add_argument("--until", type=int, default=1)
+    p.add_argument("--until-refused", type=int, default=0)
+    p.add_argument("--flip-bucket", type=int, default=-1)
+    p.add_argument("--bucket-mb", type=float, default=0.05)
+    p.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args()
+    r, keys = connect_redis(args.redis), Keys(args.run)
+    key = read_key_file(args.key_file)
+    flipped = []
+
+    def flip(i: int, bucket: torch.Tensor) -> None:
+        if i == args.flip_bucket and not flipped:
+            bucket[bucket.numel() // 2] ^= 0x40
+            flipped.append(i)
+
+    backend = TorchBackendConfig().build()
+    backend.load(args.model)
+    receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout), args.id,
+                        key, tamper=flip if args.flip_bucket >= 0 else None)
+    w = WeightApplier(r, keys, backend, args.id, announce_key=key, receiver=receiver)
+    w.version = 0  # the initial weights, as if loaded from the store
+    receiver.start()
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        w.update()
+        if w.version >= args.until and w.refused_updates >= args.until_refused:
+            break
+        time.sleep(0.02)
+    state = {k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight"}
+    print(json.dumps({"version": w.version, "via": w.via, "digest": w.digest, "refused_updates": w.refused_updates,
+                      "refused": w.refused, "collective_updates": w.collective_updates, "flipped": flipped,
+                      "engine_digest": state_digest(state), "joins": receiver.joins}), flush=True)
+    receiver.close()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
