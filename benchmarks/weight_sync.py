@@ -5,8 +5,10 @@ running ``relay generator`` processes (torch backend) have applied it, one row p
     store        the publisher thread writes sharded safetensors (hashed while written), seals and
                  announces; each generator verifies every file's sha256 and the tensors' digest in one
                  read, then loads in place   vs   a plain safetensors save_file + load_file
-    http         (engineer B: ``_bench_http``)        vs   a plain HTTP GET of the same bytes
-    collective   (engineer C: ``_bench_collective``)  vs   torch.distributed.broadcast over gloo
+    http         generators fetch each version from the learner's weight server (no shared store)
+                 vs   a plain HTTP GET of the same bytes per generator
+    collective   the tensors broadcast in buckets straight into the generators' engines (gloo here)
+                 vs   torch.distributed.broadcast of the same bytes over gloo, among the same processes
 
 and a row for the time the learner was blocked per publication (the snapshot: a CPU copy in the
 publication dtype, checked finite) against the store transport's latency (target ≤ 10%).
@@ -220,11 +222,7 @@ def _bench_store(b: Bench) -> list[dict]:
     return [store_row, blocked_row]
 
 
-# --- the other transports: each returns its row (or ``skipped`` with the reason) ---------------------
-# ``_bench_http(b)``: generators with weights.transport=http fetch each version from the learner's weight
-# server; baseline: a plain HTTP GET of the same bytes. (engineer B)
-# ``_bench_collective(b)``: a gloo group between the publisher and the 2 generators; baseline:
-# torch.distributed.broadcast of the same bytes over gloo. (engineer C)
+# -- the http transport (weights.transport = "http"; learner/weight_server.py, generators/weight_fetch.py) ----
 
 
 def _bench_http(b: Bench) -> dict:
@@ -304,22 +302,6 @@ def _bench_http(b: Bench) -> dict:
         "version_bytes": nbytes, "bytes_served": served, "shard_mb": shard_mb,
         "raw": f"safetensors save_file, then {len(procs)} concurrent plain HTTP GETs of the file (stdlib "
                "http.server), each loaded with safetensors.torch.load"})
-
-
-TRANSPORTS = (_bench_store, _bench_http, _bench_collective)
-
-
-def run(quick: bool, include_vllm: bool = False) -> list[dict]:
-    """One row per transport, torch backend (``include_vllm`` is accepted for ``relay bench``'s interface;
-    the vLLM backend's update path is measured by ``relay bench generator``)."""
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="relay-bench-weights-") as tmp, Stack(Path(tmp)) as stack:
-        b = Bench(Path(tmp), stack, quick, versions=2 if quick else 3)
-        b.setup()
-        for bench in TRANSPORTS:
-            out = bench(b)
-            rows.extend(out if isinstance(out, list) else [out])
-    return rows
 
 
 # -- the collective transport (weights.transport = "collective"; learner/broadcast.py) -----------------------
@@ -473,3 +455,19 @@ def _bench_collective(b: Bench) -> dict:
                    "broadcast_s_median": statistics.median(send_s),
                    "receive_to_applied_s_median": statistics.median(receive_s),
                    "raw": "torch.distributed.broadcast of the same bytes over gloo, learner -> the same 2 processes"})
+
+
+TRANSPORTS = (_bench_store, _bench_http, _bench_collective)
+
+
+def run(quick: bool, include_vllm: bool = False) -> list[dict]:
+    """One row per transport, torch backend (``include_vllm`` is accepted for ``relay bench``'s interface;
+    the vLLM backend's update path is measured by ``relay bench generator``)."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="relay-bench-weights-") as tmp, Stack(Path(tmp)) as stack:
+        b = Bench(Path(tmp), stack, quick, versions=2 if quick else 3)
+        b.setup()
+        for bench in TRANSPORTS:
+            out = bench(b)
+            rows.extend(out if isinstance(out, list) else [out])
+    return rows
