@@ -65,6 +65,11 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
         initial = state_digest(_version(model, 0.0))
         v1, v2 = _version(model, 0.01), _version(model, 0.02)
         assert b.send(1, v1) == state_digest(v1)
+        # version 1 applied (and refused) before version 2 is sent: else a loaded machine may deliver both
+        # before the generators look, and they apply only the newest
+        wait_until(lambda: {(e.data["generator"], e.kind) for _, e in read_events(r, keys, None, 100)
+                            if e.data.get("version") == 1} >= {("g-good", "applied"), ("g-bad", "refused")},
+                   timeout=60, what="version 1 applied by g-good, refused by g-bad")
         assert b.send(2, v2) == state_digest(v2)
         ok, flipped = _result(good, tmp_path, "g-good"), _result(bad, tmp_path, "g-bad")
     finally:
