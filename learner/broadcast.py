@@ -61,7 +61,7 @@ class Broadcaster:
         if cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()):
             # the buckets are CPU tensors (the publication snapshot); NCCL groups would need them on a device
             log.warning("weights.collective.backend=%s: this build sends CPU snapshots over gloo "
-                        "(docs/weights-collective.md, 'NCCL on GPUs')", cfg.backend)
+                        "(docs/weights.md, 'NCCL on GPUs')", cfg.backend)
         self.r, self.keys, self.cfg, self.key = r, keys, cfg, announce_key
         self.members: dict[int, Member] = {}
         self.lock = threading.Lock()
