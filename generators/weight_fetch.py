@@ -1,14 +1,16 @@
 """The ``http`` weight transport, generator side: fetch an announced version from the learner's weight
-server (learner/weight_server.py) into a local cache, then verify and load it as from the store.
+server (learner/weight_server.py) into a local cache, checking it as it arrives, then load it.
 
 :meth:`WeightFetcher.fetch` downloads ``manifest.json`` first and checks it against the hash in the
 signed announcement (``weightstore.manifest_hash``), then streams each file the manifest lists into a
-staging folder of the cache, hashing while downloading. A connection that drops (or times out)
+staging folder of the cache, hashing while downloading: each file's sha256 and, from the same bytes,
+the digest of its tensors (``weightstore.TensorHasher``; ``digests[version]``, which the generator
+compares with the announced digest). A connection that drops (or times out)
 mid-file is resumed with a Range request from the last byte written, up to ``attempts`` times per
 file with back-off; a file whose sha256 differs from the manifest's is refused (``corrupt_file``)
 without waiting for the load. The complete folder is renamed to ``<cache>/v000012``, so the cache,
-like the store, never holds a half version; the generator then runs the same
-``weightstore.verify(path, hash, root=cache)`` and backend load as for the store.
+like the store, never holds a half version; the generator then loads it as from the store, without
+reading it a second time (a version already in the cache is checked again in one read before reuse).
 
 Failures are WeightStoreError with a reason, which generators/weights.py handles as for the store:
 ``not_found`` (404: the version was pruned, i.e. superseded: the newer one is fetched), ``hash_mismatch``
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from broker.protocol import weightstore
+from broker.protocol import tensordigest, weightstore
 from broker.protocol.messages import Announcement
 from broker.runtime.config import HttpWeightsConfig
 
@@ -67,6 +69,9 @@ class WeightFetcher:
         self.fetched = 0  # versions downloaded
         self.fetched_bytes = 0
         self.resumed = 0  # Range requests after a dropped connection
+        # version -> the digest of its tensors, computed from the bytes as they were downloaded (or from the
+        # cached folder's one read): WeightApplier compares it with the announced digest, no second read
+        self.digests: dict[int, str | None] = {}
 
     def fetch(self, a: Announcement, serving: int | None = None) -> Path:
         """The local folder of version ``a`` (downloaded unless already cached and intact); the cache is
@@ -77,7 +82,7 @@ class WeightFetcher:
         final = weightstore.version_dir(self.cache, a.version)
         if final.is_dir():
             try:
-                weightstore.verify(final, a.hash, self.cache)
+                self.digests[a.version] = weightstore.check(final, a.hash, self.cache, tensor_digest=bool(a.digest)).digest
                 return final
             except weightstore.WeightStoreError as e:
                 log.warning("cached version %d is not intact (%s): fetching it again", a.version, e)
@@ -104,9 +109,17 @@ class WeightFetcher:
                     raise weightstore.WeightStoreError("bad_name", f"{a.url}{weightstore.MANIFEST} lists {name!r}: "
                                                        "not a plain file name")
             (staging / weightstore.MANIFEST).write_bytes(raw)
+            entries: list[tuple[str, bytes]] = []
             for name, digest in manifest["files"].items():
-                nbytes += self._get_file(a.url, name, staging / name, digest)
+                got, found = self._get_file(a.url, name, staging / name, digest, bool(a.digest))
+                nbytes += got
+                entries.extend(found)
+            try:
+                tensors = tensordigest.combine(entries) if a.digest else None  # nothing to compare it with
+            except ValueError as e:
+                raise weightstore.WeightStoreError("bad_safetensors", f"{a.url}: {e}") from None
             os.rename(staging, final)
+            self.digests[a.version] = tensors
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -123,6 +136,8 @@ class WeightFetcher:
         doomed = [v for v in versions[:-self.keep] if v not in keep_also]
         for v in doomed:
             shutil.rmtree(weightstore.version_dir(self.cache, v), ignore_errors=True)
+        for v in [v for v in self.digests if v not in versions or v in doomed]:
+            del self.digests[v]
         return doomed
 
     # -- HTTP ---------------------------------------------------------------------------------------------
@@ -183,9 +198,11 @@ class WeightFetcher:
 
         return self._retrying(f"{url}{name}", attempt)
 
-    def _get_file(self, url: str, name: str, dest: Path, digest: str) -> int:
-        """Stream ``name`` into ``dest`` hashing as it comes; resume from the last byte after a drop."""
-        dl = _Download(dest)
+    def _get_file(self, url: str, name: str, dest: Path, digest: str, tensors: bool) -> tuple[int, list[tuple[str, bytes]]]:
+        """Stream ``name`` into ``dest`` hashing as it comes (the file's sha256 and, with ``tensors`` for a
+        ``.safetensors`` file, its tensors' digest entries); resume from the last byte after a drop. Returns
+        (bytes, entries)."""
+        dl = _Download(dest, tensors and name.endswith(".safetensors"))
         try:
             def attempt(i: int) -> None:
                 if i and dl.got:
@@ -215,24 +232,28 @@ class WeightFetcher:
         if actual != digest:
             raise weightstore.WeightStoreError("corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest "
                                                f"{digest[:12]}")
-        return dl.got
+        return dl.got, (dl.tensors.finish() if dl.tensors is not None else [])
 
 
 class _Download:
-    """One file being downloaded: the bytes written so far and their running sha256."""
+    """One file being downloaded: the bytes written so far, their running sha256 and (``tensors``: a
+    safetensors file) the running digest of its tensors."""
 
-    def __init__(self, dest: Path):
+    def __init__(self, dest: Path, tensors: bool):
         self.out = open(dest, "wb")
-        self.hash = hashlib.sha256()
-        self.got = 0
+        self.name, self.with_tensors = dest.name, tensors
+        self.restart()
 
     def write(self, chunk: bytes) -> None:
         self.out.write(chunk)
         self.hash.update(chunk)
+        if self.tensors is not None:
+            self.tensors.update(chunk)
         self.got += len(chunk)
 
     def restart(self) -> None:
         self.out.seek(0)
         self.out.truncate()
         self.hash = hashlib.sha256()
+        self.tensors = weightstore.TensorHasher(self.name) if self.with_tensors else None
         self.got = 0

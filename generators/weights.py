@@ -88,9 +88,16 @@ class WeightApplier:
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
-                path, root = (self.fetcher.fetch(a, self.version), self.fetcher.cache) if self.fetcher \
-                    else (a.path, self.store)
-                checked = weightstore.check(path, a.hash, root, expected_digest=a.digest or None)
+                if self.fetcher is not None:  # http: the fetcher checked hash and digest as the bytes came
+                    path = self.fetcher.fetch(a, self.version)
+                    digest = self.fetcher.digests.get(a.version)
+                    if a.digest and digest != a.digest:
+                        raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest "
+                                                           f"{(digest or '')[:12]} differs from the announced "
+                                                           f"{a.digest[:12]}")
+                else:
+                    path = a.path
+                    digest = weightstore.check(path, a.hash, self.store, expected_digest=a.digest or None).digest
                 if self.version is None:
                     self.backend.load(str(path))
                 else:
@@ -109,7 +116,7 @@ class WeightApplier:
         else:
             return
         latency = time.time() - a.published_at
-        self.version, self.hash, self.digest = a.version, a.hash, checked.digest or ""
+        self.version, self.hash, self.digest = a.version, a.hash, digest or ""
         self.via = "http" if self.fetcher else "store"
         self.updates += 1
         self.last_update_latency_s = round(latency, 4)

@@ -143,7 +143,7 @@ def _check_names(path: Path, files: dict) -> None:
                                    f"only the files its manifest lists")
 
 
-class _TensorHasher:
+class TensorHasher:
     """The per-tensor sha256 of a safetensors file fed in order, chunk by chunk (the same chunks as the
     file's sha256): the 8-byte little-endian header length, the JSON header (dtype, shape, data_offsets
     of each tensor), then the data, each tensor's range hashed apart. Entries for tensordigest.combine."""
@@ -241,8 +241,8 @@ class _TensorHasher:
 
 
 def safetensors_entries(data: bytes, name: str = "<bytes>") -> list[tuple[str, bytes]]:
-    """The tensor-digest entries of a whole safetensors file held in memory (see :class:`_TensorHasher`)."""
-    h = _TensorHasher(name)
+    """The tensor-digest entries of a whole safetensors file held in memory (see :class:`TensorHasher`)."""
+    h = TensorHasher(name)
     h.update(data)
     return h.finish()
 
@@ -250,7 +250,7 @@ def safetensors_entries(data: bytes, name: str = "<bytes>") -> list[tuple[str, b
 def _hash_file(f: Path, tensors: bool) -> tuple[str, list[tuple[str, bytes]]]:
     """(sha256 hex of the file, its tensor-digest entries when ``tensors``) from one read."""
     h = hashlib.sha256()
-    th = _TensorHasher(f.name) if tensors else None
+    th = TensorHasher(f.name) if tensors else None
     with open(f, "rb") as fh:
         for chunk in iter(lambda: fh.read(CHUNK), b""):
             h.update(chunk)

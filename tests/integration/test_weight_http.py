@@ -222,3 +222,46 @@ def test_applier_fetches_refuses_a_corrupted_byte_and_skips_a_pruned_version(ser
     assert weights.version == 7 and weightstore.list_versions(cache) == [6, 7]
     fetcher.prune({1})
     assert fetcher.fetched == 5  # 1, 4, 5, 6, 7 (2 refused, 3 pruned)
+
+
+def _tensor_version(store, v: int, state: dict, digest: str, server) -> Announcement:
+    """A version of real safetensors with its tensor digest; ``digest`` may be another version's."""
+    from safetensors.torch import save_file
+
+    staging = weightstore.staging_dir(store, v)
+    (staging / "config.json").write_text("{}")
+    save_file(state, str(staging / "model.safetensors"))
+    path, h = weightstore.seal(store, v, staging)
+    return Announcement(v, h, str(path), url=server.url(v), digest=digest)
+
+
+def test_the_tensor_digest_is_checked_from_the_downloaded_bytes(served, redis_url, tmp_path):
+    """The fetcher computes the tensors' digest while downloading (through two dropped connections too),
+    and a tensor altered under a recomputed manifest (its hash checks) is refused as ``digest_mismatch``."""
+    import torch
+
+    from broker.protocol.tensordigest import state_digest
+
+    store, server = served
+    r, keys = connect_redis(redis_url), Keys("http-digest")
+    good = {"w": torch.arange(400_000, dtype=torch.float32).reshape(800, 500), "b": torch.ones(7)}
+    a1 = _tensor_version(store, 1, good, state_digest(good), server)
+    proxy = FlakyProxy(server.http.server_address, b"model.safetensors", cut_after=700_000, drops=2)
+    try:
+        a1.url = f"http://127.0.0.1:{proxy.port}/v000001/"
+        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache")))
+        weights = WeightApplier(r, keys, StubBackend(), "g", fetcher=fetcher)
+        announce(r, keys, a1)
+        weights.update(block=True)
+    finally:
+        proxy.close()
+    assert proxy.cut == 2 and weights.version == 1 and weights.digest == state_digest(good)
+
+    bad = dict(good, w=good["w"].clone())
+    bad["w"][3, 4] += 1.0  # one weight changed; the manifest is recomputed over the altered file
+    announce(r, keys, _tensor_version(store, 2, bad, state_digest(good), server))
+    weights.update()
+    assert weights.version == 1 and weights.refused_updates == 1
+    assert list(weights.refused.values()) == ["digest_mismatch"]
+    refused = [e for _, e in read_events(r, keys, None, 100) if e.kind == "refused"]
+    assert refused[-1].data["reason"] == "digest_mismatch" and refused[-1].data["version"] == 2
