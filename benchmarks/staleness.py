@@ -52,7 +52,10 @@ def one_run(mode: str, seed: int, steps: int, out: Path, eta: int, lr: float) ->
         for k, v in m["staleness"].items():
             stale[k] = stale.get(k, 0) + v
     mean = lambda key: sum(m[key] for m in tail) / len(tail)  # noqa: E731
-    return {"mode": mode, "seed": seed, "reward_first": s["reward_first"], "reward_last": s["reward_last"],
+    rewards = [m["reward_mean"] for m in metrics]
+    # the first step whose 10-step mean reward reached 0.9 (None: never): how fast, where the final reward saturates
+    reached = next((i + 1 for i in range(9, len(rewards)) if sum(rewards[i - 9:i + 1]) / 10 >= 0.9), None)
+    return {"mode": mode, "seed": seed, "reached_0_9_at": reached, "reward_first": s["reward_first"], "reward_last": s["reward_last"],
             "ess": mean("ess"), "frac_truncated": mean("frac_truncated"), "frac_clipped": mean("frac_clipped"),
             "mismatch_kl": mean("mismatch_kl"), "staleness": dict(sorted(stale.items(), key=lambda kv: int(kv[0]))),
             "dropped_stale": s["groups_dropped_stale"]}
@@ -64,9 +67,9 @@ def run(steps: int, out: Path, seeds: list[int], eta: int, modes: list[str], lr:
 
 def table(runs: list[dict], modes: list[str]) -> list[str]:
     """One Markdown row per mode: reward mean and min–max over the seeds, diagnostics' means."""
-    lines = ["| mode | seeds | reward first 10% | reward last 10%: mean (min–max) | ESS | truncated | clipped | "
-             "mismatch KL | samples ≥ 3 versions old |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | seeds | reward first 10% | reward last 10%: mean (min–max) | ≥ 0.9 at step: each seed | ESS | "
+             "truncated | clipped | mismatch KL | samples ≥ 3 versions old |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in modes:
         rs = [r for r in runs if r["mode"] == mode]
         if not rs:
@@ -76,7 +79,8 @@ def table(runs: list[dict], modes: list[str]) -> list[str]:
         old = sum(n for r in rs for k, n in r["staleness"].items() if int(k) >= 3)
         total = sum(n for r in rs for n in r["staleness"].values())
         lines.append(f"| `{mode}` | {len(rs)} | {avg('reward_first'):.3f} | {statistics.fmean(last):.3f} "
-                     f"({min(last):.3f}–{max(last):.3f}) | {avg('ess'):.3f} | {avg('frac_truncated'):.3f} | "
+                     f"({min(last):.3f}–{max(last):.3f}) | "
+                     f"{', '.join(str(r['reached_0_9_at'] or '—') for r in rs)} | {avg('ess'):.3f} | {avg('frac_truncated'):.3f} | "
                      f"{avg('frac_clipped'):.3f} | {avg('mismatch_kl'):.4f} | {old / max(total, 1):.0%} |")
     return lines
 
