@@ -16,8 +16,9 @@ publication dtype, checked finite) against the store transport's latency (target
 The model: a random-init model of Qwen2.5-0.5B's shape (~0.49B parameters, tied embeddings) in bf16,
 built locally; with ``--quick`` the 166k-parameter tiny model, published in shards of 0.25 MiB (so that
 the sharded path and its index run in CI). Versions and raw copies alternate; each figure is the median
-over the versions. Each transport starts its own 2 generators and stops them before the next (memory:
-a bf16 0.5B model is ~1 GB per copy).
+over 5 versions (2 with ``--quick``), after one warm-up version per transport (reported apart as
+``warmup_s``: first-touch allocations). Each transport starts its own 2 generators and stops them
+before the next (memory: a bf16 0.5B model is ~1 GB per copy).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from benchmarks.common import Stack, bench_model, row, skipped, wait_until
 TARGETS = {"store": 2.0, "http": 2.0, "collective": 1.5}  # latency / raw baseline, at most
 BLOCKED_TARGET = 0.10  # learner blocked per publication / store latency, at most
 UNIT = "s publish -> applied on 2"
+WARMUP = 1  # versions per transport applied before the measured ones (first-touch allocations, page cache)
 GENERATORS = ("gen-0", "gen-1")
 
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random init
@@ -189,7 +191,7 @@ def _bench_store(b: Bench) -> list[dict]:
     try:
         b.wait_applied(v, 0.0, procs)  # the first load (the engine starts)
         ours, raw, blocked, announced = [], [], [], []
-        for _ in range(b.versions):
+        for _ in range(WARMUP + b.versions):
             v = b.new_weights()
             t0 = time.time()
             state = snapshot(b.model.state_dict(), v, torch.bfloat16, tied, bg.spare())  # the learner waits for it
@@ -200,6 +202,8 @@ def _bench_store(b: Bench) -> list[dict]:
             announced.append(b.event_time("published", v) - t0)
             raw.append(_raw_store(b.published_state(), b.tmp / "raw.safetensors"))
         bg.close()
+        warmup = ours[:WARMUP]
+        ours, raw, blocked, announced = (x[WARMUP:] for x in (ours, raw, blocked, announced))
     finally:
         b.stop(procs)
     a = bg.last
@@ -213,7 +217,7 @@ def _bench_store(b: Bench) -> list[dict]:
         "announced_after_s": announced,
         "safetensors_files": sorted(f for f in files if f.endswith(".safetensors")),
         "safetensors_bytes": sum((Path(a.path) / f).stat().st_size for f in files if f.endswith(".safetensors")),
-        "shard_mb": shard_mb, "verify_hash_and_digest_s_one_reader": verify_s,
+        "shard_mb": shard_mb, "verify_hash_and_digest_s_one_reader": verify_s, "warmup_s": warmup,
         "raw": "safetensors save_file + load_file of the same bf16 tensors"})
     blocked_row = row("weight_sync/learner_blocked", statistics.median(blocked), latency,
                       "s learner blocked per publication", BLOCKED_TARGET, "lower", {
@@ -270,7 +274,7 @@ def _bench_http(b: Bench) -> dict:
         procs = b.generators({"transport": "http", "shard_mb": shard_mb}, "")  # each its own private cache
         b.wait_applied(v, 0.0, procs)  # the first fetch and load (the engine starts)
         ours, raw = [], []
-        for _ in range(b.versions):
+        for _ in range(WARMUP + b.versions):
             v = b.new_weights()
             t0 = time.time()
             bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied, bg.spare()))
@@ -288,6 +292,8 @@ def _bench_http(b: Bench) -> dict:
             raw.append(time.perf_counter() - t1)
             assert loaded == [len(state)] * len(procs)
         bg.close()
+        warmup = ours[:WARMUP]
+        ours, raw = ours[WARMUP:], raw[WARMUP:]
         a = bg.last
         nbytes = sum(f.stat().st_size for f in Path(a.path).iterdir())
         served = server.counts["bytes_sent"]
@@ -299,7 +305,7 @@ def _bench_http(b: Bench) -> dict:
         plain.server_close()
     return row("weight_sync/http", statistics.median(ours), statistics.median(raw), UNIT, TARGETS["http"], "lower", {
         **b.details, "versions": b.versions, "per_version_s": ours, "raw_per_version_s": raw,
-        "version_bytes": nbytes, "bytes_served": served, "shard_mb": shard_mb,
+        "version_bytes": nbytes, "bytes_served": served, "shard_mb": shard_mb, "warmup_s": warmup,
         "raw": f"safetensors save_file, then {len(procs)} concurrent plain HTTP GETs of the file (stdlib "
                "http.server), each loaded with safetensors.torch.load"})
 
@@ -375,7 +381,7 @@ def _bench_collective(b: Bench) -> dict:
     from learner.publish import Publisher
     from tests.support.services import ROOT, child_env
 
-    rounds, bucket_mb = b.versions, (1 / 16 if b.quick else 64.0)
+    rounds, bucket_mb = WARMUP + b.versions, (1 / 16 if b.quick else 64.0)
     keys = Keys("bench-coll")
     stack, base, model, tokenizer, tmp = b.stack, b.base, b.model, b.tokenizer, b.tmp / "collective"
     tmp.mkdir()
@@ -438,6 +444,8 @@ def _bench_collective(b: Bench) -> dict:
             receive_s.append(max(e.data["latency_s"] for e in applied))
         for p in peers:
             p.wait(timeout=120)
+        warmup = ours[:WARMUP]
+        ours, raw, receive_s, send_s = (x[WARMUP:] for x in (ours, raw, receive_s, send_s))
     finally:
         for p in peers:
             if p.poll() is None:
@@ -448,7 +456,8 @@ def _bench_collective(b: Bench) -> dict:
     params = sum(p.numel() for p in model.parameters())
     return row("weight_sync/collective", statistics.median(ours), statistics.median(raw),
                UNIT, TARGETS["collective"], "lower", {
-                   **b.details, "model_params": params, "bytes": total, "bucket_mb": bucket_mb, "versions": rounds,
+                   **b.details, "model_params": params, "bytes": total, "bucket_mb": bucket_mb, "versions": b.versions,
+                   "warmup_s": warmup,
                    "per_version_s": ours, "raw_per_version_s": raw,
                    # where the time goes: the learner's broadcast (copy, send, digest, trailer: the rest of
                    # `publish` before it is the non-finite check), a generator's header -> applied
@@ -465,7 +474,7 @@ def run(quick: bool, include_vllm: bool = False) -> list[dict]:
     the vLLM backend's update path is measured by ``relay bench generator``)."""
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="relay-bench-weights-") as tmp, Stack(Path(tmp)) as stack:
-        b = Bench(Path(tmp), stack, quick, versions=2 if quick else 3)
+        b = Bench(Path(tmp), stack, quick, versions=2 if quick else 5)
         b.setup()
         for bench in TRANSPORTS:
             out = bench(b)
