@@ -19,8 +19,8 @@ from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.browser import browser  # noqa: F401  (a fixture)
 from tests.support.data import make_group
-from tests.support.services import (announce_key, announce_key_file, generator_cfg, start_broker_and_reward,
-                                    start_service, wait_until)
+from tests.support.services import (RecordingBackend, announce_key, announce_key_file, generator_cfg,
+                                    start_broker_and_reward, start_service, wait_until)
 
 
 def _forge(r, keys, a: Announcement) -> None:
@@ -128,18 +128,6 @@ def test_a_service_without_its_key_file_does_not_start(procs, redis_url, tmp_pat
     assert "cannot read the announcement key" in gen.tail()
 
 
-class _Backend:
-    name = "stub"
-
-    def __init__(self):
-        self.loaded = []
-
-    def load(self, path):
-        self.loaded.append(path)
-
-    update_weights = load
-
-
 def test_a_forgery_that_copies_a_real_hash_neither_loads_nor_blocks_the_real_version(redis_url, tmp_path):
     """The attacker replays the hash the learner announced, with a folder of their own: the generator loads
     the learner's folder, and still loads that hash when the learner's signed announcement stands."""
@@ -150,7 +138,7 @@ def test_a_forgery_that_copies_a_real_hash_neither_loads_nor_blocks_the_real_ver
     store = tmp_path / "store"
     p1, h1 = snapshot(store, 1)
     announce(r, keys, Announcement(1, h1, str(p1)), key)
-    backend = _Backend()
+    backend = RecordingBackend()
     w = WeightApplier(r, keys, backend, "g", announce_key=key, store=str(store))
     w.update(block=True)
     p2, h2 = snapshot(store, 2, b"v2 weights")

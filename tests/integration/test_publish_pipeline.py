@@ -19,7 +19,7 @@ from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
 from generators.weights import WeightApplier
 from learner.publish import first_version, write_safetensors
-from tests.support.services import ROOT, announce_key, announce_key_file, child_env
+from tests.support.services import ROOT, RecordingBackend, announce_key, announce_key_file, child_env
 
 
 def test_a_publisher_killed_mid_write_leaves_no_half_version_announced(redis_url, tmp_path):
@@ -61,18 +61,6 @@ def test_a_publisher_killed_mid_write_leaves_no_half_version_announced(redis_url
     assert caught >= 1, "no kill landed in the middle of a write"
 
 
-class Loads:
-    name = "stub"
-
-    def __init__(self):
-        self.loaded = []
-
-    def load(self, path):
-        self.loaded.append(path)
-
-    update_weights = load
-
-
 def _version(store, v, state, key, r, keys, digest=None):
     staging = ws.staging_dir(store, v)
     known = write_safetensors(staging, state, 1 << 20)
@@ -88,7 +76,7 @@ def test_a_tensor_altered_under_a_recomputed_manifest_is_refused_and_flagged(red
     r, keys = connect_redis(redis_url), Keys("digest")
     good = {"w": torch.randn(16, 8).to(torch.bfloat16), "b": torch.zeros(8)}
     a1 = _version(store, 1, good, key, r, keys)
-    backend = Loads()
+    backend = RecordingBackend()
     weights = WeightApplier(r, keys, backend, "g", announce_key=key, store=str(store))
     weights.update(block=True)
     assert weights.version == 1 and weights.digest == a1.digest

@@ -23,6 +23,7 @@ from generators.weight_fetch import WeightFetcher
 from generators.weights import WeightApplier
 from learner.weight_server import WeightServer, parse_range, RangeError
 from tests.support.flaky_proxy import FlakyProxy
+from tests.support.services import RecordingBackend
 
 SIZE = 3 * (1 << 20) + 12345  # several chunks of the fetcher, not a multiple of one
 
@@ -153,17 +154,12 @@ def test_a_dropped_download_resumes_with_a_range_request(served, tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["v000005"]  # no staging folder left
 
 
-class StubBackend:
+class StubBackend(RecordingBackend):
     """Loads nothing; records which folders it was given (each must hold the config)."""
-
-    name = "stub"
-
-    def __init__(self):
-        self.loaded = []
 
     def load(self, path):
         assert os.path.isfile(os.path.join(path, "config.json")), path
-        self.loaded.append(path)
+        super().load(path)
 
     update_weights = load
 

@@ -107,6 +107,21 @@ def generator_cfg(svc: Services, redis_url: str, run: str, gid: str, **cfg) -> d
             "reward_url": svc.reward_url, **cfg}
 
 
+class RecordingBackend:
+    """A generator backend that loads nothing: it records the folders it was given (``load`` and
+    ``update_weights``), for tests of which versions a WeightApplier applies."""
+
+    name = "stub"
+
+    def __init__(self):
+        self.loaded = []
+
+    def load(self, path):
+        self.loaded.append(path)
+
+    update_weights = load
+
+
 def wait_until(fn, timeout: float = 60.0, what: str = "condition"):
     """Poll ``fn`` until it returns something truthy (returned), or raise TimeoutError naming ``what``."""
     deadline = time.monotonic() + timeout
