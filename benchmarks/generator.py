@@ -10,14 +10,30 @@ stack stopped meanwhile), so both see comparable machine load; its figure is the
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.common import Stack, bench_model, row, skipped, torch_threads, wait_until
-from benchmarks.weight_sync import backend_config, vllm_missing
 
 TARGET = 0.9
+
+
+def vllm_missing() -> str | None:
+    """Why the vLLM row cannot run here, or None when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed in this environment"
+    return None
+
+
+def backend_config(kind: str) -> dict:
+    if kind == "torch":
+        return {"type": "torch"}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM on CPU fails at start-up without it
+    return {"type": "vllm"}
 
 
 def _raw(kind: str, path: str, prompts: list[str], batch: int, sampling, seconds: float) -> tuple[float, int]:
