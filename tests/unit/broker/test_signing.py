@@ -34,6 +34,17 @@ def test_every_field_and_the_run_are_covered():
     assert signing.check(KEY, "run1", Announcement(**{**a.__dict__, "sig": ""})) == "unsigned"
 
 
+def test_the_tensor_digest_is_signed_as_a_ninth_netstring_and_cannot_be_swapped_or_stripped():
+    """docs/protocol.md 6.1.1: with a digest, its netstring follows the eight values; without one the
+    bytes (and so the documented signature) are those of the example above."""
+    with_digest = Announcement(**{**A.__dict__, "digest": "cd" * 32})
+    assert signing.canonical_bytes("run1", with_digest) == signing.canonical_bytes("run1", A) + b"64:" + b"cd" * 32 + b","
+    a = signing.signed(KEY, "run1", with_digest)
+    assert signing.check(KEY, "run1", decode_announcement(encode_announcement(a))) is None
+    assert signing.check(KEY, "run1", Announcement(**{**a.__dict__, "digest": "ef" * 32})) == "bad_signature"
+    assert signing.check(KEY, "run1", Announcement(**{**a.__dict__, "digest": ""})) == "bad_signature"
+
+
 def test_key_file_is_private_and_a_missing_or_bad_one_is_a_clear_start_up_error(tmp_path):
     path = signing.write_key_file(tmp_path / "k" / "announce.key")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
