@@ -104,8 +104,7 @@ class WeightFetcher:
                 raise weightstore.WeightStoreError("hash_mismatch", f"{a.url}{weightstore.MANIFEST}: manifest hash "
                                                    f"differs from the announced {a.hash[:12]}")
             for name in manifest["files"]:
-                if not isinstance(name, str) or name in ("", ".", "..", weightstore.MANIFEST) or "/" in name \
-                        or "\\" in name or "\0" in name:
+                if not weightstore.plain_name(name):
                     raise weightstore.WeightStoreError("bad_name", f"{a.url}{weightstore.MANIFEST} lists {name!r}: "
                                                        "not a plain file name")
             (staging / weightstore.MANIFEST).write_bytes(raw)

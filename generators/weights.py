@@ -30,11 +30,9 @@ from typing import Callable
 
 import redis
 
-from broker.client.announcements import ForgedAnnouncement, checked_latest, newest_signed
+from broker.client.announcements import ForgedAnnouncement, checked_latest, newest_signed, signed_announcement
 from broker.client.telemetry import emit_event
-from broker.protocol import signing, weightstore
-from broker.protocol.codec import ProtocolError
-from broker.protocol.messages import decode_announcement
+from broker.protocol import weightstore
 from broker.protocol.keys import Keys
 from generators.backends.base import Backend
 
@@ -166,17 +164,11 @@ class WeightApplier:
     def _confirm(self) -> None:
         """Compare each version applied via the collective with its signed announcement once that exists."""
         for v, digest in list(self.unconfirmed.items()):
-            raw = self.r.hget(self.keys.versions, str(v))
-            if raw is None:
+            a = signed_announcement(self.r, self.keys, v, self.announce_key)  # a forged entry reads as none yet
+            if a is None:
                 if len(self.unconfirmed) > 64:  # never announced (the learner died after the broadcast)
                     del self.unconfirmed[v]
                 continue
-            try:
-                a = decode_announcement(raw)
-            except ProtocolError:
-                continue
-            if self.announce_key is not None and signing.check(self.announce_key, self.keys.run_id, a) is not None:
-                continue  # forged: the signed one is what counts (and it may still come)
             del self.unconfirmed[v]
             if not a.digest or a.digest == digest:
                 if v == self.version:
@@ -196,17 +188,11 @@ class WeightApplier:
             return self.hash
         deadline = time.monotonic() + wait_s
         while True:
-            raw = self.r.hget(self.keys.versions, str(version))
-            if raw is not None:
-                try:
-                    a = decode_announcement(raw)
-                except ProtocolError:
-                    a = None
-                if a is not None and (self.announce_key is None
-                                      or signing.check(self.announce_key, self.keys.run_id, a) is None):
-                    applied = self.applied_digests.get(version)
-                    # a digest other than the one applied: flagged by _confirm; its groups must not pass
-                    return a.hash if not (a.digest and applied and a.digest != applied) else ""
+            a = signed_announcement(self.r, self.keys, version, self.announce_key)
+            if a is not None:
+                applied = self.applied_digests.get(version)
+                # a digest other than the one applied: flagged by _confirm; its groups must not pass
+                return a.hash if not (a.digest and applied and a.digest != applied) else ""
             if time.monotonic() >= deadline or self.stopped():
                 if wait_s > 0:
                     log.error("version %d was applied via the collective but not announced within %.0fs", version,

@@ -94,16 +94,33 @@ def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int],
     return {v: _entry_hash(keys, v, raw, key) for v, raw in zip(versions, got)}
 
 
-def _entry_hash(keys: Keys, version: int, raw: bytes | None, key: bytes | None) -> str | None:
+def signed_announcement(r: redis.Redis, keys: Keys, version: int, key: bytes | None = None) -> Announcement | None:
+    """The announcement of ``version`` (None when it was never announced, or, with ``key``, when its
+    entry is not signed by that key or cannot be read)."""
+    return _entry(keys, version, r.hget(keys.versions, str(version)), key)
+
+
+def _entry(keys: Keys, version: int, raw: bytes | None, key: bytes | None) -> Announcement | None:
+    """The ``versions`` entry ``raw`` of ``version`` when it is that version's (and ``key`` signed it)."""
     if raw is None:
         return None
     try:
         a = decode_announcement(raw)
-    except ProtocolError:  # a bare hash: how runs recorded versions before announcements were signed
-        return raw.decode(errors="replace") if key is None else None
+    except ProtocolError:
+        return None
     if a.version != version or (key is not None and signing.check(key, keys.run_id, a) is not None):
         return None
-    return a.hash
+    return a
+
+
+def _entry_hash(keys: Keys, version: int, raw: bytes | None, key: bytes | None) -> str | None:
+    a = _entry(keys, version, raw, key)
+    if a is None and raw is not None and key is None:
+        try:
+            decode_announcement(raw)
+        except ProtocolError:  # a bare hash: how runs recorded versions before announcements were signed
+            return raw.decode(errors="replace")
+    return a.hash if a is not None else None
 
 
 def advertise_run(r: redis.Redis, keys: Keys, first_writer_wins: bool = False, **values: Any) -> dict[str, Any]:

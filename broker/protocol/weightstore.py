@@ -127,13 +127,17 @@ def check_in_store(path: str | Path, root: str | Path) -> Path:
     return real
 
 
+def plain_name(name) -> bool:
+    """Whether a manifest entry is a plain file name of its version folder (no path, not the manifest)."""
+    return isinstance(name, str) and name not in ("", ".", "..", MANIFEST) and not any(c in name for c in "/\\\0")
+
+
 def _check_names(path: Path, files: dict) -> None:
     """Every manifest name is a plain file name of ``path``; nothing unlisted or linked lies there."""
     if not files:
         raise WeightStoreError("empty_manifest", f"{path / MANIFEST} lists no file")
     for name in files:
-        if not isinstance(name, str) or name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name \
-                or "\0" in name:
+        if not plain_name(name):
             raise WeightStoreError("bad_name", f"{path / MANIFEST} lists {name!r}: not a plain file name of the folder")
     for entry in path.iterdir():
         if entry.is_symlink():
