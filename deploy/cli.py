@@ -103,9 +103,11 @@ def cmd_learner(args) -> int:
     from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)
+    from learner.engine import close_distributed
     from learner.trainer import Learner
 
     Learner(cfg).run()
+    close_distributed()
     return 0
 
 

@@ -51,6 +51,18 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
+def close_distributed() -> None:
+    """End the process group in step on every rank: a barrier, so no rank leaves while another still
+    talks to it, then ``destroy_process_group``. A rank that exits with the group alive can abort in
+    the backend's destructors ("terminate called without an active exception", SIGABRT), and torchrun
+    then kills its peers and reports the run failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.optim.Optimizer | None = None,
                  critic: bool = False):
     """Wrap ``model`` in a DeepSpeed engine with a torch AdamW (avoids compiling DeepSpeed's fused Adam),

@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("settings", nargs="+", help="ZeRO stage and precision, e.g. 2:bf16 3:fp32")
     args = ap.parse_args()
     run(args.out, args.settings)
+    from learner.engine import close_distributed
+
+    close_distributed()
 
 
 if __name__ == "__main__":

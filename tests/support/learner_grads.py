@@ -100,3 +100,6 @@ if __name__ == "__main__":
         tokens, _, rest = setting.partition("/")
         stage, _, extra = rest.partition("/")
         run(a.out, name, int(tokens), int(stage or 0), extra == "checkpointing")
+    from learner.engine import close_distributed
+
+    close_distributed()

@@ -60,6 +60,9 @@ def main(out: Path, stages: list[int]) -> None:
         result[stage] = {"identical": with_skip == without, "skipped": diag["updates_skipped"],
                          "reason": diag.get("skip_reason")}
     (out / "skip.json").write_text(json.dumps(result))
+    from learner.engine import close_distributed
+
+    close_distributed()
 
 
 if __name__ == "__main__":
