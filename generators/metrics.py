@@ -69,6 +69,8 @@ class GeneratorCollector(Collector):
         resends = CounterMetricFamily("relay_generator_resends", "groups resent after an ack timeout")
         resends.add_metric([], sink.sender.resends)
         yield resends
+        if getattr(g, "openai", None) is not None:  # the OpenAI-compatible endpoint, when enabled
+            yield from g.openai.collect()
 
 
 def serve_metrics(gen: Generator) -> MetricsServer:
