@@ -448,7 +448,7 @@ class OpenAIEndpoint:
         yield CounterMetricFamily("relay_generator_openai_template_drift", "endpoint calls whose chat-template "
                                   "rendering did not extend the session's sampled tokens", value=ss.template_drift)
         grp = CounterMetricFamily("relay_generator_openai_groups", "endpoint groups by outcome", labels=["outcome"])
-        for k, n in self.groups.items():
+        for k, n in {**self.groups, "unusable": ss.groups_unusable}.items():
             grp.add_metric([k], n)
         yield grp
         tok = CounterMetricFamily("relay_generator_openai_tokens", "endpoint tokens recorded, by kind", labels=["kind"])

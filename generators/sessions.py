@@ -139,14 +139,15 @@ def group_parts(group: str, sessions: list[Session]) -> GroupParts:
 
 class Sessions:
     """The endpoint's sessions and groups, thread-safe. Counters (shown in /metrics): sessions started,
-    dropped idle, template drift, groups completed."""
+    dropped idle, template drift, groups completed, groups unusable (no common prompt token, or a session
+    that sampled nothing: refused 409 to the reward that completed them, and dropped)."""
 
     def __init__(self, group_size: int, idle_s: float, max_sessions: int, clock: Callable[[], float] = time.monotonic):
         self.group_size, self.idle_s, self.max_sessions, self.clock = group_size, idle_s, max_sessions, clock
         self.lock = threading.Lock()
         self.by_id: dict[str, Session] = {}
         self.groups: dict[str, list[str]] = {}  # group id -> its session ids, in order of arrival
-        self.started = self.dropped_idle = self.template_drift = self.groups_completed = 0
+        self.started = self.dropped_idle = self.template_drift = self.groups_completed = self.groups_unusable = 0
         self._auto = 0  # the automatic group being filled (sessions that name no group)
 
     def begin(self, sid: str, group: str | None) -> Session:
@@ -204,11 +205,16 @@ class Sessions:
             members = [self.by_id[m] for m in self.groups.get(s.group, [])]
             if len(members) < self.group_size or any(m.reward is None for m in members):
                 return None
-            for m in members:
+            for m in members:  # complete, or unusable: its sessions are done either way
                 del self.by_id[m.id]
             del self.groups[s.group]
+            try:
+                parts = group_parts(s.group, members)
+            except SessionError:
+                self.groups_unusable += 1
+                raise
             self.groups_completed += 1
-            return group_parts(s.group, members)
+            return parts
 
     def drop_idle(self) -> list[Session]:
         """Drop sessions unused for ``idle_s`` (a group that lost one can never complete: its other
