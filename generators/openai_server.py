@@ -32,7 +32,10 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from fastapi import FastAPI, Request  # module level: the routes' annotations are resolved from here
+from fastapi.responses import JSONResponse
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from starlette.concurrency import run_in_threadpool
 
 from broker.client.telemetry import emit_event
 from broker.protocol.group import Group, Sample, versions_to_runs
@@ -460,10 +463,7 @@ class OpenAIEndpoint:
 # -- the HTTP server --------------------------------------------------------------------------------
 
 
-def create_app(ep: OpenAIEndpoint):
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-
+def create_app(ep: OpenAIEndpoint) -> FastAPI:
     app = FastAPI(title="Relay generator: OpenAI-compatible endpoint", docs_url=None, redoc_url=None)
     key = ep.cfg.api_key
 
@@ -487,8 +487,6 @@ def create_app(ep: OpenAIEndpoint):
             if not isinstance(data, dict):
                 ep.count(name, "bad_request")
                 return error(400, "the body must be a JSON object")
-        from starlette.concurrency import run_in_threadpool
-
         try:  # sampling blocks: off the event loop
             status, out, headers = await run_in_threadpool(fn, *args, *([request.headers, data] if body else []))
         except SessionError as e:

