@@ -172,10 +172,25 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
         [{"role": "system", "content": _tool_system()}] + QUESTION, tokenize=False, add_generation_prompt=True),
         add_special_tokens=False)["input_ids"]
 
+    # a harness that rewrites an earlier turn (here: the question) is not an extension: drift is counted and
+    # shown, and the tokens the session sampled stay as they were
+    text = httpx.get(f"http://127.0.0.1:{hb.metrics_port}/metrics", timeout=10).text
+    assert metric_value(text, "relay_generator_openai_template_drift_total") == 0
+    headers = {"X-Relay-Session": "drifty", "X-Relay-Group": "other"}
+    first = client.chat.completions.create(model="relay", messages=QUESTION, tools=TOOLS, extra_headers=headers)
+    edited = [{"role": "user", "content": "What is 2 + 4? Use the add tool."},
+              first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": "x",
+                                                                        "content": "6"}]
+    second = client.chat.completions.create(model="relay", messages=edited, tools=TOOLS, extra_headers=headers)
+    assert first.model_extra["relay"]["template_drift"] == 0 and second.model_extra["relay"]["template_drift"] == 1
+    info = httpx.get(f"{base}/v1/relay/sessions/drifty", headers=auth, timeout=10).json()
+    assert info["template_drift"] == 1 and info["calls"] == 2
+    assert info["trainable_tokens"] == len(first.model_extra["relay"]["completion_ids"]) + len(
+        second.model_extra["relay"]["completion_ids"])
     text = httpx.get(f"http://127.0.0.1:{hb.metrics_port}/metrics", timeout=10).text
     assert metric_value(text, "relay_generator_openai_groups_total", outcome="sent") == 1
-    assert metric_value(text, "relay_generator_openai_template_drift_total") == 0
-    assert metric_value(text, "relay_generator_openai_sessions_total", outcome="started") == 2
+    assert metric_value(text, "relay_generator_openai_template_drift_total") == 1
+    assert metric_value(text, "relay_generator_openai_sessions_total", outcome="started") == 3
     assert metric_value(text, "relay_generator_openai_requests_total", endpoint="chat", outcome="error_400") == 1
     assert gen.alive()
 
