@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 
 from broker.client.telemetry import emit_event
 from broker.protocol.group import Group, Sample, versions_to_runs
+from broker.protocol.messages import ItemIn
 from generators.sessions import Session, SessionError, Sessions
 
 if TYPE_CHECKING:
@@ -358,10 +359,16 @@ class OpenAIEndpoint:
                                                  "owned_by": "relay"}]}, {}
 
     def reward(self, sid: str, body: dict):
-        value = body.get("reward") if isinstance(body, dict) else None
+        """``{"reward": x}`` from the harness, or ``{"task": ..., "reference": ...}``: the reward service
+        scores the session's last answer with that task's plugin (the first user message as the prompt)."""
+        body = body if isinstance(body, dict) else {}
+        value, details = body.get("reward"), {"source": "harness"}
+        if value is None and isinstance(body.get("task"), str) and body["task"]:
+            value, details = self.score(sid, body["task"], str(body.get("reference", "")))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
-            raise SessionError(400, 'the body must be {"reward": <finite number>}')
-        parts = self.sessions.reward(sid, float(value))
+            raise SessionError(400, 'the body must be {"reward": <finite number>} or {"task": <reward plugin>, '
+                                    '"reference": <answer>}')
+        parts = self.sessions.reward(sid, float(value), details)
         if parts is None:
             return 200, {"session": sid, "group_complete": False}, {}
         g = self.group(parts)
@@ -375,6 +382,20 @@ class OpenAIEndpoint:
         self.groups[outcome] += 1
         return 200, {"session": sid, "group_complete": True, "group_id": g.group_id, "broker": ack.status,
                      **({"reason": ack.reason} if ack.status == "rejected" else {})}, {}
+
+    def score(self, sid: str, task: str, reference: str) -> tuple[float, dict]:
+        """The reward service's score of session ``sid``'s last answer (502 when it could not score it)."""
+        s = self.sessions.by_id.get(sid)
+        if s is None or not s.calls:
+            raise SessionError(404, f"no session {sid!r} with an answer to score")
+        held = s.held_messages
+        prompt = next((m.get("content", "") for m in held if m.get("role") == "user"), held[0].get("text", ""))
+        answer = held[-1].get("content", held[-1].get("text", ""))
+        r = self.gen.rewards.score([ItemIn(prompt=prompt, completion=answer, reference=reference,
+                                           finished=s.finish_reason == "stop", task=task)])[0]
+        if not r.ok:
+            raise SessionError(502, f"the reward service could not score session {sid!r}: {r.reason}")
+        return float(r.score), {"source": f"reward_service:{r.plugin or task}", **r.details}
 
     def session_info(self, sid: str):
         s = self.sessions.by_id.get(sid)
@@ -409,7 +430,7 @@ class OpenAIEndpoint:
                 completion_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32),
                 version_runs=versions_to_runs(versions), finish_reason=s.finish_reason, reward=s.reward,
                 reward_status="ok", trainable=np.asarray(trainable, dtype=np.uint8),
-                reward_details={"source": "harness", "session": s.id, "calls": s.calls,
+                reward_details={**s.reward_details, "session": s.id, "calls": s.calls,
                                 "template_drift": s.template_drift}))
         whash = first.weight_hash or (gen.weights.hash_for(first.weight_version)
                                       if gen.weights.receiver is not None else "")

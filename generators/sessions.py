@@ -67,6 +67,7 @@ class Session:
     weight_hash: str = ""
     finish_reason: str = "stop"  # of the last call
     reward: float | None = None
+    reward_details: dict = field(default_factory=dict)  # where the reward came from (kept with the sample)
     created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a call is being served (one at a time per session)
@@ -187,7 +188,7 @@ class Sessions:
             s.last_used = self.clock()
             self.template_drift += int(drifted)
 
-    def reward(self, sid: str, value: float) -> GroupParts | None:
+    def reward(self, sid: str, value: float, details: dict | None = None) -> GroupParts | None:
         """Record a session's reward; the group's parts when this completes it (its sessions are then
         forgotten), else None."""
         with self.lock:
@@ -201,6 +202,7 @@ class Sessions:
             if s.reward is not None:
                 raise SessionError(409, f"session {sid!r} already has its reward")
             s.reward = float(value)
+            s.reward_details = dict(details or {"source": "harness"})
             s.last_used = self.clock()
             members = [self.by_id[m] for m in self.groups.get(s.group, [])]
             if len(members) < self.group_size or any(m.reward is None for m in members):

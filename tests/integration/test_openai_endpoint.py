@@ -140,16 +140,20 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     s1 = harness(client, "sess-1", "grp")
     s2 = harness(client, None, "grp", user="sess-2")
     auth = {"Authorization": f"Bearer {KEY}"}
-    got = httpx.post(f"{base}/v1/relay/sessions/sess-1/reward", json={"reward": 1.0}, headers=auth, timeout=30)
+    # one reward from the harness, one from the reward service (its math_verify plugin on the last answer)
+    got = httpx.post(f"{base}/v1/relay/sessions/sess-1/reward", json={"reward": 0.25}, headers=auth, timeout=30)
     assert got.status_code == 200 and got.json() == {"session": "sess-1", "group_complete": False}
-    got = httpx.post(f"{base}/v1/relay/sessions/sess-2/reward", json={"reward": 0.0}, headers=auth, timeout=60)
+    got = httpx.post(f"{base}/v1/relay/sessions/sess-2/reward", json={"task": "math_verify", "reference": "5"},
+                     headers=auth, timeout=60)
     assert got.status_code == 200 and got.json()["group_complete"] and got.json()["broker"] == "ok", got.text
 
     g = wait_until(lambda: next((x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
                                  if x.prompt_id == "openai:grp"), None), timeout=30, what="the endpoint's group")
     assert g.group_id == got.json()["group_id"] and g.generator_id == "g0" and g.weight_version == 0
     assert g.sampling["temperature"] == TEMPERATURE and len(g.samples) == 2
-    for sample, (first, second), reward in zip(g.samples, (s1, s2), (1.0, 0.0)):
+    assert g.samples[0].reward_details["source"] == "harness"
+    assert g.samples[1].reward_details["source"].startswith("reward_service:")
+    for sample, (first, second), reward in zip(g.samples, (s1, s2), (0.25, 1.0)):
         sampled = [first.model_extra["relay"]["completion_ids"], second.model_extra["relay"]["completion_ids"]]
         ids, mask = sample.completion_ids.tolist(), sample.trainable.tolist()
         # trainable exactly on the tokens the two calls sampled: the first call's right after the prompt,
