@@ -1,0 +1,121 @@
+"""The ``remote`` environment against a real environment server written in Node from docs/agents.md
+(tests/support/remote_env_server.js), run as its own process on a free port: episodes run, and a
+server that hangs, fails or answers garbage leaves the failures counted by reason while the client
+stays usable."""
+
+import shutil
+import time
+
+import httpx
+import pytest
+
+from broker.protocol.messages import PromptEntry
+from deploy.launcher.procs import free_port
+from generators.envs.base import EnvError
+from generators.envs.registry import build_env
+from tests.support.services import ROOT, child_env, wait_http
+
+NODE = shutil.which("node")
+pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (`make nodejs` installs it as root): "
+                                "this test's remote environment server is written in Node")
+
+P = PromptEntry("7*8=", reference="56", task="calc")
+
+
+def _server(procs, token: str = "") -> str:
+    port = free_port()
+    argv = [NODE, str(ROOT / "tests" / "support" / "remote_env_server.js"), "--port", str(port)]
+    env = child_env()
+    if token:
+        argv += ["--token-env", "ENV_TOKEN"]
+        env["ENV_TOKEN"] = token
+    child = procs.start("remote-env", argv, env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/stats", child)
+    return url
+
+
+def _mode(url: str, mode: str) -> None:
+    httpx.post(f"{url}/control", json={"mode": mode}).raise_for_status()
+
+
+def _episode(factory) -> float:
+    env = factory()
+    env.reset(P)
+    r1 = env.step("<tool_call>7*8</tool_call>")
+    assert (r1.reply, r1.role, r1.done, r1.reward) == ("56", "tool", False, None)
+    assert [(c.name, c.ok) for c in r1.tool_calls] == [("calculator", True)]
+    r2 = env.step("56")
+    assert r2.done and r2.reply is None
+    env.close()
+    return r2.reward
+
+
+def _failing_step(factory, url: str, mode: str) -> EnvError:
+    env = factory()
+    env.reset(P)
+    _mode(url, mode)
+    try:
+        with pytest.raises(EnvError) as e:
+            env.step("<tool_call>7*8</tool_call>")
+        env.close()  # as the generator does after a failure: it fails too, counted as close_failed
+    finally:
+        _mode(url, "ok")
+    return e.value
+
+
+def test_episodes_and_failures_by_reason(procs, monkeypatch):
+    url = _server(procs, token="s3cret")
+    monkeypatch.setenv("ENV_TOKEN", "s3cret")
+    factory = build_env("remote", {"url": url, "token_env": "ENV_TOKEN", "timeout_s": 0.5, "retries": 1,
+                                   "backoff_s": 0.01, "breaker_failures": 100})
+    try:
+        assert _episode(factory) == 1.0
+        stats = httpx.get(f"{url}/stats").json()
+        assert (stats["resets"], stats["steps"], stats["closes"], stats["open_episodes"]) == (1, 2, 1, 0)
+
+        t0 = time.monotonic()
+        assert _failing_step(factory, url, "hang").reason == "timeout"
+        assert time.monotonic() - t0 < 5  # attempts of 0.5 s, not a hung generator
+        assert _failing_step(factory, url, "500").reason == "http_500"
+        assert _failing_step(factory, url, "garbage").reason == "bad_reply"
+
+        assert _episode(factory) == 1.0  # the same client goes on once the server is fine
+        s = factory.stats()
+        assert s["errors"] == {"timeout": 1, "http_500": 1, "bad_reply": 1, "close_failed": 3}
+        assert s["requests"]["timeout"] == 4 and s["requests"]["http_500"] == 4 and s["requests"]["malformed"] == 2
+        assert s["circuit"] == "closed" and s["episodes"] == 5
+    finally:
+        factory.close()
+
+    wrong = build_env("remote", {"url": url, "retries": 3})  # no token: a 401 is not retried
+    try:
+        with pytest.raises(EnvError) as e:
+            wrong().reset(P)
+        assert e.value.reason == "http_401" and httpx.get(f"{url}/stats").json()["unauthorized"] == 1
+    finally:
+        wrong.close()
+
+
+def test_circuit_opens_after_repeated_failures_and_recovers(procs):
+    url = _server(procs)
+    factory = build_env("remote", {"url": url, "timeout_s": 2, "retries": 0, "breaker_failures": 3,
+                                   "breaker_reset_s": 1.0})
+    try:
+        _mode(url, "500")
+        reasons = []
+        for _ in range(5):
+            with pytest.raises(EnvError) as e:
+                factory().reset(P)
+            reasons.append(e.value.reason)
+        assert reasons == ["http_500"] * 3 + ["circuit_open"] * 2
+        assert httpx.get(f"{url}/stats").json()["requests"] == 3  # an open circuit leaves the server alone
+        assert factory.stats()["circuit"] == "open"
+
+        _mode(url, "ok")
+        time.sleep(1.1)  # breaker_reset_s: one trial request, which succeeds, closes it
+        assert _episode(factory) == 1.0
+        s = factory.stats()
+        assert s["circuit"] == "closed" and s["errors"] == {"http_500": 3, "circuit_open": 2}
+    finally:
+        factory.close()
