@@ -20,7 +20,8 @@ Every failure is an :class:`~generators.envs.base.EnvError` whose reason is coun
 ``unreachable``, ``http_<status>`` (after the retries for 5xx), ``bad_reply`` (not JSON, or not the
 shape above), ``circuit_open`` (the server failed ``breaker_failures`` times in a row: left alone for
 ``breaker_reset_s``, then one trial request). The generator ends that episode as failed and goes on.
-A failed ``/close`` is counted (``close_failed``) and not raised: the episode is over anyway.
+A failed ``/close`` is counted (``close_failed``) and not raised: the episode is over anyway. Calls
+in flight when the factory is closed (the generator stops) end at once with ``closed``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import math
 import threading
 import uuid
 from collections import Counter
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from pydantic import Field
@@ -89,6 +92,8 @@ class RemoteShared:
         self.options = options
         self.counters = RemoteStats()
         self.http = HttpCaller(options.url.rstrip("/"), options, self.counters)  # token checked here
+        o = options
+        self.longest_call_s = (o.retries + 1) * o.timeout_s + o.retries * o.backoff_max_s + 30.0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="relay-remote-env", daemon=True)
         self.thread.start()
@@ -99,7 +104,12 @@ class RemoteShared:
             raise EnvError("closed", "the remote environment's client is closed")
         future = asyncio.run_coroutine_threadsafe(self.http.post_json(payload, path), self.loop)
         try:
-            return future.result()
+            return future.result(timeout=self.longest_call_s)
+        except FutureTimeout:  # cannot happen unless the loop thread is stuck: never wait forever
+            future.cancel()
+            raise self.fail("timeout", f"{path}: no outcome within {self.longest_call_s:.0f}s") from None
+        except CancelledError:
+            raise EnvError("closed", "the remote environment's client was closed during the call") from None
         except CallFailed as e:
             reason = "bad_reply" if e.code == "malformed" else e.code
             if not count:
@@ -116,7 +126,14 @@ class RemoteShared:
     def close(self) -> None:
         if self.loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(self.http.close(), self.loop).result(timeout=10)
+        async def shutdown():
+            me = asyncio.current_task()
+            for task in asyncio.all_tasks():  # calls in flight end as EnvError("closed") in their episodes
+                if task is not me:
+                    task.cancel()
+            await self.http.close()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()

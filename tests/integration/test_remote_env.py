@@ -119,3 +119,29 @@ def test_circuit_opens_after_repeated_failures_and_recovers(procs):
         assert s["circuit"] == "closed" and s["errors"] == {"http_500": 3, "circuit_open": 2}
     finally:
         factory.close()
+
+
+def test_closing_the_factory_ends_calls_in_flight(procs):
+    import threading
+    url = _server(procs)
+    factory = build_env("remote", {"url": url, "timeout_s": 60, "retries": 0})
+    env = factory()
+    env.reset(P)
+    _mode(url, "hang")
+    seen = []
+
+    def step():
+        try:
+            env.step("56")
+        except EnvError as e:
+            seen.append(e.reason)
+
+    t = threading.Thread(target=step)
+    t.start()
+    time.sleep(0.5)
+    factory.close()  # the generator stops: the episode waiting on a hung server ends now, not in 60 s
+    t.join(timeout=5)
+    assert not t.is_alive() and seen == ["closed"]
+    with pytest.raises(EnvError) as e:
+        factory().reset(P)
+    assert e.value.reason == "closed"

@@ -210,3 +210,45 @@ def test_calc_reward_function():
 def test_calc_without_reference_uses_the_true_value():
     env = build_env("calc")()
     assert episode(env, PromptEntry("12+30="), ["<tool_call>12+30</tool_call>", "42"])[-1].reward == 1.0
+
+
+# ---- entry points and the remote contract's replies ------------------------------------------------
+
+class EntryPointEnv(Environment):
+    """Registered in a test through a real ``relay.envs`` entry point."""
+
+    def reset(self, prompt):
+        pass
+
+    def step(self, turn):
+        return StepResult(reply=None, done=True, reward=0.5)
+
+
+def test_relay_envs_entry_points_register(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    from generators.envs import registry
+    eps = [EntryPoint("ep_env", "tests.unit.generators.test_envs:EntryPointEnv", "relay.envs")]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == "relay.envs" else [])
+    assert registry.load_entry_point_envs() == ["ep_env"]
+    env = build_env("ep_env")()
+    assert isinstance(env, EntryPointEnv) and env.step("x").reward == 0.5
+    bad = [EntryPoint("ep_bad", "generators.envs.toolcall:parse_tool_calls", "relay.envs")]
+    monkeypatch.setattr(registry, "entry_points", lambda group: bad)
+    with pytest.raises(TypeError, match="not an Environment subclass"):
+        registry.load_entry_point_envs()
+
+
+def test_remote_step_replies_are_checked():
+    from generators.envs.remote import parse_step_reply
+    ok = parse_step_reply({"reply": "56", "done": False, "tool_calls": [{"name": "calculator", "ok": True}]})
+    assert (ok.reply, ok.role, ok.reward, ok.tool_calls[0].name) == ("56", "tool", None, "calculator")
+    end = parse_step_reply({"reply": None, "done": True, "reward": 1, "role": "user", "info": {"k": 1}})
+    assert (end.done, end.reward, end.role, end.info) == (True, 1.0, "user", {"k": 1})
+    assert parse_step_reply({"reply": "x", "done": False, "reward": 0.3}).reward is None  # only with done
+    for bad, what in [([], "object"), ({"reply": "x"}, "done"), ({"done": False}, "required"),
+                      ({"done": True, "reward": "1"}, "finite"), ({"done": True, "reward": float("nan")}, "finite"),
+                      ({"done": True, "role": "system"}, "role"), ({"done": True, "tool_calls": [{"name": 1}]}, "tool_calls"),
+                      ({"done": True, "info": []}, "info"), ({"done": "yes"}, "done")]:
+        with pytest.raises(ValueError, match=what):
+            parse_step_reply(bad)
