@@ -110,7 +110,7 @@ def _check_size(v):
 def _power(a, b):
     """``a ** b``, refusing integer powers over MAX_INT_BITS before computing them."""
     if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and b * a.bit_length() > MAX_INT_BITS:
-        raise ToolFailure("too_large", f"{a}**{b} is too large")
+        raise ToolFailure("too_large", f"a power over {MAX_INT_BITS} bits (exponent {b})")
     try:
         v = a ** b
     except OverflowError:
