@@ -145,3 +145,27 @@ def test_closing_the_factory_ends_calls_in_flight(procs):
     with pytest.raises(EnvError) as e:
         factory().reset(P)
     assert e.value.reason == "closed"
+
+
+def test_the_node_server_of_docs_agents_md_runs_episodes(procs, tmp_path):
+    import re
+    doc = (ROOT / "docs" / "agents.md").read_text()
+    src = re.search(r"```js\n(.*?)```", doc, re.DOTALL).group(1)
+    port = free_port()
+    assert ".listen(9100," in src
+    (tmp_path / "server.js").write_text(src.replace(".listen(9100,", f".listen({port},"))
+    child = procs.start("doc-env", [NODE, str(tmp_path / "server.js")], env=child_env())
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):  # it has no health endpoint: wait until it accepts connections
+        try:
+            httpx.post(f"{url}/close", json={"episode_id": "none"})
+            break
+        except httpx.TransportError:
+            assert child.alive(), child.tail(20)
+            time.sleep(0.1)
+    factory = build_env("remote", {"url": url})
+    try:
+        assert _episode(factory) == 1.0
+        assert factory.stats()["requests"] == {"ok": 4}
+    finally:
+        factory.close()

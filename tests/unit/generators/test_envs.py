@@ -252,3 +252,15 @@ def test_remote_step_replies_are_checked():
                       ({"done": True, "info": []}, "info"), ({"done": "yes"}, "done")]:
         with pytest.raises(ValueError, match=what):
             parse_step_reply(bad)
+
+
+def test_the_python_example_of_docs_agents_md_works():
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).parents[3] / "docs" / "agents.md").read_text()
+    src = re.search(r"```python\n(.*?)```", doc, re.DOTALL).group(1)
+    exec(compile(src, "docs/agents.md", "exec"), {"__name__": "docs_agents_example"})
+    env = build_env("guess", {"max_turns": 4})()
+    rs = episode(env, PromptEntry("guess", reference="42"), ["10", "50", "42"])
+    assert [(r.reply, r.role, r.done, r.reward) for r in rs] == [
+        ("higher", "user", False, None), ("lower", "user", False, None), (None, "tool", True, 1.0)]
