@@ -6,6 +6,7 @@
     factory = build_env("my_env", {"some_option": 3})   # at generator start: options validated here
     env = factory()                                      # one Environment per episode
     factory.stats()                                      # counters the generator reports
+    factory.tool_specs()                                 # the OpenAI `tools` list, for the chat template
     factory.close()                                      # at generator stop
 
 Third-party environments register through the ``relay.envs`` entry-point group
@@ -15,7 +16,8 @@ environment is looked up.
 What episodes of one environment config share (a thread pool for tools, the remote environment's HTTP
 client and circuit breaker, counters) lives in the class's optional ``Shared`` class: the factory
 makes one ``Shared(options)`` and hands it to every episode as ``cls(options, shared=...)``. It has
-``stats() -> dict`` (JSON values) and ``close()``.
+``stats() -> dict`` (JSON values) and ``close()``, and optionally ``tool_specs()`` (the OpenAI ``tools``
+list it offers, for chat templates that render tools).
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ class EnvFactory:
     def stats(self) -> dict[str, Any]:
         """The environment's counters (JSON values): requests by outcome, circuit state, tool calls by tool."""
         return self.shared.stats() if self.shared is not None else {}
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The OpenAI ``tools`` list the environment offers (for chat templates that render tools); []
+        when it offers none or does not say."""
+        specs = getattr(self.shared, "tool_specs", None)
+        return specs() if specs is not None else []
 
     def close(self) -> None:
         if self.shared is not None:

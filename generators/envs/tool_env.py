@@ -103,6 +103,9 @@ class ToolShared:
             return {"tool_calls": dict(self.calls), "tool_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
                     "tool_failures": {f"{t}:{code}": n for (t, code), n in self.failures.items()}}
 
+    def tool_specs(self) -> list[dict[str, Any]]:
+        return [t.spec() for t in self.tools.values()]
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -121,7 +124,7 @@ class ToolEnv(Environment):
 
     def tool_specs(self) -> list[dict[str, Any]]:
         """The OpenAI ``tools`` list of this environment (for chat templates that render tools)."""
-        return [t.spec() for t in self.shared.tools.values()]
+        return self.shared.tool_specs()
 
     def step(self, turn: str) -> StepResult:
         calls = parse_tool_calls(turn)

@@ -82,7 +82,9 @@ def test_tool_env_runs_calls_then_ends_on_an_answer():
     s = factory.stats()
     assert s["tool_calls"] == {"calculator": 3, "unknown": 1}
     assert s["tool_failures"] == {"calculator:division_by_zero": 1, "unknown:unknown_tool": 1, "calculator:bad_json": 1}
-    assert env.tool_specs()[0]["function"]["name"] == "calculator"
+    assert env.tool_specs() == factory.tool_specs()
+    assert [t["function"]["name"] for t in factory.tool_specs()] == ["calculator"]
+    assert factory.tool_specs()[0]["function"]["parameters"]["required"] == ["expression"]
     factory.close()
 
 
