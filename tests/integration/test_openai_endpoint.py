@@ -216,6 +216,9 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     assert metric_value(text, "relay_generator_openai_template_drift_total") == 1
     assert metric_value(text, "relay_generator_openai_sessions_total", outcome="started") == 3
     assert metric_value(text, "relay_generator_openai_requests_total", endpoint="chat", outcome="error_400") == 1
+    # the generator's own loop shared the engine meanwhile (one lock): its groups of the run's prompts arrive too
+    wait_until(lambda: any(not decode_group(f[b"data"]).prompt_id.startswith("openai:")
+                           for _, f in r.xrange(keys.trajectories)), timeout=60, what="a group of the run's prompts")
     assert gen.alive()
 
 
