@@ -270,7 +270,9 @@ class OpenAIEndpoint:
     def text_ids(self, text: str) -> list[int]:
         """Token ids of text inside a sequence (no BOS or other special tokens added)."""
         tok = getattr(self.gen.backend, "tokenizer", None)
-        return list(tok(text, add_special_tokens=False)["input_ids"]) if tok is not None else self.gen.backend.encode(text)
+        if tok is None:
+            return self.gen.backend.encode(text)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def _call(self, sid: str | None, group: str, messages: list[dict], context_of, sampling, text: bool = False):
         """One sampled call, recorded in session ``sid`` (None: untracked). Returns (completion, session)."""

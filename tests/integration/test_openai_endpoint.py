@@ -91,8 +91,6 @@ def taught_tiny_model(tok, out, steps: int = 200):
 def harness(client, session: str | None, group: str, user: str | None = None):
     """What an agent harness does: ask, run the tool the model calls, send its result, read the answer.
     Returns the two responses."""
-    from openai import OpenAI  # noqa: F401  (the official client)
-
     headers = {"X-Relay-Group": group, **({"X-Relay-Session": session} if session else {})}
     extra = {"user": user} if user else {}
     messages = list(QUESTION)
