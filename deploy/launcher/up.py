@@ -321,6 +321,7 @@ def run_up(args) -> int:
                                 before_print=progress.done)
         print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
               f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
+        print(f"relay up: reward service at {cfgs['generator']['reward_url']} (/healthz, /metrics, /score)", flush=True)
         evals = EvalHistory(r, keys)  # read incrementally: the latest round's pass@1 on the progress line
         truncation = TruncationWarning(progress, cfgs["generator"].get("sampling", {}).get("max_tokens"))
         while stopping["why"] is None:
