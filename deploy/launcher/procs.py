@@ -87,6 +87,14 @@ class ProcessGroup:
         self.children.append(child)
         return child
 
+    def kill(self, c: Child) -> None:
+        """SIGKILL ``c``'s process group (a hung service: SIGTERM would not be handled) and reap it."""
+        _signal_group(c.pid, signal.SIGKILL)
+        try:
+            c.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
     def restart(self, old: Child) -> Child:
         """Start ``old``'s command again under the same name, in its place (the log is appended to).
         Whatever is left of the old process group (e.g. the workers of a killed torchrun) is

@@ -12,7 +12,11 @@ Policy, per service (broker, reward, each generator, the learner; never the embe
   first version published, a generator serving a version, the reward service answering) is never
   restarted: it failed at start-up, and would fail the same way again; it fails the run at once,
   with its last log lines;
-- a service past its budget, or one that may not be restarted (``restartable``), fails the run.
+- a service past its budget, or one that may not be restarted (``restartable``), fails the run;
+- a service that has come up and then shows no sign of life for ``hang_s`` (``alive_at``: a
+  generator's heartbeat, the others' ``/healthz`` answering; a process frozen by SIGSTOP, or stuck
+  where it cannot heartbeat) is taken for dead: it is killed (SIGKILL), counted in ``hangs``, and
+  restarted like any other death.
 
 Every restart is logged on stderr, counted per service (``restarts``, which ``summary.json``
 reports), and the current PIDs are rewritten to ``pids.json`` (atomically) so an operator or a test
@@ -40,6 +44,8 @@ class RestartPolicy:
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
     stable_s: float = 30.0  # a child up this long has its back-off start over
+    hang_s: float = 0.0  # no sign of life for this long = hung (killed, then restarted); 0 = not watched
+    probe_every_s: float = 2.0  # how often each service's sign of life is looked for
 
     def delay(self, consecutive: int) -> float:
         """Seconds to wait before restart number ``consecutive`` (1, 2, …) of a quick-failing child."""
@@ -63,13 +69,15 @@ class GiveUp(Exception):
 class Supervisor:
     def __init__(self, procs: ProcessGroup, policy: RestartPolicy, pids_path: Path,
                  services: list[str], not_restartable: dict[str, str] | None = None,
-                 healthy: Callable[[str], bool] | None = None, before_print: Callable[[], None] | None = None):
+                 healthy: Callable[[str], bool] | None = None, before_print: Callable[[], None] | None = None,
+                 alive_at: Callable[[str], float | None] | None = None):
         """``services``: the names of the children to watch (the rest, e.g. redis, are left alone).
         ``not_restartable``: name -> why a restart would be wrong (it fails the run instead).
         ``healthy(name)``: has that service come up (asked until it first says yes)? None: every
         service counts as up from its start (every death may be restarted). ``before_print``: called
         before a restart is announced (relay up ends its progress line there, so the message gets
-        a line of its own)."""
+        a line of its own). ``alive_at(name)``: the unix time of that service's latest sign of life
+        (None: none seen now); with ``policy.hang_s``, a service silent for longer is killed as hung."""
         self.procs = procs
         self.policy = policy
         self.pids_path = pids_path
@@ -81,6 +89,10 @@ class Supervisor:
         self.healthy = healthy
         self.came_up: set[str] = set() if healthy else set(services)  # services seen healthy at least once
         self.before_print = before_print or (lambda: None)
+        self.alive_at = alive_at
+        self.hangs: Counter[str] = Counter()  # services killed because they stopped showing signs of life
+        self._last_sign: dict[int, float] = {}  # pid -> unix time of that process's latest sign of life
+        self._probed: dict[str, float] = {}  # name -> monotonic time of its last probe
         self.write_pids()
 
     def child(self, name: str) -> Child:
@@ -102,6 +114,8 @@ class Supervisor:
             if name not in self.came_up and self.healthy(name):  # asked once more after a death: it may
                 self.came_up.add(name)                           # have come up since the last poll
             if c.alive():
+                if name in self.came_up and not finished():
+                    self._watch(c, now)
                 continue
             rc = c.proc.returncode
             if (rc == 0 and name == "learner") or finished():
@@ -133,6 +147,28 @@ class Supervisor:
                 self.write_pids()
                 self.before_print()
                 print(f"relay up: {name} restarted (pid {new.pid})", file=sys.stderr, flush=True)
+
+    def _watch(self, c: Child, now: float) -> None:
+        """Kill ``c`` when it has shown no sign of life for ``policy.hang_s`` (it is then restarted as dead)."""
+        if not self.policy.hang_s or self.alive_at is None or now - self._probed.get(c.name, 0.0) < \
+                self.policy.probe_every_s:
+            return
+        self._probed[c.name] = now
+        started = time.time() - (now - c.started_at)  # this process's start, in unix time
+        sign = self.alive_at(c.name)
+        if sign is not None and sign >= started:  # a sign of this process, not of the one it replaced
+            self._last_sign[c.pid] = max(self._last_sign.get(c.pid, 0.0), sign)
+        last = self._last_sign.get(c.pid)
+        if last is None:  # not seen alive since it (re)started: its start-up (loading a model) is not watched
+            return
+        silent = time.time() - last
+        if silent <= self.policy.hang_s:
+            return
+        self.hangs[c.name] += 1
+        self.before_print()
+        print(f"relay up: {c.name} (pid {c.pid}) hung: no sign of life for {silent:.0f}s (--hang-after "
+              f"{self.policy.hang_s:g}); killing it", file=sys.stderr, flush=True)
+        self.procs.kill(c)
 
     def sleep_hint(self, idle_s: float) -> float:
         """How long the caller may sleep before the next ``poll``: ``idle_s``, or less when a restart is due."""

@@ -77,6 +77,9 @@ def add_up_arguments(p) -> None:
                    help="restart a service (broker, reward, a generator, the learner) that dies before the run "
                         "is finished, with exponential back-off (0.5 s doubling to 10 s), at most N times per "
                         "service (default 10); the learner resumes from its last checkpoint")
+    p.add_argument("--hang-after", type=float, default=120.0, metavar="S",
+                   help="a service that has come up and then shows no sign of life for S seconds (a generator's "
+                   "heartbeat; the others' /healthz) is taken for hung: killed and restarted (default 120; 0 = off)")
     p.add_argument("--no-restart", action="store_true", help="never restart a service: the first one that dies "
                    "ends the run (same as --max-restarts 0)")
 
@@ -314,7 +317,7 @@ def run_up(args) -> int:
                 gcfg["ingest_key_file"] = gen_keys[gcfg["id"]]  # its own key, bound to its id by the allow-list
             path = run_dir / "config" / f"generator-{i}.json"
             procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], _write_config(path, gcfg, env))
-        policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts)
+        policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts, hang_s=args.hang_after)
         no_resume = {}
         if not LearnerConfig.model_validate(cfgs["learner"]).checkpoint_every:
             no_resume["learner"] = ("learner.checkpoint_every = 0, so a new learner would start over from the "
@@ -327,7 +330,8 @@ def run_up(args) -> int:
         supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
                                 [c.name for c in procs.children if c.name != "redis"], no_resume,
                                 healthy=_health_probe(r, keys, cfgs["generator"]["reward_url"], key),
-                                before_print=progress.done)
+                                before_print=progress.done,
+                                alive_at=_liveness_probe(r, keys, cfgs["generator"]["reward_url"], p["http_port"]))
         print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
               f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
         print(f"relay up: reward service at {cfgs['generator']['reward_url']} (/healthz, /metrics, /score)", flush=True)
@@ -394,6 +398,8 @@ def run_up(args) -> int:
         summary["export"] = export_final(run_dir) if rc in (0, 130) else None
         before = (resumed or {}).get("restarts") or {}
         summary["restarts"] = {k: v + before.get(k, 0) for k, v in supervisor.restarts.items()}  # every part
+        hung = (resumed or {}).get("hangs") or {}
+        summary["hangs"] = {k: v + hung.get(k, 0) for k, v in supervisor.hangs.items() if v or hung.get(k)}
         ended = r.get(keys.done)  # the learner's sentence: its steps done, or the dataset ran out
         summary["ended"] = ended.decode() if ended and rc == 0 else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -503,6 +509,41 @@ def _health_probe(r, keys, reward_url: str, key: bytes | None = None):
             return False
 
     return healthy
+
+
+def _liveness_probe(r, keys, reward_url: str, broker_http_port: int):
+    """``Supervisor``'s ``alive_at(name)``: the unix time of a service's latest sign of life, None when
+    there is none now. A generator: its heartbeat's ``last_seen`` (its main loop writes it, so a stuck
+    loop goes silent too); the broker, the reward service and the learner: ``/healthz`` answering at all
+    (a frozen process answers nothing)."""
+    import httpx
+    import redis
+
+    from broker.protocol.codec import ProtocolError
+    from broker.protocol.messages import decode_heartbeat
+
+    def answers(url: str) -> float | None:
+        try:
+            httpx.get(f"{url}/healthz", timeout=1.0)
+            return time.time()
+        except httpx.HTTPError:
+            return None
+
+    def alive_at(name: str) -> float | None:
+        try:
+            if name == "broker":
+                return answers(f"http://127.0.0.1:{broker_http_port}")
+            if name == "reward":
+                return answers(reward_url)
+            if name == "learner":
+                port = r.hget(keys.stats("learner"), "metrics_port")
+                return answers(f"http://127.0.0.1:{int(port)}") if port else None
+            raw = r.hget(keys.generators, name)
+            return decode_heartbeat(raw).last_seen if raw is not None else None
+        except (redis.RedisError, ProtocolError, ValueError):
+            return None
+
+    return alive_at
 
 
 def _int(v) -> int | None:

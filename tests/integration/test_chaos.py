@@ -1,6 +1,7 @@
 """Chaos: `relay up` at tiny size while a killer sends SIGKILL to a generator, the broker, the reward
-service and the learner at random moments (each at least twice). relay up's supervisor restarts
-them; the run must still finish with every group accounted for (none lost, none trained twice),
+service and the learner at random moments (each at least twice), and freezes a generator and the
+learner once each (SIGSTOP: alive but silent). relay up's supervisor restarts the dead ones and
+kills then restarts the frozen ones (``--hang-after``); the run must still finish with every group accounted for (none lost, none trained twice),
 versions strictly increasing across the learner's restarts, and the reward target reached.
 
 The schedule is drawn from a seeded random (``RELAY_CHAOS_SEED``, default 1) as learner steps at
@@ -34,18 +35,21 @@ REWARD_TARGET = 0.5  # mean reward of the last 10% of trained groups; it starts 
 # (docs/reliability.md); the kills must not stop learning, which 0.05 -> 0.5 shows
 TARGETS = ("generator", "broker", "reward", "learner")
 KILLS_EACH = 2
+FREEZES = ("generator", "learner")  # each frozen once with SIGSTOP: taken for hung after HANG_AFTER s
+HANG_AFTER = 8
 GENERATORS = 2
 
 
-def _schedule(rng: random.Random) -> list[tuple[int, str, str, float]]:
-    """(learner step, service, process name, jitter s): each service KILLS_EACH times (a generator
-    drawn among the replicas each time), in random order, at random steps between 8% and 75% of the
-    run (the learner's kills undo up to checkpoint_every steps)."""
-    services = [s for s in TARGETS for _ in range(KILLS_EACH)]
-    rng.shuffle(services)
-    steps = sorted(rng.sample(range(int(STEPS * 0.08), int(STEPS * 0.75)), len(services)))
-    return [(st, svc, f"gen-{rng.randrange(GENERATORS)}" if svc == "generator" else svc, round(rng.uniform(0, 2.0), 2))
-            for st, svc in zip(steps, services)]
+def _schedule(rng: random.Random) -> list[tuple[int, str, str, float, str]]:
+    """(learner step, service, process name, jitter s, signal): each service KILLS_EACH times with
+    SIGKILL and each of FREEZES once with SIGSTOP (a generator drawn among the replicas each time), in
+    random order, at random steps between 8% and 75% of the run (the learner's kills undo up to
+    checkpoint_every steps)."""
+    actions = [(s, "SIGKILL") for s in TARGETS for _ in range(KILLS_EACH)] + [(s, "SIGSTOP") for s in FREEZES]
+    rng.shuffle(actions)
+    steps = sorted(rng.sample(range(int(STEPS * 0.08), int(STEPS * 0.75)), len(actions)))
+    return [(st, svc, f"gen-{rng.randrange(GENERATORS)}" if svc == "generator" else svc, round(rng.uniform(0, 2.0), 2),
+             sig) for st, (svc, sig) in zip(steps, actions)]
 
 
 def _cmdline(pid: int) -> str:
@@ -66,7 +70,7 @@ class Killer(threading.Thread):
     """Follows the learner's step in Redis and kills each scheduled service by its current PID; on the
     way it records every ``published`` event (the order versions were announced in)."""
 
-    def __init__(self, run: Path, schedule: list[tuple[int, str, str, float]]):
+    def __init__(self, run: Path, schedule: list[tuple[int, str, str, float, str]]):
         super().__init__(daemon=True)
         self.run_dir, self.schedule = run, schedule
         self.stop = threading.Event()
@@ -124,14 +128,15 @@ class Killer(threading.Thread):
                 if pending and kill_at is None and step >= pending[0][0]:
                     kill_at = max(now + pending[0][3], quiet_until)
                 if pending and kill_at is not None and now >= kill_at:
-                    _, service, name, _ = pending[0]
+                    _, service, name, _, sig = pending[0]
                     pid = self._victim(name, step)
                     if pid is not None:  # else it is being restarted: kill the next incarnation
-                        os.kill(pid, signal.SIGKILL)
+                        os.kill(pid, getattr(signal, sig))
                         self.done.append({"service": service, "name": name, "pid": pid, "step": step,
-                                          "t": round(now - t0, 1)})
+                                          "t": round(now - t0, 1), "signal": sig})
                         pending.pop(0)
-                        kill_at, quiet_until = None, now + 3.0  # let the system notice before the next
+                        # let the system notice before the next (a frozen one is taken for hung after HANG_AFTER)
+                        kill_at, quiet_until = None, now + (3.0 if sig == "SIGKILL" else HANG_AFTER + 5.0)
                 time.sleep(0.2)
         except Exception as e:  # reported by the test, with the schedule
             self.error = f"{type(e).__name__}: {e}"
@@ -145,7 +150,7 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
     run = tmp_path / "chaos"
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", "chaos",
            "--steps", str(STEPS), "--generators", str(GENERATORS), "--dashboard-port", "0", "--no-progress",
-           "--max-restarts", "5",
+           "--max-restarts", "5", "--hang-after", str(HANG_AFTER),
            "--set", "learner.checkpoint_every=10", "--set", "generator.claim_idle_s=10"]
     killer = Killer(run, schedule)
     t0 = time.monotonic()
@@ -173,13 +178,15 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
     print(report)
     assert killer.error is None, f"the killer failed: {killer.error}\n{report}"
     assert proc.returncode == 0, report
-    killed = {s: sum(k["service"] == s for k in killer.done) for s in TARGETS}
+    killed = {s: sum(k["service"] == s and k["signal"] == "SIGKILL" for k in killer.done) for s in TARGETS}
     assert all(n >= KILLS_EACH for n in killed.values()), f"not every kill happened: {killed}\n{report}"
+    frozen = [k for k in killer.done if k["signal"] == "SIGSTOP"]
+    assert sorted(k["service"] for k in frozen) == sorted(FREEZES), f"not every freeze happened\n{report}"
 
     s = json.loads((run / "summary.json").read_text())
     a = s["audit"]
     print("summary:", json.dumps({k: s[k] for k in ("steps", "versions_published", "reward_first", "reward_last",
-                                                      "wall_seconds", "audit", "restarts")}))
+                                                      "wall_seconds", "audit", "restarts", "hangs")}))
     assert a["lost"] == 0 and a["trained_twice"] == 0, (a, report)
     assert a["trained_once"] == STEPS * 32, (a, report)  # 32 groups a step, each counted once
     assert a["produced"] == a["trained_once"] + a["dropped"] + a["queued"], (a, report)
@@ -192,6 +199,8 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
         assert s["restarts"][k["name"]] >= sum(x["name"] == k["name"] for x in killer.done), (s["restarts"], report)
     for svc in ("broker", "reward", "learner"):
         assert s["restarts"][svc] >= KILLS_EACH, (s["restarts"], report)
+    for k in frozen:  # each frozen service was taken for hung (killed by the supervisor) and restarted
+        assert s["hangs"].get(k["name"], 0) >= 1, (s["hangs"], report)
 
     # versions: strictly increasing across every learner restart, as announced and as trained
     assert killer.published and all(b > a_ for a_, b in zip(killer.published, killer.published[1:])), \

@@ -120,3 +120,26 @@ def test_a_service_that_dies_before_it_first_became_healthy_is_not_restarted(gro
     sup.services.remove("broker")
     wait_until(lambda: (sup.poll(lambda: False), sup.child("gen-0").alive())[1], 10, "restart of gen-0")
     assert sup.restarts["gen-0"] == 1
+
+
+def test_a_frozen_child_is_taken_for_hung_killed_and_restarted(group, tmp_path):
+    """A child that stops showing signs of life (frozen with SIGSTOP: it is alive, but its heartbeat
+    stops) is killed after hang_s, counted as a hang, and restarted like any dead service; one that
+    keeps signalling is left alone."""
+    group.start("gen-0", SLEEPER)
+    group.start("gen-1", SLEEPER)
+    frozen: set[int] = set()
+    sup = Supervisor(group, RestartPolicy(backoff_s=0.05, hang_s=1.5, probe_every_s=0.1), tmp_path / "pids.json",
+                     ["gen-0", "gen-1"], alive_at=lambda name: None if sup.child(name).pid in frozen else time.time())
+    old = sup.child("gen-0")
+    for _ in range(10):  # both signal: nothing happens
+        sup.poll(lambda: False)
+        time.sleep(0.05)
+    assert sup.hangs == {} and old.alive()
+    old.proc.send_signal(signal.SIGSTOP)
+    frozen.add(old.pid)
+    t0 = time.monotonic()
+    wait_until(lambda: (sup.poll(lambda: False), sup.child("gen-0").pid != old.pid)[1], 20, "the hung child restarted")
+    assert time.monotonic() - t0 >= 1.4  # not before hang_s of silence
+    assert sup.hangs["gen-0"] == 1 and sup.restarts["gen-0"] == 1 and old.proc.returncode == -signal.SIGKILL
+    assert sup.child("gen-0").alive() and sup.child("gen-1").alive() and sup.hangs["gen-1"] == 0
