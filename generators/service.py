@@ -246,6 +246,8 @@ class Generator:
         self.rewards.close()
         if self.runner is not None:
             self.runner.close()
+        if self.env_factory is not None and hasattr(self.env_factory, "close"):
+            self.env_factory.close()  # what the environment's episodes share (a tool pool, an HTTP client)
         if self.weights.receiver is not None:
             self.weights.receiver.close()
         if self.sink.error:

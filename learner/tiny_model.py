@@ -26,13 +26,16 @@ def symbols(tools: bool = False) -> list[str]:
 
 
 def build_tokenizer(tools: bool = False):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {s: i for i, s in enumerate(symbols(tools))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     pattern = r"</?tool_(?:call|response)>|[0-9+=*]" if tools else r"[0-9+=]"
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    if tools:  # the markers as added (not special) tokens too: matched whole whatever tokenizer class loads the
+        # folder (transformers 5 loads it as Qwen2's byte-level BPE, which would split "<tool_call>" into characters)
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_SYMBOLS[1:]])
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",

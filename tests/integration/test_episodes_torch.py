@@ -36,7 +36,7 @@ def test_tiny_tools_model_runs_two_turn_episodes_token_in_token_out(tmp_path):
     for pid, group in zip(ids, groups):
         assert len(group) == 4
         for c in group:
-            assert c.episode["turns"] == 2 and c.episode["tool_calls"] == 1 and c.env_reward is not None
+            assert c.episode["turns"] == 2 and c.episode["tool_calls"] == 2 and c.env_reward is not None
             ctx = [t for t, m in zip(c.token_ids, c.trainable) if not m]
             assert ctx == reply                                 # the tool's reply, as context
             first = c.trainable.index(0)
@@ -48,7 +48,7 @@ def test_tiny_tools_model_runs_two_turn_episodes_token_in_token_out(tmp_path):
             mask = torch.tensor(c.trainable, dtype=torch.bool)
             assert torch.allclose(lp[mask], got[mask], atol=1e-4)
             assert (got[~mask] == 0).all()
-    assert r.rounds == 2 and stats.episodes == 8 and stats.tool_calls == {"count": 8}
+    assert r.rounds == 2 and stats.episodes == 8 and stats.tool_calls == {"count": 16}
 
 
 def test_the_default_tiny_model_is_unchanged_by_the_tool_vocabulary(tmp_path):

@@ -86,9 +86,9 @@ def test_a_two_turn_episode_is_model_tokens_then_context_then_model_tokens():
     assert c.answer_ids == TURN                              # the final model turn, scored by the reward service
     assert c.finish_reason == "stop"
     assert c.env_reward == 1.0                              # the last turn "56" equals the reference
-    assert c.episode["turns"] == 2 and c.episode["tool_calls"] == 1 and "error" not in c.episode
+    assert c.episode["turns"] == 2 and c.episode["tool_calls"] == 2 and "error" not in c.episode
     assert r.stats.snapshot()["episodes"] == 1 and r.stats.snapshot()["turns_mean"] == 2.0
-    assert r.stats.tool_calls == {"count": 1}
+    assert r.stats.tool_calls == {"count": 2}
     assert r.renderer.replies == [("1", "tool")]
 
 
