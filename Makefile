@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium vllm run test test-fast smollm2-demo compose-smoke clean
+.PHONY: setup redis chromium nodejs vllm run test test-fast smollm2-demo compose-smoke clean
 
 setup: $(STAMP) redis
 
@@ -42,12 +42,20 @@ chromium:
 	      echo "make: could not install chromium; the dashboard's browser tests will be skipped"; \
 	    else echo "make: /usr/bin/chromium is missing (apt-get install -y chromium as root); the dashboard's browser tests will be skipped"; fi; }
 
+# the remote-environment test runs an environment server written in Node (tests/support/remote_env_server.js):
+# the system node, else apt (as root); without it that test is skipped and says why
+nodejs:
+	@command -v node >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs >/dev/null) || \
+	      echo "make: could not install nodejs; the remote environment test will be skipped"; \
+	    else echo "make: node is missing (apt-get install -y nodejs as root); the remote environment test will be skipped"; fi; }
+
 # extra arguments for `relay up`, e.g. make run RELAY_ARGS="--task reverse --steps 300"
 RELAY_ARGS ?=
 run: setup
 	$(VENV)/bin/relay up $(RELAY_ARGS)
 
-test: setup vllm chromium
+test: setup vllm chromium nodejs
 	$(PY) -m pytest -q --durations=15
 
 test-fast: setup

@@ -147,6 +147,7 @@ class Sink:
             reward=float(r.score) if r.ok else None,
             reward_status="ok" if r.ok else "failed",
             reward_details={**r.details, **({"reason": r.reason} if not r.ok else {})},
+            trainable=None if c.trainable is None else np.asarray(c.trainable, dtype=np.uint8),
         )
 
     def _release(self, eid: bytes) -> None:

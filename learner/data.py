@@ -16,7 +16,8 @@ from broker.protocol.group import Group
 class Batch:
     input_ids: torch.Tensor        # [B, L] prompt + completion, right-padded
     attention_mask: torch.Tensor   # [B, L]
-    loss_mask: torch.Tensor        # [B, L-1] 1 where position t+1 is a completion token to train on
+    loss_mask: torch.Tensor        # [B, L-1] 1 where position t+1 is a completion token to train on (a token
+                                   # the model sampled: not the context between a multi-turn sample's turns)
     behaviour_logp: torch.Tensor   # [B, L-1] μ of the token at t+1
     advantages: torch.Tensor       # [B, 1] one per sample, or [B, L-1] per token (gae, vtrace)
     staleness: list[int]           # per sample
@@ -109,7 +110,7 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
             failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
     """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on
     (their advantage is not defined); ``advantages[i]`` has one entry per kept sample of group i."""
-    rows, mus, advs, stale, index = [], [], [], [], []
+    rows, mus, advs, stale, index, trains = [], [], [], [], [], []
     for gi, (g, adv) in enumerate(zip(groups, advantages)):
         k = 0
         for s, reward in zip(g.samples, trained_rewards(g, failed_reward, fallback_score)):
@@ -117,6 +118,7 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
                 continue
             rows.append((g.prompt_ids.tolist(), s.completion_ids.tolist()))
             mus.append(s.logprobs.tolist())
+            trains.append(s.trainable)
             advs.append(float(adv[k]))
             stale.append(learner_version - s.min_version)
             index.append(gi)
@@ -127,11 +129,12 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
     attn = torch.zeros((B, L), dtype=torch.long)
     lmask = torch.zeros((B, L - 1))
     mu = torch.zeros((B, L - 1))
-    for i, ((p, c), m) in enumerate(zip(rows, mus)):
+    for i, ((p, c), m, tr) in enumerate(zip(rows, mus, trains)):
         n = len(p) + len(c)
         ids[i, :n] = torch.tensor(p + c)
         attn[i, :n] = 1
-        lmask[i, len(p) - 1:n - 1] = 1
+        # a multi-turn sample trains only the tokens its model sampled, never the context between its turns
+        lmask[i, len(p) - 1:n - 1] = 1 if tr is None else torch.from_numpy(tr.astype(np.float32))
         mu[i, len(p) - 1:n - 1] = torch.tensor(m)
     lengths = torch.tensor([len(p) + len(c) for p, c in rows])
     return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale, lengths, torch.tensor(index))

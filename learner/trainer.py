@@ -264,7 +264,7 @@ class Learner:
                     write_checksum(self.engine.module, Path(self.cfg.run_dir) / f"rank-{self.rank}.checksums", step)
                 if self.leader:
                     self.counts["groups_trained"] += len(groups)
-                    self.counts["tokens_trained"] += sum(len(s.completion_ids) for g in groups for s in g.samples)
+                    self.counts["tokens_trained"] += sum(s.num_trainable for g in groups for s in g.samples)
                     failed = sum(s.reward_status != "ok" for g in groups for s in g.samples)  # counted in either mode
                     self.counts["samples_reward_failed"] += failed
                     self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0

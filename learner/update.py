@@ -301,7 +301,10 @@ class PolicyUpdate:
         values = self._values(b, torch.arange(len(b.lengths))[mine])
         token_rewards = torch.zeros_like(values)
         has = mask.sum(-1) > 0
-        token_rewards[has, b.lengths[has] - 2] = rewards[has].to(values.dtype)  # position t predicts token t+1
+        # the outcome reward on the last token the model sampled (position t predicts token t+1): the last
+        # completion token, or for a multi-turn sample ending in context, its last model token
+        last = (mask * torch.arange(1, mask.shape[1] + 1, dtype=mask.dtype)).argmax(-1)
+        token_rewards[has, last[has]] = rewards[has].to(values.dtype)
         if cfg.advantage == "vtrace":
             valid = mask * ~old[1]
             returns, adv = vtrace(token_rewards, values, (old[0] - b.behaviour_logp) * valid, mask, cfg.gamma,

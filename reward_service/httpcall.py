@@ -1,4 +1,5 @@
-"""Outbound HTTP for plugins that call other servers (remote reward servers, LLM judges).
+"""Outbound HTTP for plugins that call other servers (remote reward servers, LLM judges) and for the
+remote environment of multi-turn episodes (generators/envs/remote.py).
 
 One :class:`HttpCaller` per plugin instance: a timeout per attempt, retries with exponential
 back-off and jitter, a limit on requests in flight, and a circuit breaker. Every way a call can fail
@@ -23,11 +24,22 @@ from pydantic import Field
 
 from broker.client.connection import Backoff
 from broker.runtime.config import StrictModel
-from reward_service.plugins import Observer
+
+
+class Observer:
+    """What a caller reports besides its replies (the reward service plugs in its metrics, the remote
+    environment its counters). Defined here, not with the reward plugins, so that any component can
+    make outbound calls without importing the reward plugins."""
+
+    def request(self, outcome: str) -> None:
+        """One outbound request finished with ``outcome`` (ok, timeout, http_500, ...)."""
+
+    def circuit(self, state: str) -> None:
+        """The circuit breaker is now ``closed``, ``open`` or ``half_open``."""
 
 
 class HttpOptions(StrictModel):
-    """How a plugin calls a remote server (shared by ``remote`` and ``judge``)."""
+    """How a plugin calls a remote server (shared by ``remote`` and ``judge``, and the ``remote`` environment)."""
 
     timeout_s: float = Field(5.0, gt=0, le=3600, description="timeout of one attempt (connect + read)")
     retries: int = Field(2, ge=0, le=20, description="retries after a failed attempt (timeouts, connection "

@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, ClassVar
 
 from broker.runtime.config import StrictModel
+from reward_service.httpcall import Observer  # what a plugin may report besides its results (its outbound calls)
 
 log = logging.getLogger("relay.reward")
 
@@ -60,16 +61,6 @@ class Result:
 
 class NoOptions(StrictModel):
     """This plugin takes no options."""
-
-
-class Observer:
-    """What a plugin may report besides its results (the service plugs in its metrics)."""
-
-    def request(self, outcome: str) -> None:
-        """One outbound request finished with ``outcome`` (ok, timeout, http_500, ...)."""
-
-    def circuit(self, state: str) -> None:
-        """The plugin's circuit breaker is now ``closed``, ``open`` or ``half_open``."""
 
 
 class RewardPlugin:

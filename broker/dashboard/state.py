@@ -89,6 +89,7 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
             "reward_failures": hb.reward_failures,
             "reward_failures_by_plugin": hb.reward_failures_by_plugin,
             "metrics_port": hb.metrics_port,
+            "episodes": hb.episodes,
         })
     learner = read_stats(r, keys, "learner")
     broker = read_stats(r, keys, "broker")
@@ -113,6 +114,7 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
         "prompts_ready": queues.prompts_ready(r, keys),
         "rates": rates or {},
         "broker": broker,
+        "episodes": episode_totals([g["episodes"] for g in gens]),
         "failures": {
             "rejected": _prefixed(broker, "rejected:"),
             "learner_dropped": {k: int(v) for k, v in sorted(learner.items())
@@ -222,3 +224,26 @@ class Throughput:
         t = threading.Thread(target=self.run, args=(stop,), name="throughput", daemon=True)
         t.start()
         return t
+
+
+def episode_totals(per_generator: list[dict]) -> dict:
+    """Multi-turn episodes over every generator (docs/agents.md), from their heartbeats' ``episodes``:
+    counts summed, tool calls and failures by tool and environment failures by reason merged, and the
+    means a user reads (turns per episode, environment seconds per episode). Empty when no generator
+    runs episodes (a single-turn task)."""
+    out: dict = {"episodes": 0, "turns": 0, "env_seconds": 0.0, "template_drift": 0,
+                 "tool_calls": {}, "tool_failures": {}, "env_failures": {}}
+    for e in per_generator:
+        if not e:
+            continue
+        for k in ("episodes", "turns", "template_drift"):
+            out[k] += int(e.get(k) or 0)
+        out["env_seconds"] += float(e.get("env_seconds") or 0.0)
+        for k in ("tool_calls", "tool_failures", "env_failures"):
+            for name, n in (e.get(k) or {}).items():
+                out[k][name] = out[k].get(name, 0) + int(n)
+    if not out["episodes"]:
+        return {}
+    out["turns_per_episode"] = out["turns"] / out["episodes"]
+    out["env_seconds_per_episode"] = out["env_seconds"] / out["episodes"]
+    return out

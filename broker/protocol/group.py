@@ -43,6 +43,18 @@ def runs_to_versions(runs: list[list[int]]) -> np.ndarray:
     return np.concatenate([np.full(n, v, dtype=np.int64) for v, n in runs])
 
 
+# trainable runs: which tokens of a multi-turn sample the model sampled (1) and which are context (0: a
+# tool's output, the chat template's turn markers), in the same run-length form, [[1, 5], [0, 4], [1, 3]]
+
+
+def trainable_to_runs(mask: np.ndarray | list[int]) -> list[list[int]]:
+    return versions_to_runs(mask)
+
+
+def runs_to_trainable(runs: list[list[int]]) -> np.ndarray:
+    return runs_to_versions(runs).astype(np.uint8)
+
+
 # ----------------------------------------------------------------------------------------------
 # group
 
@@ -60,6 +72,11 @@ class Sample:
     reward:         the score, or None when reward_status is "failed".
     reward_status:  "ok" or "failed"; a failed reward is never a silent 0.
     reward_details: free-form map of named sub-scores / failure reason from the reward service.
+    trainable:      uint8 [T] or None. A multi-turn sample (an episode: the model's turns with a tool's or
+                    the environment's replies between them, docs/agents.md) marks each token 1 when the
+                    model sampled it and 0 when it is context the model only read; the learner trains the
+                    1s only. None: every token was sampled (a single-turn completion). On the wire:
+                    ``trainable_runs``, absent for single-turn samples.
     """
 
     completion_ids: np.ndarray
@@ -69,6 +86,7 @@ class Sample:
     reward: float | None = None
     reward_status: str = "ok"
     reward_details: dict[str, Any] = field(default_factory=dict)
+    trainable: np.ndarray | None = None
 
     @property
     def versions(self) -> np.ndarray:
@@ -77,6 +95,11 @@ class Sample:
     @property
     def min_version(self) -> int:
         return min((v for v, _ in self.version_runs), default=0)
+
+    @property
+    def num_trainable(self) -> int:
+        """The tokens the model sampled (all of them for a single-turn sample)."""
+        return len(self.completion_ids) if self.trainable is None else int(self.trainable.sum())
 
 
 @dataclass
@@ -140,6 +163,7 @@ def encode_group(g: Group) -> bytes:
                     "completion_ids": encode_array(s.completion_ids, "int32"),
                     "logprobs": encode_array(s.logprobs, "float32"),
                     "version_runs": s.version_runs,
+                    **({} if s.trainable is None else {"trainable_runs": trainable_to_runs(s.trainable)}),
                     "finish_reason": s.finish_reason,
                     "reward": s.reward,
                     "reward_status": s.reward_status,
@@ -240,6 +264,7 @@ def _validate_group(m: dict, in_order: bool) -> Group:
             raise ProtocolError("bad_versions", f"{where}.version_runs must be [[version>=0, count>0], ...]")
         if sum(r[1] for r in runs) != len(ids):
             raise ProtocolError("length_mismatch", f"{where}: version runs cover {sum(r[1] for r in runs)} of {len(ids)} tokens")
+        trainable = _trainable(s, len(ids), where)
         finish = get_field(s, "finish_reason", str, where)
         if finish not in FINISH_REASONS:
             raise ProtocolError("bad_finish_reason", f"{where}.finish_reason {finish!r} not in {FINISH_REASONS}")
@@ -259,7 +284,7 @@ def _validate_group(m: dict, in_order: bool) -> Group:
         bad = next((k for k, v in details.items() if isinstance(v, float) and not finite32(v)), None)
         if bad is not None:
             raise ProtocolError("non_finite", f"{where}.reward_details.{bad} is not finite as float32")
-        samples.append(Sample(ids, lps, runs, finish, reward, status, details))
+        samples.append(Sample(ids, lps, runs, finish, reward, status, details, trainable))
     prompt_ids = decode_array(get_field(m, "prompt_ids", dict), "int32", "group.prompt_ids")
     if len(prompt_ids) == 0:
         raise ProtocolError("empty_prompt", "prompt_ids is empty")
@@ -296,6 +321,23 @@ def _validate_group(m: dict, in_order: bool) -> Group:
         created_at=created_at,
         **times,
     )
+
+
+def _trainable(s: dict, n: int, where: str) -> np.ndarray | None:
+    """A sample's ``trainable_runs`` (docs/protocol.md 3.5): absent or nil for a single-turn sample (None);
+    else run-length 0/1 flags covering its ``n`` tokens, at least one token trainable."""
+    runs = s.get("trainable_runs")
+    if runs is None:
+        return None
+    if not isinstance(runs, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            and r[0] in (0, 1) and r[1] > 0 for r in runs):
+        raise ProtocolError("bad_trainable", f"{where}.trainable_runs must be [[0 or 1, count>0], ...]")
+    if sum(r[1] for r in runs) != n:
+        raise ProtocolError("length_mismatch", f"{where}: trainable runs cover {sum(r[1] for r in runs)} of {n} tokens")
+    if not any(r[0] == 1 for r in runs):
+        raise ProtocolError("bad_trainable", f"{where}: no token is trainable (a sample needs a model token)")
+    return runs_to_trainable(runs)
 
 
 # sampling keys the learner's recomputation depends on, with their validity checks

@@ -300,6 +300,10 @@ class Heartbeat(BaseModel):
                                                       "whose reward failed")
     last_update_latency_s: float | None = Field(None, description="float: publish -> apply seconds of the last "
                                                 "update")
+    episodes: dict[str, Any] = Field(default_factory=dict, description="object: multi-turn episodes (docs/agents.md), "
+                                     "empty for single-turn tasks: episodes, turns (totals), tool_calls and "
+                                     "tool_failures (objects: tool -> count), env_failures (object: reason -> count), "
+                                     "env_seconds (total), template_drift (count)")
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:

@@ -97,7 +97,7 @@ function render() {
   const st = S.state;
   if (!st) return;
   try {
-    renderCards(st); renderGenerators(st); renderTimeline(st); renderCharts(); renderFailures(st); renderEval(st);
+    renderCards(st); renderGenerators(st); renderTimeline(st); renderCharts(); renderFailures(st); renderEpisodes(st); renderEval(st);
   } catch (err) {
     console.error(err); setConn("error", `render error: ${err.message}`);
   }
@@ -343,6 +343,21 @@ function renderFailures(st) {
     kvTable("weight updates refused, by generator", refused) +
     kvTable("learner: non-finite numbers refused", f.learner_nonfinite) +
     kvTable("records in Redis skipped as malformed, by kind", f.malformed_records);
+}
+
+function renderEpisodes(st) {  // multi-turn episodes (docs/agents.md); hidden for single-turn tasks
+  const e = st.episodes || {};
+  $("panel-episodes").style.display = e.episodes ? "" : "none";
+  if (!e.episodes) return;
+  const drift = e.template_drift ? `<div class="bad" id="template-drift">template drift: ${fmt(e.template_drift)} episode(s)
+    whose conversation the chat template renders to other tokens than those sampled</div>` : "";
+  $("episodes").innerHTML = `<table>
+    <tr><td>episodes</td><td class="num" id="episodes-count">${fmt(e.episodes)}</td></tr>
+    <tr><td>turns per episode</td><td class="num" id="episodes-turns">${fmt(e.turns_per_episode, 2)}</td></tr>
+    <tr><td>environment seconds per episode</td><td class="num">${fmt(e.env_seconds_per_episode, 3)}</td></tr>
+    <tr><td>template drift</td><td class="num">${fmt(e.template_drift)}</td></tr></table>` + drift +
+    kvTable("tool calls, by tool", e.tool_calls) + kvTable("tool failures, by tool", e.tool_failures) +
+    kvTable("environment failures, by reason", e.env_failures);
 }
 
 function renderEval(st) {  // evaluation rounds on the held-out set (docs/eval.md)

@@ -96,3 +96,19 @@ def test_grafana_dashboard_and_scrape_config_use_documented_metrics():
     assert jobs["relay-reward"]["static_configs"][0]["targets"] == ["127.0.0.1:8090"]
     assert jobs["relay-services"]["http_sd_configs"][0]["url"].endswith("/api/prometheus/targets")
     assert "/api/prometheus/targets" in DOCS
+
+
+def test_episode_totals_merge_every_generators_episodes_and_stay_empty_for_single_turn_runs():
+    from broker.dashboard.state import episode_totals
+
+    assert episode_totals([{}, {}]) == {}  # single-turn generators report no episodes: the panel stays hidden
+    e = episode_totals([
+        {"episodes": 10, "turns": 25, "env_seconds": 1.0, "template_drift": 0,
+         "tool_calls": {"calculator": 12}, "tool_failures": {"calculator": 2}, "env_failures": {}},
+        {"episodes": 30, "turns": 55, "env_seconds": 3.0, "template_drift": 1,
+         "tool_calls": {"calculator": 28, "python": 3}, "tool_failures": {}, "env_failures": {"timeout": 4}},
+        {},
+    ])
+    assert e["episodes"] == 40 and e["turns_per_episode"] == 2.0 and e["env_seconds_per_episode"] == 0.1
+    assert e["tool_calls"] == {"calculator": 40, "python": 3} and e["tool_failures"] == {"calculator": 2}
+    assert e["env_failures"] == {"timeout": 4} and e["template_drift"] == 1

@@ -51,7 +51,8 @@ def build_group(group_id, run_id, prompt_id, prompt_ids, samples, generator_id, 
     completion_ids (list of int), logprobs (list of float, one per token, each <= 0),
     versions (list of int: the policy version that sampled each token), finish_reason
     ("stop" or "length"), reward (float, or None when scoring failed) and, optionally,
-    reward_details (dict with string keys)."""
+    reward_details (dict with string keys) and, for a multi-turn sample, trainable (list of
+    1 for a token the model sampled, 0 for a context token between its turns)."""
 
     def array(values, code, dtype):  # little-endian raw bytes in a msgpack bin
         return {"dtype": dtype, "data": struct.pack("<%d%s" % (len(values), code), *values)}
@@ -77,6 +78,7 @@ def build_group(group_id, run_id, prompt_id, prompt_ids, samples, generator_id, 
             "completion_ids": array(s["completion_ids"], "i", "int32"),
             "logprobs": array(s["logprobs"], "f", "float32"),
             "version_runs": runs(s["versions"]),
+            **({"trainable_runs": runs(s["trainable"])} if "trainable" in s else {}),
             "finish_reason": s["finish_reason"],
             "reward": None if s["reward"] is None else float(s["reward"]),
             "reward_status": "failed" if s["reward"] is None else "ok",
@@ -351,3 +353,49 @@ def test_doc_tokenizer_vector_is_the_tiny_models(doc):
     assert tok("473=")["input_ids"] == json.loads(m.group(1))
     assert tok.eos_token_id == int(m.group(2))
     assert tok("473")["input_ids"][1:] + [tok.eos_token_id] == json.loads(m.group(3))
+
+
+# ---- the multi-turn vector (docs/protocol.md 3.5) -----------------------------------------------
+
+
+def multiturn_inputs(e: dict) -> dict:
+    kw = vector_inputs(e)
+    for s, raw in zip(kw["samples"], e["samples"]):
+        s["trainable"] = [f for f, n in raw["trainable_runs"] for _ in range(n)]
+    return kw
+
+
+def test_multiturn_vector_decodes_reencodes_and_is_what_the_minimal_producer_writes():
+    data = (VECTORS / "group_multiturn_v1.msgpack").read_bytes()
+    e = json.loads((VECTORS / "group_multiturn_v1.json").read_text())
+    g = decode_group(data)
+    s = g.samples[0]
+    assert s.trainable.tolist() == [1] * 6 + [0] * 4 + [1] * 3  # turn, tool reply (context), answer
+    assert s.num_trainable == 9 and len(s.completion_ids) == 13
+    assert s.completion_ids.tolist() == e["samples"][0]["completion_ids"]
+    assert s.version_runs == [[5, 6], [6, 7]]  # the weights changed between the two turns
+    assert encode_group(g) == data
+    assert build_group(**multiturn_inputs(e)) == data
+    assert list(msgpack.unpackb(data, raw=False)["samples"][0]) == list(e["samples"][0])
+
+
+@pytest.mark.parametrize("runs, reason", [
+    ([[1, 6], [0, 4], [1, 2]], "length_mismatch"),   # covers 12 of 13 tokens
+    ([[1, 6], [2, 4], [1, 3]], "bad_trainable"),     # a flag other than 0 or 1
+    ([[1, 6], [0, 0], [1, 7]], "bad_trainable"),     # an empty run
+    ([[0, 13]], "bad_trainable"),                    # nothing the model sampled
+    ([[True, 13]], "bad_trainable"),                 # booleans are not integers on this wire
+    ("all", "bad_trainable"),
+])
+def test_bad_trainable_runs_are_rejected(runs, reason):
+    raw = msgpack.unpackb((VECTORS / "group_multiturn_v1.msgpack").read_bytes(), raw=False)
+    raw["samples"][0]["trainable_runs"] = runs
+    with pytest.raises(ProtocolError) as e:
+        decode_group(msgpack.packb(raw, use_bin_type=True))
+    assert e.value.reason == reason
+
+
+def test_single_turn_messages_carry_no_trainable_runs(vector):
+    g = decode_group(vector)
+    assert all(s.trainable is None for s in g.samples)
+    assert b"trainable_runs" not in vector and b"trainable_runs" not in encode_group(g)

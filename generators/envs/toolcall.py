@@ -1,0 +1,93 @@
+"""Tool calls in a model's turn: parsing them out of its text, and the tiny model's tool reply.
+
+Two forms, both between ``<tool_call>`` and ``</tool_call>`` (several per turn allowed):
+
+- **Hermes / Qwen JSON** (what chat templates with tools produce):
+  ``<tool_call>{"name": "calculator", "arguments": {"expression": "7*8"}}</tool_call>``.
+  ``arguments`` may also be a JSON string holding the object (some models write it so).
+- **Compact** (the built-in tiny model, whose tokenizer has no letters): ``<tool_call>7*8</tool_call>``,
+  any content that does not start with ``{``. It means "the environment's default tool, its single
+  argument = the content"; the parser returns it with ``name == ""`` and ``compact`` set, and the
+  environment resolves the tool (:meth:`generators.envs.tools.Tool.compact_arguments`).
+
+A call that cannot be read is returned with ``error`` set, never raised: the model wrote it, so it is
+the model's mistake, answered as such by the environment and counted. Errors: ``bad_json`` (content
+starts with ``{`` but is not JSON), ``bad_call`` (JSON, but not ``{"name": str, "arguments": object}``),
+``empty`` (nothing between the tags), ``unclosed`` (a ``<tool_call>`` with no ``</tool_call>`` after it:
+the turn ended inside a call).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+COMPACT_ARG = "input"  # the key under which a compact call's content is kept in ``arguments``
+
+
+@dataclass
+class ParsedCall:
+    """One tool call as the model wrote it.
+
+    name:      the tool's name; "" for a compact call (the environment's default tool).
+    arguments: the call's arguments (a compact call: ``{"input": content}``); {} when unreadable.
+    raw:       the text between the tags, as written.
+    error:     "" when readable, else bad_json / bad_call / empty / unclosed.
+    compact:   written in the compact form.
+    """
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    raw: str = ""
+    error: str = ""
+    compact: bool = False
+
+
+def _parse_one(raw: str) -> ParsedCall:
+    content = raw.strip()
+    if not content:
+        return ParsedCall("", raw=raw, error="empty")
+    if not content.startswith("{"):
+        return ParsedCall("", {COMPACT_ARG: content}, raw=raw, compact=True)
+    try:
+        obj = json.loads(content)
+    except json.JSONDecodeError:
+        return ParsedCall("", raw=raw, error="bad_json")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return ParsedCall("", raw=raw, error="bad_call")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # arguments JSON-encoded as a string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return ParsedCall(obj["name"], raw=raw, error="bad_json")
+    if not isinstance(args, dict):
+        return ParsedCall(obj["name"], raw=raw, error="bad_call")
+    return ParsedCall(obj["name"], args, raw=raw)
+
+
+def parse_tool_calls(text: str) -> list[ParsedCall]:
+    """Every tool call in ``text``, in order; [] when the turn has none (it is a final answer)."""
+    calls = [_parse_one(m.group(1)) for m in CALL.finditer(text)]
+    tail = text[text.rfind(CLOSE) + len(CLOSE):] if CLOSE in text else text
+    if OPEN in tail:  # the turn ended inside a call
+        calls.append(ParsedCall("", raw=tail[tail.index(OPEN) + len(OPEN):], error="unclosed"))
+    return calls
+
+
+def strip_tool_calls(text: str) -> str:
+    """The turn's text outside its tool calls (what it says besides calling tools), stripped."""
+    text = CALL.sub("", text)
+    if OPEN in text:
+        text = text[:text.index(OPEN)]
+    return text.strip()
+
+
+def render_tool_response(text: str) -> str:
+    """A tool's reply in the tiny model's format (models with a chat template get theirs rendered by
+    the template)."""
+    return f"<tool_response>{text}</tool_response>"
