@@ -91,9 +91,10 @@ class EpisodeStats:
             self.template_drift += drift
 
     def snapshot(self) -> dict[str, Any]:
-        """What the heartbeat reports (JSON values)."""
+        """What the heartbeat reports (JSON values; docs/protocol.md's Heartbeat.episodes: totals, and the means)."""
         with self._lock:
-            return {"episodes": self.episodes, "turns_mean": round(self.turns / self.episodes, 3) if self.episodes else 0.0,
+            return {"episodes": self.episodes, "turns": self.turns, "env_seconds": round(self.env_seconds, 6),
+                    "turns_mean": round(self.turns / self.episodes, 3) if self.episodes else 0.0,
                     "tool_calls": dict(self.tool_calls), "tool_failures": dict(self.tool_failures),
                     "env_failures": dict(self.env_failures), "env_steps": self.env_steps,
                     "env_latency_s": round(self.env_seconds / self.env_steps, 6) if self.env_steps else 0.0,
