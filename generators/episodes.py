@@ -284,8 +284,22 @@ class EpisodeRunner:
     # -- the loop ------------------------------------------------------------------------------------
 
     def run(self, prompts: list[PromptEntry], prompt_ids: list[list[int]], seed: int,
-            on_step: StepHook | None = None) -> list[list[Completion]]:
-        """Each prompt's ``sampling.n`` episodes, as completions (same shape as ``backend.generate``)."""
+            on_step: StepHook | None = None, sampling: SamplingConfig | None = None,
+            between_turns: Callable[[], int | None] | None = None,
+            stats: EpisodeStats | None = None) -> list[list[Completion]]:
+        """Each prompt's ``sampling.n`` episodes, as completions (same shape as ``backend.generate``).
+        ``sampling``, ``between_turns`` and ``stats`` override the runner's for this call (evaluation
+        rounds: greedy sampling, one version throughout, counted apart from training)."""
+        saved = self.sampling, self.between_turns, self.stats
+        self.sampling = sampling or self.sampling
+        self.between_turns = between_turns or self.between_turns
+        self.stats = stats or self.stats
+        try:
+            return self._run(prompts, prompt_ids, seed, on_step)
+        finally:
+            self.sampling, self.between_turns, self.stats = saved
+
+    def _run(self, prompts, prompt_ids, seed, on_step) -> list[list[Completion]]:
         now = time.monotonic()
         episodes: list[_Episode] = []
         for g, (p, ids) in enumerate(zip(prompts, prompt_ids)):

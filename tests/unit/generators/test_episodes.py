@@ -203,3 +203,14 @@ def test_single_turn_completions_are_scored_as_before():
     [[res]] = client.score_groups([prompt()], [[c]], lambda ids: "47")
     [[item]] = client.sent
     assert item.completion == "47" and item.num_tokens == 3 and item.finished and res.details == {}
+
+
+def test_an_evaluation_run_keeps_one_version_its_own_sampling_and_its_own_counters():
+    b = FakeBackend()
+    r = runner(b, n=3, versions=[])  # the training hook would fail if it were called
+    own = EpisodeStats()
+    [group] = r.run([prompt()], [[1, 3, 4]], seed=0, sampling=SamplingConfig(n=1, max_tokens=8, top_k=1),
+                    between_turns=lambda: 9, stats=own)
+    assert len(group) == 1 and set(group[0].versions) == {9} and b.calls[0][1].top_k == 1
+    assert own.episodes == 1 and r.stats.episodes == 0
+    assert r.sampling.n == 3  # the training settings are back
