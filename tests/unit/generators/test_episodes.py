@@ -214,3 +214,17 @@ def test_an_evaluation_run_keeps_one_version_its_own_sampling_and_its_own_counte
     assert len(group) == 1 and set(group[0].versions) == {9} and b.calls[0][1].top_k == 1
     assert own.episodes == 1 and r.stats.episodes == 0
     assert r.sampling.n == 3  # the training settings are back
+
+
+def test_the_episode_counters_reach_prometheus_by_tool_and_reason():
+    from generators.metrics import episode_metrics
+
+    r = runner(done_after=2)
+    run(r, [prompt("a", tool_fails=True), prompt("b", fail_at=1)])
+    fams = {f.name: f for f in episode_metrics(r.stats.snapshot())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    assert samples[("relay_generator_episodes_total", ())] == 2
+    assert samples[("relay_generator_turns_per_episode", ())] == 1.5
+    assert samples[("relay_generator_tool_failures_total", (("tool", "count"),))] == 2
+    assert samples[("relay_generator_env_failures_total", (("reason", "http_500"),))] == 1
+    assert samples[("relay_generator_template_drift_total", ())] == 0
