@@ -13,7 +13,9 @@ time but no CPU, as on a GPU machine.
 - asynchronous: η = 1, generators sample the next batch while the learner trains.
 
 ideal = (T_gen + T_train) / max(T_gen, T_train); value = synchronous step time / asynchronous step
-time; the target is value ≥ 0.9 × ideal with the learner idle (waiting for data) ≤ 10% of the time.
+time; the target is value ≥ 0.9 × ideal with the learner idle (waiting for data) at most 10 points above
+its ideal idle fraction, max(0, 1 − T_train / T_gen): when generation is the slower side the learner
+must wait for it even with perfect overlap, so a bare "idle ≤ 10%" would fail a perfect system.
 Step times are means over the steps after the first 20% (start-up excluded).
 """
 
@@ -79,7 +81,10 @@ def run(quick: bool) -> list[dict]:
     ideal = (t_gen + t_train) / max(t_gen, t_train)
     speedup = sync["step_s"] / asyn["step_s"]
     idle = asyn["idle_fraction"]
+    ideal_idle = max(0.0, 1.0 - t_train / t_gen) if t_gen > 0 else 0.0  # waiting for a slower generation is expected
+    idle_ok = idle <= ideal_idle + IDLE_TARGET
     return [row("overlap", speedup, ideal, "× speed-up async/sync", TARGET, "higher", {
         "T_gen_s": t_gen, "T_train_s": t_train, "ideal_speedup": ideal, "learner_idle_fraction_async": idle,
-        "idle_target": IDLE_TARGET, "idle_met": idle <= IDLE_TARGET, "per_token_latency_s": latency,
-        "batch_groups": batch_groups, "steps": steps, "sync": sync, "async": asyn}, extra_ok=idle <= IDLE_TARGET)]
+        "ideal_idle_fraction": ideal_idle, "idle_target": f"≤ ideal idle + {IDLE_TARGET}", "idle_met": idle_ok,
+        "per_token_latency_s": latency, "batch_groups": batch_groups, "steps": steps, "sync": sync, "async": asyn},
+        extra_ok=idle_ok)]

@@ -43,21 +43,35 @@ def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
     return p
 
 
-def _load(model, args):
+def _load(model, args, service: str):
     """The service's config: defaults < --config < RELAY_* variables < --set; a RELAY_* variable that
-    names no field of any service is refused (deploy/launcher/environment.py)."""
+    names no field of any service is refused (deploy/launcher/environment.py). ``--config`` takes a
+    file of this service's fields, or a run file (``relay up --config``: ``[broker]``, ``[reward]``,
+    ``[generator]``, ``[learner]``, ``[weights]``), of which it reads this service's section."""
     import os
 
     from deploy.launcher.environment import refuse_unknown
 
     refuse_unknown(os.environ)
-    return load_config(model, args.config, set_overrides(args.set))
+    return load_config(model, args.config, set_overrides(args.set), pick=lambda data: _section(data, service, model))
+
+
+def _section(data: dict, service: str, model) -> dict:
+    """``data`` itself when it is a service file; the ``service`` section (with the run-wide sections it
+    takes, as ``relay up`` gives them) when it is a run file: only run-file sections at its top level,
+    none of them a field of ``model``."""
+    from deploy.launcher.up import SERVICES, SHARED, _shared_sections
+
+    sections = set(SERVICES) | set(SHARED)
+    if not data or not set(data) <= sections or set(data) & set(model.model_fields):
+        return data
+    return _shared_sections(data).get(service, {})
 
 
 def cmd_broker(args) -> int:
     from broker.config import BrokerConfig
 
-    cfg = _load(BrokerConfig, args)
+    cfg = _load(BrokerConfig, args, "broker")
     from broker.runtime.logs import setup_logging
     from broker.service import Broker
 
@@ -72,7 +86,7 @@ def cmd_broker(args) -> int:
 def cmd_reward(args) -> int:
     from reward_service.app import RewardConfig
 
-    cfg = _load(RewardConfig, args)
+    cfg = _load(RewardConfig, args, "reward")
     import uvicorn
 
     from broker.runtime.logs import setup_logging
@@ -86,7 +100,7 @@ def cmd_reward(args) -> int:
 def cmd_generator(args) -> int:
     from generators.config import GeneratorConfig
 
-    cfg = _load(GeneratorConfig, args)
+    cfg = _load(GeneratorConfig, args, "generator")
     from broker.runtime.logs import setup_logging
 
     setup_logging("generator", cfg.id, as_json=args.log_json)
@@ -99,7 +113,7 @@ def cmd_generator(args) -> int:
 def cmd_learner(args) -> int:
     from learner.config import LearnerConfig
 
-    cfg = _load(LearnerConfig, args)
+    cfg = _load(LearnerConfig, args, "learner")
     from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)

@@ -138,6 +138,29 @@ def check_backend_installed(backend) -> None:
 BACKEND_CONFIGS = (TorchBackendConfig, VLLMBackendConfig, SGLangBackendConfig, SimulatedBackendConfig)
 
 
+class OpenAIConfig(StrictModel):
+    """The OpenAI-compatible endpoint (generators/openai_server.py, docs/openai-endpoint.md): an external
+    agent harness samples from this generator through ``/v1/chat/completions``; its sessions become groups."""
+
+    enabled: bool = Field(False, description="serve /v1/chat/completions, /v1/completions and /v1/models")
+    host: str = Field("127.0.0.1", description="bind address of the endpoint")
+    port: int = Field(0, ge=0, le=65535, description="port of the endpoint; 0 picks a free one (logged, and "
+                      "in the run's 'openai_endpoint' event with the URL)")
+    api_key: str = Field("", description="when set, every request needs `Authorization: Bearer <api_key>`; prefer "
+                         "RELAY_OPENAI__API_KEY to a file")
+    group_size: int = Field(4, ge=1, le=256, description="sessions per group (X-Relay-Group): a group is sent "
+                            "when this many of its sessions have a reward")
+    session_idle_s: float = Field(600.0, gt=0, description="a session unused this long is dropped (counted)")
+    max_sessions: int = Field(1024, ge=1, description="sessions held at once; a new one beyond is refused (429)")
+    max_tokens: int = Field(0, ge=0, description="most new tokens one call may sample (a request's max_tokens is "
+                            "clamped to it); 0: the generator's sampling.max_tokens")
+    sampling_mismatch: Literal["refuse", "override"] = Field(
+        "refuse", description="a request whose temperature/top_p/top_k differ from the generator's sampling: "
+        "'refuse' it (400), or 'override' them with the generator's (said in the X-Relay-Sampling header); the "
+        "learner trains one sampling transform per run")
+    model_name: str = Field("relay", description="the model id listed by /v1/models (any model name is accepted)")
+
+
 class GeneratorConfig(RunConnection):
     """One generator replica."""
 
@@ -176,6 +199,8 @@ class GeneratorConfig(RunConnection):
     metrics_port: int = Field(0, ge=0, le=65535, description="port of the /metrics and /healthz server; 0 picks a "
                               "free one (reported as metrics_port in the heartbeat)")
     exit_when_done: bool = Field(True, description="exit when the learner marks the run done")
+    openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="the OpenAI-compatible endpoint for "
+                                 "external agent harnesses (docs/openai-endpoint.md)")
     # multi-turn episodes (generators/episodes.py, docs/agents.md): with an env, each sample is an episode
     env: str = Field("", description="the environment that runs each sample as a multi-turn episode (a name in "
                      "generators.envs' registry, e.g. 'calc'); empty: single-turn completions")

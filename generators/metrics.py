@@ -71,6 +71,8 @@ class GeneratorCollector(Collector):
         yield resends
         if g.cfg.env:
             yield from episode_metrics(g.episode_stats.snapshot())
+        if getattr(g, "openai", None) is not None:  # the OpenAI-compatible endpoint, when enabled
+            yield from g.openai.collect()
 
 
 def episode_metrics(st: dict):

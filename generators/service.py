@@ -76,6 +76,13 @@ class Generator:
                          curve, self.weights.hash_for if self.weights.receiver is not None else None)
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
         self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
+        # -- issue 20 hook: the OpenAI-compatible endpoint for external agent harnesses (off by default;
+        # generators/openai_server.py: it also puts one lock around the engine's generate and weight updates)
+        self.openai = None
+        if cfg.openai.enabled:
+            from generators.openai_server import start as start_openai
+
+            self.openai = start_openai(self)
         # the run's advertisement: the first generator's reward URL and sampling are the run's
         run = advertise_run(self.r, self.keys, first_writer_wins=True, reward_url=cfg.reward_url,
                             sampling=cfg.sampling.model_dump())

@@ -67,6 +67,8 @@ class Sink:
         self.reward_failures_by_plugin: dict[str, int] = {}
         self._outbox: queue.Queue = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._loop, name="sink", daemon=True)
+        self._extra_sender: GroupSender | None = None  # send_group's (another thread's) socket
+        self._extra_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -90,6 +92,24 @@ class Sink:
 
     def close(self) -> None:
         self.sender.close()
+        if self._extra_sender is not None:
+            self._extra_sender.close()
+
+    def send_group(self, g: Group):
+        """Send one group that no claimed prompt stands behind (the OpenAI endpoint's sessions:
+        generators/openai_server.py) and return the broker's final Ack. Called from other threads than
+        the sink's: it has its own sender (a ZeroMQ socket is used by one thread), one call at a time.
+        Counted with the sink's groups (sent / rejected); ``TimeoutError`` when the broker never answers."""
+        with self._extra_lock:
+            if self._extra_sender is None:
+                self._extra_sender = GroupSender(self.cfg.broker_address, curve=self.sender.curve)
+            ack = self._extra_sender.send(g.group_id, encode_group(g), give_up_s=60.0, should_stop=self.stop.is_set)
+            if ack.status == "rejected":
+                self.groups_rejected += 1
+                log.error("broker rejected group %s: %s", g.group_id, ack.reason)
+            else:
+                self.groups_sent += 1
+            return ack
 
     def _loop(self) -> None:
         while True:

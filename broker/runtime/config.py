@@ -16,7 +16,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -166,8 +166,12 @@ def format_validation_error(e: ValidationError) -> str:
 
 
 def load_config(model: type[T], path: str | Path | None = None, overrides: dict | None = None,
-                environ: dict | None = None) -> T:
+                environ: dict | None = None, pick: Callable[[dict], dict] | None = None) -> T:
+    """defaults < the file at ``path`` (``pick`` may select the part of it that is this model's) <
+    ``RELAY_*`` variables < ``overrides``."""
     data: dict = read_file(path) if path else {}
+    if pick is not None:
+        data = pick(data)
     data = deep_merge(data, env_overrides(model, environ=environ))
     data = deep_merge(data, overrides or {})
     try:

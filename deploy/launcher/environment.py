@@ -113,7 +113,8 @@ def resolve(models: dict[str, type[BaseModel]], environ: typing.Mapping[str, str
 
 # config fields that hold secrets: kept out of the run's config files, given to the service as these
 SECRETS = {("auth_token",): "RELAY_AUTH_TOKEN", ("reward_token",): "RELAY_REWARD_TOKEN",
-           ("backend", "api_key"): "RELAY_BACKEND__API_KEY", ("redis_url",): "RELAY_REDIS_URL"}
+           ("backend", "api_key"): "RELAY_BACKEND__API_KEY", ("redis_url",): "RELAY_REDIS_URL",
+           ("openai", "api_key"): "RELAY_OPENAI__API_KEY"}
 # secrets of which the file keeps a redacted copy (the URL, its password replaced by ***)
 REDACTED = {("redis_url",)}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from broker.dashboard.state import episode_totals
 from broker.protocol.messages import Heartbeat
 
 
@@ -48,6 +49,8 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         "groups_dropped_nonfinite": lastm.get("groups_dropped_nonfinite", 0),
         "skipped_steps": lastm.get("skipped_steps", 0),  # optimizer steps skipped for a NaN/inf loss or gradient
         "groups_rejected": int(sum(v for k, v in broker_stats.items() if k.startswith("rejected:"))),
+        "reward_failures": reward_failures(lastm, generators),
+        "episodes": episode_totals([hb.episodes for hb in generators.values()]),  # {} for single-turn tasks
         "generators": {
             gid: {"backend": hb.backend, "version_applied": hb.version, "groups_sent": hb.groups_sent,
                   "updates": hb.updates, "refused_updates": hb.refused_updates, "engine": hb.engine}
@@ -55,6 +58,22 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         },
         "wall_seconds": round(wall_seconds, 1),
     }
+
+
+def reward_failures(lastm: dict, generators: dict[str, Heartbeat]) -> dict:
+    """What failed rewards did to the run: samples whose reward failed (by plugin, as the generators
+    counted them), groups the learner dropped because none of their rewards was usable, and the samples
+    trained on ``learner.fallback_score`` instead (``fallback_used``: the reward figures then include
+    that score, not a measured one)."""
+    by_plugin: dict[str, int] = {}
+    for hb in generators.values():
+        for plugin, n in hb.reward_failures_by_plugin.items():
+            by_plugin[plugin] = by_plugin.get(plugin, 0) + int(n)
+    fallback = int(lastm.get("samples_reward_fallback", 0) or 0)
+    return {"samples": sum(int(hb.reward_failures) for hb in generators.values()),
+            "by_plugin": dict(sorted(by_plugin.items())),
+            "groups_dropped": int(lastm.get("groups_dropped_reward_failed", 0) or 0),
+            "samples_trained_on_fallback": fallback, "fallback_used": fallback > 0}
 
 
 def audit(r, keys) -> dict:

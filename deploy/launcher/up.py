@@ -34,6 +34,15 @@ class UsageError(Exception):
     pass
 
 
+def stop_order(names: list[str]) -> list[list[str]]:
+    """The services of a run (Redis left out: it stops last, on its own) in the order they stop: the
+    generators (``gen-*``: each scores, sends and releases the batch it holds), then what they needed
+    (the broker, the reward service), then the learner (its last step, checkpoint and commits)."""
+    gens = [n for n in names if n.startswith("gen-")]
+    learner = [n for n in names if n == "learner"]
+    return [gens, [n for n in names if n not in gens and n not in learner and n != "redis"], learner]
+
+
 def add_up_arguments(p) -> None:
     p.add_argument("--task", default=None, help=f"built-in task: {', '.join(TASKS)} (default: copy, or $RELAY_TASK)")
     p.add_argument("--model", default=None, help="'tiny' (built-in random-init model, the default) or a local "
@@ -344,6 +353,7 @@ def run_up(args) -> int:
                                 before_print=progress.done)
         print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
               f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
+        print(f"relay up: reward service at {cfgs['generator']['reward_url']} (/healthz, /metrics, /score)", flush=True)
         evals = EvalHistory(r, keys)  # read incrementally: the latest round's pass@1 on the progress line
         truncation = TruncationWarning(progress, cfgs["generator"].get("sampling", {}).get("max_tokens"))
         while stopping["why"] is None:
@@ -387,8 +397,11 @@ def run_up(args) -> int:
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and any(c.alive() for c in gens):
                 time.sleep(0.2)
-        # every service but Redis stops first: the learner's last checkpoint and commits are then in Redis
-        procs.stop([c.name for c in procs.children if c.name != "redis"], timeout=60)
+        # every service but Redis stops first, in dependency order, so that the audit below is exact: the
+        # generators first (each scores, sends and releases the batch it holds), then the broker and the
+        # reward service they needed, then the learner (its last step, checkpoint and commits land in Redis)
+        for stage in stop_order([c.name for c in procs.children]):
+            procs.stop(stage, timeout=60)
         published = _int(r.hget(keys.stats("learner"), "version"))
         if not started and published is not None:
             started = point_latest(p["runs_dir"], run_dir)

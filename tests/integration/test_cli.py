@@ -84,3 +84,30 @@ def test_a_service_on_its_own_refuses_a_relay_variable_no_service_has():
     res = relay("learner", env={**child_env(), "RELAY_STEPPS": "3"})
     _assert_clear_error(res, "RELAY_STEPPS", "docs/config.md")
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_service_reads_its_section_of_a_run_file(procs, tmp_path):
+    """`relay reward --config run.toml` with the `[reward]` section docs/rewards.md shows (the shape
+    `relay up --config` takes) starts with that section's settings; the other sections are not its."""
+    import sys
+
+    import httpx
+
+    from deploy.launcher.procs import free_port
+    from tests.support.services import ROOT, wait_http
+
+    port = free_port()
+    run = tmp_path / "run.toml"
+    run.write_text(f'[reward]\nport = {port}\nmax_batch = 7\n\n[learner]\nsteps = 3\n\n[weights]\ndtype = "float32"\n')
+    child = procs.start("reward", [sys.executable, "-m", "deploy.cli", "reward", "--config", str(run)],
+                        env=child_env(), cwd=str(ROOT))
+    wait_http(f"http://127.0.0.1:{port}/healthz", child)
+    assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
+    # a file of the service's own fields still works, and a wrong section is still a clear error
+    res = relay("reward", "--config", str(_write(tmp_path / "bad.toml", "[rewards]\nport = 1\n")))
+    _assert_clear_error(res, "rewards")
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

@@ -133,8 +133,11 @@ def _metric_names(text: str) -> tuple[set[str], list]:
 
 def test_every_service_serves_parseable_labelled_and_documented_metrics(loop):
     st = loop.state()
+    # relay up prints where the reward service listens (its /metrics, /healthz), as it does the dashboard
+    reward_url = re.search(r"reward service at (http://127\.0\.0\.1:\d+) ", loop.output()).group(1)
     reward_port = json.loads((loop.run_dir / "config" / "reward.json").read_text())["port"]
-    endpoints = {("broker", "0"): loop.url.rstrip("/"), ("reward", "0"): f"http://127.0.0.1:{reward_port}",
+    assert reward_url == f"http://127.0.0.1:{reward_port}"
+    endpoints = {("broker", "0"): loop.url.rstrip("/"), ("reward", "0"): reward_url,
                  ("learner", "0"): f"http://127.0.0.1:{int(st['learner']['metrics_port'])}"}
     for g in st["generators"]:
         endpoints[("generator", g["id"])] = f"http://127.0.0.1:{g['metrics_port']}"

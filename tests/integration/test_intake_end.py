@@ -39,3 +39,23 @@ def test_the_intake_ends_only_when_no_group_can_come(redis_url):
 
     r.hset(keys.stats("broker"), "dataset_exhausted", 0)  # a dataset not used up never ends the run here
     assert not GroupIntake(r, keys, cfg, vocab=15, counts=Counter()).out_of_data()
+
+
+def test_drops_are_published_as_they_happen_not_at_the_next_step(redis_url):
+    """During a reward outage every group is dropped and no training step comes: the learner's stats
+    (what the dashboard and `relay status` read) show the drops at once."""
+    r, keys = redis.Redis.from_url(redis_url), Keys("d")
+    queues.ensure_groups(r, keys)
+    failed = [make_group(group_id=f"f{i}", run_id="d") for i in range(3)]
+    for g in failed:
+        g.samples = [g.samples[1]]  # only the sample whose reward failed
+    ok = make_group(group_id="ok", run_id="d")
+    pipe = r.pipeline()
+    queues.append_groups(pipe, keys, 100, 1 << 30, [(g, encode_group(g)) for g in [*failed, ok]])
+    pipe.execute()
+    cfg = LearnerConfig(run_id="d", redis_url=redis_url, batch_groups=2, wait_timeout_s=30)
+    intake = GroupIntake(r, keys, cfg, vocab=15, counts=Counter())
+    stop = threading.Event()
+    threading.Timer(3.0, stop.set).start()  # the batch never fills: one trainable group only
+    assert intake.next_batch(3, stop) is None
+    assert r.hget(keys.stats("learner"), "groups_dropped_reward_failed") == b"3"

@@ -117,3 +117,7 @@ sampling = {{ n = {N} }}
     assert metric_value(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="http_500") > 0
     assert metric_value(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="timeout") > 0
     assert lines[-1]["groups_dropped_reward_failed"] > 0  # skip mode: all-failed groups dropped and counted
+    # and summary.json says so: failures by plugin, the groups dropped for them, no fallback score trained on
+    rf = summary["reward_failures"]
+    assert rf["samples"] >= sum(seen.values()) and rf["by_plugin"].get("scorer", 0) > 0, rf
+    assert rf["groups_dropped"] == lines[-1]["groups_dropped_reward_failed"] and rf["fallback_used"] is False, rf

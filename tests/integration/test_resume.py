@@ -38,6 +38,10 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     first = json.loads((run / "summary.json").read_text())
     assert first["status"] == "interrupted" and 0 < first["steps"] < STEPS, first  # stopped mid-run
     assert first["audit"]["lost"] == 0 and first["audit"]["trained_twice"] == 0, first["audit"]
+    # the summary was written after every service stopped (in dependency order, the learner last): its steps are
+    # the learner's last, and the learner did not lose Redis under its feet
+    assert first["steps"] == json.loads(metrics.read_text().splitlines()[-1])["step"], first
+    assert "ConnectionError" not in (run / "logs" / "learner.log").read_text()
     # the final version exported on Ctrl-C too, and the exact command that resumes the run
     assert first["export"]["version"] == first["versions_published"] and (run / "export" / "config.json").is_file()
     m = re.search(r"resume with: (relay up --resume .+)", out)

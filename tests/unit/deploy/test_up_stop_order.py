@@ -1,0 +1,8 @@
+"""relay up stops a run's services in dependency order, so that the audit written after them is exact."""
+
+from deploy.launcher.up import stop_order
+
+
+def test_producers_first_then_what_they_need_then_the_learner():
+    names = ["redis", "broker", "reward", "learner", "gen-0", "gen-1"]
+    assert stop_order(names) == [["gen-0", "gen-1"], ["broker", "reward"], ["learner"]]
