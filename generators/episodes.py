@@ -247,7 +247,7 @@ def _timed(fn, *args) -> tuple[str, Any, float]:
     try:
         return "ok", fn(*args), time.monotonic() - t0
     except EnvError as e:
-        return "error", f"{e.reason}: {e}"[:300], time.monotonic() - t0
+        return "error", str(e)[:300], time.monotonic() - t0  # "reason: detail"
     except Exception as e:  # noqa: BLE001 - a plugin's bug ends its episode, counted by type (never silent)
         log.warning("environment call failed: %s: %s", type(e).__name__, e, exc_info=True)
         return "error", f"exception_{type(e).__name__}: {e}"[:300], time.monotonic() - t0
