@@ -201,6 +201,19 @@ class GeneratorConfig(RunConnection):
     exit_when_done: bool = Field(True, description="exit when the learner marks the run done")
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="the OpenAI-compatible endpoint for "
                                  "external agent harnesses (docs/openai-endpoint.md)")
+    # multi-turn episodes (generators/episodes.py, docs/agents.md): with an env, each sample is an episode
+    env: str = Field("", description="the environment that runs each sample as a multi-turn episode (a name in "
+                     "generators.envs' registry, e.g. 'calc'); empty: single-turn completions")
+    env_options: dict = Field(default_factory=dict, description="the environment's options (validated by its "
+                              "Options model when the generator starts)")
+    max_turns: int = Field(4, ge=1, le=256, description="most model turns per episode (an episode that reaches it "
+                           "without the environment ending it ends with finish_reason 'length')")
+    max_episode_tokens: int = Field(48, ge=1, description="most tokens per episode after the prompt, model and "
+                                    "context tokens together (sampling.max_tokens bounds each turn)")
+    episode_timeout_s: float = Field(60.0, gt=0, description="an episode still running after this many seconds "
+                                     "ends as failed (reason 'timeout')")
+    env_threads: int = Field(16, ge=1, le=1024, description="worker threads running environment steps "
+                             "concurrently (a slow step blocks only its own episode)")
 
     @model_validator(mode="after")
     def _in_flight_supported(self):

@@ -18,6 +18,7 @@ import zlib
 
 from broker.client import queues
 from broker.protocol.messages import EvalCompletion, EvalResult, PromptEntry, encode_eval_result
+from generators.episodes import EpisodeStats
 from generators.prompts import prompt_token_ids
 
 log = logging.getLogger("relay.generator.eval")
@@ -28,6 +29,7 @@ class Evaluator:
         self.gen, self.r, self.keys = gen, gen.r, gen.keys
         self.check_every_s, self.final_wait_s = check_every_s, final_wait_s
         self._next_check = 0.0
+        self.episode_stats = EpisodeStats()  # evaluation episodes (multi-turn tasks), apart from training's
 
     def _claim(self) -> list[tuple[bytes, PromptEntry]]:
         n, stream = self.gen.cfg.prompts_per_batch, self.keys.eval_prompts
@@ -68,7 +70,10 @@ class Evaluator:
         greedy, k = first.greedy, first.samples
         max_tokens = first.max_tokens or base.max_tokens
         prompts = [p for _, p in claimed]
-        ids = [prompt_token_ids(p, backend.encode) for p in prompts]
+        # a multi-turn task: each held-out prompt is answered by episodes too, on this one version (no
+        # update between turns), counted apart from the training episodes
+        runner = self.gen._episode_runner() if self.gen.cfg.env else None
+        ids = [runner.prompt_ids(p) if runner else prompt_token_ids(p, backend.encode) for p in prompts]
         version = weights.version
         seed = zlib.crc32(f"eval:{self.gen.cfg.seed}:{self.gen.cfg.id}:{claimed[0][0]!r}".encode())
         results = [EvalResult(version=version, generator=self.gen.cfg.id) for _ in prompts]
@@ -79,7 +84,11 @@ class Evaluator:
         if k:
             runs.append(("samples", base.model_copy(update={"n": k, "max_tokens": max_tokens})))
         for name, sampling in runs:
-            groups = backend.generate(ids, sampling, seed=seed)
+            if runner is not None:
+                groups = runner.run(prompts, ids, seed, sampling=sampling, between_turns=lambda: version,
+                                    stats=self.episode_stats)
+            else:
+                groups = backend.generate(ids, sampling, seed=seed)
             scores = self.gen.rewards.score_groups(prompts, groups, backend.decode)
             for res, cs, rs in zip(results, groups, scores):
                 comps = [EvalCompletion(reward=r.score if r.status == "ok" else None, status=r.status,

@@ -69,8 +69,36 @@ class GeneratorCollector(Collector):
         resends = CounterMetricFamily("relay_generator_resends", "groups resent after an ack timeout")
         resends.add_metric([], sink.sender.resends)
         yield resends
+        if g.cfg.env:
+            yield from episode_metrics(g.episode_stats.snapshot())
         if getattr(g, "openai", None) is not None:  # the OpenAI-compatible endpoint, when enabled
             yield from g.openai.collect()
+
+
+def episode_metrics(st: dict):
+    """The multi-turn episodes' metrics (generators/episodes.py EpisodeStats.snapshot)."""
+    yield CounterMetricFamily("relay_generator_episodes", "multi-turn episodes finished", value=st["episodes"])
+    yield GaugeMetricFamily("relay_generator_turns_per_episode", "mean model turns per finished episode",
+                            value=st["turns_mean"])
+    calls = CounterMetricFamily("relay_generator_tool_calls", "tool calls made in episodes, by tool", labels=["tool"])
+    for tool, n in sorted(st["tool_calls"].items()):
+        calls.add_metric([tool], n)
+    yield calls
+    fails = CounterMetricFamily("relay_generator_tool_failures", "tool calls that failed, by tool", labels=["tool"])
+    for tool, n in sorted(st["tool_failures"].items()):
+        fails.add_metric([tool], n)
+    yield fails
+    envf = CounterMetricFamily("relay_generator_env_failures", "episodes ended by an environment failure (their "
+                               "reward is failed), by reason", labels=["reason"])
+    for reason, n in sorted(st["env_failures"].items()):
+        envf.add_metric([reason], n)
+    yield envf
+    yield GaugeMetricFamily("relay_generator_env_latency_seconds", "mean latency of an environment call (reset "
+                            "or step)", value=st["env_latency_s"])
+    yield CounterMetricFamily("relay_generator_episodes_truncated", "episodes ended by a budget (max_turns, "
+                              "max_episode_tokens)", value=st["truncated"])
+    yield CounterMetricFamily("relay_generator_template_drift", "episodes whose tokens differ from the chat "
+                              "template's rendering of their conversation", value=st["template_drift"])
 
 
 def serve_metrics(gen: Generator) -> MetricsServer:

@@ -28,18 +28,46 @@ log = logging.getLogger("relay.generator.reward")
 class RewardClient:
     def __init__(self, cfg: GeneratorConfig, stopped: Callable[[], bool] = lambda: False):
         self.retries, self.down_s, self.stopped = cfg.reward_retries, cfg.reward_down_s, stopped
+        self.env = getattr(cfg, "env", "")  # the generator's environment (multi-turn episodes), named in results
         self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s,
                                  headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None)
 
     def score_groups(self, prompts: list[PromptEntry], groups: list[list[Completion]],
                      decode: Callable[[list[int]], str]) -> list[list[ResultOut]]:
-        """One call for a whole batch: each prompt's completions -> their results, same shape."""
-        items = [ItemIn(prompt=p.text, completion=decode(c.token_ids), reference=p.reference,
-                        finished=c.finish_reason == "stop", task=p.task, num_tokens=len(c.token_ids),
-                        metadata=p.metadata)
-                 for p, cs in zip(prompts, groups) for c in cs]
-        k = iter(self.score(items))
-        return [[next(k) for _ in cs] for cs in groups]
+        """One call for a whole batch: each prompt's completions -> their results, same shape.
+
+        Multi-turn episodes (generators/episodes.py): an episode its environment scored keeps that
+        score (plugin ``env:<name>``) and is not sent; one that failed (``episode["error"]``) is
+        failed, never scored; the others are scored on their final answer (``answer_ids``, the last
+        model turn), not the whole transcript. The episode's counts go into the result's details."""
+        results: list[ResultOut | None] = []
+        items: list[ItemIn] = []
+        for p, cs in zip(prompts, groups):
+            for c in cs:
+                own = self._episode_result(c)
+                results.append(own)
+                if own is None:
+                    ids = c.answer_ids if c.answer_ids is not None else c.token_ids
+                    items.append(ItemIn(prompt=p.text, completion=decode(ids), reference=p.reference,
+                                        finished=c.finish_reason == "stop", task=p.task, num_tokens=len(ids),
+                                        metadata=p.metadata))
+        scored = iter(self.score(items) if items else [])
+        flat = iter([r if r is not None else next(scored) for r in results])
+        out = [[next(flat) for _ in cs] for cs in groups]
+        for cs, rs in zip(groups, out):
+            for i, c in enumerate(cs):
+                if c.episode is not None:
+                    rs[i] = rs[i].model_copy(update={"details": {**rs[i].details, **episode_details(c.episode)}})
+        return out
+
+    def _episode_result(self, c: Completion) -> ResultOut | None:
+        """The result an episode brings itself (failed, or its environment's score), or None: to score."""
+        plugin = f"env:{self.env}"
+        if c.episode is not None and c.episode.get("error"):
+            return ResultOut.failed(f"env_error: {c.episode['error']}"[:300], plugin)
+        if c.env_reward is not None:
+            return ResultOut(score=float(c.env_reward), status="ok", plugin=plugin)
+        return None
 
     def score(self, items: list[ItemIn]) -> list[ResultOut]:
         """The results of ``items``, in order; all failed when the service could not score them."""
@@ -70,4 +98,14 @@ class RewardClient:
 
     def close(self) -> None:
         self.http.close()
+
+
+def episode_details(episode: dict) -> dict[str, float]:
+    """An episode's numbers kept with its reward details (which hold floats only)."""
+    out = {"turns": float(episode.get("turns", 0)), "tool_calls": float(episode.get("tool_calls", 0)),
+           "tool_failures": float(sum(episode.get("tool_failures_by_tool", {}).values())),
+           "env_seconds": float(episode.get("env_seconds", 0.0))}
+    if episode.get("template_drift"):
+        out["template_drift"] = 1.0
+    return out
 

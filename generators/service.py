@@ -1,6 +1,10 @@
 """The generator service loop: claim prompts -> sample groups -> hand them to the sink (score ->
 send -> release the prompts: generators/sink.py).
 
+With ``env`` set, each sample is a multi-turn episode run by :class:`generators.episodes.EpisodeRunner`
+(the environment's replies between the model's turns; newer weights may be applied between turns);
+staleness admission still counts prompts, one group per prompt, one sample per episode.
+
 Between batches it applies any newer announced weight version in place (generators/weights.py). A
 prompt is acknowledged (XACK + XDEL) only after the broker confirmed its group is in Redis, so a
 generator that dies loses nothing: its pending prompts are reclaimed by another generator after
@@ -25,6 +29,7 @@ from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat, PromptEntry
 from broker.protocol.signing import announce_key
 from generators.config import GeneratorConfig
+from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
 from generators.metrics import serve_metrics
 from generators.prompts import prompt_token_ids
@@ -48,6 +53,15 @@ class Generator:
         self.tokens = 0
         self.tokens_per_s = 0.0
         self._last_hb = 0.0
+        # multi-turn episodes: the environment is built (its options checked) now; the runner once the
+        # model (and its tokenizer, which renders the environment's replies) is loaded
+        self.episode_stats = EpisodeStats()
+        self.env_factory = None
+        self.runner: EpisodeRunner | None = None
+        if cfg.env:
+            from generators.envs.registry import build_env
+
+            self.env_factory = build_env(cfg.env, cfg.env_options)
         self._batch = 0
         fetcher = None
         if cfg.weights.transport == "http":  # versions fetched from the learner's weight server, no shared volume
@@ -118,7 +132,11 @@ class Generator:
             tokens=self.tokens, updates=w.updates, refused_updates=w.refused_updates,
             forged_announcements=w.forged_announcements,
             reward_failures=sink.reward_failures, reward_failures_by_plugin=dict(sink.reward_failures_by_plugin),
-            last_update_latency_s=w.last_update_latency_s))
+            last_update_latency_s=w.last_update_latency_s,
+            # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
+            # where the heartbeat's schema has the field
+            **({"episodes": self.episode_stats.snapshot()}
+               if self.cfg.env and "episodes" in Heartbeat.model_fields else {})))
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -153,6 +171,24 @@ class Generator:
         self.weights.update()
         return self.weights.version
 
+    def _between_turns(self) -> int | None:
+        """Between an episode's turns: apply a newer announced version, if any; the version serving now."""
+        self.weights.update()
+        return self.weights.version
+
+    def _episode_runner(self) -> EpisodeRunner:
+        if self.runner is None:  # the model is loaded by now: its tokenizer renders the environment's replies
+            from generators.episodes import check_tool_vocabulary, make_renderer
+
+            renderer = make_renderer(self.backend)
+            check_tool_vocabulary(renderer, self.backend)
+            c = self.cfg
+            self.runner = EpisodeRunner(self.backend, self.env_factory, c.sampling,
+                                        EpisodeLimits(c.max_turns, c.max_episode_tokens, c.episode_timeout_s),
+                                        self._between_turns, renderer, threads=c.env_threads,
+                                        stats=self.episode_stats, env_name=c.env)
+        return self.runner
+
     def step(self) -> bool:
         """Generate one batch and hand it to the sink. Returns False when there was nothing to do."""
         self.weights.update()
@@ -163,14 +199,20 @@ class Generator:
         self.state = "sampling"
         self.send_heartbeat()
         prompts = [f for _, f in claimed]
-        ids = [prompt_token_ids(p, self.backend.encode) for p in prompts]  # the feeder's ids when it sent them
         version, whash = self.weights.version, self.weights.hash
         t0 = time.monotonic()
         self._batch += 1
-        groups = self.backend.generate(ids, self.cfg.sampling,
-                                       seed=zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode()),
-                                       on_step=self._on_step if self.cfg.in_flight == "continue" else None)
-        ntok = sum(len(c.token_ids) for cs in groups for c in cs)
+        seed = zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode())
+        on_step = self._on_step if self.cfg.in_flight == "continue" else None
+        if self.cfg.env:  # multi-turn episodes, one per sample
+            runner = self._episode_runner()
+            ids = [runner.prompt_ids(p) for p in prompts]
+            groups = runner.run(prompts, ids, seed, on_step=on_step)
+        else:
+            ids = [prompt_token_ids(p, self.backend.encode) for p in prompts]  # the feeder's ids when it sent them
+            groups = self.backend.generate(ids, self.cfg.sampling, seed=seed, on_step=on_step)
+        # tokens the model sampled (an episode's context tokens, its environment's replies, not counted)
+        ntok = sum(sum(c.trainable) if c.trainable is not None else len(c.token_ids) for cs in groups for c in cs)
         self.tokens_per_s = ntok / max(time.monotonic() - t0, 1e-9)
         self.tokens += ntok
         batch = Batch(claimed, ids, groups, version, whash, time.time())
@@ -209,6 +251,10 @@ class Generator:
         self.send_heartbeat(force=True)
         self.sink.close()
         self.rewards.close()
+        if self.runner is not None:
+            self.runner.close()
+        if self.env_factory is not None and hasattr(self.env_factory, "close"):
+            self.env_factory.close()  # what the environment's episodes share (a tool pool, an HTTP client)
         if self.weights.receiver is not None:
             self.weights.receiver.close()
         if self.sink.error:

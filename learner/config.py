@@ -83,6 +83,9 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
     tiny_vllm_compatible: bool = Field(False, description="with model 'tiny': build it as a Llama with attention heads "
                                        "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)")
+    tiny_tools: bool = Field(False, description="with model 'tiny': append the tool symbols (* <tool_call> "
+                             "</tool_call> <tool_response> </tool_response>) to its vocabulary, for tasks whose "
+                             "environment calls tools (relay up --task calc sets it)")
     seed: int = Field(0, description="seed for model init and training")
     steps: int = Field(600, ge=1, description="optimizer steps to train")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")

@@ -25,7 +25,7 @@ def load_model(cfg: LearnerConfig, build: bool = True):
 
         path = Path(cfg.run_dir) / "base_model"
         if build:
-            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible)
+            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible, tools=cfg.tiny_tools)
     else:
         check_model_folder(cfg.model)  # the same check relay up makes before anything starts
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -8,6 +8,12 @@ encode them.
   copy     "473="  -> "473"   (copy the digits)
   reverse  "473="  -> "374"   (reverse them)
   add      "12+7=" -> "19"    (add two numbers)
+  calc     "7*8="  -> "56"    (multi-turn: call the calculator tool, then answer from its result)
+
+A task may need more than a reward plugin: :data:`TASK_NEEDS` says which environment runs its
+episodes (generators/envs) and whether the tiny model needs its tool vocabulary; ``relay up``
+wires both from it. ``calc``'s operands have ``min_digits`` .. ``max_digits`` digits; its default is
+one digit (:func:`task_defaults`), so the tiny model learns the tool protocol quickly.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from broker.runtime.config import StrictModel
 class TaskConfig(StrictModel):
     """Which built-in task feeds prompts, and its size."""
 
-    name: str = Field("copy", description="built-in task: " + ", ".join(("copy", "reverse", "add")))
+    name: str = Field("copy", description="built-in task: " + ", ".join(("copy", "reverse", "add", "calc")))
     min_digits: int = Field(3, ge=1, le=20, description="shortest digit string in a prompt")
     max_digits: int = Field(3, ge=1, le=20, description="longest digit string in a prompt (variable lengths are "
                             "much harder for the built-in tiny model: see docs/off-policy.md)")
@@ -45,6 +51,11 @@ def _reverse(rng: random.Random, cfg: TaskConfig) -> Prompt:
     return PromptEntry(d + "=", d[::-1], "reverse")
 
 
+def _calc(rng: random.Random, cfg: TaskConfig) -> PromptEntry:
+    a, b = _digits(rng, cfg.min_digits, cfg.max_digits), _digits(rng, cfg.min_digits, cfg.max_digits)
+    return PromptEntry(f"{int(a)}*{int(b)}=", str(int(a) * int(b)), "calc")
+
+
 def _add(rng: random.Random, cfg: TaskConfig) -> Prompt:
     a, b = _digits(rng, cfg.min_digits, cfg.max_digits), _digits(rng, cfg.min_digits, cfg.max_digits)
     return PromptEntry(f"{int(a)}+{int(b)}=", str(int(a) + int(b)), "add")
@@ -54,7 +65,23 @@ TASKS: dict[str, Callable[[random.Random, TaskConfig], PromptEntry]] = {
     "copy": _copy,
     "reverse": _reverse,
     "add": _add,
+    "calc": _calc,
 }
+
+# what a task needs beyond a reward plugin: the environment that runs its episodes (generator.env) and
+# the tiny model's tool vocabulary (learner.tiny_tools); tasks not listed are single-turn
+TASK_NEEDS: dict[str, dict] = {
+    "calc": {"env": "calc", "tools": True},
+}
+
+# a task's own defaults for task.min_digits / max_digits where the general ones do not suit it
+TASK_DIGITS: dict[str, tuple[int, int]] = {"calc": (1, 1)}
+
+
+def task_defaults(name: str) -> dict:
+    """The ``task`` section's defaults for task ``name`` (its digits), below anything configured."""
+    lo_hi = TASK_DIGITS.get(name)
+    return {"min_digits": lo_hi[0], "max_digits": lo_hi[1]} if lo_hi else {}
 
 
 class UnknownTaskError(ValueError):

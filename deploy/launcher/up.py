@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from broker.runtime.config import ConfigError, deep_merge, format_validation_error, read_file, set_overrides
-from broker.prompts.tasks import TASKS, UnknownTaskError, check_task
+from broker.prompts.tasks import TASK_NEEDS, TASKS, UnknownTaskError, check_task, task_defaults
 
 SERVICES = ("broker", "reward", "generator", "learner")
 SHARED = {"weights": ("learner", "generator")}  # run-wide sections, given to each of these services
@@ -194,19 +194,21 @@ def plan(args, environ: dict | None = None) -> dict:
                                 "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
                                 "ingest_key_file": str(keydir / "broker.key_secret"),
                                 "ingest_clients_file": str(keydir / "clients.json"),
-                                "task": {"name": args.task, "seed": args.seed}})
-    reward = section("reward", {"port": free_port()})
+                                "task": {**task_defaults(args.task), "name": args.task, "seed": args.seed}})
+    needs = TASK_NEEDS.get(args.task, {})  # a multi-turn task: its environment, the tiny model's tool vocabulary
+    reward = section("reward", {"port": free_port(), **task_reward_defaults(args.task)})
     # the generators reach the broker and the reward service where they are, overrides included
     ingest = connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1")
     reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
     learner = section("learner", {**common, "redis_url": redis_url("learner"), "run_dir": str(run_dir / "learner"),
-                                  "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed})
+                                  "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed,
+                                  **({"tiny_tools": True} if needs.get("tools") else {})})
     generator = section("generator", {**common, "redis_url": redis_url("generator"), "broker_address": ingest,
                                       "weight_store": learner.get("weight_store", ""),
                                       "backend": {"type": args.backend},
                                       "ingest_auth": broker.get("ingest_auth", "curve"),
                                       "broker_public_key_file": str(keydir / "broker.key"),
-                                      "reward_url": reward_url, "seed": args.seed})
+                                      "reward_url": reward_url, "seed": args.seed, **episode_defaults(needs)})
     if generator.get("weights", {}).get("transport") == "http":
         generator["weight_store"] = ""  # no shared folder: versions are fetched from the learner's weight server
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
@@ -222,6 +224,27 @@ def plan(args, environ: dict | None = None) -> dict:
     return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
             "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
             "broker": broker, "reward": reward, "learner": learner, "generator": generator}
+
+
+# a multi-turn task's generator defaults (below the config file, variables, flags and --set): short turns
+# (the tiny model's tool call is 6 tokens), a few turns (call the tool, read its answer, answer)
+EPISODE_DEFAULTS = {"max_turns": 3, "max_episode_tokens": 32, "sampling": {"max_tokens": 8}}
+
+
+def episode_defaults(needs: dict) -> dict:
+    """The generator's episode settings for a task that needs an environment (``TASK_NEEDS``), else none."""
+    return {"env": needs["env"], **EPISODE_DEFAULTS} if needs.get("env") else {}
+
+
+def task_reward_defaults(task: str) -> dict:
+    """A multi-turn task's reward route: the environment scores the episodes it ends; one ended by a budget
+    (no answer in time) is scored by the reward service on its last turn, with the digit tasks' plugin
+    (0 for an unfinished answer)."""
+    if task not in TASK_NEEDS:
+        return {}
+    from reward_service.config import RewardConfig
+
+    return {"task_plugins": {**RewardConfig.model_fields["task_plugins"].default_factory(), task: "digits"}}
 
 
 def _child_env() -> dict:

@@ -1,0 +1,436 @@
+"""Multi-turn episodes: the generator's runner of environment episodes (docs/agents.md).
+
+An episode is one sample: the prompt, then model turns and the environment's replies in between,
+until the environment says ``done`` or a budget runs out (``max_turns``, the episode's token budget,
+its timeout). Token in, token out: the sample is the exact token sequence the model saw and produced.
+A model turn's tokens are the ids sampled (never re-tokenised from text); an environment reply is
+rendered in the model's format and appended as *context* tokens (trainable 0, log-prob 0.0, the
+current version). Every token records the weight version that sampled it (or, for context, that
+was serving when it was appended): weights may change between turns (the between-turns hook applies
+a newer announced version) and, with the "continue" in-flight policy, within a turn.
+
+Asynchronous: many episodes are in flight. Each round, every episode ready to sample is batched into
+one ``backend.generate`` call (its whole token context as the prompt, n = 1); the environment steps
+(a tool run, an HTTP call) run on a thread pool, and an episode whose step has not returned does not
+hold the others up: they keep sampling, it joins a later round.
+
+Failures are never silent: an :class:`~generators.envs.base.EnvError` (or any exception from an
+environment plugin, or ``info["error"]``) ends the episode; it is counted by reason and its sample's
+reward is failed (the reward client marks it, plugin ``env:<name>``), never invented.
+
+Template drift: for a tokenizer with a chat template, each finished episode's conversation is
+re-rendered through the template and compared with the tokens actually used; a difference is
+counted (``template_drift``) and recorded in the sample's episode info, never silently fixed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from broker.protocol.messages import PromptEntry
+from generators.backends.base import Completion, StepHook
+from generators.config import SamplingConfig
+from generators.envs.base import EnvError, Environment, StepResult
+
+log = logging.getLogger("relay.generator.episodes")
+
+# after a round's environment steps are submitted, wait this long for them before the next round's
+# batch: fast steps (a calculator) join it; a slow one is left behind and joins a later round
+JOIN_WAIT_S = 0.02
+
+
+@dataclass
+class EpisodeLimits:
+    """The budgets of one episode."""
+
+    max_turns: int = 4          # most model turns
+    max_tokens: int = 48        # most tokens after the prompt, model and context together
+    timeout_s: float = 60.0     # wall-clock seconds from its start; then it ends as failed ("timeout")
+
+
+class EpisodeStats:
+    """Counters across all episodes of a generator, read by its heartbeat and ``/metrics``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.episodes = 0                       # episodes finished (any way)
+        self.turns = 0                          # model turns in them
+        self.tool_calls: dict[str, int] = {}    # tool -> calls
+        self.tool_failures: dict[str, int] = {} # tool -> failed calls
+        self.env_failures: dict[str, int] = {}  # reason -> episodes ended by an environment failure
+        self.env_steps = 0                      # reset + step calls that returned
+        self.env_seconds = 0.0                  # their total latency
+        self.truncated = 0                      # episodes ended by a budget (finish_reason "length")
+        self.template_drift = 0                 # episodes whose tokens differ from the chat template's rendering
+
+    def env_call(self, seconds: float) -> None:
+        with self._lock:
+            self.env_steps += 1
+            self.env_seconds += seconds
+
+    def tool(self, name: str, ok: bool) -> None:
+        with self._lock:
+            self.tool_calls[name] = self.tool_calls.get(name, 0) + 1
+            if not ok:
+                self.tool_failures[name] = self.tool_failures.get(name, 0) + 1
+
+    def finished(self, turns: int, error: str, truncated: bool, drift: bool) -> None:
+        with self._lock:
+            self.episodes += 1
+            self.turns += turns
+            if error:
+                reason = error.split(":", 1)[0]
+                self.env_failures[reason] = self.env_failures.get(reason, 0) + 1
+            self.truncated += truncated
+            self.template_drift += drift
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the heartbeat reports (JSON values; docs/protocol.md's Heartbeat.episodes: totals, and the means)."""
+        with self._lock:
+            return {"episodes": self.episodes, "turns": self.turns, "env_seconds": round(self.env_seconds, 6),
+                    "turns_mean": round(self.turns / self.episodes, 3) if self.episodes else 0.0,
+                    "tool_calls": dict(self.tool_calls), "tool_failures": dict(self.tool_failures),
+                    "env_failures": dict(self.env_failures), "env_steps": self.env_steps,
+                    "env_latency_s": round(self.env_seconds / self.env_steps, 6) if self.env_steps else 0.0,
+                    "truncated": self.truncated, "template_drift": self.template_drift}
+
+
+# -- rendering the environment's replies in the model's format -----------------------------------------
+
+
+def _plain_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """text -> ids without special tokens added (no BOS), for a transformers or a ``tokenizers`` tokenizer."""
+    if hasattr(tokenizer, "apply_chat_template"):  # transformers
+        return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+
+
+class PlainRenderer:
+    """A tokenizer without a chat template (the built-in tiny model): a tool's reply is
+    ``<tool_response>REPLY</tool_response>``, a user's reply its text; no drift check (there is no
+    template to drift from). The prompt is encoded as single-turn prompts are."""
+
+    def __init__(self, encode_prompt: Callable[[str], list[int]], encode_plain: Callable[[str], list[int]]):
+        self.encode_prompt, self.encode_plain = encode_prompt, encode_plain
+
+    def prompt_ids(self, prompt: PromptEntry) -> list[int]:
+        return prompt.prompt_ids if prompt.prompt_ids is not None else self.encode_prompt(prompt.text)
+
+    def reply_ids(self, messages: list[dict], turn_ids: list[int], reply: str, role: str) -> list[int]:
+        return self.encode_plain(f"<tool_response>{reply}</tool_response>" if role == "tool" else reply)
+
+    def drift(self, messages: list[dict], used_ids: list[int]) -> bool | None:
+        return None
+
+
+class ChatTemplateRenderer:
+    """A tokenizer with a chat template (SmolLM2, Qwen, ...): the prompt is the template's rendering of
+    the user message (when the feeder did not give ids), and a reply's tokens are the difference between
+    rendering the conversation with the new message (and the generation prompt) and without it. What
+    the template puts after an assistant message that the model did not sample (the newline after
+    ``<|im_end|>``, or the end marker of a turn cut by max_tokens) is added as context too, so the
+    tokens follow the template exactly."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.encode_plain = _plain_encoder(tokenizer)
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def prompt_ids(self, prompt: PromptEntry) -> list[int]:
+        if prompt.prompt_ids is not None:
+            return prompt.prompt_ids
+        return self.encode_plain(self.render([{"role": "user", "content": prompt.text}], True))
+
+    def reply_ids(self, messages: list[dict], turn_ids: list[int], reply: str, role: str) -> list[int]:
+        without = self.render(messages, False)  # ends with the last assistant turn, as the template closes it
+        with_ = self.render(messages + [{"role": role, "content": reply}], True)
+        turn = self.tok.decode(turn_ids, skip_special_tokens=False)
+        at = without.rfind(turn) if turn else -1
+        gap = without[at + len(turn):] if at >= 0 else ""  # the template's close of the turn, past what was sampled
+        if with_.startswith(without):
+            new = with_[len(without):]
+        else:  # the template rewrites earlier turns once a message is added: counted at the episode's end
+            k = 0
+            while k < min(len(with_), len(without)) and with_[k] == without[k]:
+                k += 1
+            new = with_[k:]
+        return self.encode_plain(gap + new)
+
+    def drift(self, messages: list[dict], used_ids: list[int]) -> bool:
+        """Whether the tokens used differ from the template's rendering of the conversation. They must be
+        a prefix of it: what the template adds after the final turn (its end marker, a newline; the close
+        of a turn cut by a budget) was never sampled, so it is no drift."""
+        ref = self.encode_plain(self.render(messages, False))
+        return ref[:len(used_ids)] != list(used_ids)
+
+
+def make_renderer(backend) -> PlainRenderer | ChatTemplateRenderer:
+    """The renderer for ``backend``'s tokenizer (loaded): the chat template's when it has one."""
+    tok = getattr(backend, "tokenizer", None)
+    if tok is not None and getattr(tok, "chat_template", None):
+        return ChatTemplateRenderer(tok)
+    if tok is None:
+        raise ValueError(f"the {backend.name} backend exposes no tokenizer: multi-turn episodes need one to render "
+                         "the environment's replies")
+    return PlainRenderer(backend.encode, _plain_encoder(tok))
+
+
+def check_tool_vocabulary(renderer, backend) -> None:
+    """A plain (template-less) tokenizer must know the tool markers, or every reply would become
+    unknown tokens: refuse to start instead (the tiny model needs learner.tiny_tools)."""
+    if not isinstance(renderer, PlainRenderer):
+        return
+    ids = renderer.encode_plain("<tool_response></tool_response>")
+    if len(ids) != 2 or backend.decode(ids) != "<tool_response></tool_response>":
+        raise ValueError("the model's tokenizer has no <tool_response> / </tool_response> tokens: with the built-in "
+                         "tiny model, set learner.tiny_tools = true (relay up --task calc does)")
+
+
+# -- one episode --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Episode:
+    group: int                      # the prompt's index in the batch
+    prompt: PromptEntry
+    prompt_ids: list[int]
+    env: Environment | None
+    deadline: float
+    messages: list[dict]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    trainable: list[int] = field(default_factory=list)
+    answer: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failures: dict[str, int] = field(default_factory=dict)
+    env_seconds: float = 0.0
+    state: str = "pending"          # pending (an environment call runs) | ready (to sample) | done
+    future: cf.Future | None = None
+    error: str = ""
+    finish_reason: str = "stop"
+    env_reward: float | None = None
+    drift: bool = False
+
+    def add(self, ids: list[int], lps: list[float], versions: list[int], trainable: int) -> None:
+        self.tokens += ids
+        self.logprobs += lps
+        self.versions += versions
+        self.trainable += [trainable] * len(ids)
+
+    def completion(self) -> Completion:
+        info: dict[str, Any] = {"turns": self.turns, "tool_calls": self.tool_calls,
+                                "tool_failures_by_tool": dict(self.tool_failures),
+                                "env_seconds": round(self.env_seconds, 6)}
+        if self.error:
+            info["error"] = self.error
+        if self.drift:
+            info["template_drift"] = True
+        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason, list(self.versions),
+                          trainable=list(self.trainable), env_reward=self.env_reward, answer_ids=list(self.answer),
+                          episode=info)
+
+
+def _timed(fn, *args) -> tuple[str, Any, float]:
+    """Run an environment call on a worker: (outcome, value, seconds); outcome "ok", or "error" with
+    the failure's reason (an EnvError's code, or the exception's type for a plugin's bug)."""
+    t0 = time.monotonic()
+    try:
+        return "ok", fn(*args), time.monotonic() - t0
+    except EnvError as e:
+        return "error", str(e)[:300], time.monotonic() - t0  # "reason: detail"
+    except Exception as e:  # noqa: BLE001 - a plugin's bug ends its episode, counted by type (never silent)
+        log.warning("environment call failed: %s: %s", type(e).__name__, e, exc_info=True)
+        return "error", f"exception_{type(e).__name__}: {e}"[:300], time.monotonic() - t0
+
+
+class EpisodeRunner:
+    """Runs a batch of prompts × ``sampling.n`` episodes (see the module's docstring).
+
+    backend:       the generator's backend (``generate``, ``decode``, and its tokenizer for rendering)
+    env_factory:   () -> a new :class:`Environment` (one per episode)
+    between_turns: () -> the version serving from now on; called before every sampling round, where
+                   the generator applies a newer announced version (``WeightApplier.update``)
+    """
+
+    def __init__(self, backend, env_factory: Callable[[], Environment], sampling: SamplingConfig,
+                 limits: EpisodeLimits, between_turns: Callable[[], int | None], renderer=None,
+                 threads: int = 16, stats: EpisodeStats | None = None, env_name: str = ""):
+        self.backend, self.env_factory, self.sampling, self.limits = backend, env_factory, sampling, limits
+        self.between_turns = between_turns
+        self.renderer = renderer if renderer is not None else make_renderer(backend)
+        self.stats = stats if stats is not None else EpisodeStats()
+        self.env_name = env_name
+        self.pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
+        self.rounds = 0            # backend.generate calls made (one per round)
+        self.version = -1
+
+    def prompt_ids(self, prompt: PromptEntry) -> list[int]:
+        """The token ids an episode of ``prompt`` starts from (the chat template's rendering, if any)."""
+        return self.renderer.prompt_ids(prompt)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def run(self, prompts: list[PromptEntry], prompt_ids: list[list[int]], seed: int,
+            on_step: StepHook | None = None, sampling: SamplingConfig | None = None,
+            between_turns: Callable[[], int | None] | None = None,
+            stats: EpisodeStats | None = None) -> list[list[Completion]]:
+        """Each prompt's ``sampling.n`` episodes, as completions (same shape as ``backend.generate``).
+        ``sampling``, ``between_turns`` and ``stats`` override the runner's for this call (evaluation
+        rounds: greedy sampling, one version throughout, counted apart from training)."""
+        saved = self.sampling, self.between_turns, self.stats
+        self.sampling = sampling or self.sampling
+        self.between_turns = between_turns or self.between_turns
+        self.stats = stats or self.stats
+        try:
+            return self._run(prompts, prompt_ids, seed, on_step)
+        finally:
+            self.sampling, self.between_turns, self.stats = saved
+
+    def _run(self, prompts, prompt_ids, seed, on_step) -> list[list[Completion]]:
+        now = time.monotonic()
+        episodes: list[_Episode] = []
+        for g, (p, ids) in enumerate(zip(prompts, prompt_ids)):
+            for _ in range(self.sampling.n):
+                e = _Episode(g, p, list(ids), None, now + self.limits.timeout_s, [{"role": "user", "content": p.text}])
+                try:
+                    e.env = self.env_factory()
+                    e.future = self.pool.submit(_timed, e.env.reset, p)
+                except Exception as ex:  # noqa: BLE001 - the factory failed: this episode fails, counted
+                    e.error, e.state = f"exception_{type(ex).__name__}: {ex}"[:300], "ready"
+                episodes.append(e)
+        self._wait([e for e in episodes if e.state == "pending"], JOIN_WAIT_S)
+        while True:
+            self._harvest(episodes)
+            live = [e for e in episodes if e.state != "done"]
+            if not live:
+                break
+            ready = [e for e in live if e.state == "ready"]
+            if not ready:  # every live episode waits on its environment: wait for the first one back
+                pending = [e.future for e in live if e.future is not None]
+                wait_s = max(0.0, min(e.deadline for e in live) - time.monotonic())
+                cf.wait(pending, timeout=min(wait_s, 1.0) + 1e-3, return_when=cf.FIRST_COMPLETED)
+                continue
+            v = self.between_turns()
+            self.version = v if v is not None else -1
+            self._sample(ready, seed, on_step)
+            self._wait([e for e in live if e.state == "pending"], JOIN_WAIT_S)
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for e in episodes:
+            out[e.group].append(e.completion())
+        return out
+
+    @staticmethod
+    def _wait(episodes: list[_Episode], timeout_s: float) -> None:
+        futures = [e.future for e in episodes if e.future is not None]
+        if futures:
+            cf.wait(futures, timeout=timeout_s)
+
+    def _sample(self, ready: list[_Episode], seed: int, on_step: StepHook | None) -> None:
+        """One round: one backend.generate call for every ready episode; then their environment steps."""
+        room = [self.limits.max_tokens - len(e.tokens) for e in ready]
+        cap = max(1, min(self.sampling.max_tokens, max(room)))
+        sampling = self.sampling.model_copy(update={"n": 1, "max_tokens": cap})
+        self.rounds += 1
+        groups = self.backend.generate([e.prompt_ids + e.tokens for e in ready], sampling,
+                                       seed=zlib.crc32(f"{seed}:{self.rounds}".encode()), on_step=on_step)
+        for e, r, (c,) in zip(ready, room, groups):
+            ids = c.token_ids[:r]  # an episode with less room than the round's cap: its turn is cut there
+            versions = (c.versions if c.versions is not None else [self.version] * len(c.token_ids))[:r]
+            e.add(ids, c.logprobs[:r], versions, 1)
+            e.answer = list(ids)
+            e.turns += 1
+            e.messages.append({"role": "assistant", "content": self.backend.decode(ids)})
+            if e.error:  # the environment failed at reset: the episode ends after its first turn, failed
+                self._end(e)
+            elif len(ids) < len(c.token_ids) or (c.finish_reason == "length" and len(e.tokens) >= self.limits.max_tokens):
+                self._end(e, "length")  # the episode's token budget ran out within the turn
+            else:
+                e.state, e.future = "pending", self.pool.submit(_timed, e.env.step, e.messages[-1]["content"])
+
+    def _harvest(self, episodes: list[_Episode]) -> None:
+        """Take in the environment calls that returned; end episodes past their deadline."""
+        now = time.monotonic()
+        for e in episodes:
+            if e.state == "done":
+                continue
+            if e.state == "pending" and e.future is not None and e.future.done():
+                outcome, value, seconds = e.future.result()
+                e.future = None
+                e.env_seconds += seconds
+                self.stats.env_call(seconds)
+                if outcome != "ok":
+                    e.error = value
+                    if e.turns:  # a failed step ends the episode; a failed reset: after its first turn
+                        self._end(e)
+                    else:
+                        e.state = "ready"
+                elif e.turns == 0:
+                    e.state = "ready"  # reset returned
+                else:
+                    self._take_step(e, value)
+            if e.state != "done" and now > e.deadline:
+                e.error = e.error or f"timeout: episode still running after {self.limits.timeout_s}s"
+                self._end(e)
+
+    def _take_step(self, e: _Episode, res: StepResult) -> None:
+        if not isinstance(res, StepResult):
+            e.error = f"bad_reply: step returned {type(res).__name__}, not a StepResult"
+            return self._end(e)
+        for tc in res.tool_calls:
+            e.tool_calls += 1
+            self.stats.tool(tc.name, tc.ok)
+            if not tc.ok:
+                e.tool_failures[tc.name] = e.tool_failures.get(tc.name, 0) + 1
+        if res.info.get("error"):
+            e.error = str(res.info["error"])[:300]
+            return self._end(e)
+        if res.done:
+            e.env_reward = None if res.reward is None else float(res.reward)
+            return self._end(e)
+        if e.turns >= self.limits.max_turns:
+            return self._end(e, "length")
+        ctx = self.renderer.reply_ids(e.messages, e.answer, res.reply, res.role) if res.reply is not None else []
+        if len(e.tokens) + len(ctx) >= self.limits.max_tokens:  # no room left for a model token
+            return self._end(e, "length")
+        e.add(ctx, [0.0] * len(ctx), [self.version] * len(ctx), 0)
+        if res.reply is not None:
+            e.messages.append({"role": res.role, "content": res.reply})
+        e.state = "ready"
+
+    def _end(self, e: _Episode, finish_reason: str = "stop") -> None:
+        e.state, e.finish_reason = "done", finish_reason
+        if not e.error and e.tokens:
+            d = self.renderer.drift(e.messages, e.prompt_ids + e.tokens)
+            if d:
+                e.drift = True
+                log.warning("template drift: an episode's tokens differ from the chat template's rendering of its "
+                            "conversation (counted as template_drift)")
+        self.stats.finished(e.turns, e.error, finish_reason == "length", e.drift)
+        env, fut = e.env, e.future
+        if env is None:
+            return
+        if fut is not None and not fut.done():  # a step still runs (the episode timed out): close after it
+            fut.add_done_callback(lambda _f: self._close(env))
+        else:
+            self._close(env)
+
+    def _close(self, env: Environment) -> None:
+        try:
+            env.close()
+        except Exception as ex:  # noqa: BLE001 - counted and logged; the episode's sample is already complete
+            log.warning("environment close failed: %s: %s", type(ex).__name__, ex)
+            with self.stats._lock:
+                self.stats.env_failures["close"] = self.stats.env_failures.get("close", 0) + 1

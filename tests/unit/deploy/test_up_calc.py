@@ -1,0 +1,43 @@
+"""``relay up --task calc``: the multi-turn task's wiring (its environment, the tiny model's tool
+vocabulary, short turns, one-digit operands), below anything the user configures; other tasks unchanged."""
+
+import argparse
+
+from broker.prompts.tasks import TaskConfig, prompt_stream
+from deploy.launcher.up import add_up_arguments, plan
+
+
+def _plan(tmp_path, *argv):
+    p = argparse.ArgumentParser()
+    add_up_arguments(p)
+    return plan(p.parse_args(["--runs-dir", str(tmp_path), "--dashboard-port", "0",
+                              "--redis-url", "redis://127.0.0.1:1/0", *argv]), environ={})
+
+
+def test_calc_sets_the_environment_the_tool_vocabulary_and_short_turns(tmp_path):
+    p = _plan(tmp_path, "--run-id", "a", "--task", "calc")
+    g = p["generator"]
+    assert g["env"] == "calc" and g["max_turns"] == 3 and g["sampling"]["max_tokens"] == 8
+    assert p["learner"]["tiny_tools"] is True
+    assert p["broker"]["task"]["min_digits"] == p["broker"]["task"]["max_digits"] == 1
+    assert p["reward"]["task_plugins"]["calc"] == "digits" and p["reward"]["task_plugins"]["copy"] == "digits"
+    # the user's settings win over the task's defaults
+    q = _plan(tmp_path, "--run-id", "b", "--task", "calc", "--set", "generator.max_turns=5",
+              "--set", "generator.sampling.max_tokens=12", "--set", "broker.task.max_digits=2")
+    assert q["generator"]["max_turns"] == 5 and q["generator"]["sampling"]["max_tokens"] == 12
+    assert q["broker"]["task"]["max_digits"] == 2 and q["broker"]["task"]["min_digits"] == 1
+
+
+def test_single_turn_tasks_are_planned_as_before(tmp_path):
+    p = _plan(tmp_path, "--run-id", "a", "--task", "copy")
+    assert "env" not in p["generator"] and "sampling" not in p["generator"]
+    assert "tiny_tools" not in p["learner"] and "task_plugins" not in p["reward"]
+    assert p["broker"]["task"] == {"name": "copy", "seed": 0}
+
+
+def test_calc_prompts_are_products_with_their_reference():
+    prompts = prompt_stream(TaskConfig(name="calc", min_digits=1, max_digits=1, seed=3))
+    for _ in range(50):
+        p = next(prompts)
+        a, b = p.text.removesuffix("=").split("*")
+        assert p.task == "calc" and len(a) == len(b) == 1 and p.reference == str(int(a) * int(b))
