@@ -135,8 +135,7 @@ class Generator:
             last_update_latency_s=w.last_update_latency_s,
             # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
             # where the heartbeat's schema has the field
-            **({"episodes": self.episode_stats.snapshot()}
-               if self.cfg.env and "episodes" in Heartbeat.model_fields else {})))
+            **({"episodes": self.episode_stats.snapshot()} if self.cfg.env else {})))
 
     # -- prompts --------------------------------------------------------------------------------
 

@@ -202,7 +202,8 @@ def plan(args, environ: dict | None = None) -> dict:
     reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
     learner = section("learner", {**common, "redis_url": redis_url("learner"), "run_dir": str(run_dir / "learner"),
                                   "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed,
-                                  **({"tiny_tools": True} if needs.get("tools") else {})})
+                                  **({"tiny_tools": True} if needs.get("tools") else {}),
+                                  **(EPISODE_LEARNER_DEFAULTS if needs.get("env") else {})})
     generator = section("generator", {**common, "redis_url": redis_url("generator"), "broker_address": ingest,
                                       "weight_store": learner.get("weight_store", ""),
                                       "backend": {"type": args.backend},
@@ -228,7 +229,10 @@ def plan(args, environ: dict | None = None) -> dict:
 
 # a multi-turn task's generator defaults (below the config file, variables, flags and --set): short turns
 # (the tiny model's tool call is 6 tokens), a few turns (call the tool, read its answer, answer)
-EPISODE_DEFAULTS = {"max_turns": 3, "max_episode_tokens": 32, "sampling": {"max_tokens": 8}}
+EPISODE_DEFAULTS = {"max_turns": 3, "max_episode_tokens": 32, "sampling": {"max_tokens": 8, "n": 16}}
+# and the learner's: 16 groups of 16 episodes a step, an entropy bonus and a higher upper clip keep the
+# policy exploring the two-turn protocol (calc1 collapsed onto one episode without them; docs/agents.md)
+EPISODE_LEARNER_DEFAULTS = {"batch_groups": 16, "entropy_coef": 0.02, "clip_eps_high": 0.28}
 
 
 def episode_defaults(needs: dict) -> dict:

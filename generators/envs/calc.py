@@ -15,9 +15,14 @@ Reward, computed here at ``done`` (the reward service is not asked), in [0, 1]:
     0.1 * [turn 1 holds a readable calculator call]
   + 0.3 * expression match: the call's expression against the prompt's, position-wise
           (characters equal at the same position / the longer length; spaces ignored)
-  + 0.6 * answer match: the final answer (the last turn, when it calls no tool) against the TRUE
-          result (the reference; not the tool's output), position-wise in the same way; 0 when the
-          episode ran out of turns still calling tools
+  + 0.6 * answer match, only when the call's expression was exactly the prompt's: the final answer
+          (the last turn, when it calls no tool) against the TRUE result (the reference, which is then
+          also what the tool returned), position-wise in the same way; 0 when the episode ran out of
+          turns still calling tools
+
+The answer counts only after an exact call so that the tool is the way to the full score: with
+one-digit operands a model can memorise the products, and without the gate the tiny model learned
+to call the tool with half an expression and answer from memory (0.5, flat; docs/agents.md).
 
 A perfect episode scores 1.0. A random model rarely closes a tool call, so it starts near 0; one that
 learned to call the tool with the right expression but answers wrongly gets 0.4 plus partial digits.
@@ -70,7 +75,8 @@ def calc_reward(expression: str, truth: str, first_turn_calls: list[ParsedCall],
     expr = call_expression(first_turn_calls[0]) if first_turn_calls else None
     tool = 1.0 if expr is not None else 0.0
     expr_match = position_match("".join((expr or "").split()), "".join(expression.split())) if expr is not None else 0.0
-    ans = position_match(answer.strip(), truth) if answer is not None else 0.0
+    exact = expr_match == 1.0
+    ans = position_match(answer.strip(), truth) if answer is not None and exact else 0.0
     reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * ans
     return round(reward, 6), {"tool": tool, "expression": round(expr_match, 6), "answer": round(ans, 6)}
 

@@ -170,15 +170,17 @@ def test_calc_answering_without_the_tool_scores_zero():
 
 def test_calc_partial_credit():
     env = build_env("calc")()
-    # wrong expression (one of 3 characters right), the tool says 54, the answer follows the tool: 5 right of 56
+    # wrong expression (one of 3 characters right), the tool says 54: the answer earns nothing, even when it is
+    # the true result (remembered, not read from the tool)
     r1, r2 = episode(env, P, ["<tool_call>9*6</tool_call>", "54"])
     assert r1.reply == "54"
-    assert r2.reward == pytest.approx(0.1 + 0.3 * (1 / 3) + 0.6 * 0.5)
+    assert r2.reward == pytest.approx(0.1 + 0.3 * (1 / 3))
+    assert episode(build_env("calc")(), P, ["<tool_call>7*</tool_call>", "56"])[-1].reward == pytest.approx(0.1 + 0.2)
     # right expression, no answer digit right
     assert episode(build_env("calc")(), P, ["<tool_call>7*8</tool_call>", "3"])[-1].reward == pytest.approx(0.4)
     # an unreadable call counts as calling the tool but earns no tool or expression credit
     r = episode(build_env("calc")(), P, ["<tool_call>{7*8</tool_call>", "56"])
-    assert r[0].tool_calls[0].error == "bad_json" and r[-1].reward == pytest.approx(0.6)
+    assert r[0].tool_calls[0].error == "bad_json" and r[-1].reward == 0.0
 
 
 def test_calc_ends_after_max_turns():
