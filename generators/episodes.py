@@ -304,7 +304,9 @@ class EpisodeRunner:
         episodes: list[_Episode] = []
         for g, (p, ids) in enumerate(zip(prompts, prompt_ids)):
             for _ in range(self.sampling.n):
-                e = _Episode(g, p, list(ids), None, now + self.limits.timeout_s, [{"role": "user", "content": p.text}])
+                # the conversation so far: the dataset's chat messages the prompt's ids render, else its text
+                start = [dict(m) for m in p.messages] if p.messages else [{"role": "user", "content": p.text}]
+                e = _Episode(g, p, list(ids), None, now + self.limits.timeout_s, start)
                 try:
                     e.env = self.env_factory()
                     e.future = self.pool.submit(_timed, e.env.reset, p)

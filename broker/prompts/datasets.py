@@ -238,7 +238,8 @@ class PromptBuilder:
         task = str(row.get(cfg.task_field) or cfg.task) if cfg.task_field else cfg.task
         reference = "" if not cfg.reference_field or row[cfg.reference_field] is None else str(row[cfg.reference_field])
         return PromptEntry(text=text, reference=reference, task=task, prompt_ids=ids,
-                            metadata={k: row[k] for k in cfg.metadata_fields})
+                            metadata={k: row[k] for k in cfg.metadata_fields},
+                            messages=msgs if self.use_template else None)
 
 
 def check_dataset(cfg: DatasetConfig, tokenizer, rows: list[dict] | None = None, first: int = 8) -> list[dict]:

@@ -134,6 +134,9 @@ class PromptEntry:
     task: str = ""                       # the task: picks the reward plugin
     prompt_ids: list[int] | None = None  # JSON list of token ids to feed exactly (dataset prompts, template applied)
     metadata: dict[str, Any] = field(default_factory=dict)  # JSON object: dataset fields for the reward
+    # JSON list of chat messages [{role, content}, ...] that prompt_ids render through the chat template
+    # (dataset prompts with chat_template): a multi-turn episode continues this conversation (docs/agents.md)
+    messages: list[dict] | None = None
     seq: int | None = None               # training: the broker's sequence number (1, 2, ...)
     epoch: int | None = None             # training: which pass over the source
     row: int | None = None               # training: which row (or built-in prompt number) of the source
@@ -152,6 +155,8 @@ class PromptEntry:
             out["prompt_ids"] = json.dumps(self.prompt_ids, separators=(",", ":"))
         if self.metadata:
             out["metadata"] = json.dumps(self.metadata, default=str)
+        if self.messages is not None:
+            out["messages"] = json.dumps(self.messages, separators=(",", ":"))
         out.update({k: str(getattr(self, k)) for k in self._INTS if getattr(self, k) is not None})
         if self.round is not None:
             out.update(greedy=str(int(self.greedy)), samples=str(self.samples), max_tokens=str(self.max_tokens))
@@ -165,8 +170,12 @@ class PromptEntry:
             if ids is not None and (not isinstance(ids, list) or not ids
                                     or not all(isinstance(i, int) and i >= 0 for i in ids)):
                 raise ValueError(f"prompt_ids must be a non-empty JSON list of token ids, got {f['prompt_ids'][:80]!r}")
+            msgs = json.loads(f["messages"]) if f.get("messages") else None
+            if msgs is not None and (not isinstance(msgs, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)):
+                raise ValueError(f"messages must be a JSON list of {{role, content}} objects, got {f['messages'][:80]!r}")
             return cls(text=f.get("text", ""), reference=f.get("reference", ""), task=f.get("task", ""),
-                       prompt_ids=ids, metadata=json.loads(f.get("metadata") or "{}"),
+                       prompt_ids=ids, metadata=json.loads(f.get("metadata") or "{}"), messages=msgs,
                        **{k: int(f[k]) for k in cls._INTS if f.get(k)}, greedy=f.get("greedy") == "1",
                        samples=int(f.get("samples") or 0), max_tokens=int(f.get("max_tokens") or 0))
         except (KeyError, ValueError, TypeError) as e:

@@ -6,6 +6,8 @@ import json
 import pytest
 
 from broker.prompts.datasets import DatasetConfig, DatasetError, DatasetSource, Position, PromptBuilder, chat_ids, read_rows
+from broker.protocol.codec import ProtocolError
+from broker.protocol.messages import PromptEntry
 from learner.tiny_model import build_tokenizer
 
 ROWS = [{"question": f"{i}{i}{i}", "solution": f"{i}{i}{i}", "level": i % 3} for i in range(10)]
@@ -72,6 +74,10 @@ def test_chat_template_ids_are_exactly_apply_chat_template(tmp_path):
     assert rec.reference == "333" and rec.task == "digits" and rec.metadata == {"level": 0}
     f = rec.fields()
     assert json.loads(f["prompt_ids"]) == rec.prompt_ids and json.loads(f["metadata"]) == {"level": 0}
+    # the messages the ids render travel with them (a multi-turn episode continues that conversation)
+    assert rec.messages == msgs and PromptEntry.from_fields(f).messages == msgs
+    with pytest.raises(ProtocolError, match="messages"):
+        PromptEntry.from_fields({**f, "messages": '"not a list"'})
 
 
 def test_messages_field_and_raw_text(tmp_path):
