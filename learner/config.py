@@ -88,6 +88,11 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
                              "environment calls tools (relay up --task calc sets it)")
     seed: int = Field(0, description="seed for model init and training")
     steps: int = Field(600, ge=1, description="optimizer steps to train")
+    target_reward: float | None = Field(None, description="end the run early, completed, once the mean reward of "
+                                        "the last target_window trained groups reaches this (a checkpoint, the last "
+                                        "version published, summary.json's ended says so); null = train every step")
+    target_window: int = Field(256, ge=1, description="groups in target_reward's moving mean (the first "
+                               "target_window groups never end a run)")
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
     lr: float | None = Field(None, gt=0, description="AdamW learning rate; null = the default for the model: "
                              f"{TINY_LR} for 'tiny' ({TINY_LR_PER_TOKEN} with gae or vtrace), {PRETRAINED_LR} for a "

@@ -121,6 +121,8 @@ class Learner:
         # replaced by a newer one while waiting for the publisher (skip to the newest). All in every metrics line.
         self.counts = Counter(skipped_steps=0, publish_refused_nonfinite=0, publish_skipped=0)
         self.recent_truncated: deque[float] = deque(maxlen=TRUNCATED_WARN_STEPS)
+        self.recent_rewards: deque[float] = deque(maxlen=cfg.target_window)  # learner.target_reward's window
+        self.target_reached: str | None = None  # why the run ends early (the leader's sentence), once it does
         self.warned_truncated = False
         self.intake = GroupIntake(self.r, self.keys, cfg, vocab, self.counts) if self.leader else None
         self.resume()
@@ -243,7 +245,7 @@ class Learner:
             while step < self.cfg.steps:
                 t_wait = time.perf_counter()
                 fresh = None
-                if self.leader and not self.stop.is_set():
+                if self.leader and not self.stop.is_set() and self.target_reached is None:
                     # None when asked to stop: nothing acknowledged, all stays pending
                     fresh = self.intake.next_batch(self.version, self.stop)
                 groups, self.version = share_batch(fresh, self.version, self.leader, self.world)
@@ -272,6 +274,7 @@ class Learner:
                     rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
                     diag.update(step=step, wait_s=wait_s, group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
                                 ranks=self.world, **completion_stats(groups), **self.counts)
+                    self.check_target(rewards, step)
                     self.step_metrics = diag  # a checkpoint of this step carries its metrics line (resume)
                 publishes = step % self.cfg.publish_every == 0 or step == self.cfg.steps
                 self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
@@ -299,8 +302,8 @@ class Learner:
                 mf.close()
                 self.records.close()
         self.drain_publisher()  # stopped or finished: what was handed over is announced before anything ends
-        if self._agree(self.leader and self.intake.data_ended):
-            self.end_with_the_data()
+        if self._agree(self.leader and (self.intake.data_ended or self.target_reached is not None)):
+            self.end_early()
             return
         if self.cfg.checkpoint_every and self.step > self.saved_step:
             # stopped (SIGINT/SIGTERM), or finished, between two checkpoints: keep the steps taken, so a restart or
@@ -354,10 +357,25 @@ class Learner:
         dist.broadcast(t, 0)
         return bool(t.item())
 
-    def end_with_the_data(self) -> None:
-        """The dataset ran out before ``steps`` (learner/intake.py): keep what was trained (a checkpoint
-        and the commit of its groups, the last weights published), then mark the run done and say why,
-        so the generators and ``relay up`` end it cleanly instead of waiting for groups that never come."""
+    def check_target(self, rewards: list[float], step: int) -> None:
+        """``learner.target_reward``: once the mean reward of the last ``target_window`` groups reaches it,
+        this step is the run's last (the leader takes no further batch; ``end_early`` says why)."""
+        target = self.cfg.target_reward
+        if target is None:
+            return
+        self.recent_rewards.extend(rewards)
+        if len(self.recent_rewards) < self.recent_rewards.maxlen:
+            return
+        mean = sum(self.recent_rewards) / len(self.recent_rewards)
+        if mean >= target:
+            self.target_reached = (f"reached the target reward {target:g} (mean {mean:.3f} of the last "
+                                   f"{len(self.recent_rewards)} groups) at step {step} of {self.cfg.steps}")
+
+    def end_early(self) -> None:
+        """The run ends before ``steps``: the target reward was reached (``check_target``), or the dataset
+        ran out (learner/intake.py). Keep what was trained (a checkpoint and the commit of its groups, the
+        last weights published), then mark the run done and say why, so the generators and ``relay up`` end
+        it cleanly instead of waiting for groups that never come."""
         if self.cfg.checkpoint_every and self.step > self.saved_step:
             self.checkpoint()  # and commits what it holds
         elif self.leader and self.uncommitted:
@@ -368,10 +386,12 @@ class Learner:
         self.close_publisher()
         if not self.leader:
             return
-        broker = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.stats("broker")).items()}
-        why = (f"the dataset ran out after {broker.get('epoch', '?')} epoch(s) ({broker.get('prompts_fed', '?')} "
-               f"prompts): trained {self.step} of {self.cfg.steps} steps")
+        why = self.target_reached
+        if why is None:
+            broker = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.stats("broker")).items()}
+            why = (f"the dataset ran out after {broker.get('epoch', '?')} epoch(s) ({broker.get('prompts_fed', '?')} "
+                   f"prompts): trained {self.step} of {self.cfg.steps} steps")
         self.r.hset(self.keys.stats("learner"), "version", self.version)
         self.stop_serving_weights()
         self.r.set(self.keys.done, why)
-        log.warning("%s; the run ends at version %d", why, self.version)
+        (log.info if self.target_reached else log.warning)("%s; the run ends at version %d", why, self.version)
