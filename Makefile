@@ -56,7 +56,7 @@ run: setup
 	$(VENV)/bin/relay up $(RELAY_ARGS)
 
 test: setup vllm chromium nodejs
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=40
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -19,7 +19,7 @@ from broker.protocol.messages import decode_ack
 from tests.support.services import announce_key, producer_keys, start_broker
 from tests.support.data import announce_make_group_versions, make_group
 
-N = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "100000"))
+N = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "40000"))
 BATCH = 100
 
 VALID = msgpack.unpackb(encode_group(make_group(group_id="seed")), raw=False)

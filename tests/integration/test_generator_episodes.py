@@ -54,7 +54,9 @@ def test_generator_sends_calc_episodes_with_their_mask_and_the_environments_rewa
                 ctx = s.completion_ids[~s.trainable.astype(bool)].tolist()
                 assert ctx[0] == 18 and ctx[-1] == 19  # <tool_response> ... </tool_response>, never trained
                 assert (got[~mask] == 0).all()
-    hb = wait_until(lambda: read_heartbeats(r, keys).get("g0"), timeout=10, what="a heartbeat")
+    # the 8 groups' 64 episodes reach the heartbeat within a heartbeat or two of the groups being sent
+    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.episodes.get("episodes", 0) >= 64 and h,
+                    timeout=20, what=f"a heartbeat counting 64 episodes (last: {read_heartbeats(r, keys).get('g0')})")
     ep = hb.episodes
     assert ep["episodes"] >= 64 and ep["turns"] >= ep["episodes"] and ep["template_drift"] == 0
     assert ep["env_failures"] == {}
