@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from broker.runtime.config import StrictModel
+from broker.runtime.registry import Registry
 from reward_service.httpcall import Observer  # what a plugin may report besides its results (its outbound calls)
 
 log = logging.getLogger("relay.reward")
@@ -87,42 +87,11 @@ class RewardPlugin:
         raise NotImplementedError
 
 
-REGISTRY: dict[str, type[RewardPlugin]] = {}
-
-
-def register(name: str) -> Callable[[type[RewardPlugin]], type[RewardPlugin]]:
-    def deco(cls: type[RewardPlugin]) -> type[RewardPlugin]:
-        if name in REGISTRY and REGISTRY[name] is not cls:
-            raise ValueError(f"reward plugin {name!r} is already registered by {REGISTRY[name].__qualname__}")
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def load_entry_point_plugins() -> list[str]:
-    """Register third-party plugins from the ``relay.rewards`` entry-point group."""
-    loaded = []
-    for ep in entry_points(group="relay.rewards"):
-        cls = ep.load()
-        if not (isinstance(cls, type) and issubclass(cls, RewardPlugin)):
-            raise TypeError(f"entry point {ep.name} = {ep.value} is not a RewardPlugin subclass")
-        register(ep.name)(cls)
-        loaded.append(ep.name)
-    return loaded
-
-
-_entry_points_loaded = False
-
-
-def known_plugins() -> dict[str, type[RewardPlugin]]:
-    """Every plugin type: the built-ins and (loaded once) the entry-point ones."""
-    global _entry_points_loaded
-    if not _entry_points_loaded:
-        load_entry_point_plugins()
-        _entry_points_loaded = True
-    return REGISTRY
+_PLUGINS = Registry("reward plugin", RewardPlugin, "relay.rewards")
+REGISTRY: dict[str, type[RewardPlugin]] = _PLUGINS.classes
+register = _PLUGINS.register
+load_entry_point_plugins = _PLUGINS.load_entry_points  # register third-party plugins (``relay.rewards``)
+known_plugins = _PLUGINS.known  # every plugin type: the built-ins and (loaded once) the entry-point ones
 
 
 from reward_service import builtin  # noqa: E402,F401  (registers the built-ins)

@@ -22,53 +22,28 @@ list it offers, for chat templates that render tools).
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import ValidationError
 
+from broker.runtime.registry import Registry
 from generators.envs.base import Environment
 
-REGISTRY: dict[str, type[Environment]] = {}
+_ENVS = Registry("environment", Environment, "relay.envs")
+REGISTRY: dict[str, type[Environment]] = _ENVS.classes
+register_env = _ENVS.register
+load_entry_point_envs = _ENVS.load_entry_points  # register third-party environments (``relay.envs``)
 
 
 class UnknownEnvError(ValueError):
     """No environment by that name; the message lists the valid ones."""
 
 
-def register_env(name: str) -> Callable[[type[Environment]], type[Environment]]:
-    def deco(cls: type[Environment]) -> type[Environment]:
-        if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            raise TypeError(f"environment {name!r}: {cls!r} is not an Environment subclass")
-        if name in REGISTRY and REGISTRY[name] is not cls:
-            raise ValueError(f"environment {name!r} is already registered by {REGISTRY[name].__qualname__}")
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def load_entry_point_envs() -> list[str]:
-    """Register third-party environments from the ``relay.envs`` entry-point group."""
-    loaded = []
-    for ep in entry_points(group="relay.envs"):
-        register_env(ep.name)(ep.load())
-        loaded.append(ep.name)
-    return loaded
-
-
-_entry_points_loaded = False
-
-
 def known_envs() -> dict[str, type[Environment]]:
     """Every environment: the built-ins and (loaded once) the entry-point ones."""
-    global _entry_points_loaded
-    if not _entry_points_loaded:
-        from generators.envs import calc, remote, tool_env  # noqa: F401  (the built-ins register on import)
-        load_entry_point_envs()
-        _entry_points_loaded = True
-    return REGISTRY
+    from generators.envs import calc, remote, tool_env  # noqa: F401  (the built-ins register on import)
+
+    return _ENVS.known()
 
 
 class EnvFactory:

@@ -231,15 +231,16 @@ class EntryPointEnv(Environment):
 def test_relay_envs_entry_points_register(monkeypatch):
     from importlib.metadata import EntryPoint
 
+    from broker.runtime import registry as loader
     from generators.envs import registry
     eps = [EntryPoint("ep_env", "tests.unit.generators.test_envs:EntryPointEnv", "relay.envs")]
-    monkeypatch.setattr(registry, "entry_points", lambda group: eps if group == "relay.envs" else [])
+    monkeypatch.setattr(loader, "entry_points", lambda group: eps if group == "relay.envs" else [])
     assert registry.load_entry_point_envs() == ["ep_env"]
     env = build_env("ep_env")()
     assert isinstance(env, EntryPointEnv) and env.step("x").reward == 0.5
     bad = [EntryPoint("ep_bad", "generators.envs.toolcall:parse_tool_calls", "relay.envs")]
-    monkeypatch.setattr(registry, "entry_points", lambda group: bad)
-    with pytest.raises(TypeError, match="not an Environment subclass"):
+    monkeypatch.setattr(loader, "entry_points", lambda group: bad)
+    with pytest.raises(TypeError, match="is not a subclass of Environment"):
         registry.load_entry_point_envs()
 
 

@@ -60,6 +60,6 @@ def test_a_non_plugin_entry_point_is_refused(tmp_path, monkeypatch):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: relay-ep-bad\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[relay.rewards]\nbad = relay_ep_bad:not_a_class\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(TypeError, match="is not a RewardPlugin subclass"):
+    with pytest.raises(TypeError, match="is not a subclass of RewardPlugin"):
         P.load_entry_point_plugins()
     sys.modules.pop("relay_ep_bad", None)
