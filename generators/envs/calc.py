@@ -13,19 +13,21 @@ Reward, computed here at ``done`` (the reward service is not asked), in [0, 1]:
 
     0                                  when no turn called a tool (the task requires the tool)
     0.1 * [turn 1 holds a readable calculator call]
-  + 0.3 * expression match: the call's expression against the prompt's, position-wise
+  + 0.3 * e, e = expression match: turn 1's call's expression against the prompt's, position-wise
           (characters equal at the same position / the longer length; spaces ignored)
-  + 0.6 * answer match, only when the call's expression was exactly the prompt's: the final answer
-          (the last turn, when it calls no tool) against the TRUE result (the reference, which is then
-          also what the tool returned), position-wise in the same way; 0 when the episode ran out of
-          turns still calling tools
+  + 0.6 * e * answer match: the final answer (the last turn, when it calls no tool) against WHAT THE
+          TOOL RETURNED for turn 1's call, position-wise in the same way; 0 when the tool returned no
+          number (an error) or the episode ran out of turns still calling tools
 
-The answer counts only after an exact call so that the tool is the way to the full score: with
-one-digit operands a model can memorise the products, and without the gate the tiny model learned
-to call the tool with half an expression and answer from memory (0.5, flat; docs/agents.md).
+The answer is scored against the tool's result, never against the true result, so remembering the
+product earns nothing: the way to the answer's credit is to read the tool. Weighting it by the
+expression match makes the full score need the exact call (a call for ``7*3`` answered ``21`` earns
+0.1 + 0.2 + 0.4 = 0.7, and only ``7*8`` answered ``56`` earns 1.0) while every step towards the exact
+call is worth more once the model reads its results. (Earlier rewards were exploited: scored against
+the true result, the tiny model called the tool with half the expression and answered from memory,
+flat at 0.5; with the answer counted only after an exact call it settled on an empty call; docs/agents.md.)
 
-A perfect episode scores 1.0. A random model rarely closes a tool call, so it starts near 0; one that
-learned to call the tool with the right expression but answers wrongly gets 0.4 plus partial digits.
+A perfect episode scores 1.0. A random model rarely closes a tool call, so it starts near 0.
 The parts are in ``StepResult.info`` (``tool``, ``expression``, ``answer``, ``turns``).
 """
 
@@ -38,7 +40,7 @@ from generators.envs.base import EnvError, StepResult
 from generators.envs.registry import register_env
 from generators.envs.tool_env import ToolEnv, ToolEnvOptions, ToolShared
 from generators.envs.toolcall import COMPACT_ARG, ParsedCall, parse_tool_calls
-from generators.envs.tools import ToolFailure, calculate, format_number
+from generators.envs.tools import ToolFailure, calculate
 
 W_TOOL, W_EXPRESSION, W_ANSWER = 0.1, 0.3, 0.6
 
@@ -67,17 +69,17 @@ def call_expression(call: ParsedCall) -> str | None:
     return expr if isinstance(expr, str) else None
 
 
-def calc_reward(expression: str, truth: str, first_turn_calls: list[ParsedCall], called_tool: bool,
-                answer: str | None) -> tuple[float, dict[str, float]]:
-    """The episode's reward and its parts (see the module docstring)."""
+def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool: bool, answer: str | None,
+                tool_result: str | None) -> tuple[float, dict[str, float]]:
+    """The episode's reward and its parts (see the module docstring). ``tool_result``: what the tool
+    returned for turn 1's call (None when it returned no number)."""
     if not called_tool:
         return 0.0, {"tool": 0.0, "expression": 0.0, "answer": 0.0}
     expr = call_expression(first_turn_calls[0]) if first_turn_calls else None
     tool = 1.0 if expr is not None else 0.0
     expr_match = position_match("".join((expr or "").split()), "".join(expression.split())) if expr is not None else 0.0
-    exact = expr_match == 1.0
-    ans = position_match(answer.strip(), truth) if answer is not None and exact else 0.0
-    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * ans
+    ans = position_match(answer.strip(), tool_result) if answer is not None and tool_result is not None else 0.0
+    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * expr_match * ans
     return round(reward, 6), {"tool": tool, "expression": round(expr_match, 6), "answer": round(ans, 6)}
 
 
@@ -95,14 +97,14 @@ class CalcEnv(ToolEnv):
     def reset(self, prompt) -> None:
         self.prompt = prompt
         self.expression = prompt.text.strip().removesuffix("=").strip()
-        self.truth = prompt.reference.strip()
-        if not self.truth:
-            try:
-                self.truth = format_number(calculate(self.expression))
-            except ToolFailure as e:
-                raise EnvError("bad_prompt", f"calc prompt {prompt.text[:40]!r} has no reference and no value: {e}") from None
+        try:  # the answer is scored against the tool's result, so the prompt must be one the tool computes
+            calculate(self.expression)
+        except ToolFailure as e:
+            raise EnvError("bad_prompt", f"calc prompt {prompt.text[:40]!r} is not an expression the calculator "
+                           f"computes: {e}") from None
         self.turns = 0
         self.first_calls: list[ParsedCall] = []
+        self.first_result: str | None = None  # what the tool returned for turn 1's call, when a number
         self.called_tool = False
 
     def step(self, turn: str) -> StepResult:
@@ -116,10 +118,12 @@ class CalcEnv(ToolEnv):
         if self.turns >= self.options.max_turns:
             return self._end(answer=None)
         outputs, records = self.run_calls(calls)
+        if self.turns == 1 and records[0].ok:
+            self.first_result = outputs[0].strip()
         return StepResult(reply="\n".join(outputs), done=False, role="tool", tool_calls=records)
 
     def _end(self, answer: str | None) -> StepResult:
-        reward, parts = calc_reward(self.expression, self.truth, self.first_calls, self.called_tool, answer)
+        reward, parts = calc_reward(self.expression, self.first_calls, self.called_tool, answer, self.first_result)
         info = {**parts, "turns": self.turns}
         if answer is None:
             info["out_of_turns"] = 1

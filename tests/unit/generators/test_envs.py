@@ -170,11 +170,17 @@ def test_calc_answering_without_the_tool_scores_zero():
 
 def test_calc_partial_credit():
     env = build_env("calc")()
-    # wrong expression (one of 3 characters right), the tool says 54: the answer earns nothing, even when it is
-    # the true result (remembered, not read from the tool)
+    # wrong expression (one of 3 characters right): the answer is scored against what the tool said (54), times
+    # the expression match; the true result, remembered rather than read from the tool, earns only what it
+    # shares with the tool's
     r1, r2 = episode(env, P, ["<tool_call>9*6</tool_call>", "54"])
     assert r1.reply == "54"
-    assert r2.reward == pytest.approx(0.1 + 0.3 * (1 / 3))
+    assert r2.reward == pytest.approx(0.1 + 0.3 / 3 + 0.6 / 3)
+    assert episode(build_env("calc")(), P, ["<tool_call>9*6</tool_call>", "56"])[-1].reward == pytest.approx(
+        0.1 + 0.3 / 3 + 0.6 / 3 * 0.5)
+    # two of three characters, read from the tool: 0.7; the exact call is the only way to 1.0
+    assert episode(build_env("calc")(), P, ["<tool_call>7*3</tool_call>", "21"])[-1].reward == pytest.approx(0.7)
+    # the tool returned an error (no number): no answer credit
     assert episode(build_env("calc")(), P, ["<tool_call>7*</tool_call>", "56"])[-1].reward == pytest.approx(0.1 + 0.2)
     # right expression, no answer digit right
     assert episode(build_env("calc")(), P, ["<tool_call>7*8</tool_call>", "3"])[-1].reward == pytest.approx(0.4)
@@ -205,10 +211,11 @@ def test_calc_reward_is_in_range_and_random_turns_score_low():
 
 def test_calc_reward_function():
     calls = parse_tool_calls("<tool_call>7*8</tool_call>")
-    assert calc_reward("7*8", "56", calls, True, "56") == (1.0, {"tool": 1.0, "expression": 1.0, "answer": 1.0})
-    assert calc_reward("7*8", "56", [], False, "56")[0] == 0.0
-    assert calc_reward("7*8", "56", calls, True, None)[0] == pytest.approx(0.4)
-    assert calc_reward("7*8", "56", calls, True, "560")[0] == pytest.approx(0.4 + 0.6 * 2 / 3)
+    assert calc_reward("7*8", calls, True, "56", "56") == (1.0, {"tool": 1.0, "expression": 1.0, "answer": 1.0})
+    assert calc_reward("7*8", [], False, "56", None)[0] == 0.0
+    assert calc_reward("7*8", calls, True, None, "56")[0] == pytest.approx(0.4)
+    assert calc_reward("7*8", calls, True, "560", "56")[0] == pytest.approx(0.4 + 0.6 * 2 / 3)
+    assert calc_reward("7*8", calls, True, "56", None)[0] == pytest.approx(0.4)  # the tool gave no number
 
 
 def test_calc_without_reference_uses_the_true_value():
