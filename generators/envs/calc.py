@@ -12,7 +12,7 @@ is accepted too.) A turn without a tool call ends the episode; so does turn ``ma
 Reward, computed here at ``done`` (the reward service is not asked), in [0, 1]:
 
     0                                  when no turn called a tool (the task requires the tool)
-    0.1 * [turn 1 holds a readable calculator call]
+    0.1 * [turn 1's calculator call is one operation on two numbers (like ``7*3``) and returned a number]
   + 0.3 * e, e = expression match: turn 1's call's expression against the prompt's, position-wise
           (characters equal at the same position / the longer length; spaces ignored)
   + 0.6 * e * answer match: the final answer (the last turn, when it calls no tool) against WHAT THE
@@ -33,6 +33,8 @@ The parts are in ``StepResult.info`` (``tool``, ``expression``, ``answer``, ``tu
 
 from __future__ import annotations
 
+import re
+
 from pydantic import Field
 
 from broker.runtime.config import StrictModel
@@ -43,6 +45,7 @@ from generators.envs.toolcall import COMPACT_ARG, ParsedCall, parse_tool_calls
 from generators.envs.tools import ToolFailure, calculate
 
 W_TOOL, W_EXPRESSION, W_ANSWER = 0.1, 0.3, 0.6
+BINARY = re.compile(r"\s*\d+\s*[-+*/%]\s*\d+\s*")  # one operation on two whole numbers, like the prompts
 
 
 class CalcOptions(StrictModel):
@@ -76,7 +79,7 @@ def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool
     if not called_tool:
         return 0.0, {"tool": 0.0, "expression": 0.0, "answer": 0.0}
     expr = call_expression(first_turn_calls[0]) if first_turn_calls else None
-    tool = 1.0 if expr is not None else 0.0
+    tool = 1.0 if tool_result is not None and expr is not None and BINARY.fullmatch(expr) else 0.0
     expr_match = position_match("".join((expr or "").split()), "".join(expression.split())) if expr is not None else 0.0
     ans = position_match(answer.strip(), tool_result) if answer is not None and tool_result is not None else 0.0
     reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * expr_match * ans

@@ -180,8 +180,10 @@ def test_calc_partial_credit():
         0.1 + 0.3 / 3 + 0.6 / 3 * 0.5)
     # two of three characters, read from the tool: 0.7; the exact call is the only way to 1.0
     assert episode(build_env("calc")(), P, ["<tool_call>7*3</tool_call>", "21"])[-1].reward == pytest.approx(0.7)
-    # the tool returned an error (no number): no answer credit
-    assert episode(build_env("calc")(), P, ["<tool_call>7*</tool_call>", "56"])[-1].reward == pytest.approx(0.1 + 0.2)
+    # half an expression: the tool returned an error (no number), so no tool or answer credit
+    assert episode(build_env("calc")(), P, ["<tool_call>7*</tool_call>", "56"])[-1].reward == pytest.approx(0.2)
+    # a bare number is a call the tool answers, but not an operation: no tool credit
+    assert episode(build_env("calc")(), P, ["<tool_call>975</tool_call>", "975"])[-1].reward == pytest.approx(0.0)
     # right expression, no answer digit right
     assert episode(build_env("calc")(), P, ["<tool_call>7*8</tool_call>", "3"])[-1].reward == pytest.approx(0.4)
     # an unreadable call counts as calling the tool but earns no tool or expression credit
@@ -215,7 +217,7 @@ def test_calc_reward_function():
     assert calc_reward("7*8", [], False, "56", None)[0] == 0.0
     assert calc_reward("7*8", calls, True, None, "56")[0] == pytest.approx(0.4)
     assert calc_reward("7*8", calls, True, "560", "56")[0] == pytest.approx(0.4 + 0.6 * 2 / 3)
-    assert calc_reward("7*8", calls, True, "56", None)[0] == pytest.approx(0.4)  # the tool gave no number
+    assert calc_reward("7*8", calls, True, "56", None)[0] == pytest.approx(0.3)  # the tool gave no number
 
 
 def test_calc_without_reference_uses_the_true_value():
