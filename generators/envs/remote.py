@@ -97,12 +97,17 @@ class RemoteShared:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="relay-remote-env", daemon=True)
         self.thread.start()
+        # closed under this lock: a call either starts before close() (and is cancelled by it) or is refused
+        # (one that reached the loop after its shutdown would wait longest_call_s for a loop that never runs it)
+        self.lock = threading.Lock()
+        self.closed = False
 
     def post(self, path: str, payload: dict[str, Any], count: bool = True) -> Any:
         """POST on the loop thread; the JSON reply, or EnvError(reason) (counted unless ``count`` is False)."""
-        if self.loop.is_closed():
-            raise EnvError("closed", "the remote environment's client is closed")
-        future = asyncio.run_coroutine_threadsafe(self.http.post_json(payload, path), self.loop)
+        with self.lock:
+            if self.closed:
+                raise EnvError("closed", "the remote environment's client is closed")
+            future = asyncio.run_coroutine_threadsafe(self.http.post_json(payload, path), self.loop)
         try:
             return future.result(timeout=self.longest_call_s)
         except FutureTimeout:  # cannot happen unless the loop thread is stuck: never wait forever
@@ -124,8 +129,11 @@ class RemoteShared:
         return self.counters.snapshot()
 
     def close(self) -> None:
-        if self.loop.is_closed():
-            return
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True  # calls scheduled before this are on the loop before shutdown() is
+
         async def shutdown():
             me = asyncio.current_task()
             for task in asyncio.all_tasks():  # calls in flight end as EnvError("closed") in their episodes
