@@ -11,24 +11,27 @@ is accepted too.) A turn without a tool call ends the episode; so does turn ``ma
 
 Reward, computed here at ``done`` (the reward service is not asked), in [0, 1]:
 
-    0                                  when no turn called a tool (the task requires the tool)
-    0.1 * [turn 1's calculator call is one operation on two numbers (like ``7*3``) and returned a number]
-  + 0.3 * e, e = expression match: turn 1's call's expression against the prompt's, position-wise
-          (characters equal at the same position / the longer length; spaces ignored)
-  + 0.6 * e * answer match: the final answer (the last turn, when it calls no tool) against WHAT THE
-          TOOL RETURNED for turn 1's call, position-wise in the same way; 0 when the tool returned no
-          number (an error) or the episode ran out of turns still calling tools
+    0                      when no turn called a tool (the task requires the tool)
+    0.05 * [turn 1 holds a readable calculator call]
+  + 0.05 * [that call is one operation on two numbers (like ``7*3``) and the tool computed it]
+  + 0.5 * e   e: the call's expression against the prompt's, position-wise (characters equal at the
+              same position / the longer length; spaces ignored)
+  + 0.4 * o * a   o: the call's operands against the prompt's, digits position-wise, when the call has
+              the prompt's operator (else 0); a: the final answer (the last turn, when it calls no
+              tool) against WHAT THE TOOL RETURNED for turn 1's call, position-wise; 0 when the tool
+              returned no number or the episode ran out of turns still calling tools
 
-The answer is scored against the tool's result, never against the true result, so remembering the
-product earns nothing: the way to the answer's credit is to read the tool. Weighting it by the
-expression match makes the full score need the exact call (a call for ``7*3`` answered ``21`` earns
-0.1 + 0.2 + 0.4 = 0.7, and only ``7*8`` answered ``56`` earns 1.0) while every step towards the exact
-call is worth more once the model reads its results. (Earlier rewards were exploited: scored against
-the true result, the tiny model called the tool with half the expression and answered from memory,
-flat at 0.5; with the answer counted only after an exact call it settled on an empty call; docs/agents.md.)
+The answer is scored against the tool's result, never the true one, so remembering a product earns
+nothing: the answer's credit comes from reading the tool. It is weighted by the operands' match, so a
+call that ignores the prompt (the same ``4*4`` for every prompt, answered ``16`` from the tool) earns
+no answer credit: 0.27, where ``7*3`` answered ``21`` earns 0.63 and only ``7*8`` answered ``56`` 1.0.
+Each rung (a readable call, a whole operation, the right characters, the tool's answer read back)
+scores above the one before, so a random model finds the protocol. (What earlier rewards taught the
+tiny model instead is in docs/agents.md: calling half an expression and answering from memory, an
+empty call, a bare number, one fixed call for every prompt.)
 
 A perfect episode scores 1.0. A random model rarely closes a tool call, so it starts near 0.
-The parts are in ``StepResult.info`` (``tool``, ``expression``, ``answer``, ``turns``).
+The parts are in ``StepResult.info`` (``tool``, ``expression``, ``operands``, ``answer``, ``turns``).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from generators.envs.tool_env import ToolEnv, ToolEnvOptions, ToolShared
 from generators.envs.toolcall import COMPACT_ARG, ParsedCall, parse_tool_calls
 from generators.envs.tools import ToolFailure, calculate
 
-W_TOOL, W_EXPRESSION, W_ANSWER = 0.1, 0.3, 0.6
-BINARY = re.compile(r"\s*\d+\s*[-+*/%]\s*\d+\s*")  # one operation on two whole numbers, like the prompts
+W_TOOL, W_EXPRESSION, W_ANSWER = 0.1, 0.5, 0.4
+BINARY = re.compile(r"\s*(?P<a>\d+)\s*(?P<op>[-+*/%])\s*(?P<b>\d+)\s*")  # one operation on two whole numbers
 
 
 class CalcOptions(StrictModel):
@@ -72,6 +75,15 @@ def call_expression(call: ParsedCall) -> str | None:
     return expr if isinstance(expr, str) else None
 
 
+def operands_match(expr: str, expression: str) -> float:
+    """The call's operands against the prompt's, digits position-wise, when the call is one operation
+    with the prompt's operator (else 0): ``7*3`` against ``7*8`` is 1/2, ``7+8`` or ``78`` is 0."""
+    call, want = BINARY.fullmatch(expr), BINARY.fullmatch(expression)
+    if call is None or want is None or call["op"] != want["op"]:
+        return 0.0
+    return position_match(call["a"] + call["b"], want["a"] + want["b"])
+
+
 def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool: bool, answer: str | None,
                 tool_result: str | None) -> tuple[float, dict[str, float]]:
     """The episode's reward and its parts (see the module docstring). ``tool_result``: what the tool
@@ -79,11 +91,14 @@ def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool
     if not called_tool:
         return 0.0, {"tool": 0.0, "expression": 0.0, "answer": 0.0}
     expr = call_expression(first_turn_calls[0]) if first_turn_calls else None
-    tool = 1.0 if tool_result is not None and expr is not None and BINARY.fullmatch(expr) else 0.0
-    expr_match = position_match("".join((expr or "").split()), "".join(expression.split())) if expr is not None else 0.0
+    # half for a readable call, half for one operation on two numbers that the tool computed
+    tool = 0.0 if expr is None else 0.5 + (0.5 if tool_result is not None and BINARY.fullmatch(expr) else 0.0)
+    expr_match = position_match("".join(expr.split()), "".join(expression.split())) if expr is not None else 0.0
+    operands = operands_match(expr, expression) if expr is not None else 0.0
     ans = position_match(answer.strip(), tool_result) if answer is not None and tool_result is not None else 0.0
-    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * expr_match * ans
-    return round(reward, 6), {"tool": tool, "expression": round(expr_match, 6), "answer": round(ans, 6)}
+    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * operands * ans
+    return round(reward, 6), {"tool": tool, "expression": round(expr_match, 6), "operands": round(operands, 6),
+                              "answer": round(ans, 6)}
 
 
 class CalcShared(ToolShared):

@@ -153,7 +153,8 @@ def test_calc_perfect_episode_scores_one():
     env = build_env("calc")()
     r1, r2 = episode(env, P, ["<tool_call>7*8</tool_call>", "56"])
     assert (r1.reply, r1.role, r1.done) == ("56", "tool", False) and r1.tool_calls[0].ok
-    assert r2.done and r2.reward == 1.0 and r2.info == {"tool": 1.0, "expression": 1.0, "answer": 1.0, "turns": 2}
+    assert r2.done and r2.reward == 1.0
+    assert r2.info == {"tool": 1.0, "expression": 1.0, "operands": 1.0, "answer": 1.0, "turns": 2}
 
 
 def test_calc_hermes_form_is_accepted():
@@ -169,23 +170,25 @@ def test_calc_answering_without_the_tool_scores_zero():
 
 
 def test_calc_partial_credit():
-    env = build_env("calc")()
-    # wrong expression (one of 3 characters right): the answer is scored against what the tool said (54), times
-    # the expression match; the true result, remembered rather than read from the tool, earns only what it
-    # shares with the tool's
-    r1, r2 = episode(env, P, ["<tool_call>9*6</tool_call>", "54"])
-    assert r1.reply == "54"
-    assert r2.reward == pytest.approx(0.1 + 0.3 / 3 + 0.6 / 3)
-    assert episode(build_env("calc")(), P, ["<tool_call>9*6</tool_call>", "56"])[-1].reward == pytest.approx(
-        0.1 + 0.3 / 3 + 0.6 / 3 * 0.5)
-    # two of three characters, read from the tool: 0.7; the exact call is the only way to 1.0
-    assert episode(build_env("calc")(), P, ["<tool_call>7*3</tool_call>", "21"])[-1].reward == pytest.approx(0.7)
-    # half an expression: the tool returned an error (no number), so no tool or answer credit
-    assert episode(build_env("calc")(), P, ["<tool_call>7*</tool_call>", "56"])[-1].reward == pytest.approx(0.2)
-    # a bare number is a call the tool answers, but not an operation: no tool credit
-    assert episode(build_env("calc")(), P, ["<tool_call>975</tool_call>", "975"])[-1].reward == pytest.approx(0.0)
+    def approx(x):  # rewards are rounded to 6 decimals
+        return pytest.approx(x, abs=1e-6)
+
+    def reward(call, answer):
+        return episode(build_env("calc")(), P, [f"<tool_call>{call}</tool_call>", answer])[-1].reward
+
+    # 2 of 3 characters, one operand of two, the tool's 21 read back: 0.1 + 0.5 * 2/3 + 0.4 * 1/2 * 1
+    r1, r2 = episode(build_env("calc")(), P, ["<tool_call>7*3</tool_call>", "21"])
+    assert r1.reply == "21" and r2.reward == approx(0.1 + 0.5 * 2 / 3 + 0.2)
+    assert r2.info == {"tool": 1.0, "expression": approx(2 / 3), "operands": 0.5, "answer": 1.0, "turns": 2}
+    # no operand right: the call's credit and its operator, whatever the answer (the tool's 54, or the true
+    # 56 remembered rather than read): a call that ignores the prompt earns no answer credit
+    assert reward("9*6", "54") == approx(0.1 + 0.5 / 3) == reward("9*6", "56") == reward("4*4", "16")
+    # another operator: the operands' characters count, the answer does not
+    assert reward("7+8", "15") == approx(0.1 + 0.5 * 2 / 3)
+    # half an expression, a bare number: readable calls, but not an operation the tool computed
+    assert reward("7*", "56") == approx(0.05 + 0.5 * 2 / 3) and reward("975", "975") == approx(0.05)
     # right expression, no answer digit right
-    assert episode(build_env("calc")(), P, ["<tool_call>7*8</tool_call>", "3"])[-1].reward == pytest.approx(0.4)
+    assert reward("7*8", "3") == approx(0.6)
     # an unreadable call counts as calling the tool but earns no tool or expression credit
     r = episode(build_env("calc")(), P, ["<tool_call>{7*8</tool_call>", "56"])
     assert r[0].tool_calls[0].error == "bad_json" and r[-1].reward == 0.0
@@ -195,7 +198,7 @@ def test_calc_ends_after_max_turns():
     env = build_env("calc", {"max_turns": 3})()
     rs = episode(env, P, ["<tool_call>7*8</tool_call>"] * 5)
     assert [r.done for r in rs] == [False, False, True]
-    assert rs[-1].reward == pytest.approx(0.4) and rs[-1].info["out_of_turns"] == 1
+    assert rs[-1].reward == pytest.approx(0.6) and rs[-1].info["out_of_turns"] == 1
 
 
 def test_calc_reward_is_in_range_and_random_turns_score_low():
@@ -213,11 +216,12 @@ def test_calc_reward_is_in_range_and_random_turns_score_low():
 
 def test_calc_reward_function():
     calls = parse_tool_calls("<tool_call>7*8</tool_call>")
-    assert calc_reward("7*8", calls, True, "56", "56") == (1.0, {"tool": 1.0, "expression": 1.0, "answer": 1.0})
+    assert calc_reward("7*8", calls, True, "56", "56") == (1.0, {"tool": 1.0, "expression": 1.0, "operands": 1.0,
+                                                                 "answer": 1.0})
     assert calc_reward("7*8", [], False, "56", None)[0] == 0.0
-    assert calc_reward("7*8", calls, True, None, "56")[0] == pytest.approx(0.4)
-    assert calc_reward("7*8", calls, True, "560", "56")[0] == pytest.approx(0.4 + 0.6 * 2 / 3)
-    assert calc_reward("7*8", calls, True, "56", None)[0] == pytest.approx(0.3)  # the tool gave no number
+    assert calc_reward("7*8", calls, True, None, "56")[0] == pytest.approx(0.6)
+    assert calc_reward("7*8", calls, True, "560", "56")[0] == pytest.approx(0.6 + 0.4 * 2 / 3)
+    assert calc_reward("7*8", calls, True, "56", None)[0] == pytest.approx(0.55)  # the tool gave no number
 
 
 def test_calc_without_reference_uses_the_true_value():
