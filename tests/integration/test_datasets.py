@@ -105,13 +105,16 @@ n = 4
         assert tok.convert_ids_to_tokens(want)[:2] == ["<bos>", "0"] and want.count(1) == 2  # BOS once per message
         assert g.task == "copy"
     # evaluation on the held-out rows: rounds enqueued at version 0, at the first version the broker sees
-    # at or past 2 (versions may pass faster than it looks), and at 4 (final); each labelled with the
-    # version that answered it (the generators may serve a newer one than the round's); every prompt answered
+    # at or past 2, and at 4 (final); each labelled with the version that answered it (the generators may
+    # serve a newer one than the round's); every prompt answered. The 4 steps take about a second: when the
+    # broker's loop did not look at the announcements while versions 2 and 3 were the newest (once in a
+    # clean-clone run on 2 busy cores), the final round at 4 is the one that covers them
     ev = s["eval"]
     rounds, versions = [e["round"] for e in ev], [e["version"] for e in ev]
-    assert len(rounds) == 3 and rounds[0] == 0 and 2 <= rounds[1] <= 3 and rounds[2] == 4, rounds
+    assert rounds[0] == 0 and rounds[-1] == 4 and len(rounds) in (2, 3), rounds
+    assert len(rounds) == 2 or 2 <= rounds[1] <= 3, rounds
     assert all(e["version"] >= e["round"] and e["version"] in e["versions_served"] for e in ev), ev
-    assert versions[2] == 4, versions
+    assert versions[-1] == 4, versions
     assert all(e["complete"] and e["n_prompts"] == 16 for e in ev)
     assert s["export"]["version"] == 4
 
