@@ -229,10 +229,11 @@ def plan(args, environ: dict | None = None) -> dict:
 
 # a multi-turn task's generator defaults (below the config file, variables, flags and --set): short turns
 # (the tiny model's tool call is 6 tokens), a few turns (call the tool, read its answer, answer)
-EPISODE_DEFAULTS = {"max_turns": 3, "max_episode_tokens": 32, "sampling": {"max_tokens": 8, "n": 16}}
-# and the learner's: 16 groups of 16 episodes a step, an entropy bonus and a higher upper clip keep the
-# policy exploring the two-turn protocol (calc1 collapsed onto one episode without them; docs/agents.md)
-EPISODE_LEARNER_DEFAULTS = {"batch_groups": 16, "entropy_coef": 0.02, "clip_eps_high": 0.28}
+EPISODE_DEFAULTS = {"max_turns": 3, "max_episode_tokens": 32, "sampling": {"max_tokens": 8, "n": 32}}
+# and the learner's: 8 groups of 32 episodes a step, half the tiny model's usual learning rate, an entropy bonus
+# and a higher upper clip keep the policy exploring the call's characters until it copies the prompt into them
+# (with 16 groups of 16 at 2e-3 it collapsed onto one call for every prompt; docs/agents.md, runs r1-r8)
+EPISODE_LEARNER_DEFAULTS = {"batch_groups": 8, "lr": 1e-3, "entropy_coef": 0.03, "clip_eps_high": 0.28}
 
 
 def episode_defaults(needs: dict) -> dict:

@@ -19,7 +19,8 @@ def test_calc_sets_the_environment_the_tool_vocabulary_and_short_turns(tmp_path)
     g = p["generator"]
     assert g["env"] == "calc" and g["max_turns"] == 3 and g["sampling"]["max_tokens"] == 8
     assert p["learner"]["tiny_tools"] is True
-    assert g["sampling"]["n"] == 16 and p["learner"]["batch_groups"] == 16 and p["learner"]["entropy_coef"] == 0.02
+    assert g["sampling"]["n"] == 32 and p["learner"]["batch_groups"] == 8 and p["learner"]["entropy_coef"] == 0.03
+    assert p["learner"]["lr"] == 1e-3  # the settings of the run that learned calc (docs/agents.md, r8)
     assert p["broker"]["task"]["min_digits"] == p["broker"]["task"]["max_digits"] == 1
     assert p["reward"]["task_plugins"]["calc"] == "digits" and p["reward"]["task_plugins"]["copy"] == "digits"
     # the user's settings win over the task's defaults
