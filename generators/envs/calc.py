@@ -89,7 +89,7 @@ def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool
     """The episode's reward and its parts (see the module docstring). ``tool_result``: what the tool
     returned for turn 1's call (None when it returned no number)."""
     if not called_tool:
-        return 0.0, {"tool": 0.0, "expression": 0.0, "answer": 0.0}
+        return 0.0, {"tool": 0.0, "expression": 0.0, "operands": 0.0, "answer": 0.0}
     expr = call_expression(first_turn_calls[0]) if first_turn_calls else None
     # half for a readable call, half for one operation on two numbers that the tool computed
     tool = 0.0 if expr is None else 0.5 + (0.5 if tool_result is not None and BINARY.fullmatch(expr) else 0.0)
