@@ -109,12 +109,13 @@ class WeightFetcher:
                                                        "not a plain file name")
             (staging / weightstore.MANIFEST).write_bytes(raw)
             entries: list[tuple[str, bytes]] = []
+            algorithm = tensordigest.algorithm_of(a.digest) if a.digest else None  # the one the announcement used
             for name, digest in manifest["files"].items():
-                got, found = self._get_file(a.url, name, staging / name, digest, bool(a.digest))
+                got, found = self._get_file(a.url, name, staging / name, digest, algorithm)
                 nbytes += got
                 entries.extend(found)
             try:
-                tensors = tensordigest.combine(entries) if a.digest else None  # nothing to compare it with
+                tensors = tensordigest.combine(entries, algorithm) if algorithm else None  # nothing to compare it with
             except ValueError as e:
                 raise weightstore.WeightStoreError("bad_safetensors", f"{a.url}: {e}") from None
             os.rename(staging, final)
@@ -197,11 +198,12 @@ class WeightFetcher:
 
         return self._retrying(f"{url}{name}", attempt)
 
-    def _get_file(self, url: str, name: str, dest: Path, digest: str, tensors: bool) -> tuple[int, list[tuple[str, bytes]]]:
-        """Stream ``name`` into ``dest`` hashing as it comes (the file's sha256 and, with ``tensors`` for a
-        ``.safetensors`` file, its tensors' digest entries); resume from the last byte after a drop. Returns
-        (bytes, entries)."""
-        dl = _Download(dest, tensors and name.endswith(".safetensors"))
+    def _get_file(self, url: str, name: str, dest: Path, digest: str,
+                  tensors: str | None) -> tuple[int, list[tuple[str, bytes]]]:
+        """Stream ``name`` into ``dest`` hashing as it comes (the file's sha256 and, with ``tensors`` (a
+        tensor digest algorithm) for a ``.safetensors`` file, its tensors' digest entries); resume from the
+        last byte after a drop. Returns (bytes, entries)."""
+        dl = _Download(dest, tensors if name.endswith(".safetensors") else None)
         try:
             def attempt(i: int) -> None:
                 if i and dl.got:
@@ -238,9 +240,9 @@ class _Download:
     """One file being downloaded: the bytes written so far, their running sha256 and (``tensors``: a
     safetensors file) the running digest of its tensors."""
 
-    def __init__(self, dest: Path, tensors: bool):
+    def __init__(self, dest: Path, tensors: str | None):
         self.out = open(dest, "wb")
-        self.name, self.with_tensors = dest.name, tensors
+        self.name, self.algorithm = dest.name, tensors
         self.restart()
 
     def write(self, chunk: bytes) -> None:
@@ -254,5 +256,5 @@ class _Download:
         self.out.seek(0)
         self.out.truncate()
         self.hash = hashlib.sha256()
-        self.tensors = weightstore.TensorHasher(self.name) if self.with_tensors else None
+        self.tensors = weightstore.TensorHasher(self.name, self.algorithm) if self.algorithm else None
         self.got = 0

@@ -43,7 +43,7 @@ from broker.runtime.config import CollectiveWeightsConfig
 
 log = logging.getLogger("relay.generator.receive")
 
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # sha256 releases the GIL: tensors hash in parallel
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # hashing releases the GIL: tensors hash in parallel
 IDLE_WAIT = datetime.timedelta(days=1)  # a header may be long in coming (a dead learner fails the wait at once)
 
 
@@ -83,6 +83,7 @@ class Receiver:
         self._thread: threading.Thread | None = None
         self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relay-digest")
         self._spare: torch.Tensor | None = None  # a staging buffer no longer in use (reused: no page faults)
+        self._held: torch.Tensor | None = None  # the staging buffer the engine's weights live in (adopted)
 
     def start(self) -> "Receiver":
         if self._thread is None:
@@ -104,11 +105,19 @@ class Receiver:
             return None
         return got
 
-    def recycle(self, got: Received) -> None:
-        """``got`` was applied (copied into the engine): its staging buffer may hold the next version."""
+    def recycle(self, got: Received, adopted: bool = False) -> None:
+        """``got`` was applied. Copied into the engine (or refused): its staging buffer may hold the next
+        version. ``adopted`` (the engine's weights now live in that buffer): the buffer the engine held
+        before, when it was one of these, is the one free for the next version."""
         with self.lock:
-            if got.flat is not None:
-                self._spare, got.flat, got.state = got.flat, None, {}
+            if got.flat is None:
+                return
+            free = got.flat
+            if adopted:
+                free, self._held = self._held, got.flat
+            got.flat, got.state = None, {}
+            if free is not None:
+                self._spare = free
 
     def _buffer(self, size: int) -> torch.Tensor:
         with self.lock:
@@ -173,16 +182,19 @@ class Receiver:
         version, layout = wire.parse_header(header, self.max_bytes)  # malformed: the group is left (ValueError)
         flat = self._buffer(layout.total)
         hashes = []
-        for i, (start, end) in enumerate(layout.buckets or [(0, 0)]):
-            if end > start:
-                bucket = flat[start:end]
-                self.pg.broadcast(bucket, 0, timeout).wait()
+        buckets = layout.buckets or [(0, 0)]
+        # every bucket's receive posted at once (the group's threads fill them in order, no gap between
+        # two), each waited for in turn and hashed as soon as it has landed
+        works = [self.pg.broadcast(flat[start:end], 0, timeout) if end > start else None for start, end in buckets]
+        for i, (start, end) in enumerate(buckets):
+            if works[i] is not None:
+                works[i].wait()
                 if self.tamper is not None:
-                    self.tamper(i, bucket)
+                    self.tamper(i, flat[start:end])
             for s in layout.completed_by(start, end):
-                hashes.append(self._hasher.submit(wire.slot_entry, s, flat))
+                hashes.append(self._hasher.submit(wire.slot_entry, s, flat, layout.digest))
         trailer = wire.parse_trailer(self._blob(timeout))
-        digest = combine(h.result() for h in hashes)
+        digest = combine((h.result() for h in hashes), layout.digest)
         problem = None
         if self.key is not None:
             problem = signing.check_collective(self.key, self.keys.run_id, trailer["version"], trailer["digest"],

@@ -137,11 +137,12 @@ class WeightApplier:
         if got is not None:
             self.report("updating", False)
             try:
-                self.backend.update_weights_from_tensors(got.state)
+                # the engine may take the staging buffer itself (the torch backend, same dtype): no copy
+                adopted = bool(self.backend.update_weights_from_tensors(got.state, adopt=True))
                 failed = None
             except (ValueError, RuntimeError) as e:
-                failed = e
-            self.receiver.recycle(got)  # copied (or refused): its staging buffer takes the next version
+                failed, adopted = e, False
+            self.receiver.recycle(got, adopted)  # a buffer the engine no longer uses takes the next version
             if failed is not None:
                 self._refuse_collective(got.version, f"apply_failed: {failed}", got.digest)
             else:

@@ -37,6 +37,7 @@ from broker.client.telemetry import emit_event
 from broker.protocol import collective as wire
 from broker.protocol import signing
 from broker.protocol.keys import Keys
+from broker.protocol.tensordigest import DEFAULT as DEFAULT_DIGEST
 from broker.protocol.tensordigest import combine
 from broker.runtime.config import CollectiveWeightsConfig
 
@@ -57,12 +58,14 @@ class Broadcaster:
     """The leader's side of the collective transport. ``start`` opens the rendezvous; ``send`` (from
     the publisher's thread) broadcasts one version to the members present; ``close`` stops."""
 
-    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, announce_key: bytes | None):
+    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, announce_key: bytes | None,
+                 digest: str = DEFAULT_DIGEST):
         if cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()):
             # the buckets are CPU tensors (the publication snapshot); NCCL groups would need them on a device
             log.warning("weights.collective.backend=%s: this build sends CPU snapshots over gloo "
                         "(docs/weights.md, 'NCCL on GPUs')", cfg.backend)
         self.r, self.keys, self.cfg, self.key = r, keys, cfg, announce_key
+        self.digest = digest  # the tensor digest's algorithm (weights.digest), named in each header
         self.members: dict[int, Member] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -72,6 +75,7 @@ class Broadcaster:
         self._seen = 0
         self._hasher = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 1) - 1)), thread_name_prefix="relay-digest")
         self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
+        self._owned: dict[int, torch.Tensor] = {}  # data_ptr -> a flat buffer handed out by buffers() (the newest few)
 
     def start(self) -> "Broadcaster":
         self.store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=True, wait_for_workers=False,
@@ -128,12 +132,38 @@ class Broadcaster:
 
     # -- one version ----------------------------------------------------------------------------
 
+    def _layout(self, tensors: list[tuple[str, str, tuple[int, ...]]]) -> wire.Layout:
+        return wire.plan(tensors, max(wire.ALIGN, int(self.cfg.bucket_mb * (1 << 20))), self.digest)
+
+    def buffers(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Empty snapshot buffers for ``state`` (floating-point tensors in ``dtype``): views into one flat
+        buffer laid out as :meth:`send` broadcasts it, so that the snapshot written into them (publish.py
+        ``snapshot(into=...)``) is sent as it lies, without a copy into a bucket buffer."""
+        want = {k: dtype if v.is_floating_point() else v.dtype for k, v in state.items()}
+        layout = self._layout([(k, str(want[k]).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
+        flat = torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero
+        with self.lock:
+            self._owned[flat.data_ptr()] = flat
+            while len(self._owned) > 3:  # one being sent, one waiting, one being filled
+                self._owned.pop(next(iter(self._owned)))
+        return {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+                for s in layout.slots}
+
+    def _lies_in_buffer(self, state: dict[str, torch.Tensor], layout: wire.Layout) -> torch.Tensor | None:
+        """The flat buffer (from :meth:`buffers`) that holds every tensor of ``state`` at its offset of
+        ``layout``, or None (then send copies)."""
+        with self.lock:
+            for flat in self._owned.values():
+                if flat.numel() == layout.total and all(
+                        s.nbytes == 0 or state[s.name].data_ptr() == flat.data_ptr() + s.offset for s in layout.slots):
+                    return flat
+        return None
+
     def send(self, version: int, state: dict[str, torch.Tensor]) -> str:
         """Broadcast ``state`` (CPU tensors in the publication dtype) as ``version`` to every member;
         return its tensor digest (computed from the bytes sent). Members that fail are dropped."""
         t0 = time.perf_counter()
-        layout = wire.plan([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()],
-                           max(wire.ALIGN, int(self.cfg.bucket_mb * (1 << 20))))
+        layout = self._layout([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
         header = layout.header(version)
         with self.lock:
             members = list(self.members.values())
@@ -151,27 +181,30 @@ class Broadcaster:
 
         for m in members:
             issue(m, lambda pg: wire.send_blob(pg, header, timeout))
-        flat = self._flat if self._flat is not None and self._flat.numel() == layout.total else \
-            torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero: the layout never changes them
-        self._flat = flat
+        flat = self._lies_in_buffer(state, layout)  # a snapshot taken into buffers(): sent as it lies
+        in_place = flat is not None
+        if not in_place:
+            flat = self._flat if self._flat is not None and self._flat.numel() == layout.total else \
+                torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero: the layout never changes them
+            self._flat = flat
         by_name = {s.name: s for s in layout.slots}
         hashes = []
         filled = 0  # slots[:filled] are in the buffer
         for start, end in layout.buckets or [(0, 0)]:
             while filled < len(layout.slots) and layout.slots[filled].offset < max(end, 1):
                 s = layout.slots[filled]  # every tensor that begins in this bucket, before it leaves
-                if s.nbytes:
+                if s.nbytes and not in_place:
                     flat[s.offset:s.offset + s.nbytes].copy_(state[s.name].detach().contiguous().reshape(-1)
                                                              .view(torch.uint8))
                 filled += 1
             for s in layout.completed_by(start, end):  # hashed once complete, while the next buckets leave
-                hashes.append(self._hasher.submit(wire.slot_entry, s, flat))
+                hashes.append(self._hasher.submit(wire.slot_entry, s, flat, layout.digest))
             if end > start:
                 bucket = flat[start:end]
                 for m in members:
                     issue(m, lambda pg: [pg.broadcast(bucket, 0, timeout)])
         assert len(hashes) == len(by_name)
-        digest = combine(h.result() for h in hashes)
+        digest = combine((h.result() for h in hashes), layout.digest)
         header_sha = hashlib.sha256(header).hexdigest()
         trailer = json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,
                               "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest,
@@ -193,9 +226,9 @@ class Broadcaster:
                 self._drop(m, failed[m.ticket], version)
             else:
                 m.versions += 1
-        log.info("broadcast version %d (%.1f MiB, %d bucket(s)) to %d of %d generator(s) in %.3fs", version,
-                 layout.total / (1 << 20), len(layout.buckets), len(members) - len(failed), len(members),
-                 time.perf_counter() - t0)
+        log.info("broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs", version,
+                 layout.total / (1 << 20), len(layout.buckets), "from the snapshot" if in_place else "copied",
+                 len(members) - len(failed), len(members), time.perf_counter() - t0)
         return digest
 
     def _drop(self, m: Member, why: str, version: int) -> None:

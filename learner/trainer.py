@@ -93,10 +93,11 @@ class Learner:
         if self.leader and cfg.weights.transport == "collective":
             from learner.broadcast import Broadcaster
 
-            self.broadcaster = Broadcaster(self.r, self.keys, cfg.weights.collective, self.announce_key).start()
+            self.broadcaster = Broadcaster(self.r, self.keys, cfg.weights.collective, self.announce_key,
+                                           cfg.weights.digest).start()
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key, publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
-                                   cfg.weights.shard_mb, self.broadcaster)
+                                   cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest)
         # writes, seals and announces each version while the next steps train (the leader only)
         self.background = BackgroundPublisher(self.publisher, model.config) if self.leader else None
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -199,7 +200,8 @@ class Learner:
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
             try:
-                state = snapshot(weights, self.version, self.publisher.dtype, self.tied, self.background.spare())
+                state = snapshot(weights, self.version, self.publisher.dtype, self.tied,
+                                 self.background.spare() or self.publisher.buffers(weights, self.tied))
             except NonFiniteWeights as e:
                 self.counts["publish_refused_nonfinite"] += 1
                 self.version -= 1

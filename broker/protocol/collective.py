@@ -7,6 +7,7 @@ rank 1) as four broadcasts from rank 0, in this order:
 
        {"kind": "weights", "version": int, "total": int,        # bytes of the flat buffer
         "bucket_bytes": int,                                     # every bucket but the last has this size
+        "digest": "xxh3" | "sha256",                             # the tensor digest's algorithm (absent: sha256)
         "tensors": [[name, dtype, [sizes...], offset, nbytes], ...]}   # in name order
 
 2. ``buckets``: the flat uint8 buffer that holds every tensor at its offset (little-endian, C order;
@@ -57,6 +58,7 @@ class Layout:
     slots: tuple[Slot, ...]
     total: int
     bucket_bytes: int
+    digest: str = "sha256"  # the tensor digest's algorithm (tensordigest.py)
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -70,15 +72,20 @@ class Layout:
 
     def header(self, version: int) -> bytes:
         return json.dumps({"kind": "weights", "version": version, "total": self.total,
-                           "bucket_bytes": self.bucket_bytes,
+                           "bucket_bytes": self.bucket_bytes, "digest": self.digest,
                            "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.slots]},
                           separators=(",", ":")).encode()
 
 
-def plan(tensors: list[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> Layout:
-    """The layout of ``(name, dtype, shape)`` tensors: name order, each at an ALIGN-aligned offset."""
+def plan(tensors: list[tuple[str, str, tuple[int, ...]]], bucket_bytes: int, digest: str = "sha256") -> Layout:
+    """The layout of ``(name, dtype, shape)`` tensors: name order, each at an ALIGN-aligned offset;
+    ``digest``: the algorithm of the tensor digest the trailer will carry."""
+    from broker.protocol.tensordigest import ALGORITHMS
+
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}")
+    if digest not in ALGORITHMS:
+        raise ValueError(f"digest algorithm {digest!r} is not one of {', '.join(ALGORITHMS)}")
     slots, off = [], 0
     names = set()
     for name, dtype, shape in sorted(tensors):
@@ -93,7 +100,7 @@ def plan(tensors: list[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> 
         slots.append(Slot(name, dtype, tuple(int(d) for d in shape), off, n))
         off = -(-(off + n) // ALIGN) * ALIGN
     total = slots[-1].offset + slots[-1].nbytes if slots else 0
-    return Layout(tuple(slots), total, bucket_bytes)
+    return Layout(tuple(slots), total, bucket_bytes, digest)
 
 
 def parse_header(raw: bytes, max_total: int) -> tuple[int, Layout]:
@@ -104,6 +111,7 @@ def parse_header(raw: bytes, max_total: int) -> tuple[int, Layout]:
         if h.get("kind") != "weights":
             raise CollectiveError(f"header kind {h.get('kind')!r} is not 'weights'")
         version, total, bucket_bytes = int(h["version"]), int(h["total"]), int(h["bucket_bytes"])
+        digest = str(h.get("digest", "sha256"))
         entries = [(str(n), str(d), tuple(int(x) for x in shape)) for n, d, shape, _, _ in h["tensors"]]
         got = [(int(o), int(b)) for _, _, _, o, b in h["tensors"]]
     except CollectiveError:
@@ -113,7 +121,7 @@ def parse_header(raw: bytes, max_total: int) -> tuple[int, Layout]:
     if not 0 <= total <= max_total:
         raise CollectiveError(f"header announces {total} bytes (at most {max_total})")
     try:
-        layout = plan(entries, bucket_bytes)
+        layout = plan(entries, bucket_bytes, digest)
     except ValueError as e:
         raise CollectiveError(f"malformed header: {e}") from None
     if layout.total != total or [(s.offset, s.nbytes) for s in layout.slots] != got:
@@ -167,9 +175,9 @@ def abort_group(pg) -> None:
             logging.getLogger("relay.collective").debug("%s of a member group failed: %s", name, e)
 
 
-def slot_entry(s: Slot, flat) -> tuple[str, bytes]:
+def slot_entry(s: Slot, flat, algorithm: str) -> tuple[str, bytes]:
     """The digest entry (tensordigest.py ``tensor_entry``) of slot ``s`` of the flat uint8 buffer ``flat``."""
     from broker.protocol.tensordigest import tensor_entry
 
     data = flat[s.offset:s.offset + s.nbytes].numpy() if s.nbytes else b""
-    return tensor_entry(s.name, s.dtype, s.shape, data)
+    return tensor_entry(s.name, s.dtype, s.shape, data, algorithm)

@@ -94,10 +94,13 @@ def seal(root: str | Path, version: int, staging: Path, known: dict[str, str] | 
     if not files:
         raise WeightStoreError("empty_snapshot", f"{staging} holds no files")
     manifest = {"version": version, "files": files}
+    # no fsync: the guarantee is against a killed process (the page cache outlives it; the rename below is
+    # what makes a version appear, whole). An fsync here made ext4 flush the whole version's data with its
+    # journal (up to a second per GB, on the publisher's path) and still promised nothing for the data files
+    # after a power loss: a torn file is refused by every generator's hash check, and a resumed learner
+    # publishes again from its checkpoint.
     with open(staging / MANIFEST, "w") as f:
         json.dump(manifest, f, sort_keys=True, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
     final = version_dir(root, version)
     if final.exists():
         raise WeightStoreError("version_exists", f"{final} already exists; versions are immutable")
@@ -148,12 +151,13 @@ def _check_names(path: Path, files: dict) -> None:
 
 
 class TensorHasher:
-    """The per-tensor sha256 of a safetensors file fed in order, chunk by chunk (the same chunks as the
-    file's sha256): the 8-byte little-endian header length, the JSON header (dtype, shape, data_offsets
-    of each tensor), then the data, each tensor's range hashed apart. Entries for tensordigest.combine."""
+    """The per-tensor hash (tensordigest.py, ``algorithm``) of a safetensors file fed in order, chunk by
+    chunk (the same chunks as the file's sha256): the 8-byte little-endian header length, the JSON header
+    (dtype, shape, data_offsets of each tensor), then the data, each tensor's range hashed apart. Entries
+    for tensordigest.combine with the same algorithm."""
 
-    def __init__(self, name: str):
-        self.name, self.pos, self.head = name, 0, b""
+    def __init__(self, name: str, algorithm: str = tensordigest.DEFAULT):
+        self.name, self.pos, self.head, self.algorithm = name, 0, b"", algorithm
         self.tensors: list[tuple[int, int, str, str, list[int]]] | None = None  # (begin, end, name, dtype, shape)
         self.data_start = 0
         self.entries: list[tuple[str, bytes]] = []
@@ -217,7 +221,7 @@ class TensorHasher:
                 view, self.pos = view[skip:], self.pos + skip
                 continue
             if self._h is None:
-                self._h = hashlib.sha256()
+                self._h = tensordigest.hasher(self.algorithm)
             take = min(end - off, len(view))
             self._h.update(view[:take])
             view, self.pos = view[take:], self.pos + take
@@ -225,12 +229,12 @@ class TensorHasher:
                 self._close()
 
     def _finish_empty(self) -> None:
-        self._h = hashlib.sha256()
+        self._h = tensordigest.hasher(self.algorithm)
         self._close()
 
     def _close(self) -> None:
         _, _, tname, dtype, shape = self.tensors[self._i]
-        self.entries.append(tensordigest.tensor_entry_from_sha(tname, dtype, shape, self._h.digest()))
+        self.entries.append(tensordigest.tensor_entry_from_hash(tname, dtype, shape, self._h.digest()))
         self._i, self._h = self._i + 1, None
 
     def finish(self) -> list[tuple[str, bytes]]:
@@ -244,17 +248,19 @@ class TensorHasher:
         return self.entries
 
 
-def safetensors_entries(data: bytes, name: str = "<bytes>") -> list[tuple[str, bytes]]:
+def safetensors_entries(data: bytes, name: str = "<bytes>",
+                        algorithm: str = tensordigest.DEFAULT) -> list[tuple[str, bytes]]:
     """The tensor-digest entries of a whole safetensors file held in memory (see :class:`TensorHasher`)."""
-    h = TensorHasher(name)
+    h = TensorHasher(name, algorithm)
     h.update(data)
     return h.finish()
 
 
-def _hash_file(f: Path, tensors: bool) -> tuple[str, list[tuple[str, bytes]]]:
-    """(sha256 hex of the file, its tensor-digest entries when ``tensors``) from one read."""
+def _hash_file(f: Path, tensors: str | None) -> tuple[str, list[tuple[str, bytes]]]:
+    """(sha256 hex of the file, its tensor-digest entries with the algorithm ``tensors`` when one is
+    given) from one read."""
     h = hashlib.sha256()
-    th = TensorHasher(f.name) if tensors else None
+    th = TensorHasher(f.name, tensors) if tensors else None
     with open(f, "rb") as fh:
         for chunk in iter(lambda: fh.read(CHUNK), b""):
             h.update(chunk)
@@ -283,10 +289,12 @@ def verify(path: str | Path, expected_hash: str | None = None, root: str | Path 
 def check(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None,
           expected_digest: str | None = None, tensor_digest: bool = False) -> Verified:
     """:func:`verify`, and with ``tensor_digest`` (or an ``expected_digest``) the digest of the tensors
-    of the version's ``.safetensors`` files, computed from the same single read of each file; a digest
-    other than ``expected_digest`` raises WeightStoreError ``digest_mismatch`` (a file altered and its
-    manifest recomputed: the hash matches, the tensors are not the ones published)."""
+    of the version's ``.safetensors`` files, computed from the same single read of each file (with the
+    algorithm ``expected_digest`` names; the default one without it); a digest other than
+    ``expected_digest`` raises WeightStoreError ``digest_mismatch`` (a file altered and its manifest
+    recomputed: the hash matches, the tensors are not the ones published)."""
     tensor_digest = tensor_digest or bool(expected_digest)
+    algorithm = tensordigest.algorithm_of(expected_digest) if expected_digest else tensordigest.DEFAULT
     path = Path(path) if root is None else check_in_store(path, root)
     if Path(path).is_symlink():
         raise WeightStoreError("symlink", f"{path} is a symbolic link; a version folder is a plain folder")
@@ -299,14 +307,14 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
         f = path / name
         if not f.is_file():
             raise WeightStoreError("missing_file", f"{f} is listed in the manifest but missing")
-        actual, found = _hash_file(f, tensor_digest and name.endswith(".safetensors"))
+        actual, found = _hash_file(f, algorithm if tensor_digest and name.endswith(".safetensors") else None)
         if actual != digest:
             raise WeightStoreError("corrupt_file", f"{f}: sha256 {actual[:12]} != manifest {digest[:12]}")
         entries.extend(found)
     if not tensor_digest:
         return Verified(manifest, None)
     try:
-        digest = tensordigest.combine(entries)
+        digest = tensordigest.combine(entries, algorithm)
     except ValueError as e:
         raise WeightStoreError("bad_safetensors", f"{path}: {e}") from None
     if expected_digest and digest != expected_digest:

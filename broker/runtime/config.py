@@ -84,6 +84,9 @@ class WeightsConfig(StrictModel):
         "learner.deepspeed.bf16), else as given")
     shard_mb: float = Field(2048.0, gt=0, description="safetensors shard size in MiB (several shards: the Hugging "
                             "Face index is written too)")
+    digest: Literal["xxh3", "sha256"] = Field(
+        "xxh3", description="per-tensor hash of the tensor digest every generator checks against what it applied: "
+        "xxh3 (XXH3-128, ~5x faster) or sha256 (cryptographic; the files' own hashes are sha256 either way)")
     http: HttpWeightsConfig = Field(default_factory=HttpWeightsConfig, description="the http transport")
     collective: CollectiveWeightsConfig = Field(default_factory=CollectiveWeightsConfig,
                                                 description="the collective transport")

@@ -60,10 +60,15 @@ class TorchBackend(HFText):
         if missing or unexpected:
             raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
-    def update_weights_from_tensors(self, state: dict[str, torch.Tensor]) -> None:
+    def update_weights_from_tensors(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:
         """Copy ``state`` (CPU tensors, any float dtype; the collective transport) into the model's
         parameters in place. Checked first, all or nothing: every tensor of the model (``lm_head.weight``
-        may be absent when tied) with its shape; ValueError otherwise and nothing is changed."""
+        may be absent when tied) with its shape; ValueError otherwise and nothing is changed.
+
+        With ``adopt``, when ``state`` holds exactly the model's parameters, each in its parameter's dtype
+        and on its device, the parameters take the tensors' memory instead (``param.data = tensor``: the
+        same Parameter objects, tied ones included, now viewing the caller's buffer; one pass over the
+        weights less). Returns True when they did: the caller must then leave that memory alone."""
         own = self.model.state_dict()
         tied = self.model.config.tie_word_embeddings
         missing = [k for k in own if k not in state and not (k == "lm_head.weight" and tied)]
@@ -72,9 +77,17 @@ class TorchBackend(HFText):
         if missing or unexpected or wrong:
             raise ValueError(f"received tensors do not match the model: missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]}, wrong shape {wrong[:3]}")
+        params = dict(self.model.named_parameters())  # a tied head appears once, under the embedding's name
+        if adopt and set(params) == set(state) and all(
+                state[k].dtype == p.dtype and state[k].device == p.device for k, p in params.items()):
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.data = state[k]
+            return True
         with torch.no_grad():
             for k, t in state.items():
                 own[k].copy_(t)
+        return False
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,

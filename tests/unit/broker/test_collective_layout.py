@@ -61,11 +61,13 @@ def test_the_digest_of_the_flat_buffer_is_the_digest_of_the_tensors():
     flat = torch.zeros(layout.total, dtype=torch.uint8)
     for s in layout.slots:
         flat[s.offset:s.offset + s.nbytes] = state[s.name].reshape(-1).view(torch.uint8)
-    from broker.protocol.tensordigest import state_digest
+    from broker.protocol.tensordigest import ALGORITHMS, state_digest
 
-    assert combine(wire.slot_entry(s, flat) for s in layout.slots) == state_digest(state)
+    for algo in ALGORITHMS:
+        assert combine((wire.slot_entry(s, flat, algo) for s in layout.slots), algo) == state_digest(state, algo)
     flat[3] ^= 1
-    assert combine(wire.slot_entry(s, flat) for s in layout.slots) != state_digest(state)
+    for algo in ALGORITHMS:
+        assert combine((wire.slot_entry(s, flat, algo) for s in layout.slots), algo) != state_digest(state, algo)
     assert tensor_entry("w", "float32", (3, 4), b"")[0] == "w"
 
 

@@ -1,10 +1,12 @@
 """The tensor digest: the same tensors give the same digest however they are split or ordered; any
 changed byte, name, dtype or shape changes it."""
 
+import hashlib
+
 import pytest
 import torch
 
-from broker.protocol.tensordigest import combine, state_digest, torch_entry
+from broker.protocol.tensordigest import ALGORITHMS, algorithm_of, combine, state_digest, torch_entry
 
 
 def _state():
@@ -20,10 +22,11 @@ def test_order_and_split_do_not_matter():
     assert d == state_digest(dict(reversed(list(s.items()))))
 
 
+@pytest.mark.parametrize("algo", ALGORITHMS)
 @pytest.mark.parametrize("change", ["byte", "name", "dtype", "shape", "missing"])
-def test_any_change_is_seen(change):
+def test_any_change_is_seen(change, algo):
     s = _state()
-    d = state_digest(s)
+    d = state_digest(s, algo)
     t = dict(s)
     if change == "byte":
         raw = t["b.bias"].clone()
@@ -37,10 +40,33 @@ def test_any_change_is_seen(change):
         t["a.weight"] = t["a.weight"].reshape(3, 4)
     else:
         del t["scale"]
-    assert state_digest(t) != d
+    assert state_digest(t, algo) != d
 
 
 def test_duplicate_names_are_an_error():
     e = torch_entry("x", torch.zeros(2))
     with pytest.raises(ValueError):
         combine([e, e])
+
+
+def test_a_digest_names_its_algorithm_and_sha256_keeps_the_first_definition():
+    """xxh3 digests read ``xxh3:<hex>`` (the default); sha256 ones are the plain hex announced before
+    xxh3 existed, computed exactly as then: sha256 over the context and each tensor's (name, dtype, shape,
+    sha256 of its bytes) in name order, so stored versions and old announcements still check."""
+    s = _state()
+    fast, strong = state_digest(s), state_digest(s, "sha256")
+    assert fast.startswith("xxh3:") and len(fast) == 5 + 64 and algorithm_of(fast) == "xxh3"
+    assert len(strong) == 64 and algorithm_of(strong) == "sha256"
+
+    def ns(b: bytes) -> bytes:
+        return str(len(b)).encode() + b":" + b + b","
+
+    h = hashlib.sha256(ns(b"relay-tensors-v1"))
+    for k in sorted(s):
+        t = s[k]
+        h.update(ns(k.encode()) + ns(str(t.dtype).removeprefix("torch.").encode())
+                 + ns(",".join(map(str, t.shape)).encode())
+                 + hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).digest())
+    assert strong == h.hexdigest()
+    with pytest.raises(ValueError, match="unknown tensor digest algorithm"):
+        state_digest(s, "md5")

@@ -26,11 +26,12 @@ def test_header_digest_equals_state_digest_in_any_chunking():
     state = _state()
     data = save(state)
     assert tensordigest.combine(ws.safetensors_entries(data)) == tensordigest.state_digest(state)
-    for chunk in (1, 7, 64, 4096):  # fed as the file is read, in chunks of any size
-        h = ws.TensorHasher("f")
-        for i in range(0, len(data), chunk):
-            h.update(data[i:i + chunk])
-        assert tensordigest.combine(h.finish()) == tensordigest.state_digest(state), chunk
+    for algo in tensordigest.ALGORITHMS:
+        for chunk in (1, 7, 64, 4096):  # fed as the file is read, in chunks of any size
+            h = ws.TensorHasher("f", algo)
+            for i in range(0, len(data), chunk):
+                h.update(data[i:i + chunk])
+            assert tensordigest.combine(h.finish(), algo) == tensordigest.state_digest(state, algo), (algo, chunk)
 
 
 def test_sharded_version_digest_equals_state_digest(tmp_path):

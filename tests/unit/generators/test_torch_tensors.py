@@ -40,3 +40,19 @@ def test_a_mismatched_set_changes_nothing_and_says_what_is_wrong(backend):
     with pytest.raises(ValueError, match="missing.*model.norm.weight"):
         backend.update_weights_from_tensors(missing)
     assert state_digest(_published(backend)) == state_digest(before)
+
+
+def test_adopting_takes_the_buffers_without_a_copy_only_when_every_dtype_matches(backend):
+    """adopt=True (the collective's staging buffer): the same Parameter objects now view the given
+    tensors (tied head included) and generate from them; a tensor in another dtype means a plain copy."""
+    params = dict(backend.model.named_parameters())
+    new = {k: v + 0.25 for k, v in _published(backend).items()}
+    assert backend.update_weights_from_tensors(new, adopt=True) is True
+    assert dict(backend.model.named_parameters()) == params  # the same objects
+    for k, p in params.items():
+        assert p.data_ptr() == new[k].data_ptr(), k
+    assert backend.model.lm_head.weight.data_ptr() == new["model.embed_tokens.weight"].data_ptr()
+    halves = {k: v.half() for k, v in _published(backend).items()}
+    assert backend.update_weights_from_tensors(halves, adopt=True) is False  # fp32 model: copied, converted
+    assert all(p.data_ptr() != halves[k].data_ptr() for k, p in params.items())
+    assert state_digest(_published(backend)) == state_digest({k: v.float() for k, v in halves.items()})

@@ -73,6 +73,13 @@ def test_snapshot_is_a_copy_in_the_publication_dtype_without_the_tied_head():
         snapshot(bad, 7)
     big = {"w": torch.full((4,), 3e38)}  # a sum that overflows, of finite weights: published
     assert snapshot(big, 1)["w"].shape == (4,)
+    for dtype in (torch.bfloat16, torch.float16):  # summed in bf16 / in float32: finite weights pass, in any dtype
+        assert snapshot({"w": torch.full((8,), 3e38 if dtype == torch.bfloat16 else 6e4)}, 1, dtype)["w"].dtype == dtype
+        for poison in (float("nan"), float("-inf")):
+            w = torch.ones(5, 7)
+            w[2, 3] = poison
+            with pytest.raises(NonFiniteWeights):
+                snapshot({"w": w}, 2, dtype)
 
 
 class GatedWriter:
