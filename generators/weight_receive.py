@@ -78,6 +78,7 @@ class Receiver:
         self.joined = threading.Event()  # set while this generator is a member of the learner's broadcast
         self.received = 0
         self.rejected = 0
+        self.aborted = 0  # versions the learner aborted mid-broadcast (non-finite weights): discarded
         self.joins = 0
         self.pg = None
         self._thread: threading.Thread | None = None
@@ -202,6 +203,13 @@ class Receiver:
         if problem is None and (trailer["version"] != version
                                 or trailer["header_sha256"] != hashlib.sha256(header).hexdigest()):
             problem = "header_mismatch"
+        if problem is None and trailer["abort"] and not trailer["digest"]:  # refused by the learner on the way
+            self.aborted += 1
+            log.warning("version %d received over the collective was aborted by the learner (%s): discarded",
+                        version, trailer["abort"][:200])
+            with self.lock:
+                self._spare = flat
+            return
         if problem is None and trailer["digest"] != digest:
             problem = "digest_mismatch"
         state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape)

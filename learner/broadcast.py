@@ -29,6 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,7 @@ class Broadcaster:
         self.port = 0
         self._seen = 0
         self._hasher = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 1) - 1)), thread_name_prefix="relay-digest")
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="relay-publish-check")  # send(check=) beside the buckets
         self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
         self._owned: dict[int, torch.Tensor] = {}  # data_ptr -> a flat buffer handed out by buffers() (the newest few)
 
@@ -95,6 +97,7 @@ class Broadcaster:
         for m in members:
             wire.abort_group(m.pg)
         self._hasher.shutdown(wait=False)
+        self._checker.shutdown(wait=False)
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -159,10 +162,14 @@ class Broadcaster:
                     return flat
         return None
 
-    def send(self, version: int, state: dict[str, torch.Tensor]) -> str:
+    def send(self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None) -> str:
         """Broadcast ``state`` (CPU tensors in the publication dtype) as ``version`` to every member;
-        return its tensor digest (computed from the bytes sent). Members that fail are dropped."""
+        return its tensor digest (computed from the bytes sent). Members that fail are dropped.
+        ``check`` (the finiteness check) runs beside the buckets; when it raises a ValueError the version
+        is aborted: its trailer carries an empty digest and ``abort`` (signed like any other), every member
+        discards what it received, and the error is raised here once the trailer has left."""
         t0 = time.perf_counter()
+        checking = self._checker.submit(check) if check is not None else None
         layout = self._layout([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
         header = layout.header(version)
         with self.lock:
@@ -204,11 +211,18 @@ class Broadcaster:
                 for m in members:
                     issue(m, lambda pg: [pg.broadcast(bucket, 0, timeout)])
         assert len(hashes) == len(by_name)
-        digest = combine((h.result() for h in hashes), layout.digest)
+        refused: ValueError | None = None
+        try:
+            if checking is not None:
+                checking.result()
+        except ValueError as e:
+            refused = e
+        digest = "" if refused is not None else combine((h.result() for h in hashes), layout.digest)
         header_sha = hashlib.sha256(header).hexdigest()
         trailer = json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,
                               "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest,
-                                                                  header_sha) if self.key is not None else ""},
+                                                                  header_sha) if self.key is not None else "",
+                              **({"abort": str(refused)[:200]} if refused is not None else {})},
                              separators=(",", ":")).encode()
         for m in members:
             issue(m, lambda pg: wire.send_blob(pg, trailer, timeout))
@@ -229,6 +243,8 @@ class Broadcaster:
         log.info("broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs", version,
                  layout.total / (1 << 20), len(layout.buckets), "from the snapshot" if in_place else "copied",
                  len(members) - len(failed), len(members), time.perf_counter() - t0)
+        if refused is not None:
+            raise refused
         return digest
 
     def _drop(self, m: Member, why: str, version: int) -> None:

@@ -69,13 +69,22 @@ def publication_dtype(dtype: str, bf16: bool) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def refuse_nonfinite(state: dict[str, torch.Tensor], version: int) -> None:
+    """NonFiniteWeights naming the tensors of ``state`` that are not all finite, if any."""
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise NonFiniteWeights(f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
+                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+
+
 def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: torch.dtype = torch.float32,
-             tied: bool = False, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+             tied: bool = False, into: dict[str, torch.Tensor] | None = None, check: bool = True) -> dict[str, torch.Tensor]:
     """The tensors to publish: a CPU copy of ``state_dict`` (floating-point tensors in ``dtype``), without
     ``lm_head.weight`` when the embeddings are ``tied``. NonFiniteWeights when one is not finite. The
     copy is what the learner waits for; its own weights change at the next step. ``into``: a previous
     snapshot done with (``BackgroundPublisher.spare``), whose buffers are reused where name, shape and
-    dtype match (no fresh gigabyte to allocate and fault in each version)."""
+    dtype match (no fresh gigabyte to allocate and fault in each version). ``check=False`` leaves the
+    finiteness check to :meth:`Publisher.write` (off the learner's path: the publisher thread)."""
     state = {}
     into = into or {}
     for k, v in state_dict.items():
@@ -88,10 +97,8 @@ def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: torch.dty
             state[k] = old.copy_(v)
         else:
             state[k] = v.to("cpu", want, copy=True).contiguous()
-    bad = nonfinite_tensors(state)
-    if bad:
-        raise NonFiniteWeights(f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
-                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+    if check:
+        refuse_nonfinite(state, version)
     return state
 
 
@@ -215,18 +222,26 @@ class Publisher:
         weight is not finite."""
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         spare, self._spare = self._spare, None
-        state = snapshot(state_dict, version, self.dtype, tied, spare or self.buffers(state_dict, tied))
-        a = self.write(model.config, state, version)
-        self._spare = state  # written and announced: the next publish() reuses its buffers
-        return a
+        state = snapshot(state_dict, version, self.dtype, tied, spare or self.buffers(state_dict, tied), check=False)
+        try:
+            return self.write(getattr(model, "config", None), state, version)  # checks finiteness first
+        finally:
+            self._spare = state  # written and announced (or refused): the next publish() reuses its buffers
 
     def write(self, config, state: dict[str, torch.Tensor], version: int) -> Announcement:
         """Write ``state`` (a :func:`snapshot`) as ``version`` with the model's ``config`` and the tokenizer,
-        seal it, announce it (with the digest of its tensors), prune old versions."""
+        seal it, announce it (with the digest of its tensors), prune old versions. NonFiniteWeights, with
+        nothing written or announced, when a weight is NaN or inf (checked here, in the publisher's thread,
+        not while the learner waits)."""
         t0 = time.perf_counter()
         # the collective transport: the generators get the tensors first (the broadcaster computes their digest
-        # as it sends); the store copy follows, for late joiners, restarts and the audit
-        sent = self.broadcaster.send(version, state) if self.broadcaster is not None else None
+        # as it sends, and checks finiteness meanwhile: a refused version is aborted before its trailer, never
+        # applied); the store copy follows, for late joiners, restarts and the audit
+        if self.broadcaster is not None:
+            sent = self.broadcaster.send(version, state, check=lambda: refuse_nonfinite(state, version))
+        else:
+            refuse_nonfinite(state, version)
+            sent = None
         staging = weightstore.staging_dir(self.store, version)
         config.save_pretrained(staging)
         self.tokenizer.save_pretrained(staging)
@@ -267,6 +282,7 @@ class BackgroundPublisher:
         self._error: BaseException | None = None
         self._closed = False
         self._skipped = 0  # skipped since the last take_skipped()
+        self._refused = 0  # refused as non-finite since the last take_refused()
         self._spare: dict | None = None  # a snapshot written (or skipped) and done with: its buffers are reused
         self.announced: int | None = None  # the newest version this publisher announced
         self.last: Announcement | None = None
@@ -291,6 +307,13 @@ class BackgroundPublisher:
         with self._cv:
             s, self._spare = self._spare, None
             return s
+
+    def take_refused(self) -> int:
+        """Versions refused for non-finite weights since the last call (never announced; the learner adds
+        them to its ``publish_refused_nonfinite`` count)."""
+        with self._cv:
+            n, self._refused = self._refused, 0
+            return n
 
     def take_skipped(self) -> int:
         """Versions skipped since the last call (the learner adds them to its ``publish_skipped`` count)."""
@@ -327,6 +350,14 @@ class BackgroundPublisher:
                 self._writing = version
             try:
                 a = self.publisher.write(self.config, state, version)
+            except NonFiniteWeights as e:  # nothing announced; the generators keep the previous version
+                log.error("%s; generators keep version %s", e, self.announced)
+                with self._cv:
+                    self._refused += 1
+                    self._writing, self._spare = None, state
+                    del state
+                    self._cv.notify_all()
+                continue
             except BaseException as e:  # raised in the learner by its next submit() or drain()
                 log.error("publishing version %d failed: %s", version, e)
                 with self._cv:

@@ -34,7 +34,7 @@ from learner.observe import LearnerObserver, finite_metrics
 from learner import checkpoint
 from learner.ranks import share_batch, write_checksum
 from learner.records import RunRecords
-from learner.publish import BackgroundPublisher, NonFiniteWeights, Publisher, first_version, publication_dtype, snapshot
+from learner.publish import BackgroundPublisher, Publisher, first_version, publication_dtype, snapshot
 from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
@@ -192,21 +192,17 @@ class Learner:
 
     def publish(self) -> None:
         """On every rank (ZeRO-3 gathers the weights, a collective); the leader snapshots them and hands the
-        snapshot to its publisher thread, which writes and announces it while training goes on. Weights
-        that are not all finite are never published: the leader counts ``publish_refused_nonfinite``,
-        logs which, and keeps the previous version (the version number is not used)."""
+        snapshot to its publisher thread, which checks, writes and announces it while training goes on.
+        Weights that are not all finite are never published: the publisher refuses the version (nothing
+        announced, a collective broadcast of it aborted before its trailer), the generators keep the
+        previous one, and the leader counts ``publish_refused_nonfinite`` (the version number stays used)."""
         t0 = time.perf_counter()
         weights = full_state_dict(self.engine)
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
             try:
                 state = snapshot(weights, self.version, self.publisher.dtype, self.tied,
-                                 self.background.spare() or self.publisher.buffers(weights, self.tied))
-            except NonFiniteWeights as e:
-                self.counts["publish_refused_nonfinite"] += 1
-                self.version -= 1
-                log.error("%s; generators keep version %d", e, self.version)
-                return
+                                 self.background.spare() or self.publisher.buffers(weights, self.tied), check=False)
             finally:
                 del weights
             self.background.submit(self.version, state)
@@ -285,6 +281,7 @@ class Learner:
                 if not self.leader:
                     continue
                 self.counts["publish_skipped"] += self.background.take_skipped()
+                self.counts["publish_refused_nonfinite"] += self.background.take_refused()
                 diag.update(version=self.version, publish_blocked_s=self.blocked_s, t=time.time(),
                             publish_skipped=self.counts["publish_skipped"])
                 self.warn_if_truncated(diag)
@@ -335,6 +332,7 @@ class Learner:
         if self.background is not None:
             self.background.close()
             self.counts["publish_skipped"] += self.background.take_skipped()
+            self.counts["publish_refused_nonfinite"] += self.background.take_refused()
 
     def warn_if_truncated(self, diag: dict) -> None:
         """Warn once when most completions of the last ``TRUNCATED_WARN_STEPS`` steps stopped at

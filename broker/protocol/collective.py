@@ -15,6 +15,8 @@ rank 1) as four broadcasts from rank 0, in this order:
 3. ``trailer``: a length-prefixed JSON object ``{"version", "digest", "header_sha256", "sig"}``:
    the tensor digest (broker/protocol/tensordigest.py, the same one the announcement carries) and the
    HMAC of the run's announcement key over them (broker/protocol/signing.py ``collective_signature``).
+   A version the learner refused while it was on the wire (a weight NaN or inf) ends with an empty
+   ``digest`` and ``"abort": reason`` (signed the same way): every member discards it.
 
 Nothing received is applied before the trailer's signature checks and the digest of the bytes
 received equals the signed digest: whoever can reach the rendezvous port cannot inject weights, and a
@@ -133,7 +135,7 @@ def parse_trailer(raw: bytes) -> dict:
     try:
         t = json.loads(raw)
         out = {"version": int(t["version"]), "digest": str(t["digest"]), "header_sha256": str(t["header_sha256"]),
-               "sig": str(t.get("sig", ""))}
+               "sig": str(t.get("sig", "")), "abort": str(t.get("abort", ""))}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CollectiveError(f"malformed trailer: {e}", "bad_collective_trailer") from None
     return out

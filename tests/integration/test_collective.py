@@ -97,6 +97,33 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
     assert initial != state_digest(v1)
 
 
+def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url, tmp_path, peers):
+    """The learner checks finiteness beside the broadcast (off its own path): a version with a NaN goes
+    out, then its trailer aborts it; the generator discards it without flagging anything (it is no attack)
+    and applies the next good version."""
+    from learner.publish import NonFiniteWeights, refuse_nonfinite
+
+    model = build_tiny_model(tmp_path / "model")
+    r, keys = connect_redis(redis_url), Keys("coll")
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path)).start()
+    try:
+        gen = _peer(peers, redis_url, tmp_path, model, "g-0", "--until", "2")
+        wait_until(lambda: b.member_ids() == ["g-0"], timeout=60, what="the generator joined")
+        v1, v2 = _version(model, 0.01), _version(model, 0.02)
+        v1["model.norm.weight"][3] = float("nan")
+        with pytest.raises(NonFiniteWeights, match="version 1.*model.norm.weight"):
+            b.send(1, v1, check=lambda: refuse_nonfinite(v1, 1))
+        assert b.send(2, v2, check=lambda: refuse_nonfinite(v2, 2)) == state_digest(v2)
+        out = _result(gen, tmp_path, "g-0")
+    finally:
+        b.close()
+    assert out["version"] == 2 and out["collective_updates"] == 1 and out["engine_digest"] == state_digest(v2)
+    assert out["refused_updates"] == 0 and b.member_ids() == []  # closed; it was never dropped
+    assert b.dropped == 0
+    events = [e for _, e in read_events(r, keys, None, 100)]
+    assert [(e.kind, e.data["version"]) for e in events if e.kind in ("applied", "refused")] == [("applied", 2)]
+
+
 def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_path, peers):
     """Only the corrupted version is sent: the generator must still serve its initial weights, bit for bit."""
     model = build_tiny_model(tmp_path / "model")

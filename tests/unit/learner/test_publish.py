@@ -141,3 +141,27 @@ def test_a_snapshot_done_with_is_reused_for_the_next():
     assert second["embed.weight"].data_ptr() == ptr  # the same buffer, new values
     assert torch.equal(second["embed.weight"], _state(2)["embed.weight"].bfloat16())
     bg.close()
+
+
+def test_a_nonfinite_snapshot_is_refused_by_the_publisher_thread_which_goes_on(tmp_path):
+    """snapshot(check=False) leaves the check to the publisher's thread: a NaN version is refused (nothing
+    written, counted by take_refused), and the next version is published as usual."""
+    written = []
+
+    class Writer:
+        dtype = torch.float32
+
+        def write(self, config, state, version):
+            from learner.publish import refuse_nonfinite
+
+            refuse_nonfinite(state, version)
+            written.append(version)
+
+    bg = BackgroundPublisher(Writer(), config=None)
+    bad = snapshot({"w": torch.tensor([1.0, float("nan")])}, 1, check=False)  # the learner does not wait for the check
+    bg.submit(1, bad)
+    bg.drain()
+    assert bg.take_refused() == 1 and written == [] and bg.spare() is bad
+    bg.submit(2, snapshot({"w": torch.tensor([1.0, 2.0])}, 2, check=False))
+    bg.close()
+    assert written == [2] and bg.take_refused() == 0
