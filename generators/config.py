@@ -191,6 +191,11 @@ class GeneratorConfig(RunConnection):
     reward_down_s: float = Field(60.0, ge=0, description="while the reward service refuses connections (down, or "
                                  "being restarted), keep retrying this long before the failures count against "
                                  "reward_retries; 0 = count them at once")
+    reward_outage_hold_s: float = Field(
+        1800.0, ge=0, description="while every item of a batch fails for an outage (the reward service unreachable, "
+        "a remote plugin timing out, unreachable, answering 5xx/429 or its circuit open), hold the batch and score it "
+        "again with back-off (state paused_reward: no new prompts claimed, none burnt) for up to this long, then send "
+        "it failed; 0 = send it failed at once")
     reward_token: str = Field("", description="bearer token for the reward service (its auth_token); prefer "
                               "RELAY_REWARD_TOKEN to a file")
     seed: int = Field(0, description="sampling seed (combined with the replica id)")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from generators.service import Generator
 
 STATES = ("starting", "waiting_for_weights", "updating", "sampling", "waiting_for_prompts", "sending",
-          "paused_staleness", "paused_backpressure", "draining", "stopped")
+          "paused_staleness", "paused_backpressure", "paused_reward", "draining", "stopped")
 
 
 class GeneratorCollector(Collector):

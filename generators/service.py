@@ -123,7 +123,7 @@ class Generator:
             hash=w.hash or (w.hash_for(w.version, wait_s=0) if w.receiver is not None and w.version is not None
                             else ""),
             # back-pressure on the sink shows even while the engine is busy generating
-            state="paused_backpressure" if sink.state == "paused_backpressure" else self.state,
+            state=sink.state if sink.state in ("paused_backpressure", "paused_reward") else self.state,
             sink_state=sink.state, in_flight=self.cfg.in_flight,
             engine=self.backend.engine_info() if w.version is not None and hasattr(self.backend, "engine_info")
             else {},
@@ -132,6 +132,7 @@ class Generator:
             tokens=self.tokens, updates=w.updates, refused_updates=w.refused_updates,
             forged_announcements=w.forged_announcements,
             reward_failures=sink.reward_failures, reward_failures_by_plugin=dict(sink.reward_failures_by_plugin),
+            reward_pauses=sink.reward_pauses, reward_paused_s=round(sink.reward_paused_s, 1),
             last_update_latency_s=w.last_update_latency_s,
             # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
             # where the heartbeat's schema has the field

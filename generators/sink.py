@@ -33,6 +33,24 @@ from generators.reward_client import RewardClient
 
 log = logging.getLogger("relay.generator.sink")
 
+# reason codes (before the colon) of a failure that says the scorer is out, not that the item is bad: the
+# generator's own (reward_service: the service unreachable after its retries) and a remote plugin's
+# (docs/rewards.md, "retried": 5xx/429, timeout, unreachable, circuit open)
+OUTAGE_CODES = ("reward_service", "remote_timeout", "remote_unreachable", "remote_circuit_open", "remote_http_429")
+
+
+def outage(results: list[list[ResultOut]]) -> str | None:
+    """The reason when every result of a batch failed for an outage (then scoring it again later may
+    succeed); None when at least one item was scored, or failed for a reason of its own."""
+    flat = [r for rs in results for r in rs]
+    if not flat:
+        return None
+    for r in flat:
+        code = r.reason.split(":", 1)[0].strip()
+        if r.ok or not (code in OUTAGE_CODES or (code.startswith("remote_http_5") and len(code) == 15)):
+            return None
+    return flat[0].reason[:200]
+
 
 @dataclass
 class Batch:
@@ -61,7 +79,9 @@ class Sink:
         self.hash_for = hash_for
         self.stop, self.heartbeat = stop, heartbeat
         self.sender = GroupSender(cfg.broker_address, curve=curve)
-        self.state = "idle"  # idle | scoring | sending | paused_backpressure (reported in the heartbeat)
+        self.state = "idle"  # idle | scoring | sending | paused_backpressure | paused_reward (in the heartbeat)
+        self.reward_pauses = 0  # outages that held a batch (paused_reward)
+        self.reward_paused_s = 0.0  # seconds spent holding batches through them
         self.error = ""
         self.groups_sent = self.groups_rejected = self.reward_failures = 0
         self.reward_failures_by_plugin: dict[str, int] = {}
@@ -131,7 +151,7 @@ class Sink:
         """Score one batch, send its groups, then release their prompts."""
         prompts = [f for _, f in b.claimed]
         self.state = "scoring"
-        scores = self.rewards.score_groups(prompts, b.groups, self.decode)
+        scores = self._score_through_outages(prompts, b.groups)
         scored = time.time()
         if not b.weight_hash and self.hash_for is not None:
             b.weight_hash = self.hash_for(b.version)
@@ -153,6 +173,37 @@ class Sink:
             self._release(eid)  # the group is safe in Redis (or accounted as rejected)
         self.state = "idle"
         self.heartbeat()
+
+    def _score_through_outages(self, prompts: list[PromptEntry], groups: list[list[Completion]]) -> list[list[ResultOut]]:
+        """Score a batch. While every item comes back failed for an outage (:func:`outage`), hold it and
+        score it again (back-off 1 s doubling to 30 s; state ``paused_reward``): the generator claims no new
+        prompts meanwhile (two more batches at most: one waiting at the hand-over, one in the engine), so an outage
+        burns no prompts and drops nothing. After ``reward_outage_hold_s`` (or on stop) the batch goes
+        out with its failures, counted as before."""
+        backoff, since = Backoff(1.0, 30.0), None
+        while True:
+            scores = self.rewards.score_groups(prompts, groups, self.decode)
+            why = outage(scores)
+            now = time.monotonic()
+            if why is None or self.stop.is_set() or (since is not None and now - since >= self.cfg.reward_outage_hold_s):
+                break
+            if since is None:
+                since = now
+                self.reward_pauses += 1
+                log.warning("reward outage (%s): holding the batch of %d prompt(s) and scoring it again with "
+                            "back-off; no new prompts are claimed meanwhile", why, len(prompts))
+            self.state = "paused_reward"
+            self.heartbeat()
+            self.stop.wait(min(backoff.next(), max(0.0, since + self.cfg.reward_outage_hold_s - now)))
+        if since is not None:
+            self.reward_paused_s += now - since
+            if why is None:
+                log.info("reward outage over after %.1fs: the held batch is scored", now - since)
+            else:
+                log.error("reward outage lasted %.1fs (reward_outage_hold_s %.0f): the batch goes out failed (%s)",
+                          now - since, self.cfg.reward_outage_hold_s, why)
+            self.state = "scoring"
+        return scores
 
     def _sample(self, c: Completion, r: ResultOut, version: int) -> Sample:
         if not r.ok:

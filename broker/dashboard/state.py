@@ -4,7 +4,7 @@ Everything here reads Redis only (no service internals), so any process that can
 Redis can build it: the broker serves it over HTTP, ``relay status --redis-url`` prints it.
 
 A generator's shown ``state`` is the one its last heartbeat reported (``sampling``, ``updating``,
-``paused_staleness``, ``paused_backpressure``, ``draining``, ``stopped``, ...), except ``dead``
+``paused_staleness``, ``paused_backpressure``, ``paused_reward``, ``draining``, ``stopped``, ...), except ``dead``
 when that heartbeat is older than ``dead_after_s`` and the generator did not report ``stopped``.
 ``hash_ok`` is false when the hash it serves differs from the one announced for its version: the
 bug a glance must catch (a sync never delivered, a version stamp ahead of the weights).

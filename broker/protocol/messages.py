@@ -286,10 +286,11 @@ class Heartbeat(BaseModel):
     last_seen: float | None = Field(None, description="float: unix time of this heartbeat (null/absent: shown dead, "
                                     "pins nothing)")
     state: str = Field("unknown", description="str: starting, waiting_for_weights, updating, sampling, "
-                       "waiting_for_prompts, sending, paused_staleness, paused_backpressure, draining, stopped")
+                       "waiting_for_prompts, sending, paused_staleness, paused_backpressure, paused_reward, draining, "
+                       "stopped")
     backend: str = Field("", description="str: the inference backend (torch, vllm, sglang, simulated)")
     sink_state: str = Field("", description="str: what the thread that scores and sends is doing: idle, scoring, "
-                            "sending, paused_backpressure")
+                            "sending, paused_backpressure, paused_reward")
     in_flight: str = Field("", description="str: the in-flight policy, finish or continue")
     engine: dict[str, Any] = Field(default_factory=dict, description="object: the inference engine's identity "
                                    "(pid, ...); the same across updates = weights applied in place")
@@ -307,6 +308,8 @@ class Heartbeat(BaseModel):
     reward_failures: int = Field(0, description="int: samples whose reward failed")
     reward_failures_by_plugin: dict[str, int] = Field(default_factory=dict, description="object: plugin -> samples "
                                                       "whose reward failed")
+    reward_pauses: int = Field(0, description="int: reward outages that held a batch (state paused_reward)")
+    reward_paused_s: float = Field(0.0, description="float: seconds batches were held through reward outages")
     last_update_latency_s: float | None = Field(None, description="float: publish -> apply seconds of the last "
                                                 "update")
     episodes: dict[str, Any] = Field(default_factory=dict, description="object: multi-turn episodes (docs/agents.md), "

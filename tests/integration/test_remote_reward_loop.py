@@ -1,7 +1,9 @@
 """The loop trains on the scores of a separate reward server written from docs/rewards.md
 (tests/support/remote_reward_server.py, stdlib only), registered as a remote plugin; when that server
-answers 500, hangs or returns garbage, items fail with the right reason, the run goes on, and the
-reward service's /metrics and the generators' heartbeats count the failures."""
+answers 500, hangs or returns garbage, items fail with the right reason and the run goes on. 500s and
+hangs are outages: the generator holds its batch and pauses (paused_reward; for 30 s nothing is sent,
+claimed beyond the held batches, or dropped) and sends it scored once the server is back; garbage is the
+plugin's own failure: counted by the reward service's /metrics and the generators' heartbeats, dropped."""
 
 import json
 import subprocess
@@ -16,7 +18,7 @@ from broker.client.telemetry import read_heartbeats
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
 from deploy.launcher.run_secrets import run_redis_url
-from tests.support.services import ROOT, child_env, metric_value, wait_http
+from tests.support.services import ROOT, child_env, metric_value, wait_http, wait_until
 
 STEPS, GROUPS, N = 20, 4, 4
 
@@ -71,23 +73,49 @@ sampling = {{ n = {N} }}
         def heartbeat_failures() -> int:
             return sum(hb.reward_failures for hb in read_heartbeats(r, keys).values())
 
+        def heartbeat() -> dict:
+            hbs = list(read_heartbeats(r, keys).values())
+            return {"state": hbs[0].state if hbs else "", "pauses": sum(h.reward_pauses for h in hbs),
+                    "sent": sum(h.groups_sent for h in hbs), "failures": sum(h.reward_failures for h in hbs)}
+
+        def dropped() -> int:
+            lines = (run / "learner" / "metrics.jsonl").read_text().splitlines()
+            return json.loads(lines[-1])["groups_dropped_reward_failed"] if lines else 0
+
         seen = {}
-        for mode, reason in (("500", "remote_http_500"), ("hang", "remote_timeout"), ("garbage", "remote_malformed")):
+        # 500s and hangs are outages: the generator holds its batch and pauses (no prompt burnt, nothing
+        # dropped); the 500 phase lasts 30 s. Garbage is the plugin's fault, not an outage: failed, dropped.
+        for mode, reason, outage_s in (("500", "remote_http_500", 30.0), ("hang", "remote_timeout", 0.0),
+                                       ("garbage", "remote_malformed", None)):
             before = metric_value(httpx.get(f"{reward}/metrics").text, "relay_reward_items_total", plugin="scorer",
                              status="failed", reason=reason)
-            hb_before = heartbeat_failures()
+            hb_before = heartbeat()
             httpx.post(f"{base}/control", json={"mode": mode})
             t_end = time.monotonic() + 90
             while True:
                 assert up.poll() is None, f"the run stopped during the {mode} phase:\n{up.stdout.read()}"
                 text = httpx.get(f"{reward}/metrics").text
                 now = metric_value(text, "relay_reward_items_total", plugin="scorer", status="failed", reason=reason)
-                if now > before and heartbeat_failures() > hb_before:
+                hb = heartbeat()
+                if now > before and (hb["failures"] > hb_before["failures"] if outage_s is None
+                                     else hb["state"] == "paused_reward" and hb["pauses"] > hb_before["pauses"]):
                     break
-                assert time.monotonic() < t_end, f"no {reason} failure counted in the {mode} phase:\n{text}"
+                assert time.monotonic() < t_end, f"no {reason} failure counted in the {mode} phase:\n{text} {hb}"
                 time.sleep(0.3)
+            if outage_s:  # the plugin keeps failing: the generator stays paused, sends and drops nothing
+                held, dropped_before, paused_at = hb, dropped(), time.monotonic()
+                time.sleep(outage_s)
+                hb = heartbeat()
+                assert hb["state"] == "paused_reward" and hb["sent"] == held["sent"], (held, hb)
+                assert hb["failures"] == held["failures"] == hb_before["failures"] and dropped() == dropped_before
+                now = metric_value(httpx.get(f"{reward}/metrics").text, "relay_reward_items_total", plugin="scorer",
+                                   status="failed", reason=reason)
+                assert now > before and time.monotonic() - paused_at >= outage_s
             seen[mode] = now - before
             httpx.post(f"{base}/control", json={"mode": "ok"})
+            if outage_s is not None:  # the held batch goes out scored: the generator sends again
+                wait_until(lambda: heartbeat()["sent"] > hb_before["sent"] and heartbeat()["state"] != "paused_reward",
+                           120, f"the generator to resume after the {mode} outage")
         hb_failures = heartbeat_failures()
         final_metrics = ""
         while up.poll() is None:  # the last scrape before the run ends (the service stops with it)
@@ -113,11 +141,11 @@ sampling = {{ n = {N} }}
     assert metric_value(final_metrics, "relay_reward_items_total", plugin="digits") == 0
     # failures were failures: counted by plugin and reason, by the generators, and dropped by the learner
     assert all(v > 0 for v in seen.values()), seen
-    assert hb_failures >= sum(seen.values())
+    assert hb_failures >= seen["garbage"]  # the outages' failures were held and scored again, never sent
     assert metric_value(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="http_500") > 0
     assert metric_value(final_metrics, "relay_reward_remote_requests_total", plugin="scorer", outcome="timeout") > 0
     assert lines[-1]["groups_dropped_reward_failed"] > 0  # skip mode: all-failed groups dropped and counted
     # and summary.json says so: failures by plugin, the groups dropped for them, no fallback score trained on
     rf = summary["reward_failures"]
-    assert rf["samples"] >= sum(seen.values()) and rf["by_plugin"].get("scorer", 0) > 0, rf
+    assert rf["samples"] >= seen["garbage"] and rf["by_plugin"].get("scorer", 0) > 0, rf
     assert rf["groups_dropped"] == lines[-1]["groups_dropped_reward_failed"] and rf["fallback_used"] is False, rf
