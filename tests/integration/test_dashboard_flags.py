@@ -65,9 +65,10 @@ def test_stale_hash_backpressure_and_death_are_flagged(procs, redis_url, tmp_pat
     a1b = Publisher(r, keys, str(tmp_path / "weights-b"), tok, keep_versions=10,
                     announce_key=announce_key(tmp_path)).publish(model, model.state_dict(), 1)
     assert a1b.hash != a1.hash
-    # gen-b also cannot reach its reward service: its samples are marked failed, counted by "plugin"
+    # gen-b also cannot reach its reward service and does not hold its batches through the outage
+    # (reward_outage_hold_s 0): its samples are marked failed, counted by "plugin"
     cfg_b = dict(_gen_cfg("gen-b", redis_url, ingest, free_port()), reward_retries=0, reward_timeout_s=2,
-                 reward_down_s=0)
+                 reward_down_s=0, reward_outage_hold_s=0)
     start_service(procs, "gen-b", "generator", cfg_b, tmp_path)
     g = wait_until(lambda: (g := gens()) and g.get("gen-b", {}).get("version") == 1 and g, 120, "gen-b serving v1")
 
