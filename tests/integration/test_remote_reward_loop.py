@@ -116,6 +116,10 @@ sampling = {{ n = {N} }}
             if outage_s is not None:  # the held batch goes out scored: the generator sends again
                 wait_until(lambda: heartbeat()["sent"] > hb_before["sent"] and heartbeat()["state"] != "paused_reward",
                            120, f"the generator to resume after the {mode} outage")
+        # the reward service counts a batch's failures at once, the generator as it sends its groups (and
+        # heartbeats once a second): let it catch up with the garbage phase's last batch
+        wait_until(lambda: heartbeat_failures() >= seen["garbage"], 60,
+                   f"the generator to count the garbage phase's {seen['garbage']} failures")
         hb_failures = heartbeat_failures()
         final_metrics = ""
         while up.poll() is None:  # the last scrape before the run ends (the service stops with it)
