@@ -79,7 +79,8 @@ class Announcement:
     path:    folder of the snapshot in the weight store (shared volume).
     url:     optional HTTP base URL serving the same folder.
     published_at: unix time.
-    digest:  sha256 of the tensors themselves (broker/protocol/tensordigest.py), the same however they
+    digest:  the digest of the tensors themselves (broker/protocol/tensordigest.py: ``xxh3:<hex>`` or, with
+             weights.digest = sha256, plain hex), the same however they
              travel (store, http, collective): each generator compares it with the digest of what it
              applied. "" from a learner before digests existed.
     sig:     hex HMAC-SHA256 of every other field by the run's announcement key (signing.py), or ""
