@@ -116,9 +116,21 @@ class Receiver:
             free = got.flat
             if adopted:
                 free, self._held = self._held, got.flat
+            size = got.flat.numel()
             got.flat, got.state = None, {}
             if free is not None:
                 self._spare = free
+            elif self._spare is None:  # the first adoption: the engine's own tensors were freed, not handed back
+                threading.Thread(target=self._prefault, args=(size,), name="relay-staging-prefault", daemon=True).start()
+
+    def _prefault(self, size: int) -> None:
+        """Allocate the next version's staging buffer now, while idle, and touch every page (the kernel maps
+        them as they are first written: done here, not while a version lands)."""
+        buf = torch.empty(size, dtype=torch.uint8)
+        buf.fill_(0)
+        with self.lock:
+            if self._spare is None:
+                self._spare = buf
 
     def _buffer(self, size: int) -> torch.Tensor:
         with self.lock:

@@ -162,12 +162,15 @@ class Broadcaster:
                     return flat
         return None
 
-    def send(self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None) -> str:
+    def send(self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None,
+             progress=None) -> str:
         """Broadcast ``state`` (CPU tensors in the publication dtype) as ``version`` to every member;
         return its tensor digest (computed from the bytes sent). Members that fail are dropped.
         ``check`` (the finiteness check) runs beside the buckets; when it raises a ValueError the version
         is aborted: its trailer carries an empty digest and ``abort`` (signed like any other), every member
-        discards what it received, and the error is raised here once the trailer has left."""
+        discards what it received, and the error is raised here once the trailer has left. ``progress``
+        (learner/publish.py ``Progress``): ``state`` is still being copied; each bucket leaves as soon as
+        its tensors are filled (a copy that fails aborts the version the same way)."""
         t0 = time.perf_counter()
         checking = self._checker.submit(check) if check is not None else None
         layout = self._layout([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
@@ -197,13 +200,20 @@ class Broadcaster:
         by_name = {s.name: s for s in layout.slots}
         hashes = []
         filled = 0  # slots[:filled] are in the buffer
+        refused: ValueError | None = None
         for start, end in layout.buckets or [(0, 0)]:
+            first = filled
             while filled < len(layout.slots) and layout.slots[filled].offset < max(end, 1):
-                s = layout.slots[filled]  # every tensor that begins in this bucket, before it leaves
-                if s.nbytes and not in_place:
+                filled += 1  # every tensor that begins in this bucket, filled before it leaves
+            if progress is not None and refused is None:
+                try:
+                    progress.wait([s.name for s in layout.slots[:filled]])
+                except RuntimeError as e:  # the copy failed: the rest leaves as it is, the trailer aborts
+                    refused = ValueError(str(e))
+            for s in layout.slots[first:filled]:
+                if s.nbytes and not in_place and refused is None:
                     flat[s.offset:s.offset + s.nbytes].copy_(state[s.name].detach().contiguous().reshape(-1)
                                                              .view(torch.uint8))
-                filled += 1
             for s in layout.completed_by(start, end):  # hashed once complete, while the next buckets leave
                 hashes.append(self._hasher.submit(wire.slot_entry, s, flat, layout.digest))
             if end > start:
@@ -211,12 +221,11 @@ class Broadcaster:
                 for m in members:
                     issue(m, lambda pg: [pg.broadcast(bucket, 0, timeout)])
         assert len(hashes) == len(by_name)
-        refused: ValueError | None = None
         try:
             if checking is not None:
                 checking.result()
-        except ValueError as e:
-            refused = e
+        except (ValueError, RuntimeError) as e:  # not finite, or the copy failed
+            refused = refused or (e if isinstance(e, ValueError) else ValueError(str(e)))
         digest = "" if refused is not None else combine((h.result() for h in hashes), layout.digest)
         header_sha = hashlib.sha256(header).hexdigest()
         trailer = json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,

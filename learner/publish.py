@@ -77,26 +77,85 @@ def refuse_nonfinite(state: dict[str, torch.Tensor], version: int) -> None:
                                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
 
 
-def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: torch.dtype = torch.float32,
-             tied: bool = False, into: dict[str, torch.Tensor] | None = None, check: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors to publish: a CPU copy of ``state_dict`` (floating-point tensors in ``dtype``), without
-    ``lm_head.weight`` when the embeddings are ``tied``. NonFiniteWeights when one is not finite. The
-    copy is what the learner waits for; its own weights change at the next step. ``into``: a previous
-    snapshot done with (``BackgroundPublisher.spare``), whose buffers are reused where name, shape and
-    dtype match (no fresh gigabyte to allocate and fault in each version). ``check=False`` leaves the
-    finiteness check to :meth:`Publisher.write` (off the learner's path: the publisher thread)."""
-    state = {}
+class SnapshotFailed(RuntimeError):
+    """The copy of a snapshot being streamed (:class:`Progress`) failed before every tensor was filled."""
+
+
+class Progress:
+    """How far a snapshot being taken has got (:func:`fill`): the tensors filled so far. A snapshot
+    handed over before it is filled (:meth:`BackgroundPublisher.submit` with ``progress``) is streamed:
+    the collective broadcast sends each bucket as soon as its tensors are copied (:meth:`wait`), beside
+    the copy the learner waits for, instead of after it."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._filled: set[str] = set()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def filled(self, name: str) -> None:
+        with self._cv:
+            self._filled.add(name)
+            self._cv.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Every tensor is filled, or the copy failed with ``error``."""
+        with self._cv:
+            self._done, self._error = True, error
+            self._cv.notify_all()
+
+    def wait(self, names=None) -> None:
+        """Until the tensors ``names`` (None: all) are filled; SnapshotFailed when the copy failed first."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._done or (names is not None and self._filled.issuperset(names)))
+            if self._error is not None:
+                raise SnapshotFailed(f"the snapshot's copy failed: {self._error}") from self._error
+
+
+def snapshot_buffers(state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, tied: bool = False,
+                     into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Where a snapshot of ``state_dict`` goes (:func:`fill`): CPU tensors of the same shapes, floating-point
+    ones in ``dtype``, without ``lm_head.weight`` when the embeddings are ``tied``. ``into`` (a previous
+    snapshot done with, ``BackgroundPublisher.spare``, or the broadcaster's views into its flat buffer) is
+    reused where name, shape and dtype match (no fresh gigabyte to allocate and fault in each version);
+    its order comes first (the broadcast's order: buckets fill front to back)."""
     into = into or {}
-    for k, v in state_dict.items():
-        if tied and k == "lm_head.weight":
-            continue
-        v = v.detach()
+    wanted = {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+    out = {}
+    for k in [*(k for k in into if k in wanted), *(k for k in wanted if k not in into)]:
+        v = wanted[k]
         want = dtype if v.is_floating_point() else v.dtype
         old = into.get(k)
-        if old is not None and old.shape == v.shape and old.dtype == want:
-            state[k] = old.copy_(v)
-        else:
-            state[k] = v.to("cpu", want, copy=True).contiguous()
+        out[k] = old if old is not None and old.shape == v.shape and old.dtype == want else \
+            torch.empty(v.shape, dtype=want, device="cpu")
+    return out
+
+
+def fill(buffers: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor],
+         progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Copy ``state_dict`` into ``buffers`` (:func:`snapshot_buffers`), in the buffers' order, telling
+    ``progress`` each tensor filled (and the end, or the error)."""
+    try:
+        for k, dst in buffers.items():
+            dst.copy_(state_dict[k].detach())
+            if progress is not None:
+                progress.filled(k)
+    except BaseException as e:
+        if progress is not None:
+            progress.finish(e)
+        raise
+    if progress is not None:
+        progress.finish()
+    return buffers
+
+
+def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: torch.dtype = torch.float32,
+             tied: bool = False, into: dict[str, torch.Tensor] | None = None, check: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors to publish: a CPU copy of ``state_dict`` (:func:`snapshot_buffers`, :func:`fill`).
+    NonFiniteWeights when one is not finite. The copy is what the learner waits for; its own weights
+    change at the next step. ``check=False`` leaves the finiteness check to :meth:`Publisher.write` (off
+    the learner's path: the publisher thread)."""
+    state = fill(snapshot_buffers(state_dict, dtype, tied, into), state_dict)
     if check:
         refuse_nonfinite(state, version)
     return state
@@ -219,28 +278,43 @@ class Publisher:
 
     def publish(self, model, state_dict: dict[str, torch.Tensor], version: int) -> Announcement:
         """Seal and announce ``state_dict`` as ``version``; NonFiniteWeights (nothing written) when a
-        weight is not finite."""
+        weight is not finite. With the collective transport the snapshot is streamed: broadcast from
+        another thread as it is copied, as the learner's publisher thread does."""
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         spare, self._spare = self._spare, None
-        state = snapshot(state_dict, version, self.dtype, tied, spare or self.buffers(state_dict, tied), check=False)
+        state = snapshot_buffers(state_dict, self.dtype, tied, spare or self.buffers(state_dict, tied))
+        config = getattr(model, "config", None)
         try:
-            return self.write(getattr(model, "config", None), state, version)  # checks finiteness first
+            if self.broadcaster is None:
+                return self.write(config, fill(state, state_dict), version)  # checks finiteness first
+            progress = Progress()
+            with ThreadPoolExecutor(1, thread_name_prefix="relay-publish") as pool:
+                written = pool.submit(self.write, config, state, version, progress)
+                fill(state, state_dict, progress)
+                return written.result()
         finally:
             self._spare = state  # written and announced (or refused): the next publish() reuses its buffers
 
-    def write(self, config, state: dict[str, torch.Tensor], version: int) -> Announcement:
+    def write(self, config, state: dict[str, torch.Tensor], version: int, progress: Progress | None = None) -> Announcement:
         """Write ``state`` (a :func:`snapshot`) as ``version`` with the model's ``config`` and the tokenizer,
         seal it, announce it (with the digest of its tensors), prune old versions. NonFiniteWeights, with
         nothing written or announced, when a weight is NaN or inf (checked here, in the publisher's thread,
-        not while the learner waits)."""
+        not while the learner waits). ``progress``: the snapshot is still being filled (:class:`Progress`);
+        the broadcast follows the copy bucket by bucket, everything else waits for its end."""
         t0 = time.perf_counter()
+
+        def check() -> None:
+            if progress is not None:
+                progress.wait()
+            refuse_nonfinite(state, version)
+
         # the collective transport: the generators get the tensors first (the broadcaster computes their digest
         # as it sends, and checks finiteness meanwhile: a refused version is aborted before its trailer, never
         # applied); the store copy follows, for late joiners, restarts and the audit
         if self.broadcaster is not None:
-            sent = self.broadcaster.send(version, state, check=lambda: refuse_nonfinite(state, version))
+            sent = self.broadcaster.send(version, state, check=check, progress=progress)
         else:
-            refuse_nonfinite(state, version)
+            check()
             sent = None
         staging = weightstore.staging_dir(self.store, version)
         config.save_pretrained(staging)
@@ -277,7 +351,7 @@ class BackgroundPublisher:
     def __init__(self, publisher: Publisher, config):
         self.publisher, self.config = publisher, config
         self._cv = threading.Condition()
-        self._waiting: tuple[int, dict] | None = None
+        self._waiting: tuple[int, dict, Progress | None] | None = None
         self._writing: int | None = None  # the version being written
         self._error: BaseException | None = None
         self._closed = False
@@ -289,8 +363,10 @@ class BackgroundPublisher:
         self._thread = threading.Thread(target=self._loop, name="relay-publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Hand ``state`` over as ``version`` (greater than any handed over before); returns at once."""
+    def submit(self, version: int, state: dict[str, torch.Tensor], progress: Progress | None = None) -> None:
+        """Hand ``state`` over as ``version`` (greater than any handed over before); returns at once.
+        ``progress``: ``state`` is still being filled (:func:`fill` with it, after this call): the thread
+        streams it (the collective broadcast follows the copy) and writes the rest when it is done."""
         with self._cv:
             self._raise()
             if self._closed:
@@ -299,7 +375,7 @@ class BackgroundPublisher:
                 self._skipped += 1
                 self._spare = self._waiting[1]
                 log.info("publication behind: version %d skipped (version %d replaces it)", self._waiting[0], version)
-            self._waiting = (version, state)
+            self._waiting = (version, state, progress)
             self._cv.notify_all()
 
     def spare(self) -> dict | None:
@@ -346,10 +422,10 @@ class BackgroundPublisher:
                 self._cv.wait_for(lambda: self._waiting is not None or self._closed)
                 if self._waiting is None:
                     return
-                (version, state), self._waiting = self._waiting, None
+                (version, state, progress), self._waiting = self._waiting, None
                 self._writing = version
             try:
-                a = self.publisher.write(self.config, state, version)
+                a = self.publisher.write(self.config, state, version, progress)
             except NonFiniteWeights as e:  # nothing announced; the generators keep the previous version
                 log.error("%s; generators keep version %s", e, self.announced)
                 with self._cv:

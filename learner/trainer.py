@@ -34,7 +34,8 @@ from learner.observe import LearnerObserver, finite_metrics
 from learner import checkpoint
 from learner.ranks import share_batch, write_checksum
 from learner.records import RunRecords
-from learner.publish import BackgroundPublisher, Publisher, first_version, publication_dtype, snapshot
+from learner.publish import (BackgroundPublisher, Progress, Publisher, fill, first_version, publication_dtype,
+                            snapshot_buffers)
 from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
@@ -200,12 +201,14 @@ class Learner:
         weights = full_state_dict(self.engine)
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
-            try:
-                state = snapshot(weights, self.version, self.publisher.dtype, self.tied,
-                                 self.background.spare() or self.publisher.buffers(weights, self.tied), check=False)
+            try:  # handed over before it is copied: the collective broadcast streams it as it fills
+                state = snapshot_buffers(weights, self.publisher.dtype, self.tied,
+                                         self.background.spare() or self.publisher.buffers(weights, self.tied))
+                progress = Progress()
+                self.background.submit(self.version, state, progress)
+                fill(state, weights, progress)
             finally:
                 del weights
-            self.background.submit(self.version, state)
             self.r.hset(self.keys.stats("learner"), mapping={"version": self.version})
         self.blocked_s += time.perf_counter() - t0
 

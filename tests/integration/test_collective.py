@@ -100,28 +100,62 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
 def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url, tmp_path, peers):
     """The learner checks finiteness beside the broadcast (off its own path): a version with a NaN goes
     out, then its trailer aborts it; the generator discards it without flagging anything (it is no attack)
-    and applies the next good version."""
-    from learner.publish import NonFiniteWeights, refuse_nonfinite
+    and applies the next good version. The same for a streamed snapshot whose copy fails half way; a
+    streamed snapshot that fills slowly, bucket after bucket, arrives whole."""
+    import threading
+    import time
+
+    from learner.publish import NonFiniteWeights, Progress, fill, refuse_nonfinite
 
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
     b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path)).start()
+
+    def streamed(version: int, source: dict, missing: str = "") -> tuple[str, list[str]]:
+        """Send ``version`` while another thread fills it tensor by tensor (as the learner's snapshot does),
+        its copy failing at tensor ``missing``; the digest sent and the tensors the copy read."""
+        buffers = b.buffers(source, torch.float32)
+        source = {k: v for k, v in source.items() if k != missing}
+        progress, seen = Progress(), []
+
+        def copy() -> None:
+            class Slow(dict):  # each tensor a little late: the broadcast must wait for it, not send zeros
+                def __getitem__(self, k):
+                    time.sleep(0.01)
+                    seen.append(k)
+                    return dict.__getitem__(self, k)
+            try:
+                fill(buffers, Slow(source), progress)
+            except KeyError:
+                pass  # the failing copy below: the broadcast aborts the version
+
+        t = threading.Thread(target=copy)
+        t.start()
+        try:
+            return b.send(version, buffers, check=lambda: (progress.wait(), refuse_nonfinite(buffers, version)),
+                          progress=progress), seen
+        finally:
+            t.join()
+
     try:
-        gen = _peer(peers, redis_url, tmp_path, model, "g-0", "--until", "2")
+        gen = _peer(peers, redis_url, tmp_path, model, "g-0", "--until", "3")
         wait_until(lambda: b.member_ids() == ["g-0"], timeout=60, what="the generator joined")
-        v1, v2 = _version(model, 0.01), _version(model, 0.02)
+        v1, v2, v3 = _version(model, 0.01), _version(model, 0.02), _version(model, 0.03)
         v1["model.norm.weight"][3] = float("nan")
         with pytest.raises(NonFiniteWeights, match="version 1.*model.norm.weight"):
             b.send(1, v1, check=lambda: refuse_nonfinite(v1, 1))
-        assert b.send(2, v2, check=lambda: refuse_nonfinite(v2, 2)) == state_digest(v2)
+        with pytest.raises(ValueError, match="copy failed"):
+            streamed(2, v2, missing="model.layers.0.mlp.up_proj.weight")  # half way through the buckets
+        digest, seen = streamed(3, v3)
+        assert digest == state_digest(v3) and sorted(seen) == sorted(v3)
         out = _result(gen, tmp_path, "g-0")
     finally:
         b.close()
-    assert out["version"] == 2 and out["collective_updates"] == 1 and out["engine_digest"] == state_digest(v2)
+    assert out["version"] == 3 and out["collective_updates"] == 1 and out["engine_digest"] == state_digest(v3)
     assert out["refused_updates"] == 0 and b.member_ids() == []  # closed; it was never dropped
     assert b.dropped == 0
     events = [e for _, e in read_events(r, keys, None, 100)]
-    assert [(e.kind, e.data["version"]) for e in events if e.kind in ("applied", "refused")] == [("applied", 2)]
+    assert [(e.kind, e.data["version"]) for e in events if e.kind in ("applied", "refused")] == [("applied", 3)]
 
 
 def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_path, peers):

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from broker.protocol import tensordigest
 from broker.protocol import weightstore as ws
-from learner.publish import (BackgroundPublisher, NonFiniteWeights, publication_dtype, snapshot,
-                             write_safetensors)
+from learner.publish import (BackgroundPublisher, NonFiniteWeights, Progress, SnapshotFailed, fill,
+                             publication_dtype, snapshot, snapshot_buffers, write_safetensors)
 
 
 def _state(seed=0):
@@ -88,7 +88,7 @@ class GatedWriter:
     def __init__(self):
         self.written, self.gate, self.started = [], threading.Event(), threading.Event()
 
-    def write(self, config, state, version):
+    def write(self, config, state, version, progress=None):
         self.started.set()
         assert self.gate.wait(10)
         if state.get("fail") is not None:
@@ -151,7 +151,7 @@ def test_a_nonfinite_snapshot_is_refused_by_the_publisher_thread_which_goes_on(t
     class Writer:
         dtype = torch.float32
 
-        def write(self, config, state, version):
+        def write(self, config, state, version, progress=None):
             from learner.publish import refuse_nonfinite
 
             refuse_nonfinite(state, version)
@@ -165,3 +165,39 @@ def test_a_nonfinite_snapshot_is_refused_by_the_publisher_thread_which_goes_on(t
     bg.submit(2, snapshot({"w": torch.tensor([1.0, 2.0])}, 2, check=False))
     bg.close()
     assert written == [2] and bg.take_refused() == 0
+
+
+def test_a_snapshot_handed_over_before_it_is_filled_is_written_after_its_copy():
+    """The learner hands its snapshot over first and copies into it after (the collective broadcast
+    streams it); the writer sees it filled, in the buffers' order; a copy that fails reaches the writer
+    as SnapshotFailed, and the learner gets its own error."""
+    live = _state(3)
+    order = list(reversed(live))  # the broadcast's order, here the reverse of the model's
+    into = {k: torch.empty(live[k].shape, dtype=torch.bfloat16 if live[k].is_floating_point() else live[k].dtype)
+            for k in order}
+    bufs = snapshot_buffers(live, torch.bfloat16, into=into)
+    assert list(bufs) == order and all(bufs[k] is into[k] for k in order)
+
+    seen = {}
+
+    class Writer:
+        def write(self, config, state, version, progress=None):
+            progress.wait(order[:1])  # the first tensor is there before the rest
+            seen[version] = progress.wait() or {k: v.clone() for k, v in state.items()}
+
+    bg = BackgroundPublisher(Writer(), config=None)
+    progress = Progress()
+    bg.submit(1, bufs, progress)
+    fill(bufs, live, progress)
+    bg.drain(timeout=10)
+    assert list(seen[1]) == order
+    assert all(torch.equal(seen[1][k], live[k].to(seen[1][k].dtype)) for k in order)
+
+    broken, bufs2 = Progress(), snapshot_buffers(live, torch.bfloat16)
+    bg.submit(2, bufs2, broken)
+    with pytest.raises(KeyError):
+        fill(bufs2, {k: v for k, v in live.items() if k != "norm.bias"}, broken)
+    with pytest.raises(RuntimeError, match="publishing weights failed: the snapshot's copy failed"):
+        bg.drain(timeout=10)
+    with pytest.raises(SnapshotFailed):
+        broken.wait()
