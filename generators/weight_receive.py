@@ -82,7 +82,7 @@ class Receiver:
         self.joins = 0
         self.pg = None
         self._thread: threading.Thread | None = None
-        self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="relay-digest")
+        self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(HASH_THREADS)]
         self._spare: torch.Tensor | None = None  # a staging buffer no longer in use (reused: no page faults)
         self._held: torch.Tensor | None = None  # the staging buffer the engine's weights live in (adopted)
 
@@ -194,20 +194,19 @@ class Receiver:
         timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
         version, layout = wire.parse_header(header, self.max_bytes)  # malformed: the group is left (ValueError)
         flat = self._buffer(layout.total)
-        hashes = []
+        hashes = wire.BucketHasher(layout, flat, self._hashers)
         buckets = layout.buckets or [(0, 0)]
         # every bucket's receive posted at once (the group's threads fill them in order, no gap between
-        # two), each waited for in turn and hashed as soon as it has landed
+        # two), each waited for in turn and hashed as soon as it has landed (still warm in the cache)
         works = [self.pg.broadcast(flat[start:end], 0, timeout) if end > start else None for start, end in buckets]
         for i, (start, end) in enumerate(buckets):
             if works[i] is not None:
                 works[i].wait()
                 if self.tamper is not None:
                     self.tamper(i, flat[start:end])
-            for s in layout.completed_by(start, end):
-                hashes.append(self._hasher.submit(wire.slot_entry, s, flat, layout.digest))
+            hashes.add(start, end)
         trailer = wire.parse_trailer(self._blob(timeout))
-        digest = combine((h.result() for h in hashes), layout.digest)
+        digest = combine(hashes.entries(), layout.digest)
         problem = None
         if self.key is not None:
             problem = signing.check_collective(self.key, self.keys.run_id, trailer["version"], trailer["digest"],

@@ -74,7 +74,8 @@ class Broadcaster:
         self.store = None
         self.port = 0
         self._seen = 0
-        self._hasher = ThreadPoolExecutor(max(1, min(4, (os.cpu_count() or 1) - 1)), thread_name_prefix="relay-digest")
+        self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest")  # hashing releases the GIL
+                         for _ in range(max(1, min(4, (os.cpu_count() or 1) - 1)))]
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="relay-publish-check")  # send(check=) beside the buckets
         self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
         self._owned: dict[int, torch.Tensor] = {}  # data_ptr -> a flat buffer handed out by buffers() (the newest few)
@@ -96,7 +97,8 @@ class Broadcaster:
             members, self.members = list(self.members.values()), {}
         for m in members:
             wire.abort_group(m.pg)
-        self._hasher.shutdown(wait=False)
+        for pool in self._hashers:
+            pool.shutdown(wait=False)
         self._checker.shutdown(wait=False)
 
     # -- membership -----------------------------------------------------------------------------
@@ -197,8 +199,7 @@ class Broadcaster:
             flat = self._flat if self._flat is not None and self._flat.numel() == layout.total else \
                 torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero: the layout never changes them
             self._flat = flat
-        by_name = {s.name: s for s in layout.slots}
-        hashes = []
+        hashes = wire.BucketHasher(layout, flat, self._hashers)
         filled = 0  # slots[:filled] are in the buffer
         refused: ValueError | None = None
         for start, end in layout.buckets or [(0, 0)]:
@@ -214,19 +215,18 @@ class Broadcaster:
                 if s.nbytes and not in_place and refused is None:
                     flat[s.offset:s.offset + s.nbytes].copy_(state[s.name].detach().contiguous().reshape(-1)
                                                              .view(torch.uint8))
-            for s in layout.completed_by(start, end):  # hashed once complete, while the next buckets leave
-                hashes.append(self._hasher.submit(wire.slot_entry, s, flat, layout.digest))
             if end > start:
                 bucket = flat[start:end]
                 for m in members:
                     issue(m, lambda pg: [pg.broadcast(bucket, 0, timeout)])
-        assert len(hashes) == len(by_name)
+            hashes.add(start, end)  # beside its sending, while the bucket is warm in the cache
         try:
             if checking is not None:
                 checking.result()
         except (ValueError, RuntimeError) as e:  # not finite, or the copy failed
             refused = refused or (e if isinstance(e, ValueError) else ValueError(str(e)))
-        digest = "" if refused is not None else combine((h.result() for h in hashes), layout.digest)
+        entries = hashes.entries()
+        digest = "" if refused is not None else combine(entries, layout.digest)
         header_sha = hashlib.sha256(header).hexdigest()
         trailer = json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,
                               "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest,

@@ -177,9 +177,40 @@ def abort_group(pg) -> None:
             logging.getLogger("relay.collective").debug("%s of a member group failed: %s", name, e)
 
 
-def slot_entry(s: Slot, flat, algorithm: str) -> tuple[str, bytes]:
-    """The digest entry (tensordigest.py ``tensor_entry``) of slot ``s`` of the flat uint8 buffer ``flat``."""
-    from broker.protocol.tensordigest import tensor_entry
+class BucketHasher:
+    """The digest entries of a layout's tensors, hashed bucket by bucket as each bucket is filled (the
+    learner) or lands (a generator), while its bytes are still warm in the cache: each tensor has its
+    own incremental hash, fed the part of it in each bucket. Call :meth:`add` for each bucket, in order,
+    then :meth:`entries`. ``pools``: single-thread executors (each runs its jobs in order); a tensor's
+    parts and its final entry always go to the same one."""
 
-    data = flat[s.offset:s.offset + s.nbytes].numpy() if s.nbytes else b""
-    return tensor_entry(s.name, s.dtype, s.shape, data, algorithm)
+    def __init__(self, layout: Layout, flat, pools: list):
+        from broker.protocol.tensordigest import hasher
+
+        self.layout, self.flat, self.pools = layout, flat, pools
+        self.hashes = [hasher(layout.digest) for _ in layout.slots]
+        self.finals: list = []
+
+    def _update(self, i: int, start: int, end: int) -> None:
+        self.hashes[i].update(self.flat[start:end].numpy())
+
+    def _entry(self, i: int) -> tuple[str, bytes]:
+        from broker.protocol.tensordigest import tensor_entry_from_hash
+
+        s = self.layout.slots[i]
+        return tensor_entry_from_hash(s.name, s.dtype, s.shape, self.hashes[i].digest())
+
+    def add(self, start: int, end: int) -> None:
+        """Bucket [start, end) is in the buffer: hash the parts of the tensors in it; the tensors it
+        completes get their entries."""
+        for i, s in enumerate(self.layout.slots):
+            lo, hi = max(start, s.offset), min(end, s.offset + s.nbytes)
+            pool = self.pools[i % len(self.pools)]
+            if lo < hi:
+                pool.submit(self._update, i, lo, hi)
+            if start < s.offset + s.nbytes <= end or (start == 0 and s.offset + s.nbytes == 0):
+                self.finals.append(pool.submit(self._entry, i))
+
+    def entries(self) -> list[tuple[str, bytes]]:
+        """Every tensor's entry (each bucket added): waits for the hashing still under way."""
+        return [f.result() for f in self.finals]

@@ -53,21 +53,34 @@ def test_a_header_parses_back_to_the_same_layout_and_a_tampered_one_is_refused()
 
 
 def test_the_digest_of_the_flat_buffer_is_the_digest_of_the_tensors():
-    """What the receiver hashes (slices of the buffer) is what tensordigest.py defines for the tensors."""
+    """What both sides hash (each tensor's parts, bucket by bucket, into its own incremental hash) is what
+    tensordigest.py defines for the tensors, whatever the buckets cut and however many hashing threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
-    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "v": torch.ones(5, dtype=torch.bfloat16)}
-    layout = wire.plan([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in state.items()], 64)
-    flat = torch.zeros(layout.total, dtype=torch.uint8)
-    for s in layout.slots:
-        flat[s.offset:s.offset + s.nbytes] = state[s.name].reshape(-1).view(torch.uint8)
     from broker.protocol.tensordigest import ALGORITHMS, state_digest
 
+    state = {"w": torch.arange(40, dtype=torch.float32).reshape(10, 4), "v": torch.ones(5, dtype=torch.bfloat16),
+             "e": torch.zeros(0), "z": torch.arange(3, dtype=torch.int64)}
+    pools = [ThreadPoolExecutor(1) for _ in range(3)]
+
+    def digest(flat, layout):
+        hashes = wire.BucketHasher(layout, flat, pools)
+        for start, end in layout.buckets or [(0, 0)]:
+            hashes.add(start, end)
+        return combine(hashes.entries(), layout.digest)
+
     for algo in ALGORITHMS:
-        assert combine((wire.slot_entry(s, flat, algo) for s in layout.slots), algo) == state_digest(state, algo)
-    flat[3] ^= 1
-    for algo in ALGORITHMS:
-        assert combine((wire.slot_entry(s, flat, algo) for s in layout.slots), algo) != state_digest(state, algo)
+        for bucket in (64, 128, 1 << 20):  # tensors cut across buckets, and all in one
+            layout = wire.plan([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in state.items()],
+                               bucket, algo)
+            flat = torch.zeros(layout.total, dtype=torch.uint8)
+            for s in layout.slots:
+                flat[s.offset:s.offset + s.nbytes] = state[s.name].reshape(-1).view(torch.uint8)
+            assert digest(flat, layout) == state_digest(state, algo)
+            flat[100] ^= 1  # inside "w", which 64-byte buckets cut
+            assert digest(flat, layout) != state_digest(state, algo)
     assert tensor_entry("w", "float32", (3, 4), b"")[0] == "w"
 
 
