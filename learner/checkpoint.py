@@ -6,7 +6,8 @@ Layout of ``<dir>/step-000050/``:
   counters, the stream entries trained since the previous checkpoint), and the engine settings the
   checkpoint was written with (ranks, ZeRO stage, bf16), checked when it is loaded;
 - ``model.safetensors`` (the leader, ZeRO stages 0-2, where every rank holds the whole model): the
-  weights as trained (bf16 in bf16 runs);
+  weights as trained (bf16 in bf16 runs); with LoRA only the adapters (the frozen base is loaded again
+  from the model folder; ``state.json`` says ``adapters_only``);
 - ``rank-00000.json`` + ``rank-00000.safetensors``, one pair per rank (only rank 0's at stage 0, where
   every rank's optimizer is the same): that rank's optimizer ``state_dict`` as DeepSpeed returns it
   (stages 1-3: its partition of the fp32 master weights, AdamW's ``exp_avg``/``exp_avg_sq`` and step,
@@ -76,7 +77,9 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _engine_settings(engine, world: int) -> dict:
-    return {"ranks": world, "zero_stage": int(engine.zero_optimization_stage()), "bf16": bool(engine.bfloat16_enabled())}
+    # adapters_only: LoRA (learner/lora.py), whose checkpoints hold the adapters and not the frozen base
+    return {"ranks": world, "zero_stage": int(engine.zero_optimization_stage()), "bf16": bool(engine.bfloat16_enabled()),
+            **({"adapters_only": True} if _frozen(engine.module) else {})}
 
 
 def _module_weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -95,18 +98,29 @@ def _module_weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], d
     return kept, tied
 
 
+def _frozen(module: torch.nn.Module) -> set[str]:
+    """The names of the module's frozen parameters (LoRA's base, learner/lora.py): never trained, loaded
+    again from the model folder on resume, so not checkpointed."""
+    return {n for n, p in module.named_parameters() if not p.requires_grad}
+
+
 def _save_module(module: torch.nn.Module, path: Path) -> None:
     kept, _ = _module_weights(module)
-    save_file({k: v.detach().to("cpu").clone() for k, v in kept.items()}, str(path))
+    frozen = _frozen(module)
+    save_file({k: v.detach().to("cpu").clone() for k, v in kept.items() if k not in frozen}, str(path))
     _fsync_file(path)
 
 
 def _load_module(module: torch.nn.Module, path: Path) -> None:
     weights = load_file(str(path))
-    for name, same in _module_weights(module)[1].items():
+    tied = _module_weights(module)[1]
+    for name, same in tied.items():
         if same in weights:
             weights[name] = weights[same]
     missing, unexpected = module.load_state_dict(weights, strict=False)
+    frozen = _frozen(module)
+    frozen |= {name for name, same in tied.items() if same in frozen}  # a tied head of a frozen embedding
+    missing = [k for k in missing if k not in frozen]
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
                               f"unexpected {sorted(unexpected)[:3]})")
@@ -218,7 +232,8 @@ def load(root: str | Path, engine, critic=None) -> dict | None:
         raise CheckpointError(f"{path} was written {'with' if saved_critic else 'without'} a critic, this learner "
                               f"runs {'with' if critic is not None else 'without'} one (learner.critic.enabled): "
                               "resume with the setting that wrote it, or start the run in a new run_dir")
-    _load_engine(path, engine, {k: meta.pop(k) for k in ("ranks", "zero_stage", "bf16")}, rank, world)
+    _load_engine(path, engine, {k: meta.pop(k) for k in ("ranks", "zero_stage", "bf16", "adapters_only") if k in meta},
+                 rank, world)
     if critic is not None:
         _load_engine(path / "critic", critic, saved_critic, rank, world)
     return meta

@@ -21,6 +21,7 @@ TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rat
 # ... and with gae / vtrace, whose whitened per-token advantages keep unit scale (docs/learner.md)
 TINY_LR_PER_TOKEN = 5e-4
 PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
+LORA_LR_SCALE = 10.0  # LoRA adapters train at about 10x the full fine-tuning rate (the usual LoRA practice)
 
 
 class CorrectionConfig(StrictModel):
@@ -60,6 +61,18 @@ class CriticConfig(StrictModel):
                                    "the old one ± this in the clipped value loss")
     deepspeed: DeepSpeedConfig | None = Field(None, description="the critic's DeepSpeed engine (ZeRO stage, bf16, "
                                               "gradient clipping); null = the same settings as learner.deepspeed")
+
+
+class LoraConfig(StrictModel):
+    """``learner.lora``: train low-rank adapters through peft instead of every weight (docs/learner.md, "LoRA")."""
+
+    rank: int = Field(0, ge=0, le=1024, description="LoRA rank r; 0 = off (every weight is trained)")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training (0 keeps "
+                           "the learner's log-probs deterministic, as the off-policy ratio assumes)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="the modules that get adapters: 'all-linear' (every linear layer but the output "
+        "head) or a list of module names (q_proj, v_proj, ...)")
 
 
 class PolicyLossConfig(StrictModel):
@@ -139,6 +152,8 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     fallback_score: float = Field(0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when "
                                   "failed_reward = 'fallback'")
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (off by default; "
+                             "learner.lora.rank=8 turns them on)")
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
     rank_checksums: bool = Field(False, description="every rank appends a checksum of its weights after each step "
@@ -171,11 +186,12 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
 
     @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:
-        if self.lr is None:  # a rate that fits the model: the toy's would make a pretrained LM diverge
-            tiny = TINY_LR_PER_TOKEN if self.advantage in NEEDS_CRITIC else TINY_LR
-            self.lr = tiny if self.model == "tiny" else PRETRAINED_LR
-        if self.critic.lr is None:
-            self.critic.lr = self.lr
+        # a rate that fits the model: the toy's would make a pretrained LM diverge
+        full = (TINY_LR_PER_TOKEN if self.advantage in NEEDS_CRITIC else TINY_LR) if self.model == "tiny" else PRETRAINED_LR
+        if self.lr is None:
+            self.lr = full * (LORA_LR_SCALE if self.lora.rank else 1.0)
+        if self.critic.lr is None:  # the critic trains every weight (no adapters)
+            self.critic.lr = full if self.lora.rank else self.lr
         if self.critic.deepspeed is None:
             self.critic.deepspeed = self.deepspeed.model_copy()
         return self

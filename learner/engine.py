@@ -79,7 +79,9 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.op
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ds, lr = (cfg.critic.deepspeed, cfg.critic.lr) if critic else (cfg.deepspeed, cfg.lr)
     if optimizer is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+        # the trained parameters only: with LoRA (learner/lora.py) the frozen base has no optimizer state
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                      weight_decay=cfg.weight_decay)
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,

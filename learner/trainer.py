@@ -28,6 +28,7 @@ from broker.protocol.keys import Keys
 from learner.config import LearnerConfig
 from learner.data import completion_stats, group_mean_reward
 from learner.engine import build_engine, full_state_dict, init_distributed, load_model
+from learner.lora import merged_state_dict
 from learner.intake import GroupIntake
 from learner.logprobs import check_output_head
 from learner.observe import LearnerObserver, finite_metrics
@@ -75,18 +76,31 @@ class Learner:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         vocab = model.get_input_embeddings().num_embeddings
         check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
-        reference = None  # the role of verl's reference worker: a frozen copy of the initial weights
-        if cfg.kl_coef > 0:
-            import copy
-
-            reference = copy.deepcopy(model).eval().requires_grad_(False)
         critic = None  # verl's critic worker: a value model with its own engine (learner/critic.py)
         if cfg.critic.enabled:
             from learner.critic import build_value_model
 
             critic = build_value_model(model, cfg)  # before the policy's engine: from its initial weights
+        self.lora_scale = None  # learner.lora: adapters trained, the merged model published (learner/lora.py)
+        reference = None  # the role of verl's reference worker: the initial weights, frozen
+        if cfg.lora.rank:
+            from learner.lora import AdapterDisabled, apply_lora, scaling
+
+            model = apply_lora(model, cfg.lora)
+            self.lora_scale = scaling(cfg.lora)
+            if self.leader:
+                trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                total = sum(p.numel() for p in model.parameters())
+                log.info("LoRA rank %d on %s: %d of %d parameters trained (%.2f%%)", cfg.lora.rank,
+                         cfg.lora.target_modules, trainable, total, 100 * trainable / total)
+            if cfg.kl_coef > 0:
+                reference = AdapterDisabled(model)  # the base: the same weights, adapters off (no copy)
+        elif cfg.kl_coef > 0:
+            import copy
+
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine = build_engine(model, cfg)
-        if reference is not None:
+        if isinstance(reference, torch.nn.Module):
             reference.to(self.engine.device)
         self.critic = build_engine(critic, cfg, critic=True) if critic is not None else None
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
@@ -199,6 +213,8 @@ class Learner:
         previous one, and the leader counts ``publish_refused_nonfinite`` (the version number stays used)."""
         t0 = time.perf_counter()
         weights = full_state_dict(self.engine)
+        if weights is not None and self.lora_scale is not None:  # the adapters merged, under the base's names
+            weights = merged_state_dict(weights, self.lora_scale)
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
             try:  # handed over before it is copied: the collective broadcast streams it as it fills

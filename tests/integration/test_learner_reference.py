@@ -2,7 +2,8 @@
 weights and adds a KL(π_θ || π_ref) term; the entropy of the sampling distribution is reported.
 Sampled with temperature, top-k and top-p (issue 16's reproduction): tokens sampled by version v fall
 outside the kept set of version v+1; they are masked and counted, every step's loss stays finite and
-metrics.jsonl is strict JSON."""
+metrics.jsonl is strict JSON. With LoRA the reference is the same model with its adapters disabled (no
+copy): the KL starts at 0 (the adapters start as the identity) and grows as they train."""
 
 import json
 import math
@@ -20,9 +21,11 @@ def _strict(line: str) -> dict:
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
-def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path):
+@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
+def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path, lora):
     res = relay("up", "--steps", "6", "--runs-dir", str(tmp_path), "--run-id", "kl", "--dashboard-port", "0",
                 "--no-progress", "--set", "learner.kl_coef=0.1", "--set", "learner.entropy_coef=0.01",
+                "--set", f"learner.lora.rank={lora}",
                 "--set", "learner.batch_groups=8", "--set", "generator.sampling.temperature=0.8",
                 "--set", "generator.sampling.top_k=8", "--set", "generator.sampling.top_p=0.95", timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]

@@ -20,9 +20,9 @@ def _step(r, keys) -> int:
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 @pytest.mark.parametrize("engine,extra", [
-    ({"zero_stage": 0, "bf16": False}, {}), ({"zero_stage": 2, "bf16": True}, {}),
+    ({"zero_stage": 0, "bf16": False}, {}), ({"zero_stage": 2, "bf16": True}, {"lora": {"rank": 8}}),
     ({"zero_stage": 0, "bf16": False}, {"advantage": "gae", "critic": {"enabled": True}})],
-    ids=["zero0-fp32", "zero2-bf16", "critic-gae"])
+    ids=["zero0-fp32", "zero2-bf16-lora", "critic-gae"])
 def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path, engine, extra):
     run, steps, batch = "resume", 40, 8
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)
@@ -41,8 +41,15 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     ckpt = tmp_path / "learner" / "checkpoints"
     held = json.loads((ckpt / (ckpt / "latest").read_text() / "state.json").read_text())
     assert (held["zero_stage"], held["bf16"]) == (engine["zero_stage"], engine["bf16"])
-    critic = "critic" in extra
+    critic, lora = "critic" in extra, "lora" in extra
     assert (held["critic"] is not None) == critic
+    assert held.get("adapters_only", False) == lora
+    if lora:  # the adapters alone: the frozen base comes from the model folder again
+        from safetensors import safe_open
+
+        with safe_open(str(ckpt / (ckpt / "latest").read_text() / "model.safetensors"), "pt") as f:
+            names = list(f.keys())
+        assert names and all(".lora_A." in n or ".lora_B." in n for n in names), names[:5]
     assert (ckpt / (ckpt / "latest").read_text() / "critic" / "model.safetensors").is_file() == critic
     # steps after it are trained again by the second learner; a step's checkpoint is written before its line in
     # the learner's stats, so a kill between the two leaves the checkpoint one step ahead of killed_at

@@ -1,0 +1,93 @@
+"""LoRA in the learner (``learner.lora``; docs/learner.md, "LoRA").
+
+With ``learner.lora.rank`` > 0 the policy is wrapped by peft: every base weight is frozen and low-rank
+adapters (A: r × in, B: out × r, B zero at the start, so the first version is the base model) are added
+to the target modules. Only the adapters are trained, so the optimizer's state and the gradients are
+the adapters' size, and only they are checkpointed (the base is loaded again from ``learner.model``
+on resume). The reference policy of the KL term is the same model with its adapters disabled
+(:class:`AdapterDisabled`): no second copy of the weights.
+
+Publication: each version is the merged model (:func:`merged_state_dict`: W + (alpha / r) B A under
+the base model's own tensor names), so every transport, backend and ``relay export`` serves it as it
+serves a fully trained version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from learner.config import LoraConfig
+
+PEFT_PREFIX = "base_model.model."  # peft's PeftModel names every tensor of the wrapped model under this
+BASE_LAYER = ".base_layer"         # ... and a wrapped layer's own weight under <module>.base_layer.weight
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig):
+    """``model`` wrapped by peft with fresh adapters on ``cfg.target_modules`` (the base frozen).
+    ValueError naming the modules when none of them is in the model."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = cfg.target_modules
+    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+                            target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as e:
+        raise ValueError(f"learner.lora.target_modules {targets!r}: {e}") from e
+    if getattr(model.config, "tie_word_embeddings", False) and isinstance(targets, list) and "lm_head" in targets:
+        raise ValueError("learner.lora.target_modules: lm_head is tied to the embeddings in this model; leave it out")
+    return wrapped
+
+
+def scaling(cfg: LoraConfig) -> float:
+    """The factor of the adapters' product in the merged weight: alpha / r (peft's default scaling)."""
+    return cfg.alpha / cfg.rank
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each adapter merged into its layer, from a PeftModel's state dict
+    (``state``: peft's names, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``,
+    ``...q_proj.lora_A.default.weight``): ``W + scale · B A`` (computed in float32, then in W's dtype) under
+    the name the unwrapped model uses (``model.layers.0.self_attn.q_proj.weight``). Tensors without an
+    adapter are passed through as they are (no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    adapters: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in state.items():
+        name = k.removeprefix(PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}."
+            if marker in name:  # <module>.lora_A.<adapter>.weight
+                adapters.setdefault(name.split(marker)[0], {})[part] = v
+                break
+        else:
+            out[name.replace(BASE_LAYER + ".", ".")] = v
+    for module, ab in adapters.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{module}: an adapter needs both lora_A and lora_B (found {sorted(ab)})")
+        w = out.get(f"{module}.weight")
+        if w is None:
+            raise ValueError(f"{module}: an adapter without its base weight")
+        delta = ab["lora_B"].float() @ ab["lora_A"].float()
+        if delta.shape != w.shape:
+            raise ValueError(f"{module}: adapter product {tuple(delta.shape)} does not match the weight {tuple(w.shape)}")
+        out[f"{module}.weight"] = (w.float() + scale * delta).to(w.dtype)
+    return out
+
+
+class AdapterDisabled:
+    """The reference policy under LoRA: calls the trained model with its adapters disabled (the base
+    model, frozen since the start), through the same weights in memory."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    def __call__(self, *args, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(*args, **kwargs)
+
+    def get_output_embeddings(self):
+        return self.peft_model.get_output_embeddings()
+
+    def get_input_embeddings(self):
+        return self.peft_model.get_input_embeddings()
