@@ -78,7 +78,6 @@ class Broadcaster:
                          for _ in range(max(1, min(4, (os.cpu_count() or 1) - 1)))]
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="relay-publish-check")  # send(check=) beside the buckets
         self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
-        self._owned: dict[int, torch.Tensor] = {}  # data_ptr -> a flat buffer handed out by buffers() (the newest few)
 
     def start(self) -> "Broadcaster":
         self.store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=True, wait_for_workers=False,
@@ -147,22 +146,25 @@ class Broadcaster:
         want = {k: dtype if v.is_floating_point() else v.dtype for k, v in state.items()}
         layout = self._layout([(k, str(want[k]).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
         flat = torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero
-        with self.lock:
-            self._owned[flat.data_ptr()] = flat
-            while len(self._owned) > 3:  # one being sent, one waiting, one being filled
-                self._owned.pop(next(iter(self._owned)))
         return {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
                 for s in layout.slots}
 
-    def _lies_in_buffer(self, state: dict[str, torch.Tensor], layout: wire.Layout) -> torch.Tensor | None:
-        """The flat buffer (from :meth:`buffers`) that holds every tensor of ``state`` at its offset of
-        ``layout``, or None (then send copies)."""
-        with self.lock:
-            for flat in self._owned.values():
-                if flat.numel() == layout.total and all(
-                        s.nbytes == 0 or state[s.name].data_ptr() == flat.data_ptr() + s.offset for s in layout.slots):
-                    return flat
-        return None
+    @staticmethod
+    def _lies_in_buffer(state: dict[str, torch.Tensor], layout: wire.Layout) -> torch.Tensor | None:
+        """The flat buffer that holds every tensor of ``state`` at its offset of ``layout`` (a snapshot
+        taken into :meth:`buffers`: all its tensors view one storage, each at its slot), as a uint8 tensor
+        over that storage; None otherwise (then send copies). Read from the tensors themselves: nothing
+        keeps the buffers alive but the snapshots that use them."""
+        views = [state[s.name] for s in layout.slots if s.nbytes]
+        if not views or any(t.device.type != "cpu" for t in views):
+            return None
+        storage = views[0].untyped_storage()
+        base = storage.data_ptr()
+        if storage.nbytes() < layout.total or any(
+                t.untyped_storage().data_ptr() != base or t.data_ptr() != base + s.offset or not t.is_contiguous()
+                for s, t in zip((s for s in layout.slots if s.nbytes), views)):
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (layout.total,))
 
     def send(self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None,
              progress=None) -> str:
