@@ -153,12 +153,16 @@ class Generator:
             time.sleep(0.02)
             return []
         if granted:
-            got = queues.claim_new(self.r, self.keys.prompts, self.cfg.id, granted, block_ms=500)
+            # no blocking read while holding a grant: a generator killed between admit and unadmit leaks its
+            # grant (``issued`` counts prompts never claimed; with η = 0 the learner then waits for groups
+            # nobody may produce). A read that does not block keeps that window to two round trips.
+            got = queues.claim_new(self.r, self.keys.prompts, self.cfg.id, granted, block_ms=None)
             queues.unadmit(self.r, self.keys, granted - len(got))
             out.extend(got)
         if not out:
             self.state = "waiting_for_prompts"
             self.send_heartbeat()
+            time.sleep(0.05)  # the feeder tops the stream up; look again shortly
         return out
 
     # -- main loop ------------------------------------------------------------------------------
