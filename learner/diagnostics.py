@@ -12,6 +12,7 @@ them into the reported means. No torch here.
   truncated     valid tokens whose weight was truncated (tis, decoupled)
   clipped       valid tokens whose policy ratio was clipped
   mismatch_sum  Σ (log μ − log π_old) over valid tokens
+  fresh_valid, fresh_mismatch_sum   the same over the valid tokens of samples of staleness 0
 """
 
 from __future__ import annotations
@@ -43,4 +44,6 @@ def summarise(s: dict[str, float]) -> dict[str, float]:
         "frac_masked": 1 - n_kept / max(s["tokens"], 1.0) if s["tokens"] else 0.0,
         "frac_clipped": s["clipped"] / max(valid, 1.0),
         "mismatch_kl": s["mismatch_sum"] / max(valid, 1.0),
+        # the engines' mismatch alone (sampled by the weights being trained); None without such tokens
+        "mismatch_kl_fresh": s["fresh_mismatch_sum"] / s["fresh_valid"] if s["fresh_valid"] else None,
     }

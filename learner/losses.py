@@ -165,12 +165,15 @@ def policy_loss_mat(logp, old_logp, adv, cfg: PolicyLossConfig) -> tuple[torch.T
 
 
 def policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLossConfig,
-                      norm: Normalisers | None = None, valid: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, dict[str, float]]:
+                      norm: Normalisers | None = None, valid: torch.Tensor | None = None,
+                      fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """aggregate(w · ℓ) over kept tokens, and the sums its diagnostics are made of (learner/diagnostics.py),
     so that pieces of a batch add up. ``valid`` (default: ``mask``) leaves out tokens whose log-probs
-    are not defined (outside the sampling transform's kept set): they are masked, and counted."""
+    are not defined (outside the sampling transform's kept set): they are masked, and counted.
+    ``fresh`` (per sample, default none) marks the samples of staleness 0, whose mismatch is the
+    engines' numerics alone (μ and π_old are the same weights)."""
     valid = mask if valid is None else valid * mask
+    fresh_valid = torch.zeros_like(valid) if fresh is None else valid * fresh[:, None].to(valid)
     w, keep = importance_weights(old_logp, behaviour_logp, valid, cfg.correction)
     mat, clipped = policy_loss_mat(logp, old_logp, adv, cfg)
     loss = aggregate(w * mat * keep, mask, cfg.aggregation, norm or Normalisers.of(mask, valid * keep))
@@ -188,6 +191,8 @@ def policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLoss
             "truncated": float(((w < rho - 1e-12) & m).sum()) if cfg.correction.mode in ("tis", "decoupled") else 0.0,
             "clipped": float((clipped * valid).sum()),
             "mismatch_sum": float(((behaviour_logp - old_logp) * valid).sum()),
+            "fresh_valid": float(fresh_valid.sum()),
+            "fresh_mismatch_sum": float(((behaviour_logp - old_logp) * fresh_valid).sum()),
         }
     return loss, sums
 

@@ -35,6 +35,7 @@ GAUGES = {
     "frac_truncated": "fraction of tokens whose importance weight was truncated (tis), last step",
     "frac_masked": "fraction of tokens masked by the correction (mis/IcePop), last step",
     "mismatch_kl": "mean(log mu - log pi_old) over tokens: behaviour vs learner mismatch, last step",
+    "mismatch_kl_fresh": "the same over the tokens of samples of staleness 0 (the engines' numerics alone), last step",
     "ratio_mean": "mean importance ratio pi_old/mu, last step",
     "ratio_min": "smallest importance ratio pi_old/mu, last step",
     "ratio_max": "largest importance ratio pi_old/mu, last step",

@@ -41,7 +41,7 @@ from learner.losses import Normalisers, aggregate, kl_estimate, policy_loss_term
 
 NO_TOKENS = {"tokens": 0.0, "valid": 0.0, "kept": 0.0, "rho_sum": 0.0, "rho_min": float("inf"),
              "rho_max": float("-inf"), "w_sum": 0.0, "w_sq_sum": 0.0, "truncated": 0.0, "clipped": 0.0,
-             "mismatch_sum": 0.0}
+             "mismatch_sum": 0.0, "fresh_valid": 0.0, "fresh_mismatch_sum": 0.0}
 
 
 class PolicyUpdate:
@@ -183,7 +183,9 @@ class PolicyUpdate:
                 old_logp = old[0][part, :width].to(self.device)
                 outside = lp.outside | old[1][part, :width].to(self.device)
             valid = mask * ~outside
-            loss, s = policy_loss_terms(lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid)
+            fresh = torch.tensor([st == 0 for st in mb.staleness], device=mask.device)
+            loss, s = policy_loss_terms(lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid,
+                                        fresh)
             ent = aggregate(lp.entropy, mask, cfg.aggregation, every)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent
@@ -356,7 +358,9 @@ class PolicyUpdate:
                 if len(rows):
                     steps.append(self._optimizer_step(b, rows, transform, old))
         skipped = [d.pop("skipped") for d in steps]
+        fresh = [f for f in (d.pop("mismatch_kl_fresh") for d in steps) if f is not None]
         diag = {k: sum(d[k] for d in steps) / len(steps) for k in steps[0]}
+        diag["mismatch_kl_fresh"] = sum(fresh) / len(fresh) if fresh else None
         padded, forward = sum(d.pop("padded_tokens") for d in steps), sum(d.pop("forward_tokens") for d in steps)
         diag.update(ratio_min=min(d["ratio_min"] for d in steps), ratio_max=max(d["ratio_max"] for d in steps),
                     micro_batches=sum(d["micro_batches"] for d in steps),

@@ -44,8 +44,7 @@ def test_relay_up_with_vllm_generators_learns_the_default_task(tmp_path):
         assert g["backend"] == "vllm" and g["version_applied"] >= steps - 10, (gid, g)
         assert g["updates"] >= steps // 2 and g["engine"]["engines_built"] == 1 and g["engine"]["pid"] == pids[gid], g
     # the generators' log-probs are those of the learner's weights, through hundreds of in-place
-    # updates: in steps whose samples are all fresh (staleness 0), mean(log mu - log pi_old) is ~0
-    fresh = [m["mismatch_kl"] for m in metrics if set(m["staleness"]) == {"0"}]
-    # how many steps are all fresh depends on the machine (a faster learner or slower generators leave
-    # fewer): 9 in a clean-clone run on a slow VM, where 20 were asked; 5 are enough to see ~0
-    assert len(fresh) >= 5 and max(abs(k) for k in fresh) < 1e-3, (len(fresh), sorted(fresh, key=abs)[-5:])
+    # updates: over the samples of staleness 0 (sampled by the weights being trained),
+    # mean(log mu - log pi_old) is ~0 (mismatch_kl_fresh; steps without such samples report null)
+    fresh = [m["mismatch_kl_fresh"] for m in metrics if m["mismatch_kl_fresh"] is not None]
+    assert len(fresh) >= steps // 4 and max(abs(k) for k in fresh) < 1e-3, (len(fresh), sorted(fresh, key=abs)[-5:])

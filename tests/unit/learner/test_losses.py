@@ -2,7 +2,8 @@ import torch
 
 from learner.advantages import grpo
 from learner.config import CorrectionConfig, PolicyLossConfig
-from learner.losses import compute_policy_loss
+from learner.diagnostics import summarise
+from learner.losses import compute_policy_loss, policy_loss_terms
 
 
 def policy_loss(logp, old, mu, adv, mask, clip_eps, mode="tis", tis_cap=2.0):
@@ -46,6 +47,20 @@ def test_tis_weights_tokens_by_truncated_ratio():
     assert torch.allclose(loss_tis, 2.0 * loss_none)
     assert diag["frac_truncated"] == 1.0
     assert abs(diag["mismatch_kl"] + torch.log(torch.tensor(3.0)).item()) < 1e-6
+
+
+def test_the_fresh_mismatch_counts_only_samples_of_staleness_0():
+    logits, tokens, adv, _ = _inputs(2)
+    mask = torch.ones(4, 6)
+    logp = _logp(logits, tokens).detach()
+    mu = logp.clone()
+    mu[2:] -= 0.5  # samples 2 and 3 are stale: sampled by other weights
+    cfg = PolicyLossConfig(correction=CorrectionConfig(mode="tis"))
+    _, sums = policy_loss_terms(logp, logp, mu, adv, mask, cfg, fresh=torch.tensor([True, True, False, False]))
+    diag = summarise(sums)
+    assert abs(diag["mismatch_kl"] + 0.25) < 1e-6 and diag["mismatch_kl_fresh"] == 0.0
+    _, sums = policy_loss_terms(logp, logp, mu, adv, mask, cfg)  # none fresh: not a misleading 0
+    assert summarise(sums)["mismatch_kl_fresh"] is None
 
 
 def test_grpo_equal_rewards_give_zero_not_nan():

@@ -46,11 +46,12 @@ def test_diagnostic_sums_of_pieces_equal_those_of_the_whole():
     adv = torch.randn(6, 1, generator=g, dtype=torch.float64)
     mask = (torch.rand(6, 5, generator=g) > 0.2).double()
     cfg = PolicyLossConfig(correction=CorrectionConfig(mode="token_mis"))
-    _, whole = policy_loss_terms(logp, logp, mu, adv, mask, cfg)
-    parts = [policy_loss_terms(logp[r], logp[r], mu[r], adv[r], mask[r], cfg, Normalisers.of(mask))[1]
+    fresh = torch.tensor([True, False, True, True, False, True])  # staleness 0
+    _, whole = policy_loss_terms(logp, logp, mu, adv, mask, cfg, fresh=fresh)
+    parts = [policy_loss_terms(logp[r], logp[r], mu[r], adv[r], mask[r], cfg, Normalisers.of(mask), fresh=fresh[r])[1]
              for r in (torch.tensor([0, 1]), torch.tensor([2, 3, 4, 5]))]
     assert summarise(merge(*parts)) == pytest.approx(summarise(whole), rel=1e-12)
-    assert summarise(whole)["frac_masked"] > 0
+    assert summarise(whole)["frac_masked"] > 0 and summarise(whole)["mismatch_kl_fresh"] is not None
 
 
 def test_micro_batches_keep_the_budget_group_similar_lengths_and_cover_every_sample_once():
