@@ -146,19 +146,15 @@ class Generator:
         n = self.cfg.prompts_per_batch
         out = queues.claim_abandoned(self.r, self.keys.prompts, self.cfg.id, self.cfg.claim_idle_s, n)
         want = n - len(out)
-        granted = queues.admit(self.r, self.keys, want) if want else 0
+        # admission and the read in one script: a generator killed at any moment leaks no grant (with
+        # η = 0 a leaked one would leave the learner waiting for groups nobody may produce)
+        granted, got = queues.admit_and_claim(self.r, self.keys, self.cfg.id, want) if want else (0, [])
         if want and not granted and not out:
             self.state = "paused_staleness"
             self.send_heartbeat()
             time.sleep(0.02)
             return []
-        if granted:
-            # no blocking read while holding a grant: a generator killed between admit and unadmit leaks its
-            # grant (``issued`` counts prompts never claimed; with η = 0 the learner then waits for groups
-            # nobody may produce). A read that does not block keeps that window to two round trips.
-            got = queues.claim_new(self.r, self.keys.prompts, self.cfg.id, granted, block_ms=None)
-            queues.unadmit(self.r, self.keys, granted - len(got))
-            out.extend(got)
+        out.extend(got)
         if not out:
             self.state = "waiting_for_prompts"
             self.send_heartbeat()

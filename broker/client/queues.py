@@ -95,8 +95,9 @@ def read_eval_results(r: redis.Redis, keys: Keys, after: str = "-", count: int =
 
 
 def admit(r: redis.Redis, keys: Keys, want: int) -> int:
-    """How many new prompts a generator may take now (0 = wait). Unbounded when the learner set no
-    admission parameters. Give back unused grants with ``unadmit``."""
+    """How many new prompts a producer that takes them from elsewhere may take now (0 = wait), counted
+    as issued: give back unused grants with ``unadmit``. Unbounded when the learner set no admission
+    parameters. Relay's generators read the prompts stream with ``admit_and_claim`` instead."""
     return int(r.eval(scripts.ADMIT, 4, keys.admission, keys.stats("learner"), keys.stats("broker"), keys.issued,
                       want))
 
@@ -104,6 +105,15 @@ def admit(r: redis.Redis, keys: Keys, want: int) -> int:
 def unadmit(r: redis.Redis, keys: Keys, n: int) -> None:
     if n > 0:
         r.decrby(keys.issued, n)
+
+
+def admit_and_claim(r: redis.Redis, keys: Keys, consumer: str, want: int) -> tuple[int, list[tuple[bytes, PromptEntry]]]:
+    """Admission and the claim of up to ``want`` new prompts in one atomic step: (grant, prompts claimed),
+    ``issued`` raised by exactly the prompts claimed. Grant 0: the producer is at the staleness bound."""
+    grant, entries = r.eval(scripts.ADMIT_CLAIM, 5, keys.admission, keys.stats("learner"), keys.stats("broker"),
+                            keys.issued, keys.prompts, want, PROMPTS_GROUP, consumer)
+    # a script's reply is raw: each entry [id, [field, value, ...]]
+    return int(grant), _prompts((eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,20 +43,38 @@ return out
 """
 
 # Staleness admission control (AReaL's rule, with drops and rejections given back).
-# KEYS: admission hash, learner stats, broker stats, issued counter. ARGV[1]: prompts wanted.
 # in flight = issued - (consumed by the learner: trained + dropped) - (rejected by the broker);
 # admit while in flight < (eta + 1) * batch_groups, i.e. issued < (eta + steps + 1) * batch without drops.
-ADMIT = """
+# KEYS: admission hash, learner stats, broker stats, issued counter. ARGV[1]: prompts wanted.
+# The room left under the bound (ARGV[1] when the learner set no admission parameters):
+_ROOM = """
 local B = tonumber(redis.call('HGET', KEYS[1], 'batch_groups') or '0')
-if B == 0 then redis.call('INCRBY', KEYS[4], ARGV[1]) return tonumber(ARGV[1]) end
-local eta = tonumber(redis.call('HGET', KEYS[1], 'eta'))
-local consumed = tonumber(redis.call('HGET', KEYS[2], 'consumed') or '0')
-local rejected = tonumber(redis.call('HGET', KEYS[3], 'rejected_total') or '0')
-local issued = tonumber(redis.call('GET', KEYS[4]) or '0')
-local room = consumed + rejected + (eta + 1) * B - issued
+local room = tonumber(ARGV[1])
+if B > 0 then
+  local eta = tonumber(redis.call('HGET', KEYS[1], 'eta'))
+  local consumed = tonumber(redis.call('HGET', KEYS[2], 'consumed') or '0')
+  local rejected = tonumber(redis.call('HGET', KEYS[3], 'rejected_total') or '0')
+  local issued = tonumber(redis.call('GET', KEYS[4]) or '0')
+  room = consumed + rejected + (eta + 1) * B - issued
+end
 local grant = math.max(0, math.min(tonumber(ARGV[1]), room))
-if grant > 0 then redis.call('INCRBY', KEYS[4], grant) end
+"""
+
+# Admission alone: the grant, counted as issued (a producer taking prompts from elsewhere gives back
+# what it did not use). KEYS, ARGV as above.
+ADMIT = _ROOM + """if grant > 0 then redis.call('INCRBY', KEYS[4], grant) end
 return grant
+"""
+
+# Admission and the read of new prompts in one step, so that ``issued`` counts exactly the prompts read:
+# a producer killed at any moment holds no grant it did not use. KEYS as above, then the prompts stream;
+# ARGV[2]: the consumer group, ARGV[3]: the consumer. Reply: {grant, entries as XREADGROUP gives them}
+# (grant 0: at the bound; grant > 0 and no entries: the stream is empty).
+ADMIT_CLAIM = _ROOM + """if grant == 0 then return {0, {}} end
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', grant, 'STREAMS', KEYS[5], '>')
+local entries = r and r[1][2] or {}
+if #entries > 0 then redis.call('INCRBY', KEYS[4], #entries) end
+return {grant, entries}
 """
 
 # The learner's commit of trained groups (exactly-once training, docs/protocol.md 7.3).

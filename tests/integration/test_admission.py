@@ -9,8 +9,10 @@ import time
 import pytest
 import redis
 
+from broker.client import queues
 from broker.client.telemetry import read_heartbeats, read_stats
 from broker.protocol.keys import Keys
+from broker.protocol.messages import PromptEntry
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
 
 
@@ -56,3 +58,26 @@ def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, r
     assert r.scard(keys.seen) > appended and int(r.get(keys.issued)) > issued
     assert int(r.get(keys.issued)) <= consumed() + (eta + 1) * batch + batch  # the bound still holds (one step of slack
                                                                                # for reads in flight)
+
+
+def test_admission_and_claim_are_one_step_so_issued_counts_exactly_the_prompts_read(redis_url):
+    """A generator killed at any moment of its claim holds no grant it did not use: the grant and the
+    read are one script. With eta 0 a leaked grant would leave the learner waiting forever for groups
+    nobody may produce (seen once before the change: issued 1312, prompts claimed 1304)."""
+    r, keys = redis.Redis.from_url(redis_url), Keys("atomic")
+    queues.ensure_groups(r, keys)
+    r.hset(keys.admission, mapping={"batch_groups": 3, "eta": 0})
+    # an empty stream: granted, nothing read, nothing issued (the two-step form issued 3 here)
+    assert queues.admit_and_claim(r, keys, "g0", 8) == (3, []) and int(r.get(keys.issued) or 0) == 0
+    for i in range(5):
+        queues.add_prompt(r, keys.prompts, PromptEntry(text=f"q{i}", seq=i))
+    grant, got = queues.admit_and_claim(r, keys, "g0", 2)
+    assert grant == 2 and [p.seq for _, p in got] == [0, 1] and int(r.get(keys.issued)) == 2
+    grant, got = queues.admit_and_claim(r, keys, "g1", 8)  # the bound: (eta + 0 + 1) x 3
+    assert grant == 1 and [p.seq for _, p in got] == [2] and int(r.get(keys.issued)) == 3
+    assert queues.admit_and_claim(r, keys, "g1", 8) == (0, [])  # at the bound: paused
+    r.hincrby(keys.stats("learner"), "consumed", 3)  # the learner trained a batch
+    grant, got = queues.admit_and_claim(r, keys, "g0", 8)
+    assert grant == 3 and [p.seq for _, p in got] == [3, 4] and int(r.get(keys.issued)) == 5
+    pending = r.xpending(keys.prompts, "generators")
+    assert pending["pending"] == 5 and {c["name"]: c["pending"] for c in pending["consumers"]} == {b"g0": 4, b"g1": 1}
