@@ -106,35 +106,43 @@ def completion_stats(groups: list[Group]) -> dict[str, float]:
             "completion_truncated_frac": truncated / n}
 
 
+def _scatter(out: np.ndarray, parts: list[np.ndarray], starts: np.ndarray) -> None:
+    """Write ``parts[i]`` into row i of ``out`` from column ``starts[i]``, in one indexed assignment."""
+    n = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    if not n.sum():
+        return
+    rows = np.repeat(np.arange(len(parts)), n)
+    cols = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(starts, n)
+    out[rows, cols] = np.concatenate(parts)
+
+
 def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version: int, pad_id: int,
             failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
     """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on
-    (their advantage is not defined); ``advantages[i]`` has one entry per kept sample of group i."""
-    rows, mus, advs, stale, index, trains = [], [], [], [], [], []
+    (their advantage is not defined); ``advantages[i]`` has one entry per kept sample of group i.
+    Vectorised: the token arrays are copied once each, by indexed assignment (no per-token Python)."""
+    kept, advs = [], []
     for gi, (g, adv) in enumerate(zip(groups, advantages)):
-        k = 0
-        for s, reward in zip(g.samples, trained_rewards(g, failed_reward, fallback_score)):
-            if reward is None:
-                continue
-            rows.append((g.prompt_ids.tolist(), s.completion_ids.tolist()))
-            mus.append(s.logprobs.tolist())
-            trains.append(s.trainable)
-            advs.append(float(adv[k]))
-            stale.append(learner_version - s.min_version)
-            index.append(gi)
-            k += 1
-    L = max(len(p) + len(c) for p, c in rows)
-    B = len(rows)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    lmask = torch.zeros((B, L - 1))
-    mu = torch.zeros((B, L - 1))
-    for i, ((p, c), m, tr) in enumerate(zip(rows, mus, trains)):
-        n = len(p) + len(c)
-        ids[i, :n] = torch.tensor(p + c)
-        attn[i, :n] = 1
-        # a multi-turn sample trains only the tokens its model sampled, never the context between its turns
-        lmask[i, len(p) - 1:n - 1] = 1 if tr is None else torch.from_numpy(tr.astype(np.float32))
-        mu[i, len(p) - 1:n - 1] = torch.tensor(m)
-    lengths = torch.tensor([len(p) + len(c) for p, c in rows])
-    return Batch(ids, attn, lmask, mu, torch.tensor(advs)[:, None], stale, lengths, torch.tensor(index))
+        rewards = trained_rewards(g, failed_reward, fallback_score)
+        mine = [s for s, reward in zip(g.samples, rewards) if reward is not None]
+        kept += [(gi, g, s) for s in mine]
+        advs.append(torch.as_tensor(adv, dtype=torch.float32).reshape(-1)[:len(mine)])
+    B = len(kept)
+    plen = np.fromiter((len(g.prompt_ids) for _, g, _ in kept), dtype=np.int64, count=B)
+    clen = np.fromiter((len(s.completion_ids) for _, _, s in kept), dtype=np.int64, count=B)
+    lengths = plen + clen
+    L = int(lengths.max())
+    ids = np.full((B, L), pad_id, dtype=np.int64)
+    _scatter(ids, [g.prompt_ids for _, g, _ in kept], np.zeros(B, dtype=np.int64))
+    _scatter(ids, [s.completion_ids for _, _, s in kept], plen)
+    # position t predicts token t + 1: a completion's log-probs and loss mask start at its prompt's last token
+    mu = np.zeros((B, L - 1), dtype=np.float32)
+    _scatter(mu, [s.logprobs for _, _, s in kept], plen - 1)
+    lmask = np.zeros((B, L - 1), dtype=np.float32)
+    # a multi-turn sample trains only the tokens its model sampled, never the context between its turns
+    _scatter(lmask, [np.ones(len(s.completion_ids), np.float32) if s.trainable is None else s.trainable
+                     for _, _, s in kept], plen - 1)
+    attn = torch.from_numpy((np.arange(L)[None, :] < lengths[:, None]).astype(np.int64))
+    stale = [learner_version - s.min_version for _, _, s in kept]
+    return Batch(torch.from_numpy(ids), attn, torch.from_numpy(lmask), torch.from_numpy(mu), torch.cat(advs)[:, None],
+                 stale, torch.from_numpy(lengths), torch.tensor([gi for gi, _, _ in kept]))
