@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from broker.client.connection import connect_address
 from broker.prompts.datasets import DatasetConfig
+from broker.protocol.keys import RECORD_WINDOW
 from broker.prompts.evals import EvalConfig
 from broker.prompts.tasks import TaskConfig
 from broker.runtime.config import RunConnection, StrictModel
@@ -39,6 +40,9 @@ class BrokerConfig(RunConnection):
     max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message; a larger "
                                    "ZeroMQ frame closes the producer's connection")
     dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
+    record_window: int = Field(RECORD_WINDOW, ge=0, description="group ids remembered for de-duplication: the "
+                               "last record_window to 2x as many (a resend of an older group is taken as new); "
+                               "0 keeps every id of the run (Redis memory grows with the run)")
     prompt_backlog: int = Field(64, ge=1, description="prompts kept ready in the prompts stream")
     task: TaskConfig = Field(default_factory=TaskConfig, description="the built-in task that feeds prompts "
                              "(when no dataset is given)")

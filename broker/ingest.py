@@ -182,7 +182,7 @@ class Ingest:
             valid.append((i, g, payload))
         if valid:
             queues.append_groups(pipe, self.keys, self.cfg.max_queue_groups, self.cfg.max_queue_bytes,
-                                 [(g, payload) for _, g, payload in valid])
+                                 [(g, payload) for _, g, payload in valid], self.cfg.record_window)
         results = pipe.execute() if len(pipe) else []
         for reason in rejected:
             self.m_groups.labels("rejected", reason).inc()

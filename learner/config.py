@@ -6,6 +6,7 @@ from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
+from broker.protocol.keys import RECORD_WINDOW
 from broker.runtime.config import RunConnection, StrictModel, WeightsConfig
 from learner.records import WandbConfig
 
@@ -146,6 +147,9 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     admission_eta: int | None = Field(0, ge=0, description="η: generators admit prompts only while admitted < "
                                       "(η + learner version + 1) × batch_groups; null disables admission control")
     keep_versions: int = Field(4, ge=1, description="newest versions kept in the weight store (plus those served)")
+    record_window: int = Field(RECORD_WINDOW, ge=0, description="group ids remembered as committed (exactly-once "
+                               "commits after a restart) and entries kept in the commit and drop logs: the last "
+                               "record_window to 2x as many; 0 keeps the whole run's (Redis memory grows with it)")
     failed_reward: Literal["skip", "fallback"] = Field(
         "skip", description="samples whose reward failed: skip (leave them out; a group with none left is dropped "
         "and counted) or fallback (train on them with fallback_score as their reward)")

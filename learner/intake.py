@@ -81,7 +81,7 @@ class GroupIntake:
                     continue
                 self.counts[why] += 1
                 drops.append((eid, g.group_id if g is not None else "", why))
-            queues.drop(self.r, self.keys, drops)
+            queues.drop(self.r, self.keys, drops, self.cfg.record_window)
             if drops:  # visible as they happen (the dashboard, relay status), not at the next training step:
                 # during a reward outage no step comes while every group is dropped
                 self.r.hset(self.keys.stats("learner"), mapping={w: self.counts[w] for _, _, w in drops})

@@ -170,7 +170,7 @@ class Learner:
 
     def commit(self, entries: list[tuple[str, str]], step: int) -> None:
         """Acknowledge trained groups and record them once each in the audit log."""
-        queues.commit(self.r, self.keys, entries, step)
+        queues.commit(self.r, self.keys, entries, step, self.cfg.record_window)
 
     def after_step(self, fresh) -> None:
         """On every rank (each writes its part of a checkpoint); the leader, which read ``fresh``,

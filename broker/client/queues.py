@@ -23,7 +23,7 @@ import redis
 from broker.protocol import scripts
 from broker.protocol.codec import ProtocolError
 from broker.protocol.group import Group, decode_group
-from broker.protocol.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from broker.protocol.keys import PROMPTS_GROUP, RECORD_WINDOW, TRAJECTORIES_GROUP, Keys
 from broker.protocol.messages import PromptEntry
 
 log = logging.getLogger(__name__)
@@ -121,16 +121,17 @@ def admit_and_claim(r: redis.Redis, keys: Keys, consumer: str, want: int) -> tup
 
 
 def append_groups(pipe, keys: Keys, max_queue_groups: int, max_queue_bytes: int,
-                  groups: list[tuple[Group, bytes | memoryview]]) -> None:
+                  groups: list[tuple[Group, bytes | memoryview]], window: int = RECORD_WINDOW) -> None:
     """Queue on ``pipe`` the atomic append of a batch of valid groups (the bounds in groups and in bytes,
-    de-dup, XADD, counters). Its reply, per group: ``b"B"`` busy, ``b"D"`` duplicate, else the new stream id."""
-    args: list = [max_queue_groups, max_queue_bytes, TRAJECTORIES_GROUP]
+    de-dup over the last ``window`` to 2 x ``window`` group ids, XADD, counters). Its reply, per group:
+    ``b"B"`` busy, ``b"D"`` duplicate, else the new stream id."""
+    args: list = [max_queue_groups, max_queue_bytes, TRAJECTORIES_GROUP, window]
     for g, payload in groups:
         args += [g.group_id, payload, g.min_version, g.generator_id]
     # EVAL, not EVALSHA: a pipeline's registered script costs a SCRIPT EXISTS round trip per
     # execute, and Redis caches the compiled body anyway
-    pipe.eval(scripts.APPEND_BATCH, 5, keys.seen, keys.trajectories, keys.stats("broker"), keys.queue_bytes,
-              keys.queue_sizes, *args)
+    pipe.eval(scripts.APPEND_BATCH, 6, keys.seen, keys.trajectories, keys.stats("broker"), keys.queue_bytes,
+              keys.queue_sizes, keys.seen_prev, *args)
 
 
 def dead_letter(pipe, keys: Keys, reason: str, detail: str, payload: bytes, keep: int) -> None:
@@ -225,26 +226,37 @@ def count_trained(r: redis.Redis, keys: Keys, group_ids: list[str]) -> None:
         r.register_script(scripts.COUNT_TRAINED)(keys=[keys.counted, keys.stats("learner")], args=group_ids)
 
 
-def commit(r: redis.Redis, keys: Keys, entries: list[tuple[str, str]], step: int) -> None:
-    """Acknowledge trained groups ``(stream id, group id)`` and record them once each in the audit log."""
-    if entries:
-        r.register_script(scripts.COMMIT)(keys=[keys.trained, keys.trained_log, keys.trajectories, keys.counted,
-                                                  keys.queue_bytes, keys.queue_sizes],
-                                          args=[step, TRAJECTORIES_GROUP, *[x for e in entries for x in e]])
+def commit(r: redis.Redis, keys: Keys, entries: list[tuple[str, str]], step: int, window: int = RECORD_WINDOW) -> int:
+    """Acknowledge trained groups ``(stream id, group id)`` and record them once each (the ``trained`` set
+    over the last ``window`` to 2 x ``window`` ids, the log, the ``committed`` counter); the number recorded."""
+    if not entries:
+        return 0
+    return int(r.register_script(scripts.COMMIT)(
+        keys=[keys.trained, keys.trained_log, keys.trajectories, keys.counted, keys.queue_bytes, keys.queue_sizes,
+              keys.trained_prev, keys.stats("learner")],
+        args=[step, TRAJECTORIES_GROUP, window, *[x for e in entries for x in e]]))
 
 
-def drop(r: redis.Redis, keys: Keys, drops: list[tuple[bytes | str, str, str]]) -> None:
-    """Record, acknowledge, delete and count dropped groups ``(stream id, group id, reason)`` in one step."""
+def drop(r: redis.Redis, keys: Keys, drops: list[tuple[bytes | str, str, str]], window: int = RECORD_WINDOW) -> None:
+    """Record (the log keeps about ``window`` entries), acknowledge, delete and count dropped groups
+    ``(stream id, group id, reason)`` in one step."""
     if drops:
         r.register_script(scripts.DROP)(keys=[keys.dropped_log, keys.trajectories, keys.counted,
                                               keys.stats("learner"), keys.queue_bytes, keys.queue_sizes],
-                                        args=[TRAJECTORIES_GROUP, *[x for d in drops for x in d]])
+                                        args=[TRAJECTORIES_GROUP, window, *[x for d in drops for x in d]])
 
 
-def audit_records(r: redis.Redis, keys: Keys) -> tuple[list[bytes], set[bytes], set[bytes]]:
-    """Group ids committed as trained (one entry per commit, so repeats show double training), dropped,
-    and still queued: what ``relay up``'s audit reconciles with what the broker accepted."""
-    trained = [f[b"gid"] for _, f in r.xrange(keys.trained_log)]
-    dropped = {f[b"gid"] for _, f in r.xrange(keys.dropped_log)}
-    queued = {f[b"gid"] for _, f in r.xrange(keys.trajectories)}
-    return trained, dropped, queued
+def audit_counts(r: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Where every group went, by the counters the atomic scripts keep (exact for the whole run, whatever
+    the record window trimmed): accepted by the broker, committed as trained, dropped by the learner,
+    still in the stream; and, from the kept part of the commit log, commits of a group id already in it."""
+    broker, learner = r.hgetall(keys.stats("broker")), r.hgetall(keys.stats("learner"))
+    log = [f[b"gid"] for _, f in r.xrange(keys.trained_log)]
+    committed = learner.get(b"committed")
+    dropped = learner.get(b"dropped")
+    return {"accepted": int(broker.get(b"accepted", 0)),
+            # a run whose Redis predates the counters: its logs are whole (nothing was ever trimmed)
+            "committed": int(committed) if committed is not None else len(set(log)),
+            "dropped": int(dropped) if dropped is not None else len({f[b"gid"] for _, f in r.xrange(keys.dropped_log)}),
+            "queued": int(r.xlen(keys.trajectories)),
+            "committed_again": len(log) - len(set(log))}

@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 PROMPTS_GROUP = "generators"
 TRAJECTORIES_GROUP = "learner"
+# group ids remembered for de-duplication and exactly-once commits: the last RECORD_WINDOW to twice that
+# many (``broker.record_window``, ``learner.record_window``; 0: all of the run's, never trimmed).
+# 2**18 ids are 45 minutes of a run at 100 groups/s, about 20-40 MB of Redis per set at most.
+RECORD_WINDOW = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,14 @@ class Keys:
 
     @property
     def seen(self) -> str:
+        """Set of the group ids appended lately (the broker's de-duplication; with ``seen_prev``, the last
+        ``record_window`` to 2 x ``record_window`` of them)."""
         return self._k("seen")
+
+    @property
+    def seen_prev(self) -> str:
+        """The previous generation of ``seen`` (renamed when ``seen`` reached the record window)."""
+        return self._k("seen_prev")
 
     @property
     def queue_bytes(self) -> str:
@@ -121,8 +132,14 @@ class Keys:
 
     @property
     def trained(self) -> str:
-        """Set of group ids whose training is committed (in a learner checkpoint, or acknowledged)."""
+        """Set of group ids whose training is committed (in a learner checkpoint, or acknowledged); with
+        ``trained_prev``, the last ``record_window`` to 2 x ``record_window`` of them."""
         return self._k("trained")
+
+    @property
+    def trained_prev(self) -> str:
+        """The previous generation of ``trained`` (renamed when ``trained`` reached the record window)."""
+        return self._k("trained_prev")
 
     @property
     def trained_log(self) -> str:

@@ -2,10 +2,16 @@
 of the replay queue. Each names its KEYS and ARGV; the callers are in broker/client/queues.py.
 """
 
+# The records of a run are bounded by a window of group ids (``record_window``, 0 = never trimmed): a
+# set of ids (``seen``, ``trained``) holds the current generation; when it reaches the window it becomes
+# the previous generation (RENAME, replacing the one before) and a new one starts, so membership is
+# asked of both and between window and 2 x window of the latest ids are remembered. The audit counts
+# (accepted, committed, dropped) are counters, exact for the whole run whatever was trimmed.
+
 # The valid groups of one ingest batch, in arrival order, in one atomic step.
-# KEYS: seen set, trajectories stream, broker stats, queue bytes counter, queue sizes hash.
-# ARGV[1]: max_queue_groups, ARGV[2]: max_queue_bytes, ARGV[3]: the learner's consumer group, then 4 per
-# group: group id, payload, min version, generator.
+# KEYS: seen set, trajectories stream, broker stats, queue bytes counter, queue sizes hash, previous seen set.
+# ARGV[1]: max_queue_groups, ARGV[2]: max_queue_bytes, ARGV[3]: the learner's consumer group, ARGV[4]: the
+# record window, then 4 per group: group id, payload, min version, generator.
 # Per group the reply is 'B' (busy: the unread groups are at the bound, or this group's bytes would take
 # the stream past its byte bound; nothing stored, nothing checked for duplicates), 'D' (duplicate: the
 # id was appended before) or the new entry's id.
@@ -21,11 +27,11 @@ end
 local bound, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
 local held = tonumber(redis.call('GET', KEYS[4]) or '0')
 local out, n = {}, {ok = 0, dup = 0, busy = 0}
-for i = 4, #ARGV, 4 do
+for i = 5, #ARGV, 4 do
   local size = string.len(ARGV[i + 1])
   if waiting >= bound or (held > 0 and held + size > max_bytes) then
     out[#out + 1] = 'B'; n.busy = n.busy + 1
-  elseif redis.call('SADD', KEYS[1], ARGV[i]) == 0 then
+  elseif redis.call('SISMEMBER', KEYS[6], ARGV[i]) == 1 or redis.call('SADD', KEYS[1], ARGV[i]) == 0 then
     out[#out + 1] = 'D'; n.dup = n.dup + 1
   else
     out[#out + 1] = redis.call('XADD', KEYS[2], '*', 'gid', ARGV[i], 'data', ARGV[i + 1], 'v', ARGV[i + 2],
@@ -39,6 +45,8 @@ if n.ok > 0 then redis.call('SET', KEYS[4], held) end
 if n.ok > 0 then redis.call('HINCRBY', KEYS[3], 'accepted', n.ok) end
 if n.dup > 0 then redis.call('HINCRBY', KEYS[3], 'duplicate', n.dup) end
 if n.busy > 0 then redis.call('HINCRBY', KEYS[3], 'busy', n.busy) end
+local window = tonumber(ARGV[4])
+if window > 0 and redis.call('SCARD', KEYS[1]) >= window then redis.call('RENAME', KEYS[1], KEYS[6]) end
 return out
 """
 
@@ -78,14 +86,21 @@ return {grant, entries}
 """
 
 # The learner's commit of trained groups (exactly-once training, docs/protocol.md 7.3).
-# KEYS: trained set, trained log, trajectories stream, counted set, queue bytes, queue sizes. ARGV: step,
-# consumer group, then pairs (stream id, group id). Idempotent: a group already recorded is only
-# acknowledged again (its bytes were given back the first time).
+# KEYS: trained set, trained log, trajectories stream, counted set, queue bytes, queue sizes, previous
+# trained set, learner stats. ARGV: step, consumer group, record window, then pairs (stream id, group id).
+# Idempotent: a group already recorded is only acknowledged again (its bytes were given back the first
+# time). ``committed`` counts the groups recorded; the log keeps about the window's newest entries.
 COMMIT = """
-for i = 3, #ARGV, 2 do
+local window, n = tonumber(ARGV[3]), 0
+for i = 4, #ARGV, 2 do
   local eid, gid = ARGV[i], ARGV[i + 1]
-  if redis.call('SADD', KEYS[1], gid) == 1 then
-    redis.call('XADD', KEYS[2], '*', 'gid', gid, 'step', ARGV[1])
+  if redis.call('SISMEMBER', KEYS[7], gid) == 0 and redis.call('SADD', KEYS[1], gid) == 1 then
+    if window > 0 then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', window, '*', 'gid', gid, 'step', ARGV[1])
+    else
+      redis.call('XADD', KEYS[2], '*', 'gid', gid, 'step', ARGV[1])
+    end
+    n = n + 1
   end
   redis.call('XACK', KEYS[3], ARGV[2], eid)
   redis.call('XDEL', KEYS[3], eid)
@@ -93,7 +108,9 @@ for i = 3, #ARGV, 2 do
   local size = redis.call('HGET', KEYS[6], gid)
   if size then redis.call('HDEL', KEYS[6], gid); redis.call('DECRBY', KEYS[5], size) end
 end
-return 1
+if n > 0 then redis.call('HINCRBY', KEYS[8], 'committed', n) end
+if window > 0 and redis.call('SCARD', KEYS[1]) >= window then redis.call('RENAME', KEYS[1], KEYS[7]) end
+return n
 """
 
 # `consumed` (admission control, docs/protocol.md 7.4) counts each group once, even when a restarted
@@ -108,18 +125,25 @@ return n
 
 # A drop in one step: recorded, acknowledged, deleted and counted (unless it was counted when a
 # learner before a restart trained it). KEYS: dropped log, trajectories stream, counted set, learner
-# stats, queue bytes, queue sizes. ARGV: consumer group, then triples (stream id, group id, reason).
+# stats, queue bytes, queue sizes. ARGV: consumer group, record window, then triples (stream id, group
+# id, reason). ``dropped`` counts the groups dropped (an entry already gone is not counted again); the
+# log keeps about the window's newest entries.
 DROP = """
-local n = 0
-for i = 2, #ARGV, 3 do
+local n, window, gone = 0, tonumber(ARGV[2]), 0
+for i = 3, #ARGV, 3 do
   local eid, gid = ARGV[i], ARGV[i + 1]
-  redis.call('XADD', KEYS[1], '*', 'gid', gid, 'reason', ARGV[i + 2], 'stream_id', eid)
+  if window > 0 then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', window, '*', 'gid', gid, 'reason', ARGV[i + 2], 'stream_id', eid)
+  else
+    redis.call('XADD', KEYS[1], '*', 'gid', gid, 'reason', ARGV[i + 2], 'stream_id', eid)
+  end
   redis.call('XACK', KEYS[2], ARGV[1], eid)
-  redis.call('XDEL', KEYS[2], eid)
+  gone = gone + redis.call('XDEL', KEYS[2], eid)
   if redis.call('SREM', KEYS[3], gid) == 0 then n = n + 1 end
   local size = redis.call('HGET', KEYS[6], gid)
   if size then redis.call('HDEL', KEYS[6], gid); redis.call('DECRBY', KEYS[5], size) end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[4], 'consumed', n) end
+if gone > 0 then redis.call('HINCRBY', KEYS[4], 'dropped', gone) end
 return n
 """

@@ -77,28 +77,29 @@ def reward_failures(lastm: dict, generators: dict[str, Heartbeat]) -> dict:
 
 
 def audit(r, keys) -> dict:
-    """Where every group went, from the broker's and learner's records in Redis.
+    """Where every group went, from the counters the broker's and the learner's atomic scripts keep in
+    Redis (broker/protocol/scripts.py): exact for the whole run, however long (the de-duplication and
+    commit records are trimmed to ``record_window`` ids; the counters are not).
 
-    produced: groups appended to the replay queue (the broker's de-duplication set);
-    trained_once / trained_twice: from the learner's commit log; dropped: with a reason;
-    queued: still in the stream (not yet read, or read and not yet committed);
-    rejected / duplicates_ignored: broker counters; lost: produced but none of the above (must be 0).
+    produced: groups appended to the replay queue (the broker's ``accepted``); trained_once: committed
+    as trained; trained_twice: commits of a group id already committed (from the kept commit log; the
+    commit script refuses them, so it is 0 unless something is wrong); dropped: by the learner, with a
+    reason; queued: still in the stream (not yet read, or read and not yet committed); rejected /
+    duplicates_ignored: broker counters; lost: produced but none of the above (must be 0).
     """
     from broker.client import queues
 
-    trained, dropped, queued = queues.audit_records(r, keys)
-    produced = set(r.smembers(keys.seen))
+    c = queues.audit_counts(r, keys)
     stats = {k.decode(): int(float(v)) for k, v in r.hgetall(keys.stats("broker")).items()}
-    once = set(trained)
     return {
-        "produced": len(produced),
-        "trained_once": len(once),
-        "trained_twice": len(trained) - len(once),
-        "dropped": len(dropped),
-        "queued": len(queued - once - dropped),
+        "produced": c["accepted"],
+        "trained_once": c["committed"],
+        "trained_twice": c["committed_again"],
+        "dropped": c["dropped"],
+        "queued": c["queued"],
         "rejected": stats.get("rejected_total", 0),
         "duplicates_ignored": stats.get("duplicate", 0),
-        "lost": len(produced - once - dropped - queued),
+        "lost": c["accepted"] - c["committed"] - c["dropped"] - c["queued"],
     }
 
 

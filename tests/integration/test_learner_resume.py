@@ -9,6 +9,7 @@ import json
 import pytest
 import redis
 
+from broker.client import queues
 from broker.client.telemetry import read_stats
 from broker.protocol.keys import Keys
 from tests.support.services import generator_cfg, start_broker_and_reward, start_service, wait_until
@@ -76,6 +77,10 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     consumed = int(read_stats(r, keys, "learner")["consumed"])
     assert consumed == len(trained) + len(dropped), (consumed, len(trained), len(dropped))
     assert r.scard(keys.counted) == 0  # every counted group was committed
+    # the audit's counters (exact however long the run; its records are trimmed to a window) agree
+    c = queues.audit_counts(r, keys)
+    assert (c["accepted"], c["committed"], c["dropped"], c["queued"]) == \
+        (len(appended), len(trained), len(dropped), len(queued)), c
 
     # versions only grow, across the restart too
     published = [json.loads(f[b"data"])["version"] for _, f in r.xrange(keys.events) if f[b"kind"] == b"published"]
