@@ -1,7 +1,7 @@
 """Soak: generators far faster than the learner, for a fixed time; Redis and process memory and
 the back-pressure the producers feel, sampled every interval (docs/protocol.md, "Soak").
 
-    .venv/bin/python -m benchmarks.soak --minutes 10 --out runs/soak
+    .venv/bin/python -m benchmarks.soak --minutes 30 --record-window 4096 --out runs/soak
 
 The learner is slowed on purpose (32 minibatches x 8 epochs: 256 optimizer steps per batch of
 32 groups) and admission control is off, so only the broker's queue bound
@@ -32,10 +32,37 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def key_mb(r, key: str) -> float:
+    """The memory one key holds (MEMORY USAGE, every element counted)."""
+    return (r.memory_usage(key, samples=0) or 0) / 2**20
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def verdict(rows: list[dict], audit: dict | None, after_s: float = 300.0, span_s: float = 60.0) -> dict:
+    """The soak's figures: Redis memory (all of it, and the run's records alone) and every process's RSS,
+    as the median over ``span_s`` after the first ``after_s`` against the median over the last ``span_s``
+    (the replay stream saws with the learner's checkpoints, so single samples would compare two points
+    of the saw), and the run's audit."""
+    early = [r for r in rows if after_s <= r["t_s"] < after_s + span_s]
+    late = [r for r in rows if r["t_s"] > rows[-1]["t_s"] - span_s]
+    out: dict = {"early_window_s": [after_s, after_s + span_s], "late_window_s": [late[0]["t_s"], late[-1]["t_s"]]}
+    for col in [c for c in rows[0] if c.endswith("_mb")]:
+        a, b = median([r[col] for r in early]), median([r[col] for r in late])
+        out[col] = {"early": round(a, 2), "end": round(b, 2), "ratio": round(b / a, 3) if a else None}
+    out["audit"] = audit
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--every", type=float, default=10.0, help="seconds between samples")
+    p.add_argument("--record-window", type=int, default=None,
+                   help="broker.record_window and learner.record_window (default: theirs, 262,144 group ids)")
     p.add_argument("--out", default="runs/soak")
     a = p.parse_args()
     out = Path(a.out)
@@ -43,6 +70,8 @@ def main() -> None:
            "--dashboard-port", "0", "--no-progress", "--set", "learner.admission_eta=null",
            "--set", "learner.minibatches=32", "--set", "learner.ppo_epochs=8", "--set", "learner.max_staleness=1000000",
            "--set", "broker.max_queue_groups=256"]
+    if a.record_window is not None:
+        cmd += ["--set", f"broker.record_window={a.record_window}", "--set", f"learner.record_window={a.record_window}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     run = out / "soak"
     while not (run / "pids.json").is_file():
@@ -51,12 +80,16 @@ def main() -> None:
     url = run_redis_url(run)  # the launcher's Redis user: reads the run's keys and INFO
     r = redis.Redis.from_url(url)
     keys = Keys("soak")
+    records = [keys.seen, keys.seen_prev, keys.trained, keys.trained_prev, keys.trained_log, keys.dropped_log]
     rows, t0 = [], time.monotonic()
     try:
         while time.monotonic() - t0 < a.minutes * 60:
             time.sleep(a.every)
             b, ln = read_stats(r, keys, "broker"), read_stats(r, keys, "learner")
             row = {"t_s": round(time.monotonic() - t0), "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
+                   "replay_stream_mb": round(key_mb(r, keys.trajectories), 2),
+                   "records_mb": round(sum(key_mb(r, k) for k in records), 3),
+                   "ids_remembered": sum(int(r.scard(k)) for k in records[:4]),
                    "stream_len": queues.queued_groups(r, keys), "accepted": int(b.get("accepted", 0)),
                    "busy_answers": int(b.get("busy", 0)), "trained": int(ln.get("groups_trained", 0)),
                    **{f"rss_{n}_mb": round(rss_mb(pid), 1) for n, pid in pids.items()}}
@@ -64,12 +97,17 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(120)
-    (out / "soak.json").write_text(json.dumps(rows, indent=1))
+        proc.wait(180)
+    summary = run / "summary.json"
+    audit = json.loads(summary.read_text()).get("audit") if summary.is_file() else None
+    result = {"command": cmd, "minutes": a.minutes, "record_window": a.record_window, "rows": rows,
+              "verdict": verdict(rows, audit)}
+    (out / "soak.json").write_text(json.dumps(result, indent=1))
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    print(json.dumps(result["verdict"], indent=1))
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
         for key, value in want.items():
             if key in ("micro_batches", "padding_fraction"):
                 continue
-            assert got[key] == (value if isinstance(value, dict) else pytest.approx(value, rel=1e-5, abs=1e-6)), \
-                (case, key)
+            exact = isinstance(value, dict) or value is None  # None: no sample of staleness 0 in the step
+            assert got[key] == (value if exact else pytest.approx(value, rel=1e-5, abs=1e-6)), (case, key)
 
 
 def test_micro_batches_of_similar_length_cut_the_padding(runs):
@@ -74,6 +74,9 @@ def test_stale_samples_under_top_k_and_top_p_train_finite_and_count_what_fell_ou
     diags, grads = _load(runs, "k")
     for case, diag, g in zip(CASES, diags, grads):
         for key, value in diag.items():
+            if value is None:  # a diagnostic without its tokens in this step (mismatch_kl_fresh: none of staleness 0)
+                assert key == "mismatch_kl_fresh", (case, key)
+                continue
             assert all(math.isfinite(v) for v in (value.values() if isinstance(value, dict) else [value])), (case, key)
         assert all(bool(torch.isfinite(t).all()) for t in g.values()), case
         assert diag["tokens_outside_kept_set"] > 0 and diag["frac_masked"] > 0, case
