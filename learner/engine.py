@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +36,44 @@ def load_model(cfg: LearnerConfig, build: bool = True):
     return model, tokenizer
 
 
+# torch's JIT extensions (DeepSpeed's CPU communication op) take a lock file in their build folder on
+# every load, build or not, and wait while it exists: a learner killed inside that window (a second or
+# so, a build's half minute) left it behind, and every later learner waited forever.
+STALE_LOCK_S = float(os.environ.get("RELAY_STALE_EXTENSION_LOCK_S", "180"))
+
+
+@contextlib.contextmanager
+def stale_extension_locks_removed(root: str | Path | None = None, stale_s: float = STALE_LOCK_S, every_s: float = 1.0):
+    """While the body runs (DeepSpeed loading its ops), remove any ``<op>/lock`` under the extensions
+    folder (``TORCH_EXTENSIONS_DIR``, else torch's default) older than ``stale_s``: a build here takes
+    well under a minute, so such a lock was left by a killed process. Logged, never silent."""
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(every_s):
+            for lock in Path(root).glob("*/lock"):
+                try:
+                    age = time.time() - lock.stat().st_mtime
+                    if age > stale_s:
+                        lock.unlink()
+                        log.warning("removed %s, left %.0f s ago by a process killed while loading or building "
+                                    "that op (RELAY_STALE_EXTENSION_LOCK_S=%g)", lock, age, stale_s)
+                except FileNotFoundError:
+                    pass  # its owner finished meanwhile
+
+    t = threading.Thread(target=watch, name="relay-extension-locks", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
 def init_distributed() -> None:
     """Single-process defaults when not launched by torchrun / the deepspeed launcher."""
     import deepspeed
@@ -48,7 +89,8 @@ def init_distributed() -> None:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    with stale_extension_locks_removed():
+        deepspeed.init_distributed(dist_backend=backend)
 
 
 def close_distributed() -> None:
@@ -94,7 +136,8 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.op
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # a torch optimizer (AdamW, or the tests' SGD) under ZeRO
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    with stale_extension_locks_removed():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if engine.world_size == 1 and ds.zero_stage == 0:
         engine.enable_backward_allreduce = False  # nothing to average over: skip flattening every gradient
     return engine
