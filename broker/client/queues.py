@@ -94,19 +94,6 @@ def read_eval_results(r: redis.Redis, keys: Keys, after: str = "-", count: int =
 # admission control (AReaL's rule, with drops and rejections given back)
 
 
-def admit(r: redis.Redis, keys: Keys, want: int) -> int:
-    """How many new prompts a producer that takes them from elsewhere may take now (0 = wait), counted
-    as issued: give back unused grants with ``unadmit``. Unbounded when the learner set no admission
-    parameters. Relay's generators read the prompts stream with ``admit_and_claim`` instead."""
-    return int(r.eval(scripts.ADMIT, 4, keys.admission, keys.stats("learner"), keys.stats("broker"), keys.issued,
-                      want))
-
-
-def unadmit(r: redis.Redis, keys: Keys, n: int) -> None:
-    if n > 0:
-        r.decrby(keys.issued, n)
-
-
 def admit_and_claim(r: redis.Redis, keys: Keys, consumer: str, want: int) -> tuple[int, list[tuple[bytes, PromptEntry]]]:
     """Admission and the claim of up to ``want`` new prompts in one atomic step: (grant, prompts claimed),
     ``issued`` raised by exactly the prompts claimed. Grant 0: the producer is at the staleness bound."""
