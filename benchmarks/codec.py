@@ -14,7 +14,7 @@ from benchmarks.common import median_time, row
 from broker.protocol.group import Group, Sample, decode_group, encode_group, runs_to_versions, versions_to_runs
 
 
-def make_group(samples: int, tokens: int, seed: int = 0) -> Group:
+def make_group(samples: int, tokens: int, seed: int = 0, run_id: str = "bench") -> Group:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(samples):
@@ -22,7 +22,7 @@ def make_group(samples: int, tokens: int, seed: int = 0) -> Group:
         out.append(Sample(completion_ids=rng.integers(0, 150_000, tokens).astype(np.int32),
                           logprobs=-rng.exponential(1.0, tokens).astype(np.float32),
                           version_runs=versions_to_runs(versions), finish_reason="length", reward=0.5))
-    return Group(group_id=Group.new_id(), run_id="bench", prompt_id="0-1",
+    return Group(group_id=Group.new_id(), run_id=run_id, prompt_id="0-1",
                  prompt_ids=rng.integers(0, 150_000, 128).astype(np.int32), samples=out, generator_id="gen-0",
                  weight_version=10, weight_hash="0" * 64,
                  sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": tokens, "n": samples})

@@ -28,12 +28,13 @@ RAW_STREAM = "relay:raw:trajectories"
 WINDOW = 64  # groups in flight per broker producer (GroupSender.send_many), = the raw pipeline depth
 
 
-def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: list[str]) -> None:
-    """One producer process: encode ``count`` groups, print "ready", wait for "go" on stdin, send."""
+def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: list[str], run_id: str = "bench") -> None:
+    """One producer process: encode ``count`` groups, print "ready", wait for "go" on stdin, send.
+    ``target``: a Redis URL (raw), or the broker's ingest address(es), comma-separated."""
     from benchmarks.codec import make_group
     from broker.protocol.group import encode_group
 
-    groups = [make_group(8, tokens, seed * 100_000 + i) for i in range(count)]
+    groups = [make_group(8, tokens, seed * 100_000 + i, run_id) for i in range(count)]
     payloads = [(g.group_id, encode_group(g), str(g.min_version)) for g in groups]
     if mode == "broker":
         from broker.client.sender import GroupSender
@@ -87,12 +88,14 @@ def consume(r, stream: str, total: int, timeout_s: float, producers=()) -> tuple
 
 
 def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens: int, seed: int,
-              keys: list[str] = ()) -> tuple[float, float]:
-    """(groups/s, MB/s) of one round of 2 producers (``keys``: a broker producer's CURVE key files)."""
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--producer", mode, target,
-                               str(per_producer), str(tokens), str(seed + k), *keys], cwd=ROOT, env=child_env(),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-             for k in range(2)]
+              keys: list[str] = (), producers: int = 2, run_id: str = "bench") -> tuple[float, float]:
+    """(groups/s, MB/s) of one round of ``producers`` processes (``keys``: a broker producer's CURVE key
+    files; ``run_id``: the run the broker's groups are for)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--run-id", run_id, "--producer", mode,
+                               target, str(per_producer), str(tokens), str(seed + k), *keys], cwd=ROOT,
+                              env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+             for k in range(producers)]
     try:
         for p in procs:
             line = p.stdout.readline().strip()
@@ -102,7 +105,7 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        nbytes, t1 = consume(r, stream, 2 * per_producer, timeout_s=600, producers=procs)
+        nbytes, t1 = consume(r, stream, producers * per_producer, timeout_s=600, producers=procs)
         for p in procs:
             if p.wait(60) != 0:
                 raise RuntimeError(f"ingest producer ({mode}) exited with {p.returncode}")
@@ -111,31 +114,43 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    return 2 * per_producer / (t1 - t0), nbytes / (t1 - t0) / 1e6
+    return producers * per_producer / (t1 - t0), nbytes / (t1 - t0) / 1e6
+
+
+def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1) -> tuple[str, list[str]]:
+    """A ``relay broker`` for run ``run_id`` with ``workers`` ingest workers, unbounded queue, the versions
+    of benchmarks.codec.make_group's groups announced: (its ingest address(es), comma-separated; the
+    producers' CURVE key files)."""
+    from broker.client.announcements import announce
+    from broker.client.connection import worker_addresses
+    from broker.protocol.keys import Keys
+    from broker.protocol.messages import Announcement
+    from deploy.launcher.procs import free_port_run
+
+    ingest = f"tcp://127.0.0.1:{free_port_run(workers)}"
+    broker = stack.service(f"broker-{run_id}", "broker", {"run_id": run_id, "redis_url": stack.redis_url,
+                                                          "ingest_bind": ingest, "ingest_workers": workers,
+                                                          "http_port": 0, "max_queue_groups": 10**9})
+    keys = Keys(run_id)
+    wait_until(lambda: r.exists(keys.prompts), 60, "the broker to start", broker)
+    for v in (10, 11):  # the versions benchmarks.codec.make_group's groups carry, with their hash
+        announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"), stack.announce_key)
+    k = stack.ingest_keys()
+    return ",".join(worker_addresses(ingest, workers)), [k["producer"], k["broker_public_key_file"]]
 
 
 def run(quick: bool) -> list[dict]:
     import redis
 
-    from broker.client.announcements import announce
     from broker.client.telemetry import read_stats
     from broker.protocol.keys import Keys
-    from broker.protocol.messages import Announcement
-    from deploy.launcher.procs import free_port
 
     per_producer, tokens, rounds = (40, 128, 1) if quick else (400, 1024, 3)
     with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-") as tmp, Stack(Path(tmp)) as stack:
         url = stack.redis()
         r = redis.Redis.from_url(url)
-        ingest = f"tcp://127.0.0.1:{free_port()}"
-        broker = stack.service("broker", "broker", {"run_id": "bench", "redis_url": url, "ingest_bind": ingest,
-                                                    "http_port": 0, "max_queue_groups": 10**9})
+        ingest, producer_keys = start_broker(stack, r)
         keys = Keys("bench")
-        wait_until(lambda: r.exists(keys.prompts), 60, "the broker to start", broker)
-        for v in (10, 11):  # the versions benchmarks.codec.make_group's groups carry, with their hash
-            announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"), stack.announce_key)
-        k = stack.ingest_keys()
-        producer_keys = [k["producer"], k["broker_public_key_file"]]
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
         ours, raw = [], []
         for i in range(rounds):
@@ -158,5 +173,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="an ingest benchmark producer (started by relay bench ingest)")
     ap.add_argument("--producer", nargs="+", metavar="MODE TARGET COUNT TOKENS SEED [KEY_FILE BROKER_PUBLIC_KEY_FILE]",
                     required=True)
-    mode, target, count, tokens, seed, *keys = ap.parse_args().producer
-    producer(mode, target, int(count), int(tokens), int(seed), keys)
+    ap.add_argument("--run-id", default="bench")
+    a = ap.parse_args()
+    mode, target, count, tokens, seed, *keys = a.producer
+    producer(mode, target, int(count), int(tokens), int(seed), keys, a.run_id)

@@ -25,6 +25,8 @@ from pathlib import Path
 BENCHMARKS = {
     "codec": "encode + decode of a group (8 × 1,024 tokens) vs numpy tobytes/frombuffer",
     "ingest": "2 producers -> ZeroMQ -> broker -> Redis stream -> consumer vs pipelined XADD/XREADGROUP",
+    "ingest_scaling": "groups/s with 1, 2, 4, 8 producers through 1 and 2 broker ingest workers vs raw XADD "
+                      "with the same producers",
     "weight_sync": "publish -> applied on 2 generators per transport (Qwen2.5-0.5B's shape, bf16) vs its raw "
                    "baseline; the learner's blocked time per publication",
     "overlap": "async over sync speed-up vs the ideal, learner idle fraction (simulated-latency generators)",

@@ -37,6 +37,29 @@ def key_mb(r, key: str) -> float:
     return (r.memory_usage(key, samples=0) or 0) / 2**20
 
 
+def key_sizes(r, pattern: str = "*") -> dict[str, float]:
+    """Every key's memory in KiB (MEMORY USAGE, every element counted): what the total is made of."""
+    return {k.decode(errors="replace"): round((r.memory_usage(k, samples=0) or 0) / 1024, 1)
+            for k in r.scan_iter(match=pattern, count=1000)}
+
+
+def redis_overheads(r) -> dict[str, float]:
+    """Redis's own memory beside the keys (INFO memory, in KiB): clients' buffers, scripts, the
+    dataset: what ``used_memory`` holds that no key does."""
+    info = r.info("memory")
+    names = ["used_memory_dataset", "used_memory_overhead", "used_memory_startup", "mem_clients_normal",
+             "used_memory_scripts", "used_memory_vm_eval", "mem_replication_backlog", "mem_aof_buffer"]
+    return {n: round(info[n] / 1024, 1) for n in names if n in info}
+
+
+def growth(before: dict[str, float], after: dict[str, float], top: int = 12) -> list[dict]:
+    """The keys whose memory changed most between two :func:`key_sizes` (KiB), largest change first."""
+    diffs = [{"key": k, "early_kib": before.get(k, 0.0), "end_kib": after.get(k, 0.0)}
+             for k in set(before) | set(after)]
+    diffs.sort(key=lambda d: -abs(d["end_kib"] - d["early_kib"]))
+    return diffs[:top]
+
+
 def median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else float("nan")
@@ -85,9 +108,15 @@ def main() -> None:
     keys = Keys("soak")
     records = [keys.seen, keys.seen_prev, keys.trained, keys.trained_prev, keys.trained_log, keys.dropped_log]
     rows, t0 = [], time.monotonic()
+    early_keys: dict[str, float] = {}
+    early_overheads: dict[str, float] = {}
+    end_keys: dict[str, float] = {}
+    end_overheads: dict[str, float] = {}
     try:
         while time.monotonic() - t0 < a.minutes * 60:
             time.sleep(a.every)
+            if not early_keys and time.monotonic() - t0 >= 300:  # where the verdict's early window begins
+                early_keys, early_overheads = key_sizes(r, "relay:soak:*"), redis_overheads(r)
             b, ln = read_stats(r, keys, "broker"), read_stats(r, keys, "learner")
             row = {"t_s": round(time.monotonic() - t0), "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
                    "replay_stream_mb": round(key_mb(r, keys.trajectories), 2),
@@ -98,19 +127,23 @@ def main() -> None:
                    **{f"rss_{n}_mb": round(rss_mb(pid), 1) for n, pid in pids.items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
+        end_keys, end_overheads = key_sizes(r, "relay:soak:*"), redis_overheads(r)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(180)
     summary = run / "summary.json"
     audit = json.loads(summary.read_text()).get("audit") if summary.is_file() else None
     result = {"command": cmd, "minutes": a.minutes, "record_window": a.record_window, "rows": rows,
-              "verdict": verdict(rows, audit)}
+              "verdict": verdict(rows, audit),
+              # what changed between the early window and the end: the keys, then Redis's own memory
+              "key_growth_kib": growth(early_keys, end_keys),
+              "overheads_kib": {"early": early_overheads, "end": end_overheads}}
     (out / "soak.json").write_text(json.dumps(result, indent=1))
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
-    print(json.dumps(result["verdict"], indent=1))
+    print(json.dumps({k: result[k] for k in ("verdict", "key_growth_kib", "overheads_kib")}, indent=1))
 
 
 if __name__ == "__main__":

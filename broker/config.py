@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from broker.client.connection import connect_address
+from broker.client.connection import connect_address, worker_addresses
 from broker.prompts.datasets import DatasetConfig
 from broker.protocol.keys import RECORD_WINDOW
 from broker.prompts.evals import EvalConfig
@@ -21,6 +21,9 @@ class BrokerConfig(RunConnection):
     ingest_advertise: str = Field("", description="the address producers are told to connect to (the run's "
                                   "advertisement in Redis, docs/protocol.md 7.11); '' = ingest_bind, a wildcard host "
                                   "(*, 0.0.0.0, ::) replaced by this host's name")
+    ingest_workers: int = Field(1, ge=1, le=64, description="ingest processes, each validating and appending on a "
+                                "socket of its own: worker k binds ingest_bind's port + k; producers connect to "
+                                "them all and spread their groups (docs/protocol.md 2.3)")
     ingest_auth: Literal["curve", "insecure"] = Field(
         "curve", description="who may send groups: 'curve' = only producers whose CURVE public key is in "
         "ingest_clients_file, each bound to the generator ids it may use; 'insecure' = anyone who reaches "
@@ -52,8 +55,25 @@ class BrokerConfig(RunConnection):
                              "versions (docs/eval.md)")
 
     def advertised_ingest(self) -> str:
-        """The address producers are told to connect to (``RunInfo.ingest_address``)."""
+        """The address producers are told to connect to (``RunInfo.ingest_address``: the first worker's)."""
         return self.ingest_advertise or connect_address(self.ingest_bind)
+
+    def advertised_ingests(self) -> list[str]:
+        """Every ingest worker's address, as producers connect to them (``RunInfo.ingest_addresses``)."""
+        return worker_addresses(self.advertised_ingest(), self.ingest_workers)
+
+    def ingest_binds(self) -> list[str]:
+        """The address each ingest worker binds (worker k at ingest_bind's port + k)."""
+        return worker_addresses(self.ingest_bind, self.ingest_workers)
+
+    @model_validator(mode="after")
+    def _worker_ports(self) -> "BrokerConfig":
+        try:
+            self.ingest_binds()
+            self.advertised_ingests()
+        except ValueError as e:
+            raise ValueError(f"ingest_workers = {self.ingest_workers}: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _held_out_set(self) -> "BrokerConfig":

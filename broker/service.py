@@ -19,6 +19,7 @@ from broker.config import BrokerConfig
 from broker.dashboard import server as dashboard
 from broker.feeder import PromptFeeder
 from broker.ingest import Ingest
+from broker.ingest_workers import Workers
 from broker.prompts.evals import EvalScheduler
 from broker.protocol.keys import Keys
 from broker.runtime.httpserver import BoundedHTTPServer
@@ -28,8 +29,9 @@ log = logging.getLogger("relay.broker")
 
 
 class Broker:
-    def __init__(self, cfg: BrokerConfig):
+    def __init__(self, cfg: BrokerConfig, log_json: bool = False):
         self.cfg = cfg
+        self.log_json = log_json  # the ingest workers log as the broker does
         self.keys = Keys(cfg.run_id)
         # the key that tells the learner's announcements from forged ones (None: announce_auth insecure)
         self.announce_key = announce_key(cfg.announce_auth, cfg.announce_key_file)
@@ -43,21 +45,27 @@ class Broker:
         self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
                                              cfg.dashboard_push_s, announce_key=self.announce_key)
         queues.ensure_groups(self.r, self.keys)
-        advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest(), ingest_auth=cfg.ingest_auth)  # how producers reach the ingest
+        advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest(),  # how producers reach the ingest
+                      ingest_addresses=",".join(cfg.advertised_ingests()), ingest_auth=cfg.ingest_auth)
 
     def run(self) -> None:
-        sock = self.ingest.bind()
-        while not self.stop_event.is_set():
-            try:
-                self.feeder.feed()
-                self.evals.tick()
-                if sock.poll(100):
-                    self.ingest.serve_waiting(sock)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                # No ack is sent: the generator keeps the group and resends once Redis is back.
-                log.warning("redis unavailable (%s); retrying", e)
-                time.sleep(0.5)
-        self.ingest.close(sock)
+        sock = self.ingest.bind()  # ingest worker 0; workers 1..N-1 are processes of their own
+        workers = Workers(self.cfg, self.r, self.keys, self.log_json).start()
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    self.feeder.feed()
+                    self.evals.tick()
+                    workers.check()
+                    if sock.poll(100):
+                        self.ingest.serve_waiting(sock)
+                except (redis.ConnectionError, redis.TimeoutError) as e:
+                    # No ack is sent: the generator keeps the group and resends once Redis is back.
+                    log.warning("redis unavailable (%s); retrying", e)
+                    time.sleep(0.5)
+        finally:
+            workers.stop()
+            self.ingest.close(sock)
 
     def serve_http(self) -> BoundedHTTPServer:
         """The dashboard, its API, /metrics and /healthz on ``http_host:http_port`` (a thread)."""

@@ -76,7 +76,7 @@ def cmd_broker(args) -> int:
     from broker.service import Broker
 
     setup_logging("broker", "0", as_json=args.log_json)
-    b = Broker(cfg)
+    b = Broker(cfg, log_json=args.log_json)
     b.serve_http()
     _stop_on_signals(b.stop_event.set)
     b.run()

@@ -170,7 +170,8 @@ class GeneratorConfig(RunConnection):
                               "of its folders is refused; empty: wherever the (signed) announcement says")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions arrive: the "
                                    "learner's weights section (relay up gives both the run's [weights])")
-    broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ)")
+    broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ); several "
+                                "comma-separated (one per broker ingest worker): groups are spread over them")
     ingest_auth: Literal["curve", "insecure"] = Field("curve", description="the broker's ingest_auth (they must "
                                                        "match): 'curve' needs the two key files below")
     ingest_key_file: str = Field("", description="this generator's CURVE certificate (.key_secret), whose public "

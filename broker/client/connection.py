@@ -89,6 +89,23 @@ def connect_host(bind_host: str, wildcard_host: str | None = None) -> str:
     return (wildcard_host or socket.gethostname()) if bind_host in WILDCARD_HOSTS else bind_host
 
 
+def worker_addresses(address: str, workers: int) -> list[str]:
+    """The addresses of ``workers`` broker ingest workers whose first is ``address`` (``tcp://host:port``):
+    worker k at ``port + k`` (broker.ingest_workers, docs/protocol.md 2.3)."""
+    if workers == 1:
+        return [address]
+    scheme, _, rest = address.partition("://")
+    host, sep, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not port.isdigit():
+        raise ValueError(f"{address!r}: several ingest workers need a tcp://host:port address (worker k at port + k)")
+    return [f"tcp://{host}:{int(port) + k}" for k in range(workers)]
+
+
+def split_addresses(addresses: str) -> list[str]:
+    """A comma-separated list of ZeroMQ addresses (a generator's ``broker_address``), spaces ignored."""
+    return [a.strip() for a in addresses.split(",") if a.strip()]
+
+
 def connect_address(bind: str, wildcard_host: str | None = None) -> str:
     """The ZeroMQ address to connect to a socket bound at ``bind``: the same, with a wildcard host
     (``tcp://*:5555``, ``tcp://0.0.0.0:5555``) replaced as :func:`connect_host` does."""

@@ -14,7 +14,7 @@ from collections import deque
 
 import zmq
 
-from broker.client.connection import Backoff
+from broker.client.connection import Backoff, split_addresses
 from broker.protocol.codec import ProtocolError
 from broker.protocol.ingest_auth import CurveClientKeys
 from broker.protocol.messages import Ack, decode_ack
@@ -29,6 +29,8 @@ class GroupSender:
     (invalid; never resent). ``busy`` and timeouts are retried inside ``send`` until
     ``give_up_s``; then ``TimeoutError`` is raised and the caller still holds the group.
     ``send_many`` keeps several groups in flight on the same socket (a bulk producer's path).
+    ``address``: one ZeroMQ address, or several comma-separated (one per broker ingest worker,
+    ``RunInfo.ingest_addresses``): the socket connects to each and ZeroMQ spreads the groups over them.
     """
 
     def __init__(self, address: str, timeout_s: float = 10.0, busy_wait_s: float = 0.05,
@@ -50,7 +52,8 @@ class GroupSender:
         self.sock.setsockopt(zmq.LINGER, 0)
         if self.curve is not None:
             self.curve.apply(self.sock)
-        self.sock.connect(self.address)
+        for address in split_addresses(self.address):  # several ingest workers: groups spread round-robin
+            self.sock.connect(address)
 
     def send(self, group_id: str, payload: bytes, give_up_s: float = 3600.0,
              should_stop=lambda: False, on_busy=lambda: None) -> Ack:

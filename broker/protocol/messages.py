@@ -389,6 +389,9 @@ class RunInfo:
     """How to join a run, each field written by the service that knows it (docs/protocol.md 7.11).
 
     ingest_address: str, the broker's ZeroMQ address to connect a DEALER to (the broker, at start-up).
+    ingest_addresses: str, every ingest worker's address, comma-separated (the first is ingest_address);
+                    a producer that connects its DEALER to all of them spreads its groups over the workers
+                    (docs/protocol.md 2.3); absent from runs of one worker's brokers before it existed.
     ingest_auth:    str, "curve" (a producer needs a listed CURVE key, docs/protocol.md 2.1) or
                     "insecure" (plain ZMTP) (the broker, at start-up).
     reward_url:     str, the reward service's base URL (the first generator to start).
@@ -398,6 +401,7 @@ class RunInfo:
     Absent fields are "" / {} / None: nobody has written them yet."""
 
     ingest_address: str = ""
+    ingest_addresses: str = ""
     ingest_auth: str = ""
     reward_url: str = ""
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -419,6 +423,7 @@ def decode_run_info(fields: dict[bytes, bytes]) -> RunInfo:
     f = {k.decode(): v.decode() for k, v in fields.items()}
     try:
         return RunInfo(ingest_address=f.get("ingest_address", ""), ingest_auth=f.get("ingest_auth", ""),
+                       ingest_addresses=f.get("ingest_addresses", f.get("ingest_address", "")),
                        reward_url=f.get("reward_url", ""),
                        sampling=json.loads(f["sampling"]) if "sampling" in f else {},
                        eos_token_id=int(f["eos_token_id"]) if "eos_token_id" in f else None)

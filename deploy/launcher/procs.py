@@ -33,6 +33,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:
+    """The first of ``n`` consecutive free ports (a broker's ingest workers: port + k each)."""
+    for _ in range(tries):
+        base = free_port(host)
+        if base + n - 1 <= 65535 and not any(port_in_use(base + k, host) for k in range(1, n)):
+            return base
+    raise OSError(f"no {n} consecutive free ports found on {host}")
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -38,7 +38,8 @@ def run_folder(run: str, runs_dir: str | Path) -> Path:
 def plan_resume(args, environ, usage_error) -> dict:
     """The plan (as :func:`deploy.launcher.up.plan` returns it) of the run to resume."""
     from deploy.launcher import environment
-    from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from broker.client.connection import split_addresses
+    from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
     from pydantic import ValidationError
 
@@ -107,11 +108,13 @@ def plan_resume(args, environ, usage_error) -> dict:
         if cfgs[name].get("announce_auth", "hmac") == "hmac":
             cfgs[name].setdefault("announce_key_file", str(announce_key_path(run_dir)))
     # the launcher's ports, moved when taken (each config that names one follows it)
-    ingest = _port_of(cfgs["broker"]["ingest_bind"])
-    if port_in_use(ingest):
-        new = free_port()
+    ingest, workers = _port_of(cfgs["broker"]["ingest_bind"]), int(cfgs["broker"].get("ingest_workers", 1))
+    if any(port_in_use(ingest + k) for k in range(workers)):  # ingest worker k is at port + k
+        new = free_port_run(workers)
         cfgs["broker"]["ingest_bind"] = cfgs["broker"]["ingest_bind"].replace(f":{ingest}", f":{new}")
-        cfgs["generator"]["broker_address"] = cfgs["generator"]["broker_address"].replace(f":{ingest}", f":{new}")
+        addresses = split_addresses(cfgs["generator"]["broker_address"])
+        cfgs["generator"]["broker_address"] = ",".join(
+            a.replace(f":{ingest + k}", f":{new + k}") for k, a in enumerate(addresses))
     reward = cfgs["reward"].get("port", 8090)
     if port_in_use(reward):
         new = free_port()

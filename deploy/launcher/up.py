@@ -111,10 +111,10 @@ def plan(args, environ: dict | None = None) -> dict:
 
     Each service's config: the launcher's values (and the flags' defaults) < the config file <
     ``RELAY_*`` environment variables < the flags given < ``--set`` (deploy/launcher/environment.py)."""
-    from broker.client.connection import connect_address, connect_host
+    from broker.client.connection import connect_address, connect_host, worker_addresses
     from broker.config import BrokerConfig
     from deploy.launcher import environment
-    from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
@@ -190,15 +190,23 @@ def plan(args, environ: dict | None = None) -> dict:
         return base
 
     keydir = ingest_key_dir(run_dir)  # written by run_up (write_ingest_keys), one certificate per generator
+    default_bind = f"tcp://127.0.0.1:{free_port()}"
     broker = section("broker", {**common, "redis_url": redis_url("broker"),
-                                "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http_port,
+                                "ingest_bind": default_bind, "http_port": http_port,
                                 "ingest_key_file": str(keydir / "broker.key_secret"),
                                 "ingest_clients_file": str(keydir / "clients.json"),
                                 "task": {**task_defaults(args.task), "name": args.task, "seed": args.seed}})
     needs = TASK_NEEDS.get(args.task, {})  # a multi-turn task: its environment, the tiny model's tool vocabulary
     reward = section("reward", {"port": free_port(), **task_reward_defaults(args.task)})
     # the generators reach the broker and the reward service where they are, overrides included
-    ingest = connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1")
+    workers = broker.get("ingest_workers", 1)
+    workers = workers if isinstance(workers, int) and workers >= 1 else 1  # a bad value: BrokerConfig says so below
+    if workers > 1 and broker.get("ingest_bind") == default_bind:  # worker k binds port + k: all of them free
+        broker["ingest_bind"] = f"tcp://127.0.0.1:{free_port_run(workers)}"
+    try:
+        ingest = ",".join(worker_addresses(connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1"), workers))
+    except ValueError as e:
+        raise ConfigError(f"[broker] ingest_workers = {workers}: {e}") from None
     reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
     learner = section("learner", {**common, "redis_url": redis_url("learner"), "run_dir": str(run_dir / "learner"),
                                   "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed,

@@ -10,7 +10,8 @@ from tests.support.services import relay
 
 NAMES = {"codec", "ingest", "weight_sync/store", "weight_sync/learner_blocked", "weight_sync/http",
          "weight_sync/collective", "overlap", "generator/torch", "generator/vllm",
-         "learner", "learner_memory", "learner_memory/step_time"}
+         "learner", "learner_memory", "learner_memory/step_time",
+         *(f"ingest_scaling/{p}p/{w}w" for p in (1, 4) for w in (1, 2))}  # --quick: 1 and 4 producers
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
