@@ -145,7 +145,7 @@ def run(quick: bool) -> list[dict]:
     from broker.client.telemetry import read_stats
     from broker.protocol.keys import Keys
 
-    per_producer, tokens, rounds = (40, 128, 1) if quick else (400, 1024, 3)
+    per_producer, tokens, rounds = (40, 128, 1) if quick else (400, 1024, 5)
     with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-") as tmp, Stack(Path(tmp)) as stack:
         url = stack.redis()
         r = redis.Redis.from_url(url)

@@ -8,8 +8,10 @@ script, so a crash between them cannot leave a group half-recorded.
 Ingest works in batches: the broker takes every message waiting on its socket (up to
 ``INGEST_BATCH`` messages or ``INGEST_BATCH_BYTES``), validates them, writes the whole batch to Redis
 in one pipeline (the rejections' counters and dead letters, and one script call for the valid
-groups), and only then sends the batch's acks. When Redis fails mid-batch no ack is sent at all:
-the producers resend and the de-duplication answers what did get in.
+groups), and only then sends the batch's acks. The loop is pipelined (:meth:`Ingest.serve`): while
+one batch's pipeline runs in Redis, the next batch is drained and validated. When Redis fails
+mid-batch no ack is sent at all, for that batch nor the one validated meanwhile: the producers
+resend and the de-duplication answers what did get in.
 
 Who may send (docs/security.md "Ingest"): with ``ingest_auth = "curve"`` the socket is a CURVE server
 and a ZAP handler admits only the public keys of the allow-list; a producer with any other key never
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import redis
 import zmq
@@ -47,6 +51,16 @@ INGEST_BATCH_BYTES = 8 << 20
 LATEST_TTL_S = 0.1
 
 
+@dataclass
+class _Batch:
+    """A validated batch: its pipeline (not yet sent), an ack per message (filled for the rejected ones
+    now, for the valid ones from the pipeline's results), the valid groups and the rejection reasons."""
+    pipe: redis.client.Pipeline
+    acks: list[Ack | None]
+    valid: list[tuple[int, Group, bytes | memoryview]] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+
+
 class Ingest:
     """Validates and appends groups; counts every outcome (Redis ``stats:broker`` and Prometheus)."""
 
@@ -63,6 +77,9 @@ class Ingest:
             self._server_keys = load_server_keys(cfg.ingest_key_file)
             self.allowed = load_allow_list(cfg.ingest_clients_file)
         self._auth: ThreadAuthenticator | None = None
+        # the pipelined loop (serve): one batch's Redis pipeline runs here while the next is validated
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="relay-ingest-redis")
+        self._inflight: tuple[tuple[list, _Batch], Future] | None = None
         self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
                                 registry=registry)
         self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=registry)
@@ -90,6 +107,14 @@ class Ingest:
         return sock
 
     def close(self, sock: zmq.Socket) -> None:
+        if self._inflight is not None:  # the last batch's acks, when its pipeline went through
+            (drained, batch), future = self._inflight
+            self._inflight = None
+            try:
+                self._reply(sock, drained, self._finish(batch, future.result(timeout=10)))
+            except (redis.RedisError, TimeoutError) as e:
+                log.warning("the last batch's acks were not sent (%s); its producers resend", e)
+        self._writer.shutdown(wait=True)
         sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
@@ -161,32 +186,39 @@ class Ingest:
         """Validate a batch of messages and write it to Redis in one pipeline; one Ack per message, in
         order. ``user_ids``: the CURVE key (z85) each message came with (None without CURVE). Never
         raises for bad input; raises redis errors (then nothing may be acknowledged)."""
-        acks: list[Ack | None] = [None] * len(payloads)
-        valid = []  # (index, group, payload)
-        pipe = self.r.pipeline(transaction=False)
-        rejected = []
+        batch = self._prepare(payloads, user_ids)
+        return self._finish(batch, batch.pipe.execute() if len(batch.pipe) else [])
+
+    def _prepare(self, payloads: list[bytes | memoryview], user_ids: list[str | None] | None) -> "_Batch":
+        """Decode and validate a batch and build its Redis pipeline (not yet sent): the rejections'
+        counters and dead letters, then one script call appending the valid groups."""
+        batch = _Batch(self.r.pipeline(transaction=False), [None] * len(payloads))
         for i, payload in enumerate(payloads):
             m = None  # the message, decoded once (its group id goes in a rejection's ack)
             try:
                 m = unpack_group(payload, self.cfg.max_message_bytes)
                 g = self._validate(m, user_ids[i] if user_ids else None)
             except ProtocolError as e:
-                rejected.append(e.reason)
-                pipe.hincrby(self.keys.stats("broker"), f"rejected:{e.reason}", 1)
-                pipe.hincrby(self.keys.stats("broker"), "rejected_total", 1)
+                batch.rejected.append(e.reason)
+                batch.pipe.hincrby(self.keys.stats("broker"), f"rejected:{e.reason}", 1)
+                batch.pipe.hincrby(self.keys.stats("broker"), "rejected_total", 1)
                 if self.cfg.dead_letter_max:
-                    queues.dead_letter(pipe, self.keys, e.reason, e.detail, payload, self.cfg.dead_letter_max)
+                    queues.dead_letter(batch.pipe, self.keys, e.reason, e.detail, payload, self.cfg.dead_letter_max)
                 log.warning("rejected a message: %s", e)
-                acks[i] = Ack(group_id=group_id_of(m), status="rejected", reason=e.reason)
+                batch.acks[i] = Ack(group_id=group_id_of(m), status="rejected", reason=e.reason)
                 continue
-            valid.append((i, g, payload))
-        if valid:
-            queues.append_groups(pipe, self.keys, self.cfg.max_queue_groups, self.cfg.max_queue_bytes,
-                                 [(g, payload) for _, g, payload in valid], self.cfg.record_window)
-        results = pipe.execute() if len(pipe) else []
-        for reason in rejected:
+            batch.valid.append((i, g, payload))
+        if batch.valid:
+            queues.append_groups(batch.pipe, self.keys, self.cfg.max_queue_groups, self.cfg.max_queue_bytes,
+                                 [(g, payload) for _, g, payload in batch.valid], self.cfg.record_window)
+        return batch
+
+    def _finish(self, batch: "_Batch", results: list) -> list[Ack]:
+        """The acks of a batch whose pipeline returned ``results`` (the script's answer last)."""
+        acks = batch.acks
+        for reason in batch.rejected:
             self.m_groups.labels("rejected", reason).inc()
-        for (i, g, payload), res in zip(valid, results[-1] if valid else []):
+        for (i, g, payload), res in zip(batch.valid, results[-1] if batch.valid else []):
             if res == b"B":
                 self.m_groups.labels("busy", "").inc()
                 acks[i] = Ack(g.group_id, "busy")
@@ -203,15 +235,43 @@ class Ingest:
         """Validate one message and append it (a batch of one)."""
         return self.handle_batch([payload])[0]
 
+    def serve(self, sock: zmq.Socket, timeout_ms: int) -> None:
+        """One turn of the ingest loop, pipelined: the batch waiting on ``sock`` (waiting up to
+        ``timeout_ms`` for one when nothing is in flight) is drained and validated while the previous
+        batch's pipeline runs in Redis (a writer thread: Redis works and redis-py waits on the socket
+        without the GIL); then the previous batch's acks go out, and this batch's pipeline starts.
+        With nothing new waiting, the batch in flight is finished at once: an ack is never held back
+        for a batch that has not come. A Redis error is raised once the batch in flight failed: none
+        of its acks is sent (its producers resend), nor any of the batch drained meanwhile."""
+        nxt = None
+        if sock.poll(0 if self._inflight is not None else timeout_ms):
+            drained = self._drain(sock)
+            good = [(payload, user) for _, payload, user in drained if payload is not None]
+            nxt = (drained, self._prepare([p for p, _ in good], [u for _, u in good]))
+        if self._inflight is not None:
+            (drained, batch), future = self._inflight
+            self._inflight = None
+            self._reply(sock, drained, self._finish(batch, future.result()))  # raises the batch's Redis error
+        if nxt is not None:
+            drained, batch = nxt
+            if len(batch.pipe):
+                self._inflight = nxt, self._writer.submit(batch.pipe.execute)
+            else:  # only badly framed messages: nothing to write
+                self._reply(sock, drained, [])
+
     def serve_waiting(self, sock: zmq.Socket) -> None:
-        """Handle every message waiting on ``sock`` (one batch) and send their acks."""
-        batch = self._drain(sock)
-        good = [(payload, user) for _, payload, user in batch if payload is not None]
-        acks = iter(self.handle_batch([p for p, _ in good], [u for _, u in good]))
-        replies = [(ident, next(acks) if payload is not None else Ack("", "rejected", "bad_framing"))
-                   for ident, payload, _ in batch]
-        for ident, ack in replies:
-            sock.send_multipart([ident, b"", encode_ack(ack)])
+        """Handle every message waiting on ``sock`` (one batch) and send their acks, unpipelined."""
+        drained = self._drain(sock)
+        good = [(payload, user) for _, payload, user in drained if payload is not None]
+        self._reply(sock, drained, self.handle_batch([p for p, _ in good], [u for _, u in good]))
+
+    @staticmethod
+    def _reply(sock: zmq.Socket, drained: list, acks: list[Ack]) -> None:
+        """One ack per drained message, in order: the batch's acks for the well-framed ones."""
+        it = iter(acks)
+        for ident, payload, _ in drained:
+            sock.send_multipart([ident, b"", encode_ack(next(it) if payload is not None else
+                                                        Ack("", "rejected", "bad_framing"))])
 
     def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, memoryview | None, str | None]]:
         """Every message waiting on the socket, up to the batch limits: (identity, payload, the CURVE

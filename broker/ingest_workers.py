@@ -48,8 +48,7 @@ def serve(cfg: BrokerConfig, stop: threading.Event, alive=lambda: True) -> None:
     try:
         while not stop.is_set() and alive():
             try:
-                if sock.poll(100):
-                    ingest.serve_waiting(sock)
+                ingest.serve(sock, 100)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("redis unavailable (%s); retrying", e)
                 time.sleep(0.5)

@@ -57,8 +57,7 @@ class Broker:
                     self.feeder.feed()
                     self.evals.tick()
                     workers.check()
-                    if sock.poll(100):
-                        self.ingest.serve_waiting(sock)
+                    self.ingest.serve(sock, 100)
                 except (redis.ConnectionError, redis.TimeoutError) as e:
                     # No ack is sent: the generator keeps the group and resends once Redis is back.
                     log.warning("redis unavailable (%s); retrying", e)
