@@ -1,7 +1,7 @@
 """`relay up --resume RUN`: a run stopped with Ctrl-C, resumed, then crashed (its `relay up` killed
 with SIGKILL), continues to its configured steps in the same run folder, with every group trained
 exactly once over all three parts; `relay status RUN` then shows the finished run's report. Both
-commands as the README shows them, in a scratch working folder."""
+commands as the README shows them, in a scratch working folder. The broker runs two ingest workers."""
 
 import json
 import re
@@ -27,7 +27,10 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--run-id", "r",
                              "--steps", str(STEPS), "--generators", "1", "--dashboard-port", "0", "--no-progress",
                              "--set", f"learner.batch_groups={BATCH}", "--set", "learner.checkpoint_every=7",
-                             "--set", "broker.eval.every_versions=0"],
+                             "--set", "broker.eval.every_versions=0",
+                             # two ingest workers: the generator spreads its groups over both, and exactly-once
+                             # holds across them, a crash and the resumes (which may move their ports)
+                             "--set", "broker.ingest_workers=2"],
                             cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = runs / "r"
     metrics = run / "learner" / "metrics.jsonl"

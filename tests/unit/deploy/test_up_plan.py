@@ -42,6 +42,16 @@ def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_
                      "--set", "generator.broker_address=tcp://gateway:7000")
     assert explicit["generator"]["broker_address"] == "tcp://gateway:7000"
 
+    # several ingest workers: consecutive free ports from the launcher, every one given to the generators
+    workers = _plan(tmp_path, "--run-id", "e", "--set", "broker.ingest_workers=3")
+    base = int(workers["broker"]["ingest_bind"].rsplit(":", 1)[1])
+    assert workers["generator"]["broker_address"] == ",".join(f"tcp://127.0.0.1:{base + k}" for k in range(3))
+    wildcard = _plan(tmp_path, "--run-id", "f", "--set", "broker.ingest_workers=2",
+                     "--set", "broker.ingest_bind=tcp://0.0.0.0:6130")
+    assert wildcard["generator"]["broker_address"] == "tcp://127.0.0.1:6130,tcp://127.0.0.1:6131"
+    with pytest.raises(ConfigError, match="ingest_workers"):
+        _plan(tmp_path, "--run-id", "g", "--set", "broker.ingest_workers=2", "--set", "broker.ingest_bind=ipc:///tmp/x")
+
 
 def test_one_precedence_order_defaults_file_environment_flags(tmp_path):
     """defaults < config file < RELAY_* < flags and --set; each service's effective config (written
