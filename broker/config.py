@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from broker.client.connection import connect_address, worker_addresses
 from broker.prompts.datasets import DatasetConfig
-from broker.protocol.keys import RECORD_WINDOW
+from broker.protocol.keys import EVENTS_MAX, RECORD_WINDOW
 from broker.prompts.evals import EvalConfig
 from broker.prompts.tasks import TaskConfig
 from broker.runtime.config import RunConnection, StrictModel
@@ -46,6 +46,8 @@ class BrokerConfig(RunConnection):
     record_window: int = Field(RECORD_WINDOW, ge=0, description="group ids remembered for de-duplication: the "
                                "last record_window to 2x as many (a resend of an older group is taken as new); "
                                "0 keeps every id of the run (Redis memory grows with the run)")
+    events_kept: int = Field(EVENTS_MAX, ge=100, le=EVENTS_MAX, description="entries kept in the events stream "
+                             "(the dashboard's event log): the broker trims it to about this many every second")
     prompt_backlog: int = Field(64, ge=1, description="prompts kept ready in the prompts stream")
     task: TaskConfig = Field(default_factory=TaskConfig, description="the built-in task that feeds prompts "
                              "(when no dataset is given)")

@@ -161,7 +161,8 @@ class Ingest:
         if self._hashes.get(v) != g.weight_hash:
             announced = announced_hashes(self.r, self.keys, [v], self.announce_key).get(v)
             if announced is None:  # or only by a forged (unsigned, wrongly signed) announcement
-                raise ProtocolError("weight_hash", f"weight_version {v} was never announced (signed)")
+                raise ProtocolError("weight_hash", f"weight_version {v} was never announced (signed), or is older "
+                                    "than the announcements kept (learner.versions_kept)")
             self._hashes[v] = announced
             if announced != g.weight_hash:
                 raise ProtocolError("weight_hash", f"weight_hash {g.weight_hash[:16]!r} is not the hash announced "

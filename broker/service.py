@@ -21,7 +21,7 @@ from broker.feeder import PromptFeeder
 from broker.ingest import Ingest
 from broker.ingest_workers import Workers
 from broker.prompts.evals import EvalScheduler
-from broker.protocol.keys import Keys
+from broker.protocol.keys import EVENTS_MAX, Keys
 from broker.runtime.httpserver import BoundedHTTPServer
 from broker.protocol.signing import announce_key
 
@@ -37,6 +37,7 @@ class Broker:
         self.announce_key = announce_key(cfg.announce_auth, cfg.announce_key_file)
         self.r = connect_redis(cfg.redis_url)
         self.stop_event = threading.Event()
+        self._events_trimmed_at = float("-inf")
         self.registry = CollectorRegistry()  # counters; gauges come from Redis at scrape time (dashboard/server.py)
         self.ingest = Ingest(self.r, self.keys, cfg, self.registry, self.announce_key)
         self.feeder = PromptFeeder(self.r, self.keys, cfg, self.registry, self.announce_key)
@@ -56,6 +57,7 @@ class Broker:
                 try:
                     self.feeder.feed()
                     self.evals.tick()
+                    self._trim_events()
                     workers.check()
                     self.ingest.serve(sock, 100)
                 except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -65,6 +67,14 @@ class Broker:
         finally:
             workers.stop()
             self.ingest.close(sock)
+
+    def _trim_events(self) -> None:
+        """The events stream trimmed to about ``events_kept`` entries, once a second (its writers cap it
+        at EVENTS_MAX themselves)."""
+        now = time.monotonic()
+        if self.cfg.events_kept < EVENTS_MAX and now - self._events_trimmed_at >= 1.0:
+            self._events_trimmed_at = now
+            self.r.xtrim(self.keys.events, maxlen=self.cfg.events_kept, approximate=True)
 
     def serve_http(self) -> BoundedHTTPServer:
         """The dashboard, its API, /metrics and /healthz on ``http_host:http_port`` (a thread)."""

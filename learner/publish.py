@@ -253,8 +253,9 @@ class Publisher:
 
     def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
                  dtype: torch.dtype = torch.float32, shard_mb: float = 2048.0, broadcaster=None,
-                 digest: str = tensordigest.DEFAULT):
+                 digest: str = tensordigest.DEFAULT, versions_kept: int = 0):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
+        self.versions_kept = versions_kept  # announcements kept in Redis (learner.versions_kept; 0: all)
         self.broadcaster = broadcaster  # the collective transport (learner/broadcast.py): broadcast before the store copy
         self.announce_key = announce_key  # signs each announcement (None: unsigned, announce_auth insecure)
         self.store = Path(store).resolve()
@@ -330,7 +331,7 @@ class Publisher:
         path, manifest_hash = weightstore.seal(self.store, version, staging, known)
         a = Announcement(version=version, hash=manifest_hash, path=str(path), digest=digest,
                          url=self.url_for(version) if self.url_for else "")
-        announce(self.r, self.keys, a, self.announce_key)
+        announce(self.r, self.keys, a, self.announce_key, self.versions_kept)
         advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
         emit_event(self.r, self.keys, "published", version=version, hash=manifest_hash, digest=digest)
         # versions served by generators seen recently (a dead generator's heartbeat does not pin)

@@ -112,7 +112,7 @@ class Learner:
                                            cfg.weights.digest).start()
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key, publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
-                                   cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest)
+                                   cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest, cfg.versions_kept)
         # writes, seals and announces each version while the next steps train (the leader only)
         self.background = BackgroundPublisher(self.publisher, model.config) if self.leader else None
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -30,14 +30,18 @@ class ForgedAnnouncement(Exception):
         self.announcement, self.reason = announcement, reason
 
 
-def announce(r: redis.Redis, keys: Keys, a: Announcement, key: bytes | None = None) -> None:
+def announce(r: redis.Redis, keys: Keys, a: Announcement, key: bytes | None = None, versions_kept: int = 0) -> None:
     """Make version ``a.version`` the latest (a key), record it in ``versions`` (so anyone can
-    check the hash a generator serves for any version), and tell subscribers (pub/sub); signed
-    with ``key`` (the run's announcement key) when given."""
+    check the hash a generator serves for a recent version), and tell subscribers (pub/sub); signed
+    with ``key`` (the run's announcement key) when given. ``versions_kept`` > 0: the record of version
+    ``a.version - versions_kept`` is deleted, so ``versions`` holds the newest ``versions_kept``
+    (versions are announced in order, one apart: learner.versions_kept)."""
     data = encode_announcement(signing.signed(key, keys.run_id, a))
     pipe = r.pipeline()
     pipe.set(keys.latest, data)
     pipe.hset(keys.versions, str(a.version), data)
+    if versions_kept > 0 and a.version >= versions_kept:
+        pipe.hdel(keys.versions, str(a.version - versions_kept))
     pipe.publish(keys.announce, data)
     pipe.execute()
 

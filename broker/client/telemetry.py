@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from broker.protocol.codec import ProtocolError
-from broker.protocol.keys import Keys
+from broker.protocol.keys import EVENTS_MAX, Keys
 from broker.protocol.messages import Event, Heartbeat, ServiceEndpoint, decode_heartbeat, encode_heartbeat
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def read_services(r: redis.Redis, keys: Keys) -> dict[str, ServiceEndpoint]:
 
 def emit_event(r: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:
     """Append to the capped events stream the dashboard reads."""
-    r.xadd(keys.events, Event(kind, time.time(), fields).fields(), maxlen=10_000, approximate=True)
+    r.xadd(keys.events, Event(kind, time.time(), fields).fields(), maxlen=EVENTS_MAX, approximate=True)
 
 
 def read_events(r: redis.Redis, keys: Keys, after: str | None, limit: int) -> list[tuple[str, Event]]:

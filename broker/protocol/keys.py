@@ -38,6 +38,9 @@ TRAJECTORIES_GROUP = "learner"
 # many (``broker.record_window``, ``learner.record_window``; 0: all of the run's, never trimmed).
 # 2**18 ids are 45 minutes of a run at 100 groups/s, about 20-40 MB of Redis per set at most.
 RECORD_WINDOW = 1 << 18
+# the events stream's ceiling: every writer appends with MAXLEN ~ this; the broker trims it further to
+# ``broker.events_kept``
+EVENTS_MAX = 10_000
 
 
 @dataclass(frozen=True)
