@@ -130,7 +130,10 @@ def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1) -> tu
     ingest = f"tcp://127.0.0.1:{free_port_run(workers)}"
     broker = stack.service(f"broker-{run_id}", "broker", {"run_id": run_id, "redis_url": stack.redis_url,
                                                           "ingest_bind": ingest, "ingest_workers": workers,
-                                                          "http_port": 0, "max_queue_groups": 10**9})
+                                                          "http_port": 0, "max_queue_groups": 10**9,
+                                                          # the consumer acknowledges with raw XACK + XDEL, not the
+                                                          # learner's commit that lowers the byte count: no byte bound
+                                                          "max_queue_bytes": 1 << 50})
     keys = Keys(run_id)
     wait_until(lambda: r.exists(keys.prompts), 60, "the broker to start", broker)
     for v in (10, 11):  # the versions benchmarks.codec.make_group's groups carry, with their hash

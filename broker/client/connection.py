@@ -28,7 +28,15 @@ class Backoff:
         self.attempts = 0
 
     def delay(self, attempt: int) -> float:
-        return min(self.first_s * self.factor ** max(0, attempt - 1), self.cap_s)
+        # grown step by step up to the cap: factor ** attempt would overflow a float after ~1,000 attempts
+        # (a producer told `busy` for half an hour, a service retrying Redis for hours)
+        d = self.first_s
+        if self.factor > 1:
+            for _ in range(max(0, attempt - 1)):
+                d *= self.factor
+                if d >= self.cap_s:
+                    break
+        return min(d, self.cap_s)
 
     def next(self) -> float:
         self.attempts += 1

@@ -23,3 +23,11 @@ def test_at_cap_says_when_the_next_wait_is_the_longest():
         b.next()
         waits += 1
     assert waits == 5 and b.next() == 5.0
+
+
+def test_a_retry_loop_that_lasts_for_hours_stays_at_the_cap():
+    # factor ** attempt overflowed a float after ~1,750 busy acks (about 30 minutes of a full queue at the
+    # 1 s cap): the sender crashed with OverflowError instead of waiting on
+    busy = Backoff(0.05, 1.0, factor=1.5)
+    assert [busy.next() for _ in range(5000)][-1] == 1.0
+    assert Backoff(0.5, 10.0).delay(10**6) == 10.0 and Backoff(0.5, 10.0, factor=1.0).delay(10**6) == 0.5
