@@ -20,6 +20,7 @@ from collections import deque
 
 import redis
 
+from broker.client.connection import split_addresses
 from broker.client.announcements import ForgedAnnouncement, announced_hashes, checked_latest, newest_signed
 from broker.client import queues
 from broker.client.telemetry import read_after, read_events, read_heartbeats, read_stats
@@ -108,6 +109,8 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
         # "insecure": any process that reaches the ingest can send groups (shown on the page); null
         # before the broker started
         "ingest_auth": (r.hget(keys.run, "ingest_auth") or b"").decode() or None,
+        # one per broker ingest worker (broker.ingest_workers); [] before the broker started
+        "ingest_addresses": split_addresses((r.hget(keys.run, "ingest_addresses") or b"").decode()),
         "queue_depth": queues.waiting_groups(r, keys),
         "queue_bytes": queues.queued_bytes(r, keys),
         "pending_groups": queues.pending_groups(r, keys),
