@@ -9,7 +9,7 @@ Producers connect one DEALER to every worker's address (``RunInfo.ingest_address
 Redis: de-duplication, the queue bound and the append are one Lua script per batch, atomic across
 workers, so both stay exact whatever worker a group (or its resend) reaches.
 
-A worker that exits is restarted by the broker (``ingest_worker_restarts`` in ``stats:broker``, an
+A worker that exits is restarted by the broker (after 0.5 s, doubling to 10 s while it keeps failing) (``ingest_worker_restarts`` in ``stats:broker``, an
 ``ingest_worker_restarted`` event); the groups it held unacknowledged are resent by their producers.
 A worker whose broker is gone exits by itself. Its config comes on its standard input (JSON), never
 on its command line (the Redis URL may carry a password).
@@ -29,7 +29,7 @@ import time
 import redis
 from prometheus_client import CollectorRegistry
 
-from broker.client.connection import connect_redis
+from broker.client.connection import Backoff, connect_redis
 from broker.client.telemetry import emit_event
 from broker.config import BrokerConfig
 from broker.ingest import Ingest
@@ -64,6 +64,9 @@ class Workers:
         self.cfg, self.r, self.keys, self.log_json = cfg, r, keys, log_json
         self.binds = cfg.ingest_binds()
         self.procs: dict[int, subprocess.Popen] = {}
+        self.started_at: dict[int, float] = {}
+        self.retry_at: dict[int, float] = {}  # a worker that exited: when it is started again
+        self.backoff: dict[int, Backoff] = {}  # per worker: 0.5 s doubling to 10 s while it keeps exiting
         self.restarts = 0
 
     def _start(self, k: int) -> None:
@@ -73,6 +76,7 @@ class Workers:
         proc.stdin.write(worker_cfg.model_dump_json())
         proc.stdin.close()
         self.procs[k] = proc
+        self.started_at[k] = time.monotonic()
         log.info("ingest worker %d (pid %d) on %s", k, proc.pid, self.binds[k])
 
     def start(self) -> "Workers":
@@ -81,13 +85,25 @@ class Workers:
         return self
 
     def check(self) -> None:
-        """Restart every worker that has exited (counted, an event on the dashboard)."""
+        """Restart every worker that has exited (counted, an event on the dashboard) after 0.5 s, a wait
+        that doubles up to 10 s while it keeps exiting within a minute of its start (a port taken, say)."""
+        now = time.monotonic()
         for k, proc in list(self.procs.items()):
             code = proc.poll()
             if code is None:
                 continue
+            if k not in self.retry_at:
+                backoff = self.backoff.setdefault(k, Backoff(0.5, 10.0))
+                if now - self.started_at[k] > 60:
+                    backoff.reset()  # it had been serving: the shortest wait
+                delay = backoff.next()
+                self.retry_at[k] = now + delay
+                log.warning("ingest worker %d exited with %s; restarting it in %.1fs (its producers resend what it "
+                            "held)", k, code, delay)
+            if now < self.retry_at[k]:
+                continue
+            del self.retry_at[k]
             self.restarts += 1
-            log.warning("ingest worker %d exited with %s; restarting it (its producers resend what it held)", k, code)
             self.r.hincrby(self.keys.stats("broker"), "ingest_worker_restarts", 1)
             emit_event(self.r, self.keys, "ingest_worker_restarted", worker=k, exit_code=code)
             self._start(k)
