@@ -9,8 +9,9 @@ Producers connect one DEALER to every worker's address (``RunInfo.ingest_address
 Redis: de-duplication, the queue bound and the append are one Lua script per batch, atomic across
 workers, so both stay exact whatever worker a group (or its resend) reaches.
 
-A worker that exits is restarted by the broker (after 0.5 s, doubling to 10 s while it keeps failing) (``ingest_worker_restarts`` in ``stats:broker``, an
-``ingest_worker_restarted`` event); the groups it held unacknowledged are resent by their producers.
+A worker that exits is restarted by the broker, after 0.5 s doubling to 10 s while it keeps failing
+(``ingest_worker_restarts`` in ``stats:broker``, an ``ingest_worker_restarted`` event); the groups it
+held unacknowledged are resent by their producers.
 A worker whose broker is gone exits by itself. Its config comes on its standard input (JSON), never
 on its command line (the Redis URL may carry a password).
 """
