@@ -148,7 +148,7 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
                                       "(η + learner version + 1) × batch_groups; null disables admission control")
     keep_versions: int = Field(4, ge=1, description="newest versions kept in the weight store (plus those served)")
     versions_kept: int = Field(4096, ge=0, description="announcements kept in Redis (the versions hash the broker "
-                               "checks each group's weight hash against): the newest N, more than max_staleness; "
+                               "checks each group's weight hash against): the newest N, and always max_staleness + 1 at least; "
                                "a group of an older version is rejected (weight_hash); 0 keeps every one")
     record_window: int = Field(RECORD_WINDOW, ge=0, description="group ids remembered as committed (exactly-once "
                                "commits after a restart) and entries kept in the commit and drop logs: the last "
@@ -183,13 +183,6 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
             valid = ", ".join(a for a in get_args(AdvantageEstimator) if a not in NEEDS_CRITIC)
             raise ValueError(f"advantage {self.advantage!r} needs a critic (a value model): set "
                              f"learner.critic.enabled=true; without one, valid: {valid}")
-        return self
-
-    @model_validator(mode="after")
-    def _versions_kept_beyond_staleness(self) -> LearnerConfig:
-        if self.versions_kept and self.versions_kept <= self.max_staleness:
-            raise ValueError(f"versions_kept ({self.versions_kept}) must exceed max_staleness ({self.max_staleness}): "
-                             "the broker checks each group's version against the announcements kept (0 keeps all)")
         return self
 
     @model_validator(mode="after")

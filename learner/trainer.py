@@ -112,7 +112,9 @@ class Learner:
                                            cfg.weights.digest).start()
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key, publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
-                                   cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest, cfg.versions_kept)
+                                   cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest,
+                                   # never fewer than the staleness bound accepts
+                                   max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0)
         # writes, seals and announces each version while the next steps train (the leader only)
         self.background = BackgroundPublisher(self.publisher, model.config) if self.leader else None
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -2,7 +2,6 @@
 (learner.versions_kept) and the events stream (broker.events_kept). Real Redis, the broker's ingest
 driven in-process."""
 
-import pytest
 import redis
 
 from broker.client.announcements import announce
@@ -12,7 +11,6 @@ from broker.protocol.group import encode_group
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
 from broker.service import Broker
-from learner.config import LearnerConfig
 from tests.support.data import MAKE_GROUP_HASH, make_group
 from tests.support.services import announce_key, announce_key_file
 
@@ -31,12 +29,6 @@ def test_only_the_newest_versions_are_kept_and_a_group_of_a_forgotten_one_is_ref
     for s in fresh.samples:
         s.version_runs = [[8, sum(n for _, n in s.version_runs)]]
     assert b.ingest.handle(encode_group(fresh)).status == "ok"
-
-
-def test_versions_kept_must_outlast_the_staleness_bound():
-    with pytest.raises(ValueError, match="versions_kept"):
-        LearnerConfig(versions_kept=4, max_staleness=4)
-    assert LearnerConfig(versions_kept=0, max_staleness=1000).versions_kept == 0  # 0: every version kept
 
 
 def test_the_broker_trims_the_events_stream_to_events_kept(redis_url, tmp_path):
