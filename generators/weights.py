@@ -14,6 +14,12 @@ that checks each file's sha256 computes the digest of the tensors the files hold
 manifest recomputed) is refused as ``digest_mismatch``, like a bad hash. The ``applied`` event
 carries the digest of what was applied (docs/weights.md).
 
+LoRA adapters published alone (learner.lora.publish): a version whose announcement pins a base
+(``Announcement.base``, ``base_digest``) is applied onto the base model the generator serves, only
+when that base's digest is the pinned one; a generator starting fresh loads the base from the version
+that carries it first. An adapter for another base is refused (``base_mismatch``), shown red like a
+bad hash: the generator never serves its base model in the adapted policy's place.
+
 An announcement the run's key did not sign (written into Redis by someone else) is never loaded: it
 is logged, counted (``forged_announcements``, in the heartbeat and /metrics), reported as a
 ``refused`` event, and the generator keeps serving its version. With ``store`` set, a version
@@ -59,6 +65,7 @@ class WeightApplier:
         self.version: int | None = None  # the version served (None before the first load)
         self.hash = ""
         self.digest = ""  # the tensor digest of the version served ("" when its announcement had none)
+        self.base_digest = ""  # LoRA adapters: the digest of the base model served under them ("" without)
         self.refused: dict[str, str] = {}  # hash -> reason: snapshots refused and forged announcements (shown)
         self.bad: set[str] = set()  # hashes of snapshots that failed verification: never retried
         self.updates = 0
@@ -86,17 +93,17 @@ class WeightApplier:
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
-                if self.fetcher is not None:  # http: the fetcher checked hash and digest as the bytes came
-                    path = self.fetcher.fetch(a, self.version)
-                    digest = self.fetcher.digests.get(a.version)
-                    if a.digest and digest != a.digest:
-                        raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest "
-                                                           f"{(digest or '')[:12]} differs from the announced "
-                                                           f"{a.digest[:12]}")
-                else:
-                    path = a.path
-                    digest = weightstore.check(path, a.hash, self.store, expected_digest=a.digest or None).digest
-                if self.version is None:
+                path, digest = self._obtain(a)
+                if a.adapter_only:  # a LoRA adapter alone: onto the base it pins (loaded first on a fresh start)
+                    if self.version is None:
+                        self._load_base(a)
+                    elif self.base_digest != a.base_digest:
+                        raise weightstore.WeightStoreError(
+                            "base_mismatch", f"version {a.version} is an adapter for the base model "
+                            f"{a.base_digest[:12] or '?'} (version {a.base}); this generator serves the base "
+                            f"{self.base_digest[:12] or 'of a model without adapters'}")
+                    self.backend.update_weights(str(path))
+                elif self.version is None:
                     self.backend.load(str(path))
                 else:
                     self.backend.update_weights(str(path))
@@ -115,6 +122,7 @@ class WeightApplier:
             return
         latency = time.time() - a.published_at
         self.version, self.hash, self.digest = a.version, a.hash, digest or ""
+        self.base_digest = a.base_digest if a.base is not None else ""
         self.via = "http" if self.fetcher else "store"
         self.updates += 1
         self.last_update_latency_s = round(latency, 4)
@@ -124,6 +132,31 @@ class WeightApplier:
         self.report("sampling", True)  # the update is done; sampling resumes right after (the heartbeat says so)
         if self.receiver is not None:
             self.receiver.start()  # joins the broadcast once the engine runs (a no-op when started)
+
+    def _obtain(self, a):
+        """(the local folder of version ``a``, the digest of its tensors), its files checked against the
+        announced hash and digest: read in place from the store, or fetched over HTTP (the fetcher checked
+        hash and digest as the bytes came). WeightStoreError otherwise."""
+        if self.fetcher is None:
+            return a.path, weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None).digest
+        path = self.fetcher.fetch(a, self.version)
+        digest = self.fetcher.digests.get(a.version)
+        if a.digest and digest != a.digest:
+            raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {(digest or '')[:12]} "
+                                               f"differs from the announced {a.digest[:12]}")
+        return path, digest
+
+    def _load_base(self, a) -> None:
+        """Start the engine from the version that carries the base model the adapter ``a`` pins (its signed
+        announcement must say it carries that base). WeightStoreError ``missing_base`` otherwise."""
+        b = signed_announcement(self.r, self.keys, a.base, self.announce_key)
+        if b is None or b.base != b.version or b.base_digest != a.base_digest:
+            found = "not announced" if b is None else f"announced with base {b.base} ({b.base_digest[:12]})"
+            raise weightstore.WeightStoreError("missing_base", f"version {a.version} is an adapter for the base model "
+                                               f"of version {a.base} ({a.base_digest[:12]}), which is {found}")
+        path, _ = self._obtain(b)
+        log.info("loading the base model from version %d for the adapter of version %d", b.version, a.version)
+        self.backend.load(str(path))
 
     # -- the collective transport ---------------------------------------------------------------
 

@@ -74,6 +74,10 @@ class LoraConfig(StrictModel):
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="the modules that get adapters: 'all-linear' (every linear layer but the output "
         "head) or a list of module names (q_proj, v_proj, ...)")
+    publish: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="what each version holds: 'adapter' (the adapter alone, a few MB, the base model "
+        "sent once), 'merged' (the whole model with the adapters merged in); 'auto': adapter, except merged with "
+        "weights.transport = collective (which broadcasts whole models)")
 
 
 class PolicyLossConfig(StrictModel):
@@ -184,6 +188,20 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
             raise ValueError(f"advantage {self.advantage!r} needs a critic (a value model): set "
                              f"learner.critic.enabled=true; without one, valid: {valid}")
         return self
+
+    @model_validator(mode="after")
+    def _lora_publication(self) -> LearnerConfig:
+        if self.lora.publish == "adapter" and self.weights.transport == "collective":
+            raise ValueError("learner.lora.publish = adapter needs weights.transport store or http (the collective "
+                             "broadcasts whole models); use learner.lora.publish = merged or auto")
+        return self
+
+    @property
+    def lora_adapters_published(self) -> bool:
+        """LoRA on and each version published as its adapter alone (learner.lora.publish, ``auto`` resolved)."""
+        if not self.lora.rank:
+            return False
+        return self.lora.publish == "adapter" or (self.lora.publish == "auto" and self.weights.transport != "collective")
 
     @model_validator(mode="after")
     def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:

@@ -7,9 +7,16 @@ the adapters' size, and only they are checkpointed (the base is loaded again fro
 on resume). The reference policy of the KL term is the same model with its adapters disabled
 (:class:`AdapterDisabled`): no second copy of the weights.
 
-Publication: each version is the merged model (:func:`merged_state_dict`: W + (alpha / r) B A under
-the base model's own tensor names), so every transport, backend and ``relay export`` serves it as it
-serves a fully trained version.
+Publication (``learner.lora.publish``):
+
+- ``adapter`` (the default with the store and http transports): each version holds the adapter alone, in
+  PEFT's layout (:func:`adapter_state`: ``adapter_model.safetensors`` with
+  ``base_model.model.<module>.lora_A.weight`` / ``lora_B``, and ``adapter_config.json``), a few MB. The
+  first version a learner process publishes also carries the base model's weights (:func:`base_state`,
+  under its own names), and every announcement pins that base (``base``, ``base_digest``): generators
+  load the base once and then only adapters (docs/weights.md, "LoRA adapters").
+- ``merged`` (the collective transport's): each version is the merged model (:func:`merged_state_dict`:
+  W + (alpha / r) B A under the base model's own tensor names), served as a fully trained version is.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from learner.config import LoraConfig
 
 PEFT_PREFIX = "base_model.model."  # peft's PeftModel names every tensor of the wrapped model under this
 BASE_LAYER = ".base_layer"         # ... and a wrapped layer's own weight under <module>.base_layer.weight
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's adapter folder: its settings ...
+ADAPTER_FILE = "adapter_model.safetensors"  # ... and its tensors, base_model.model.<module>.lora_A.weight
+PARTS = ("lora_A", "lora_B")
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig):
@@ -45,26 +55,64 @@ def scaling(cfg: LoraConfig) -> float:
     return cfg.alpha / cfg.rank
 
 
-def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """The base model's state dict with each adapter merged into its layer, from a PeftModel's state dict
-    (``state``: peft's names, e.g. ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``,
-    ``...q_proj.lora_A.default.weight``): ``W + scale · B A`` (computed in float32, then in W's dtype) under
-    the name the unwrapped model uses (``model.layers.0.self_attn.q_proj.weight``). Tensors without an
-    adapter are passed through as they are (no copy)."""
-    out: dict[str, torch.Tensor] = {}
+def is_adapter_tensor(name: str) -> bool:
+    """A LoRA factor (``...lora_A...`` or ``...lora_B...``), in peft's in-memory or file naming."""
+    return any(f".{part}." in name for part in PARTS)
+
+
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """A PeftModel's state dict (``state``: peft's names, e.g.
+    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight``, ``...q_proj.lora_A.default.weight``)
+    as (the base model's tensors under the names the unwrapped model uses,
+    ``model.layers.0.self_attn.q_proj.weight``; {module: {"lora_A": A, "lora_B": B}}). No copies.
+    ValueError for a module with one factor only."""
+    base: dict[str, torch.Tensor] = {}
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in state.items():
         name = k.removeprefix(PEFT_PREFIX)
-        for part in ("lora_A", "lora_B"):
+        for part in PARTS:
             marker = f".{part}."
             if marker in name:  # <module>.lora_A.<adapter>.weight
                 adapters.setdefault(name.split(marker)[0], {})[part] = v
                 break
         else:
-            out[name.replace(BASE_LAYER + ".", ".")] = v
+            base[name.replace(BASE_LAYER + ".", ".")] = v
     for module, ab in adapters.items():
-        if set(ab) != {"lora_A", "lora_B"}:
+        if set(ab) != set(PARTS):
             raise ValueError(f"{module}: an adapter needs both lora_A and lora_B (found {sorted(ab)})")
+    return base, adapters
+
+
+def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The frozen base model's tensors of a PeftModel's state dict, under the base model's own names."""
+    return split_state(state)[0]
+
+
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of a PeftModel's state dict in PEFT's file layout (what ``save_pretrained`` writes into
+    ``adapter_model.safetensors``, what vLLM and peft load): ``base_model.model.<module>.lora_A.weight``."""
+    return {f"{PEFT_PREFIX}{module}.{part}.weight": t
+            for module, ab in split_state(state)[1].items() for part, t in ab.items()}
+
+
+def adapter_config(peft_model) -> dict:
+    """The model's ``adapter_config.json`` (PEFT's format), its target modules given by their leaf names
+    (``q_proj``, ...: the form vLLM reads), so that any engine can rebuild the same adapters."""
+    d = peft_model.peft_config["default"].to_dict()
+    targets = d["target_modules"]
+    leaves = sorted({t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets)})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": d["r"], "lora_alpha": d["lora_alpha"],
+            "lora_dropout": d["lora_dropout"], "target_modules": leaves, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "base_model_name_or_path": "",
+            "inference_mode": True}
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each adapter merged into its layer, from a PeftModel's state dict
+    (:func:`split_state`): ``W + scale · B A`` (computed in float32, then in W's dtype) under the name the
+    unwrapped model uses. Tensors without an adapter are passed through as they are (no copy)."""
+    out, adapters = split_state(state)
+    for module, ab in adapters.items():
         w = out.get(f"{module}.weight")
         if w is None:
             raise ValueError(f"{module}: an adapter without its base weight")

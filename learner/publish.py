@@ -34,6 +34,7 @@ from broker.client.telemetry import emit_event, read_heartbeats
 from broker.protocol import tensordigest, weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
+from learner.lora import ADAPTER_CONFIG, ADAPTER_FILE, is_adapter_tensor
 
 log = logging.getLogger("relay.learner.publish")
 
@@ -220,21 +221,24 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 
 def write_safetensors(folder: Path, state: dict[str, torch.Tensor], shard_bytes: int,
-                      metadata: dict[str, str] | None = None) -> dict[str, str]:
+                      metadata: dict[str, str] | None = None, index: bool = False) -> dict[str, str]:
     """Write ``state`` into ``folder``: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
-    and the Hugging Face index when it exceeds ``shard_bytes``. Each file is written straight from the
-    tensors' memory and hashed as it is written (:func:`write_shard`): returns {file: sha256 hex} of the
-    files written, never read back."""
+    and the Hugging Face index when it exceeds ``shard_bytes`` (or always, with ``index``: a folder that
+    also holds a LoRA adapter, whose file loaders that take every ``*.safetensors`` must leave out: vLLM
+    reads only the files the index names). Each file is written straight from the tensors' memory and
+    hashed as it is written (:func:`write_shard`): returns {file: sha256 hex} of the files written,
+    never read back."""
     shards = plan_shards(state, shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     digests = {}
     for name, keys in zip(names, shards):
         digests[name] = write_shard(folder / name, {k: state[k] for k in keys}, {"format": "pt", **(metadata or {})})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
-        (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    if len(shards) > 1 or index:
+        weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                                               for t in state.values())},
+                                                "weight_map": weight_map}, indent=2, sort_keys=True))
     return digests
 
 
@@ -267,6 +271,16 @@ class Publisher:
         self.heartbeat_ttl_s = 60.0
         self.url_for = None  # weights.transport http: version -> the base URL of its files (learner/weight_server.py)
         self._spare: dict | None = None  # publish(): the previous snapshot, its buffers reused
+        # LoRA adapters published alone (learner.lora.publish): the adapter's adapter_config.json, and the
+        # version that carried the base model with the base's tensor digest, once one is announced
+        self.adapter_config: dict | None = None
+        self.base_pin: tuple[int, str] | None = None
+
+    @property
+    def needs_base(self) -> bool:
+        """With adapters published alone: the next version must carry the base model too (no version of this
+        publisher carrying it has been announced yet)."""
+        return self.adapter_config is not None and self.base_pin is None
 
     def buffers(self, state_dict: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor] | None:
         """Fresh buffers for a :func:`snapshot` of ``state_dict`` (its ``into``) when there is no spare one:
@@ -317,20 +331,39 @@ class Publisher:
         else:
             check()
             sent = None
+        # a LoRA adapter (PEFT's file names) goes into adapter_model.safetensors; the rest is the model
+        adapter = {k: v for k, v in state.items() if is_adapter_tensor(k)}
+        model = {k: v for k, v in state.items() if k not in adapter} if adapter else state
+        if adapter and self.adapter_config is None:
+            raise ValueError(f"version {version} holds LoRA adapters but the publisher has no adapter_config")
         staging = weightstore.staging_dir(self.store, version)
-        config.save_pretrained(staging)
-        self.tokenizer.save_pretrained(staging)
-        if sent is not None:
-            digest = sent
-            known = write_safetensors(staging, state, self.shard_bytes, {"version": str(version)})
-        else:
-            with ThreadPoolExecutor(1, thread_name_prefix="relay-digest") as pool:  # both hash passes at once
-                digest = pool.submit(tensordigest.state_digest, state, self.digest)
-                known = write_safetensors(staging, state, self.shard_bytes, {"version": str(version)})
-                digest = digest.result()
+        meta = {"version": str(version)}
+        with ThreadPoolExecutor(2, thread_name_prefix="relay-digest") as pool:  # the hash passes beside the writes
+            pending = pool.submit(tensordigest.state_digest, state, self.digest) if sent is None else None
+            base_digest = pool.submit(tensordigest.state_digest, model, self.digest) if adapter and model else None
+            known = {}
+            if model:
+                config.save_pretrained(staging)
+                self.tokenizer.save_pretrained(staging)
+                known.update(write_safetensors(staging, model, self.shard_bytes, meta, index=bool(adapter)))
+            if adapter:
+                (staging / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=1, sort_keys=True))
+                known[ADAPTER_FILE] = write_shard(staging / ADAPTER_FILE, adapter, {"format": "pt", **meta})
+            digest = sent if pending is None else pending.result()
+            base_digest = base_digest.result() if base_digest is not None else None
+        base = None
+        if adapter:
+            if base_digest is not None:
+                base = (version, base_digest)
+            elif self.base_pin is None:
+                raise ValueError(f"version {version} holds an adapter alone but no version with its base model "
+                                 "was announced before it")
+            else:
+                base = self.base_pin
         path, manifest_hash = weightstore.seal(self.store, version, staging, known)
         a = Announcement(version=version, hash=manifest_hash, path=str(path), digest=digest,
-                         url=self.url_for(version) if self.url_for else "")
+                         url=self.url_for(version) if self.url_for else "",
+                         base=base[0] if base else None, base_digest=base[1] if base else "")
         announce(self.r, self.keys, a, self.announce_key, self.versions_kept)
         advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
         emit_event(self.r, self.keys, "published", version=version, hash=manifest_hash, digest=digest)
@@ -338,6 +371,9 @@ class Publisher:
         now = time.time()
         in_use = {hb.version for hb in read_heartbeats(self.r, self.keys).values()
                   if hb.last_seen is not None and now - hb.last_seen < self.heartbeat_ttl_s}
+        if base is not None:  # the adapters that follow apply to this base: a (re)starting generator loads it
+            self.base_pin = base
+            in_use.add(base[0])
         weightstore.prune(self.store, self.keep_versions, {v for v in in_use if v is not None})
         log.debug("wrote and announced version %d in %.3fs (%d files)", version, time.perf_counter() - t0, len(known))
         return a

@@ -28,7 +28,7 @@ from broker.protocol.keys import Keys
 from learner.config import LearnerConfig
 from learner.data import completion_stats, group_mean_reward
 from learner.engine import build_engine, full_state_dict, init_distributed, load_model
-from learner.lora import merged_state_dict
+from learner.lora import adapter_config, adapter_state, base_state, merged_state_dict
 from learner.intake import GroupIntake
 from learner.logprobs import check_output_head
 from learner.observe import LearnerObserver, finite_metrics
@@ -81,7 +81,7 @@ class Learner:
             from learner.critic import build_value_model
 
             critic = build_value_model(model, cfg)  # before the policy's engine: from its initial weights
-        self.lora_scale = None  # learner.lora: adapters trained, the merged model published (learner/lora.py)
+        self.lora_scale = None  # learner.lora: adapters trained, each version the adapter or the merged model (learner/lora.py)
         reference = None  # the role of verl's reference worker: the initial weights, frozen
         if cfg.lora.rank:
             from learner.lora import AdapterDisabled, apply_lora, scaling
@@ -115,6 +115,8 @@ class Learner:
                                    cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest,
                                    # never fewer than the staleness bound accepts
                                    max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0)
+        if cfg.lora_adapters_published:
+            self.publisher.adapter_config = adapter_config(model)
         # writes, seals and announces each version while the next steps train (the leader only)
         self.background = BackgroundPublisher(self.publisher, model.config) if self.leader else None
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -215,8 +217,12 @@ class Learner:
         previous one, and the leader counts ``publish_refused_nonfinite`` (the version number stays used)."""
         t0 = time.perf_counter()
         weights = full_state_dict(self.engine)
-        if weights is not None and self.lora_scale is not None:  # the adapters merged, under the base's names
-            weights = merged_state_dict(weights, self.lora_scale)
+        if weights is not None and self.lora_scale is not None:
+            if self.cfg.lora_adapters_published:  # the adapter alone (with the base model until one carried it)
+                adapter = adapter_state(weights)
+                weights = {**base_state(weights), **adapter} if self.publisher.needs_base else adapter
+            else:  # the adapters merged, under the base's names
+                weights = merged_state_dict(weights, self.lora_scale)
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
             try:  # handed over before it is copied: the collective broadcast streams it as it fills

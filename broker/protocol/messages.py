@@ -85,6 +85,12 @@ class Announcement:
              applied. "" from a learner before digests existed.
     sig:     hex HMAC-SHA256 of every other field by the run's announcement key (signing.py), or ""
              when the run's announcements are not signed (``announce_auth = "insecure"``).
+    base:    LoRA adapter versions (learner.lora, docs/weights.md "LoRA adapters"): the version whose
+             folder holds the base model the adapter applies to; ``base == version`` for a version that
+             carries the base itself, ``base < version`` for one holding only the adapter. None
+             without LoRA adapters (every version is a whole model).
+    base_digest: with ``base``: the tensor digest of the base model's weights alone (the pin: a
+             generator serving another base refuses the adapter).
     """
 
     version: int
@@ -94,6 +100,13 @@ class Announcement:
     published_at: float = field(default_factory=time.time)
     sig: str = ""
     digest: str = ""
+    base: int | None = None
+    base_digest: str = ""
+
+    @property
+    def adapter_only(self) -> bool:
+        """A LoRA version holding only the adapter: the base comes from version ``base``."""
+        return self.base is not None and self.base != self.version
 
 
 def encode_announcement(a: Announcement) -> bytes:
@@ -101,6 +114,8 @@ def encode_announcement(a: Announcement) -> bytes:
          "path": a.path, "url": a.url, "published_at": a.published_at}
     if a.digest:
         m["digest"] = a.digest
+    if a.base is not None:
+        m["base"], m["base_digest"] = a.base, a.base_digest
     if a.sig:
         m["sig"] = a.sig
     return msgpack.packb(m, use_bin_type=True)
@@ -118,6 +133,8 @@ def decode_announcement(data: bytes) -> Announcement:
         published_at=float(m.get("published_at", 0.0)),
         sig=str(m.get("sig", "")),
         digest=str(m.get("digest", "")),
+        base=get_field(m, "base", int, "announce") if "base" in m else None,
+        base_digest=str(m.get("base_digest", "")),
     )
 
 

@@ -82,9 +82,11 @@ def canonical_bytes(run_id: str, a: Announcement) -> bytes:
     """What the signature covers, in this order: the context, the schema version, the run id, the
     version (decimal), the hash, the path, the url, published_at (``%.6f``), each a netstring; then
     the tensor digest, only when the announcement has one (so signatures made before digests existed
-    still check)."""
+    still check); then, for a LoRA version only, ``base:<base>:<base_digest>``."""
     fields = [CONTEXT, str(SCHEMA_VERSION), run_id, str(int(a.version)), a.hash, a.path, a.url,
               f"{float(a.published_at):.6f}"] + ([a.digest] if a.digest else [])
+    if a.base is not None:
+        fields.append(f"base:{int(a.base)}:{a.base_digest}")
     return b"".join(_netstring(f) for f in fields)
 
 

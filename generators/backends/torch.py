@@ -1,6 +1,9 @@
 """The ``torch`` backend: transformers model, batched sampling with a KV cache, exact behaviour
 log-probs from :func:`broker.protocol.sampling.sampling_logprobs`. Weights update in place with
-``load_state_dict`` into the same module (no new engine)."""
+``load_state_dict`` into the same module (no new engine). LoRA adapters published alone
+(learner.lora.publish) are added to the model once by peft and then loaded into those same
+adapter parameters, version after version; the forward computes W x + (alpha / r) B A x, as the
+learner's does."""
 
 from __future__ import annotations
 
@@ -17,6 +20,26 @@ from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, TorchBackendConfig
 
 log = logging.getLogger("relay.generator.torch")
+
+ADAPTER_CONFIG, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"  # PEFT's adapter folder
+ADAPTER_KEYS = ("r", "lora_alpha", "target_modules")  # what fixes the adapters' shapes and scale
+PEFT_PREFIX = "base_model.model."  # adapter files name each factor base_model.model.<module>.lora_A.weight
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _adapter_param(file_name: str) -> str:
+    """An adapter file's tensor name -> the parameter peft gave the model (the adapter named ``default``)."""
+    module, part = file_name.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0], file_name.rsplit(".", 2)[1]
+    return f"{module}.{part}.default.weight"
+
+
+def _base_layer_name(name: str) -> str:
+    """``<module>.weight`` -> ``<module>.base_layer.weight``: where a layer with an adapter keeps its own weight."""
+    module, leaf = name.rsplit(".", 1)
+    return f"{module}.base_layer.{leaf}"
 
 
 class TorchBackend(HFText):
@@ -41,24 +64,79 @@ class TorchBackend(HFText):
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
         self._config = json.loads((Path(path) / "config.json").read_text())
+        self.adapter = None  # the LoRA adapter's settings (adapter_config.json) once the model has adapters
+        if (Path(path) / ADAPTER_CONFIG).is_file():
+            self._load_adapter(path)
 
     def engine_info(self) -> dict:
         """Identity of the running engine: the same PID and module across updates means no restart."""
         return {"pid": os.getpid(), "engine_id": id(self.model)}
 
     def update_weights(self, path: str) -> None:
+        """Load version ``path`` in place: a whole model (its tensors into the same parameters; with a LoRA
+        adapter beside it, the adapter too), or a LoRA adapter alone (:meth:`_load_adapter`)."""
+        if not (Path(path) / "config.json").is_file() and (Path(path) / ADAPTER_CONFIG).is_file():
+            self._load_adapter(path)
+            return
         cfg = json.loads((Path(path) / "config.json").read_text())
         if {k: v for k, v in cfg.items() if k != "transformers_version"} != {
                 k: v for k, v in self._config.items() if k != "transformers_version"}:
             raise ValueError("the snapshot's config.json differs from the served model's architecture")
         state = {}
         for f in sorted(Path(path).glob("*.safetensors")):
-            state.update(load_file(f, device=str(self.device)))
+            if f.name != ADAPTER_FILE:
+                state.update(load_file(f, device=str(self.device)))
+        own = self.model.state_dict()
+        # a layer that carries an adapter holds its own weight under <module>.base_layer.<weight|bias>
+        state = {k if k in own else _base_layer_name(k): v for k, v in state.items()}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        # tied embeddings: lm_head.weight may be absent from the file
-        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        # tied embeddings: lm_head.weight may be absent from the file; the adapters come from their own file
+        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)
+                   and not _is_adapter(k)]
         if missing or unexpected:
             raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if (Path(path) / ADAPTER_CONFIG).is_file():
+            self._load_adapter(path)
+        elif self.adapter is not None:  # a whole model without adapter (merged): the adapters add nothing now
+            with torch.no_grad():
+                for k, p in self.model.named_parameters():
+                    if ".lora_B." in k:
+                        p.zero_()
+
+    def _load_adapter(self, path: str) -> None:
+        """Load the LoRA adapter of version ``path`` (PEFT's layout: adapter_config.json and
+        adapter_model.safetensors) into the model's adapters in place, adding them (peft) to the model on the
+        first one. All or nothing: ValueError, the model unchanged, when the settings differ from the
+        adapters the model has, or the tensors are not exactly one A and one B per adapted layer."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        settings = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+        wanted = {k: settings.get(k) for k in ADAPTER_KEYS}
+        if settings.get("use_dora") or settings.get("modules_to_save") or settings.get("bias", "none") != "none":
+            raise ValueError(f"{path}: DoRA, modules_to_save and adapter biases are not supported")
+        if self.adapter is not None and wanted != self.adapter:
+            raise ValueError(f"{path}: adapter settings {wanted} differ from those of the adapter served "
+                             f"{self.adapter}")
+        tensors = load_file(Path(path) / ADAPTER_FILE, device=str(self.device))
+        if self.adapter is None:
+            try:
+                inject_adapter_in_model(LoraConfig(r=wanted["r"], lora_alpha=wanted["lora_alpha"], lora_dropout=0.0,
+                                                   target_modules=wanted["target_modules"], bias="none"), self.model)
+            except ValueError as e:
+                raise ValueError(f"{path}: the adapter does not fit the model: {e}") from e
+            self.model.requires_grad_(False).eval()
+            self.adapter = wanted
+        own = {k: p for k, p in self.model.named_parameters() if _is_adapter(k)}
+        renamed = {_adapter_param(k): v for k, v in tensors.items()}
+        missing = sorted(set(own) - set(renamed))
+        unexpected = sorted(set(renamed) - set(own))
+        wrong = [k for k in renamed if k in own and tuple(renamed[k].shape) != tuple(own[k].shape)]
+        if missing or unexpected or wrong:
+            raise ValueError(f"{path}: adapter tensors do not match the model's adapters: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+        with torch.no_grad():
+            for k, t in renamed.items():
+                own[k].copy_(t)
 
     def update_weights_from_tensors(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:
         """Copy ``state`` (CPU tensors, any float dtype; the collective transport) into the model's

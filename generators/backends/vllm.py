@@ -11,6 +11,12 @@ snapshot's safetensors in place into the existing parameters), then resets the p
 KV computed by the old weights is reused. The engine object is never rebuilt; ``engine_info``
 reports its PID and identity so a restart would be visible.
 
+LoRA adapters published alone (learner.lora.publish): an engine whose first version carries an
+adapter starts with ``enable_lora``; each version's adapter gets a new ``LoRARequest`` id, loaded
+when the version is applied; the previous one is removed once its requests have finished. Every
+request of a batch uses the adapter served when the batch started (docs/generators.md, "LoRA
+adapters in vLLM").
+
 The engine core runs inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one process per
 generator replica, no extra IPC hop, and ``generate`` can call the in-flight hook between engine
 steps.
@@ -28,6 +34,15 @@ from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, VLLMBackendConfig
 
 log = logging.getLogger("relay.generator.vllm")
+
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter in PEFT's layout (learner.lora.publish)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
+
+
+def _adapter_settings(folder: Path) -> dict | None:
+    """The adapter_config.json of a version folder, None when it has no LoRA adapter."""
+    f = folder / ADAPTER_CONFIG
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def _arch(config_path: Path) -> dict:
@@ -66,6 +81,12 @@ class VLLMBackend(HFText):
         self._cache_dirty = False
         self._tied = False
         self.engines_built = 0
+        # LoRA adapters published alone (learner.lora.publish): the adapter every request uses, its settings,
+        # the last id given, and the ids of the previous versions' adapters, removed once no request uses them
+        self._lora = None
+        self._adapter: dict | None = None
+        self._lora_ids = 0
+        self._retired: list[int] = []
 
     # -- engine ---------------------------------------------------------------------------------
 
@@ -87,6 +108,11 @@ class VLLMBackend(HFText):
             kwargs["max_model_len"] = self.cfg.max_model_len
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
+        adapter = _adapter_settings(Path(path))
+        if adapter is not None:  # LoRA adapters published alone: an engine that serves them
+            rank = int(adapter["r"])
+            kwargs.update(enable_lora=True, max_lora_rank=min(r for r in LORA_RANKS if r >= rank) if rank <= LORA_RANKS[-1]
+                          else rank, max_loras=2, max_cpu_loras=2)  # the old and the new version side by side
         kwargs.update(self.cfg.engine_kwargs)
         t0 = time.monotonic()
         self.llm = LLM(**kwargs)
@@ -98,6 +124,8 @@ class VLLMBackend(HFText):
                              "with vLLM 0.32 (its in-place reload restores the old tied lm_head; see "
                              "docs/generators.md)")
         log.info("vLLM engine ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())
+        if adapter is not None:
+            self._set_adapter(path)
 
     def engine_info(self) -> dict:
         """Identity of the running engine: the same PID and object id across updates means no restart."""
@@ -105,6 +133,11 @@ class VLLMBackend(HFText):
         return {"pid": os.getpid(), "engine_id": id(engine), "engines_built": self.engines_built}
 
     def update_weights(self, path: str) -> None:
+        """Load version ``path`` in place: a whole model (``reload_weights``), or a LoRA adapter alone (a new
+        adapter id, :meth:`_set_adapter`)."""
+        if not (Path(path) / "config.json").is_file() and (Path(path) / ADAPTER_CONFIG).is_file():
+            self._set_adapter(path)
+            return
         if _arch(Path(path) / "config.json") != self._arch:
             raise ValueError("the snapshot's config.json differs from the served model's architecture")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
@@ -126,6 +159,41 @@ class VLLMBackend(HFText):
         # KV blocks cached by the old weights must not serve new requests. With requests running
         # (in-flight "continue") the reset cannot happen yet; it is repeated when the batch ends.
         self._cache_dirty = not self.llm.reset_prefix_cache()
+        if (Path(path) / ADAPTER_CONFIG).is_file():
+            self._set_adapter(path)
+        elif self._lora is not None:
+            raise ValueError("this engine serves LoRA adapters; a version without an adapter would be served with "
+                             "the last one (restart the generator to serve whole models)")
+
+    def _set_adapter(self, path: str) -> None:
+        """Serve the LoRA adapter in folder ``path`` to every request from now on: a new adapter id and name
+        (vLLM caches adapters by id and groups requests by name), loaded now so a bad adapter is refused
+        here and not at the next batch; the previous one is removed once no request uses it."""
+        from vllm.lora.request import LoRARequest
+
+        settings = _adapter_settings(Path(path))
+        if not self.llm.llm_engine.vllm_config.lora_config:
+            raise ValueError(f"{path} is a LoRA adapter, but this engine was started without LoRA (its first version "
+                             "was a whole model): restart the generator")
+        if self._adapter is not None and {k: settings.get(k) for k in ("r", "lora_alpha", "target_modules")} != \
+                {k: self._adapter.get(k) for k in ("r", "lora_alpha", "target_modules")}:
+            raise ValueError(f"{path}: adapter settings differ from those of the adapter served")
+        self._lora_ids += 1
+        request = LoRARequest(f"relay-{self._lora_ids}", self._lora_ids, str(Path(path).resolve()))
+        try:
+            self.llm.llm_engine.add_lora(request)
+        except Exception as e:  # vLLM raises ValueError, KeyError, RuntimeError... for a bad adapter: refused
+            raise ValueError(f"{path}: vLLM cannot load the adapter: {type(e).__name__}: {e}") from e
+        if self._lora is not None:
+            self._retired.append(self._lora.lora_int_id)
+        self._lora, self._adapter = request, settings
+        if not self.llm.llm_engine.has_unfinished_requests():
+            self._remove_retired()
+
+    def _remove_retired(self) -> None:
+        for lora_id in self._retired:
+            self.llm.llm_engine.remove_lora(lora_id)
+        self._retired.clear()
 
     # -- sampling -------------------------------------------------------------------------------
 
@@ -139,6 +207,10 @@ class VLLMBackend(HFText):
         n = sampling.n
         # "finish": one request per prompt with n samples (vLLM shares the prompt's prefill). In-flight
         # "continue" needs each sample's own token count at a switch: one request per sample.
+        # With a LoRA adapter every request keeps the adapter it started with: a version applied between two
+        # steps would serve only later requests, so new versions wait for the batch's end (no in-flight switch).
+        if self._lora is not None:
+            on_step = None
         per_sample = on_step is not None
         ids: list[str] = []
         for i, p in enumerate(prompts):
@@ -151,7 +223,7 @@ class VLLMBackend(HFText):
                                         # per sample: each step's running length; per prompt: the n outputs at the end
                                         output_kind=RequestOutputKind.CUMULATIVE if per_sample
                                         else RequestOutputKind.FINAL_ONLY)
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params)
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params, lora_request=self._lora)
                 ids.append(rid)
         version = initial = on_step() if on_step is not None else -1
         switches: list[tuple[int, dict[str, int]]] = []  # (new version, tokens each request had by then)
@@ -172,6 +244,8 @@ class VLLMBackend(HFText):
                     final[out.request_id] = out.outputs
         if self._cache_dirty:
             self._cache_dirty = not self.llm.reset_prefix_cache()
+        if self._retired:
+            self._remove_retired()
         result: list[list[Completion]] = []
         for k, rid in enumerate(ids):
             if not per_sample or k % n == 0:
