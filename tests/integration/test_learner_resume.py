@@ -92,3 +92,18 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     if critic:  # the critic resumed with its weights: it does not start again from zero values
         after = [m for m in metrics if m["step"] > held["step"]]
         assert all("explained_variance" in m for m in metrics) and after[0]["values_mean"] != 0.0
+    if lora:  # adapters alone on the wire: each learner process sent the base once, the rest pinned to it
+        from broker.client.announcements import latest_announcement
+        from broker.protocol.messages import decode_announcement
+
+        announced = {v: decode_announcement(raw) for v, raw in
+                     ((int(k), raw) for k, raw in r.hgetall(keys.versions).items())}
+        carriers = sorted(v for v, a in announced.items() if a.base == v)
+        assert len(carriers) == 2 and carriers[0] == 0 and carriers[1] > killed_at, carriers
+        assert {a.base_digest for a in announced.values()} == {announced[0].base_digest}  # the same base, rebuilt
+        assert all(a.base is not None and a.base <= v for v, a in announced.items())
+        assert latest_announcement(r, keys).adapter_only
+        events = [(f[b"kind"], json.loads(f[b"data"])) for _, f in r.xrange(keys.events)]
+        assert not [d for k, d in events if k == b"refused"]
+        applied = {d["version"] for k, d in events if k == b"applied"}
+        assert len(applied - set(carriers)) >= 10  # adapters applied in place by the generators
