@@ -11,7 +11,9 @@ running ``relay generator`` processes (torch backend) have applied it, one row p
                  vs   torch.distributed.broadcast of the same bytes over gloo, among the same processes
 
 and a row for the time the learner was blocked per publication (the snapshot: a CPU copy in the
-publication dtype, checked finite) against the store transport's latency (target ≤ 10%).
+publication dtype, checked finite) against the store transport's latency (target ≤ 10%), and a ``lora``
+row: the same model with rank-16 LoRA adapters, each version the adapter alone (store transport), against
+the full-weights ``store`` row (target ≤ 0.25).
 
 The model: a random-init model of Qwen2.5-0.5B's shape (~0.49B parameters, tied embeddings) in bf16,
 built locally; with ``--quick`` the 166k-parameter tiny model, published in shards of 0.25 MiB (so that
@@ -32,7 +34,8 @@ from pathlib import Path
 
 from benchmarks.common import Stack, bench_model, row, skipped, wait_until
 
-TARGETS = {"store": 2.0, "http": 2.0, "collective": 1.5}  # latency / raw baseline, at most
+# latency / raw baseline, at most; lora: an adapter's latency / the same model's full weights (store), at most
+TARGETS = {"store": 2.0, "http": 2.0, "collective": 1.5, "lora": 0.25}
 BLOCKED_TARGET = 0.10  # learner blocked per publication / store latency, at most
 UNIT = "s publish -> applied on 2"
 WARMUP = 1  # versions per transport applied before the measured ones (first-touch allocations, page cache)
@@ -84,6 +87,8 @@ class Bench:
     keys: object = None
     next_version: int = 0
     details: dict = field(default_factory=dict)
+    full_store_s: float | None = None  # the store row's latency: the LoRA row's baseline
+    redis_url: str = ""
 
     def setup(self) -> None:
         import redis
@@ -97,7 +102,8 @@ class Bench:
         self.model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
         self.tokenizer = AutoTokenizer.from_pretrained(base)
         self.keys = Keys("bench")
-        self.r = redis.Redis.from_url(self.stack.redis())
+        self.redis_url = self.stack.redis()  # the collective row starts a Redis of its own: not this one
+        self.r = redis.Redis.from_url(self.redis_url)
         queues.ensure_groups(self.r, self.keys)  # no prompts: the generators idle
         self.details.update(model_params=sum(p.numel() for p in self.model.parameters()), dtype="bfloat16",
                             tie_word_embeddings=bool(self.model.config.tie_word_embeddings))
@@ -125,7 +131,7 @@ class Bench:
         from deploy.launcher.procs import free_port
 
         return [self.stack.service(f"{g}-{weights['transport']}", "generator", {
-            "id": g, "run_id": "bench", "redis_url": self.stack.redis_url, "weight_store": store,
+            "id": g, "run_id": "bench", "redis_url": self.redis_url, "weight_store": store,
             "broker_address": f"tcp://127.0.0.1:{free_port()}", "backend": {"type": "torch", "dtype": "bfloat16"},
             "heartbeat_s": 0.05, "weights": weights}) for g in GENERATORS]
 
@@ -213,7 +219,8 @@ def _bench_store(b: Bench) -> list[dict]:
     t1 = time.perf_counter()  # where the time goes, once, in this process
     weightstore.check(a.path, a.hash, expected_digest=a.digest)
     verify_s = time.perf_counter() - t1
-    latency = statistics.median(ours)
+    latency = b.full_store_s = statistics.median(ours)
+    b.details["full_bytes"] = sum((Path(a.path) / f).stat().st_size for f in files if f.endswith(".safetensors"))
     store_row = row("weight_sync/store", latency, statistics.median(raw), UNIT, TARGETS["store"], "lower", {
         **b.details, "versions": b.versions, "per_version_s": ours, "raw_per_version_s": raw,
         "announced_after_s": announced,
@@ -470,7 +477,73 @@ def _bench_collective(b: Bench) -> dict:
                    "raw": "torch.distributed.broadcast of the same bytes over gloo, learner -> the same 2 processes"})
 
 
-TRANSPORTS = (_bench_store, _bench_http, _bench_collective)
+# -- LoRA adapters published alone (learner.lora.publish = adapter; docs/weights.md "LoRA adapters") -------------
+
+LORA_RANK, LORA_ALPHA = 16, 32.0
+
+
+def _bench_lora(b: Bench) -> dict:
+    """The ``lora`` row: the same model with LoRA adapters (rank 16 on every linear layer but the head), each
+    version the adapter alone through the store transport (the learner's publisher; 2 generators verifying
+    and loading it in place), against the full-weights ``store`` row of the same model in the same run.
+    Runs last: peft adds the adapters to the benchmark's model in place."""
+    import torch
+
+    from broker.protocol import weightstore
+    from learner.config import LoraConfig
+    from learner.lora import adapter_config, adapter_state, apply_lora, base_state
+    from learner.publish import BackgroundPublisher, Publisher, snapshot
+
+    if b.full_store_s is None:
+        return skipped("weight_sync/lora", "the store row, its baseline, did not run", UNIT, TARGETS["lora"], "lower")
+    model = apply_lora(b.model, LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)).to(torch.bfloat16)
+    store = b.tmp / "weights-lora"
+    pub = Publisher(b.r, b.keys, str(store), b.tokenizer, keep_versions=3, announce_key=b.stack.announce_key,
+                    dtype=torch.bfloat16, shard_mb=0.25 if b.quick else 2048.0)
+    pub.adapter_config = adapter_config(model)
+    tied = bool(b.model.config.tie_word_embeddings)
+    bg = BackgroundPublisher(pub, b.model.config)
+
+    def step() -> tuple[int, dict]:
+        """A step's change to the adapters, and what the next version carries."""
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if ".lora_" in n:
+                    p.add_(1e-3)
+        b.next_version += 1
+        state = model.state_dict()
+        return b.next_version, ({**base_state(state), **adapter_state(state)} if pub.needs_base else adapter_state(state))
+
+    v, weights = step()  # the first version carries the base model (a generator starts from it)
+    bg.submit(v, snapshot(weights, v, torch.bfloat16, tied))
+    bg.drain()
+    procs = b.generators({"transport": "store"}, str(store))
+    try:
+        b.wait_applied(v, 0.0, procs)
+        ours, blocked = [], []
+        for _ in range(WARMUP + b.versions):
+            v, weights = step()
+            t0 = time.time()
+            bg.submit(v, snapshot(weights, v, torch.bfloat16, tied, bg.spare(), check=False))
+            blocked.append(time.time() - t0)
+            ours.append(b.wait_applied(v, t0, procs))
+        bg.close()
+        warmup, ours, blocked = ours[:WARMUP], ours[WARMUP:], blocked[WARMUP:]
+    finally:
+        b.stop(procs)
+    a = bg.last
+    assert a.adapter_only, a
+    files = weightstore.read_manifest(a.path)["files"]
+    adapter_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    return row("weight_sync/lora", statistics.median(ours), b.full_store_s, UNIT, TARGETS["lora"], "lower", {
+        "rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": "all-linear", "adapter_params": adapter_params,
+        "adapter_bytes": sum((Path(a.path) / f).stat().st_size for f in files),
+        "full_bytes": b.details.get("full_bytes"), "versions": b.versions, "per_version_s": ours,
+        "learner_blocked_s": blocked, "warmup_s": warmup,
+        "baseline": "the store row: the same model's full weights, publish -> applied on 2, in this run"})
+
+
+TRANSPORTS = (_bench_store, _bench_http, _bench_collective, _bench_lora)
 
 
 def run(quick: bool, include_vllm: bool = False) -> list[dict]:

@@ -167,8 +167,11 @@ class Generator:
     # scores, sends and releases the previous batch meanwhile.
 
     def _on_step(self) -> int:
-        """In-flight "continue": between two decode steps, load a newer version if one is announced."""
+        """In-flight "continue": between two decode steps, load a newer version if one is announced. A
+        heartbeat too (at most one per heartbeat_s): a batch that decodes for minutes on a slow machine is
+        busy, not hung (relay up's --hang-after watches heartbeats)."""
         self.weights.update()
+        self.send_heartbeat()
         return self.weights.version
 
     def _between_turns(self) -> int | None:

@@ -122,11 +122,12 @@ def eval_records(r, keys, run_dir: Path) -> list[dict]:
 
 def export_final(run_dir: Path) -> dict | None:
     """The newest published version as a Hugging Face folder in ``<run>/export`` (summary's ``export``;
-    a resumed run replaces the export of its interrupted part)."""
+    a resumed run replaces the export of its interrupted part). A LoRA adapter version is exported merged
+    (the adapter in ``export/adapter``), so the export loads as a model whatever the run trained."""
     from deploy.export import ExportError, export
 
     try:
-        rec = export(run_dir, run_dir / "export", overwrite=True)
+        rec = export(run_dir, run_dir / "export", overwrite=True, merged=True)
     except ExportError as e:
         print(f"relay up: no export: {e}")
         return None

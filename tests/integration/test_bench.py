@@ -9,7 +9,7 @@ import pytest
 from tests.support.services import relay
 
 NAMES = {"codec", "ingest", "weight_sync/store", "weight_sync/learner_blocked", "weight_sync/http",
-         "weight_sync/collective", "overlap", "generator/torch", "generator/vllm",
+         "weight_sync/collective", "weight_sync/lora", "overlap", "generator/torch", "generator/vllm",
          "learner", "learner_memory", "learner_memory/step_time",
          *(f"ingest_scaling/{p}p/{w}w" for p in (1, 4) for w in (1, 2))}  # --quick: 1 and 4 producers
 

@@ -21,6 +21,7 @@ from learner.lora import adapter_config, adapter_state, apply_lora, base_state
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.models import recompute_logprobs
+from tests.support.services import relay
 
 SAMPLING = SamplingConfig(n=4, max_tokens=6, temperature=1.0)
 PROMPT = [1, 5, 7, 3, 9, 4]
@@ -133,3 +134,34 @@ def test_an_adapter_for_another_base_model_is_refused_and_flagged(setup):
     assert refused and refused[-1]["reason"] == "base_mismatch" and refused[-1]["version"] == 2
     _train(model, seed=1)  # what version 1 holds: still served, unchanged
     assert _max_diff(model, served) <= 1e-3
+
+
+def test_relay_export_writes_the_adapter_and_on_request_the_merged_model(setup):
+    from peft import PeftModel
+
+    model, r, keys, pub, tmp_path = setup
+    for v in range(3):
+        _train(model, seed=v)
+        _publish(pub, model, v)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+
+    adapter = tmp_path / "adapter"  # the default: the adapter alone, a PEFT folder for the base of version 0
+    res = relay("export", str(tmp_path), "--out", str(adapter))
+    assert res.returncode == 0, res.stderr
+    assert "a LoRA adapter for the base model of version 0" in res.stdout
+    assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                     "relay_export.json"}
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+
+    merged = tmp_path / "merged"  # --merged: a plain model folder, the adapter beside it
+    res = relay("export", str(tmp_path), "--out", str(merged), "--merged")
+    assert res.returncode == 0, res.stderr
+    assert (merged / "adapter" / "adapter_model.safetensors").is_file()
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4)
