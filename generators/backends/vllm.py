@@ -108,6 +108,11 @@ class VLLMBackend(HFText):
             kwargs["max_model_len"] = self.cfg.max_model_len
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = self.cfg.gpu_memory_utilization
+        else:
+            # vLLM 0.32 on CPU: a prompt prefilled in chunks (a batch of more than max_num_batched_tokens, 4096,
+            # prompt tokens) has its per-request seeded generator rewound, which CPU generators refuse
+            # ("CPU Generator does not use offset"), killing the engine: whole prompts only
+            kwargs["enable_chunked_prefill"] = False
         adapter = _adapter_settings(Path(path))
         if adapter is not None:  # LoRA adapters published alone: an engine that serves them
             rank = int(adapter["r"])
