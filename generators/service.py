@@ -48,6 +48,9 @@ class Generator:
         key = announce_key(cfg.announce_auth, cfg.announce_key_file)  # a bad key file fails here, first
         self.r = connect_redis(cfg.redis_url)
         self.backend = cfg.backend.build()
+        # a heartbeat (at most one per heartbeat_s) from every engine/decode step: a batch that decodes for
+        # minutes on a slow machine is busy, not hung (relay up's --hang-after watches heartbeats)
+        self.backend.alive = self.send_heartbeat
         self.state = "starting"
         self.stop = threading.Event()
         self.tokens = 0
@@ -167,11 +170,8 @@ class Generator:
     # scores, sends and releases the previous batch meanwhile.
 
     def _on_step(self) -> int:
-        """In-flight "continue": between two decode steps, load a newer version if one is announced. A
-        heartbeat too (at most one per heartbeat_s): a batch that decodes for minutes on a slow machine is
-        busy, not hung (relay up's --hang-after watches heartbeats)."""
+        """In-flight "continue": between two decode steps, load a newer version if one is announced."""
         self.weights.update()
-        self.send_heartbeat()
         return self.weights.version
 
     def _between_turns(self) -> int | None:

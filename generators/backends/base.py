@@ -33,10 +33,17 @@ class Completion:
 StepHook = Callable[[], int]
 
 
+def _nothing() -> None:
+    return None
+
+
 class HFText:
-    """encode/decode through a Hugging Face tokenizer in ``self.tokenizer`` (set by ``load``)."""
+    """encode/decode through a Hugging Face tokenizer in ``self.tokenizer`` (set by ``load``), and the
+    ``alive`` hook a backend calls once per engine or decode step (the generator sets it to send a
+    heartbeat, at most one per heartbeat_s: a long batch is busy, not hung; relay up's --hang-after)."""
 
     tokenizer = None
+    alive = staticmethod(_nothing)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
@@ -49,6 +56,7 @@ class Backend(Protocol):
     name: str
     eos_token_id: int
     supports_in_flight: bool  # generate() honours on_step (the "continue" in-flight policy); its config's ClassVar
+    alive: Callable[[], None]  # called by generate() once per engine/decode step (set by the generator: a heartbeat)
 
     def load(self, path: str) -> None:
         """Start the engine from a weight-store snapshot folder (called once)."""

@@ -196,6 +196,7 @@ class TorchBackend(HFText):
         lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long, device=self.device)
         versions = [version] * sampling.max_tokens  # version of the forward pass that gave token t's logits
         for t in range(sampling.max_tokens):
+            self.alive()
             logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
             tokens[:, t] = tok

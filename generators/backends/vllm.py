@@ -235,6 +235,7 @@ class VLLMBackend(HFText):
         lengths = dict.fromkeys(ids, 0)
         final = {}
         while engine.has_unfinished_requests():
+            self.alive()
             if on_step is not None:
                 v = on_step()  # may reload weights right here, between two engine steps
                 if v != version:

@@ -19,5 +19,8 @@ def test_a_batch_longer_than_the_step_budget_completes(tmp_path):
     backend = VLLMBackendConfig().build()
     backend.load(str(path))
     prompts = [[3 + (i + j) % 10 for j in range(56)] for i in range(96)]  # 96 x 56 = 5,376 prompt tokens
-    groups = backend.generate(prompts, SamplingConfig(n=2, max_tokens=4), seed=1)
+    calls = []
+    backend.alive = lambda: calls.append(1)  # the generator's heartbeat: once per engine step
+    groups = backend.generate(prompts, SamplingConfig(n=2, max_tokens=4), seed=2)
     assert len(groups) == 96 and all(len(g) == 2 and g[0].token_ids for g in groups)
+    assert len(calls) >= 4

@@ -62,3 +62,16 @@ def test_a_bf16_sharded_version_loads_into_an_fp32_engine(tmp_path):
         assert all(t.dtype == torch.float32 for t in live.values() if t.is_floating_point())
         for k, t in state.items():
             assert torch.equal(live[k], t.float()), k
+
+
+def test_the_backend_shows_a_sign_of_life_at_every_decode_step(backend):
+    """The generator sets ``alive`` to its (rate-limited) heartbeat: a batch decoding for minutes is busy, not
+    hung, for relay up's --hang-after."""
+    calls = []
+    backend.alive = lambda: calls.append(1)
+    try:
+        out = backend.generate([backend.encode("473=")], SamplingConfig(n=2, temperature=1.0, max_tokens=6), seed=3)
+    finally:
+        del backend.alive  # the class's no-op again
+    steps = max(len(c.token_ids) for c in out[0])
+    assert len(calls) == steps >= 1
