@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from broker.protocol import weightstore
+from broker.protocol.weightstore import ADAPTER_CONFIG, ADAPTER_FILE, INDEX, PEFT_PREFIX
 
 
 class ExportError(Exception):
@@ -39,10 +40,6 @@ def resolve_run(run: str, runs_dir: str | Path = "runs") -> Path:
         return q.resolve()
     raise ExportError(f"{run!r} is not a run folder with a weight store (looked in {p} and {q}; a run folder holds "
                       f"weights/)")
-
-
-ADAPTER_CONFIG, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"  # a LoRA adapter (PEFT's layout)
-INDEX = "model.safetensors.index.json"
 
 
 def _verified(store: Path, version: int) -> dict:
@@ -76,7 +73,7 @@ def _merge(base: Path, adapter: Path, out: Path) -> None:
     its weights, shard by shard (memory: one shard and the adapter), through the learner's own merge."""
     from safetensors.torch import load_file, save_file
 
-    from learner.lora import PEFT_PREFIX, merged_state_dict
+    from learner.lora import merged_state_dict
 
     settings = json.loads((adapter / ADAPTER_CONFIG).read_text())
     scale = settings["lora_alpha"] / settings["r"]

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from broker.protocol.weightstore import PEFT_PREFIX
 from learner.config import LoraConfig
 
-PEFT_PREFIX = "base_model.model."  # peft's PeftModel names every tensor of the wrapped model under this
-BASE_LAYER = ".base_layer"         # ... and a wrapped layer's own weight under <module>.base_layer.weight
-ADAPTER_CONFIG = "adapter_config.json"  # PEFT's adapter folder: its settings ...
-ADAPTER_FILE = "adapter_model.safetensors"  # ... and its tensors, base_model.model.<module>.lora_A.weight
+# peft's PeftModel names every tensor of the wrapped model under PEFT_PREFIX, and a wrapped layer's own weight
+# under <module>.base_layer.weight
+BASE_LAYER = ".base_layer"
 PARTS = ("lora_A", "lora_B")
 
 
@@ -53,11 +53,6 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig):
 def scaling(cfg: LoraConfig) -> float:
     """The factor of the adapters' product in the merged weight: alpha / r (peft's default scaling)."""
     return cfg.alpha / cfg.rank
-
-
-def is_adapter_tensor(name: str) -> bool:
-    """A LoRA factor (``...lora_A...`` or ``...lora_B...``), in peft's in-memory or file naming."""
-    return any(f".{part}." in name for part in PARTS)
 
 
 def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:

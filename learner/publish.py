@@ -34,12 +34,11 @@ from broker.client.telemetry import emit_event, read_heartbeats
 from broker.protocol import tensordigest, weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
-from learner.lora import ADAPTER_CONFIG, ADAPTER_FILE, is_adapter_tensor
+from broker.protocol.weightstore import ADAPTER_CONFIG, ADAPTER_FILE, INDEX, is_adapter_tensor
 
 log = logging.getLogger("relay.learner.publish")
 
 SINGLE_FILE = "model.safetensors"
-INDEX = "model.safetensors.index.json"  # the Hugging Face index of a sharded checkpoint
 
 
 class NonFiniteWeights(ValueError):

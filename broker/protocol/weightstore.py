@@ -2,6 +2,8 @@
 
 Layout of ``<root>/v000012/`` (Hugging Face layout plus a manifest):
     config.json, tokenizer files, model.safetensors (or shards), manifest.json
+and with LoRA adapters published alone, adapter_config.json and adapter_model.safetensors (PEFT's
+layout), beside the model's files in the version that carries the base, alone in the others.
 
 ``manifest.json`` = ``{"version": 12, "files": {"<name>": "<sha256 hex>", ...}}`` covering every
 other file. A reader trusts nothing beyond the manifest (:func:`verify`): each name is a plain file
@@ -35,6 +37,17 @@ from pathlib import Path
 from broker.protocol import tensordigest
 
 MANIFEST = "manifest.json"
+INDEX = "model.safetensors.index.json"  # the Hugging Face index of a model's safetensors files
+# a LoRA adapter in PEFT's layout (learner.lora.publish; docs/weights.md, "LoRA adapters"): its settings, and its
+# tensors named base_model.model.<module>.lora_A.weight / lora_B
+ADAPTER_CONFIG, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+ADAPTER_SETTINGS = ("r", "lora_alpha", "target_modules")  # fix the adapters' shapes and scale: no version changes them
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """A LoRA factor (``...lora_A...`` or ``...lora_B...``), in peft's in-memory or file naming."""
+    return ".lora_A." in name or ".lora_B." in name
 CHUNK = 1 << 22  # bytes read at a time while hashing (memory stays bounded whatever the file size)
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused (safetensors' own bound)
 # safetensors' dtype names -> torch's (the names in the tensor digest)

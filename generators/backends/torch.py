@@ -16,18 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 from broker.protocol.sampling import sampling_logprobs
+from broker.protocol.weightstore import (ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_SETTINGS, PEFT_PREFIX,
+                                         is_adapter_tensor)
 from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, TorchBackendConfig
 
 log = logging.getLogger("relay.generator.torch")
 
-ADAPTER_CONFIG, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"  # PEFT's adapter folder
-ADAPTER_KEYS = ("r", "lora_alpha", "target_modules")  # what fixes the adapters' shapes and scale
-PEFT_PREFIX = "base_model.model."  # adapter files name each factor base_model.model.<module>.lora_A.weight
-
-
-def _is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
 
 
 def _adapter_param(file_name: str) -> str:
@@ -92,7 +87,7 @@ class TorchBackend(HFText):
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         # tied embeddings: lm_head.weight may be absent from the file; the adapters come from their own file
         missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)
-                   and not _is_adapter(k)]
+                   and not is_adapter_tensor(k)]
         if missing or unexpected:
             raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         if (Path(path) / ADAPTER_CONFIG).is_file():
@@ -111,7 +106,7 @@ class TorchBackend(HFText):
         from peft import LoraConfig, inject_adapter_in_model
 
         settings = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
-        wanted = {k: settings.get(k) for k in ADAPTER_KEYS}
+        wanted = {k: settings.get(k) for k in ADAPTER_SETTINGS}
         if settings.get("use_dora") or settings.get("modules_to_save") or settings.get("bias", "none") != "none":
             raise ValueError(f"{path}: DoRA, modules_to_save and adapter biases are not supported")
         if self.adapter is not None and wanted != self.adapter:
@@ -126,7 +121,7 @@ class TorchBackend(HFText):
                 raise ValueError(f"{path}: the adapter does not fit the model: {e}") from e
             self.model.requires_grad_(False).eval()
             self.adapter = wanted
-        own = {k: p for k, p in self.model.named_parameters() if _is_adapter(k)}
+        own = {k: p for k, p in self.model.named_parameters() if is_adapter_tensor(k)}
         renamed = {_adapter_param(k): v for k, v in tensors.items()}
         missing = sorted(set(own) - set(renamed))
         unexpected = sorted(set(renamed) - set(own))

@@ -30,12 +30,12 @@ import os
 import time
 from pathlib import Path
 
+from broker.protocol.weightstore import ADAPTER_CONFIG, ADAPTER_SETTINGS
 from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, VLLMBackendConfig
 
 log = logging.getLogger("relay.generator.vllm")
 
-ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter in PEFT's layout (learner.lora.publish)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
 
 
@@ -180,8 +180,8 @@ class VLLMBackend(HFText):
         if not self.llm.llm_engine.vllm_config.lora_config:
             raise ValueError(f"{path} is a LoRA adapter, but this engine was started without LoRA (its first version "
                              "was a whole model): restart the generator")
-        if self._adapter is not None and {k: settings.get(k) for k in ("r", "lora_alpha", "target_modules")} != \
-                {k: self._adapter.get(k) for k in ("r", "lora_alpha", "target_modules")}:
+        if self._adapter is not None and {k: settings.get(k) for k in ADAPTER_SETTINGS} != \
+                {k: self._adapter.get(k) for k in ADAPTER_SETTINGS}:
             raise ValueError(f"{path}: adapter settings differ from those of the adapter served")
         self._lora_ids += 1
         request = LoRARequest(f"relay-{self._lora_ids}", self._lora_ids, str(Path(path).resolve()))
