@@ -165,3 +165,35 @@ def test_relay_export_writes_the_adapter_and_on_request_the_merged_model(setup):
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_over_http_a_fresh_generator_fetches_the_base_then_only_adapters(setup):
+    """weights.transport = http: no shared folder; the generator fetches the version carrying the base first,
+    then each adapter alone (115 kB here, against 780 kB for the base), into its own cache."""
+    from broker.runtime.config import HttpWeightsConfig
+    from generators.weight_fetch import WeightFetcher
+    from learner.weight_server import WeightServer
+
+    model, r, keys, pub, tmp_path = setup
+    server = WeightServer(tmp_path / "weights").start()
+    try:
+        pub.url_for = server.url
+        for v in range(3):
+            _train(model, seed=v)
+            _publish(pub, model, v)
+        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache")))
+        backend = TorchBackendConfig().build()
+        gen = WeightApplier(r, keys, backend, "g0", fetcher=fetcher)
+        gen.update()  # its first version is the adapter of version 2: the base of version 0 comes first
+        assert gen.version == 2 and fetcher.fetched == 2 and not gen.refused
+        first = fetcher.fetched_bytes  # the base model and two adapters' worth of files
+        for v in (3, 4):
+            _train(model, seed=v)
+            _publish(pub, model, v)
+            before = fetcher.fetched_bytes
+            gen.update()
+            assert gen.version == v and fetcher.fetched_bytes - before < first / 4  # the adapter, not the model
+            completions = [c for group in backend.generate([PROMPT], SAMPLING, seed=v) for c in group]
+            assert _max_diff(model, completions) <= 1e-3
+    finally:
+        server.close()
