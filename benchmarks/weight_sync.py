@@ -491,7 +491,7 @@ def _bench_lora(b: Bench) -> dict:
 
     from broker.protocol import weightstore
     from learner.config import LoraConfig
-    from learner.lora import adapter_config, adapter_state, apply_lora, base_state
+    from learner.lora import adapter_config, adapter_publication, apply_lora
     from learner.publish import BackgroundPublisher, Publisher, snapshot
 
     if b.full_store_s is None:
@@ -511,8 +511,7 @@ def _bench_lora(b: Bench) -> dict:
                 if ".lora_" in n:
                     p.add_(1e-3)
         b.next_version += 1
-        state = model.state_dict()
-        return b.next_version, ({**base_state(state), **adapter_state(state)} if pub.needs_base else adapter_state(state))
+        return b.next_version, adapter_publication(model.state_dict(), pub.needs_base)
 
     v, weights = step()  # the first version carries the base model (a generator starts from it)
     bg.submit(v, snapshot(weights, v, torch.bfloat16, tied))

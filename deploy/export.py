@@ -68,6 +68,11 @@ def base_version(store: Path, version: int) -> int:
     raise ExportError(f"version {version} is a LoRA adapter, and no version up to it in {store} carries its base model")
 
 
+def _module(factor: str) -> str:
+    """An adapter file's tensor name (``base_model.model.<module>.lora_A.weight``) -> ``<module>``."""
+    return factor.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0]
+
+
 def _merge(base: Path, adapter: Path, out: Path) -> None:
     """Write into ``out`` the base model of folder ``base`` with the adapter of folder ``adapter`` merged into
     its weights, shard by shard (memory: one shard and the adapter), through the learner's own merge."""
@@ -82,12 +87,11 @@ def _merge(base: Path, adapter: Path, out: Path) -> None:
     merged_modules = set()
     for shard in shards:
         tensors = load_file(str(base / shard))
-        mine = {k: t for k, t in factors.items()
-                if f"{k.removeprefix(PEFT_PREFIX).rsplit('.', 2)[0]}.weight" in tensors}
-        merged_modules.update(k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in mine)
+        mine = {k: t for k, t in factors.items() if f"{_module(k)}.weight" in tensors}
+        merged_modules.update(_module(k) for k in mine)
         save_file({k: t.contiguous() for k, t in merged_state_dict({**tensors, **mine}, scale).items()},
                   str(out / shard), metadata={"format": "pt"})
-    every = {k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in factors}
+    every = {_module(k) for k in factors}
     if every - merged_modules:
         raise ExportError(f"the adapter has layers the base model lacks: {sorted(every - merged_modules)[:3]}")
     for f in base.iterdir():

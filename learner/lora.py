@@ -90,6 +90,14 @@ def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for module, ab in split_state(state)[1].items() for part, t in ab.items()}
 
 
+def adapter_publication(state: dict[str, torch.Tensor], with_base: bool) -> dict[str, torch.Tensor]:
+    """What a version published as its adapter alone holds (learner.lora.publish = adapter), from a PeftModel's
+    state dict: the adapter (:func:`adapter_state`), and with ``with_base`` the base model's tensors too
+    (:func:`base_state`; the first version of a learner process, ``Publisher.needs_base``)."""
+    adapter = adapter_state(state)
+    return {**base_state(state), **adapter} if with_base else adapter
+
+
 def adapter_config(peft_model) -> dict:
     """The model's ``adapter_config.json`` (PEFT's format), its target modules given by their leaf names
     (``q_proj``, ...: the form vLLM reads), so that any engine can rebuild the same adapters."""

@@ -28,7 +28,7 @@ from broker.protocol.keys import Keys
 from learner.config import LearnerConfig
 from learner.data import completion_stats, group_mean_reward
 from learner.engine import build_engine, full_state_dict, init_distributed, load_model
-from learner.lora import adapter_config, adapter_state, base_state, merged_state_dict
+from learner.lora import adapter_config, adapter_publication, merged_state_dict
 from learner.intake import GroupIntake
 from learner.logprobs import check_output_head
 from learner.observe import LearnerObserver, finite_metrics
@@ -219,8 +219,7 @@ class Learner:
         weights = full_state_dict(self.engine)
         if weights is not None and self.lora_scale is not None:
             if self.cfg.lora_adapters_published:  # the adapter alone (with the base model until one carried it)
-                adapter = adapter_state(weights)
-                weights = {**base_state(weights), **adapter} if self.publisher.needs_base else adapter
+                weights = adapter_publication(weights, self.publisher.needs_base)
             else:  # the adapters merged, under the base's names
                 weights = merged_state_dict(weights, self.lora_scale)
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step

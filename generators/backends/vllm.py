@@ -116,8 +116,8 @@ class VLLMBackend(HFText):
         adapter = _adapter_settings(Path(path))
         if adapter is not None:  # LoRA adapters published alone: an engine that serves them
             rank = int(adapter["r"])
-            kwargs.update(enable_lora=True, max_lora_rank=min(r for r in LORA_RANKS if r >= rank) if rank <= LORA_RANKS[-1]
-                          else rank, max_loras=2, max_cpu_loras=2)  # the old and the new version side by side
+            kwargs.update(enable_lora=True, max_lora_rank=next((r for r in LORA_RANKS if r >= rank), rank),
+                          max_loras=2, max_cpu_loras=2)  # the old and the new version side by side
         kwargs.update(self.cfg.engine_kwargs)
         t0 = time.monotonic()
         self.llm = LLM(**kwargs)

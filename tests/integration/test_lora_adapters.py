@@ -17,7 +17,7 @@ from broker.protocol.keys import Keys
 from generators.config import SamplingConfig, TorchBackendConfig, VLLMBackendConfig
 from generators.weights import WeightApplier
 from learner.config import LoraConfig
-from learner.lora import adapter_config, adapter_state, apply_lora, base_state
+from learner.lora import adapter_config, adapter_publication, apply_lora, base_state
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.models import recompute_logprobs
@@ -43,9 +43,7 @@ def _train(model, seed: int) -> None:
 
 
 def _publish(pub: Publisher, model, version: int):
-    state = model.state_dict()
-    weights = {**base_state(state), **adapter_state(state)} if pub.needs_base else adapter_state(state)
-    return pub.publish(model, weights, version)
+    return pub.publish(model, adapter_publication(model.state_dict(), pub.needs_base), version)
 
 
 def _max_diff(model, completions) -> float:
