@@ -186,6 +186,7 @@ def plan(args, environ: dict | None = None) -> dict:
 
     def section(name: str, base: dict) -> dict:
         for layer in (file_cfg.get(name, {}), env_over[name], flags[name], over.get(name, {})):
+            base = _switch_backend(base, layer)
             base = deep_merge(base, layer)
         return base
 
@@ -233,6 +234,15 @@ def plan(args, environ: dict | None = None) -> dict:
     return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
             "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
             "broker": broker, "reward": reward, "learner": learner, "generator": generator}
+
+
+def _switch_backend(base: dict, layer: dict) -> dict:
+    """A layer naming another backend type (``--backend vllm`` over a file's ``type = "torch"``) replaces the
+    backend section below it: the other type's fields (a torch ``threads``) do not apply to the new one."""
+    new, old = (layer.get("backend") or {}).get("type"), (base.get("backend") or {}).get("type")
+    if new is None or old is None or new == old:
+        return base
+    return {**base, "backend": {}}
 
 
 # a multi-turn task's generator defaults (below the config file, variables, flags and --set): short turns

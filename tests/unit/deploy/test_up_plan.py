@@ -78,6 +78,17 @@ def test_one_precedence_order_defaults_file_environment_flags(tmp_path):
     assert p["learner"]["steps"] == 3 and p["generator"]["backend"] == {"type": "torch"}
 
 
+def test_another_backend_from_a_flag_drops_the_files_fields_of_the_old_one(tmp_path):
+    """examples/smollm2-cpu/relay.toml sets a torch backend with `threads`; `--backend vllm` over it used to
+    fail on `backend.vllm.threads: unknown field`. The same type keeps the file's fields, --set adds to either."""
+    (tmp_path / "t.toml").write_text("[generator.backend]\ntype = 'torch'\nthreads = 1\n")
+    p = _plan(tmp_path, "--run-id", "a", "--config", str(tmp_path / "t.toml"), "--backend", "vllm",
+              "--set", "generator.backend.cpu_kv_cache_gib=2")
+    assert p["generator"]["backend"] == {"type": "vllm", "cpu_kv_cache_gib": 2}
+    p = _plan(tmp_path, "--run-id", "b", "--config", str(tmp_path / "t.toml"), "--backend", "torch")
+    assert p["generator"]["backend"] == {"type": "torch", "threads": 1}
+
+
 def test_environment_forms_of_the_launchers_flags(tmp_path):
     p = _plan(tmp_path, environ={"RELAY_RUN_ID": "from-env", "RELAY_TASK": "reverse"})
     assert p["run_id"] == "from-env" and p["learner"]["run_id"] == "from-env"
