@@ -218,7 +218,7 @@ def _docs(path: Path) -> list[dict]:
 
 
 def test_there_are_cpu_and_gpu_overlays():
-    assert {"cpu", "gpu"} <= set(OVERLAYS) and "cpu-http" in HTTP_OVERLAYS
+    assert {"cpu", "gpu", "cpu-ingest-workers"} <= set(OVERLAYS) and "cpu-http" in HTTP_OVERLAYS
 
 
 def test_http_overlay_shares_no_weight_volume_and_wires_the_weight_server(rendered):
@@ -248,6 +248,35 @@ def test_http_overlay_shares_no_weight_volume_and_wires_the_weight_server(render
     assert any(r.get("to", [{}])[0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "learner"
                and r["ports"][0]["port"] == port for r in pol["generator"]["spec"]["egress"])
     assert any(r["ports"][0]["port"] == port for r in pol["learner"]["spec"]["ingress"])
+
+
+def test_ingest_workers_overlay_wires_every_worker_port_through_service_generators_and_policies(rendered):
+    """kubectl kustomize deploy/k8s/overlays/cpu-ingest-workers: the broker runs N ingest workers, and each
+    worker's port (what BrokerConfig binds and advertises for them) is a container port, a Service port,
+    an address every generator sends to, and open in both network policies."""
+    docs = _docs(rendered["cpu-ingest-workers"])
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    bc = deps["broker"]["spec"]["template"]["spec"]["containers"][0]
+    benv = {e["name"]: e.get("value", "secret") for e in bc["env"]}
+    broker = load_config(BrokerConfig, None, environ=benv)
+    assert broker.ingest_workers >= 2
+    ports = [int(a.rpartition(":")[2]) for a in broker.ingest_binds()]
+    by_port = {p["containerPort"]: p["name"] for p in bc["ports"]}
+    assert set(ports) <= set(by_port), (ports, by_port)
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "broker")
+    assert {(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} >= {(p, by_port[p]) for p in ports}
+    genv = {e["name"]: e.get("value") for e in deps["generator"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert genv["RELAY_BROKER_ADDRESS"].split(",") == broker.advertised_ingests() == \
+        [f"tcp://broker:{p}" for p in ports]
+    pol = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+
+    def opened(rules: list[dict], app: str) -> set[int]:
+        return {n for r in rules for peer in r.get("to", r.get("from", []))
+                if peer.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == app
+                for p in r["ports"] for n in range(p["port"], p.get("endPort", p["port"]) + 1)}
+
+    assert set(ports) <= opened(pol["broker"]["ingress"], "generator")
+    assert set(ports) <= opened(pol["generator"]["egress"], "broker")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
