@@ -31,6 +31,7 @@ from broker.protocol.signing import announce_key
 from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
+from generators.liveness import ComputeWatch
 from generators.metrics import serve_metrics
 from generators.prompts import prompt_token_ids
 from generators.reward_client import RewardClient
@@ -49,7 +50,8 @@ class Generator:
         self.r = connect_redis(cfg.redis_url)
         self.backend = cfg.backend.build()
         # a heartbeat (at most one per heartbeat_s) from every engine/decode step: a batch that decodes for
-        # minutes on a slow machine is busy, not hung (relay up's --hang-after watches heartbeats)
+        # minutes on a slow machine is busy, not hung (relay up's --hang-after watches heartbeats); a single
+        # step of minutes is covered by the ComputeWatch started in run()
         self.backend.alive = self.send_heartbeat
         self.state = "starting"
         self.stop = threading.Event()
@@ -234,6 +236,8 @@ class Generator:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
         self.sink.start()
+        # heartbeats while one engine step computes for longer than --hang-after (generators/liveness.py)
+        ComputeWatch(threading.current_thread(), self.send_heartbeat, self.cfg.heartbeat_s, self.stop).start()
         self.weights.update(block=True)
         while not self.stop.is_set():
             if self.cfg.exit_when_done and self.r.exists(self.keys.done):

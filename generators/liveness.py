@@ -1,0 +1,70 @@
+"""A generator's sign of life while its engine computes.
+
+The supervisor (``relay up --hang-after``) takes a generator whose heartbeat stops for too long for
+hung and restarts it. The main thread heartbeats between engine steps (``Backend.alive``), but one
+step can itself take minutes: vLLM's LoRA ops on CPU gather an adapter matrix per token, and a batch's
+prefill beside a learner on two shared cores took over 2 minutes (docs/generators.md). Such a
+generator is busy, not hung.
+
+:class:`ComputeWatch` tells the two apart by the main thread's CPU time (Linux: ``/proc/self/task/<tid>/
+stat``): every ``every_s`` it heartbeats when the thread has run since its last look. A thread that is
+stuck waiting (a deadlock, a socket that never answers) uses no CPU and goes silent; a frozen process
+(SIGSTOP) runs no thread at all. What it cannot tell from busy is a thread spinning forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable
+
+import redis
+
+log = logging.getLogger("relay.generator.liveness")
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def thread_cpu_s(native_id: int) -> float | None:
+    """CPU seconds (user + system) the thread ``native_id`` of this process has used; None where
+    ``/proc`` cannot say (not Linux, or the thread is gone)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # fields after the command name (which may hold spaces, inside parentheses): utime, stime are 14, 15
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return (int(fields[11]) + int(fields[12])) * _TICK_S
+    except (IndexError, ValueError):
+        return None
+
+
+class ComputeWatch(threading.Thread):
+    """Calls ``beat()`` every ``every_s`` while ``thread`` keeps using CPU; stops when ``stop`` is set
+    or the thread's CPU time cannot be read (the heartbeats between engine steps remain)."""
+
+    def __init__(self, thread: threading.Thread, beat: Callable[[], None], every_s: float,
+                 stop: threading.Event):
+        super().__init__(name="compute-watch", daemon=True)
+        self.tid, self.beat, self.every_s, self.stop = thread.native_id, beat, every_s, stop
+        self.beats = 0
+
+    def run(self) -> None:
+        last = thread_cpu_s(self.tid)
+        if last is None:
+            log.info("no per-thread CPU time here: a generator is seen alive between engine steps only")
+            return
+        while not self.stop.wait(self.every_s):
+            now = thread_cpu_s(self.tid)
+            if now is None:
+                return
+            if now > last:
+                try:
+                    self.beat()
+                    self.beats += 1
+                except redis.RedisError as e:  # the main loop sees Redis go away too, and retries
+                    log.warning("heartbeat failed: %s", e)
+            last = now
