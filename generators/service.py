@@ -237,7 +237,8 @@ class Generator:
             signal.signal(sig, lambda *_: self.stop.set())
         self.sink.start()
         # heartbeats while one engine step computes for longer than --hang-after (generators/liveness.py)
-        ComputeWatch(threading.current_thread(), self.send_heartbeat, self.cfg.heartbeat_s, self.stop).start()
+        watch = ComputeWatch(threading.current_thread(), self.send_heartbeat, self.cfg.heartbeat_s, self.stop)
+        watch.start()
         self.weights.update(block=True)
         while not self.stop.is_set():
             if self.cfg.exit_when_done and self.r.exists(self.keys.done):
@@ -250,6 +251,7 @@ class Generator:
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("redis unavailable (%s); retrying", e)
                 time.sleep(1.0)
+        watch.join(self.cfg.heartbeat_s + 5)  # stopped with the loop: its heartbeats cannot follow "stopped"
         # drain: no new prompts; the batch the sink holds is scored, sent and released first
         self.state = "draining"
         self.send_heartbeat(force=True)
