@@ -50,7 +50,6 @@ class ComputeWatch(threading.Thread):
                  stop: threading.Event):
         super().__init__(name="compute-watch", daemon=True)
         self.tid, self.beat, self.every_s, self.stop = thread.native_id, beat, every_s, stop
-        self.beats = 0
 
     def run(self) -> None:
         last = thread_cpu_s(self.tid)
@@ -64,7 +63,6 @@ class ComputeWatch(threading.Thread):
             if now > last:
                 try:
                     self.beat()
-                    self.beats += 1
                 except redis.RedisError as e:  # the main loop sees Redis go away too, and retries
                     log.warning("heartbeat failed: %s", e)
             last = now
