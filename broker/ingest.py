@@ -37,7 +37,7 @@ from broker.client import queues
 from broker.client.announcements import announced_hashes, latest_announcement
 from broker.config import BrokerConfig
 from broker.protocol.codec import ProtocolError
-from broker.protocol.group import Group, group_from_map, group_id_of, unpack_group
+from broker.protocol.group import Group, decode_group_fast, group_from_map, group_id_of, unpack_group
 from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
@@ -168,10 +168,9 @@ class Ingest:
                 raise ProtocolError("weight_hash", f"weight_hash {g.weight_hash[:16]!r} is not the hash announced "
                                     f"for version {v} ({announced[:16]!r})")
 
-    def _validate(self, m: dict, user_id: str | None) -> Group:
-        """The checks of a decoded message, in order: the message itself, then the key's generator ids,
-        the run, the versions and their hash."""
-        g = group_from_map(m)
+    def _validate(self, g: Group, user_id: str | None) -> None:
+        """The checks of a valid group message beyond the message itself, in order: the key's generator
+        ids, the run, the versions and their hash."""
         if self.allowed is not None and not self.allowed.allows(user_id or "", g.generator_id):
             raise ProtocolError("wrong_generator", f"key {user_id} may not send as generator {g.generator_id!r}")
         if g.run_id != self.cfg.run_id:
@@ -181,7 +180,6 @@ class Ingest:
         if latest is not None:
             raise ProtocolError("version_ahead", f"token version {newest} > latest published {latest}")
         self._check_hash(g)
-        return g
 
     def handle_batch(self, payloads: list[bytes | memoryview], user_ids: list[str | None] | None = None) -> list[Ack]:
         """Validate a batch of messages and write it to Redis in one pipeline; one Ack per message, in
@@ -195,10 +193,14 @@ class Ingest:
         counters and dead letters, then one script call appending the valid groups."""
         batch = _Batch(self.r.pipeline(transaction=False), [None] * len(payloads))
         for i, payload in enumerate(payloads):
-            m = None  # the message, decoded once (its group id goes in a rejection's ack)
+            g, m = None, None  # the group, or the message decoded for its reason (its id goes in the ack)
             try:
-                m = unpack_group(payload, self.cfg.max_message_bytes)
-                g = self._validate(m, user_ids[i] if user_ids else None)
+                if len(payload) <= self.cfg.max_message_bytes:
+                    g = decode_group_fast(payload)
+                if g is None:  # not a well-formed group: validated field by field, which names the problem
+                    m = unpack_group(payload, self.cfg.max_message_bytes)
+                    g = group_from_map(m)
+                self._validate(g, user_ids[i] if user_ids else None)
             except ProtocolError as e:
                 batch.rejected.append(e.reason)
                 batch.pipe.hincrby(self.keys.stats("broker"), f"rejected:{e.reason}", 1)
@@ -206,7 +208,8 @@ class Ingest:
                 if self.cfg.dead_letter_max:
                     queues.dead_letter(batch.pipe, self.keys, e.reason, e.detail, payload, self.cfg.dead_letter_max)
                 log.warning("rejected a message: %s", e)
-                batch.acks[i] = Ack(group_id=group_id_of(m), status="rejected", reason=e.reason)
+                batch.acks[i] = Ack(group_id=g.group_id if g is not None else group_id_of(m), status="rejected",
+                                    reason=e.reason)
                 continue
             batch.valid.append((i, g, payload))
         if batch.valid:
