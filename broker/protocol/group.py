@@ -151,13 +151,13 @@ class Group:
         return sum(len(s.completion_ids) for s in self.samples)
 
 
-def _wire_array(arr: np.ndarray, name: str) -> dict[str, Any]:
-    """``{"dtype": name, "data": ...}`` of a 1-D array; the data is the array's own memory when it
-    already has the wire dtype and is contiguous (the encoder copies it once, into the message)."""
-    dtype = WIRE_DTYPES[name]
-    if arr.dtype != dtype or not arr.flags.c_contiguous:
+def _wire_data(arr: np.ndarray, dtype: np.dtype) -> memoryview:
+    """The bytes of a 1-D array in the wire dtype: the array's own memory when it already is that dtype
+    and contiguous (the encoder then copies it once, into the message). ``is``: numpy's built-in
+    dtypes are singletons, and anything else is converted."""
+    if arr.dtype is not dtype or not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr, dtype=dtype)
-    return {"dtype": name, "data": memoryview(arr).cast("B")}
+    return arr.data
 
 
 def _numpy_scalar(obj: Any) -> Any:
@@ -181,11 +181,11 @@ def encode_group(g: Group) -> bytes:
             "group_id": g.group_id,
             "run_id": g.run_id,
             "prompt_id": g.prompt_id,
-            "prompt_ids": _wire_array(g.prompt_ids, "int32"),
+            "prompt_ids": {"dtype": "int32", "data": _wire_data(g.prompt_ids, _I32)},
             "samples": [
                 {
-                    "completion_ids": _wire_array(s.completion_ids, "int32"),
-                    "logprobs": _wire_array(s.logprobs, "float32"),
+                    "completion_ids": {"dtype": "int32", "data": _wire_data(s.completion_ids, _I32)},
+                    "logprobs": {"dtype": "float32", "data": _wire_data(s.logprobs, _F32)},
                     "version_runs": s.version_runs,
                     **({} if s.trainable is None else {"trainable_runs": trainable_to_runs(s.trainable)}),
                     "finish_reason": s.finish_reason,
@@ -443,7 +443,7 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
         return None
     ws, prompt = w.samples, w.prompt_ids.data
     nbytes = [len(s.completion_ids.data) for s in ws]
-    if (not all(nbytes) or any(n & 3 or len(s.logprobs.data) != n for s, n in zip(ws, nbytes))
+    if (nbytes != [len(s.logprobs.data) for s in ws] or 0 in nbytes or any([n & 3 for n in nbytes])
             or not len(prompt) or len(prompt) & 3):
         return None
     # Within the object budget (codec.object_budget) as group_from_map's decoder counts it, before the raw
@@ -453,40 +453,47 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
     rest = len(data) - 2 * sum(nbytes) - len(prompt)
     if 64 + 32 * len(ws) + 2 * rest > object_budget(len(data)):
         return None
+    rewards = [s.reward for s in ws]
+    if ([r is None for r in rewards] != [s.reward_status == "failed" for s in ws]
+            or not all([-FLOAT32_MAX <= r <= FLOAT32_MAX for r in rewards if r is not None])):
+        return None  # a reward with each "ok", none with each "failed"; finite as float32
     try:
         all_runs = _decode_all(_ALL_RUNS, [s.version_runs for s in ws])
-        flags = (None if all(s.trainable_runs == _NIL for s in ws)
+        flags = (None if all([s.trainable_runs == _NIL for s in ws])
                  else _decode_all(_ALL_FLAGS, [s.trainable_runs for s in ws]))
-        details = (None if all(s.reward_details == _EMPTY_MAP for s in ws)
+        details = (None if all([s.reward_details == _EMPTY_MAP for s in ws])
                    else _decode_all(_ALL_MAPS, [s.reward_details for s in ws]))
         sampling = _FLAT_MAP.decode(w.sampling)
         _check_sampling(sampling)
     except (*_FAST_ERRORS, ProtocolError):
+        return None
+    tokens = [n >> 2 for n in nbytes]
+    if [sum([c for _, c in runs]) for runs in all_runs] != tokens:
         return None
     ids = np.frombuffer(b"".join([s.completion_ids.data for s in ws] + [prompt]), _I32)
     lps = np.frombuffer(b"".join([s.logprobs.data for s in ws]), _F32)
     # max is NaN or > 0 for a NaN, +inf or positive log-prob; min is NaN or -inf for a NaN or -inf one
     if not (lps.max() <= 0 and lps.min() > -np.inf and ids.min() >= 0):
         return None
+    trainable = [None] * len(ws)
+    if flags is not None:
+        for i, (f, n) in enumerate(zip(flags, tokens)):
+            if f is not None:
+                if sum([c for _, c in f]) != n or not any([v == 1 for v, _ in f]):
+                    return None
+                trainable[i] = runs_to_trainable(f)
+    if details is None:
+        details = [{} for _ in ws]
+    elif not all([finite32(v) for d in details for v in d.values() if type(v) is float]):
+        return None
     samples, start = [], 0
-    for i, (s, runs) in enumerate(zip(ws, all_runs)):
-        n, reward = nbytes[i] >> 2, s.reward
-        if (sum([c for _, c in runs]) != n or (reward is None) == (s.reward_status == "ok")
-                or (reward is not None and not -FLOAT32_MAX <= reward <= FLOAT32_MAX)):
-            return None
-        trainable = None
-        if flags is not None and flags[i] is not None:
-            if sum([c for _, c in flags[i]]) != n or not any(f == 1 for f, _ in flags[i]):
-                return None
-            trainable = runs_to_trainable(flags[i])
-        det = {} if details is None else details[i]
-        if det and not all(finite32(v) for v in det.values() if type(v) is float):
-            return None
-        samples.append(Sample(ids[start:start + n], lps[start:start + n], [[v, c] for v, c in runs],
-                              s.finish_reason, reward, s.reward_status, det, trainable))
-        start += n
+    for s, n, runs, det, flag in zip(ws, tokens, all_runs, details, trainable):
+        end = start + n
+        samples.append(Sample(ids[start:end], lps[start:end], [[v, c] for v, c in runs], s.finish_reason,
+                              s.reward, s.reward_status, det, flag))
+        start = end
     times = (w.created_at, 0.0 if w.scored_at is None else w.scored_at, 0.0 if w.sent_at is None else w.sent_at)
-    if not all(finite32(t) for t in times):
+    if not all([finite32(t) for t in times]):
         return None
     return Group(w.group_id, w.run_id, w.prompt_id, ids[start:], samples, w.generator_id, w.weight_version,
                  w.weight_hash, sampling, "" if w.task is None else w.task,
