@@ -40,7 +40,11 @@ generator.sampling.temperature=0.7`, or `[generator.sampling]` in its config fil
 every service that has the field (`RELAY_SAMPLING__TEMPERATURE` to the generators), the variables
 of its flags (`RELAY_STEPS`, `RELAY_SEED`, `RELAY_MODEL`, `RELAY_TASK`, `RELAY_RUN_ID`,
 `RELAY_REDIS_URL`, `RELAY_DASHBOARD_PORT`) act as those flags, a flag given (`--steps`, `--model`,
-`--task`, `--seed`, `--backend`) or `--set` overrides them. The result, every value set by the
+`--task`, `--seed`, `--backend`) or `--set` overrides them. A layer that names another backend type
+than the one below it (`--backend vllm`, or `--set generator.backend.type=vllm`, over a file's
+`type = "torch"`) replaces that backend section instead of merging into it: the torch fields of the
+file (`threads`) do not carry over to vLLM, whose own fields come from the same layer or later
+ones. The result, every value set by the
 launcher, the file, the environment or a flag, is written to `runs/<run-id>/config/<service>.json`;
 the services read it from there and are started without the variables, except the secrets
 (`auth_token`, `reward_token`, `backend.api_key`): those never go into a file, each service gets
