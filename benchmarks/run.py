@@ -30,6 +30,8 @@ BENCHMARKS = {
     "weight_sync": "publish -> applied on 2 generators per transport (Qwen2.5-0.5B's shape, bf16) vs its raw "
                    "baseline; the learner's blocked time per publication",
     "overlap": "async over sync speed-up vs the ideal, learner idle fraction (simulated-latency generators)",
+    "async_speedup": "wall time to a mean reward of 0.8 on the default task, asynchronous (η = 1, 2) vs synchronous "
+                     "(η = 0), 3 seeds each (torch generators with a latency per decode step)",
     "generator": "tokens/s of a generator service vs its raw engine (torch, vLLM)",
     "learner": "s per optimizer step of the learner vs a plain PyTorch loop",
     "learner_memory": "peak RSS of one learner step at 4N vs N tokens (SmolLM2-135M, fixed micro_batch_tokens); "

@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run the benchmarks (all, or those named), each against a raw baseline "
                                        "measured side by side; print a Markdown table (docs/benchmarks.md).")
     bench.add_argument("names", nargs="*", metavar="NAME",
-                       help="codec, ingest, weight_sync, overlap, generator, learner (default: all)")
+                       help="codec, ingest, ingest_scaling, weight_sync, overlap, async_speedup, generator, learner, "
+                            "learner_memory (default: all)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, seconds (no vLLM rows unless --vllm)")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--md", metavar="PATH", help="write the Markdown table")

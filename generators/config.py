@@ -33,6 +33,9 @@ class TorchBackendConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights dtype for sampling")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the model: 'cpu', "
                         "'cuda' or 'cuda:N'")
+    step_latency_s: float = Field(0.0, ge=0, le=10, description="seconds every decode step waits on top of its "
+                                  "compute: a stand-in for a slower engine that costs time but not this machine's "
+                                  "CPU, as a GPU would (relay bench async_speedup); 0 in real runs")
 
     def build(self) -> Backend:
         from generators.backends.torch import TorchBackend

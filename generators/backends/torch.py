@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -192,6 +193,8 @@ class TorchBackend(HFText):
         versions = [version] * sampling.max_tokens  # version of the forward pass that gave token t's logits
         for t in range(sampling.max_tokens):
             self.alive()
+            if self.cfg.step_latency_s:
+                time.sleep(self.cfg.step_latency_s)
             logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
             tokens[:, t] = tok

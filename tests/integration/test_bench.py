@@ -9,7 +9,7 @@ import pytest
 from tests.support.services import relay
 
 NAMES = {"codec", "ingest", "weight_sync/store", "weight_sync/learner_blocked", "weight_sync/http",
-         "weight_sync/collective", "weight_sync/lora", "overlap", "generator/torch", "generator/vllm",
+         "weight_sync/collective", "weight_sync/lora", "overlap", "async_speedup/eta1", "generator/torch", "generator/vllm",
          "learner", "learner_memory", "learner_memory/step_time",
          *(f"ingest_scaling/{p}p/{w}w" for p in (1, 4) for w in (1, 2))}  # --quick: 1 and 4 producers
 
@@ -17,7 +17,7 @@ NAMES = {"codec", "ingest", "weight_sync/store", "weight_sync/learner_blocked", 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    # ~160 s on an idle machine; a loaded CI runner has taken over 400 s
+    # ~240 s on an idle machine; a loaded CI runner has taken over 400 s
     res = relay("bench", "--quick", "--json", str(out), "--md", str(md), timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -39,6 +39,9 @@ def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
         assert r["met"] is None if r["target"] is None else isinstance(r["met"], bool), name
     assert rows["overlap"]["details"]["ideal_speedup"] >= 1.0
     assert 0.0 <= rows["overlap"]["details"]["learner_idle_fraction_async"] <= 1.0
+    speedup = rows["async_speedup/eta1"]["details"]  # --quick: one seed, sync and η = 1, to a low reward
+    assert [(r["eta"], r["reached"]) for r in speedup["runs"]] == [(0, True), (1, True)], speedup["runs"]
+    assert speedup["correction"]["mode"] == "tis" and speedup["speedup_of_medians"] > 0
     table = md.read_text()
     assert "| benchmark |" in table and all(f"| {n} |" in table for n in NAMES)
     assert table in res.stdout  # the same table is printed

@@ -75,3 +75,23 @@ def test_the_backend_shows_a_sign_of_life_at_every_decode_step(backend):
         del backend.alive  # the class's no-op again
     steps = max(len(c.token_ids) for c in out[0])
     assert len(calls) == steps >= 1
+
+
+def test_step_latency_adds_its_wait_to_every_decode_step_and_changes_no_sample(backend):
+    """``step_latency_s`` (relay bench async_speedup's stand-in for a GPU engine) waits at each decode step,
+    and the samples are those of the engine without it."""
+    import time
+
+    prompts = [backend.encode("473=")]
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=6)
+    plain = backend.generate(prompts, sampling, seed=3)
+    backend.cfg = backend.cfg.model_copy(update={"step_latency_s": 0.05})
+    try:
+        t0 = time.perf_counter()
+        slow = backend.generate(prompts, sampling, seed=3)
+        t_slow = time.perf_counter() - t0
+    finally:
+        backend.cfg = backend.cfg.model_copy(update={"step_latency_s": 0.0})
+    steps = max(len(c.token_ids) for c in slow[0])
+    assert t_slow >= 0.05 * steps, (t_slow, steps)  # one decode step per token of the longest sample
+    assert [c.token_ids for c in slow[0]] == [c.token_ids for c in plain[0]]
