@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, child_env, row
+from benchmarks.common import ROOT, child_env, row, staleness_histogram
 
 TARGET_SPEEDUP = 1.5
 WINDOW = 128  # groups in the moving mean (4 steps of 32)
@@ -80,15 +80,7 @@ def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int, late
             "compute_s_mean": statistics.fmean(m["compute_s"] for m in metrics),
             "final_window_reward": statistics.fmean(rewards[-WINDOW:]) if rewards else None,
             "correction": config.correction.model_dump(), "ppo_epochs": config.ppo_epochs,
-            "staleness": _hist(metrics)}
-
-
-def _hist(metrics: list[dict]) -> dict:
-    out: dict[str, int] = {}
-    for m in metrics:
-        for k, v in m["staleness"].items():
-            out[k] = out.get(k, 0) + v
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+            "staleness": staleness_histogram(metrics)}
 
 
 def run(quick: bool) -> list[dict]:

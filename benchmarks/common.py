@@ -35,6 +35,16 @@ def row(name: str, value: float, baseline: float, unit: str, target: float | Non
             "unit": unit, "met": met, "details": details or {}}
 
 
+def staleness_histogram(metrics: list[dict]) -> dict:
+    """Samples trained per staleness (versions behind the learner), summed over the learner's metrics
+    lines (``metrics.jsonl``), in order of staleness."""
+    out: dict[str, int] = {}
+    for m in metrics:
+        for k, v in m["staleness"].items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
 def skipped(name: str, reason: str, unit: str, target: float | None, better: str) -> dict:
     return {"name": name, "skipped": reason, "value": None, "baseline": None, "ratio": None, "target": target,
             "better": better, "unit": unit, "met": None, "details": {}}

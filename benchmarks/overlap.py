@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, child_env, row
+from benchmarks.common import ROOT, child_env, row, staleness_histogram
 
 TARGET = 0.9
 IDLE_TARGET = 0.10
@@ -58,15 +58,7 @@ def one_run(runs: Path, mode: str, eta: int, steps: int, latency: float, batch_g
     return {"step_s": total / len(step_s), "wait_s": sum(wait) / len(wait), "idle_fraction": sum(wait) / total,
             "compute_s": statistics.mean(m["compute_s"] for m in tail),
             "publish_blocked_s": statistics.mean(m["publish_blocked_s"] for m in tail), "steps_timed": len(step_s),
-            "staleness": _hist(tail)}
-
-
-def _hist(metrics: list[dict]) -> dict:
-    out: dict[str, int] = {}
-    for m in metrics:
-        for k, v in m["staleness"].items():
-            out[k] = out.get(k, 0) + v
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+            "staleness": staleness_histogram(tail)}
 
 
 def run(quick: bool) -> list[dict]:
