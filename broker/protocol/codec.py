@@ -30,11 +30,6 @@ class ProtocolError(ValueError):
 # arrays
 
 
-def encode_array(arr: np.ndarray, dtype: str) -> dict[str, Any]:
-    """A 1-D array as ``{"dtype": name, "data": little-endian bytes}``."""
-    return {"dtype": dtype, "data": np.ascontiguousarray(arr, dtype=WIRE_DTYPES[dtype]).tobytes()}
-
-
 def decode_array(obj: Any, dtype: str, where: str) -> np.ndarray:
     if not isinstance(obj, dict) or set(obj) != {"dtype", "data"}:
         raise ProtocolError("bad_array", f"{where}: expected a map with keys dtype and data")

@@ -9,9 +9,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
-
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 import numpy as np
@@ -350,7 +348,6 @@ def _validate_group(m: dict, in_order: bool) -> Group:
         created_at=created_at,
         **times,
     )
-
 
 
 # ----------------------------------------------------------------------------------------------
