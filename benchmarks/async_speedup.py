@@ -47,12 +47,12 @@ STEP_LATENCY_S = 0.022
 SETTINGS = {"generator.prompts_per_batch": 16, "learner.ppo_epochs": 2, "learner.lr": 5e-4}
 
 
-def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int, latency: float) -> dict:
+def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int) -> dict:
     run_id = f"eta{eta}-seed{seed}"
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--steps", str(max_steps), "--generators", "2",
            "--seed", str(seed), "--runs-dir", str(runs), "--run-id", run_id, "--dashboard-port", "0",
            "--no-progress",
-           "--set", f"generator.backend.step_latency_s={latency}",
+           "--set", f"generator.backend.step_latency_s={STEP_LATENCY_S}",
            *[a for k, v in SETTINGS.items() for a in ("--set", f"{k}={v}")],
            "--set", f"learner.admission_eta={eta}",
            "--set", f"learner.target_reward={target}", "--set", f"learner.target_window={WINDOW}",
@@ -84,13 +84,13 @@ def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int, late
 
 
 def run(quick: bool) -> list[dict]:
-    # --quick (make test's smoke run): one seed, a low target, to see the pipeline end to end in a minute
+    # --quick (make test's smoke run): one seed, a low target, the pipeline end to end (~1.5 min)
     seeds, etas, target, max_steps = ((0,), (0, 1), 0.2, 300) if quick else ((0, 1, 2), (0, 1, 2), 0.8, 600)
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="relay-bench-async-") as tmp:
         for seed in seeds:  # the modes interleaved: each seed's runs back to back
             for eta in etas:
-                r = one_run(Path(tmp), eta, seed, target, max_steps, STEP_LATENCY_S)
+                r = one_run(Path(tmp), eta, seed, target, max_steps)
                 print(f"relay bench: async_speedup: η={eta} seed={seed}: "
                       + (f"reward {target} in {r['seconds']:.1f} s, {r['steps']} steps" if r["reached"]
                          else f"reward {target} not reached in {r['steps']} steps"), file=sys.stderr, flush=True)

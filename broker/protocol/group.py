@@ -211,8 +211,7 @@ def decode_group(data: bytes | memoryview, max_bytes: int | None = None) -> Grou
 
     A well-formed group takes the schema's fast path (:func:`decode_group_fast`); anything it does not
     accept is decoded again and validated field by field, which names the problem."""
-    if max_bytes is not None and len(data) > max_bytes:
-        raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
+    _check_size(data, max_bytes)
     g = decode_group_fast(data)
     return g if g is not None else group_from_map(unpack_map(data))
 
@@ -220,9 +219,13 @@ def decode_group(data: bytes | memoryview, max_bytes: int | None = None) -> Grou
 def unpack_group(data: bytes | memoryview, max_bytes: int | None = None) -> dict:
     """The one msgpack decode of a group message: its size checked first (``too_large``), then decoded
     within msgpack's limits (codec.unpack_map). Validate the map with :func:`group_from_map`."""
+    _check_size(data, max_bytes)
+    return unpack_map(data)
+
+
+def _check_size(data: bytes | memoryview, max_bytes: int | None) -> None:
     if max_bytes is not None and len(data) > max_bytes:
         raise ProtocolError("too_large", f"message of {len(data)} bytes exceeds limit {max_bytes}")
-    return unpack_map(data)
 
 
 def group_from_map(m: dict) -> Group:
