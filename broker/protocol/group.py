@@ -169,41 +169,61 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_numpy_scalar)
 _I32, _F32 = WIRE_DTYPES["int32"], WIRE_DTYPES["float32"]
 
 
+# What the encoder writes, field for field in the order of docs/protocol.md section 4: msgspec writes a
+# Struct as the map of its fields (about a third faster than building the same dicts), and omits
+# ``trainable_runs`` when it is None (a single-turn sample).
+class _OutArray(msgspec.Struct):
+    dtype: str
+    data: memoryview
+
+
+class _OutSample(msgspec.Struct, kw_only=True, omit_defaults=True):
+    completion_ids: _OutArray
+    logprobs: _OutArray
+    version_runs: list
+    trainable_runs: Union[list, None] = None  # the only field with a default: the only one ever omitted
+    finish_reason: str
+    reward: Any
+    reward_status: str
+    reward_details: dict
+
+
+class _OutGroup(msgspec.Struct):
+    schema: int
+    kind: str
+    group_id: str
+    run_id: str
+    prompt_id: str
+    prompt_ids: _OutArray
+    samples: list[_OutSample]
+    generator_id: str
+    weight_version: int
+    weight_hash: str
+    sampling: dict
+    task: str
+    reference: str
+    created_at: float
+    scored_at: float
+    sent_at: float
+
+
 def encode_group(g: Group) -> bytes:
     """The group message (docs/protocol.md section 4): a msgpack map, written by msgspec's encoder
-    (the same bytes as msgpack-python's ``packb(..., use_bin_type=True)``, about 3x faster)."""
-    return _ENCODER.encode(
-        {
-            "schema": SCHEMA_VERSION,
-            "kind": "group",
-            "group_id": g.group_id,
-            "run_id": g.run_id,
-            "prompt_id": g.prompt_id,
-            "prompt_ids": {"dtype": "int32", "data": _wire_data(g.prompt_ids, _I32)},
-            "samples": [
-                {
-                    "completion_ids": {"dtype": "int32", "data": _wire_data(s.completion_ids, _I32)},
-                    "logprobs": {"dtype": "float32", "data": _wire_data(s.logprobs, _F32)},
-                    "version_runs": s.version_runs,
-                    **({} if s.trainable is None else {"trainable_runs": trainable_to_runs(s.trainable)}),
-                    "finish_reason": s.finish_reason,
-                    "reward": s.reward,
-                    "reward_status": s.reward_status,
-                    "reward_details": s.reward_details,
-                }
-                for s in g.samples
-            ],
-            "generator_id": g.generator_id,
-            "weight_version": g.weight_version,
-            "weight_hash": g.weight_hash,
-            "sampling": g.sampling,
-            "task": g.task,
-            "reference": g.reference,
-            "created_at": g.created_at,
-            "scored_at": g.scored_at,
-            "sent_at": g.sent_at,
-        }
-    )
+    (the same bytes as msgpack-python's ``packb`` of the map with ``use_bin_type=True``, several times
+    faster)."""
+    samples = [
+        _OutSample(completion_ids=_OutArray("int32", _wire_data(s.completion_ids, _I32)),
+                   logprobs=_OutArray("float32", _wire_data(s.logprobs, _F32)),
+                   version_runs=s.version_runs,
+                   trainable_runs=None if s.trainable is None else trainable_to_runs(s.trainable),
+                   finish_reason=s.finish_reason, reward=s.reward, reward_status=s.reward_status,
+                   reward_details=s.reward_details)
+        for s in g.samples
+    ]
+    return _ENCODER.encode(_OutGroup(SCHEMA_VERSION, "group", g.group_id, g.run_id, g.prompt_id,
+                                     _OutArray("int32", _wire_data(g.prompt_ids, _I32)), samples, g.generator_id,
+                                     g.weight_version, g.weight_hash, g.sampling, g.task, g.reference,
+                                     g.created_at, g.scored_at, g.sent_at))
 
 
 def decode_group(data: bytes | memoryview, max_bytes: int | None = None) -> Group:
