@@ -36,6 +36,7 @@ class Evaluator:
         out = queues.claim_abandoned(self.r, stream, self.gen.cfg.id, self.gen.cfg.claim_idle_s, n)
         if len(out) < n:
             out += queues.claim_new(self.r, stream, self.gen.cfg.id, n - len(out))
+        self.gen.leases.hold(stream, [eid for eid, _ in out])
         return out
 
     def serve(self, force: bool = False) -> int:
@@ -101,6 +102,7 @@ class Evaluator:
         for (eid, p), res in zip(claimed, results):
             queues.add_eval_result(pipe, self.keys, p.round, p.idx, encode_eval_result(res))
             queues.release(pipe, self.keys.eval_prompts, eid)
+            self.gen.leases.release(self.keys.eval_prompts, eid)
         pipe.execute()
         return len(claimed)
 

@@ -69,6 +69,10 @@ class GeneratorCollector(Collector):
         resends = CounterMetricFamily("relay_generator_resends", "groups resent after an ack timeout")
         resends.add_metric([], sink.sender.resends)
         yield resends
+        yield GaugeMetricFamily("relay_generator_prompts_held", "prompts claimed and not yet released (renewed "
+                                "every claim_idle_s / 3)", value=g.leases.held())
+        yield CounterMetricFamily("relay_generator_prompts_taken_over", "held prompts another generator took over "
+                                  "while this one was stopped or hung", value=g.leases.lost)
         if g.cfg.env:
             yield from episode_metrics(g.episode_stats.snapshot())
         if getattr(g, "openai", None) is not None:  # the OpenAI-compatible endpoint, when enabled

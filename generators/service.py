@@ -8,7 +8,7 @@ staleness admission still counts prompts, one group per prompt, one sample per e
 Between batches it applies any newer announced weight version in place (generators/weights.py). A
 prompt is acknowledged (XACK + XDEL) only after the broker confirmed its group is in Redis, so a
 generator that dies loses nothing: its pending prompts are reclaimed by another generator after
-``claim_idle_s``.
+``claim_idle_s``; a live one renews what it holds meanwhile (generators/leases.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from broker.protocol.signing import announce_key
 from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
+from generators.leases import Leases
 from generators.liveness import ComputeWatch
 from generators.metrics import serve_metrics
 from generators.prompts import prompt_token_ids
@@ -48,6 +49,7 @@ class Generator:
         curve = sender_keys(cfg)  # before the backend loads its model: a missing key file fails at once
         key = announce_key(cfg.announce_auth, cfg.announce_key_file)  # a bad key file fails here, first
         self.r = connect_redis(cfg.redis_url)
+        self.leases = Leases(self.r, cfg.id, cfg.claim_idle_s)  # the prompts it holds, renewed while it holds them
         self.backend = cfg.backend.build()
         # a heartbeat (at most one per heartbeat_s) from every engine/decode step: a batch that decodes for
         # minutes on a slow machine is busy, not hung (relay up's --hang-after watches heartbeats); a single
@@ -78,7 +80,7 @@ class Generator:
                                      key, cfg.weight_store, fetcher, receiver=self._receiver(key))
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
-                         curve, self.weights.hash_for if self.weights.receiver is not None else None)
+                         curve, self.weights.hash_for if self.weights.receiver is not None else None, self.leases)
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
         self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
         # -- issue 20 hook: the OpenAI-compatible endpoint for external agent harnesses (off by default;
@@ -117,6 +119,7 @@ class Generator:
             self.send_heartbeat(force=True)
 
     def send_heartbeat(self, force: bool = False) -> None:
+        self.leases.renew()  # every claim_idle_s / 3: the prompts held are not taken over while this one works
         now = time.monotonic()
         if not force and now - self._last_hb < self.cfg.heartbeat_s:
             return
@@ -160,6 +163,7 @@ class Generator:
             time.sleep(0.02)
             return []
         out.extend(got)
+        self.leases.hold(self.keys.prompts, [eid for eid, _ in out])
         if not out:
             self.state = "waiting_for_prompts"
             self.send_heartbeat()

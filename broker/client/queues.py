@@ -58,6 +58,14 @@ def claim_abandoned(r: redis.Redis, stream: str, consumer: str, idle_s: float, c
     return _prompts(claimed)
 
 
+def renew_claims(r: redis.Redis, stream: str, consumer: str, eids: list[bytes]) -> set[bytes]:
+    """Reset the idle time of the entries of ``stream`` that ``consumer`` still holds, so that no other
+    consumer takes them over while it works on them (scripts.RENEW_CLAIMS); the ids renewed."""
+    if not eids:
+        return set()
+    return set(r.register_script(scripts.RENEW_CLAIMS)(keys=[stream], args=[PROMPTS_GROUP, consumer, *eids]))
+
+
 def claim_new(r: redis.Redis, stream: str, consumer: str, count: int, block_ms: int | None = None
               ) -> list[tuple[bytes, PromptEntry]]:
     """Up to ``count`` entries of ``stream`` no generator has read yet, waiting up to ``block_ms``."""

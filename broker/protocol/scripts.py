@@ -85,6 +85,23 @@ if #entries > 0 then redis.call('INCRBY', KEYS[4], #entries) end
 return {grant, entries}
 """
 
+# A producer's claims renewed while it holds them (docs/protocol.md 7.2): each entry still pending for
+# this consumer has its idle time reset (XCLAIM JUSTID: no delivery counted), so ``claim_abandoned`` never
+# takes a prompt from a live producer whose batch runs longer than the claim timeout. An entry another
+# consumer took over (this one was stopped for longer than the timeout) or that is gone stays as it is.
+# KEYS[1]: the stream. ARGV[1]: the consumer group, ARGV[2]: the consumer, then entry ids.
+# Reply: the ids renewed.
+RENEW_CLAIMS = """
+local out = {}
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) > 0 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out
+"""
+
 # The learner's commit of trained groups (exactly-once training, docs/protocol.md 7.3).
 # KEYS: trained set, trained log, trajectories stream, counted set, queue bytes, queue sizes, previous
 # trained set, learner stats. ARGV: step, consumer group, record window, then pairs (stream id, group id).
