@@ -189,7 +189,8 @@ class GeneratorConfig(RunConnection):
         "weights (the update waits for the batch), or 'continue': pause, load, and go on (later tokens carry the new "
         "version; the KV cache of earlier tokens stays as computed)")
     prompts_per_batch: int = Field(8, ge=1, description="prompts claimed and generated together")
-    claim_idle_s: float = Field(30.0, gt=0, description="reclaim prompts another generator held this long")
+    claim_idle_s: float = Field(30.0, gt=0, description="reclaim prompts another generator held this long "
+                                "without renewing them (a live one renews every claim_idle_s / 3)")
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward-service call")
     reward_retries: int = Field(5, ge=0, description="retries of a failed reward call before marking items failed")
     reward_down_s: float = Field(60.0, ge=0, description="while the reward service refuses connections (down, or "
