@@ -128,7 +128,12 @@ class BoundedHTTPServer:
         if not self._queued.acquire(blocking=False):  # more requests waiting for a worker than connections allowed
             self._refuse(conn, "busy")
             return
-        self._pool.submit(self._handle, conn.sock, conn.addr, head)
+        try:
+            self._pool.submit(self._handle, conn.sock, conn.addr, head)
+        except RuntimeError:  # the pool takes no more work: the server or the interpreter is shutting down
+            self._queued.release()
+            self._refuse(conn, "shutting_down")
+            self._stop.set()
 
     def _expire(self) -> None:
         now = time.monotonic()

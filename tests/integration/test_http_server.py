@@ -2,6 +2,7 @@
 slow, a head too large, a request with a body; a good request meanwhile is served."""
 
 import socket
+import threading
 from http.server import BaseHTTPRequestHandler
 
 import httpx
@@ -54,3 +55,20 @@ def test_misbehaving_clients_are_answered_and_closed_and_counted(server):
         s.close()
     assert server.refused["evicted"] >= 3 and server.refused["head_timeout"] >= 1
     assert server.refused["head_too_large"] == 1 and server.refused["body"] == 1
+
+
+def test_a_request_during_interpreter_exit_is_refused_without_a_traceback(server):
+    """At interpreter exit Python shuts down every thread pool while a server's daemon thread still
+    accepts (a scrape of a learner that has just finished): the request gets a 503, the thread stops
+    quietly instead of dying with "cannot schedule new futures after shutdown"."""
+    errors = []
+    old, threading.excepthook = threading.excepthook, lambda args: errors.append(args.exc_value)
+    try:
+        server._pool.shutdown(wait=True)  # what concurrent.futures' exit hook leaves behind
+        port = server.server_address[1]
+        assert _reply(port, b"GET / HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 503")
+        server._thread.join(timeout=5)
+        assert not server._thread.is_alive() and errors == []
+        assert server.refused["shutting_down"] == 1
+    finally:
+        threading.excepthook = old
