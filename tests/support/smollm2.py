@@ -51,8 +51,16 @@ def build(out: Path = DEFAULT) -> Path:
     cfg = json.loads((tmp / "config.json").read_text())
     cfg.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)
+    if (out / "model.safetensors").is_file():  # another process (a test beside this one) built it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)   # and may be reading it: keep theirs
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete folder (a build killed half way)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process renamed its build into place first
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
