@@ -136,9 +136,13 @@ class RemoteShared:
 
         async def shutdown():
             me = asyncio.current_task()
-            for task in asyncio.all_tasks():  # calls in flight end as EnvError("closed") in their episodes
-                if task is not me:
-                    task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for task in tasks:  # calls in flight end as EnvError("closed") in their episodes
+                task.cancel()
+            # a cancelled call unwinds through the HTTP client over several turns of the loop: let it finish
+            # (its episode then sees "closed") before the loop stops, or its episode would wait longest_call_s
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
             await self.http.close()
 
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(timeout=10)
