@@ -58,8 +58,12 @@ RELAY_ARGS ?=
 run: setup
 	$(VENV)/bin/relay up $(RELAY_ARGS)
 
+# the suite runs two test files at a time (pytest-xdist; a file's tests stay together, so a module's relay up
+# run is set up once): most integration tests wait on services and timers, and use one core of two
+# (docs/testing.md). TEST_WORKERS=0 runs it in this process, one test at a time.
+TEST_WORKERS ?= 2
 test: setup vllm chromium nodejs
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -7,6 +7,8 @@ import pytest
 
 from deploy.launcher.procs import ProcessGroup, free_port, start_redis
 
+_START = pytest.StashKey[tuple]()
+
 
 @pytest.fixture
 def procs(tmp_path):
@@ -23,11 +25,14 @@ def redis_url(procs, tmp_path) -> str:
 
 
 # -- where the suite's time goes: wall time against CPU time, per test ---------------------------
-# The machines have 2 cores: a test whose CPU seconds (pytest's own and its reaped child processes')
-# are far below its wall seconds waits (timers, polls, back-off) rather than computes, and could run
-# beside others; one near 2x its wall keeps both cores busy. Printed after --durations.
+# The machines have 2 cores: a test whose CPU seconds (its process's own and its reaped child processes')
+# are far below its wall seconds waits (timers, polls, back-off) rather than computes, and runs well beside
+# another (make test runs two test files at a time); one near 2x its wall keeps both cores busy. Printed
+# after --durations. Each test's figures travel on its teardown report, so that with pytest-xdist the
+# controller, which prints the table, gets those its workers measured.
 
 _TIMES: list[tuple[float, float, str]] = []
+_KEY = "relay_wall_cpu_s"
 
 
 def _cpu_seconds() -> float:
@@ -37,13 +42,28 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
     import time
 
-    wall, cpu = time.perf_counter(), _cpu_seconds()
-    yield
-    _TIMES.append((time.perf_counter() - wall, _cpu_seconds() - cpu, item.nodeid))
+    item.stash[_START] = (time.perf_counter(), _cpu_seconds())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    import time
+
+    outcome = yield
+    start = item.stash.get(_START, None)
+    if call.when == "teardown" and start is not None:
+        outcome.get_result().user_properties.append((_KEY, [time.perf_counter() - start[0], _cpu_seconds() - start[1]]))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == _KEY:
+                _TIMES.append((value[0], value[1], report.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter):
