@@ -83,11 +83,9 @@ def init_distributed() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        import socket
+        from broker.runtime.ports import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     with stale_extension_locks_removed():
         deepspeed.init_distributed(dist_backend=backend)

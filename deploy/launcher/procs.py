@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker.runtime.ports import free_port, free_port_run, port_in_use  # noqa: F401 (the launcher's ports)
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -25,31 +27,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: the launcher's own cleanup still applies
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_port_run(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:
-    """The first of ``n`` consecutive free ports (a broker's ingest workers: port + k each)."""
-    for _ in range(tries):
-        base = free_port(host)
-        if base + n - 1 <= 65535 and not any(port_in_use(base + k, host) for k in range(1, n)):
-            return base
-    raise OSError(f"no {n} consecutive free ports found on {host}")
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 @dataclass

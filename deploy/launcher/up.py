@@ -429,6 +429,8 @@ def run_up(args) -> int:
         # reward service they needed, then the learner (its last step, checkpoint and commits land in Redis)
         for stage in stop_order([c.name for c in procs.children]):
             procs.stop(stage, timeout=60)
+        # a warning the learner raised at its last steps, after the loop's last look (a short run)
+        truncation.check(read_stats(r, keys, "learner"))
         published = _int(r.hget(keys.stats("learner"), "version"))
         if not started and published is not None:
             started = point_latest(p["runs_dir"], run_dir)
