@@ -1,5 +1,6 @@
 """`relay` as a user meets it: fast help, and clear errors (no tracebacks) for bad input."""
 
+import resource
 import socket
 import time
 
@@ -12,11 +13,18 @@ SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner", "status", "conf
 
 @pytest.mark.parametrize("sub", [None, *SUBCOMMANDS])
 def test_help_is_fast(sub):
-    t0 = time.perf_counter()
+    # the CPU the help costs, not its wall time, which other tests running beside it stretch: ~0.4 s here,
+    # against ~1.5 s more when torch is imported
+    before = _children_cpu()
     res = relay(*([sub] if sub else []), "--help")
-    elapsed = time.perf_counter() - t0
+    cpu = _children_cpu() - before
     assert res.returncode == 0 and "usage: relay" in res.stdout
-    assert elapsed < 2.0, f"relay {sub} --help took {elapsed:.2f}s (torch imported too early?)"
+    assert cpu < 1.2, f"relay {sub} --help took {cpu:.2f} s of CPU (torch imported too early?)"
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _assert_clear_error(res, *needles):
