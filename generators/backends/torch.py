@@ -114,12 +114,15 @@ class TorchBackend(HFText):
             raise ValueError(f"{path}: adapter settings {wanted} differ from those of the adapter served "
                              f"{self.adapter}")
         tensors = load_file(Path(path) / ADAPTER_FILE, device=str(self.device))
-        if self.adapter is None:
+        # from_pretrained of a folder with an adapter_config.json (load) attached its adapter already (transformers
+        # does so by itself): injecting a second time would stack peft's layers; the copy below fills them either way
+        if self.adapter is None and not getattr(self.model, "_hf_peft_config_loaded", False):
             try:
                 inject_adapter_in_model(LoraConfig(r=wanted["r"], lora_alpha=wanted["lora_alpha"], lora_dropout=0.0,
                                                    target_modules=wanted["target_modules"], bias="none"), self.model)
             except ValueError as e:
                 raise ValueError(f"{path}: the adapter does not fit the model: {e}") from e
+        if self.adapter is None:
             self.model.requires_grad_(False).eval()
             self.adapter = wanted
         own = {k: p for k, p in self.model.named_parameters() if is_adapter_tensor(k)}

@@ -23,6 +23,10 @@ from learner.tiny_model import build_tiny_model
 from tests.support.models import recompute_logprobs
 from tests.support.services import relay
 
+# a generator that loads a version folder holding an adapter gets it attached by transformers' from_pretrained;
+# adding peft's layers a second time on top of those warns so (and stacks them): an error here
+pytestmark = pytest.mark.filterwarnings("error:Already found a `peft_config` attribute:UserWarning")
+
 SAMPLING = SamplingConfig(n=4, max_tokens=6, temperature=1.0)
 PROMPT = [1, 5, 7, 3, 9, 4]
 
