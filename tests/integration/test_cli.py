@@ -1,12 +1,11 @@
 """`relay` as a user meets it: fast help, and clear errors (no tracebacks) for bad input."""
 
-import resource
 import socket
 import time
 
 import pytest
 
-from tests.support.services import child_env, relay
+from tests.support.services import child_env, children_cpu, relay
 
 SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner", "status", "config"]
 
@@ -15,16 +14,11 @@ SUBCOMMANDS = ["up", "broker", "reward", "generator", "learner", "status", "conf
 def test_help_is_fast(sub):
     # the CPU the help costs, not its wall time, which other tests running beside it stretch: ~0.4 s here,
     # against ~1.5 s more when torch is imported
-    before = _children_cpu()
+    before = children_cpu()
     res = relay(*([sub] if sub else []), "--help")
-    cpu = _children_cpu() - before
+    cpu = children_cpu() - before
     assert res.returncode == 0 and "usage: relay" in res.stdout
     assert cpu < 1.2, f"relay {sub} --help took {cpu:.2f} s of CPU (torch imported too early?)"
-
-
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def _assert_clear_error(res, *needles):

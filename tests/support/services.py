@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -145,6 +146,13 @@ def wait_http(url: str, child=None, timeout: float = 30.0) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url} did not answer in {timeout}s" + (f":\n{child.tail(30)}" if child else ""))
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children: what a `relay` command cost, unlike its wall time,
+    which tests running beside it stretch."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def relay(*args: str, timeout: float = 60, cwd: Path | None = None, env: dict | None = None):
