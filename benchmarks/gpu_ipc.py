@@ -109,8 +109,9 @@ def generator(device: str, model_dir: str) -> None:
     backend = TorchBackendConfig(device=device, dtype="bfloat16").build()
     backend.load(model_dir)
     inp, out = sys.stdin.buffer, sys.stdout
-    t0 = time.perf_counter()
-    flat, keep = open_buffer(_recv(inp))
+    handle = _recv(inp)
+    t0 = time.perf_counter()  # the mapping alone, not the wait for the learner's message
+    flat, keep = open_buffer(handle)
     print(json.dumps({"opened_s": time.perf_counter() - t0}), file=out, flush=True)
     while True:
         try:
