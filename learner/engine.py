@@ -87,8 +87,36 @@ def init_distributed() -> None:
 
         os.environ["MASTER_PORT"] = str(free_port())
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        _shm_comm_op_built()
     with stale_extension_locks_removed():
         deepspeed.init_distributed(dist_backend=backend)
+
+
+def _shm_comm_op_built() -> None:
+    """DeepSpeed's CPU communication op built and loaded before ``init_distributed`` loads it. torch waits
+    while another process holds the op's build lock, then imports the library without checking it was
+    built: a builder stopped mid-build that released its lock (a learner whose run ended meanwhile) leaves
+    no ``.so``, and the import fails. The op is then built by a fresh process (this one's torch remembers
+    the op as built and would not build it again) and loaded once more."""
+    import subprocess
+    import sys
+
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    for attempt in (1, 2):
+        try:
+            with stale_extension_locks_removed():
+                builder.load(verbose=False)
+            return
+        except ImportError as e:
+            if attempt == 2 or "cannot open shared object file" not in str(e):
+                raise
+            log.warning("%s: the process building it stopped before it finished; building it again", e)
+            with stale_extension_locks_removed():
+                subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                                "get_accelerator().create_op_builder('ShareMemCommBuilder').load()"], check=True)
 
 
 def close_distributed() -> None:
