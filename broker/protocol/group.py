@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import accumulate, chain
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
@@ -153,9 +154,11 @@ def _wire_data(arr: np.ndarray, dtype: np.dtype) -> memoryview:
     """The bytes of a 1-D array in the wire dtype: the array's own memory when it already is that dtype
     and contiguous (the encoder then copies it once, into the message). ``is``: numpy's built-in
     dtypes are singletons, and anything else is converted."""
-    if arr.dtype is not dtype or not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr, dtype=dtype)
-    return arr.data
+    if arr.dtype is dtype:
+        data = arr.data
+        if data.c_contiguous:
+            return data
+    return np.ascontiguousarray(arr, dtype=dtype).data
 
 
 def _numpy_scalar(obj: Any) -> Any:
@@ -172,12 +175,12 @@ _I32, _F32 = WIRE_DTYPES["int32"], WIRE_DTYPES["float32"]
 # What the encoder writes, field for field in the order of docs/protocol.md section 4: msgspec writes a
 # Struct as the map of its fields (about a third faster than building the same dicts), and omits
 # ``trainable_runs`` when it is None (a single-turn sample).
-class _OutArray(msgspec.Struct):
+class _OutArray(msgspec.Struct, gc=False):
     dtype: str
     data: memoryview
 
 
-class _OutSample(msgspec.Struct, kw_only=True, omit_defaults=True):
+class _OutSample(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     completion_ids: _OutArray
     logprobs: _OutArray
     version_runs: list
@@ -188,7 +191,7 @@ class _OutSample(msgspec.Struct, kw_only=True, omit_defaults=True):
     reward_details: dict
 
 
-class _OutGroup(msgspec.Struct):
+class _OutGroup(msgspec.Struct, gc=False):
     schema: int
     kind: str
     group_id: str
@@ -388,61 +391,65 @@ def _validate_group(m: dict, in_order: bool) -> Group:
 
 _Scalar = Union[str, int, float, bool, None]
 _FlatMap = Annotated[dict[str, _Scalar], msgspec.Meta(max_length=MAX_MAP_LEN)]
-_Runs = Annotated[list[tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(gt=0)]]],
-                  msgspec.Meta(max_length=MAX_ARRAY_LEN)]
+# The fast path takes groups of at most FAST_SAMPLES samples of at most FAST_RUNS version runs each, so what
+# msgspec builds before the message's object budget is checked stays within a few MB whatever the message;
+# larger groups, valid or not, go to the field-by-field validation. Version runs are decoded as the lists Sample
+# holds, [version >= 0, count >= 0] (a count of 0 is refused after decoding).
+FAST_SAMPLES, FAST_RUNS = 256, 64
+_Runs = Annotated[list[Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=2, max_length=2)]],
+                  msgspec.Meta(max_length=FAST_RUNS)]
+# finite as float32 (finite32): msgspec refuses NaN, the infinities and anything beyond float32's range
+_Float32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 _Flags = Annotated[list[tuple[Literal[0, 1], Annotated[int, msgspec.Meta(gt=0)]]],
                    msgspec.Meta(max_length=MAX_ARRAY_LEN)]
 _NIL, _EMPTY_MAP = msgspec.Raw(b"\xc0"), msgspec.Raw(b"\x80")
 
 
-class _Int32Array(msgspec.Struct, forbid_unknown_fields=True):
+class _Int32Array(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     dtype: Literal["int32"]
     data: memoryview  # a view of the message: the arrays are copied once, all together
 
 
-class _Float32Array(msgspec.Struct, forbid_unknown_fields=True):
+class _Float32Array(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     dtype: Literal["float32"]
     data: memoryview
 
 
-class _WireSample(msgspec.Struct, forbid_unknown_fields=True):
+class _WireSample(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     completion_ids: _Int32Array
     logprobs: _Float32Array
+    version_runs: _Runs
     # left raw until their sizes are known to fit the object budget (below), then decoded all together
-    version_runs: msgspec.Raw
     finish_reason: Literal["stop", "length"]
     reward_status: Literal["ok", "failed"]
-    reward: Union[float, None] = None
+    reward: Union[_Float32, None] = None
     reward_details: msgspec.Raw = _EMPTY_MAP
     trainable_runs: msgspec.Raw = _NIL
 
 
-class _WireGroup(msgspec.Struct, forbid_unknown_fields=True):
+class _WireGroup(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     schema: Literal[1]
     kind: Literal["group"]
     group_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     run_id: str
     prompt_id: str
     prompt_ids: _Int32Array
-    samples: Annotated[list[_WireSample], msgspec.Meta(min_length=1, max_length=MAX_ARRAY_LEN)]
+    samples: Annotated[list[_WireSample], msgspec.Meta(min_length=1, max_length=FAST_SAMPLES)]
     generator_id: str
     weight_version: Annotated[int, msgspec.Meta(ge=0)]
     weight_hash: str
-    sampling: msgspec.Raw
-    created_at: float
+    sampling: _FlatMap
+    created_at: _Float32
     task: Union[str, None] = None
     reference: Union[str, None] = None
-    scored_at: Union[float, None] = None
-    sent_at: Union[float, None] = None
+    scored_at: Union[_Float32, None] = None
+    sent_at: Union[_Float32, None] = None
 
 
 _GROUP = msgspec.msgpack.Decoder(_WireGroup)
-_ALL_RUNS = msgspec.msgpack.Decoder(list[_Runs])
 _ALL_FLAGS = msgspec.msgpack.Decoder(list[Union[_Flags, None]])
 _ALL_MAPS = msgspec.msgpack.Decoder(list[_FlatMap])
-_FLAT_MAP = msgspec.msgpack.Decoder(_FlatMap)
 _FAST_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
-_MAX, _MIN = np.maximum.reduce, np.minimum.reduce
 
 
 def _array_header(n: int) -> bytes:
@@ -459,22 +466,24 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
     """The group in ``data`` when it is a well-formed group message (see above), else None. Never
     raises for bad input: None sends the message to the field-by-field validation.
 
-    Written for speed (it runs on every group the broker takes in): one pass over the samples for the
-    checks that need nothing decoded beyond the schema, the raw values decoded together, the array
-    values checked by three reductions over one copy of all the arrays."""
+    Written for speed (it runs on every group the broker takes in, and twice per group on the way to
+    the learner): one pass over the samples for the checks that need nothing decoded beyond the schema,
+    the raw values (multi-turn flags, sub-scores) decoded together, the array values checked over one
+    copy of all the arrays (argmax and argmin: half a ufunc reduction's fixed cost, and they stop at a
+    NaN just as well), then one pass building the samples. docs/benchmarks.md has what each step costs."""
     try:
         w = _GROUP.decode(data)
-    except _FAST_ERRORS:
+        _check_sampling(w.sampling)
+    except (*_FAST_ERRORS, ProtocolError):
         return None
     ws, prompt = w.samples, w.prompt_ids.data
     ids_data, lps_data, tokens = [], [], []
     plain = True  # every sample single-turn and without reward details
     for s in ws:
-        ids_b, lps_b, reward = s.completion_ids.data, s.logprobs.data, s.reward
+        ids_b, lps_b = s.completion_ids.data, s.logprobs.data
         nbytes = len(ids_b)
         if (nbytes != len(lps_b) or not nbytes or nbytes & 3
-                or (reward is None) is not (s.reward_status == "failed")  # a reward with each "ok" only
-                or (reward is not None and not -FLOAT32_MAX <= reward <= FLOAT32_MAX)):  # finite as float32
+                or (s.reward is None) is not (s.reward_status == "failed")):  # a reward with each "ok" only
             return None
         ids_data.append(ids_b)
         lps_data.append(lps_b)
@@ -483,29 +492,31 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
             plain = False
     if not len(prompt) or len(prompt) & 3:
         return None
-    # Within the object budget (codec.object_budget) as group_from_map's decoder counts it, before the raw
-    # values are decoded: the fixed fields count at most 64 per group and 32 per sample; the rest of the
+    # Within the object budget (codec.object_budget) as group_from_map's decoder counts it (the raw values
+    # are decoded only then): the fixed fields count at most 64 per group and 32 per sample; the rest of the
     # message (all but the arrays' data) holds at most one object per byte, each counted at most twice
     # (as an element, and as a container of its own).
     rest = len(data) - 8 * sum(tokens) - len(prompt)
     if 64 + 32 * len(ws) + 2 * rest > object_budget(len(data)):
         return None
+    flags = details = None
     try:
-        all_runs = _decode_all(_ALL_RUNS, [s.version_runs for s in ws])
-        flags = details = None
         if not plain:
             flags = _decode_all(_ALL_FLAGS, [s.trainable_runs for s in ws])
             details = _decode_all(_ALL_MAPS, [s.reward_details for s in ws])
-        sampling = _FLAT_MAP.decode(w.sampling)
-        _check_sampling(sampling)
-    except (*_FAST_ERRORS, ProtocolError):
+    except _FAST_ERRORS:
         return None
     ids_data.append(prompt)
-    ids = np.frombuffer(b"".join(ids_data), _I32)
-    lps = np.frombuffer(b"".join(lps_data), _F32)
-    # max is NaN or > 0 for a NaN, +inf or positive log-prob; min is NaN or -inf for a NaN or -inf one
-    if not (_MAX(lps) <= 0 and _MIN(lps) > -np.inf and _MIN(ids) >= 0):
+    # joined into writable memory: numpy's argmax is twice as fast there; read-only once checked, as the
+    # arrays of the field-by-field validation are
+    ids = np.frombuffer(bytearray().join(ids_data), _I32)
+    lps = np.frombuffer(bytearray().join(lps_data), _F32)
+    # the largest log-prob is NaN or > 0 for a NaN, +inf or positive one; the smallest NaN or -inf for a
+    # NaN or -inf one (argmax and argmin stop at the first NaN)
+    if not (lps[lps.argmax()] <= 0 and lps[lps.argmin()] > -np.inf and ids[ids.argmin()] >= 0):
         return None
+    ids.setflags(write=False)
+    lps.setflags(write=False)
     trainable: list = [None] * len(ws)
     if flags is not None:
         for i, (f, n) in enumerate(zip(flags, tokens)):
@@ -513,26 +524,22 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
                 if sum([c for _, c in f]) != n or not any([v == 1 for v, _ in f]):
                     return None
                 trainable[i] = runs_to_trainable(f)
-    if details is None:
-        details = [{} for _ in ws]
-    elif not all([finite32(v) for d in details for v in d.values() if type(v) is float]):
+    if details is not None and not all([finite32(v) for d in details for v in d.values() if type(v) is float]):
         return None
     samples, start = [], 0
-    for s, n, runs, det, flag in zip(ws, tokens, all_runs, details, trainable):
-        if sum([c for _, c in runs]) != n:  # the version runs cover the sample's tokens
+    for i, (s, n) in enumerate(zip(ws, tokens)):
+        runs = s.version_runs
+        counts = [c for _, c in runs]
+        if sum(counts) != n or 0 in counts:  # the version runs cover the sample's tokens, none empty
             return None
         end = start + n
-        samples.append(Sample(ids[start:end], lps[start:end], list(map(list, runs)), s.finish_reason,
-                              s.reward, s.reward_status, det, flag))
+        samples.append(Sample(ids[start:end], lps[start:end], runs, s.finish_reason, s.reward, s.reward_status,
+                              {} if details is None else details[i], trainable[i]))
         start = end
-    scored_at = 0.0 if w.scored_at is None else w.scored_at
-    sent_at = 0.0 if w.sent_at is None else w.sent_at
-    if not (-FLOAT32_MAX <= w.created_at <= FLOAT32_MAX and -FLOAT32_MAX <= scored_at <= FLOAT32_MAX
-            and -FLOAT32_MAX <= sent_at <= FLOAT32_MAX):  # finite as float32 (NaN fails every comparison)
-        return None
     return Group(w.group_id, w.run_id, w.prompt_id, ids[start:], samples, w.generator_id, w.weight_version,
-                 w.weight_hash, sampling, "" if w.task is None else w.task,
-                 "" if w.reference is None else w.reference, w.created_at, scored_at, sent_at)
+                 w.weight_hash, w.sampling, "" if w.task is None else w.task,
+                 "" if w.reference is None else w.reference, w.created_at,
+                 0.0 if w.scored_at is None else w.scored_at, 0.0 if w.sent_at is None else w.sent_at)
 
 
 def _trainable(s: dict, n: int, where: str) -> np.ndarray | None:

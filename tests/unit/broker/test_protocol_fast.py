@@ -90,6 +90,26 @@ def test_the_fast_path_keeps_the_object_budget():
     assert e.value.reason == "too_complex"
 
 
+def test_groups_beyond_the_fast_paths_limits_are_checked_field_by_field_and_accepted():
+    # 65 version runs in a sample (a long completion across many weight updates), and 257 samples
+    runs = make_group(samples=[Sample(np.arange(65, dtype=np.int32), np.full(65, -1.0, np.float32),
+                                      [[v, 1] for v in range(65)], "length", 0.0)])
+    many = make_group(samples=[Sample(np.arange(3, dtype=np.int32), np.full(3, -1.0, np.float32), [[0, 3]],
+                                      "stop", 1.0) for _ in range(257)])
+    for g in (runs, many):
+        data = encode_group(g)
+        assert decode_group_fast(data) is None
+        assert_same(decode_group(data), g)
+
+
+def test_the_fast_path_returns_read_only_arrays_as_the_validation_does():
+    data = encode_group(rich_group())
+    fast, expected = decode_group_fast(data), slow(data)
+    arrays = lambda g: [g.prompt_ids] + [a for s in g.samples for a in (s.completion_ids, s.logprobs)]
+    assert [a.flags.writeable for a in arrays(fast)] == [a.flags.writeable for a in arrays(expected)]
+    assert not any(a.flags.writeable for a in arrays(fast))
+
+
 VALID = msgpack.unpackb(encode_group(rich_group()), raw=False)
 PATHS = [("schema",), ("kind",), ("group_id",), ("run_id",), ("prompt_id",), ("prompt_ids",), ("samples",),
          ("generator_id",), ("weight_version",), ("weight_hash",), ("sampling",), ("task",), ("reference",),
