@@ -473,8 +473,9 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
     NaN just as well), then one pass building the samples. docs/benchmarks.md has what each step costs."""
     try:
         w = _GROUP.decode(data)
-        _check_sampling(w.sampling)
-    except (*_FAST_ERRORS, ProtocolError):
+    except _FAST_ERRORS:
+        return None
+    if not _sampling_ok(w.sampling):
         return None
     ws, prompt = w.samples, w.prompt_ids.data
     ids_data, lps_data, tokens = [], [], []
@@ -488,7 +489,8 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
         ids_data.append(ids_b)
         lps_data.append(lps_b)
         tokens.append(nbytes >> 2)
-        if plain and (s.trainable_runs != _NIL or s.reward_details != _EMPTY_MAP):
+        # trainable_runs present (an absent field is msgspec's default object) or sub-scores
+        if plain and (s.trainable_runs is not _NIL or s.reward_details != _EMPTY_MAP):
             plain = False
     if not len(prompt) or len(prompt) & 3:
         return None
@@ -573,6 +575,17 @@ def _check_sampling(sampling: dict) -> None:
             v = get_field(sampling, key, typ, "group.sampling")
             if not ok(v) or not math.isfinite(v):
                 raise ProtocolError("bad_sampling", f"group.sampling.{key} = {v!r} is out of range")
+
+
+def _sampling_ok(sampling: dict) -> bool:
+    """_check_sampling's checks as one expression, for the fast path's flat map of scalars: a float field
+    takes an int (not a bool), top_k an int; NaN and the infinities fail the range comparisons."""
+    t, p, k = sampling.get("temperature", 1.0), sampling.get("top_p", 1.0), sampling.get("top_k", 0)
+    return (type(t) in _NUMBER and 0 < t <= 100 and type(p) in _NUMBER and 0 < p <= 1
+            and type(k) is int and k >= 0)
+
+
+_NUMBER = (int, float)
 
 
 def sampling_transform(sampling: dict) -> tuple[float, int, float]:
