@@ -526,17 +526,19 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
                 if sum([c for _, c in f]) != n or not any([v == 1 for v, _ in f]):
                     return None
                 trainable[i] = runs_to_trainable(f)
-    if details is not None and not all([finite32(v) for d in details for v in d.values() if type(v) is float]):
+    if details is None:
+        details = [{} for _ in ws]
+    elif not all([finite32(v) for d in details for v in d.values() if type(v) is float]):
         return None
     samples, start = [], 0
-    for i, (s, n) in enumerate(zip(ws, tokens)):
+    for s, n, det, flag in zip(ws, tokens, details, trainable):
         runs = s.version_runs
         counts = [c for _, c in runs]
         if sum(counts) != n or 0 in counts:  # the version runs cover the sample's tokens, none empty
             return None
         end = start + n
         samples.append(Sample(ids[start:end], lps[start:end], runs, s.finish_reason, s.reward, s.reward_status,
-                              {} if details is None else details[i], trainable[i]))
+                              det, flag))
         start = end
     return Group(w.group_id, w.run_id, w.prompt_id, ids[start:], samples, w.generator_id, w.weight_version,
                  w.weight_hash, w.sampling, "" if w.task is None else w.task,
