@@ -38,8 +38,16 @@ def load_model(cfg: LearnerConfig, build: bool = True):
 
 # torch's JIT extensions (DeepSpeed's CPU communication op) take a lock file in their build folder on
 # every load, build or not, and wait while it exists: a learner killed inside that window (a second or
-# so, a build's half minute) left it behind, and every later learner waited forever.
+# so, a build's half minute) left it behind, and every later learner waited forever. The CPU
+# communication op is loaded under ``ops_lock``, which removes such a lock at once; this age limit is
+# the fallback for any other op DeepSpeed loads.
 STALE_LOCK_S = float(os.environ.get("RELAY_STALE_EXTENSION_LOCK_S", "180"))
+
+
+def _extensions_root() -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
 @contextlib.contextmanager
@@ -48,9 +56,7 @@ def stale_extension_locks_removed(root: str | Path | None = None, stale_s: float
     folder (``TORCH_EXTENSIONS_DIR``, else torch's default) older than ``stale_s``: a build here takes
     well under a minute, so such a lock was left by a killed process. Logged, never silent."""
     if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        root = _extensions_root()
     stop = threading.Event()
 
     def watch() -> None:
@@ -94,29 +100,41 @@ def init_distributed() -> None:
 
 
 def _shm_comm_op_built() -> None:
-    """DeepSpeed's CPU communication op built and loaded before ``init_distributed`` loads it. torch waits
-    while another process holds the op's build lock, then imports the library without checking it was
-    built: a builder stopped mid-build that released its lock (a learner whose run ended meanwhile) leaves
-    no ``.so``, and the import fails. The op is then built by a fresh process (this one's torch remembers
-    the op as built and would not build it again) and loaded once more."""
-    import subprocess
-    import sys
-
+    """DeepSpeed's CPU communication op built and loaded before ``init_distributed`` loads it (DeepSpeed
+    keeps it loaded), one Relay process at a time under ``ops_lock``."""
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    for attempt in (1, 2):
+    with ops_lock(builder.name):
+        builder.load(verbose=False)
+
+
+@contextlib.contextmanager
+def ops_lock(op: str, root: str | Path | None = None):
+    """Relay's own lock around loading ``op``: an ``flock`` on ``<extensions folder>/<op>.relay-lock``,
+    which the kernel releases when its holder dies. torch's lock (``<op>/lock``, a plain file, taken on
+    every load, built or not) outlives a process killed while holding it, and every later loader waits
+    on it. Whoever holds the flock knows that no Relay process is loading ``op``, so a torch lock found
+    then was left by a killed one: it is removed at once, logged, and the op is loaded (built again
+    where the build was cut short). Without this, such a lock cost every later learner
+    ``RELAY_STALE_EXTENSION_LOCK_S`` (a CI run's learners waited 3 minutes and one test timed out).
+    A DeepSpeed process outside Relay that shares the folder and loads the op at that moment would
+    lose its lock; Relay's folder is its own (``.cache/torch_extensions``)."""
+    import fcntl
+
+    if root is None:
+        root = _extensions_root()
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with open(Path(root) / f"{op}.relay-lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            with stale_extension_locks_removed():
-                builder.load(verbose=False)
-            return
-        except ImportError as e:
-            if attempt == 2 or "cannot open shared object file" not in str(e):
-                raise
-            log.warning("%s: the process building it stopped before it finished; building it again", e)
-            with stale_extension_locks_removed():
-                subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
-                                "get_accelerator().create_op_builder('ShareMemCommBuilder').load()"], check=True)
+            left = Path(root) / op / "lock"
+            if left.exists():
+                left.unlink()
+                log.warning("removed %s, left by a process killed while it loaded or built that op", left)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def close_distributed() -> None:
