@@ -31,6 +31,7 @@ def test_shared_memory_hand_over_on_cpu_applies_every_version(tmp_path):
     assert r["digest_match"] is True  # every version, warm-up included
     assert len(r["latency_s_all"]) == 3 and all(x > 0 for x in r["latency_s_all"] + r["raw_copy_s_all"])
     assert r["apply_s"] < r["latency_s"] and r["ratio"] > 0
+    assert 0 < r["latency_without_digest_s"] < r["latency_s"] and r["digest_GB_per_s"] > 0
 
 
 def test_cuda_ipc_hand_over_applies_every_version(tmp_path):

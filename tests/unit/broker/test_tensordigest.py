@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from broker.protocol.tensordigest import ALGORITHMS, algorithm_of, combine, state_digest, torch_entry
+from tests.support.models import needs_gpu
 
 
 def _state():
@@ -70,3 +71,33 @@ def test_a_digest_names_its_algorithm_and_sha256_keeps_the_first_definition():
     assert strong == h.hexdigest()
     with pytest.raises(ValueError, match="unknown tensor digest algorithm"):
         state_digest(s, "md5")
+
+
+def _awkward_state(device="cpu"):
+    """Tensors that cross chunk boundaries, a strided one, bf16, a scalar and an empty one."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(37, 11, generator=g)
+    return {k: v.to(device) for k, v in {"big": big, "strided": big.t(), "half": torch.randn(9, generator=g).bfloat16(),
+                                         "scale": torch.tensor(3.0), "empty": torch.empty(0, 4)}.items()}
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
+def test_the_chunked_pipeline_gives_the_digest_of_the_whole_tensors(algo, chunk):
+    from broker.protocol.tensordigest import device_entries
+
+    s = _awkward_state()
+    assert combine(device_entries(s, algo, chunk_bytes=chunk), algo) == state_digest(s, algo)
+    changed = dict(s, big=s["big"].clone())
+    changed["big"][36, 10] += 1  # the last byte of the last chunk
+    assert combine(device_entries(changed, algo, chunk_bytes=chunk), algo) != state_digest(s, algo)
+
+
+def test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies():
+    s = _awkward_state()
+    assert state_digest(_awkward_state("cuda")) == state_digest(s)
+    assert state_digest({k: v.to("cuda") for k, v in _awkward_state().items()}, "sha256") == state_digest(s, "sha256")
+
+
+for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
+    test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies = _mark(test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies)
