@@ -35,6 +35,10 @@ SIZES = {
     "0.5b": dict(model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                             num_key_value_heads=2, vocab_size=151936), prompts=16, n=8, prompt=128, completion=512,
                  micro_batch_tokens=16384, gradient_checkpointing=True),
+    # Qwen2.5-1.5B's shape (tied embeddings as there): how memory and speed scale from 0.5B
+    "1.5b": dict(model=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                            num_key_value_heads=2, vocab_size=151936), prompts=16, n=8, prompt=128, completion=512,
+                 micro_batch_tokens=16384, gradient_checkpointing=True),
     "tiny": dict(model=None, prompts=4, n=4, prompt=4, completion=8, micro_batch_tokens=64,
                  gradient_checkpointing=True),
 }
