@@ -108,25 +108,25 @@ def state_digest(state: dict, algorithm: str = DEFAULT) -> str:
 CHUNK_BYTES = 32 << 20
 
 
-def device_entries(state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHUNK_BYTES,
-                   device=None) -> list[tuple[str, bytes]]:
+def device_entries(state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, bytes]]:
     """:func:`torch_entry` of each tensor of ``state``, all on one accelerator, with its bytes copied to
     the host in chunks through two pinned buffers: the copy of chunk k+1 (on a side stream) runs while
     chunk k is hashed, so the check costs about the slower of the two (XXH3 on one core: ~20 GB/s)
     rather than their sum, and no tensor is copied whole to pageable memory (``.cpu()`` on each of a
     0.5B model's 290 tensors took 0.34 s on an H200, docs/benchmarks.md). Host memory: two chunks.
-    The tensors must not change until it returns. ``device``: the CPU runs the same pipeline,
-    unpinned and synchronous (how it is tested without a GPU)."""
+    The tensors must not change until it returns. Tensors on the CPU run the same pipeline, unpinned
+    and synchronous (how it is tested without a GPU)."""
     import torch
 
-    device = device or next(iter(state.values())).device
+    device = next(iter(state.values())).device if state else torch.device("cpu")
     cuda = device.type == "cuda"
     pieces, flats = [], {}
     for name, t in state.items():
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         flats[name] = flat  # contiguous copies of strided tensors stay alive until copied
         pieces += [(name, s, min(chunk_bytes, flat.numel() - s)) for s in range(0, flat.numel(), chunk_bytes)]
-    bufs = [torch.empty(chunk_bytes if pieces else 0, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    size = max((n for _, _, n in pieces), default=0)  # a small state pins no more than it needs
+    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
     stream = torch.cuda.Stream(device) if cuda else None
     if cuda:
         stream.wait_stream(torch.cuda.current_stream(device))  # the tensors as they are now
