@@ -15,6 +15,7 @@ from broker.protocol import tensordigest
 from broker.protocol import weightstore as ws
 from learner.publish import (BackgroundPublisher, NonFiniteWeights, Progress, SnapshotFailed, fill,
                              publication_dtype, snapshot, snapshot_buffers, write_safetensors)
+from tests.support.models import needs_gpu
 
 
 def _state(seed=0):
@@ -201,3 +202,24 @@ def test_a_snapshot_handed_over_before_it_is_filled_is_written_after_its_copy():
         bg.drain(timeout=10)
     with pytest.raises(SnapshotFailed):
         broken.wait()
+
+
+def test_a_snapshot_of_gpu_weights_lands_in_one_pinned_block_with_every_tensor_reported():
+    """Weights on a GPU: fresh buffers are views of one page-locked block (full-speed device-to-host
+    copies, queued together), filled with the weights in the publication dtype, each reported filled."""
+    live = {k: v.cuda() for k, v in _state(4).items()}
+    bufs = snapshot_buffers(live, torch.bfloat16)
+    assert all(b.device.type == "cpu" and b.is_pinned() for b in bufs.values())
+    assert len({b.untyped_storage().data_ptr() for b in bufs.values()}) == 1
+    assert all(b.data_ptr() % 64 == 0 for b in bufs.values())
+    progress = Progress()
+    fill(bufs, live, progress)
+    progress.wait()
+    assert all(torch.equal(bufs[k], live[k].cpu().to(bufs[k].dtype)) for k in live)
+    again = snapshot_buffers(live, torch.bfloat16, into=bufs)  # reused, not allocated again
+    assert all(again[k] is bufs[k] for k in live)
+
+
+for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
+    test_a_snapshot_of_gpu_weights_lands_in_one_pinned_block_with_every_tensor_reported = _mark(
+        test_a_snapshot_of_gpu_weights_lands_in_one_pinned_block_with_every_tensor_reported)
