@@ -145,7 +145,8 @@ class Broadcaster:
         ``snapshot(into=...)``) is sent as it lies, without a copy into a bucket buffer."""
         want = {k: dtype if v.is_floating_point() else v.dtype for k, v in state.items()}
         layout = self._layout([(k, str(want[k]).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
-        flat = torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero
+        # alignment gaps stay zero; page-locked for weights on a GPU (publish.py fill: copies queued together)
+        flat = torch.zeros(layout.total, dtype=torch.uint8, pin_memory=any(v.is_cuda for v in state.values()))
         return {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
                 for s in layout.slots}
 
