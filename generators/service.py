@@ -99,14 +99,20 @@ class Generator:
                       run["sampling"])
 
     def _receiver(self, key: bytes | None):
-        """The collective transport's receiver (generators/weight_receive.py), or None: another transport,
-        or a backend that cannot take tensors in process (it follows the store copy instead)."""
-        if self.cfg.weights.transport != "collective":
+        """The receiver of an in-process transport (collective: generators/weight_receive.py; ipc:
+        generators/ipc_receive.py), or None: another transport, or a backend that cannot take tensors in
+        process (it follows the store copy instead)."""
+        transport = self.cfg.weights.transport
+        if transport not in ("collective", "ipc"):
             return None
         if not hasattr(self.backend, "update_weights_from_tensors"):
-            log.warning("weights.transport = collective: the %s backend cannot apply tensors in process; this "
-                        "generator loads each version from the store copy instead", self.backend.name)
+            log.warning("weights.transport = %s: the %s backend cannot apply tensors in process; this generator "
+                        "loads each version from the store copy instead", transport, self.backend.name)
             return None
+        if transport == "ipc":
+            from generators.ipc_receive import IpcReceiver
+
+            return IpcReceiver(self.r, self.keys, self.cfg.id, key, device=str(getattr(self.backend, "device", "cpu")))
         from generators.weight_receive import Receiver
 
         return Receiver(self.r, self.keys, self.cfg.weights.collective, self.cfg.id, key)

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+import redis
 import torch
 import torch.distributed as dist
 
@@ -62,41 +63,40 @@ class Received:
     flat: torch.Tensor | None = field(default=None, repr=False)  # the staging buffer the state views
 
 
-class Receiver:
-    """``take(after)``: the newest received version newer than ``after`` (None when there is none).
-    ``tamper(bucket_index, bucket)`` is a test hook: it may alter a bucket right after it landed, as a
-    faulty link would."""
+class Staging:
+    """What the in-process transports share (this collective receiver, generators/ipc_receive.py): the
+    versions received, handed to the WeightApplier (generators/weights.py) by ``take(after)`` (the newest
+    good version newer than ``after``) and ``take_rejected()``, and the staging buffers they land in,
+    reused through ``recycle``. A subclass's thread calls :meth:`_deliver` with each version received."""
 
-    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, generator_id: str, announce_key: bytes | None,
-                 max_bytes: int = 1 << 40, tamper: Callable[[int, torch.Tensor], None] | None = None):
-        self.r, self.keys, self.cfg, self.generator_id, self.key = r, keys, cfg, generator_id, announce_key
-        self.max_bytes, self.tamper = max_bytes, tamper
+    via = ""  # how the versions arrive: the ``via`` of the generator's applied events
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)  # where the staging buffers live (the engine's device)
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.ready: Received | None = None  # the newest good version not yet taken
         self.rejects: list[Received] = []  # versions refused on arrival, not yet reported
-        self.joined = threading.Event()  # set while this generator is a member of the learner's broadcast
+        self.joined = threading.Event()  # set while this generator receives from the learner
         self.received = 0
         self.rejected = 0
-        self.aborted = 0  # versions the learner aborted mid-broadcast (non-finite weights): discarded
+        self.aborted = 0  # versions the learner aborted mid-transfer (non-finite weights): discarded
         self.joins = 0
-        self.pg = None
         self._thread: threading.Thread | None = None
-        self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(HASH_THREADS)]
         self._spare: torch.Tensor | None = None  # a staging buffer no longer in use (reused: no page faults)
         self._held: torch.Tensor | None = None  # the staging buffer the engine's weights live in (adopted)
 
-    def start(self) -> "Receiver":
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> "Staging":
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="relay-collective-receive", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"relay-{self.via}-receive", daemon=True)
             self._thread.start()
         return self
 
     def close(self) -> None:
         self.stop.set()
-        pg = self.pg
-        if pg is not None:
-            wire.abort_group(pg)
 
     def take(self, after: int | None) -> Received | None:
         """The newest good version received since the last call, if newer than ``after``."""
@@ -126,7 +126,7 @@ class Receiver:
     def _prefault(self, size: int) -> None:
         """Allocate the next version's staging buffer now, while idle, and touch every page (the kernel maps
         them as they are first written: done here, not while a version lands)."""
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         buf.fill_(0)
         with self.lock:
             if self._spare is None:
@@ -135,13 +135,62 @@ class Receiver:
     def _buffer(self, size: int) -> torch.Tensor:
         with self.lock:
             spare, self._spare = self._spare, None
-        return spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
+        return spare if spare is not None and spare.numel() == size else \
+            torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def _discard(self, flat: torch.Tensor) -> None:
+        """A staging buffer whose version will never be applied: it takes the next one."""
+        with self.lock:
+            self._spare = flat
+
+    def _deliver(self, got: Received) -> None:
+        """``got`` has arrived: ready for ``take`` (it replaces a ready one not yet taken, never applied) or,
+        with a ``problem``, kept for ``take_rejected`` (its buffer reused)."""
+        self.received += 1
+        if got.problem is not None:
+            self.rejected += 1
+            log.error("version %d received via %s is refused (%s)", got.version, self.via, got.problem)
+        with self.lock:
+            if got.problem is not None:
+                self._spare, got.state, got.flat = got.flat, {}, None  # never applied: its buffer is reused
+                self.rejects.append(got)
+            else:
+                if self.ready is not None:  # superseded before it was taken: never applied
+                    self._spare = self.ready.flat
+                self.ready = got
 
     def take_rejected(self) -> list[Received]:
         """The versions refused on arrival (bad signature, digest mismatch) since the last call."""
         with self.lock:
             out, self.rejects = self.rejects, []
         return out
+
+    def catch_up(self, version: int, timeout: float = 10.0) -> bool:
+        """``version`` is announced and not delivered: True once this receiver has handled it (waiting at
+        most ``timeout``), False to load it from the store. Here: False (a broadcast version arrives before
+        its announcement or not at all)."""
+        return False
+
+
+class Receiver(Staging):
+    """The collective transport's receiver. ``tamper(bucket_index, bucket)`` is a test hook: it may alter a
+    bucket right after it landed, as a faulty link would."""
+
+    via = "collective"
+
+    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, generator_id: str, announce_key: bytes | None,
+                 max_bytes: int = 1 << 40, tamper: Callable[[int, torch.Tensor], None] | None = None):
+        super().__init__("cpu")  # gloo receives into host memory
+        self.r, self.keys, self.cfg, self.generator_id, self.key = r, keys, cfg, generator_id, announce_key
+        self.max_bytes, self.tamper = max_bytes, tamper
+        self.pg = None
+        self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(HASH_THREADS)]
+
+    def close(self) -> None:
+        super().close()
+        pg = self.pg
+        if pg is not None:
+            wire.abort_group(pg)
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -151,7 +200,7 @@ class Receiver:
                 self._join()
                 while not self.stop.is_set():
                     self._receive_one()
-            except (RuntimeError, ValueError, OSError) as e:  # the group failed, or no learner yet
+            except (redis.RedisError, RuntimeError, ValueError, OSError) as e:  # the group failed, or no learner yet
                 if self.joined.is_set():
                     log.warning("left the weight broadcast (%s); following the store until it joins again",
                                 str(e).splitlines()[0][:200])
@@ -218,25 +267,12 @@ class Receiver:
             self.aborted += 1
             log.warning("version %d received over the collective was aborted by the learner (%s): discarded",
                         version, trailer["abort"][:200])
-            with self.lock:
-                self._spare = flat
+            self._discard(flat)
             return
         if problem is None and trailer["digest"] != digest:
             problem = "digest_mismatch"
         state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape)
                  for s in layout.slots}
         got = Received(version, digest, state, problem, trailer["digest"], time.time(), time.perf_counter() - t0, flat)
-        self.received += 1
-        if problem is not None:
-            self.rejected += 1
-            log.error("version %d received over the collective is refused (%s)", version, problem)
-        with self.lock:
-            if problem is not None:
-                self._spare, got.state, got.flat = flat, {}, None  # never applied: its buffer is reused
-                self.rejects.append(got)
-            else:
-                if self.ready is not None:  # superseded before it was taken: never applied
-                    self._spare = self.ready.flat
-                self.ready = got
+        self._deliver(got)
         log.debug("received version %d (%.1f MiB) in %.3fs", version, layout.total / (1 << 20), got.seconds)
-

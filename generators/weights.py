@@ -71,12 +71,13 @@ class WeightApplier:
         self.updates = 0
         self.refused_updates = 0
         self.last_update_latency_s: float | None = None
-        # the collective transport (generators/weight_receive.py): versions that arrive before their
-        # announcement; None with the other transports
+        # the collective and ipc transports (generators/weight_receive.py, generators/ipc_receive.py): versions
+        # that arrive before their announcement; None with the other transports
         self.receiver = receiver
-        self.via = "store"  # how the version served arrived: store, http or collective
+        self.via = "store"  # how the version served arrived: store, http, collective or ipc
         self.unconfirmed: dict[int, str] = {}  # version applied via the collective -> digest, until its announcement
-        self.collective_updates = 0
+        self.collective_updates = 0  # versions applied from the receiver (collective or ipc)
+        self.last_receive_s: float | None = None  # how long the receiver took to receive and check the last one
         self.applied_digests: dict[int, str] = {}  # version -> digest of what was applied via the collective
 
     def update(self, block: bool = False) -> None:
@@ -90,6 +91,9 @@ class WeightApplier:
                 break
             self.report("waiting_for_weights", True)
             time.sleep(0.2)
+        if (a is not None and self.receiver is not None and self.version is not None and a.version > self.version
+                and self.receiver.catch_up(a.version)):  # announced just before the receiver delivered it
+            self._from_collective()
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
@@ -158,7 +162,7 @@ class WeightApplier:
         log.info("loading the base model from version %d for the adapter of version %d", b.version, a.version)
         self.backend.load(str(path))
 
-    # -- the collective transport ---------------------------------------------------------------
+    # -- the in-process transports (collective, ipc) ---------------------------------------------
 
     def _from_collective(self) -> None:
         """Apply the newest version received over the collective, if newer than the one served; refuse
@@ -179,7 +183,7 @@ class WeightApplier:
             if failed is not None:
                 self._refuse_collective(got.version, f"apply_failed: {failed}", got.digest)
             else:
-                self.version, self.digest, self.via = got.version, got.digest, "collective"
+                self.version, self.digest, self.via = got.version, got.digest, self.receiver.via
                 self.hash = ""  # the manifest hash of its files: known from the announcement (below)
                 self.unconfirmed[got.version] = got.digest
                 self.applied_digests[got.version] = got.digest
@@ -188,10 +192,11 @@ class WeightApplier:
                 self.updates += 1
                 self.collective_updates += 1
                 latency = time.time() - got.received_at + got.seconds
+                self.last_receive_s = got.seconds
                 self.last_update_latency_s = round(latency, 4)
                 emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=got.version,
-                           latency_s=latency, digest=got.digest, via="collective")
-                log.info("serving version %d (digest %s) via the collective", got.version, got.digest[:12])
+                           latency_s=latency, digest=got.digest, via=self.receiver.via)
+                log.info("serving version %d (digest %s) via %s", got.version, got.digest[:12], self.receiver.via)
                 self.report("sampling", True)
         self._confirm()
 
@@ -238,12 +243,12 @@ class WeightApplier:
         """A version from the collective that is not served: flagged as a bad snapshot is (shown, counted,
         a ``refused`` event); the previous version keeps serving, later ones still arrive."""
         reason = reason.splitlines()[0][:200]
-        self.refused[f"collective:v{version}:{digest[:12]}"] = reason
+        self.refused[f"{self.receiver.via}:v{version}:{digest[:12]}"] = reason
         self.refused_updates += 1
-        log.error("refused weight version %d received via the collective (%s); still serving version %s",
-                  version, reason, self.version)
+        log.error("refused weight version %d received via %s (%s); still serving version %s",
+                  version, self.receiver.via, reason, self.version)
         emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=version, reason=reason,
-                   via="collective", digest=digest)
+                   via=self.receiver.via, digest=digest)
 
     def _latest(self):
         """The latest announcement signed by the run's key (None before the first). A forged one in

@@ -191,9 +191,10 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
 
     @model_validator(mode="after")
     def _lora_publication(self) -> LearnerConfig:
-        if self.lora.publish == "adapter" and self.weights.transport == "collective":
-            raise ValueError("learner.lora.publish = adapter needs weights.transport store or http (the collective "
-                             "broadcasts whole models); use learner.lora.publish = merged or auto")
+        if self.lora.publish == "adapter" and self.weights.transport in ("collective", "ipc"):
+            raise ValueError(f"learner.lora.publish = adapter needs weights.transport store or http (the "
+                             f"{self.weights.transport} transport hands over whole models); use learner.lora.publish "
+                             "= merged or auto")
         return self
 
     @property
@@ -201,7 +202,7 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         """LoRA on and each version published as its adapter alone (learner.lora.publish, ``auto`` resolved)."""
         if not self.lora.rank:
             return False
-        return self.lora.publish == "adapter" or (self.lora.publish == "auto" and self.weights.transport != "collective")
+        return self.lora.publish == "adapter" or (self.lora.publish == "auto" and self.weights.transport not in ("collective", "ipc"))
 
     @model_validator(mode="after")
     def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:

@@ -104,12 +104,18 @@ class Learner:
             reference.to(self.engine.device)
         self.critic = build_engine(critic, cfg, critic=True) if critic is not None else None
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
-        self.broadcaster = None  # weights.transport = collective: versions broadcast to the generators first
+        # weights.transport = collective (learner/broadcast.py) or ipc (learner/ipc.py): each version handed to
+        # the generators first, the store copy written behind
+        self.broadcaster = None
         if self.leader and cfg.weights.transport == "collective":
             from learner.broadcast import Broadcaster
 
             self.broadcaster = Broadcaster(self.r, self.keys, cfg.weights.collective, self.announce_key,
                                            cfg.weights.digest).start()
+        elif self.leader and cfg.weights.transport == "ipc":
+            from learner.ipc import IpcSharer
+
+            self.broadcaster = IpcSharer(self.r, self.keys, self.announce_key, cfg.weights.digest).start()
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key, publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
                                    cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest,
@@ -224,6 +230,8 @@ class Learner:
                 weights = merged_state_dict(weights, self.lora_scale)
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
+            if self.cfg.weights.transport == "ipc":  # weights on a GPU: into a shared slot on the device, now
+                self.broadcaster.stage(self.version, weights, self.publisher.dtype, self.tied)
             try:  # handed over before it is copied: the collective broadcast streams it as it fills
                 state = snapshot_buffers(weights, self.publisher.dtype, self.tied,
                                          self.background.spare() or self.publisher.buffers(weights, self.tied))
@@ -338,6 +346,8 @@ class Learner:
             if self.leader:
                 log.info("checkpoint written at step %d", self.step)
         self.close_publisher()
+        if self.leader and self.cfg.weights.transport == "ipc":
+            self.broadcaster.close()  # its shared-memory slots unlinked (the store holds every version announced)
         if self.leader and step >= self.cfg.steps:
             self.stop_serving_weights()
             self.r.set(self.keys.done, f"finished its {step} steps")  # why the run ended (summary.json's "ended")

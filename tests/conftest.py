@@ -35,6 +35,17 @@ _TIMES: list[tuple[float, float, str]] = []
 _KEY = "relay_wall_cpu_s"
 
 
+@pytest.fixture
+def peers():
+    """Subprocesses a test starts (tests/support/peers.py); killed at its end if still running."""
+    ps = []
+    yield ps
+    for p in ps:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _cpu_seconds() -> float:
     import resource
 

@@ -198,3 +198,9 @@ class Keys:
         """Hash {host, port, pid}: the learner leader's rendezvous (TCPStore) for the collective weight
         transport, written when it starts (learner/broadcast.py); generators join through it."""
         return self._k("collective")
+
+    @property
+    def ipc(self) -> str:
+        """Hash: the learner leader's shared slots for the ipc weight transport (epoch, header, slot0/1,
+        seq0/1, current; broker/protocol/ipc.py), written by learner/ipc.py."""
+        return self._k("ipc")

@@ -76,9 +76,11 @@ class WeightsConfig(StrictModel):
     """How versions travel from the learner to the generators: one section that ``relay up`` gives to both
     (``--set weights.transport=http``); a service on its own takes it as ``weights.*`` (docs/weights.md)."""
 
-    transport: Literal["store", "http", "collective"] = Field(
+    transport: Literal["store", "http", "collective", "ipc"] = Field(
         "store", description="store: immutable folders on a shared volume; http: the learner serves them, no "
-        "shared volume; collective: broadcast straight into the generators' engines (store copy written behind)")
+        "shared volume; collective: broadcast straight into the generators' engines (store copy written behind); "
+        "ipc: generators on the learner's host copy each version from its shared memory (CUDA IPC on a GPU; "
+        "store copy written behind)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="dtype of the published weights: auto = the training dtype (bf16 when "
         "learner.deepspeed.bf16), else as given")

@@ -2,9 +2,6 @@
 generators/weight_receive.py): the learner's broadcaster in this process, generators' receivers in
 subprocesses (tests/support/collective_peer.py), real Redis, real TCPStore on a free port."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,40 +13,12 @@ from broker.protocol.tensordigest import state_digest
 from broker.runtime.config import CollectiveWeightsConfig
 from learner.broadcast import Broadcaster
 from learner.tiny_model import build_tiny_model
-from tests.support.services import ROOT, announce_key, announce_key_file, child_env, wait_until
+from tests.support.peers import moved_version, peer_result, start_peer
+from tests.support.services import announce_key, wait_until
 
 
-def _peer(procs_list, redis_url, tmp_path, model, gid, *extra):
-    cmd = [sys.executable, str(ROOT / "tests/support/collective_peer.py"), "--redis", redis_url, "--run", "coll",
-           "--key-file", str(announce_key_file(tmp_path)), "--model", str(model), "--id", gid, *extra]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{gid}.log", "w"), env=child_env(),
-                         cwd=ROOT, text=True)
-    procs_list.append(p)
-    return p
-
-
-def _result(p, tmp_path, gid) -> dict:
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 0, (tmp_path / f"{gid}.log").read_text()[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def _version(model_dir, delta: float) -> dict[str, torch.Tensor]:
-    """The tiny model's published tensors (lm_head tied: left out), each moved by ``delta``."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir)
-    return {k: (v + delta).contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}
-
-
-@pytest.fixture
-def peers():
-    ps = []
-    yield ps
-    for p in ps:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+def _peer(procs, redis_url, tmp_path, model, gid, *extra):
+    return start_peer(procs, redis_url, tmp_path, model, gid, "coll", *extra)
 
 
 def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_served(redis_url, tmp_path, peers):
@@ -62,8 +31,8 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
         bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "2", "--until-refused", "1",
                     "--flip-bucket", "2")
         wait_until(lambda: b.member_ids() == ["g-bad", "g-good"], timeout=60, what="both generators joined")
-        initial = state_digest(_version(model, 0.0))
-        v1, v2 = _version(model, 0.01), _version(model, 0.02)
+        initial = state_digest(moved_version(model, 0.0))
+        v1, v2 = moved_version(model, 0.01), moved_version(model, 0.02)
         assert b.send(1, v1) == state_digest(v1)
         # version 1 applied (and refused) before version 2 is sent: else a loaded machine may deliver both
         # before the generators look, and they apply only the newest
@@ -71,7 +40,7 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
                             if e.data.get("version") == 1} >= {("g-good", "applied"), ("g-bad", "refused")},
                    timeout=60, what="version 1 applied by g-good, refused by g-bad")
         assert b.send(2, v2) == state_digest(v2)
-        ok, flipped = _result(good, tmp_path, "g-good"), _result(bad, tmp_path, "g-bad")
+        ok, flipped = peer_result(good, tmp_path, "g-good"), peer_result(bad, tmp_path, "g-bad")
     finally:
         b.close()
     # the healthy generator serves exactly what was sent, through the collective
@@ -140,7 +109,7 @@ def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url
     try:
         gen = _peer(peers, redis_url, tmp_path, model, "g-0", "--until", "3")
         wait_until(lambda: b.member_ids() == ["g-0"], timeout=60, what="the generator joined")
-        v1, v2, v3 = _version(model, 0.01), _version(model, 0.02), _version(model, 0.03)
+        v1, v2, v3 = moved_version(model, 0.01), moved_version(model, 0.02), moved_version(model, 0.03)
         v1["model.norm.weight"][3] = float("nan")
         with pytest.raises(NonFiniteWeights, match="version 1.*model.norm.weight"):
             b.send(1, v1, check=lambda: refuse_nonfinite(v1, 1))
@@ -148,7 +117,7 @@ def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url
             streamed(2, v2, missing="model.layers.0.mlp.up_proj.weight")  # half way through the buckets
         digest, seen = streamed(3, v3)
         assert digest == state_digest(v3) and sorted(seen) == sorted(v3)
-        out = _result(gen, tmp_path, "g-0")
+        out = peer_result(gen, tmp_path, "g-0")
     finally:
         b.close()
     assert out["version"] == 3 and out["collective_updates"] == 1 and out["engine_digest"] == state_digest(v3)
@@ -167,12 +136,12 @@ def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_pa
         bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "0", "--until-refused", "1",
                     "--flip-bucket", "0")
         wait_until(lambda: b.member_ids() == ["g-bad"], timeout=60, what="the generator joined")
-        b.send(1, _version(model, 0.01))
-        res = _result(bad, tmp_path, "g-bad")
+        b.send(1, moved_version(model, 0.01))
+        res = peer_result(bad, tmp_path, "g-bad")
     finally:
         b.close()
     assert res["refused_updates"] == 1 and res["version"] == 0 and res["collective_updates"] == 0
-    assert res["engine_digest"] == state_digest(_version(model, 0.0))  # not served: the weights are unchanged
+    assert res["engine_digest"] == state_digest(moved_version(model, 0.0))  # not served: the weights are unchanged
 
 
 def test_a_dead_generator_is_dropped_and_the_others_still_receive(redis_url, tmp_path, peers):
@@ -183,12 +152,12 @@ def test_a_dead_generator_is_dropped_and_the_others_still_receive(redis_url, tmp
         alive = _peer(peers, redis_url, tmp_path, model, "g-alive", "--until", "2")
         dead = _peer(peers, redis_url, tmp_path, model, "g-dead", "--until", "99")
         wait_until(lambda: b.member_ids() == ["g-alive", "g-dead"], timeout=60, what="both generators joined")
-        b.send(1, _version(model, 0.01))
+        b.send(1, moved_version(model, 0.01))
         dead.kill()  # SIGKILL between two versions
         dead.wait()
-        v2 = _version(model, 0.02)
+        v2 = moved_version(model, 0.02)
         assert b.send(2, v2) == state_digest(v2)
-        res = _result(alive, tmp_path, "g-alive")
+        res = peer_result(alive, tmp_path, "g-alive")
     finally:
         b.close()
     assert res["version"] == 2 and res["engine_digest"] == state_digest(v2)

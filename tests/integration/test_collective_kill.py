@@ -1,6 +1,7 @@
-"""`relay up --set weights.transport=collective` while a generator is SIGKILLed mid-run: the supervisor
-restarts it, it catches up from the store, joins the broadcast again and applies later versions through
-the collective; no version applied anywhere has a digest other than the one announced for it."""
+"""`relay up --set weights.transport=collective` (and `=ipc`) while a generator is SIGKILLed mid-run: the
+supervisor restarts it, it catches up from the store, joins the broadcast (maps the learner's shared slots)
+again and applies later versions through the transport; no version applied anywhere has a digest other
+than the one announced for it."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class Watcher(threading.Thread):
 
     def __init__(self, run: Path):
         super().__init__(daemon=True)
-        self.run_dir = run
+        self.run_dir, self.run_id = run, run.name
         self.stop = threading.Event()
         self.events: list[tuple[str, dict]] = []
         self.announced: dict[int, str] = {}  # version -> digest
@@ -46,13 +47,13 @@ class Watcher(threading.Thread):
         if "deploy.cli" not in cmd or str(self.run_dir / "config/generator-0.json") not in cmd:
             raise AssertionError(f"pid {pid} of gen-0 is not that service: {cmd!r}")
         os.kill(pid, signal.SIGKILL)
-        self.killed = {"pid": pid, "step": step, "event": self._last}
+        self.killed = {"pid": pid, "step": step, "event": self._last, "index": len(self.events)}
 
     def run(self) -> None:
         try:
             while not (self.run_dir / "config" / "broker.json").is_file() and not self.stop.is_set():
                 time.sleep(0.2)
-            r, keys = redis.Redis.from_url(run_redis_url(self.run_dir), socket_timeout=5), Keys("collkill")
+            r, keys = redis.Redis.from_url(run_redis_url(self.run_dir), socket_timeout=5), Keys(self.run_id)
             while not self.stop.is_set():
                 try:
                     for eid, f in r.xrange(keys.events, min=f"({self._last}"):
@@ -71,11 +72,12 @@ class Watcher(threading.Thread):
 
 
 @pytest.mark.slow
-def test_a_generator_killed_under_collective_restarts_catches_up_and_rejoins(tmp_path):
-    run = tmp_path / "collkill"
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", "collkill",
+@pytest.mark.parametrize("transport", ["collective", "ipc"])
+def test_a_generator_killed_under_an_in_process_transport_restarts_catches_up_and_rejoins(tmp_path, transport):
+    run = tmp_path / f"{transport}kill"
+    cmd = [sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", run.name,
            "--steps", str(STEPS), "--generators", "2", "--dashboard-port", "0", "--no-progress", "--max-restarts", "3",
-           "--set", "weights.transport=collective", "--set", "weights.collective.timeout_s=10",
+           "--set", f"weights.transport={transport}", "--set", "weights.collective.timeout_s=10",
            "--set", "generator.claim_idle_s=10"]
     w = Watcher(run)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -99,17 +101,18 @@ def test_a_generator_killed_under_collective_restarts_catches_up_and_rejoins(tmp
 
     applied = [d for k, d in w.events if k == "applied"]
     by_gen = {g: [d for d in applied if d["generator"] == g] for g in ("gen-0", "gen-1")}
-    via = {g: sum(d["via"] == "collective" for d in ds) for g, ds in by_gen.items()}
-    print("versions applied via the collective:", via, "via the store:",
+    via = {g: sum(d["via"] == transport for d in ds) for g, ds in by_gen.items()}
+    print(f"versions applied via {transport}:", via, "via the store:",
           {g: sum(d["via"] == "store" for d in ds) for g, ds in by_gen.items()}, "killed:", w.killed)
-    # both applied versions through the collective; the killed one again after its restart
+    # both applied versions through the transport; the killed one again after its restart
     assert via["gen-0"] >= 3 and via["gen-1"] >= 10, via
-    joins = [d for k, d in w.events if k == "collective_joined" and d["generator"] == "gen-0"]
-    assert len(joins) >= 2, joins  # its first session, and the one after the restart
-    after = [d for (k, d) in w.events[[i for i, (k, d) in enumerate(w.events) if k == "collective_joined"
-                                       and d["generator"] == "gen-0"][1]:] if k == "applied" and d["generator"] == "gen-0"]
-    assert after and after[0]["via"] in ("store", "collective")
-    assert any(d["via"] == "collective" for d in after), after  # it rejoined: later versions came by broadcast
+    if transport == "collective":
+        joins = [d for k, d in w.events if k == "collective_joined" and d["generator"] == "gen-0"]
+        assert len(joins) >= 2, joins  # its first session, and the one after the restart
+    # the restarted process loads the newest stored version first, then joins (maps the slots) again
+    after = [d for (k, d) in w.events[w.killed["index"]:] if k == "applied" and d["generator"] == "gen-0"]
+    assert after and after[0]["via"] in ("store", transport)
+    assert any(d["via"] == transport for d in after), after  # it rejoined: later versions came by the transport
     # provenance: every applied version has the digest that was announced for it
     assert all(d["version"] in w.announced for d in applied), sorted({d["version"] for d in applied} - set(w.announced))
     wrong = [d for d in applied if d["digest"] != w.announced[d["version"]]]

@@ -1,10 +1,12 @@
-"""A generator's side of the collective weight transport, alone in its process (tests of
-learner/broadcast.py + generators/weight_receive.py over real gloo groups): a torch backend loaded from
-a model folder, a WeightApplier with a real Receiver. It applies what arrives until it serves
+"""A generator's side of an in-process weight transport, alone in its process: the collective (tests of
+learner/broadcast.py + generators/weight_receive.py over real gloo groups) or, with ``--transport ipc``,
+shared memory (learner/ipc.py + generators/ipc_receive.py): a torch backend loaded from a model folder,
+a WeightApplier with a real receiver. It applies what arrives until it serves
 ``--until`` (or refused ``--until-refused`` versions), then prints one JSON line: what it serves, what
 it refused, and a checksum of the engine's weights as they are.
 
-``--flip-bucket I`` flips one byte of bucket I of the first version received (a faulty link).
+``--flip-bucket I`` flips one byte of bucket I of the first version received (a faulty link; with
+``--transport ipc``, of the first version's copy, ``I`` ignored). ``--device cuda`` runs the engine there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from broker.protocol.signing import read_key_file
 from broker.protocol.tensordigest import state_digest
 from broker.runtime.config import CollectiveWeightsConfig
 from generators.config import TorchBackendConfig
+from generators.ipc_receive import IpcReceiver
 from generators.weight_receive import Receiver
 from generators.weights import WeightApplier
 
@@ -35,6 +38,8 @@ def main() -> None:
     p.add_argument("--flip-bucket", type=int, default=-1)
     p.add_argument("--bucket-mb", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--transport", choices=("collective", "ipc"), default="collective")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     r, keys = connect_redis(args.redis), Keys(args.run)
     key = read_key_file(args.key_file)
@@ -45,10 +50,20 @@ def main() -> None:
             bucket[bucket.numel() // 2] ^= 0x40
             flipped.append(i)
 
-    backend = TorchBackendConfig().build()
+    backend = TorchBackendConfig(device=args.device).build()
     backend.load(args.model)
-    receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout), args.id,
-                        key, tamper=flip if args.flip_bucket >= 0 else None)
+    if args.transport == "ipc":
+        def flip_copy(flat: torch.Tensor) -> None:  # a byte in the middle of the largest tensor
+            if not flipped:
+                s = max(receiver.layout.slots, key=lambda s: s.nbytes)
+                flat[s.offset + s.nbytes // 2] ^= 0x40
+                flipped.append(0)
+
+        receiver = IpcReceiver(r, keys, args.id, key, device=args.device,
+                               tamper=flip_copy if args.flip_bucket >= 0 else None)
+    else:
+        receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout),
+                            args.id, key, tamper=flip if args.flip_bucket >= 0 else None)
     w = WeightApplier(r, keys, backend, args.id, announce_key=key, receiver=receiver)
     w.version = 0  # the initial weights, as if loaded from the store
     receiver.start()
