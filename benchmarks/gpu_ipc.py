@@ -16,8 +16,10 @@ round the learner changes its weights (a new version) and publishes it as the le
 ``stage`` (the copy into a slot on the device, in the learner's thread), the pinned host snapshot the
 store copy is written from (learner/publish.py ``fill``), then ``send`` (in the publisher's thread: the
 finiteness check and the digest of the slot, the signed ``current``). The generator copies the slot
-device to device, checks the sequence number, digests its copy, compares it with the signed digest and
-applies it (the torch backend adopts the copy); it prints when. The round's latency runs from the start
+device to device as soon as ``staged`` names it, checks the sequence number and digests its copy (beside
+the learner's digest), compares it with the signed digest once ``current`` appears and applies it (the
+torch backend adopts the copy); it prints when. ``generator_receive_s``: from the start of its copy to the
+version ready (the copy, its digest, then the wait for ``current``). The round's latency runs from the start
 of ``stage`` to that moment; the raw baseline, timed alternately, is one device-to-device copy of the
 same bytes. ``digest_match``: the digest announced equals the digest of the snapshot (what the store copy
 carries) and the digest of what the generator serves, every version.
@@ -71,7 +73,7 @@ def generator(device: str, model_dir: str, redis_url: str, key_file: str) -> Non
             engine = {k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight"
                       or not backend.model.config.tie_word_embeddings}
             print(json.dumps({"version": served, "t": now, "digest": w.digest, "via": w.via,
-                              "refused": w.refused_updates, "copy_and_digest_s": w.last_receive_s,
+                              "refused": w.refused_updates, "receive_s": w.last_receive_s,
                               "engine_digest": state_digest(engine), "engine_digest_s": time.perf_counter() - t0}),
                   flush=True)
         if w.refused_updates:
@@ -139,7 +141,7 @@ def main(device: str, size_name: str, rounds: int, out: Path | None) -> dict:
                 t_raw = time.perf_counter() - t1
                 rows.append({"version": version, "latency_s": ans["t"] - t_start, "raw_copy_s": t_raw,
                              "stage_s": t_stage, "learner_blocked_s": t_blocked, "send_s": t_send,
-                             "generator_copy_and_digest_s": ans["copy_and_digest_s"],
+                             "generator_receive_s": ans["receive_s"],
                              "match": ans["version"] == version and ans["via"] == "ipc" and not ans["refused"]
                              and ans["digest"] == digest == state_digest(snap) == ans["engine_digest"]})
         finally:
@@ -159,7 +161,7 @@ def main(device: str, size_name: str, rounds: int, out: Path | None) -> dict:
               "raw_copy_s": med(col("raw_copy_s")), "raw_copy_s_all": col("raw_copy_s"),
               "ratio": med(col("latency_s")) / med(col("raw_copy_s")),
               "stage_s": med(col("stage_s")), "learner_blocked_s": med(col("learner_blocked_s")),
-              "send_s": med(col("send_s")), "generator_copy_and_digest_s": med(col("generator_copy_and_digest_s")),
+              "send_s": med(col("send_s")), "generator_receive_s": med(col("generator_receive_s")),
               "raw_GB_per_s": nbytes / med(col("raw_copy_s")) / 1e9,
               "digest_match": all(x["match"] for x in rows), "rows": rows}
     if out:

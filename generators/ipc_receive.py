@@ -2,13 +2,16 @@
 shares (learner/ipc.py; the contract in broker/protocol/ipc.py) into a buffer of its own.
 
 The generator first loads the newest stored version as with every transport, then :meth:`IpcReceiver.start`
-follows ``current`` in Redis (every ``poll_s``). For each newer version it maps the learner's two slots
-(once per epoch: CUDA IPC for a learner's GPU memory, a shared-memory segment for its CPU memory),
-copies the version's slot into a staging buffer on the engine's device (device to device on a GPU) and
-checks the slot's sequence number before and after: a slot rewritten meanwhile (the learner moved two
-versions on) makes the copy *superseded*, discarded, never refused. Then the signature of ``current``
-(the run's announcement key) and the digest of the bytes copied against the signed one: a version that
-fails is *rejected* (refused and flagged by the WeightApplier, never applied), otherwise *ready*. The
+follows ``staged`` and ``current`` in Redis (every ``poll_s``). For each newer version it maps the learner's
+two slots (once per epoch: CUDA IPC for a learner's GPU memory, a shared-memory segment for its CPU
+memory), copies the version's slot into a staging buffer on the engine's device (device to device on a
+GPU) and checks the slot's sequence number before and after: a slot rewritten meanwhile (the learner
+moved two versions on) makes the copy *superseded*, discarded, never refused. The copy and its digest
+start as soon as ``staged`` names the version, beside the learner's own check and digest; only when
+``current`` confirms the same version, slot and sequence number is the copy checked: the signature of
+``current`` (the run's announcement key) and the digest of the bytes copied against the signed one. A
+version that fails is *rejected* (refused and flagged by the WeightApplier, never applied), otherwise
+*ready*. The
 WeightApplier (generators/weights.py) applies the newest ready version between batches; the torch
 backend adopts the staging buffer (no second copy).
 
@@ -22,6 +25,7 @@ import hashlib
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import redis
@@ -34,6 +38,20 @@ from broker.protocol.tensordigest import state_digest
 from generators.weight_receive import Received, Staging
 
 log = logging.getLogger("relay.generator.ipc")
+
+
+@dataclass
+class _Copy:
+    """A version copied out of a slot into a staging buffer, and the digest of the copy."""
+
+    version: int
+    slot: int
+    seq: int
+    epoch: int
+    flat: torch.Tensor = field(repr=False)
+    state: dict = field(repr=False)
+    digest: str
+    started: float  # perf_counter when its copy began
 
 
 class IpcReceiver(Staging):
@@ -55,12 +73,13 @@ class IpcReceiver(Staging):
         self.mapped: list[torch.Tensor] = []
         self._keep: list = []
         self._seen = b""  # the last ``current`` entry handled
+        self._seen_staged = b""  # the last ``staged`` entry looked at
+        self._pending: _Copy | None = None  # a version copied ahead of its ``current`` entry
         self._newest = -1  # the newest version copied (or refused)
         self._wake = threading.Event()  # catch_up(): look at ``current`` now
         self._handled = threading.Condition()  # notified each time an entry of ``current`` has been handled
 
-    def close(self) -> None:
-        super().close()
+    def _interrupt(self) -> None:
         self._wake.set()
 
     def catch_up(self, version: int, timeout: float = 10.0) -> bool:
@@ -85,27 +104,33 @@ class IpcReceiver(Staging):
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                raw = self.r.hget(self.keys.ipc, "current")
-                if raw is None or raw == self._seen:
+                staged, current = self.r.hmget(self.keys.ipc, ["staged", "current"])
+                if current is not None and current != self._seen:
+                    self._seen = current
+                    try:
+                        self._receive(ipc.parse_current(current))
+                    finally:
+                        with self._handled:
+                            self._handled.notify_all()
+                elif staged is not None and staged != self._seen_staged:
+                    self._seen_staged = staged
+                    self._precopy(ipc.parse_staged(staged))
+                else:
                     self._wake.wait(self.poll_s)
                     self._wake.clear()
-                    continue
-                self._seen = raw
-                try:
-                    self._receive(ipc.parse_current(raw))
-                finally:
-                    with self._handled:
-                        self._handled.notify_all()
             except (redis.RedisError, OSError, RuntimeError, ValueError) as e:  # Redis away, slots gone or not mappable here
                 if self.joined.is_set():
                     log.warning("stopped receiving over ipc (%s); following the store until the slots can be "
                                 "mapped again", str(e).splitlines()[0][:200])
                 self.joined.clear()
-                self.epoch = None
+                self.epoch, self._pending = None, None
                 self.stop.wait(1.0)
 
     def _map(self, epoch: int) -> None:
         """Map the learner's slots of ``epoch`` (its latest allocation)."""
+        if self._pending is not None:  # a copy out of the previous slots
+            self._discard(self._pending.flat)
+            self._pending = None
         fields = self.r.hmget(self.keys.ipc, ["epoch", "header", "slot0", "slot1"])
         if fields[0] is None or int(fields[0]) != epoch or None in fields:
             raise ipc.IpcError(f"the slots of epoch {epoch} are no longer advertised")
@@ -127,16 +152,22 @@ class IpcReceiver(Staging):
     def _seq(self, slot: int) -> int:
         return int(self.r.hget(self.keys.ipc, f"seq{slot}") or -1)
 
-    def _receive(self, cur: dict) -> None:
-        version, slot = cur["version"], cur["slot"]
-        if version <= self._newest:
+    def _precopy(self, st: dict) -> None:
+        """Copy and digest a version the learner has just written, while it checks and digests it too: its
+        ``current`` entry then finds the work done (:meth:`_receive`). One at a time (one staging buffer)."""
+        if st["version"] <= self._newest or self._pending is not None:
             return
-        if cur["epoch"] != self.epoch:
-            self._map(cur["epoch"])
+        if st["epoch"] != self.epoch:
+            self._map(st["epoch"])
+        self._pending = self._copy(st["version"], st["slot"], st["seq"])
+
+    def _copy(self, version: int, slot: int, seq: int) -> _Copy | None:
+        """``version`` copied out of ``slot`` (sequence number ``seq``) into a staging buffer and digested;
+        None when the learner rewrote the slot before or during the copy (superseded: a newer one follows)."""
         t0 = time.perf_counter()
-        if self._seq(slot) != cur["seq"]:  # already rewritten: a newer current follows
+        if self._seq(slot) != seq:  # already rewritten
             self.superseded += 1
-            return
+            return None
         layout = self.layout
         flat = self._buffer(layout.total)
         flat.copy_(self.mapped[slot], non_blocking=True)
@@ -144,27 +175,51 @@ class IpcReceiver(Staging):
             torch.cuda.synchronize(flat.device if flat.is_cuda else self.mapped[slot].device)
         if self.after_copy is not None:
             self.after_copy()
-        if self._seq(slot) != cur["seq"]:  # the learner rewrote the slot during the copy: torn, discarded
+        if self._seq(slot) != seq:  # the learner rewrote the slot during the copy: torn, discarded
             self.superseded += 1
             self._discard(flat)
             log.info("version %d was rewritten in its slot while it was copied: discarded (a newer one follows)",
                      version)
-            return
-        self._newest = version
+            return None
         if self.tamper is not None:
             self.tamper(flat)
         state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
                  for s in layout.slots}
-        digest = state_digest(state, layout.digest)
+        return _Copy(version, slot, seq, self.epoch, flat, state, state_digest(state, layout.digest), t0)
+
+    def _receive(self, cur: dict) -> None:
+        """A new ``current`` entry: its version copied (or the copy made ahead of it taken), checked against
+        the signed digest, delivered (ready or refused)."""
+        version, slot = cur["version"], cur["slot"]
+        if version <= self._newest:
+            return
+        if cur["epoch"] != self.epoch:
+            self._map(cur["epoch"])
+        ahead, self._pending = self._pending, None
+        if ahead is not None and (ahead.version, ahead.slot, ahead.seq, ahead.epoch) == \
+                (version, slot, cur["seq"], cur["epoch"]):
+            copied = ahead
+        else:
+            if ahead is not None and ahead.version > version:  # a newer one is copied already: this one is skipped
+                self._pending, self._newest = ahead, version
+                self.superseded += 1
+                return
+            if ahead is not None:
+                self._discard(ahead.flat)
+            copied = self._copy(version, slot, cur["seq"])
+            if copied is None:
+                return
+        self._newest = version
         problem = None
         if self.key is not None:
             problem = signing.check_collective(self.key, self.keys.run_id, version, cur["digest"], cur["header_sha256"],
                                                cur["sig"])
         if problem is None and cur["header_sha256"] != self.header_sha:
             problem = "header_mismatch"
-        if problem is None and cur["digest"] != digest:
+        if problem is None and cur["digest"] != copied.digest:
             problem = "digest_mismatch"
-        self._deliver(Received(version, digest, state, problem, cur["digest"], time.time(), time.perf_counter() - t0,
-                               flat))
-        log.debug("copied version %d (%.1f MiB) from slot %d in %.3fs", version, layout.total / (1 << 20), slot,
-                  time.perf_counter() - t0)
+        seconds = time.perf_counter() - copied.started
+        self._deliver(Received(version, copied.digest, copied.state, problem, cur["digest"], time.time(), seconds,
+                               copied.flat))
+        log.debug("version %d (%.1f MiB) from slot %d ready %.3fs after its copy began%s", version,
+                  self.layout.total / (1 << 20), slot, seconds, " (copied ahead)" if copied is ahead else "")

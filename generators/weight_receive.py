@@ -95,8 +95,16 @@ class Staging:
             self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the thread and wait for it (at most ``wait_s``): a process that exits while it is inside
+        torch's C++ code may abort."""
         self.stop.set()
+        self._interrupt()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
+
+    def _interrupt(self) -> None:
+        """Wake the thread from a wait (a subclass's socket or poll)."""
 
     def take(self, after: int | None) -> Received | None:
         """The newest good version received since the last call, if newer than ``after``."""
@@ -186,8 +194,11 @@ class Receiver(Staging):
         self.pg = None
         self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(HASH_THREADS)]
 
-    def close(self) -> None:
-        super().close()
+    def close(self, wait_s: float = 0.0) -> None:
+        """Leave the group; the thread is not waited for (a receive blocked in gloo ends only at its timeout)."""
+        super().close(wait_s)
+
+    def _interrupt(self) -> None:
         pg = self.pg
         if pg is not None:
             wire.abort_group(pg)

@@ -113,7 +113,13 @@ class IpcSharer:
                 dst.copy_(state[name].detach(), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        return slot, int(self.r.hincrby(self.keys.ipc, f"seq{slot}", 1))
+        seq = int(self.r.hincrby(self.keys.ipc, f"seq{slot}", 1))
+        return slot, seq
+
+    def _mark_staged(self, version: int, slot: int, seq: int) -> None:
+        """Tell the generators ``version`` lies in ``slot``: they may copy and digest it while this process
+        checks and digests it (they apply it only once ``current`` confirms it)."""
+        self.r.hset(self.keys.ipc, "staged", ipc.encode_staged(version, slot, seq, self.epoch))
 
     # -- one version ----------------------------------------------------------------------------
 
@@ -129,6 +135,7 @@ class IpcSharer:
             if self._slots_for(self._plan(state, dtype), next(iter(devices))):
                 # an older version staged but not taken is dropped (the publisher skips it for this one)
                 self._staged = {version: self._write(state)}
+                self._mark_staged(version, *self._staged[version])
 
     def send(self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None,
              progress=None) -> str:
@@ -157,6 +164,8 @@ class IpcSharer:
                 shareable = bool(state) and self._slots_for(self._plan(state), next(iter(state.values())).device) \
                     and self.device.type != "cuda"
                 staged = self._write(state) if shareable else None
+                if staged is not None:
+                    self._mark_staged(version, *staged)
             if staged is None:
                 self.not_shared += 1
                 log.info("version %d is not shared over ipc (its tensors are not the slots'); the generators load "
@@ -193,8 +202,11 @@ class IpcSharer:
                 self.r.delete(self.keys.ipc)
             for s in self.slots:
                 shm = getattr(s, "_relay_shm", None)
-                if shm is not None:
-                    _unlink(shm.name)
+                if shm is not None:  # the name goes (and this process's tracker forgets it); the views stay valid
+                    try:
+                        shm.unlink()
+                    except FileNotFoundError:
+                        pass  # unlinked by whoever restarted the run meanwhile
             self.slots = []
 
     def _unlink_previous(self) -> None:

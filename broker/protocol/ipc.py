@@ -14,6 +14,10 @@ copy version v while v+1 is written. Everything else lies in one Redis hash, ``K
   bytes, never a pickled object);
 - ``seq0``, ``seq1``: each slot's sequence number, a seqlock: the learner makes it odd before it
   writes the slot and even once the write has landed;
+- ``staged``: JSON ``{"version", "slot", "seq", "epoch"}``: the newest version written into a slot, before
+  the learner has checked and digested it. A hint, never signed and never applied on its own: a generator
+  may start copying (and digesting) it while the learner digests it too, and uses its copy only when a
+  ``current`` entry with the same version, slot, sequence number and epoch follows;
 - ``current``: JSON ``{"version", "slot", "seq", "epoch", "digest", "header_sha256", "sig"}``: the
   newest version, the slot and sequence number it lies under, its tensor digest
   (broker/protocol/tensordigest.py, the one the announcement carries) and the HMAC of the run's
@@ -105,14 +109,24 @@ def encode_current(version: int, slot: int, seq: int, epoch: int, digest: str, h
                        "header_sha256": header_sha256, "sig": sig}, separators=(",", ":")).encode()
 
 
-def parse_current(raw: bytes) -> dict:
+def encode_staged(version: int, slot: int, seq: int, epoch: int) -> bytes:
+    return json.dumps({"version": version, "slot": slot, "seq": seq, "epoch": epoch}, separators=(",", ":")).encode()
+
+
+def parse_staged(raw: bytes) -> dict:
+    """The fields of a ``staged`` entry; IpcError when it is malformed."""
+    return parse_current(raw, staged=True)
+
+
+def parse_current(raw: bytes, staged: bool = False) -> dict:
     """The fields of a ``current`` entry; IpcError when it is malformed."""
     try:
         c = json.loads(raw)
-        out = {"version": int(c["version"]), "slot": int(c["slot"]), "seq": int(c["seq"]), "epoch": int(c["epoch"]),
-               "digest": str(c["digest"]), "header_sha256": str(c["header_sha256"]), "sig": str(c.get("sig", ""))}
+        out = {"version": int(c["version"]), "slot": int(c["slot"]), "seq": int(c["seq"]), "epoch": int(c["epoch"])}
+        if not staged:
+            out.update(digest=str(c["digest"]), header_sha256=str(c["header_sha256"]), sig=str(c.get("sig", "")))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise IpcError(f"malformed current entry: {e}") from None
+        raise IpcError(f"malformed {'staged' if staged else 'current'} entry: {e}") from None
     if out["slot"] not in (0, 1) or out["seq"] % 2:
-        raise IpcError(f"current entry names slot {out['slot']} at sequence {out['seq']}")
+        raise IpcError(f"{'staged' if staged else 'current'} entry names slot {out['slot']} at sequence {out['seq']}")
     return out

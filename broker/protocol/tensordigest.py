@@ -29,6 +29,8 @@ checker always computes the one it is compared with. Only the function that take
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import xxhash
@@ -105,50 +107,68 @@ def state_digest(state: dict, algorithm: str = DEFAULT) -> str:
     return combine((torch_entry(k, v, algorithm) for k, v in state.items()), algorithm)
 
 
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 16 << 20
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # XXH3 and sha256 release the GIL on large inputs
 
 
-def device_entries(state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, bytes]]:
+def device_entries(state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHUNK_BYTES,
+                   threads: int = HASH_THREADS) -> list[tuple[str, bytes]]:
     """:func:`torch_entry` of each tensor of ``state``, all on one accelerator, with its bytes copied to
-    the host in chunks through two pinned buffers: the copy of chunk k+1 (on a side stream) runs while
-    chunk k is hashed, so the check costs about the slower of the two (XXH3 on one core: ~20 GB/s)
-    rather than their sum, and no tensor is copied whole to pageable memory (``.cpu()`` on each of a
-    0.5B model's 290 tensors took 0.34 s on an H200, docs/benchmarks.md). Host memory: two chunks.
-    The tensors must not change until it returns. Tensors on the CPU run the same pipeline, unpinned
-    and synchronous (how it is tested without a GPU)."""
+    the host in chunks through a ring of ``2 * threads`` pinned buffers and hashed by ``threads`` hashing
+    threads: the copies of the next chunks (on a side stream) run while earlier ones are hashed, and the
+    tensors are spread over the threads by size (each tensor's chunks are hashed in order by one
+    thread), so the check costs about the slower of the copy and the largest thread's share rather than
+    their sum. No tensor is copied whole to pageable memory (``.cpu()`` on each of a 0.5B model's 290
+    tensors took 0.34 s on an H200, docs/benchmarks.md). Host memory: ``2 * threads`` chunks. The tensors
+    must not change until it returns. Tensors on the CPU run the same pipeline, unpinned and with
+    synchronous copies (how it is tested without a GPU)."""
     import torch
 
     device = next(iter(state.values())).device if state else torch.device("cpu")
     cuda = device.type == "cuda"
-    pieces, flats = [], {}
+    threads = max(1, threads)
+    pieces, flats, load = [], {}, [0] * threads
+    owner = {}  # tensor -> the hashing thread that takes all its chunks (largest first, to the least loaded)
+    for name, t in sorted(state.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()):
+        owner[name] = load.index(min(load))
+        load[owner[name]] += t.numel() * t.element_size()
     for name, t in state.items():
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         flats[name] = flat  # contiguous copies of strided tensors stay alive until copied
         pieces += [(name, s, min(chunk_bytes, flat.numel() - s)) for s in range(0, flat.numel(), chunk_bytes)]
     size = max((n for _, _, n in pieces), default=0)  # a small state pins no more than it needs
-    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2 * threads)]
     stream = torch.cuda.Stream(device) if cuda else None
     if cuda:
         stream.wait_stream(torch.cuda.current_stream(device))  # the tensors as they are now
-
-    def issue(i: int):
-        name, s, n = pieces[i]
-        if not cuda:
-            bufs[i % 2][:n].copy_(flats[name][s:s + n])
-            return None
-        with torch.cuda.stream(stream):
-            bufs[i % 2][:n].copy_(flats[name][s:s + n], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
-
     hashes = {name: hasher(algorithm) for name in state}
-    done = issue(0) if pieces else None
-    for i, (name, _, n) in enumerate(pieces):
-        following = issue(i + 1) if i + 1 < len(pieces) else None  # into the other buffer, hashed before
+
+    def hash_piece(done, name: str, buf: torch.Tensor) -> None:
         if done is not None:
             done.synchronize()
-        hashes[name].update(bufs[i % 2][:n].numpy())
-        done = following
+        hashes[name].update(buf.numpy())
+
+    pools = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(threads)]
+    in_use: list = [None] * len(bufs)  # the hash reading each buffer
+    try:
+        for i, (name, s, n) in enumerate(pieces):
+            j = i % len(bufs)
+            if in_use[j] is not None:
+                in_use[j].result()  # hashed: the buffer takes the next chunk
+            buf, done = bufs[j][:n], None
+            if cuda:
+                with torch.cuda.stream(stream):
+                    buf.copy_(flats[name][s:s + n], non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+            else:
+                buf.copy_(flats[name][s:s + n])
+            in_use[j] = pools[owner[name]].submit(hash_piece, done, name, buf)
+        for f in in_use:
+            if f is not None:
+                f.result()
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=True)
     return [tensor_entry_from_hash(name, str(t.dtype).removeprefix("torch."), t.shape, hashes[name].digest())
             for name, t in state.items()]

@@ -122,6 +122,45 @@ def test_a_slot_rewritten_during_the_copy_is_discarded_not_refused_and_the_newes
     assert [e["version"] for e in _events(r, keys, "applied")] == [3]
 
 
+def test_a_version_is_copied_while_the_learner_digests_it_and_applied_only_once_current_confirms_it(
+        redis_url, tmp_path, monkeypatch):
+    """``staged`` lets a generator copy and digest a version beside the learner's own digest: while the
+    learner is still digesting (held here until the generator's copy is made), nothing is applied; once
+    ``current`` is signed, the copy made ahead is the one applied (one copy, not two)."""
+    import learner.ipc as sharing
+
+    model = build_tiny_model(tmp_path / "model")
+    r, keys, key = connect_redis(redis_url), Keys(RUN), announce_key(tmp_path)
+    sharer = IpcSharer(r, keys, key).start()
+    copies = []
+    backend, receiver, w = _in_process(r, keys, model, key, after_copy=lambda: copies.append(1))
+    v1, v2 = moved_version(model, 0.01), moved_version(model, 0.02)
+    applied_meanwhile = []
+    digest = sharing.state_digest
+
+    def learner_digest(state, algorithm):  # the learner's digest of version 2, slower than the generator's copy
+        if copies and state_digest(state) == state_digest(v2):
+            wait_until(lambda: receiver._pending is not None, timeout=30, what="version 2 copied ahead")
+            w.update()
+            applied_meanwhile.append(w.version)
+        return digest(state, algorithm)
+
+    try:
+        sharer.send(1, v1)
+        receiver.start()
+        _serve_until(w, 1)
+        monkeypatch.setattr(sharing, "state_digest", learner_digest)
+        assert sharer.send(2, v2) == state_digest(v2)
+        _serve_until(w, 2)
+    finally:
+        receiver.close()
+        sharer.close()
+    assert applied_meanwhile == [1]  # copied, not applied: current had not confirmed it yet
+    assert len(copies) == 2  # version 1, then version 2 once, ahead of its current entry
+    served = {k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight"}
+    assert state_digest(served) == state_digest(v2) and w.refused_updates == 0
+
+
 def test_forged_current_entry_is_refused_and_a_nan_version_never_shared(redis_url, tmp_path):
     """Whoever can write to Redis cannot make a generator apply weights: a ``current`` entry pointing at
     the slot with a digest the run's key did not sign is refused (bad_signature). A version with a NaN is

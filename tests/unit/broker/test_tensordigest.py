@@ -83,14 +83,16 @@ def _awkward_state(device="cpu"):
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
-def test_the_chunked_pipeline_gives_the_digest_of_the_whole_tensors(algo, chunk):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_chunked_pipeline_gives_the_digest_of_the_whole_tensors(algo, chunk, threads):
+    """Chunks through a ring of buffers, hashed by several threads (each tensor's chunks by one, in order)."""
     from broker.protocol.tensordigest import device_entries
 
     s = _awkward_state()
-    assert combine(device_entries(s, algo, chunk_bytes=chunk), algo) == state_digest(s, algo)
+    assert combine(device_entries(s, algo, chunk_bytes=chunk, threads=threads), algo) == state_digest(s, algo)
     changed = dict(s, big=s["big"].clone())
     changed["big"][36, 10] += 1  # the last byte of the last chunk
-    assert combine(device_entries(changed, algo, chunk_bytes=chunk), algo) != state_digest(s, algo)
+    assert combine(device_entries(changed, algo, chunk_bytes=chunk, threads=threads), algo) != state_digest(s, algo)
 
 
 def test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies():
