@@ -90,7 +90,7 @@ class IpcSharer:
         self.r.hset(self.keys.ipc, mapping={"header": self.header, "slot0": ipc.export_buffer(self.slots[0]),
                                             "slot1": ipc.export_buffer(self.slots[1]), "seq0": 0, "seq1": 0,
                                             "pid": os.getpid(), "started_at": time.time()})
-        self.r.hdel(self.keys.ipc, "current")
+        self.r.hdel(self.keys.ipc, "current", "staged")  # a predecessor's, for slots that are gone
         log.info("ipc weight transport: two slots of %.1f MiB on %s (epoch %d)", layout.total / (1 << 20), device,
                  self.epoch)
         return True

@@ -50,7 +50,12 @@ def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
     for case, want, got, gw, gg in zip(CASES, want_diags, got_diags, want_grads, got_grads):
         assert got["micro_batches"] >= 3 * want["micro_batches"], case  # really split
         for name in gw:
-            assert torch.allclose(gg[name], gw[name], rtol=1e-5, atol=1e-5), (case, name)
+            # fp32 sums in another order (micro-batches, ranks' all-reduce) differ by a few ulps of the terms
+            # summed, which can be far larger than an element of the result: the absolute tolerance scales
+            # with the tensor's largest gradient (1e-5 of it), the relative one stays 1e-5
+            scale = max(1.0, float(gw[name].abs().max()))
+            assert torch.allclose(gg[name], gw[name], rtol=1e-5, atol=1e-5 * scale), \
+                (case, name, float((gg[name] - gw[name]).abs().max()), scale)
         assert max(float(g.abs().max()) for g in gw.values()) > 1e-3, case  # a real gradient, not zeros
         for key, value in want.items():
             if key in ("micro_batches", "padding_fraction"):
