@@ -71,3 +71,13 @@ def test_lora_defaults():
     assert on.lr == pytest.approx(10 * LearnerConfig().lr)  # adapters train at ~10x the full rate
     assert on.critic.lr == pytest.approx(LearnerConfig().lr)  # the critic trains every weight
     assert LearnerConfig(lora={"rank": 8}, lr=0.5).lr == 0.5
+
+
+@pytest.mark.parametrize("transport", ["collective", "ipc"])
+def test_transports_that_hand_over_whole_models_publish_merged_adapters(transport):
+    """collective and ipc hand whole models to the engine: `auto` publishes the merged model, and adapters
+    published alone are refused at start-up, naming what would be valid."""
+    assert not LearnerConfig(lora={"rank": 8}, weights={"transport": transport}).lora_adapters_published
+    assert LearnerConfig(lora={"rank": 8}, weights={"transport": "store"}).lora_adapters_published
+    with pytest.raises(ValueError, match=f"needs weights.transport store or http .*the {transport} transport"):
+        LearnerConfig(lora={"rank": 8, "publish": "adapter"}, weights={"transport": transport})
