@@ -28,6 +28,7 @@ from broker.client.telemetry import heartbeat
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat, PromptEntry
 from broker.protocol.signing import announce_key
+from broker.runtime.config import IN_PROCESS_TRANSPORTS
 from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
@@ -103,7 +104,7 @@ class Generator:
         generators/ipc_receive.py), or None: another transport, or a backend that cannot take tensors in
         process (it follows the store copy instead)."""
         transport = self.cfg.weights.transport
-        if transport not in ("collective", "ipc"):
+        if transport not in IN_PROCESS_TRANSPORTS:
             return None
         if not hasattr(self.backend, "update_weights_from_tensors"):
             log.warning("weights.transport = %s: the %s backend cannot apply tensors in process; this generator "

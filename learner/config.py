@@ -7,7 +7,7 @@ from typing import Literal, get_args
 from pydantic import Field, model_validator
 
 from broker.protocol.keys import RECORD_WINDOW
-from broker.runtime.config import RunConnection, StrictModel, WeightsConfig
+from broker.runtime.config import IN_PROCESS_TRANSPORTS, RunConnection, StrictModel, WeightsConfig
 from learner.records import WandbConfig
 
 # The valid option names, defined once: losses.py, correction.py and advantages.py derive theirs from these.
@@ -191,7 +191,7 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
 
     @model_validator(mode="after")
     def _lora_publication(self) -> LearnerConfig:
-        if self.lora.publish == "adapter" and self.weights.transport in ("collective", "ipc"):
+        if self.lora.publish == "adapter" and self.weights.transport in IN_PROCESS_TRANSPORTS:
             raise ValueError(f"learner.lora.publish = adapter needs weights.transport store or http (the "
                              f"{self.weights.transport} transport hands over whole models); use learner.lora.publish "
                              "= merged or auto")
@@ -202,7 +202,8 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         """LoRA on and each version published as its adapter alone (learner.lora.publish, ``auto`` resolved)."""
         if not self.lora.rank:
             return False
-        return self.lora.publish == "adapter" or (self.lora.publish == "auto" and self.weights.transport not in ("collective", "ipc"))
+        return self.lora.publish == "adapter" or (self.lora.publish == "auto"
+                                                  and self.weights.transport not in IN_PROCESS_TRANSPORTS)
 
     @model_validator(mode="after")
     def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:

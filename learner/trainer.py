@@ -346,8 +346,6 @@ class Learner:
             if self.leader:
                 log.info("checkpoint written at step %d", self.step)
         self.close_publisher()
-        if self.leader and self.cfg.weights.transport == "ipc":
-            self.broadcaster.close()  # its shared-memory slots unlinked (the store holds every version announced)
         if self.leader and step >= self.cfg.steps:
             self.stop_serving_weights()
             self.r.set(self.keys.done, f"finished its {step} steps")  # why the run ended (summary.json's "ended")
@@ -364,11 +362,14 @@ class Learner:
             self.weight_server = None
 
     def close_publisher(self) -> None:
-        """Drain the publisher and end its thread (the last version is announced before ``done``)."""
+        """Drain the publisher and end its thread (the last version is announced before ``done``); with the ipc
+        transport, stop sharing (the slots' shared-memory segments unlinked; the store holds every version)."""
         if self.background is not None:
             self.background.close()
             self.counts["publish_skipped"] += self.background.take_skipped()
             self.counts["publish_refused_nonfinite"] += self.background.take_refused()
+        if self.leader and self.cfg.weights.transport == "ipc":
+            self.broadcaster.close()
 
     def warn_if_truncated(self, diag: dict) -> None:
         """Warn once when most completions of the last ``TRUNCATED_WARN_STEPS`` steps stopped at

@@ -72,6 +72,11 @@ class CollectiveWeightsConfig(StrictModel):
                              "generator from the group; it catches up from the store and joins again")
 
 
+# the transports that hand each version to the generators' engines in process (learner/broadcast.py,
+# learner/ipc.py): whole models, received by a generator thread, with the store copy written behind
+IN_PROCESS_TRANSPORTS = ("collective", "ipc")
+
+
 class WeightsConfig(StrictModel):
     """How versions travel from the learner to the generators: one section that ``relay up`` gives to both
     (``--set weights.transport=http``); a service on its own takes it as ``weights.*`` (docs/weights.md)."""
