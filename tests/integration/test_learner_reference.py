@@ -36,5 +36,8 @@ def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path, lora):
     assert 0 < metrics[0]["entropy"] <= math.log(8) + 1e-6  # top-k 8: at most log 8 nats
     assert all(m["metrics_nonfinite"] == 0 and math.isfinite(m["loss"]) and math.isfinite(m["mismatch_kl"])
                for m in metrics)
-    assert sum(m["tokens_outside_kept_set"] for m in metrics[1:]) > 0  # stale tokens fell out, and were counted
+    # stale tokens fell out of the kept set, and were counted; only stale ones can: in a run where the learner
+    # waited for every group (all of staleness 0, seen once in CI under load) there is nothing to count
+    stale = [m for m in metrics[1:] if any(int(k) > 0 for k in m["staleness"])]
+    assert not stale or sum(m["tokens_outside_kept_set"] for m in stale) > 0, [m["staleness"] for m in metrics]
     assert all(0 <= m["padding_fraction"] < 1 for m in metrics)
