@@ -65,9 +65,6 @@ class IpcSharer:
         """The snapshot allocates its own buffers (the slots are not where the store copy is written from)."""
         return None
 
-    def member_ids(self) -> list[str]:
-        return []
-
     # -- the slots ------------------------------------------------------------------------------
 
     def _plan(self, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> wire.Layout:
