@@ -78,7 +78,8 @@ class Generator:
 
             fetcher = WeightFetcher(cfg.weights.http, bearer_token(key, cfg.run_id))
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
-                                     key, cfg.weight_store, fetcher, receiver=self._receiver(key))
+                                     key, cfg.weight_store, fetcher, receiver=self._receiver(key),
+                                     hash_threads=cfg.weights.hash_threads)
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
                          curve, self.weights.hash_for if self.weights.receiver is not None else None, self.leases)

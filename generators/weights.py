@@ -54,11 +54,12 @@ class WeightApplier:
     def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
                  report: Callable[[str, bool], None] = lambda state, heartbeat: None,
                  stopped: Callable[[], bool] = lambda: False, announce_key: bytes | None = None,
-                 store: str = "", fetcher=None, receiver=None):
+                 store: str = "", fetcher=None, receiver=None, hash_threads: int = 1):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
         self.store = store or None  # the weight store every version must be in (None: anywhere)
         self.fetcher = fetcher  # weights.transport http: generators/weight_fetch.py WeightFetcher (None: store)
+        self.hash_threads = hash_threads  # a version's files verified side by side (weights.hash_threads)
         self.forged_announcements = 0  # distinct announcements seen whose signature is missing or wrong
         self._forged_seen: set[tuple[str, str]] = set()
         self.report, self.stopped = report, stopped
@@ -142,7 +143,8 @@ class WeightApplier:
         announced hash and digest: read in place from the store, or fetched over HTTP (the fetcher checked
         hash and digest as the bytes came). WeightStoreError otherwise."""
         if self.fetcher is None:
-            return a.path, weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None).digest
+            return a.path, weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None,
+                                                 threads=self.hash_threads).digest
         path = self.fetcher.fetch(a, self.version)
         digest = self.fetcher.digests.get(a.version)
         if a.digest and digest != a.digest:

@@ -257,19 +257,21 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 
 def write_safetensors(folder: Path, state: dict[str, torch.Tensor], shard_bytes: int,
-                      metadata: dict[str, str] | None = None, index: bool = False) -> dict[str, str]:
+                      metadata: dict[str, str] | None = None, index: bool = False, threads: int = 1) -> dict[str, str]:
     """Write ``state`` into ``folder``: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
     and the Hugging Face index when it exceeds ``shard_bytes`` (or always, with ``index``: a folder that
     also holds a LoRA adapter, whose file loaders that take every ``*.safetensors`` must leave out: vLLM
     reads only the files the index names). Each file is written straight from the tensors' memory and
     hashed as it is written (:func:`write_shard`): returns {file: sha256 hex} of the files written,
-    never read back."""
+    never read back. ``threads``: shards written (and hashed) side by side (weights.hash_threads): one
+    file's sha256 is sequential, so shards are what lets a large version's hashing use several cores."""
     shards = plan_shards(state, shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    digests = {}
-    for name, keys in zip(names, shards):
-        digests[name] = write_shard(folder / name, {k: state[k] for k in keys}, {"format": "pt", **(metadata or {})})
+    meta = {"format": "pt", **(metadata or {})}
+    with ThreadPoolExecutor(max(1, min(threads, len(shards))), thread_name_prefix="relay-shard") as pool:
+        digests = dict(zip(names, pool.map(lambda keys, name: write_shard(folder / name, {k: state[k] for k in keys},
+                                                                          meta), shards, names)))
     if len(shards) > 1 or index:
         weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(t.numel() * t.element_size()
@@ -293,7 +295,7 @@ class Publisher:
 
     def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
                  dtype: torch.dtype = torch.float32, shard_mb: float = 2048.0, broadcaster=None,
-                 digest: str = tensordigest.DEFAULT, versions_kept: int = 0):
+                 digest: str = tensordigest.DEFAULT, versions_kept: int = 0, hash_threads: int = 1):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
         self.versions_kept = versions_kept  # announcements kept in Redis (learner.versions_kept; 0: all)
         self.broadcaster = broadcaster  # the collective transport (learner/broadcast.py): broadcast before the store copy
@@ -304,6 +306,7 @@ class Publisher:
         self.dtype = dtype  # of the published floating-point tensors
         self.digest = digest  # the tensor digest's algorithm (weights.digest; the broadcaster has its own)
         self.shard_bytes = max(1, int(shard_mb * (1 << 20)))
+        self.hash_threads = hash_threads  # shards written and hashed side by side (weights.hash_threads)
         self.heartbeat_ttl_s = 60.0
         self.url_for = None  # weights.transport http: version -> the base URL of its files (learner/weight_server.py)
         self._spare: dict | None = None  # publish(): the previous snapshot, its buffers reused
@@ -381,7 +384,8 @@ class Publisher:
             if model:
                 config.save_pretrained(staging)
                 self.tokenizer.save_pretrained(staging)
-                known.update(write_safetensors(staging, model, self.shard_bytes, meta, index=bool(adapter)))
+                known.update(write_safetensors(staging, model, self.shard_bytes, meta, index=bool(adapter),
+                                               threads=self.hash_threads))
             if adapter:
                 (staging / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=1, sort_keys=True))
                 known[ADAPTER_FILE] = write_shard(staging / ADAPTER_FILE, adapter, {"format": "pt", **meta})

@@ -120,7 +120,8 @@ class Learner:
                                    self.announce_key, publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
                                    cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest,
                                    # never fewer than the staleness bound accepts
-                                   max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0)
+                                   max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0,
+                                   hash_threads=cfg.weights.hash_threads)
         if cfg.lora_adapters_published:
             self.publisher.adapter_config = adapter_config(model)
         # writes, seals and announces each version while the next steps train (the leader only)

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,12 +301,13 @@ def verify(path: str | Path, expected_hash: str | None = None, root: str | Path 
 
 
 def check(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None,
-          expected_digest: str | None = None, tensor_digest: bool = False) -> Verified:
+          expected_digest: str | None = None, tensor_digest: bool = False, threads: int = 1) -> Verified:
     """:func:`verify`, and with ``tensor_digest`` (or an ``expected_digest``) the digest of the tensors
     of the version's ``.safetensors`` files, computed from the same single read of each file (with the
     algorithm ``expected_digest`` names; the default one without it); a digest other than
     ``expected_digest`` raises WeightStoreError ``digest_mismatch`` (a file altered and its manifest
-    recomputed: the hash matches, the tensors are not the ones published)."""
+    recomputed: the hash matches, the tensors are not the ones published). ``threads``: files read and
+    hashed side by side (weights.hash_threads)."""
     tensor_digest = tensor_digest or bool(expected_digest)
     algorithm = tensordigest.algorithm_of(expected_digest) if expected_digest else tensordigest.DEFAULT
     path = Path(path) if root is None else check_in_store(path, root)
@@ -315,15 +317,24 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
     if expected_hash is not None and manifest_hash(manifest) != expected_hash:
         raise WeightStoreError("hash_mismatch", f"{path}: manifest hash differs from the announced {expected_hash[:12]}")
     _check_names(path, manifest["files"])
+    for name in manifest["files"]:
+        if not (path / name).is_file():
+            raise WeightStoreError("missing_file", f"{path / name} is listed in the manifest but missing")
+
+    def one(name: str) -> tuple[str, list[tuple[str, bytes]]]:
+        return _hash_file(path / name, algorithm if tensor_digest and name.endswith(".safetensors") else None)
+
+    names = sorted(manifest["files"], key=lambda n: -(path / n).stat().st_size)  # the largest files start first
+    # files hashed side by side (hashlib and xxhash release the GIL): a version in several shards is checked
+    # in about the time of its largest shard when cores are free
+    with ThreadPoolExecutor(max(1, min(threads, len(names))), thread_name_prefix="relay-verify") as pool:
+        found = dict(zip(names, pool.map(one, names)))
     entries: list[tuple[str, bytes]] = []
-    for name, digest in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise WeightStoreError("missing_file", f"{f} is listed in the manifest but missing")
-        actual, found = _hash_file(f, algorithm if tensor_digest and name.endswith(".safetensors") else None)
+    for name, digest in manifest["files"].items():  # the first problem in the manifest's order
+        actual, tensors = found[name]
         if actual != digest:
-            raise WeightStoreError("corrupt_file", f"{f}: sha256 {actual[:12]} != manifest {digest[:12]}")
-        entries.extend(found)
+            raise WeightStoreError("corrupt_file", f"{path / name}: sha256 {actual[:12]} != manifest {digest[:12]}")
+        entries.extend(tensors)
     if not tensor_digest:
         return Verified(manifest, None)
     try:

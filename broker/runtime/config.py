@@ -89,8 +89,12 @@ class WeightsConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="dtype of the published weights: auto = the training dtype (bf16 when "
         "learner.deepspeed.bf16), else as given")
-    shard_mb: float = Field(2048.0, gt=0, description="safetensors shard size in MiB (several shards: the Hugging "
-                            "Face index is written too)")
+    shard_mb: float = Field(512.0, gt=0, description="safetensors shard size in MiB (several shards: the Hugging "
+                            "Face index is written too; shards are what lets hash_threads hash one version on "
+                            "several cores)")
+    hash_threads: int = Field(4, ge=1, le=64, description="shards written and hashed side by side by the learner, "
+                              "and read and verified side by side by each generator (one file's sha256 is "
+                              "sequential: ~1.5 GB/s per core)")
     digest: Literal["xxh3", "sha256"] = Field(
         "xxh3", description="per-tensor hash of the tensor digest every generator checks against what it applied: "
         "xxh3 (XXH3-128, ~5x faster) or sha256 (cryptographic; the files' own hashes are sha256 either way)")

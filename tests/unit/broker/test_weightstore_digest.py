@@ -34,13 +34,33 @@ def test_header_digest_equals_state_digest_in_any_chunking():
             assert tensordigest.combine(h.finish(), algo) == tensordigest.state_digest(state, algo), (algo, chunk)
 
 
-def test_sharded_version_digest_equals_state_digest(tmp_path):
+@pytest.mark.parametrize("threads", [1, 4])  # the shards verified one after another, or side by side
+def test_sharded_version_digest_equals_state_digest(tmp_path, threads):
     state = {f"w{i}": torch.randn(64, 64).to(torch.bfloat16) for i in range(6)}
     staging = ws.staging_dir(tmp_path, 1)
-    known = write_safetensors(staging, state, shard_bytes=3 * 64 * 64 * 2)
+    known = write_safetensors(staging, state, shard_bytes=3 * 64 * 64 * 2, threads=threads)
     assert len(known) == 2
     path, h = ws.seal(tmp_path, 1, staging, known)
-    assert ws.check(path, h, tensor_digest=True).digest == tensordigest.state_digest(state)
+    assert ws.check(path, h, tensor_digest=True, threads=threads).digest == tensordigest.state_digest(state)
+
+
+def test_shards_verified_side_by_side_name_the_first_bad_file_in_manifest_order(tmp_path):
+    state = {f"w{i}": torch.randn(64, 64).to(torch.bfloat16) for i in range(8)}
+    staging = ws.staging_dir(tmp_path, 3)
+    known = write_safetensors(staging, state, shard_bytes=2 * 64 * 64 * 2, threads=4)
+    assert len(known) == 4
+    path, h = ws.seal(tmp_path, 3, staging, known)
+    names = list(ws.read_manifest(path)["files"])
+    bad = [n for n in names if n.endswith(".safetensors")][1:3]  # two shards altered, one byte each
+    for n in bad:
+        f = path / n
+        f.chmod(0o644)
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    with pytest.raises(ws.WeightStoreError) as e:
+        ws.check(path, h, expected_digest=tensordigest.state_digest(state), threads=4)
+    assert e.value.reason == "corrupt_file" and bad[0] in str(e.value) and bad[1] not in str(e.value)
 
 
 def test_a_tampered_tensor_with_a_recomputed_manifest_is_refused(tmp_path):

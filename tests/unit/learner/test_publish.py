@@ -24,9 +24,10 @@ def _state(seed=0):
         "embed.weight": torch.randn(100, 32, generator=g), "norm.bias": torch.zeros(32), "step": torch.tensor(3)}
 
 
-def test_sharded_writer_hashes_what_it_writes_and_writes_the_hf_index(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])  # shards written one after another, or side by side
+def test_sharded_writer_hashes_what_it_writes_and_writes_the_hf_index(tmp_path, threads):
     state = snapshot(_state(), 1, torch.bfloat16)
-    digests = write_safetensors(tmp_path, state, shard_bytes=8 * 1024)  # 64x32 bf16 = 4 KiB per layer
+    digests = write_safetensors(tmp_path, state, shard_bytes=8 * 1024, threads=threads)  # 64x32 bf16 = 4 KiB per layer
     shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
     assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert set(digests) == set(shards)
