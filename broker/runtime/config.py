@@ -92,7 +92,7 @@ class WeightsConfig(StrictModel):
     shard_mb: float = Field(512.0, gt=0, description="safetensors shard size in MiB (several shards: the Hugging "
                             "Face index is written too; shards are what lets hash_threads hash one version on "
                             "several cores)")
-    hash_threads: int = Field(4, ge=1, le=64, description="shards written and hashed side by side by the learner, "
+    hash_threads: int = Field(8, ge=1, le=64, description="shards written and hashed side by side by the learner, "
                               "and read and verified side by side by each generator (one file's sha256 is "
                               "sequential: ~1.5 GB/s per core)")
     digest: Literal["xxh3", "sha256"] = Field(
