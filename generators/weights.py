@@ -98,20 +98,26 @@ class WeightApplier:
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
-                path, digest = self._obtain(a)
-                if a.adapter_only:  # a LoRA adapter alone: onto the base it pins (loaded first on a fresh start)
-                    if self.version is None:
-                        self._load_base(a)
-                    elif self.base_digest != a.base_digest:
-                        raise weightstore.WeightStoreError(
-                            "base_mismatch", f"version {a.version} is an adapter for the base model "
-                            f"{a.base_digest[:12] or '?'} (version {a.base}); this generator serves the base "
-                            f"{self.base_digest[:12] or 'of a model without adapters'}")
-                    self.backend.update_weights(str(path))
-                elif self.version is None:
-                    self.backend.load(str(path))
-                else:
-                    self.backend.update_weights(str(path))
+                path, digest, files = self._obtain(a)
+                try:
+                    if a.adapter_only:  # a LoRA adapter alone: onto the base it pins (loaded first on a fresh start)
+                        if self.version is None:
+                            self._load_base(a)
+                        elif self.base_digest != a.base_digest:
+                            raise weightstore.WeightStoreError(
+                                "base_mismatch", f"version {a.version} is an adapter for the base model "
+                                f"{a.base_digest[:12] or '?'} (version {a.base}); this generator serves the base "
+                                f"{self.base_digest[:12] or 'of a model without adapters'}")
+                        self.backend.update_weights(str(path))
+                    elif self.version is None:
+                        self.backend.load(str(path))
+                    elif files is not None:  # the bytes the check hashed, not the files opened again
+                        self.backend.update_weights(str(path), files=files.files)
+                    else:
+                        self.backend.update_weights(str(path))
+                finally:
+                    if files is not None:
+                        files.close()
                 break
             except (weightstore.WeightStoreError, ValueError, OSError) as e:
                 newer = self._latest()
@@ -139,18 +145,24 @@ class WeightApplier:
             self.receiver.start()  # joins the broadcast once the engine runs (a no-op when started)
 
     def _obtain(self, a):
-        """(the local folder of version ``a``, the digest of its tensors), its files checked against the
-        announced hash and digest: read in place from the store, or fetched over HTTP (the fetcher checked
-        hash and digest as the bytes came). WeightStoreError otherwise."""
+        """(the local folder of version ``a``, the digest of its tensors, the check's mapped files or None),
+        its files checked against the announced hash and digest: read in place from the store, or fetched
+        over HTTP (the fetcher checked hash and digest as the bytes came). WeightStoreError otherwise.
+        From the store, a whole-model update into an engine that loads mapped files (the torch backend)
+        keeps the files the check mapped: the engine loads the bytes that were hashed (a file renamed into
+        the folder after the check is not loaded), and the files are read once."""
         if self.fetcher is None:
-            return a.path, weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None,
-                                                 threads=self.hash_threads).digest
+            keep = (getattr(self.backend, "loads_mapped_files", False) and self.version is not None
+                    and not a.adapter_only)
+            v = weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None,
+                                  threads=self.hash_threads, keep=keep)
+            return a.path, v.digest, (v if keep else None)
         path = self.fetcher.fetch(a, self.version)
         digest = self.fetcher.digests.get(a.version)
         if a.digest and digest != a.digest:
             raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {(digest or '')[:12]} "
                                                f"differs from the announced {a.digest[:12]}")
-        return path, digest
+        return path, digest, None
 
     def _load_base(self, a) -> None:
         """Start the engine from the version that carries the base model the adapter ``a`` pins (its signed
@@ -160,7 +172,7 @@ class WeightApplier:
             found = "not announced" if b is None else f"announced with base {b.base} ({b.base_digest[:12]})"
             raise weightstore.WeightStoreError("missing_base", f"version {a.version} is an adapter for the base model "
                                                f"of version {a.base} ({a.base_digest[:12]}), which is {found}")
-        path, _ = self._obtain(b)
+        path, _, _ = self._obtain(b)
         log.info("loading the base model from version %d for the adapter of version %d", b.version, a.version)
         self.backend.load(str(path))
 

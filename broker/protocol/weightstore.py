@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.protocol import tensordigest
@@ -270,17 +271,71 @@ def safetensors_entries(data: bytes, name: str = "<bytes>",
     return h.finish()
 
 
-def _hash_file(f: Path, tensors: str | None) -> tuple[str, list[tuple[str, bytes]]]:
+class MappedFile:
+    """A safetensors file of a verified version, mapped read-only: the bytes its sha256 and digest were
+    computed from (:func:`check` with ``keep``). Load the tensors from here, not from the path: a file
+    swapped in under the same name after the check (a rename into the folder) is not what this maps.
+    ``tensors``: (begin, end, name, safetensors dtype name, shape) with absolute byte offsets."""
+
+    def __init__(self, name: str, mapping: mmap.mmap, tensors: list[tuple[int, int, str, str, list[int]]]):
+        self.name, self.mapping, self.tensors = name, mapping, tensors
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.mapping)
+
+    def close(self) -> None:
+        try:
+            self.mapping.close()
+        except BufferError:  # a view still exported (a tensor over it): unmapped once that is gone
+            pass
+
+
+def _hash_file(f: Path, tensors: str | None, keep: bool = False
+               ) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, WeightStoreError | None]:
     """(sha256 hex of the file, its tensor-digest entries with the algorithm ``tensors`` when one is
-    given) from one read."""
+    given, with ``keep`` the file mapped (:class:`MappedFile`), and the file's safetensors problem if
+    its tensors were asked for and it has one) from one read. With ``keep`` the hashes read the mapping
+    itself, so what is loaded from it later is what was hashed. The sha256 is always finished: a file
+    that differs from its manifest is ``corrupt_file`` whatever its header looks like."""
     h = hashlib.sha256()
-    th = TensorHasher(f.name, tensors) if tensors else None
+    th = TensorHasher(f.name, tensors or tensordigest.DEFAULT) if tensors or keep else None
+    problem: WeightStoreError | None = None
     with open(f, "rb") as fh:
-        for chunk in iter(lambda: fh.read(CHUNK), b""):
+        size = os.fstat(fh.fileno()).st_size
+        if keep and size:
+            mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            view = memoryview(mapping)
+            chunks = (view[i:i + CHUNK] for i in range(0, size, CHUNK))
+        else:
+            mapping = None
+            chunks = iter(lambda: fh.read(CHUNK), b"")
+        for chunk in chunks:
             h.update(chunk)
-            if th is not None:
-                th.update(chunk)
-    return h.hexdigest(), (th.finish() if th is not None else [])
+            if th is not None and problem is None:
+                try:
+                    th.update(chunk)
+                except WeightStoreError as e:
+                    problem = e.with_traceback(None)  # its frames would hold views of the mapping
+        del chunks
+        if mapping is not None:
+            view.release()
+    entries: list[tuple[str, bytes]] = []
+    if th is not None and problem is None:
+        try:
+            entries = th.finish()
+        except WeightStoreError as e:
+            problem = e.with_traceback(None)
+    mapped = None
+    if keep and problem is None:
+        if mapping is None:  # an empty file: nothing to map, and no tensor to load from it
+            problem = WeightStoreError("bad_safetensors", f"{f}: the file is empty")
+        else:
+            mapped = MappedFile(f.name, mapping, [(b + th.data_start, e + th.data_start, n, d, shape)
+                                                  for b, e, n, d, shape in th.tensors])
+    if mapped is None and mapping is not None:
+        MappedFile(f.name, mapping, []).close()
+    return h.hexdigest(), (entries if tensors else []), mapped, problem
 
 
 @dataclass
@@ -290,6 +345,11 @@ class Verified:
 
     manifest: dict
     digest: str | None
+    files: dict[str, MappedFile] = field(default_factory=dict)  # with ``keep``: each .safetensors file, mapped
+
+    def close(self) -> None:
+        for m in self.files.values():
+            m.close()
 
 
 def verify(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None) -> dict:
@@ -301,13 +361,15 @@ def verify(path: str | Path, expected_hash: str | None = None, root: str | Path 
 
 
 def check(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None,
-          expected_digest: str | None = None, tensor_digest: bool = False, threads: int = 1) -> Verified:
+          expected_digest: str | None = None, tensor_digest: bool = False, threads: int = 1,
+          keep: bool = False) -> Verified:
     """:func:`verify`, and with ``tensor_digest`` (or an ``expected_digest``) the digest of the tensors
     of the version's ``.safetensors`` files, computed from the same single read of each file (with the
     algorithm ``expected_digest`` names; the default one without it); a digest other than
     ``expected_digest`` raises WeightStoreError ``digest_mismatch`` (a file altered and its manifest
     recomputed: the hash matches, the tensors are not the ones published). ``threads``: files read and
-    hashed side by side (weights.hash_threads)."""
+    hashed side by side (weights.hash_threads). ``keep``: the ``.safetensors`` files stay mapped
+    (``Verified.files``; close them with ``Verified.close``), to be loaded from the bytes checked."""
     tensor_digest = tensor_digest or bool(expected_digest)
     algorithm = tensordigest.algorithm_of(expected_digest) if expected_digest else tensordigest.DEFAULT
     path = Path(path) if root is None else check_in_store(path, root)
@@ -321,30 +383,46 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
         if not (path / name).is_file():
             raise WeightStoreError("missing_file", f"{path / name} is listed in the manifest but missing")
 
-    def one(name: str) -> tuple[str, list[tuple[str, bytes]]]:
-        return _hash_file(path / name, algorithm if tensor_digest and name.endswith(".safetensors") else None)
+    def one(name: str) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, WeightStoreError | None]:
+        st = name.endswith(".safetensors")
+        return _hash_file(path / name, algorithm if tensor_digest and st else None, keep and st)
 
     names = sorted(manifest["files"], key=lambda n: -(path / n).stat().st_size)  # the largest files start first
     # files hashed side by side (hashlib and xxhash release the GIL): a version in several shards is checked
     # in about the time of its largest shard when cores are free
     with ThreadPoolExecutor(max(1, min(threads, len(names))), thread_name_prefix="relay-verify") as pool:
-        found = dict(zip(names, pool.map(one, names)))
-    entries: list[tuple[str, bytes]] = []
-    for name, digest in manifest["files"].items():  # the first problem in the manifest's order
-        actual, tensors = found[name]
-        if actual != digest:
-            raise WeightStoreError("corrupt_file", f"{path / name}: sha256 {actual[:12]} != manifest {digest[:12]}")
-        entries.extend(tensors)
-    if not tensor_digest:
-        return Verified(manifest, None)
+        futures = {name: pool.submit(one, name) for name in names}
+    found, problem = {}, None
+    for name in names:
+        try:
+            found[name] = futures[name].result()
+        except (WeightStoreError, OSError, ValueError) as e:
+            problem = problem or e
+    verified = Verified(manifest, None, {n: m for n, (_, _, m, _) in found.items() if m is not None})
     try:
-        digest = tensordigest.combine(entries, algorithm)
-    except ValueError as e:
-        raise WeightStoreError("bad_safetensors", f"{path}: {e}") from None
-    if expected_digest and digest != expected_digest:
-        raise WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {digest[:12]} differs from the "
-                               f"announced {expected_digest[:12]}")
-    return Verified(manifest, digest)
+        if problem is not None:  # a file that could not be read
+            raise problem
+        entries: list[tuple[str, bytes]] = []
+        for name, digest in manifest["files"].items():  # the first problem in the manifest's order
+            actual, tensors, _, bad = found[name]
+            if actual != digest:
+                raise WeightStoreError("corrupt_file", f"{path / name}: sha256 {actual[:12]} != manifest {digest[:12]}")
+            if bad is not None:  # as the manifest says, and not a safetensors file
+                raise bad
+            entries.extend(tensors)
+        if not tensor_digest:
+            return verified
+        try:
+            verified.digest = tensordigest.combine(entries, algorithm)
+        except ValueError as e:
+            raise WeightStoreError("bad_safetensors", f"{path}: {e}") from None
+        if expected_digest and verified.digest != expected_digest:
+            raise WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {verified.digest[:12]} differs "
+                                   f"from the announced {expected_digest[:12]}")
+        return verified
+    except BaseException:
+        verified.close()  # nothing stays mapped for a version refused
+        raise
 
 
 def list_versions(root: str | Path) -> list[int]:

@@ -11,13 +11,14 @@ import json
 import logging
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from broker.protocol.sampling import sampling_logprobs
-from broker.protocol.weightstore import (ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_SETTINGS, PEFT_PREFIX,
+from broker.protocol.weightstore import (ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_SETTINGS, PEFT_PREFIX, MappedFile,
                                          is_adapter_tensor)
 from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, TorchBackendConfig
@@ -38,9 +39,27 @@ def _base_layer_name(name: str) -> str:
     return f"{module}.base_layer.{leaf}"
 
 
+def mapped_tensors(m: MappedFile) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file mapped by ``weightstore.check(keep=True)``: CPU views of the bytes
+    that were hashed (read-only memory: only ever copied from). A tensor whose offset does not suit its
+    dtype's alignment (the format does not pad) is copied out first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": the views are only read
+        raw = torch.frombuffer(m.mapping, dtype=torch.uint8)
+    out = {}
+    for begin, end, name, dtype, shape in m.tensors:
+        dt = getattr(torch, dtype)
+        part = raw[begin:end]
+        if begin % dt.itemsize:
+            part = part.clone()
+        out[name] = part.view(dt).view(shape)
+    return out
+
+
 class TorchBackend(HFText):
     name = "torch"
     supports_in_flight = TorchBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
+    loads_mapped_files = True  # update_weights(path, files=...): loads the bytes weightstore.check hashed
 
     def __init__(self, cfg: TorchBackendConfig):
         self.cfg = cfg
@@ -68,9 +87,11 @@ class TorchBackend(HFText):
         """Identity of the running engine: the same PID and module across updates means no restart."""
         return {"pid": os.getpid(), "engine_id": id(self.model)}
 
-    def update_weights(self, path: str) -> None:
+    def update_weights(self, path: str, files: dict[str, MappedFile] | None = None) -> None:
         """Load version ``path`` in place: a whole model (its tensors into the same parameters; with a LoRA
-        adapter beside it, the adapter too), or a LoRA adapter alone (:meth:`_load_adapter`)."""
+        adapter beside it, the adapter too), or a LoRA adapter alone (:meth:`_load_adapter`). ``files``:
+        its safetensors files as ``weightstore.check(keep=True)`` mapped them, loaded instead of opening
+        the files again (what is loaded is what was verified, whatever was renamed into the folder since)."""
         if not (Path(path) / "config.json").is_file() and (Path(path) / ADAPTER_CONFIG).is_file():
             self._load_adapter(path)
             return
@@ -79,9 +100,14 @@ class TorchBackend(HFText):
                 k: v for k, v in self._config.items() if k != "transformers_version"}:
             raise ValueError("the snapshot's config.json differs from the served model's architecture")
         state = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            if f.name != ADAPTER_FILE:
-                state.update(load_file(f, device=str(self.device)))
+        if files is not None:
+            for name in sorted(files):
+                if name != ADAPTER_FILE:
+                    state.update(mapped_tensors(files[name]))
+        else:
+            for f in sorted(Path(path).glob("*.safetensors")):
+                if f.name != ADAPTER_FILE:
+                    state.update(load_file(f, device=str(self.device)))
         own = self.model.state_dict()
         # a layer that carries an adapter holds its own weight under <module>.base_layer.<weight|bias>
         state = {k if k in own else _base_layer_name(k): v for k, v in state.items()}

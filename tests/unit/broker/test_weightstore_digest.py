@@ -90,3 +90,26 @@ def test_a_malformed_header_is_a_clear_error():
     header = json.dumps({"x": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}).encode()
     with pytest.raises(ws.WeightStoreError, match="bad_safetensors.*'x'"):
         ws.safetensors_entries(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+
+
+@pytest.mark.parametrize("keep", [False, True])  # read, or mapped to be loaded from (the torch backend's path)
+def test_a_file_altered_in_its_header_is_corrupt_whether_mapped_or_read(tmp_path, keep):
+    """The sha256 is finished whatever the header looks like: an altered file is ``corrupt_file`` (not a
+    parse error first), with or without the tensor digest, and a refused version leaves nothing mapped."""
+    state = {f"w{i}": torch.randn(64, 64) for i in range(3)}
+    staging = ws.staging_dir(tmp_path, 4)
+    path, h = ws.seal(tmp_path, 4, staging, write_safetensors(staging, state, shard_bytes=1 << 30))
+    f = path / "model.safetensors"
+    f.chmod(0o644)
+    with open(f, "r+b") as fh:
+        fh.seek(40)  # inside the JSON header
+        fh.write(b"\xff\xff\xff\xff")
+    for digest in (None, tensordigest.state_digest(state)):
+        with pytest.raises(ws.WeightStoreError) as e:
+            ws.check(path, h, expected_digest=digest, keep=keep)
+        assert e.value.reason == "corrupt_file", e.value
+    good = ws.staging_dir(tmp_path, 5)
+    p5, h5 = ws.seal(tmp_path, 5, good, write_safetensors(good, state, shard_bytes=1 << 30))
+    v = ws.check(p5, h5, expected_digest=tensordigest.state_digest(state), keep=keep)
+    assert set(v.files) == ({"model.safetensors"} if keep else set())
+    v.close()
