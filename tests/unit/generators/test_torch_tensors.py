@@ -10,6 +10,7 @@ import torch
 from broker.protocol.tensordigest import state_digest
 from generators.backends.torch import TorchBackend
 from generators.config import TorchBackendConfig
+from tests.support.models import needs_gpu
 
 
 def _published(b: TorchBackend) -> dict[str, torch.Tensor]:
@@ -119,3 +120,30 @@ def test_an_update_loads_the_bytes_its_check_hashed_not_a_file_renamed_in_after(
     assert state_digest(_published(backend)) == state_digest(published)
     backend.update_weights(str(path))  # by path: the swapped file (what the mapped load prevents)
     assert state_digest(_published(backend)) != state_digest(published)
+
+
+def test_a_gpu_engine_updates_from_the_mapped_bytes_of_a_bf16_version(tmp_path):
+    """The same path on CUDA: a bf16 version checked (mapped) on the host, copied into the engine's
+    parameters on the GPU; the engine's weights then have the published digest."""
+    from broker.protocol import weightstore
+    from learner.tiny_model import build_tiny_model
+
+    b = TorchBackend(TorchBackendConfig(device="cuda", dtype="bfloat16"))
+    b.load(str(build_tiny_model(tmp_path / "m", seed=0)))
+    engine = id(b.model)
+    published = {k: (v.float().cpu() + 0.5).to(torch.bfloat16) for k, v in _published(b).items()}
+    config_from = tmp_path / "cfg"
+    config_from.mkdir()
+    (config_from / "config.json").write_text(json.dumps(b._config))
+    path, h = _seal(tmp_path / "store", 1, published, config_from)
+    v = weightstore.check(path, h, expected_digest=state_digest(published), keep=True)
+    b.update_weights(str(path), files=v.files)
+    v.close()
+    served = {k: t.cpu() for k, t in _published(b).items()}
+    assert id(b.model) == engine and all(t.device.type == "cuda" for t in b.model.state_dict().values())
+    assert state_digest(served) == state_digest(published)
+
+
+for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
+    test_a_gpu_engine_updates_from_the_mapped_bytes_of_a_bf16_version = _mark(
+        test_a_gpu_engine_updates_from_the_mapped_bytes_of_a_bf16_version)
