@@ -294,7 +294,7 @@ class Publisher:
     is the synchronous whole (snapshot, then write), for tools and tests."""
 
     def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
-                 dtype: torch.dtype = torch.float32, shard_mb: float = 2048.0, broadcaster=None,
+                 dtype: torch.dtype = torch.float32, shard_mb: float = 512.0, broadcaster=None,
                  digest: str = tensordigest.DEFAULT, versions_kept: int = 0, hash_threads: int = 1):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
         self.versions_kept = versions_kept  # announcements kept in Redis (learner.versions_kept; 0: all)
