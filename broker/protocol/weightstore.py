@@ -280,10 +280,6 @@ class MappedFile:
     def __init__(self, name: str, mapping: mmap.mmap, tensors: list[tuple[int, int, str, str, list[int]]]):
         self.name, self.mapping, self.tensors = name, mapping, tensors
 
-    @property
-    def view(self) -> memoryview:
-        return memoryview(self.mapping)
-
     def close(self) -> None:
         try:
             self.mapping.close()
