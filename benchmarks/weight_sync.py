@@ -2,9 +2,11 @@
 running ``relay generator`` processes (torch backend) have applied it, one row per transport
 (``weights.transport``), each against a raw baseline measured in the same run on the same bytes:
 
-    store        the publisher thread writes sharded safetensors (hashed while written), seals and
-                 announces; each generator verifies every file's sha256 and the tensors' digest in one
-                 read, then loads in place   vs   a plain safetensors save_file + load_file
+    store        the publisher thread writes sharded safetensors (hashed while written, shards side by
+                 side), seals and announces; each generator verifies every file's sha256 and the tensors'
+                 digest in one read of its mapping, then copies the tensors from that mapping into its
+                 engine   vs   a plain safetensors save_file + load_file, the loaded tensors copied into
+                 tensors allocated once (load_file only maps the file)
     http         generators fetch each version from the learner's weight server (no shared store)
                  vs   a plain HTTP GET of the same bytes per generator
     collective   the tensors broadcast in buckets straight into the generators' engines (gloo here)
