@@ -62,11 +62,14 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: l
             pipe.execute()
 
 
-def consume(r, stream: str, total: int, timeout_s: float, producers=()) -> tuple[int, float]:
+def consume(r, stream: str, total: int, timeout_s: float, producers=(), keys=None) -> tuple[int, float]:
     """The benchmark's consumer, raw Redis on purpose (it drains the broker's stream and the raw
-    baseline's alike, so both sides pay the same consumer). Read ``total`` entries through the ``learner`` group, acknowledging and deleting each batch;
-    returns (bytes read, time.perf_counter() at the last one). A producer that failed (``producers``:
-    their processes) ends the wait at once."""
+    baseline's alike). Read ``total`` entries through the ``learner`` group, acknowledging and deleting
+    each batch; returns (bytes read, time.perf_counter() at the last one). The raw baseline's entries hold
+    their payloads; the broker's (``keys``: its run's Keys) hold only ids, and their messages are read as
+    the learner reads them (one MGET per batch of the ``payload:<stream id>`` keys, deleted with the
+    entries: docs/protocol.md 7.3), so the broker's side pays that layout's read. A producer that failed (``producers``: their processes)
+    ends the wait at once."""
     got = nbytes = 0
     deadline = time.monotonic() + timeout_s
     while got < total:
@@ -78,19 +81,28 @@ def consume(r, stream: str, total: int, timeout_s: float, producers=()) -> tuple
         resp = r.xreadgroup("learner", "bench", {stream: ">"}, count=256, block=200)
         for _, entries in resp or []:
             ids = [eid for eid, _ in entries]
-            nbytes += sum(len(f[b"data"]) for _, f in entries)
+            payloads = [f[b"data"] for _, f in entries] if keys is None else r.mget([keys.payload(e) for e in ids])
+            if not all(payloads):
+                raise RuntimeError(f"{stream}: an entry's message is missing")
+            nbytes += sum(map(len, payloads))
             got += len(entries)
             pipe = r.pipeline(transaction=False)
             pipe.xack(stream, "learner", *ids)
             pipe.xdel(stream, *ids)
+            if keys is not None:
+                pipe.delete(*[keys.payload(e) for e in ids])
             pipe.execute()
     return nbytes, time.perf_counter()
 
 
 def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens: int, seed: int,
-              keys: list[str] = (), producers: int = 2, run_id: str = "bench") -> tuple[float, float]:
-    """(groups/s, MB/s) of one round of ``producers`` processes (``keys``: a broker producer's CURVE key
-    files; ``run_id``: the run the broker's groups are for)."""
+              keys: list[str] = (), producers: int = 2, run_id: str = "bench") -> tuple[float, float, float]:
+    """(groups/s, MB/s, Redis CPU µs per group) of one round of ``producers`` processes (``keys``: a broker
+    producer's CURVE key files; ``run_id``: the run the broker's groups are for). Redis's CPU is its own
+    account (INFO cpu, every thread), from the ``go`` to the last group read: appends, the consumer's
+    reads and deletes."""
+    from broker.protocol.keys import Keys
+
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--run-id", run_id, "--producer", mode,
                                target, str(per_producer), str(tokens), str(seed + k), *keys], cwd=ROOT,
                               env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -101,11 +113,14 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
             line = p.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"ingest producer ({mode}) did not start: {line!r}, exit {p.poll()}")
+        cpu0 = _redis_cpu_s(r)
         t0 = time.perf_counter()
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        nbytes, t1 = consume(r, stream, producers * per_producer, timeout_s=600, producers=procs)
+        nbytes, t1 = consume(r, stream, producers * per_producer, timeout_s=600, producers=procs,
+                             keys=Keys(run_id) if mode == "broker" else None)
+        cpu1 = _redis_cpu_s(r)
         for p in procs:
             if p.wait(60) != 0:
                 raise RuntimeError(f"ingest producer ({mode}) exited with {p.returncode}")
@@ -114,7 +129,14 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    return producers * per_producer / (t1 - t0), nbytes / (t1 - t0) / 1e6
+    n = producers * per_producer
+    return n / (t1 - t0), nbytes / (t1 - t0) / 1e6, (cpu1 - cpu0) / n * 1e6
+
+
+def _redis_cpu_s(r) -> float:
+    """The Redis server's CPU seconds so far (user + system, all its threads)."""
+    cpu = r.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1) -> tuple[str, list[str]]:
@@ -169,6 +191,8 @@ def run(quick: bool) -> list[dict]:
         "tokens_per_sample": tokens, "broker_MB_per_s": statistics.median(x[1] for x in ours),
         "raw_MB_per_s": statistics.median(x[1] for x in raw), "broker_rounds_groups_per_s": [x[0] for x in ours],
         "raw_rounds_groups_per_s": [x[0] for x in raw], "raw_pipeline_depth": 64,
+        "broker_redis_cpu_us_per_group": round(statistics.median(x[2] for x in ours), 1),
+        "raw_redis_cpu_us_per_group": round(statistics.median(x[2] for x in raw), 1),
         "broker_window": WINDOW})]
 
 

@@ -38,9 +38,20 @@ def key_mb(r, key: str) -> float:
 
 
 def key_sizes(r, pattern: str = "*") -> dict[str, float]:
-    """Every key's memory in KiB (MEMORY USAGE, every element counted): what the total is made of."""
-    return {k.decode(errors="replace"): round((r.memory_usage(k, samples=0) or 0) / 1024, 1)
-            for k in r.scan_iter(match=pattern, count=1000)}
+    """Every key's memory in KiB (MEMORY USAGE, every element counted): what the total is made of. The
+    queued groups' messages (``...:payload:<stream id>``, one key each) are added up as ``...:payload:*``."""
+    out: dict[str, float] = {}
+    for k in r.scan_iter(match=pattern, count=1000):
+        name = k.decode(errors="replace")
+        name = name[:name.index(":payload:") + 9] + "*" if ":payload:" in name else name
+        out[name] = out.get(name, 0.0) + (r.memory_usage(k, samples=0) or 0) / 1024
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def queue_mb(r, keys) -> float:
+    """The replay queue's memory: the trajectories stream and its entries' messages."""
+    return key_mb(r, keys.trajectories) + sum(key_mb(r, k) for k in r.scan_iter(match=keys.payload_prefix + "*",
+                                                                                 count=1000))
 
 
 def redis_overheads(r) -> dict[str, float]:
@@ -123,7 +134,7 @@ def main() -> None:
                 early_keys, early_overheads = key_sizes(r, "relay:soak:*"), redis_overheads(r)
             b, ln = read_stats(r, keys, "broker"), read_stats(r, keys, "learner")
             row = {"t_s": round(time.monotonic() - t0), "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
-                   "replay_stream_mb": round(key_mb(r, keys.trajectories), 2),
+                   "replay_stream_mb": round(queue_mb(r, keys), 2),
                    "records_mb": round(sum(key_mb(r, k) for k in records), 3),
                    "ids_remembered": sum(int(r.scard(k)) for k in records[:4]),
                    "stream_len": queues.queued_groups(r, keys), "accepted": int(b.get("accepted", 0)),

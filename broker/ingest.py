@@ -3,7 +3,9 @@ and appended to the trajectories stream in Redis; each producer gets an ack per 
 
 The broker never holds data only in memory: a group is acknowledged to its generator only after
 it is in Redis. De-duplication (by group id), the queue bound and the append happen in one Lua
-script, so a crash between them cannot leave a group half-recorded.
+script, in one MULTI with the messages it appends (each written under a key of its own, which the
+script names after its stream entry: docs/protocol.md 7.3), so a crash between them cannot leave a
+group half-recorded.
 
 Ingest works in batches: the broker takes every message waiting on its socket (up to
 ``INGEST_BATCH`` messages or ``INGEST_BATCH_BYTES``), validates them, writes the whole batch to Redis
@@ -189,9 +191,10 @@ class Ingest:
         return self._finish(batch, batch.pipe.execute() if len(batch.pipe) else [])
 
     def _prepare(self, payloads: list[bytes | memoryview], user_ids: list[str | None] | None) -> "_Batch":
-        """Decode and validate a batch and build its Redis pipeline (not yet sent): the rejections'
-        counters and dead letters, then one script call appending the valid groups."""
-        batch = _Batch(self.r.pipeline(transaction=False), [None] * len(payloads))
+        """Decode and validate a batch and build its Redis transaction (not yet sent): the rejections'
+        counters and dead letters, then the valid groups' messages, staged, and one script call appending
+        them."""
+        batch = _Batch(self.r.pipeline(), [None] * len(payloads))  # MULTI/EXEC: queues.append_groups
         for i, payload in enumerate(payloads):
             g, m = None, None  # the group, or the message decoded for its reason (its id goes in the ack)
             try:

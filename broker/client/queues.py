@@ -3,7 +3,8 @@
     prompts       the broker feeds it; generators claim (consumer group ``generators``), release when
                   their group is safe in the replay queue; a dead generator's prompts are reclaimed
     trajectories  the replay queue: the broker appends (one script: bound, de-dup, append), the
-                  learner reads (consumer group ``learner``), commits what it trained, drops the rest
+                  learner reads (consumer group ``learner``), commits what it trained, drops the rest;
+                  each entry's group message is the string ``payload:<entry id>`` beside it
     eval_prompts  held-out prompts of evaluation rounds, claimed like prompts
     eval_results  one entry per evaluated prompt
     admission     the staleness bound that meters prompts into the loop (docs/protocol.md 7.4)
@@ -14,7 +15,9 @@ arguments take a Redis pipeline, so a caller can make a stream write part of a l
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -115,18 +118,31 @@ def admit_and_claim(r: redis.Redis, keys: Keys, consumer: str, want: int) -> tup
 # trajectories: the broker's side
 
 
+# staged keys are unique per process: a random token, then a counter
+_STAGE_TOKEN = secrets.token_hex(8)
+_stage_count = itertools.count()
+# a staged message outlives its MULTI only if the append script failed; it then expires
+STAGED_TTL_MS = 60_000
+
+
 def append_groups(pipe, keys: Keys, max_queue_groups: int, max_queue_bytes: int,
                   groups: list[tuple[Group, bytes | memoryview]], window: int = RECORD_WINDOW) -> None:
     """Queue on ``pipe`` the atomic append of a batch of valid groups (the bounds in groups and in bytes,
-    de-dup over the last ``window`` to 2 x ``window`` group ids, XADD, counters). Its reply, per group:
-    ``b"B"`` busy, ``b"D"`` duplicate, else the new stream id."""
-    args: list = [max_queue_groups, max_queue_bytes, TRAJECTORIES_GROUP, window]
-    for g, payload in groups:
-        args += [g.group_id, payload, g.min_version, g.generator_id]
+    de-dup over the last ``window`` to 2 x ``window`` group ids, XADD, counters). ``pipe`` must be a
+    transaction (``r.pipeline()``): each message is SET under a staged key that the script renames to
+    ``keys.payload(<entry id>)`` or deletes. The script's reply (last), per group: ``b"B"`` busy,
+    ``b"D"`` duplicate, else the new stream id."""
+    if not pipe.transaction:
+        raise ValueError("append_groups needs a transaction pipeline: the staged messages and the script go together")
+    staged = [keys.staged(f"{_STAGE_TOKEN}.{next(_stage_count)}") for _ in groups]
+    args: list = [max_queue_groups, max_queue_bytes, TRAJECTORIES_GROUP, window, keys.payload_prefix]
+    for (g, payload), key in zip(groups, staged):
+        pipe.set(key, payload, px=STAGED_TTL_MS)
+        args += [g.group_id, len(payload), g.min_version, g.generator_id]
     # EVAL, not EVALSHA: a pipeline's registered script costs a SCRIPT EXISTS round trip per
     # execute, and Redis caches the compiled body anyway
-    pipe.eval(scripts.APPEND_BATCH, 6, keys.seen, keys.trajectories, keys.stats("broker"), keys.queue_bytes,
-              keys.queue_sizes, keys.seen_prev, *args)
+    pipe.eval(scripts.APPEND_BATCH, 6 + len(staged), keys.seen, keys.trajectories, keys.stats("broker"),
+              keys.queue_bytes, keys.queue_sizes, keys.seen_prev, *staged, *args)
 
 
 def dead_letter(pipe, keys: Keys, reason: str, detail: str, payload: bytes, keep: int) -> None:
@@ -184,17 +200,7 @@ class TrajectoryReader:
         if start != ">":
             # the pending list keeps what we read until it is acknowledged: continue after the last id
             self._pending_cursor = entries[-1][0].decode() if entries else None
-        out = []
-        for eid, fields in entries:
-            if not fields:  # deleted entry left in the pending list
-                out.append((eid, None))
-                continue
-            try:
-                out.append((eid, decode_group(fields[b"data"])))
-            except (ProtocolError, KeyError) as e:
-                log.error("undecodable stream entry %s: %s", eid, e)
-                out.append((eid, None))
-        return out
+        return decode_entries(self.r, self.keys, entries)
 
     @property
     def past_pending(self) -> bool:
@@ -215,6 +221,38 @@ class TrajectoryReader:
         return got
 
 
+def decode_entries(r: redis.Redis, keys: Keys, entries: list) -> list[tuple[bytes, Group | None]]:
+    """Trajectories entries (id, fields) as (id, group), their messages read in one MGET. An entry that
+    cannot be trained on comes back as (id, None), logged: deleted while pending (no fields), its message
+    missing, or a message that does not decode."""
+    if not entries:
+        return []
+    payloads = r.mget([keys.payload(eid) for eid, _ in entries])
+    out = []
+    for (eid, fields), payload in zip(entries, payloads):
+        g = None
+        if not fields:  # deleted entry left in the pending list
+            pass
+        elif payload is None:
+            log.error("trajectories entry %s has no message (%s is missing)", eid, keys.payload(eid))
+        else:
+            try:
+                g = decode_group(payload)
+            except ProtocolError as e:
+                log.error("undecodable stream entry %s: %s", eid, e)
+        out.append((eid, g))
+    return out
+
+
+def read_groups(r: redis.Redis, keys: Keys, after: bytes | str = "-", count: int | None = None
+                ) -> list[tuple[bytes, Group | None]]:
+    """The trajectories entries after stream id ``after`` (exclusive; "-" from the start), decoded, without
+    reading them for the learner (no consumer group): for tools, benchmarks and tests."""
+    after = after.decode() if isinstance(after, bytes) else after
+    entries = r.xrange(keys.trajectories, min=after if after == "-" else f"({after}", max="+", count=count)
+    return decode_entries(r, keys, entries)
+
+
 def count_trained(r: redis.Redis, keys: Keys, group_ids: list[str]) -> None:
     """Count trained groups once each in ``consumed`` (admission control), before their commit."""
     if group_ids:
@@ -228,7 +266,7 @@ def commit(r: redis.Redis, keys: Keys, entries: list[tuple[str, str]], step: int
         return 0
     return int(r.register_script(scripts.COMMIT)(
         keys=[keys.trained, keys.trained_log, keys.trajectories, keys.counted, keys.queue_bytes, keys.queue_sizes,
-              keys.trained_prev, keys.stats("learner")],
+              keys.trained_prev, keys.stats("learner"), *[keys.payload(eid) for eid, _ in entries]],
         args=[step, TRAJECTORIES_GROUP, window, *[x for e in entries for x in e]]))
 
 
@@ -237,7 +275,8 @@ def drop(r: redis.Redis, keys: Keys, drops: list[tuple[bytes | str, str, str]], 
     ``(stream id, group id, reason)`` in one step."""
     if drops:
         r.register_script(scripts.DROP)(keys=[keys.dropped_log, keys.trajectories, keys.counted,
-                                              keys.stats("learner"), keys.queue_bytes, keys.queue_sizes],
+                                              keys.stats("learner"), keys.queue_bytes, keys.queue_sizes,
+                                              *[keys.payload(d[0]) for d in drops]],
                                         args=[TRAJECTORIES_GROUP, window, *[x for d in drops for x in d]])
 
 

@@ -4,6 +4,8 @@
 |---------------------------|------------|------------|-------------------------------------------------|
 | prompts                   | stream     | broker     | prompts to sample; group ``generators`` claims  |
 | trajectories              | stream     | broker     | scored groups (the replay queue); group ``learner`` |
+| payload:<stream id>       | string     | broker     | the message of the group at that entry of trajectories |
+| staged:<token>            | string     | broker     | a message on its way in, within one MULTI (expires) |
 | seen                      | set        | broker     | group ids already appended (de-duplication)     |
 | queue_bytes / queue_sizes | string/hash | broker, learner | bytes of the groups in trajectories; group id -> its bytes (the byte bound) |
 | dead_letter               | stream     | broker     | rejected messages + reason (capped)             |
@@ -62,6 +64,20 @@ class Keys:
     @property
     def trajectories(self) -> str:
         return self._k("trajectories")
+
+    def payload(self, stream_id: bytes | str) -> str:
+        """The group message of the trajectories entry ``stream_id``: exactly the bytes the producer sent.
+        Kept out of the stream so that Redis's Lua never copies it (docs/protocol.md 7.3)."""
+        return self.payload_prefix + (stream_id.decode() if isinstance(stream_id, bytes) else stream_id)
+
+    @property
+    def payload_prefix(self) -> str:
+        return self._k("payload:")
+
+    def staged(self, token: str) -> str:
+        """A group message written in the same MULTI as the append script, which renames it to its
+        ``payload`` key or deletes it (busy, duplicate); it expires should that script never run."""
+        return self._k(f"staged:{token}")
 
     @property
     def seen(self) -> str:

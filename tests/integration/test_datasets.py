@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
+from broker.client import queues
 from broker.prompts.datasets import chat_ids
 from broker.protocol.keys import PROMPTS_GROUP, Keys
-from broker.protocol.group import decode_group
 from deploy.launcher.procs import free_port
 from tests.support.services import relay, start_service, wait_http, wait_until
 
@@ -77,12 +77,12 @@ n = 4
     tapped, stop = [], threading.Event()
 
     def tap():  # every group as the broker appends it (the learner deletes them once trained)
-        last = "0-0"
+        last, keys = "0-0", Keys("ds")
         while not stop.is_set():
-            for _, entries in r.xread({"relay:ds:trajectories": last}, block=50, count=100) or []:
-                for eid, f in entries:
-                    tapped.append(decode_group(f[b"data"]))
-                    last = eid
+            for _, entries in r.xread({keys.trajectories: last}, block=50, count=100) or []:
+                # a group committed before its message was read is gone: the test needs 32 of those produced
+                tapped.extend(g for _, g in queues.decode_entries(r, keys, entries) if g is not None)
+                last = entries[-1][0]
 
     t = threading.Thread(target=tap, daemon=True)
     t.start()

@@ -10,10 +10,10 @@ import pytest
 import redis
 import torch
 
+from broker.client import queues
 from broker.client.announcements import announce, read_run_info
 from broker.client.telemetry import read_heartbeats
 from broker.protocol.keys import Keys
-from broker.protocol.group import decode_group
 from generators.config import SamplingConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
@@ -59,9 +59,9 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
     gen = start_service(procs, "gen", "generator", generator_cfg(
         svc, redis_url, "t", "g0", prompts_per_batch=2, sampling=SAMPLING, backend=backend, exit_when_done=True),
         tmp_path)
-    entries = wait_until(lambda: r.xrange(keys.trajectories, count=2) if r.xlen(keys.trajectories) >= 2 else None,
+    entries = wait_until(lambda: queues.read_groups(r, keys, count=2) if r.xlen(keys.trajectories) >= 2 else None,
                          timeout=timeout, what=f"groups from the generator:\n{gen.tail()}")
-    g = decode_group(entries[0][1][b"data"])
+    g = entries[0][1]
     assert g.weight_version == 0 and g.weight_hash == a0.hash and len(g.samples) == 4
     _check_logprobs(model, g, atol)
     for s in g.samples:
@@ -83,7 +83,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
                     timeout=timeout, what="version 1 applied")
     assert hb.hash == a1.hash and hb.updates == 2 and gen.alive()
     # the new weights really serve: log-probs of a version-1 group match version 1's recomputation
-    g1 = wait_until(lambda: [x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
+    g1 = wait_until(lambda: [x for x in (g for _, g in queues.read_groups(r, keys))
                              if x.weight_version == 1], timeout=timeout, what="a version-1 group")[0]
     _check_logprobs(model, g1, atol)
 
@@ -104,7 +104,7 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
                     what="refusal reported")
     assert hb.version == 1 and hb.hash == a1.hash and hb.refused == {h2: "corrupt_file"}
     time.sleep(1.0)
-    newer = [decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories)][-1]
+    newer = queues.read_groups(r, keys)[-1][1]
     assert newer.weight_version == 1  # still sampling with the previous version
     assert "refused weight version 2 (corrupt_file)" in gen.log_path.read_text()
     events = [json.loads(e[b"data"]) for _, e in r.xrange(keys.events) if e[b"kind"] == b"refused"]
@@ -121,6 +121,6 @@ def test_generator_samples_exact_logprobs_and_updates_in_place(procs, redis_url,
         assert hb.hash == a.hash and hb.engine["pid"] == engine["pid"]
         assert hb.engine["engine_id"] == engine["engine_id"], "the engine object was rebuilt"
     assert hb.updates == 4 and hb.engine.get("engines_built", 1) == 1 and gen.alive()
-    g4 = wait_until(lambda: [x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
+    g4 = wait_until(lambda: [x for x in (g for _, g in queues.read_groups(r, keys))
                              if x.weight_version == 4], timeout=timeout, what="a version-4 group")[0]
     _check_logprobs(model, g4, atol)

@@ -7,8 +7,8 @@ import pytest
 import redis
 import torch
 
+from broker.client import queues
 from broker.client.telemetry import read_heartbeats
-from broker.protocol.group import decode_group
 from broker.protocol.keys import Keys
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
@@ -33,11 +33,10 @@ def test_generator_sends_calc_episodes_with_their_mask_and_the_environments_rewa
     gen = start_service(procs, "gen", "generator", generator_cfg(
         svc, redis_url, "t", "g0", prompts_per_batch=4, sampling=sampling, env="calc", max_turns=3,
         max_episode_tokens=48), tmp_path)
-    entries = wait_until(lambda: r.xrange(keys.trajectories, count=8) if r.xlen(keys.trajectories) >= 8 else None,
+    entries = wait_until(lambda: queues.read_groups(r, keys, count=8) if r.xlen(keys.trajectories) >= 8 else None,
                          timeout=90, what=f"groups from the generator:\n{gen.tail()}")
     tool_reply = budget_cut = 0
-    for _, e in entries:
-        g = decode_group(e[b"data"])
+    for _, g in entries:
         assert g.task == "calc" and len(g.samples) == 8
         for s in g.samples:
             if s.finish_reason == "stop":  # the environment ended and scored it

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import redis
 
+from broker.client import queues
 from broker.client.telemetry import read_heartbeats
-from broker.protocol.group import decode_group
 from broker.protocol.keys import Keys
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
@@ -28,9 +28,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 
 def _samples(r, keys, after: bytes) -> tuple[list, bytes]:
-    entries = r.xrange(keys.trajectories, min=b"(" + after if after != b"-" else b"-")
+    entries = queues.read_groups(r, keys, after)
     last = entries[-1][0] if entries else after
-    return [s for _, e in entries for s in decode_group(e[b"data"]).samples], last
+    return [s for _, g in entries for s in g.samples], last
 
 
 def test_a_generator_runs_remote_episodes_and_survives_a_failing_environment(procs, redis_url, tmp_path):

@@ -21,8 +21,8 @@ import pytest
 import redis
 import torch
 
+from broker.client import queues
 from broker.client.telemetry import read_heartbeats
-from broker.protocol.group import decode_group
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
 from learner.publish import Publisher
@@ -146,7 +146,7 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
                      headers=auth, timeout=60)
     assert got.status_code == 200 and got.json()["group_complete"] and got.json()["broker"] == "ok", got.text
 
-    g = wait_until(lambda: next((x for x in (decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories))
+    g = wait_until(lambda: next((x for x in (g for _, g in queues.read_groups(r, keys))
                                  if x.prompt_id == "openai:grp"), None), timeout=30, what="the endpoint's group")
     assert g.group_id == got.json()["group_id"] and g.generator_id == "g0" and g.weight_version == 0
     assert g.sampling["temperature"] == TEMPERATURE and len(g.samples) == 2
@@ -214,8 +214,7 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     assert metric_value(text, "relay_generator_openai_sessions_total", outcome="started") == 3
     assert metric_value(text, "relay_generator_openai_requests_total", endpoint="chat", outcome="error_400") == 1
     # the generator's own loop shared the engine meanwhile (one lock): its groups of the run's prompts arrive too
-    wait_until(lambda: any(not decode_group(f[b"data"]).prompt_id.startswith("openai:")
-                           for _, f in r.xrange(keys.trajectories)), timeout=60, what="a group of the run's prompts")
+    wait_until(lambda: any(not g.prompt_id.startswith("openai:") for _, g in queues.read_groups(r, keys)), timeout=60, what="a group of the run's prompts")
     assert gen.alive()
 
 

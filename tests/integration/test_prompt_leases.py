@@ -9,7 +9,6 @@ import pytest
 import redis
 
 from broker.client import queues
-from broker.protocol.group import decode_group
 from broker.protocol.keys import PROMPTS_GROUP, Keys
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
@@ -65,7 +64,7 @@ def test_batches_longer_than_the_claim_timeout_are_generated_once(procs, redis_u
             sampling={"n": 2, "max_tokens": 6}, backend={"type": "torch", "step_latency_s": 0.5}), tmp_path)
     wait_until(lambda: r.xlen(keys.trajectories) >= 12, 120, "12 groups from the two generators")
 
-    groups = [decode_group(f[b"data"]) for _, f in r.xrange(keys.trajectories)]
+    groups = [g for _, g in queues.read_groups(r, keys)]
     per_prompt = collections.Counter(g.prompt_id for g in groups)
     assert max(per_prompt.values()) == 1, {p: n for p, n in per_prompt.items() if n > 1}
     assert {g.generator_id for g in groups} == {"g0", "g1"}

@@ -16,7 +16,7 @@ W = 4
 
 
 def _append(r, keys, gids: list[str]) -> list[bytes]:
-    pipe = r.pipeline(transaction=False)
+    pipe = r.pipeline()
     queues.append_groups(pipe, keys, 10_000, 1 << 30, [(g, encode_group(g)) for g in map(_g, gids)], window=W)
     return pipe.execute()[-1]
 
@@ -64,7 +64,7 @@ def test_the_dedup_and_commit_records_stay_within_two_windows_and_the_audit_stay
 def test_window_0_remembers_the_whole_run(redis_url):
     r, keys = redis.Redis.from_url(redis_url), Keys("w0")
     queues.ensure_groups(r, keys)
-    pipe = r.pipeline(transaction=False)
+    pipe = r.pipeline()
     queues.append_groups(pipe, keys, 10_000, 1 << 30, [(g, encode_group(g)) for g in map(_g, map(str, range(30)))],
                          window=0)
     pipe.execute()

@@ -8,9 +8,9 @@ import pytest
 import redis
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from broker.client import queues
 from broker.client.telemetry import read_heartbeats
 from broker.protocol.keys import PROMPTS_GROUP, Keys
-from broker.protocol.group import decode_group
 from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
@@ -48,10 +48,10 @@ def test_generator_waits_for_a_reward_service_that_comes_back(procs, redis_url, 
     wait_until(lambda: gen.log_path.read_text().count("reward service unreachable") >= 4, 30, "several retries")
     rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)  # back, on the same port
     wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
-    entries = wait_until(lambda: r.xrange(keys.trajectories, count=4) if r.xlen(keys.trajectories) >= 4 else None,
+    entries = wait_until(lambda: queues.read_groups(r, keys, count=4) if r.xlen(keys.trajectories) >= 4 else None,
                          60, f"groups:\n{gen.tail()}")
-    for _, f in entries:
-        for s in decode_group(f[b"data"]).samples:
+    for _, g in entries:
+        for s in g.samples:
             assert s.reward_status == "ok", s.reward_details  # scored, not marked failed
     assert "reward call failed" not in gen.log_path.read_text()
 
@@ -75,10 +75,10 @@ def test_a_reward_outage_holds_the_batch_claims_no_more_prompts_and_sends_it_sco
     assert hb.state == "paused_reward" and hb.reward_pauses == 1 and hb.reward_failures == 0 and hb.groups_sent == 0
     rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)  # back, on the same port
     wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
-    entries = wait_until(lambda: r.xrange(keys.trajectories, count=4) if r.xlen(keys.trajectories) >= 4 else None,
+    entries = wait_until(lambda: queues.read_groups(r, keys, count=4) if r.xlen(keys.trajectories) >= 4 else None,
                          90, f"groups:\n{gen.tail()}")
-    for _, f in entries:
-        for s in decode_group(f[b"data"]).samples:
+    for _, g in entries:
+        for s in g.samples:
             assert s.reward_status == "ok", s.reward_details
     assert "reward outage over after" in gen.log_path.read_text()
     hb = wait_until(lambda: (h := read_heartbeats(r, keys)["g0"]).reward_paused_s > 0 and h, 30, "the pause counted")
@@ -91,10 +91,10 @@ def test_a_reward_service_down_for_longer_than_reward_down_s_fails_the_batch_vis
     gen = start_service(procs, "gen", "generator",
                         _gen_cfg("gone", redis_url, ingest, free_port(), reward_down_s=1.0, reward_outage_hold_s=0),
                         tmp_path)
-    entries = wait_until(lambda: r.xrange(keys.trajectories, count=2) if r.xlen(keys.trajectories) >= 2 else None,
+    entries = wait_until(lambda: queues.read_groups(r, keys, count=2) if r.xlen(keys.trajectories) >= 2 else None,
                          120, f"groups:\n{gen.tail()}")
-    for _, f in entries:
-        for s in decode_group(f[b"data"]).samples:
+    for _, g in entries:
+        for s in g.samples:
             assert s.reward_status == "failed" and s.reward_details["reason"].startswith("reward_service: ConnectError")
     log = gen.log_path.read_text()
     assert "reward service unreachable" in log and "reward call failed (attempt 2)" in log

@@ -10,9 +10,9 @@ import pytest
 import redis
 import torch
 
+from broker.client import queues
 from broker.client.telemetry import read_heartbeats
 from broker.protocol.keys import Keys
-from broker.protocol.group import decode_group
 from deploy.launcher.procs import free_port
 from generators.config import GeneratorConfig
 from learner.publish import Publisher
@@ -49,7 +49,7 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
         "sampling": {"n": 4, "max_tokens": 6, "temperature": 0.8},
         "backend": {"type": "sglang", "url": f"http://127.0.0.1:{sgl_port}"}}, tmp_path)
 
-    g = decode_group(wait_until(lambda: r.xrange(keys.trajectories, count=1), what="a group from the generator")[0][1][b"data"])
+    g = wait_until(lambda: queues.read_groups(r, keys, count=1), what="a group from the generator")[0][1]
     assert g.weight_version == 0 and g.weight_hash == a0.hash and len(g.samples) == 4
     for s in g.samples:
         recomputed = recompute_logprobs(model, g.prompt_ids.tolist(), s.completion_ids.tolist(), temperature=0.8)
