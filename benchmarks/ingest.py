@@ -5,8 +5,11 @@ Redis stream with redis-py pipelined XADD (no broker) and the same consumer. Eac
 keeps ``WINDOW`` groups in flight (``GroupSender.send_many``), as the raw one pipelines 64 XADDs.
 
 The producers encode their groups before the clock starts; the clock runs from "go" until the
-consumer has read (XREADGROUP) and acknowledged (XACK + XDEL) the last group. Rounds alternate between
-the two paths; the figure is the median round.
+consumer has read (XREADGROUP, and for the broker's stream an MGET of the messages) and acknowledged
+(XACK + XDEL, and DEL of those messages) the last group. Rounds alternate between the paths; the
+figure is the median round. A third path, reported in ``details`` only (``no_curve_*``), is the same
+broker without CURVE (``ingest_auth = "insecure"``): the raw baseline encrypts nothing, and this says
+how much of the gap is the encryption. ``details`` also has Redis's own CPU per group on each path.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ TARGET = 0.8
 # it is what the broker and the client library are measured against)
 RAW_STREAM = "relay:raw:trajectories"
 WINDOW = 64  # groups in flight per broker producer (GroupSender.send_many), = the raw pipeline depth
+PLAIN_RUN = "bench-plain"  # the run of the broker without CURVE
 
 
 def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: list[str], run_id: str = "bench") -> None:
@@ -40,7 +44,8 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: l
         from broker.client.sender import GroupSender
         from broker.protocol.ingest_auth import load_client_keys
 
-        sender = GroupSender(target, curve=load_client_keys(*keys))  # the producer's certificate, the broker's key
+        # the producer's certificate and the broker's key; none: a broker without CURVE (ingest_auth = "insecure")
+        sender = GroupSender(target, curve=load_client_keys(*keys) if keys else None)
     else:
         import redis
 
@@ -139,10 +144,11 @@ def _redis_cpu_s(r) -> float:
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
-def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1) -> tuple[str, list[str]]:
-    """A ``relay broker`` for run ``run_id`` with ``workers`` ingest workers, unbounded queue, the versions
-    of benchmarks.codec.make_group's groups announced: (its ingest address(es), comma-separated; the
-    producers' CURVE key files)."""
+def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1, auth: str = "curve"
+                 ) -> tuple[str, list[str]]:
+    """A ``relay broker`` for run ``run_id`` with ``workers`` ingest workers, ``auth`` its ``ingest_auth``,
+    unbounded queue, the versions of benchmarks.codec.make_group's groups announced: (its ingest
+    address(es), comma-separated; the producers' CURVE key files, none without CURVE)."""
     from broker.client.announcements import announce
     from broker.client.connection import worker_addresses
     from broker.protocol.keys import Keys
@@ -152,6 +158,8 @@ def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1) -> tu
     ingest = f"tcp://127.0.0.1:{free_port_run(workers)}"
     broker = stack.service(f"broker-{run_id}", "broker", {"run_id": run_id, "redis_url": stack.redis_url,
                                                           "ingest_bind": ingest, "ingest_workers": workers,
+                                                          # curve: the stack's keys (Stack.service)
+                                                          **({} if auth == "curve" else {"ingest_auth": auth}),
                                                           "http_port": 0, "max_queue_groups": 10**9,
                                                           # the consumer acknowledges with raw XACK + XDEL, not the
                                                           # learner's commit that lowers the byte count: no byte bound
@@ -161,7 +169,8 @@ def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1) -> tu
     for v in (10, 11):  # the versions benchmarks.codec.make_group's groups carry, with their hash
         announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"), stack.announce_key)
     k = stack.ingest_keys()
-    return ",".join(worker_addresses(ingest, workers)), [k["producer"], k["broker_public_key_file"]]
+    return (",".join(worker_addresses(ingest, workers)),
+            [k["producer"], k["broker_public_key_file"]] if auth == "curve" else [])
 
 
 def run(quick: bool) -> list[dict]:
@@ -175,15 +184,22 @@ def run(quick: bool) -> list[dict]:
         url = stack.redis()
         r = redis.Redis.from_url(url)
         ingest, producer_keys = start_broker(stack, r)
+        # the same broker without CURVE (ingest_auth = "insecure"), run by run, to show what the encryption
+        # costs: the raw baseline encrypts nothing
+        plain_ingest, _ = start_broker(stack, r, PLAIN_RUN, auth="insecure")
         keys = Keys("bench")
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
-        ours, raw = [], []
+        ours, plain, raw = [], [], []
         for i in range(rounds):
             ours.append(one_round("broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i, producer_keys))
             raw.append(one_round("raw", url, r, RAW_STREAM, per_producer, tokens, 10 * i + 5))
-        accepted = int(read_stats(r, keys, "broker").get("accepted", 0))
-        if accepted != 2 * per_producer * rounds:
-            raise RuntimeError(f"the broker accepted {accepted} groups, expected {2 * per_producer * rounds}")
+            plain.append(one_round("broker", plain_ingest, r, Keys(PLAIN_RUN).trajectories, per_producer, tokens,
+                                   10 * i + 7, run_id=PLAIN_RUN))
+        for run_id in ("bench", PLAIN_RUN):
+            accepted = int(read_stats(r, Keys(run_id), "broker").get("accepted", 0))
+            if accepted != 2 * per_producer * rounds:
+                raise RuntimeError(f"the broker of {run_id} accepted {accepted} groups, expected "
+                                   f"{2 * per_producer * rounds}")
     v = statistics.median(x[0] for x in ours)
     b = statistics.median(x[0] for x in raw)
     return [row("ingest", v, b, "groups/s", TARGET, "higher", {
@@ -192,6 +208,9 @@ def run(quick: bool) -> list[dict]:
         "raw_MB_per_s": statistics.median(x[1] for x in raw), "broker_rounds_groups_per_s": [x[0] for x in ours],
         "raw_rounds_groups_per_s": [x[0] for x in raw], "raw_pipeline_depth": 64,
         "broker_redis_cpu_us_per_group": round(statistics.median(x[2] for x in ours), 1),
+        "no_curve_groups_per_s": statistics.median(x[0] for x in plain),
+        "no_curve_ratio": round(statistics.median(x[0] for x in plain) / b, 3),
+        "no_curve_rounds_groups_per_s": [x[0] for x in plain],
         "raw_redis_cpu_us_per_group": round(statistics.median(x[2] for x in raw), 1),
         "broker_window": WINDOW})]
 

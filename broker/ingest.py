@@ -177,7 +177,7 @@ class Ingest:
             raise ProtocolError("wrong_generator", f"key {user_id} may not send as generator {g.generator_id!r}")
         if g.run_id != self.cfg.run_id:
             raise ProtocolError("wrong_run", f"run_id {g.run_id!r} is not this run ({self.cfg.run_id!r})")
-        newest = max((v for s in g.samples for v, _ in s.version_runs), default=0)
+        newest = g.max_version
         latest = self._version_ahead(newest)
         if latest is not None:
             raise ProtocolError("version_ahead", f"token version {newest} > latest published {latest}")

@@ -143,7 +143,23 @@ class Group:
 
     @property
     def min_version(self) -> int:
-        return min(s.min_version for s in self.samples)
+        """The oldest version that sampled any of the group's tokens (0 for a group without samples)."""
+        lo = None
+        for s in self.samples:  # inline loops: the broker asks this of every group, and a generator
+            for v, _ in s.version_runs:  # expression per sample cost three times as much
+                if lo is None or v < lo:
+                    lo = v
+        return 0 if lo is None else lo
+
+    @property
+    def max_version(self) -> int:
+        """The newest version that sampled any of the group's tokens (0 for a group without samples)."""
+        hi = 0
+        for s in self.samples:
+            for v, _ in s.version_runs:
+                if v > hi:
+                    hi = v
+        return hi
 
     @property
     def num_tokens(self) -> int:
