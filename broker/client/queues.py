@@ -231,6 +231,8 @@ def decode_entries(r: redis.Redis, keys: Keys, entries: list) -> list[tuple[byte
     out = []
     for (eid, fields), payload in zip(entries, payloads):
         g = None
+        if fields and payload is None:  # an entry appended before the messages moved out of the stream
+            payload = fields.get(b"data")
         if not fields:  # deleted entry left in the pending list
             pass
         elif payload is None:

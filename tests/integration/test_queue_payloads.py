@@ -86,3 +86,13 @@ def test_an_append_outside_a_transaction_is_refused(redis_url):
     r, keys = redis.Redis.from_url(redis_url), Keys("pt")
     with pytest.raises(ValueError, match="transaction"):
         queues.append_groups(r.pipeline(transaction=False), keys, 10, 1 << 20, [(make_group(), b"x")])
+
+
+def test_an_entry_appended_before_the_messages_moved_out_is_still_read(redis_url):
+    """A run resumed across the change keeps the groups its queue held (their message in a data field)."""
+    r, keys = redis.Redis.from_url(redis_url), Keys("po")
+    queues.ensure_groups(r, keys)
+    g = make_group(group_id="old")
+    eid = r.xadd(keys.trajectories, {"gid": "old", "data": encode_group(g), "v": g.min_version, "gen": "gen-0"})
+    got = queues.TrajectoryReader(r, keys).wait_for(1, lambda: False, timeout_s=5)
+    assert got[0][0] == eid and got[0][1].group_id == "old" and got[0][1].prompt_ids.tolist() == [1, 4, 14]
