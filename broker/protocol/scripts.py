@@ -155,8 +155,8 @@ return n
 # A drop in one step: recorded, acknowledged, deleted and counted (unless it was counted when a
 # learner before a restart trained it). KEYS: dropped log, trajectories stream, counted set, learner
 # stats, queue bytes, queue sizes, then the payload key of each entry. ARGV: consumer group, record
-# window, then triples (stream id, group id, reason). ``dropped`` counts the groups dropped (an entry already gone is not counted again); the
-# log keeps about the window's newest entries.
+# window, then triples (stream id, group id, reason). ``dropped`` counts the groups dropped (an entry
+# already gone is not counted again); the log keeps about the window's newest entries.
 DROP = """
 local n, window, gone = 0, tonumber(ARGV[2]), 0
 for i = 3, #ARGV, 3 do
