@@ -73,8 +73,8 @@ def consume(r, stream: str, total: int, timeout_s: float, producers=(), keys=Non
     each batch; returns (bytes read, time.perf_counter() at the last one). The raw baseline's entries hold
     their payloads; the broker's (``keys``: its run's Keys) hold only ids, and their messages are read as
     the learner reads them (one MGET per batch of the ``payload:<stream id>`` keys, deleted with the
-    entries: docs/protocol.md 7.3), so the broker's side pays that layout's read. A producer that failed (``producers``: their processes)
-    ends the wait at once."""
+    entries: docs/protocol.md 7.3), so the broker's side pays that layout's read. A producer that failed
+    (``producers``: their processes) ends the wait at once."""
     got = nbytes = 0
     deadline = time.monotonic() + timeout_s
     while got < total:

@@ -36,6 +36,7 @@ from broker.protocol import tensordigest, weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
 from broker.protocol.weightstore import ADAPTER_CONFIG, ADAPTER_FILE, INDEX, is_adapter_tensor
+from broker.runtime.config import WeightsConfig
 
 log = logging.getLogger("relay.learner.publish")
 
@@ -294,7 +295,8 @@ class Publisher:
     is the synchronous whole (snapshot, then write), for tools and tests."""
 
     def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
-                 dtype: torch.dtype = torch.float32, shard_mb: float = 512.0, broadcaster=None,
+                 dtype: torch.dtype = torch.float32,
+                 shard_mb: float = WeightsConfig.model_fields["shard_mb"].default, broadcaster=None,
                  digest: str = tensordigest.DEFAULT, versions_kept: int = 0, hash_threads: int = 1):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
         self.versions_kept = versions_kept  # announcements kept in Redis (learner.versions_kept; 0: all)

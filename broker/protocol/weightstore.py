@@ -281,10 +281,14 @@ class MappedFile:
         self.name, self.mapping, self.tensors = name, mapping, tensors
 
     def close(self) -> None:
-        try:
-            self.mapping.close()
-        except BufferError:  # a view still exported (a tensor over it): unmapped once that is gone
-            pass
+        _unmap(self.mapping)
+
+
+def _unmap(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a view still exported (a tensor over it): unmapped once that is gone
+        pass
 
 
 def _hash_file(f: Path, tensors: str | None, keep: bool = False
@@ -330,7 +334,7 @@ def _hash_file(f: Path, tensors: str | None, keep: bool = False
             mapped = MappedFile(f.name, mapping, [(b + th.data_start, e + th.data_start, n, d, shape)
                                                   for b, e, n, d, shape in th.tensors])
     if mapped is None and mapping is not None:
-        MappedFile(f.name, mapping, []).close()
+        _unmap(mapping)
     return h.hexdigest(), (entries if tensors else []), mapped, problem
 
 
