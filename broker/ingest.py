@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis
@@ -37,6 +36,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from broker.client import queues
 from broker.client.announcements import announced_hashes, latest_announcement
+from broker.client.overlap import OverlappedTransactions
 from broker.config import BrokerConfig
 from broker.protocol.codec import ProtocolError
 from broker.protocol.group import Group, decode_group_fast, group_from_map, group_id_of, unpack_group
@@ -79,9 +79,9 @@ class Ingest:
             self._server_keys = load_server_keys(cfg.ingest_key_file)
             self.allowed = load_allow_list(cfg.ingest_clients_file)
         self._auth: ThreadAuthenticator | None = None
-        # the pipelined loop (serve): one batch's Redis pipeline runs here while the next is validated
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="relay-ingest-redis")
-        self._inflight: tuple[tuple[list, _Batch], Future] | None = None
+        # the pipelined loop (serve): one batch's transaction runs in Redis while the next is validated
+        self._writer = OverlappedTransactions(r)
+        self._inflight: tuple[list, _Batch] | None = None
         self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
                                 registry=registry)
         self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=registry)
@@ -109,14 +109,14 @@ class Ingest:
         return sock
 
     def close(self, sock: zmq.Socket) -> None:
-        if self._inflight is not None:  # the last batch's acks, when its pipeline went through
-            (drained, batch), future = self._inflight
+        if self._inflight is not None:  # the last batch's acks, when its transaction went through
+            drained, batch = self._inflight
             self._inflight = None
             try:
-                self._reply(sock, drained, self._finish(batch, future.result(timeout=10)))
-            except (redis.RedisError, TimeoutError) as e:
+                self._reply(sock, drained, self._finish(batch, self._writer.results()))
+            except redis.RedisError as e:
                 log.warning("the last batch's acks were not sent (%s); its producers resend", e)
-        self._writer.shutdown(wait=True)
+        self._writer.close()
         sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
@@ -221,10 +221,11 @@ class Ingest:
         return batch
 
     def _finish(self, batch: "_Batch", results: list) -> list[Ack]:
-        """The acks of a batch whose pipeline returned ``results`` (the script's answer last)."""
+        """The acks of a batch whose transaction returned ``results`` (the script's answer last)."""
         acks = batch.acks
         for reason in batch.rejected:
             self.m_groups.labels("rejected", reason).inc()
+        accepted = nbytes = 0  # counted once per batch
         for (i, g, payload), res in zip(batch.valid, results[-1] if batch.valid else []):
             if res == b"B":
                 self.m_groups.labels("busy", "").inc()
@@ -233,9 +234,12 @@ class Ingest:
                 self.m_groups.labels("duplicate", "").inc()
                 acks[i] = Ack(g.group_id, "duplicate")
             else:
-                self.m_groups.labels("accepted", "").inc()
-                self.m_bytes.inc(len(payload))
+                accepted += 1
+                nbytes += len(payload)
                 acks[i] = Ack(g.group_id, "ok", stream_id=res.decode())
+        if accepted:
+            self.m_groups.labels("accepted", "").inc(accepted)
+            self.m_bytes.inc(nbytes)
         return acks
 
     def handle(self, payload: bytes) -> Ack:
@@ -245,10 +249,10 @@ class Ingest:
     def serve(self, sock: zmq.Socket, timeout_ms: int) -> None:
         """One turn of the ingest loop, pipelined: the batch waiting on ``sock`` (waiting up to
         ``timeout_ms`` for one when nothing is in flight) is drained and validated while the previous
-        batch's pipeline runs in Redis (a writer thread: Redis works and redis-py waits on the socket
-        without the GIL); then the previous batch's acks go out, and this batch's pipeline starts.
-        With nothing new waiting, the batch in flight is finished at once: an ack is never held back
-        for a batch that has not come. A Redis error is raised once the batch in flight failed: none
+        batch's transaction runs in Redis (written, its replies not yet read: broker/client/overlap.py);
+        then the previous batch's replies are read and its acks go out, and this batch's transaction is
+        written. With nothing new waiting, the batch in flight is finished at once: an ack is never held
+        back for a batch that has not come. A Redis error is raised once the batch in flight failed: none
         of its acks is sent (its producers resend), nor any of the batch drained meanwhile."""
         nxt = None
         if sock.poll(0 if self._inflight is not None else timeout_ms):
@@ -256,13 +260,14 @@ class Ingest:
             good = [(payload, user) for _, payload, user in drained if payload is not None]
             nxt = (drained, self._prepare([p for p, _ in good], [u for _, u in good]))
         if self._inflight is not None:
-            (drained, batch), future = self._inflight
+            drained, batch = self._inflight
             self._inflight = None
-            self._reply(sock, drained, self._finish(batch, future.result()))  # raises the batch's Redis error
+            self._reply(sock, drained, self._finish(batch, self._writer.results()))  # raises the batch's Redis error
         if nxt is not None:
             drained, batch = nxt
             if len(batch.pipe):
-                self._inflight = nxt, self._writer.submit(batch.pipe.execute)
+                self._writer.send(batch.pipe)
+                self._inflight = nxt
             else:  # only badly framed messages: nothing to write
                 self._reply(sock, drained, [])
 

@@ -36,6 +36,7 @@ from broker.config import BrokerConfig
 from broker.ingest import Ingest
 from broker.protocol.keys import Keys
 from broker.protocol.signing import announce_key
+from broker.runtime.heap import freeze_startup_objects
 
 log = logging.getLogger("relay.broker.workers")
 
@@ -46,6 +47,7 @@ def serve(cfg: BrokerConfig, stop: threading.Event, alive=lambda: True) -> None:
     r = connect_redis(cfg.redis_url)
     ingest = Ingest(r, Keys(cfg.run_id), cfg, CollectorRegistry(), announce_key(cfg.announce_auth, cfg.announce_key_file))
     sock = ingest.bind()
+    freeze_startup_objects()  # broker/runtime/heap.py
     try:
         while not stop.is_set() and alive():
             try:

@@ -22,6 +22,7 @@ from broker.ingest import Ingest
 from broker.ingest_workers import Workers
 from broker.prompts.evals import EvalScheduler
 from broker.protocol.keys import EVENTS_MAX, Keys
+from broker.runtime.heap import freeze_startup_objects
 from broker.runtime.httpserver import BoundedHTTPServer
 from broker.protocol.signing import announce_key
 
@@ -52,6 +53,7 @@ class Broker:
     def run(self) -> None:
         sock = self.ingest.bind()  # ingest worker 0; workers 1..N-1 are processes of their own
         workers = Workers(self.cfg, self.r, self.keys, self.log_json).start()
+        freeze_startup_objects()  # set up: what lives now lives as long as the broker (broker/runtime/heap.py)
         try:
             while not self.stop_event.is_set():
                 try:
