@@ -9,17 +9,21 @@ consumer has read (XREADGROUP, and for the broker's stream an MGET of the messag
 (XACK + XDEL, and DEL of those messages) the last group. Rounds alternate between the paths; the
 figure is the median round. A third path, reported in ``details`` only (``no_curve_*``), is the same
 broker without CURVE (``ingest_auth = "insecure"``): the raw baseline encrypts nothing, and this says
-how much of the gap is the encryption. ``details`` also has Redis's own CPU per group on each path.
+how much of the gap is the encryption. ``details`` also has each path's CPU per group by party (the
+producers, the broker, Redis, the consumer): on a machine whose cores are all busy, the rates stand in
+the inverse ratio of those sums.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import ROOT, Stack, child_env, row, wait_until
@@ -53,6 +57,7 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: l
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         raise SystemExit("expected 'go'")
+    cpu0 = time.process_time()
     if mode == "broker":
         acks = sender.send_many([(gid, data) for gid, data, _ in payloads], window=WINDOW)
         for gid, ack in acks.items():
@@ -65,6 +70,7 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: l
             for gid, data, v in payloads[i:i + 64]:
                 pipe.xadd(RAW_STREAM, {"gid": gid, "data": data, "v": v, "gen": f"raw-{seed}"})
             pipe.execute()
+    print(f"cpu {time.process_time() - cpu0}", flush=True)  # this process's CPU seconds from "go" to its last group
 
 
 def consume(r, stream: str, total: int, timeout_s: float, producers=(), keys=None) -> tuple[int, float]:
@@ -100,12 +106,21 @@ def consume(r, stream: str, total: int, timeout_s: float, producers=(), keys=Non
     return nbytes, time.perf_counter()
 
 
+@dataclass
+class Round:
+    """One round's figures: groups/s, MB/s, and CPU µs per group by party (``redis``: its own account, every
+    thread; ``producers``: theirs from "go" to their last group; ``consumer``: this process; ``broker``: the
+    broker process and its workers, when its pid was given), each over the clocked part of the round."""
+    groups_per_s: float
+    mb_per_s: float
+    cpu_us: dict[str, float]
+
+
 def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens: int, seed: int,
-              keys: list[str] = (), producers: int = 2, run_id: str = "bench") -> tuple[float, float, float]:
-    """(groups/s, MB/s, Redis CPU µs per group) of one round of ``producers`` processes (``keys``: a broker
-    producer's CURVE key files; ``run_id``: the run the broker's groups are for). Redis's CPU is its own
-    account (INFO cpu, every thread), from the ``go`` to the last group read: appends, the consumer's
-    reads and deletes."""
+              keys: list[str] = (), producers: int = 2, run_id: str = "bench", broker_pid: int | None = None
+              ) -> Round:
+    """One round of ``producers`` processes (``keys``: a broker producer's CURVE key files; ``run_id``: the run
+    the broker's groups are for; ``broker_pid``: the broker, whose CPU is then counted)."""
     from broker.protocol.keys import Keys
 
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--run-id", run_id, "--producer", mode,
@@ -118,15 +133,22 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
             line = p.stdout.readline().strip()
             if line != "ready":
                 raise RuntimeError(f"ingest producer ({mode}) did not start: {line!r}, exit {p.poll()}")
-        cpu0 = _redis_cpu_s(r)
+        redis0, self0 = _redis_cpu_s(r), time.process_time()
+        broker0 = _tree_cpu_s(broker_pid) if broker_pid else 0.0
         t0 = time.perf_counter()
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
         nbytes, t1 = consume(r, stream, producers * per_producer, timeout_s=600, producers=procs,
                              keys=Keys(run_id) if mode == "broker" else None)
-        cpu1 = _redis_cpu_s(r)
+        redis1, self1 = _redis_cpu_s(r), time.process_time()
+        broker1 = _tree_cpu_s(broker_pid) if broker_pid else 0.0
+        producer_cpu = 0.0
         for p in procs:
+            line = p.stdout.readline().split()  # "cpu <seconds>", printed once it has sent its last group
+            if line[:1] != ["cpu"]:
+                raise RuntimeError(f"ingest producer ({mode}) ended without its CPU line: {line!r}")
+            producer_cpu += float(line[1])
             if p.wait(60) != 0:
                 raise RuntimeError(f"ingest producer ({mode}) exited with {p.returncode}")
     finally:
@@ -135,7 +157,26 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
                 p.kill()
                 p.wait(10)
     n = producers * per_producer
-    return n / (t1 - t0), nbytes / (t1 - t0) / 1e6, (cpu1 - cpu0) / n * 1e6
+    cpu = {"producers": producer_cpu, "consumer": self1 - self0, "redis": redis1 - redis0}
+    if broker_pid:
+        cpu["broker"] = broker1 - broker0
+    return Round(n / (t1 - t0), nbytes / (t1 - t0) / 1e6, {k: round(v / n * 1e6, 1) for k, v in cpu.items()})
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of process ``pid`` and its children so far, from /proc
+    (clock ticks: 10 ms; a round of 800 groups resolves ~12 µs per group)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / tick
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except FileNotFoundError:  # it exited meanwhile: what it spent is not in its parent's account yet
+        return total
+    return total + sum(_tree_cpu_s(c) for c in children)
 
 
 def _redis_cpu_s(r) -> float:
@@ -145,10 +186,10 @@ def _redis_cpu_s(r) -> float:
 
 
 def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1, auth: str = "curve"
-                 ) -> tuple[str, list[str]]:
+                 ) -> tuple[str, list[str], int]:
     """A ``relay broker`` for run ``run_id`` with ``workers`` ingest workers, ``auth`` its ``ingest_auth``,
     unbounded queue, the versions of benchmarks.codec.make_group's groups announced: (its ingest
-    address(es), comma-separated; the producers' CURVE key files, none without CURVE)."""
+    address(es), comma-separated; the producers' CURVE key files, none without CURVE; its pid)."""
     from broker.client.announcements import announce
     from broker.client.connection import worker_addresses
     from broker.protocol.keys import Keys
@@ -170,7 +211,11 @@ def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1, auth:
         announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"), stack.announce_key)
     k = stack.ingest_keys()
     return (",".join(worker_addresses(ingest, workers)),
-            [k["producer"], k["broker_public_key_file"]] if auth == "curve" else [])
+            [k["producer"], k["broker_public_key_file"]] if auth == "curve" else [], broker.pid)
+
+
+def _median_cpu(rounds: list[Round]) -> dict[str, float]:
+    return {k: round(statistics.median(x.cpu_us[k] for x in rounds), 1) for k in rounds[0].cpu_us}
 
 
 def run(quick: bool) -> list[dict]:
@@ -183,35 +228,38 @@ def run(quick: bool) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-") as tmp, Stack(Path(tmp)) as stack:
         url = stack.redis()
         r = redis.Redis.from_url(url)
-        ingest, producer_keys = start_broker(stack, r)
+        ingest, producer_keys, pid = start_broker(stack, r)
         # the same broker without CURVE (ingest_auth = "insecure"), run by run, to show what the encryption
         # costs: the raw baseline encrypts nothing
-        plain_ingest, _ = start_broker(stack, r, PLAIN_RUN, auth="insecure")
+        plain_ingest, _, plain_pid = start_broker(stack, r, PLAIN_RUN, auth="insecure")
         keys = Keys("bench")
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
         ours, plain, raw = [], [], []
         for i in range(rounds):
-            ours.append(one_round("broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i, producer_keys))
+            ours.append(one_round("broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i, producer_keys,
+                                  broker_pid=pid))
             raw.append(one_round("raw", url, r, RAW_STREAM, per_producer, tokens, 10 * i + 5))
             plain.append(one_round("broker", plain_ingest, r, Keys(PLAIN_RUN).trajectories, per_producer, tokens,
-                                   10 * i + 7, run_id=PLAIN_RUN))
+                                   10 * i + 7, run_id=PLAIN_RUN, broker_pid=plain_pid))
         for run_id in ("bench", PLAIN_RUN):
             accepted = int(read_stats(r, Keys(run_id), "broker").get("accepted", 0))
             if accepted != 2 * per_producer * rounds:
                 raise RuntimeError(f"the broker of {run_id} accepted {accepted} groups, expected "
                                    f"{2 * per_producer * rounds}")
-    v = statistics.median(x[0] for x in ours)
-    b = statistics.median(x[0] for x in raw)
+    v = statistics.median(x.groups_per_s for x in ours)
+    b = statistics.median(x.groups_per_s for x in raw)
+    p = statistics.median(x.groups_per_s for x in plain)
     return [row("ingest", v, b, "groups/s", TARGET, "higher", {
         "producers": 2, "groups_per_round": 2 * per_producer, "rounds": rounds, "samples": 8,
-        "tokens_per_sample": tokens, "broker_MB_per_s": statistics.median(x[1] for x in ours),
-        "raw_MB_per_s": statistics.median(x[1] for x in raw), "broker_rounds_groups_per_s": [x[0] for x in ours],
-        "raw_rounds_groups_per_s": [x[0] for x in raw], "raw_pipeline_depth": 64,
-        "broker_redis_cpu_us_per_group": round(statistics.median(x[2] for x in ours), 1),
-        "no_curve_groups_per_s": statistics.median(x[0] for x in plain),
-        "no_curve_ratio": round(statistics.median(x[0] for x in plain) / b, 3),
-        "no_curve_rounds_groups_per_s": [x[0] for x in plain],
-        "raw_redis_cpu_us_per_group": round(statistics.median(x[2] for x in raw), 1),
+        "tokens_per_sample": tokens, "broker_MB_per_s": statistics.median(x.mb_per_s for x in ours),
+        "raw_MB_per_s": statistics.median(x.mb_per_s for x in raw),
+        "broker_rounds_groups_per_s": [x.groups_per_s for x in ours],
+        "raw_rounds_groups_per_s": [x.groups_per_s for x in raw], "raw_pipeline_depth": 64,
+        # CPU µs per group by party, median rounds: where each path's CPU goes (docs/benchmarks.md "ingest")
+        "broker_cpu_us_per_group": _median_cpu(ours), "raw_cpu_us_per_group": _median_cpu(raw),
+        "no_curve_cpu_us_per_group": _median_cpu(plain),
+        "no_curve_groups_per_s": p, "no_curve_ratio": round(p / b, 3),
+        "no_curve_rounds_groups_per_s": [x.groups_per_s for x in plain],
         "broker_window": WINDOW})]
 
 

@@ -31,7 +31,7 @@ def run(quick: bool) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-scaling-") as tmp, Stack(Path(tmp)) as stack:
         url = stack.redis()
         r = redis.Redis.from_url(url)
-        brokers = {w: (f"bench-w{w}", *start_broker(stack, r, f"bench-w{w}", w)) for w in WORKERS}
+        brokers = {w: (f"bench-w{w}", *start_broker(stack, r, f"bench-w{w}", w)[:2]) for w in WORKERS}
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
         got: dict[tuple[int, int], list[float]] = {}  # (producers, workers; 0 = raw) -> groups/s per round
         seed = 0
@@ -40,12 +40,12 @@ def run(quick: bool) -> list[dict]:
             for _ in range(rounds):
                 seed += 100
                 got.setdefault((p, 0), []).append(one_round("raw", url, r, RAW_STREAM, each, tokens, seed,
-                                                            producers=p)[0])
+                                                            producers=p).groups_per_s)
                 for w, (run_id, address, keys) in brokers.items():
                     seed += 100
                     got.setdefault((p, w), []).append(one_round("broker", address, r, Keys(run_id).trajectories,
                                                                 each, tokens, seed, keys, producers=p,
-                                                                run_id=run_id)[0])
+                                                                run_id=run_id).groups_per_s)
         for w, (run_id, _, _) in brokers.items():
             sent = sum(rounds * (per_round // p * p) for p in producers)
             accepted = int(read_stats(r, Keys(run_id), "broker").get("accepted", 0))
