@@ -214,7 +214,7 @@ def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1, auth:
             [k["producer"], k["broker_public_key_file"]] if auth == "curve" else [], broker.pid)
 
 
-def _median_cpu(rounds: list[Round]) -> dict[str, float]:
+def median_cpu(rounds: list[Round]) -> dict[str, float]:
     return {k: round(statistics.median(x.cpu_us[k] for x in rounds), 1) for k in rounds[0].cpu_us}
 
 
@@ -256,8 +256,8 @@ def run(quick: bool) -> list[dict]:
         "broker_rounds_groups_per_s": [x.groups_per_s for x in ours],
         "raw_rounds_groups_per_s": [x.groups_per_s for x in raw], "raw_pipeline_depth": 64,
         # CPU µs per group by party, median rounds: where each path's CPU goes (docs/benchmarks.md "ingest")
-        "broker_cpu_us_per_group": _median_cpu(ours), "raw_cpu_us_per_group": _median_cpu(raw),
-        "no_curve_cpu_us_per_group": _median_cpu(plain),
+        "broker_cpu_us_per_group": median_cpu(ours), "raw_cpu_us_per_group": median_cpu(raw),
+        "no_curve_cpu_us_per_group": median_cpu(plain),
         "no_curve_groups_per_s": p, "no_curve_ratio": round(p / b, 3),
         "no_curve_rounds_groups_per_s": [x.groups_per_s for x in plain],
         "broker_window": WINDOW})]

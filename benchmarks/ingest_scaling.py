@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import Stack, row
-from benchmarks.ingest import RAW_STREAM, one_round, start_broker
+from benchmarks.ingest import RAW_STREAM, Round, median_cpu, one_round, start_broker
 
 PRODUCERS = (1, 2, 4, 8)
 WORKERS = (1, 2)
@@ -31,34 +31,35 @@ def run(quick: bool) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="relay-bench-ingest-scaling-") as tmp, Stack(Path(tmp)) as stack:
         url = stack.redis()
         r = redis.Redis.from_url(url)
-        brokers = {w: (f"bench-w{w}", *start_broker(stack, r, f"bench-w{w}", w)[:2]) for w in WORKERS}
+        brokers = {w: (f"bench-w{w}", *start_broker(stack, r, f"bench-w{w}", w)) for w in WORKERS}
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
-        got: dict[tuple[int, int], list[float]] = {}  # (producers, workers; 0 = raw) -> groups/s per round
+        got: dict[tuple[int, int], list[Round]] = {}  # (producers, workers; 0 = raw) -> its rounds
         seed = 0
         for p in producers:
             each = per_round // p
             for _ in range(rounds):
                 seed += 100
                 got.setdefault((p, 0), []).append(one_round("raw", url, r, RAW_STREAM, each, tokens, seed,
-                                                            producers=p).groups_per_s)
-                for w, (run_id, address, keys) in brokers.items():
+                                                            producers=p))
+                for w, (run_id, address, keys, pid) in brokers.items():
                     seed += 100
                     got.setdefault((p, w), []).append(one_round("broker", address, r, Keys(run_id).trajectories,
                                                                 each, tokens, seed, keys, producers=p,
-                                                                run_id=run_id).groups_per_s)
-        for w, (run_id, _, _) in brokers.items():
+                                                                run_id=run_id, broker_pid=pid))
+        for w, (run_id, *_) in brokers.items():
             sent = sum(rounds * (per_round // p * p) for p in producers)
             accepted = int(read_stats(r, Keys(run_id), "broker").get("accepted", 0))
             if accepted != sent:
                 raise RuntimeError(f"the broker with {w} worker(s) accepted {accepted} groups, expected {sent}")
     rows = []
+    rate = {k: statistics.median(x.groups_per_s for x in v) for k, v in got.items()}
     for p in producers:
-        raw = statistics.median(got[(p, 0)])
         for w in WORKERS:
-            one = statistics.median(got[(p, 1)])
-            rows.append(row(f"ingest_scaling/{p}p/{w}w", statistics.median(got[(p, w)]), raw, "groups/s", None,
-                            "higher", {"producers": p, "workers": w, "rounds_groups_per_s": got[(p, w)],
-                                       "raw_rounds_groups_per_s": got[(p, 0)], "groups_per_round": per_round // p * p,
-                                       "tokens_per_sample": tokens, "samples": 8,
-                                       "over_one_worker": statistics.median(got[(p, w)]) / one}))
+            rows.append(row(f"ingest_scaling/{p}p/{w}w", rate[(p, w)], rate[(p, 0)], "groups/s", None, "higher", {
+                "producers": p, "workers": w, "rounds_groups_per_s": [x.groups_per_s for x in got[(p, w)]],
+                "raw_rounds_groups_per_s": [x.groups_per_s for x in got[(p, 0)]],
+                "groups_per_round": per_round // p * p, "tokens_per_sample": tokens, "samples": 8,
+                "over_one_worker": rate[(p, w)] / rate[(p, 1)],
+                # CPU µs per group by party (the broker: all its workers), median rounds
+                "cpu_us_per_group": median_cpu(got[(p, w)]), "raw_cpu_us_per_group": median_cpu(got[(p, 0)])}))
     return rows
