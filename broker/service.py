@@ -59,6 +59,7 @@ class Broker:
                 try:
                     self.feeder.feed()
                     self.evals.tick()
+                    self.evals.settle()
                     self._trim_events()
                     workers.check()
                     self.ingest.serve(sock, 100)

@@ -19,6 +19,7 @@ read it.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -80,6 +81,8 @@ class EvalScheduler:
         self._next_check = 0.0
         self._records = None
         self.rounds: dict[int, EvalRound] = read_rounds(r, keys)
+        self.history = EvalHistory(r, keys, settler=True)
+        self._next_settle = 0.0
 
     def _held_out(self):
         if self._records is None:
@@ -94,6 +97,17 @@ class EvalScheduler:
                 log.warning("the evaluation set has only %d prompts (eval.prompts = %d)", len(self._records),
                             self.cfg.prompts)
         return self._records
+
+    def settle(self, every_s: float = 2.0) -> list[int]:
+        """At most every ``every_s``: complete rounds summarised for good and their per-prompt results
+        deleted (:meth:`EvalHistory.settle`); the rounds settled now."""
+        if not self.rounds or time.monotonic() < self._next_settle:
+            return []
+        self._next_settle = time.monotonic() + every_s
+        settled = self.history.settle()
+        for v in settled:
+            log.info("evaluation round %d settled: its summary kept, its per-prompt results deleted", v)
+        return settled
 
     def tick(self) -> int | None:
         """Enqueue a due round; return its version (None when nothing was due)."""
@@ -244,32 +258,97 @@ class EvalHistory:
     """The rounds so far, read incrementally from Redis (``rounds()`` is cheap to call every second).
     A result or round that cannot be read (not JSON, a field of the wrong type, a reward that is not a
     finite number) is skipped, logged and counted in ``malformed`` (``eval_results``: each entry once;
-    ``eval_rounds``: at the last read); it never stops the other rounds from being summarised."""
+    ``eval_rounds``: at the last read, with the unreadable summaries); it never stops the other rounds
+    from being summarised.
 
-    def __init__(self, r: redis.Redis, keys: Keys):
+    A complete round is summarised once for good (:meth:`settle`, the broker's loop): its summary goes to
+    ``eval_summaries`` and its per-prompt results leave ``eval_results``, so a run's evaluation costs Redis
+    (and every reader's memory) one summary per round, not one entry per prompt per round."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, settler: bool = False):
         self.r, self.keys = r, keys
+        self.settler = settler  # the broker's: keeps the entry ids it reads, for settle() to delete
         self._after = "-"
         self._results: dict[int, dict[int, EvalResult]] = defaultdict(dict)
+        self._ids: dict[int, list[bytes]] = defaultdict(list)  # entry ids read, by round (settler only)
+        self._settled: dict[int, dict] = {}
+        self._summaries_bad = 0  # unreadable summaries at the last full read of the hash
         self.malformed: Counter = Counter(eval_results=0, eval_rounds=0)
 
     def rounds(self) -> list[dict]:
         rounds_bad: Counter = Counter()
         meta = read_rounds(self.r, self.keys, rounds_bad)
-        self.malformed["eval_rounds"] = rounds_bad["eval_rounds"]
         while True:
             entries = queues.read_eval_results(self.r, self.keys, self._after)
             if not entries:
                 break
             for eid, f in entries:
                 try:
+                    v = int(f[b"round"])
+                    if self.settler:
+                        self._ids[v].append(eid)
                     res = check_result(decode_eval_result(f[b"data"]))
                     # a prompt evaluated twice (reclaimed after a generator died) counts once
-                    self._results[int(f[b"round"])].setdefault(int(f[b"idx"]), res)
+                    if v not in self._settled:
+                        self._results[v].setdefault(int(f[b"idx"]), res)
                 except (KeyError, ValueError) as e:  # ProtocolError is a ValueError
                     self.malformed["eval_results"] += 1
                     log.warning("skipped the unreadable evaluation result %s: %s", eid, e)
             self._after = entries[-1][0].decode()
-        return [summarize_round(meta[v], self._results.get(v, {})) for v in sorted(meta)]
+        # the summaries after the results: a round settled between the two reads is in this one. A summary
+        # never changes once written, so the hash is read again only when it has more fields.
+        if self.r.hlen(self.keys.eval_summaries) != len(self._settled) + self._summaries_bad:
+            bad: Counter = Counter()
+            self._settled = read_summaries(self.r, self.keys, bad)
+            self._summaries_bad = bad["eval_rounds"]
+            for v in self._settled:
+                self._results.pop(v, None)
+        self.malformed["eval_rounds"] = rounds_bad["eval_rounds"] + self._summaries_bad
+        return [self._settled[v] if v in self._settled else summarize_round(meta[v], self._results.get(v, {}))
+                for v in sorted(meta)]
+
+    def settle(self) -> list[int]:
+        """Store each complete round's summary in ``eval_summaries`` and delete its results from
+        ``eval_results``, in one MULTI/EXEC; delete the late results of rounds already settled (a prompt
+        answered twice). The broker's loop calls it; the rounds settled now, by version. An incomplete
+        round (its generators gone before answering every prompt) keeps its results."""
+        if not self.settler:
+            raise RuntimeError("only the broker's EvalHistory(settler=True) settles rounds")
+        rounds = self.rounds()
+        pipe = self.r.pipeline(transaction=True)
+        settled = []
+        for s in rounds:
+            v = s["round"]
+            if v not in self._settled and s["complete"]:
+                pipe.hset(self.keys.eval_summaries, str(v), json.dumps(s))
+                settled.append(v)
+            elif v not in self._settled:
+                continue
+            ids = self._ids.pop(v, None)
+            if ids:
+                pipe.xdel(self.keys.eval_results, *ids)
+        if len(pipe):
+            pipe.execute()
+        for v in settled:
+            self._results.pop(v, None)
+        return settled
+
+
+def read_summaries(r: redis.Redis, keys: Keys, malformed: Counter | None = None) -> dict[int, dict]:
+    """The summaries of the settled rounds, by round version; an unreadable one is skipped, logged and
+    counted in ``malformed`` (under ``eval_rounds``)."""
+    out = {}
+    for v, raw in r.hgetall(keys.eval_summaries).items():
+        try:
+            s = json.loads(raw)
+            if not isinstance(s, dict) or s.get("round") != int(v) or not isinstance(s.get("complete"), bool):
+                raise ValueError("not a round's summary")
+            out[int(v)] = s
+        except ValueError as e:  # JSONDecodeError is a ValueError
+            if malformed is not None:
+                malformed["eval_rounds"] += 1
+            log.warning("skipped the unreadable evaluation summary %r: %s", v[:40], e)
+    return out
 
 
 def history_for_summary(r: redis.Redis, keys: Keys) -> list[dict]:

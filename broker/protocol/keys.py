@@ -26,7 +26,8 @@
 | feeder                    | hash       | broker     | the prompt feeder's position {epoch, index, fed, skipped_too_long} |
 | eval_prompts              | stream     | broker     | held-out prompts of evaluation rounds; group ``generators`` |
 | eval_rounds               | hash       | broker     | round version -> JSON {prompts, greedy, samples, threshold, final} |
-| eval_results              | stream     | generators | one entry per evaluated prompt (round, idx, data JSON) |
+| eval_results              | stream     | generators | one entry per evaluated prompt (round, idx, data JSON); a complete round's are deleted once summarised |
+| eval_summaries            | hash       | broker     | round version -> JSON summary of a complete round (pass@1, pass@k, mean reward and length, ...) |
 | run                       | hash       | broker, generators, learner | how a producer joins the run: ingest_address (broker), reward_url and sampling (the first generator), eos_token_id (learner, at publication); messages.RunInfo |
 """
 
@@ -206,8 +207,15 @@ class Keys:
 
     @property
     def eval_results(self) -> str:
-        """Stream of evaluated prompts: round, idx, data (JSON: version served, greedy and sampled results)."""
+        """Stream of evaluated prompts: round, idx, data (JSON: version served, greedy and sampled results).
+        A round's entries are deleted once the round is complete and its summary is in ``eval_summaries``."""
         return self._k("eval_results")
+
+    @property
+    def eval_summaries(self) -> str:
+        """Hash round version -> JSON summary of a complete round (broker/prompts/evals.py summarize_round),
+        written with the deletion of its ``eval_results`` entries, in one MULTI/EXEC."""
+        return self._k("eval_summaries")
 
     @property
     def collective(self) -> str:
