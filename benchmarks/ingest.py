@@ -4,9 +4,10 @@ de-duplication, the queue bound, the Lua append) -> Redis stream -> a consumer r
 Redis stream with redis-py pipelined XADD (no broker) and the same consumer. Each broker producer
 keeps ``WINDOW`` groups in flight (``GroupSender.send_many``), as the raw one pipelines 64 XADDs.
 
-The producers encode their groups before the clock starts; the clock runs from "go" until the
-consumer has read (XREADGROUP, and for the broker's stream an MGET of the messages) and acknowledged
-(XACK + XDEL, and DEL of those messages) the last group. Rounds alternate between the paths; the
+The producers encode their groups and connect (the broker's: CURVE handshake done with every worker)
+before the clock starts; the clock runs from "go" until the consumer has read (XREADGROUP, and for the
+broker's stream an MGET of the messages) and acknowledged (XACK + XDEL, and DEL of those messages) the
+last group. Rounds alternate between the paths; the
 figure is the median round. A third path, reported in ``details`` only (``no_curve_*``), is the same
 broker without CURVE (``ingest_auth = "insecure"``): the raw baseline encrypts nothing, and this says
 how much of the gap is the encryption. ``details`` also has each path's CPU per group by party (the
@@ -50,10 +51,12 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: l
 
         # the producer's certificate and the broker's key; none: a broker without CURVE (ingest_auth = "insecure")
         sender = GroupSender(target, curve=load_client_keys(*keys) if keys else None)
+        sender.wait_connected()  # connected (the CURVE handshake done) with every worker before the clock runs
     else:
         import redis
 
         r = redis.Redis.from_url(target)
+        r.ping()  # connected before the clock runs, as the broker producer is
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         raise SystemExit("expected 'go'")

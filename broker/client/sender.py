@@ -21,6 +21,9 @@ from broker.protocol.messages import Ack, decode_ack
 
 log = logging.getLogger(__name__)
 
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
 
 class GroupSender:
     """Sends encoded groups to the broker and waits for each acknowledgement (lazy-pirate pattern).
@@ -45,15 +48,51 @@ class GroupSender:
         self.busy_waits = 0
         self._connect()
 
-    def _connect(self) -> None:
+    def _connect(self, monitor: bool = False) -> zmq.Socket | None:
+        """A new DEALER connected to every address; ``monitor``: with a socket that reports its handshakes
+        (attached before it connects, so none is missed), returned."""
         if self.sock is not None:
             self.sock.close(linger=0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if self.curve is not None:
             self.curve.apply(self.sock)
+        events = None
+        if monitor:
+            events = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         for address in split_addresses(self.address):  # several ingest workers: groups spread round-robin
             self.sock.connect(address)
+        return events
+
+    def wait_connected(self, timeout_s: float = 10.0) -> None:
+        """Reconnect and block until the handshake with every address has succeeded (with CURVE: the broker
+        admitted this key), so that the first groups are not held back by it nor all sent to the worker
+        that answered first. ``PermissionError`` when a broker refused the key (it is not in the
+        allow-list, or ``ingest_auth`` differs), ``TimeoutError`` after ``timeout_s`` (a broker down)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        events = self._connect(monitor=True)
+        waiting = set(split_addresses(self.address))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0 or not events.poll(int(left * 1000)):
+                    raise TimeoutError(f"no handshake with {', '.join(sorted(waiting))} in {timeout_s}s (is the broker "
+                                       "up, and does ingest_auth match?)")
+                event = recv_monitor_message(events)
+                endpoint = event["endpoint"].decode() if isinstance(event["endpoint"], bytes) else event["endpoint"]
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    waiting.discard(endpoint)
+                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    raise PermissionError(f"broker {endpoint} refused this producer's key (status {event['value']}): "
+                                          "is it in the broker's allow-list (docs/security.md)?")
+                else:  # a protocol error, or no detail: most often one side with CURVE and the other without
+                    raise ConnectionError(f"handshake with {endpoint} failed (ZeroMQ event {event['event']}): does "
+                                          "ingest_auth match the broker's?")
+        finally:
+            self.sock.disable_monitor()
+            events.close(linger=0)
 
     def send(self, group_id: str, payload: bytes, give_up_s: float = 3600.0,
              should_stop=lambda: False, on_busy=lambda: None) -> Ack:

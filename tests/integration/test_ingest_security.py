@@ -62,6 +62,28 @@ def test_a_producer_without_a_listed_key_is_never_heard(procs, redis_url, tmp_pa
     assert httpx.get(f"{http}/api/state").json()["ingest_auth"] == "curve"
 
 
+def test_a_producer_learns_at_once_whether_the_broker_admits_its_key(procs, redis_url, tmp_path):
+    """GroupSender.wait_connected: the handshake's outcome, not a silent timeout per group."""
+    keys = _keys(tmp_path, "gen-0")
+    address, _, _, _ = _broker(procs, redis_url, tmp_path, keys)
+    stranger = write_ingest_keys(tmp_path / "stranger", ["gen-0"])
+    refused = GroupSender(address, curve=load_client_keys(stranger["generators"]["gen-0"],
+                                                          keys["broker_public_key_file"]))
+    with pytest.raises(PermissionError, match="refused this producer's key"):
+        refused.wait_connected(timeout_s=10)
+    refused.close()
+    plain = GroupSender(address)  # no CURVE against a CURVE broker
+    with pytest.raises(ConnectionError, match="does ingest_auth match"):
+        plain.wait_connected(timeout_s=10)
+    plain.close()
+    listed = _sender(address, keys, "gen-0")
+    listed.wait_connected(timeout_s=10)
+    assert listed.send("after-wait", encode_group(make_group(group_id="after-wait"))).status == "ok"
+    listed.close()
+    with pytest.raises(TimeoutError, match="no handshake"):  # nothing listening there
+        GroupSender(f"tcp://127.0.0.1:{free_port()}").wait_connected(timeout_s=1)
+
+
 def test_a_listed_key_cannot_send_as_another_generator(procs, redis_url, tmp_path):
     keys = _keys(tmp_path, "gen-0", "gen-1")
     address, _, r, k = _broker(procs, redis_url, tmp_path, keys)
