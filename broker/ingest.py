@@ -39,7 +39,7 @@ from broker.client.announcements import announced_hashes, latest_announcement
 from broker.client.overlap import OverlappedTransactions
 from broker.config import BrokerConfig
 from broker.protocol.codec import ProtocolError
-from broker.protocol.group import Group, decode_group_fast, group_from_map, group_id_of, unpack_group
+from broker.protocol.group import Group, GroupHead, decode_group_fast, group_from_map, group_id_of, unpack_group
 from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
@@ -59,7 +59,7 @@ class _Batch:
     now, for the valid ones from the pipeline's results), the valid groups and the rejection reasons."""
     pipe: redis.client.Pipeline
     acks: list[Ack | None]
-    valid: list[tuple[int, Group, bytes | memoryview]] = field(default_factory=list)
+    valid: list[tuple[int, Group | GroupHead, bytes | memoryview]] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
 
 
@@ -155,7 +155,7 @@ class Ingest:
         latest = self._read_latest()
         return latest if latest is not None and newest > latest else None
 
-    def _check_hash(self, g: Group) -> None:
+    def _check_hash(self, g: Group | GroupHead) -> None:
         """The group's weight_hash must be the hash announced for its weight_version. Announced hashes are
         cached; a mismatch with the cache reads Redis again first (a version re-announced by a learner
         resumed from an older checkpoint), so only a real mismatch is rejected."""
@@ -170,7 +170,7 @@ class Ingest:
                 raise ProtocolError("weight_hash", f"weight_hash {g.weight_hash[:16]!r} is not the hash announced "
                                     f"for version {v} ({announced[:16]!r})")
 
-    def _validate(self, g: Group, user_id: str | None) -> None:
+    def _validate(self, g: Group | GroupHead, user_id: str | None) -> None:
         """The checks of a valid group message beyond the message itself, in order: the key's generator
         ids, the run, the versions and their hash."""
         if self.allowed is not None and not self.allowed.allows(user_id or "", g.generator_id):
@@ -199,7 +199,7 @@ class Ingest:
             g, m = None, None  # the group, or the message decoded for its reason (its id goes in the ack)
             try:
                 if len(payload) <= self.cfg.max_message_bytes:
-                    g = decode_group_fast(payload)
+                    g = decode_group_fast(payload, samples=False)  # checked whole; only its head is needed
                 if g is None:  # not a well-formed group: validated field by field, which names the problem
                     m = unpack_group(payload, self.cfg.max_message_bytes)
                     g = group_from_map(m)

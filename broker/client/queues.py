@@ -25,7 +25,7 @@ import redis
 
 from broker.protocol import scripts
 from broker.protocol.codec import ProtocolError
-from broker.protocol.group import Group, decode_group
+from broker.protocol.group import Group, GroupHead, decode_group
 from broker.protocol.keys import PROMPTS_GROUP, RECORD_WINDOW, TRAJECTORIES_GROUP, Keys
 from broker.protocol.messages import PromptEntry
 
@@ -126,7 +126,7 @@ STAGED_TTL_MS = 60_000
 
 
 def append_groups(pipe, keys: Keys, max_queue_groups: int, max_queue_bytes: int,
-                  groups: list[tuple[Group, bytes | memoryview]], window: int = RECORD_WINDOW) -> None:
+                  groups: list[tuple[Group | GroupHead, bytes | memoryview]], window: int = RECORD_WINDOW) -> None:
     """Queue on ``pipe`` the atomic append of a batch of valid groups (the bounds in groups and in bytes,
     de-dup over the last ``window`` to 2 x ``window`` group ids, XADD, counters). ``pipe`` must be a
     transaction (``r.pipeline()``): each message is SET under a staged key that the script renames to

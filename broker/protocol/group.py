@@ -482,9 +482,25 @@ def _decode_all(decoder: msgspec.msgpack.Decoder, raws: list[msgspec.Raw]):
     return decoder.decode(_array_header(len(raws)) + b"".join(raws))
 
 
-def decode_group_fast(data: bytes | memoryview) -> Group | None:
+@dataclass(slots=True)
+class GroupHead:
+    """What the broker needs of a group it has validated to append it (:func:`decode_group_fast` with
+    ``samples=False``): the same names as :class:`Group`'s, ``min_version``/``max_version`` over every
+    token. The broker writes the message's own bytes; it never needs the samples built."""
+    group_id: str
+    run_id: str
+    generator_id: str
+    weight_version: int
+    weight_hash: str
+    min_version: int
+    max_version: int
+
+
+def decode_group_fast(data: bytes | memoryview, samples: bool = True) -> Group | GroupHead | None:
     """The group in ``data`` when it is a well-formed group message (see above), else None. Never
-    raises for bad input: None sends the message to the field-by-field validation.
+    raises for bad input: None sends the message to the field-by-field validation. ``samples=False``:
+    every check the same, but a :class:`GroupHead` instead of the samples and the Group (the broker's
+    ingest: ~8 µs a group of 8 samples less).
 
     Written for speed (it runs on every group the broker takes in, and twice per group on the way to
     the learner): one pass over the samples for the checks that need nothing decoded beyond the schema,
@@ -550,6 +566,8 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
         details = [{} for _ in ws]
     elif not all([finite32(v) for d in details for v in d.values() if type(v) is float]):
         return None
+    if not samples:
+        return _head(w, tokens)
     samples, start = [], 0
     for s, n, det, flag in zip(ws, tokens, details, trainable):
         runs = s.version_runs
@@ -568,6 +586,26 @@ def decode_group_fast(data: bytes | memoryview) -> Group | None:
                  w.weight_hash, w.sampling, "" if w.task is None else w.task,
                  "" if w.reference is None else w.reference, w.created_at,
                  0.0 if w.scored_at is None else w.scored_at, 0.0 if w.sent_at is None else w.sent_at)
+
+
+def _head(w: _WireGroup, tokens: list[int]) -> GroupHead | None:
+    """decode_group_fast's last check (the version runs cover each sample's tokens, none empty) and the
+    versions over every token, without building the samples."""
+    lo, hi = None, 0
+    for s, n in zip(w.samples, tokens):
+        covered = 0
+        for v, c in s.version_runs:
+            if not c:
+                return None
+            covered += c
+            if lo is None or v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+        if covered != n:
+            return None
+    return GroupHead(w.group_id, w.run_id, w.generator_id, w.weight_version, w.weight_hash,
+                     0 if lo is None else lo, hi)
 
 
 def _trainable(s: dict, n: int, where: str) -> np.ndarray | None:

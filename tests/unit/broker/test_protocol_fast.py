@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.protocol.codec import ProtocolError, unpack_map
-from broker.protocol.group import Group, Sample, decode_group, decode_group_fast, encode_group, group_from_map
+from broker.protocol.group import (Group, GroupHead, Sample, decode_group, decode_group_fast, encode_group,
+                                   group_from_map)
 from tests.support.data import make_group
 
 
@@ -30,6 +31,11 @@ def slow(data: bytes) -> Group | None:
         return group_from_map(unpack_map(data))
     except ProtocolError:
         return None
+
+
+def head_of(g: Group) -> GroupHead:
+    return GroupHead(g.group_id, g.run_id, g.generator_id, g.weight_version, g.weight_hash, g.min_version,
+                     g.max_version)
 
 
 def assert_same(a: Group, b: Group) -> None:
@@ -54,6 +60,7 @@ def test_valid_groups_take_the_fast_path_and_decode_exactly_as_the_validation_do
     fast = decode_group_fast(data)
     assert fast is not None
     assert_same(fast, slow(data))
+    assert decode_group_fast(data, samples=False) == head_of(fast)  # the broker's head: the same checks
     assert fast.samples[2].trainable.tolist() == [1, 0, 0, 1] if len(fast.samples) > 2 else True
 
 
@@ -152,9 +159,12 @@ def test_the_fast_path_never_accepts_what_the_validation_rejects(changes):
     except (TypeError, ValueError, OverflowError):
         return
     fast, expected = decode_group_fast(data), slow(data)
+    head = decode_group_fast(data, samples=False)
+    assert (head is None) == (fast is None), "the broker's head-only decode and the full one disagree"
     if fast is not None:
         assert expected is not None, "the fast path accepted a message the validation rejects"
         assert_same(fast, expected)
+        assert head == head_of(expected)
 
 
 def test_non_finite_and_positive_log_probs_never_pass_the_fast_path():
@@ -162,4 +172,5 @@ def test_non_finite_and_positive_log_probs_never_pass_the_fast_path():
         m = msgpack.unpackb(encode_group(make_group()), raw=False)
         m["samples"][1]["logprobs"]["data"] = np.array([bad], "<f4").tobytes()
         data = msgpack.packb(m, use_bin_type=True)
-        assert decode_group_fast(data) is None and slow(data) is None
+        assert decode_group_fast(data) is None and decode_group_fast(data, samples=False) is None
+        assert slow(data) is None
