@@ -141,19 +141,23 @@ class GroupSender:
                     raise TimeoutError("stopping while the broker is busy")
                 time.sleep(max(0.0, pause_until - now))
                 continue
-            if not self.sock.poll(int(self.timeout_s * 1000)):
-                if should_stop():
-                    raise TimeoutError(f"stopping before broker {self.address} acknowledged {len(inflight)} groups")
-                log.warning("no ack from broker %s in %.1fs; resending group(s) %s (if this goes on: does "
-                            "ingest_auth match the broker's, and is this producer's key in its allow-list?)",
-                            self.address, self.timeout_s,
-                            ", ".join(list(inflight)[:4]) + (f" and {len(inflight) - 4} more" if len(inflight) > 4 else ""))
-                self.resends += len(inflight)
-                self._connect()
-                todo.extendleft(reversed(list(inflight.items())))
-                inflight.clear()
-                continue
-            _, reply = self.sock.recv_multipart()
+            try:  # an ack already waiting (the broker acknowledges a batch at a time): no poll for it
+                _, reply = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                if not self.sock.poll(int(self.timeout_s * 1000)):
+                    if should_stop():
+                        raise TimeoutError(f"stopping before broker {self.address} acknowledged {len(inflight)} "
+                                           "groups") from None
+                    log.warning("no ack from broker %s in %.1fs; resending group(s) %s (if this goes on: does "
+                                "ingest_auth match the broker's, and is this producer's key in its allow-list?)",
+                                self.address, self.timeout_s, ", ".join(list(inflight)[:4])
+                                + (f" and {len(inflight) - 4} more" if len(inflight) > 4 else ""))
+                    self.resends += len(inflight)
+                    self._connect()
+                    todo.extendleft(reversed(list(inflight.items())))
+                    inflight.clear()
+                    continue
+                _, reply = self.sock.recv_multipart()
             try:
                 ack = decode_ack(reply)
             except ProtocolError as e:
