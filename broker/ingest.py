@@ -199,7 +199,7 @@ class Ingest:
             g, m = None, None  # the group, or the message decoded for its reason (its id goes in the ack)
             try:
                 if len(payload) <= self.cfg.max_message_bytes:
-                    g = decode_group_fast(payload, samples=False)  # checked whole; only its head is needed
+                    g = decode_group_fast(payload, head_only=True)  # checked whole; only its head is needed
                 if g is None:  # not a well-formed group: validated field by field, which names the problem
                     m = unpack_group(payload, self.cfg.max_message_bytes)
                     g = group_from_map(m)

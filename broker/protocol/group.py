@@ -485,7 +485,7 @@ def _decode_all(decoder: msgspec.msgpack.Decoder, raws: list[msgspec.Raw]):
 @dataclass(slots=True)
 class GroupHead:
     """What the broker needs of a group it has validated to append it (:func:`decode_group_fast` with
-    ``samples=False``): the same names as :class:`Group`'s, ``min_version``/``max_version`` over every
+    ``head_only=True``): the same names as :class:`Group`'s, ``min_version``/``max_version`` over every
     token. The broker writes the message's own bytes; it never needs the samples built."""
     group_id: str
     run_id: str
@@ -496,11 +496,11 @@ class GroupHead:
     max_version: int
 
 
-def decode_group_fast(data: bytes | memoryview, samples: bool = True) -> Group | GroupHead | None:
+def decode_group_fast(data: bytes | memoryview, head_only: bool = False) -> Group | GroupHead | None:
     """The group in ``data`` when it is a well-formed group message (see above), else None. Never
-    raises for bad input: None sends the message to the field-by-field validation. ``samples=False``:
-    every check the same, but a :class:`GroupHead` instead of the samples and the Group (the broker's
-    ingest: ~8 µs a group of 8 samples less).
+    raises for bad input: None sends the message to the field-by-field validation. ``head_only``: every
+    check the same, but a :class:`GroupHead` instead of the samples and the Group (the broker's ingest:
+    ~3.5 µs, a quarter of the decode, less for a group of 8 samples).
 
     Written for speed (it runs on every group the broker takes in, and twice per group on the way to
     the learner): one pass over the samples for the checks that need nothing decoded beyond the schema,
@@ -566,7 +566,7 @@ def decode_group_fast(data: bytes | memoryview, samples: bool = True) -> Group |
         details = [{} for _ in ws]
     elif not all([finite32(v) for d in details for v in d.values() if type(v) is float]):
         return None
-    if not samples:
+    if head_only:
         return _head(w, tokens)
     samples, start = [], 0
     for s, n, det, flag in zip(ws, tokens, details, trainable):

@@ -60,7 +60,7 @@ def test_valid_groups_take_the_fast_path_and_decode_exactly_as_the_validation_do
     fast = decode_group_fast(data)
     assert fast is not None
     assert_same(fast, slow(data))
-    assert decode_group_fast(data, samples=False) == head_of(fast)  # the broker's head: the same checks
+    assert decode_group_fast(data, head_only=True) == head_of(fast)  # the broker's head: the same checks
     assert fast.samples[2].trainable.tolist() == [1, 0, 0, 1] if len(fast.samples) > 2 else True
 
 
@@ -159,7 +159,7 @@ def test_the_fast_path_never_accepts_what_the_validation_rejects(changes):
     except (TypeError, ValueError, OverflowError):
         return
     fast, expected = decode_group_fast(data), slow(data)
-    head = decode_group_fast(data, samples=False)
+    head = decode_group_fast(data, head_only=True)
     assert (head is None) == (fast is None), "the broker's head-only decode and the full one disagree"
     if fast is not None:
         assert expected is not None, "the fast path accepted a message the validation rejects"
@@ -172,5 +172,5 @@ def test_non_finite_and_positive_log_probs_never_pass_the_fast_path():
         m = msgpack.unpackb(encode_group(make_group()), raw=False)
         m["samples"][1]["logprobs"]["data"] = np.array([bad], "<f4").tobytes()
         data = msgpack.packb(m, use_bin_type=True)
-        assert decode_group_fast(data) is None and decode_group_fast(data, samples=False) is None
+        assert decode_group_fast(data) is None and decode_group_fast(data, head_only=True) is None
         assert slow(data) is None
