@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import replace
@@ -269,6 +270,7 @@ class EvalHistory:
         self.r, self.keys = r, keys
         self.settler = settler  # the broker's: keeps the entry ids it reads, for settle() to delete
         self._after = "-"
+        self._lock = threading.Lock()  # the dashboard's HTTP threads read one history concurrently
         self._results: dict[int, dict[int, EvalResult]] = defaultdict(dict)
         self._ids: dict[int, list[bytes]] = defaultdict(list)  # entry ids read, by round (settler only)
         self._settled: dict[int, dict] = {}
@@ -276,6 +278,10 @@ class EvalHistory:
         self.malformed: Counter = Counter(eval_results=0, eval_rounds=0)
 
     def rounds(self) -> list[dict]:
+        with self._lock:
+            return self._rounds()
+
+    def _rounds(self) -> list[dict]:
         rounds_bad: Counter = Counter()
         meta = read_rounds(self.r, self.keys, rounds_bad)
         while True:
@@ -314,7 +320,11 @@ class EvalHistory:
         round (its generators gone before answering every prompt) keeps its results."""
         if not self.settler:
             raise RuntimeError("only the broker's EvalHistory(settler=True) settles rounds")
-        rounds = self.rounds()
+        with self._lock:
+            return self._settle()
+
+    def _settle(self) -> list[int]:
+        rounds = self._rounds()
         pipe = self.r.pipeline(transaction=True)
         settled = []
         for s in rounds:
