@@ -100,6 +100,21 @@ class Generator:
                       "sampling differs from its batch's (docs/protocol.md 3.4)", cfg.sampling.model_dump(),
                       run["sampling"])
 
+    def _check_ingest_key(self, timeout_s: float = 5.0) -> None:
+        """With CURVE, learn at once whether the broker admits this generator's key (GroupSender.wait_connected)
+        rather than time out on every group: a refused key, or a broker without CURVE, stops the generator
+        with the reason (exit 2; no retry can fix it). A broker not answering yet is only logged: the groups
+        wait for it as they always do."""
+        if self.sink.sender.curve is None:
+            return
+        try:
+            self.sink.sender.wait_connected(timeout_s)
+        except (PermissionError, ConnectionError) as e:  # the sink's thread has not started: its socket is ours
+            log.error("the broker's ingest refuses this generator: %s", e)
+            raise SystemExit(2) from None
+        except TimeoutError as e:
+            log.warning("%s; the groups wait until it answers", e)
+
     def _receiver(self, key: bytes | None):
         """The receiver of an in-process transport (collective: generators/weight_receive.py; ipc:
         generators/ipc_receive.py), or None: another transport, or a backend that cannot take tensors in
@@ -247,6 +262,7 @@ class Generator:
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
+        self._check_ingest_key()
         self.sink.start()
         # heartbeats while one engine step computes for longer than --hang-after (generators/liveness.py)
         watch = ComputeWatch(threading.current_thread(), self.send_heartbeat, self.cfg.heartbeat_s, self.stop)

@@ -84,6 +84,20 @@ def test_a_producer_learns_at_once_whether_the_broker_admits_its_key(procs, redi
         GroupSender(f"tcp://127.0.0.1:{free_port()}").wait_connected(timeout_s=1)
 
 
+def test_a_generator_whose_key_the_broker_refuses_stops_at_once_with_the_reason(procs, redis_url, tmp_path):
+    keys = _keys(tmp_path, "gen-0")
+    address, _, _, _ = _broker(procs, redis_url, tmp_path, keys)
+    stranger = write_ingest_keys(tmp_path / "stranger", ["gen-0"])  # a valid key pair, not in the allow-list
+    gen = start_service(procs, "gen", "generator", {
+        "id": "gen-0", "run_id": "r", "redis_url": redis_url, "broker_address": address,
+        "reward_url": "http://127.0.0.1:9/score", "backend": {"type": "simulated"},
+        "ingest_key_file": stranger["generators"]["gen-0"], "broker_public_key_file": keys["broker_public_key_file"],
+    }, tmp_path)
+    assert gen.proc.wait(60) == 2, gen.tail()
+    assert "the broker's ingest refuses this generator" in gen.log_path.read_text()
+    assert "refused this producer's key" in gen.log_path.read_text()
+
+
 def test_a_listed_key_cannot_send_as_another_generator(procs, redis_url, tmp_path):
     keys = _keys(tmp_path, "gen-0", "gen-1")
     address, _, r, k = _broker(procs, redis_url, tmp_path, keys)
