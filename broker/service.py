@@ -49,11 +49,13 @@ class Broker:
         queues.ensure_groups(self.r, self.keys)
         advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest(),  # how producers reach the ingest
                       ingest_addresses=",".join(cfg.advertised_ingests()), ingest_auth=cfg.ingest_auth)
+        # set up: what lives now lives as long as the broker (broker/runtime/heap.py); done before the HTTP
+        # server answers /healthz, so the loop starts as soon as the broker says it is up
+        freeze_startup_objects()
 
     def run(self) -> None:
         sock = self.ingest.bind()  # ingest worker 0; workers 1..N-1 are processes of their own
         workers = Workers(self.cfg, self.r, self.keys, self.log_json).start()
-        freeze_startup_objects()  # set up: what lives now lives as long as the broker (broker/runtime/heap.py)
         try:
             while not self.stop_event.is_set():
                 try:

@@ -9,7 +9,7 @@ from broker.client.telemetry import heartbeat, read_stats, register_service
 from broker.protocol.keys import Keys
 from broker.protocol.group import encode_group
 from broker.protocol.messages import Heartbeat
-from tests.support.services import announce_key, metric_value, producer_keys, start_broker
+from tests.support.services import announce_key, metric_value, producer_keys, start_broker, wait_until
 from tests.support.data import announce_make_group_versions, make_group
 
 
@@ -64,6 +64,8 @@ def test_prompts_are_fed_and_state_is_served(procs, redis_url, tmp_path):
 
     _, http = start_broker(procs, redis_url, tmp_path, prompt_backlog=5, task={"name": "reverse"})
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    # the feeder tops the stream up from the broker's loop, which may start just after /healthz answers
+    wait_until(lambda: r.xlen(keys.prompts) >= 5, 10, "the feeder's first prompts")
     entries = r.xrange(keys.prompts)
     assert len(entries) == 5
     fields = entries[0][1]
