@@ -7,10 +7,9 @@ keeps ``WINDOW`` groups in flight (``GroupSender.send_many``), as the raw one pi
 The producers encode their groups and connect (the broker's: CURVE handshake done with every worker)
 before the clock starts; the clock runs from "go" until the consumer has read (XREADGROUP, and for the
 broker's stream an MGET of the messages) and acknowledged (XACK + XDEL, and DEL of those messages) the
-last group. Rounds alternate between the paths; the
-figure is the median round. A third path, reported in ``details`` only (``no_curve_*``), is the same
-broker without CURVE (``ingest_auth = "insecure"``): the raw baseline encrypts nothing, and this says
-how much of the gap is the encryption. ``details`` also has each path's CPU per group by party (the
+last group. Rounds alternate between the paths; the figure is the median round. A third path, reported
+in ``details`` only (``no_curve_*``), is the same broker without CURVE (``ingest_auth = "insecure"``):
+the raw baseline encrypts nothing, and this says how much of the gap is the encryption. ``details`` also has each path's CPU per group by party (the
 producers, the broker, Redis, the consumer): on a machine whose cores are all busy, the rates stand in
 the inverse ratio of those sums.
 """
@@ -18,7 +17,6 @@ the inverse ratio of those sums.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -168,18 +166,16 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
 
 def _tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, every thread) of process ``pid`` and its children so far, from /proc
-    (clock ticks: 10 ms; a round of 800 groups resolves ~12 µs per group)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    (clock ticks: 10 ms; a round of 800 groups resolves ~12 µs per group). A process gone meanwhile
+    counts 0: what it spent is not in its parent's account yet."""
+    from broker.runtime.procstat import stat_cpu_s
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total = (int(fields[11]) + int(fields[12])) / tick
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             children = [int(c) for c in f.read().split()]
-    except FileNotFoundError:  # it exited meanwhile: what it spent is not in its parent's account yet
-        return total
-    return total + sum(_tree_cpu_s(c) for c in children)
+    except FileNotFoundError:
+        children = []
+    return (stat_cpu_s(f"/proc/{pid}/stat") or 0.0) + sum(_tree_cpu_s(c) for c in children)
 
 
 def _redis_cpu_s(r) -> float:

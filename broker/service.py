@@ -45,7 +45,8 @@ class Broker:
         self.evals = EvalScheduler(self.r, self.keys, cfg.eval, self.feeder.eval_source,
                                    announce_key=self.announce_key)
         self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
-                                             cfg.dashboard_push_s, announce_key=self.announce_key)
+                                             cfg.dashboard_push_s, announce_key=self.announce_key,
+                                             eval_history=self.evals.history)
         queues.ensure_groups(self.r, self.keys)
         advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest(),  # how producers reach the ingest
                       ingest_addresses=",".join(cfg.advertised_ingests()), ingest_auth=cfg.ingest_auth)

@@ -15,31 +15,19 @@ stuck waiting (a deadlock, a socket that never answers) uses no CPU and goes sil
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Callable
 
 import redis
 
+from broker.runtime.procstat import stat_cpu_s
+
 log = logging.getLogger("relay.generator.liveness")
-
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
-
 
 def thread_cpu_s(native_id: int) -> float | None:
     """CPU seconds (user + system) the thread ``native_id`` of this process has used; None where
     ``/proc`` cannot say (not Linux, or the thread is gone)."""
-    try:
-        with open(f"/proc/self/task/{native_id}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # fields after the command name (which may hold spaces, inside parentheses): utime, stime are 14, 15
-    fields = stat[stat.rfind(b")") + 2:].split()
-    try:
-        return (int(fields[11]) + int(fields[12])) * _TICK_S
-    except (IndexError, ValueError):
-        return None
+    return stat_cpu_s(f"/proc/self/task/{native_id}/stat")
 
 
 class ComputeWatch(threading.Thread):

@@ -48,12 +48,14 @@ class Dashboard:
     """State, histories and the event stream of one run, for the broker's HTTP server."""
 
     def __init__(self, r: redis.Redis, keys: Keys, stop: threading.Event, dead_after_s: float = 10.0,
-                 push_s: float = 1.0, sample_s: float = 1.0, announce_key: bytes | None = None):
+                 push_s: float = 1.0, sample_s: float = 1.0, announce_key: bytes | None = None,
+                 eval_history: EvalHistory | None = None):
         self.r, self.keys, self.stop = r, keys, stop
         self.announce_key = announce_key
         self.dead_after_s, self.push_s = dead_after_s, push_s
         self.throughput = Throughput(r, keys, every_s=sample_s)
-        self.eval_history = EvalHistory(r, keys)
+        # the broker passes its scheduler's history (the one that settles rounds): one reader of the results
+        self.eval_history = eval_history or EvalHistory(r, keys)
         self.http = None  # the BoundedHTTPServer serving this dashboard, once serve() started it
 
     def start(self) -> None:
