@@ -141,6 +141,9 @@ def check_backend_installed(backend) -> None:
 BACKEND_CONFIGS = (TorchBackendConfig, VLLMBackendConfig, SGLangBackendConfig, SimulatedBackendConfig)
 
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
 class OpenAIConfig(StrictModel):
     """The OpenAI-compatible endpoint (generators/openai_server.py, docs/openai-endpoint.md): an external
     agent harness samples from this generator through ``/v1/chat/completions``; its sessions become groups."""
@@ -149,8 +152,16 @@ class OpenAIConfig(StrictModel):
     host: str = Field("127.0.0.1", description="bind address of the endpoint")
     port: int = Field(0, ge=0, le=65535, description="port of the endpoint; 0 picks a free one (logged, and "
                       "in the run's 'openai_endpoint' event with the URL)")
-    api_key: str = Field("", description="when set, every request needs `Authorization: Bearer <api_key>`; prefer "
-                         "RELAY_OPENAI__API_KEY to a file")
+    api_key: str = Field("", description="every request needs `Authorization: Bearer <api_key>`; give it as "
+                         "RELAY_OPENAI__API_KEY, never in a file (relay up makes one per run: "
+                         "runs/<id>/secrets/openai.key); required unless 'open'")
+    open: bool = Field(False, description="serve without api_key on a loopback host: anyone who can reach the port "
+                       "samples from the model and posts rewards that are trained (a warning at start); for a "
+                       "machine only you use")
+    reward_source: Literal["caller", "reward_service"] = Field(
+        "caller", description="who scores a session: 'caller': the harness posts {\"reward\": x}, trained as given "
+        "(reward_details.source 'caller'), or asks the reward service; 'reward_service': only the reward service's "
+        "score ({\"task\", \"reference\"}), a posted number is refused (403)")
     group_size: int = Field(4, ge=1, le=256, description="sessions per group (X-Relay-Group): a group is sent "
                             "when this many of its sessions have a reward")
     session_idle_s: float = Field(600.0, gt=0, description="a session unused this long is dropped (counted)")
@@ -162,6 +173,22 @@ class OpenAIConfig(StrictModel):
         "'refuse' it (400), or 'override' them with the generator's (said in the X-Relay-Sampling header); the "
         "learner trains one sampling transform per run")
     model_name: str = Field("relay", description="the model id listed by /v1/models (any model name is accepted)")
+
+    @model_validator(mode="after")
+    def _authenticated(self):
+        """The endpoint trains on what its callers send: it needs a key, or to be opened deliberately on loopback."""
+        if not self.enabled:
+            return self
+        if self.open and self.api_key:
+            raise ValueError("openai.open = true and an api_key were both given: keep the key (and drop open)")
+        if self.open and self.host not in LOOPBACK:
+            raise ValueError(f"openai.open = true serves without a key, so only on a loopback host "
+                             f"({', '.join(LOOPBACK)}), not {self.host!r}: set an api_key to bind {self.host}")
+        if not self.open and not self.api_key:
+            raise ValueError("the OpenAI endpoint needs a key: give it as RELAY_OPENAI__API_KEY (relay up makes one "
+                             "per run, in runs/<id>/secrets/openai.key), or set openai.open = true to serve without "
+                             "one on 127.0.0.1 (anyone who reaches the port then trains the model)")
+        return self
 
 
 class GeneratorConfig(RunConnection):

@@ -7,6 +7,15 @@ Served (non-streaming): ``GET /v1/models``, ``POST /v1/chat/completions`` (messa
 the tokenizer's chat template; Hermes-style ``<tool_call>{json}</tool_call>`` in the sampled text comes
 back as ``tool_calls``), ``POST /v1/completions`` and ``POST /v1/relay/sessions/{id}/reward``.
 
+Access: every request needs ``Authorization: Bearer <openai.api_key>`` (401 without it, before anything is
+read or sampled) unless ``openai.open``; every POST must be ``Content-Type: application/json`` (415
+otherwise: a web page can post ``text/plain`` cross-site without a preflight, never JSON); no CORS header is
+ever sent. A reward the caller posts is trained as given and marked ``source: caller`` in the sample's
+reward details; ``openai.reward_source = "reward_service"`` refuses posted numbers (403).
+
+Each response names the weight version that sampled it (``relay.weight_version``, ``X-Relay-Weight-Version``)
+and, on request (``logprobs``), the behaviour log-prob of each sampled token: the very number trained.
+
 Sampling: the learner recomputes the behaviour log-probs with one sampling transform per run, so a
 request may not change temperature, top_p or top_k: a different value is refused (400) or, with
 ``openai.sampling_mismatch = "override"``, replaced by the generator's (said in ``X-Relay-Sampling``).
@@ -29,6 +38,7 @@ import threading
 import time
 import uuid
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from broker.client.telemetry import emit_event
 from broker.protocol.group import Group, Sample, versions_to_runs
 from broker.protocol.messages import ItemIn
+from generators.backends.base import Completion
 from generators.sessions import Session, SessionError, Sessions
 
 if TYPE_CHECKING:
@@ -190,6 +201,67 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return (content or None) if calls else text, calls
 
 
+# -- log-probs and a call's answer ------------------------------------------------------------------
+
+NO_TOP_LOGPROBS = ("the generator records only the sampled token's log-prob (the behaviour log-prob the learner "
+                   "trains with), not the alternatives")
+
+
+def chat_logprobs_asked(body: dict) -> bool:
+    """Whether a chat request asks for its tokens' log-probs (``logprobs: true``); ``top_logprobs`` above 0
+    is refused (400), never answered with less than was asked."""
+    want, top = body.get("logprobs"), body.get("top_logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise SessionError(400, f"logprobs must be true or false, got {want!r}")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            raise SessionError(400, f"top_logprobs must be a non-negative integer, got {top!r}")
+        if top > 0:
+            raise SessionError(400, f"top_logprobs = {top} is not available: {NO_TOP_LOGPROBS}; send "
+                                    "logprobs = true with top_logprobs 0 or none")
+    return bool(want)
+
+
+def completion_logprobs_asked(body: dict) -> bool:
+    """Whether a completions request asks for its tokens' log-probs (``logprobs: 0``); more than 0
+    alternatives is refused (400)."""
+    n = body.get("logprobs")
+    if n is None:
+        return False
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise SessionError(400, f"logprobs must be a non-negative integer (the alternatives per token), got {n!r}")
+    if n > 0:
+        raise SessionError(400, f"logprobs = {n} is not available: {NO_TOP_LOGPROBS}; send logprobs = 0")
+    return True
+
+
+@dataclass
+class Call:
+    """One sampled call: its completion, its session (None: untracked), the weight version that sampled it
+    and the tokens the model was fed (the session's tokens and the new context, or the whole prompt)."""
+
+    completion: Completion
+    session: Session | None
+    version: int
+    prompt_tokens: int
+
+    def usage(self) -> dict:
+        n = len(self.completion.token_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def relay(self) -> dict:
+        """Relay's extension of a response: the weight version, the session, and the exact token ids sampled
+        (what is trained)."""
+        s = self.session
+        out = {"weight_version": self.version, "session": None, "completion_ids": list(self.completion.token_ids)}
+        if s is not None:
+            out.update(session=s.id, group=s.group, calls=s.calls, template_drift=s.template_drift)
+        return {"relay": out}
+
+    def headers(self, sampling_note: str) -> dict:
+        return {"X-Relay-Sampling": sampling_note, "X-Relay-Weight-Version": str(self.version)}
+
+
 # -- the endpoint ---------------------------------------------------------------------------------
 
 
@@ -202,6 +274,7 @@ class OpenAIEndpoint:
         self.max_tokens = self.cfg.max_tokens or gen.cfg.sampling.max_tokens
         self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> count
         self.groups = {"sent": 0, "rejected": 0, "failed": 0}
+        self.rewarded = {"caller": 0, "reward_service": 0}  # sessions' rewards by where they came from
         self.tokens = {"context": 0, "sampled": 0}
         self.untracked = 0  # calls without a session id: answered, not trained
         self._calls = 0
@@ -219,6 +292,10 @@ class OpenAIEndpoint:
             tok = getattr(self.gen.backend, "tokenizer", None)
             if tok is None:
                 raise SessionError(501, f"the {self.gen.backend.name} backend has no Hugging Face tokenizer here")
+            if not getattr(tok, "chat_template", None):
+                raise SessionError(400, "this model's tokenizer has no chat template, so /v1/chat/completions cannot "
+                                        "render messages: send the text to /v1/completions instead, or serve a model "
+                                        "whose tokenizer has a chat template")
             self._renderer = ChatRenderer(tok)
         return self._renderer
 
@@ -254,11 +331,15 @@ class OpenAIEndpoint:
         sid = headers.get(SESSION_HEADER) or body.get("user") or None
         return (str(sid) if sid is not None else None), (headers.get(GROUP_HEADER) or None)
 
+    def loaded(self) -> None:
+        """503 until the first version is loaded (the model, and its tokenizer, come with it)."""
+        if self.gen.weights.version is None:
+            raise SessionError(503, "no weights loaded yet: the generator is waiting for the first version")
+
     def generate(self, ids: list[int], sampling) -> tuple[Any, int, str]:
         """Sample one completion of ``ids`` under the engine lock: (completion, version, hash)."""
         w = self.gen.weights
-        if w.version is None:
-            raise SessionError(503, "no weights loaded yet: the generator is waiting for the first version")
+        self.loaded()
         with self.lock:
             version, whash = w.version, w.hash
             self._calls += 1
@@ -274,17 +355,19 @@ class OpenAIEndpoint:
             return self.gen.backend.encode(text)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
-    def _call(self, sid: str | None, group: str, messages: list[dict], context_of, sampling, text: bool = False):
-        """One sampled call, recorded in session ``sid`` (None: untracked). Returns (completion, session)."""
+    def _call(self, sid: str | None, group: str, messages: list[dict], context_of, sampling,
+              text: bool = False) -> Call:
+        """One sampled call, recorded in session ``sid`` (None: untracked)."""
         if sid is None:
             ids, _ = context_of(None)
-            c, _, _ = self.generate(ids, sampling)
+            c, version, _ = self.generate(ids, sampling)
             self.untracked += 1
-            return c, None
+            return Call(c, None, version, len(ids))
         s = self.sessions.begin(sid, group)
         drifted = False
         try:
             context, drifted = context_of(s)
+            fed = len(s.tokens) + len(context)
             c, version, whash = self.generate(s.tokens + context, sampling)
             if s.weight_version is None:
                 s.weight_version, s.weight_hash = version, whash
@@ -298,12 +381,14 @@ class OpenAIEndpoint:
                             "the tokens sampled so far; they stay the truth (docs/openai-endpoint.md)", sid, s.calls)
         finally:
             self.sessions.end(s, drifted)
-        return c, s
+        return Call(c, s, version, fed)
 
     # -- handlers (each returns (status, body, headers))
 
     def chat(self, headers, body: dict):
         sampling, note = self.sampling(body)
+        want_logprobs = chat_logprobs_asked(body)
+        self.loaded()
         r = self.renderer()
         tools = body.get("tools") or None
         messages = r.messages(body.get("messages"), tools)
@@ -315,21 +400,28 @@ class OpenAIEndpoint:
                 return render(messages, True), False
             return s.context(messages, render, self.gen.backend.eos_token_id)
 
-        c, s = self._call(sid, group, messages, context_of, sampling)
+        call = self._call(sid, group, messages, context_of, sampling)
+        c = call.completion
         text = self.gen.backend.decode(c.token_ids)
         content, calls = parse_tool_calls(text) if tools else (text, [])
         finish = "tool_calls" if calls else c.finish_reason
         msg = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
+        logprobs = None
+        if want_logprobs:
+            logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                    for t, lp in zip(self.token_texts(c.token_ids), map(float, c.logprobs))]}
         return 200, {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or self.cfg.model_name,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
-            "usage": self._usage(s, c), **self._relay(s, c)}, {"X-Relay-Sampling": note}
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs}],
+            "usage": call.usage(), **call.relay()}, call.headers(note)
 
     def completions(self, headers, body: dict):
         sampling, note = self.sampling(body)
+        want_logprobs = completion_logprobs_asked(body)
+        self.loaded()
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -348,29 +440,41 @@ class OpenAIEndpoint:
                 s.template_drift += 1
             return self.text_ids(prompt[k:]), k < len(held)
 
-        c, s = self._call(sid, group, [{"text": prompt}], context_of, sampling, text=True)
+        call = self._call(sid, group, [{"text": prompt}], context_of, sampling, text=True)
+        c = call.completion
+        logprobs = None
+        if want_logprobs:
+            tokens = self.token_texts(c.token_ids)
+            offsets = np.cumsum([len(prompt)] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
+            logprobs = {"tokens": tokens, "token_logprobs": [float(x) for x in c.logprobs], "top_logprobs": None,
+                        "text_offset": offsets}
         return 200, {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.get("model") or self.cfg.model_name,
             "choices": [{"index": 0, "text": self.gen.backend.decode(c.token_ids), "finish_reason": c.finish_reason,
-                         "logprobs": None}],
-            "usage": self._usage(s, c), **self._relay(s, c)}, {"X-Relay-Sampling": note}
+                         "logprobs": logprobs}],
+            "usage": call.usage(), **call.relay()}, call.headers(note)
 
     def models(self):
         return 200, {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": 0,
                                                  "owned_by": "relay"}]}, {}
 
     def reward(self, sid: str, body: dict):
-        """``{"reward": x}`` from the harness, or ``{"task": ..., "reference": ...}``: the reward service
+        """``{"reward": x}`` from the caller (trained as given, marked ``source: caller``; refused with
+        ``reward_source = "reward_service"``), or ``{"task": ..., "reference": ...}``: the reward service
         scores the session's last answer with that task's plugin (the first user message as the prompt)."""
-        body = body if isinstance(body, dict) else {}
-        value, details = body.get("reward"), {"source": "harness"}
+        value, details = body.get("reward"), {"source": "caller"}
+        if value is not None and self.cfg.reward_source == "reward_service":
+            raise SessionError(403, 'this endpoint takes rewards from the reward service only (openai.reward_source '
+                                    '= "reward_service"): post {"task": <reward plugin>, "reference": <answer>}')
         if value is None and isinstance(body.get("task"), str) and body["task"]:
             value, details = self.score(sid, body["task"], str(body.get("reference", "")))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
             raise SessionError(400, 'the body must be {"reward": <finite number>} or {"task": <reward plugin>, '
                                     '"reference": <answer>}')
         parts = self.sessions.reward(sid, float(value), details)
+        source = details["source"].split(":", 1)[0]
+        self.rewarded[source] = self.rewarded.get(source, 0) + 1
         if parts is None:
             return 200, {"session": sid, "group_complete": False}, {}
         g = self.group(parts)
@@ -397,7 +501,8 @@ class OpenAIEndpoint:
                                            finished=s.finish_reason == "stop", task=task)])[0]
         if not r.ok:
             raise SessionError(502, f"the reward service could not score session {sid!r}: {r.reason}")
-        return float(r.score), {"source": f"reward_service:{r.plugin or task}", **r.details}
+        return float(r.score), {**r.details, "source": f"reward_service:{r.plugin or task}"}  # a plugin's own
+        # "source" sub-score never hides where the reward came from
 
     def session_info(self, sid: str):
         s = self.sessions.by_id.get(sid)
@@ -407,18 +512,12 @@ class OpenAIEndpoint:
                      "trainable_tokens": sum(s.trainable), "template_drift": s.template_drift,
                      "reward": s.reward}, {}
 
-    def _usage(self, s: Session | None, c) -> dict:
-        return {"prompt_tokens": (len(s.tokens) - len(c.token_ids)) if s is not None else 0,
-                "completion_tokens": len(c.token_ids),
-                "total_tokens": len(s.tokens) if s is not None else len(c.token_ids)}
-
-    @staticmethod
-    def _relay(s: Session | None, c) -> dict:
-        """Relay's extension of a response: the session, and the exact token ids sampled (what is trained)."""
-        out = {"session": None, "completion_ids": list(c.token_ids)}
-        if s is not None:
-            out.update(session=s.id, group=s.group, calls=s.calls, template_drift=s.template_drift)
-        return {"relay": out}
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens, such as the EOS sampled, by their names)."""
+        tok = getattr(self.gen.backend, "tokenizer", None)
+        if tok is None:
+            return [self.gen.backend.decode([i]) for i in ids]
+        return [tok.decode([i], skip_special_tokens=False) for i in ids]
 
     # -- groups
 
@@ -477,6 +576,11 @@ class OpenAIEndpoint:
         for k, n in {**self.groups, "unusable": ss.groups_unusable}.items():
             grp.add_metric([k], n)
         yield grp
+        rew = CounterMetricFamily("relay_generator_openai_rewards", "sessions' rewards by where they came from "
+                                  "(caller: a number the caller posted; reward_service)", labels=["source"])
+        for k, n in self.rewarded.items():
+            rew.add_metric([k], n)
+        yield rew
         tok = CounterMetricFamily("relay_generator_openai_tokens", "endpoint tokens recorded, by kind", labels=["kind"])
         for k, n in self.tokens.items():
             tok.add_metric([k], n)
@@ -486,22 +590,39 @@ class OpenAIEndpoint:
 # -- the HTTP server --------------------------------------------------------------------------------
 
 
+def is_json(content_type: str) -> bool:
+    """Whether a Content-Type header names JSON (``application/json``, parameters such as a charset allowed)."""
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
 def create_app(ep: OpenAIEndpoint) -> FastAPI:
+    """The routes. No CORS middleware: a browser on another origin gets no ``Access-Control-Allow-*`` header,
+    so it can neither read an answer nor send the preflight a JSON POST needs."""
     app = FastAPI(title="Relay generator: OpenAI-compatible endpoint", docs_url=None, redoc_url=None)
-    key = ep.cfg.api_key
+    key, open_ = ep.cfg.api_key.encode(), ep.cfg.open
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                        else "server_error", "code": status}}, status_code=status)
 
+    def authorized(request: Request) -> bool:
+        if open_:
+            return True
+        auth = request.headers.get("authorization", "")  # an empty key matches nothing (fail closed)
+        return bool(key) and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), key)
+
     async def handle(request: Request, name: str, fn, *args, body: bool = True):
-        if key:
-            auth = request.headers.get("authorization", "")
-            if not (auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), key.encode())):
-                ep.count(name, "unauthorized")
-                return error(401, "a valid 'Authorization: Bearer <openai.api_key>' is required")
+        if not authorized(request):
+            ep.count(name, "unauthorized")
+            return error(401, "a valid 'Authorization: Bearer <openai.api_key>' is required (relay up keeps the "
+                              "run's key in runs/<id>/secrets/openai.key)")
         data = None
         if body:
+            ctype = request.headers.get("content-type", "")
+            if not is_json(ctype):
+                ep.count(name, "unsupported_media_type")
+                return error(415, f"the body must be JSON sent with 'Content-Type: application/json', got "
+                                  f"{ctype[:100]!r}: other types are refused (a web page can post them from any site)")
             try:
                 data = await request.json()
             except ValueError:
@@ -536,11 +657,7 @@ def create_app(ep: OpenAIEndpoint) -> FastAPI:
 
     @app.post("/v1/relay/sessions/{sid}/reward")
     async def reward(sid: str, request: Request):
-        try:
-            data = await request.json()
-        except ValueError:
-            data = None
-        return await handle(request, "reward", lambda: ep.reward(sid, data), body=False)
+        return await handle(request, "reward", lambda _headers, data: ep.reward(sid, data))
 
     @app.get("/v1/relay/sessions/{sid}")
     async def info(sid: str, request: Request):
@@ -569,6 +686,12 @@ def start(gen: Generator) -> OpenAIEndpoint:
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="openai-http", daemon=True).start()
     threading.Thread(target=ep.reap, name="openai-reaper", daemon=True).start()
     url = f"http://{cfg.host}:{ep.port}/v1"
-    log.info("OpenAI-compatible endpoint on %s (sessions of %d per group)", url, cfg.group_size)
-    emit_event(gen.r, gen.keys, "openai_endpoint", generator=gen.cfg.id, url=url)
+    log.info("OpenAI-compatible endpoint on %s (sessions of %d per group; %s; rewards from %s)", url, cfg.group_size,
+             "open: no key" if cfg.open else "Authorization: Bearer <openai.api_key>", cfg.reward_source)
+    if cfg.open:
+        log.warning("the OpenAI endpoint on %s is OPEN (openai.open = true): anyone who reaches this port samples from "
+                    "the model and trains it with the rewards they post; give it a key (RELAY_OPENAI__API_KEY) "
+                    "unless this machine is yours alone", url)
+    emit_event(gen.r, gen.keys, "openai_endpoint", generator=gen.cfg.id, url=url,
+               auth="none" if cfg.open else "bearer", reward_source=cfg.reward_source)
     return ep

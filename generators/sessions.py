@@ -202,7 +202,7 @@ class Sessions:
             if s.reward is not None:
                 raise SessionError(409, f"session {sid!r} already has its reward")
             s.reward = float(value)
-            s.reward_details = dict(details or {"source": "harness"})
+            s.reward_details = dict(details or {"source": "caller"})
             s.last_used = self.clock()
             members = [self.by_id[m] for m in self.groups.get(s.group, [])]
             if len(members) < self.group_size or any(m.reward is None for m in members):

@@ -40,6 +40,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     from deploy.launcher import environment
     from broker.client.connection import split_addresses
     from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
+    from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
     from pydantic import ValidationError
 
@@ -139,12 +140,13 @@ def plan_resume(args, environ, usage_error) -> dict:
                 d[path[-1]] = value
     if cfgs["reward"].get("auth_token") and not cfgs["generator"].get("reward_token"):
         cfgs["generator"]["reward_token"] = cfgs["reward"]["auth_token"]
+    openai_key = endpoint_key(cfgs["generator"], run_dir)  # the run's own (secrets/openai.key), when it made one
     cfgs["generator"].pop("id", None)
     args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
     args.redis_aof = launch["redis_aof"]
     return {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
             "http_port": http_port, "redis_url": launcher_url, "redis_port": redis_port, "redis_users": users,
-            "resumed": summary, **cfgs}
+            "resumed": summary, "openai_key": openai_key, **cfgs}
 
 
 def still_running(run_dir: Path) -> list[str]:

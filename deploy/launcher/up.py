@@ -114,6 +114,7 @@ def plan(args, environ: dict | None = None) -> dict:
     from broker.client.connection import connect_address, connect_host, worker_addresses
     from broker.config import BrokerConfig
     from deploy.launcher import environment
+    from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
     from generators.config import GeneratorConfig
@@ -225,6 +226,7 @@ def plan(args, environ: dict | None = None) -> dict:
         learner.setdefault("tiny_vllm_compatible", True)
     if reward.get("auth_token") and not generator.get("reward_token"):
         generator["reward_token"] = reward["auth_token"]  # the reward service's bearer token, for its callers
+    openai_key = endpoint_key(generator, run_dir)  # the OpenAI endpoint's per-run key (deploy/launcher/openai_key.py)
     for model, data, name in ((BrokerConfig, broker, "broker"), (RewardConfig, reward, "reward"),
                               (LearnerConfig, learner, "learner"), (GeneratorConfig, generator, "generator")):
         _validate(model, data, name)
@@ -233,7 +235,7 @@ def plan(args, environ: dict | None = None) -> dict:
         raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({args.learner_ranks})")
     return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
             "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
-            "broker": broker, "reward": reward, "learner": learner, "generator": generator}
+            "broker": broker, "reward": reward, "learner": learner, "generator": generator, "openai_key": openai_key}
 
 
 def _switch_backend(base: dict, layer: dict) -> dict:
@@ -307,6 +309,7 @@ def run_up(args) -> int:
     from deploy.launcher.procs import ProcessGroup, start_redis
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
+    from deploy.launcher.openai_key import endpoint_note
     from deploy.launcher.run_secrets import write_announce_key
     from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
@@ -342,6 +345,8 @@ def run_up(args) -> int:
             start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof,
                         acl_file=users.write(run_dir) if users is not None else None)
         cfgs = {name: p[name] for name in SERVICES}
+        if note := endpoint_note(run_dir, cfgs["generator"], p.get("openai_key", False)):
+            print(f"relay up: {note}", flush=True)
         gen_ids = [f"gen-{i}" for i in range(args.generators)]
         gen_keys = _ingest_keys(run_dir, cfgs["broker"], gen_ids)
         env = _child_env()
