@@ -21,6 +21,12 @@ reward is failed (the reward client marks it, plugin ``env:<name>``), never inve
 Template drift: for a tokenizer with a chat template, each finished episode's conversation is
 re-rendered through the template and compared with the tokens actually used; a difference is
 counted (``template_drift``) and recorded in the sample's episode info, never silently fixed.
+
+Unspellable replies: an environment reply whose text the tokenizer cannot spell (its tokens decode to
+other text: the tiny model's digits-and-tool-markers vocabulary reads ``higher`` as ``<pad>``) reaches the
+model as something else. Each is counted (``unspellable_replies`` in the episode stats and the sample's
+episode info) and logged with what the model saw instead; the episode goes on (the model still sees what
+the tokens say).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class EpisodeStats:
         self.env_seconds = 0.0                  # their total latency
         self.truncated = 0                      # episodes ended by a budget (finish_reason "length")
         self.template_drift = 0                 # episodes whose tokens differ from the chat template's rendering
+        self.unspellable = 0                    # environment replies whose text the tokenizer cannot spell
 
     def env_call(self, seconds: float) -> None:
         with self._lock:
@@ -79,6 +86,12 @@ class EpisodeStats:
             self.tool_calls[name] = self.tool_calls.get(name, 0) + 1
             if not ok:
                 self.tool_failures[name] = self.tool_failures.get(name, 0) + 1
+
+    def unspellable_reply(self) -> int:
+        """Count one reply the tokenizer could not spell; returns the count so far."""
+        with self._lock:
+            self.unspellable += 1
+            return self.unspellable
 
     def finished(self, turns: int, error: str, truncated: bool, drift: bool) -> None:
         with self._lock:
@@ -98,7 +111,8 @@ class EpisodeStats:
                     "tool_calls": dict(self.tool_calls), "tool_failures": dict(self.tool_failures),
                     "env_failures": dict(self.env_failures), "env_steps": self.env_steps,
                     "env_latency_s": round(self.env_seconds / self.env_steps, 6) if self.env_steps else 0.0,
-                    "truncated": self.truncated, "template_drift": self.template_drift}
+                    "truncated": self.truncated, "template_drift": self.template_drift,
+                    "unspellable_replies": self.unspellable}
 
 
 # -- rendering the environment's replies in the model's format -----------------------------------------
@@ -111,13 +125,28 @@ def _plain_encoder(tokenizer) -> Callable[[str], list[int]]:
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def _plain_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> the text they spell, special tokens by their names (an unknown token shows as what it is)."""
+    if hasattr(tokenizer, "apply_chat_template"):  # transformers
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def misspelled(text: str, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> str | None:
+    """What the tokens of ``text`` spell when it is not ``text`` (whitespace aside: a tokenizer may normalise
+    spaces without losing anything), else None. ``higher`` through the tiny model's tokenizer: ``<pad>``."""
+    spelled = decode(encode(text))
+    return None if "".join(spelled.split()) == "".join(text.split()) else spelled
+
+
 class PlainRenderer:
     """A tokenizer without a chat template (the built-in tiny model): a tool's reply is
     ``<tool_response>REPLY</tool_response>``, a user's reply its text; no drift check (there is no
     template to drift from). The prompt is encoded as single-turn prompts are."""
 
-    def __init__(self, encode_prompt: Callable[[str], list[int]], encode_plain: Callable[[str], list[int]]):
-        self.encode_prompt, self.encode_plain = encode_prompt, encode_plain
+    def __init__(self, encode_prompt: Callable[[str], list[int]], encode_plain: Callable[[str], list[int]],
+                 decode_plain: Callable[[list[int]], str] | None = None):
+        self.encode_prompt, self.encode_plain, self.decode_plain = encode_prompt, encode_plain, decode_plain
 
     def prompt_ids(self, prompt: PromptEntry) -> list[int]:
         return prompt.prompt_ids if prompt.prompt_ids is not None else self.encode_prompt(prompt.text)
@@ -127,6 +156,10 @@ class PlainRenderer:
 
     def drift(self, messages: list[dict], used_ids: list[int]) -> bool | None:
         return None
+
+    def misspelled(self, reply: str) -> str | None:
+        """What the model reads instead of ``reply`` when the tokenizer cannot spell it (None: it can)."""
+        return misspelled(reply, self.encode_plain, self.decode_plain) if self.decode_plain else None
 
 
 class ChatTemplateRenderer:
@@ -140,6 +173,11 @@ class ChatTemplateRenderer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self.encode_plain = _plain_encoder(tokenizer)
+        self.decode_plain = _plain_decoder(tokenizer)
+
+    def misspelled(self, reply: str) -> str | None:
+        """What the model reads instead of ``reply`` when the tokenizer cannot spell it (None: it can)."""
+        return misspelled(reply, self.encode_plain, self.decode_plain)
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -187,7 +225,7 @@ def make_renderer(backend) -> PlainRenderer | ChatTemplateRenderer:
     if tok is None:
         raise ValueError(f"the {backend.name} backend exposes no tokenizer: multi-turn episodes need one to render "
                          "the environment's replies")
-    return PlainRenderer(backend.encode, _plain_encoder(tok))
+    return PlainRenderer(backend.encode, _plain_encoder(tok), _plain_decoder(tok))
 
 
 def check_tool_vocabulary(renderer, backend) -> None:
@@ -227,6 +265,7 @@ class _Episode:
     finish_reason: str = "stop"
     env_reward: float | None = None
     drift: bool = False
+    unspellable: int = 0            # replies the tokenizer could not spell
 
     def add(self, ids: list[int], lps: list[float], versions: list[int], trainable: int) -> None:
         self.tokens += ids
@@ -242,6 +281,8 @@ class _Episode:
             info["error"] = self.error
         if self.drift:
             info["template_drift"] = True
+        if self.unspellable:
+            info["unspellable_replies"] = self.unspellable
         return Completion(list(self.tokens), list(self.logprobs), self.finish_reason, list(self.versions),
                           trainable=list(self.trainable), env_reward=self.env_reward, answer_ids=list(self.answer),
                           episode=info)
@@ -412,12 +453,27 @@ class EpisodeRunner:
         if e.turns >= self.limits.max_turns:
             return self._end(e, "length")
         ctx = self.renderer.reply_ids(e.messages, e.answer, res.reply, res.role) if res.reply is not None else []
+        if res.reply is not None:
+            self._check_spelling(e, res.reply)
         if len(e.tokens) + len(ctx) >= self.limits.max_tokens:  # no room left for a model token
             return self._end(e, "length")
         e.add(ctx, [0.0] * len(ctx), [self.version] * len(ctx), 0)
         if res.reply is not None:
             e.messages.append({"role": res.role, "content": res.reply})
         e.state = "ready"
+
+    def _check_spelling(self, e: _Episode, reply: str) -> None:
+        """Count a reply the tokenizer cannot spell; log it at the 1st, 10th, 100th, ... of them."""
+        seen = self.renderer.misspelled(reply)
+        if seen is None:
+            return
+        e.unspellable += 1
+        n = self.stats.unspellable_reply()
+        if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
+            log.warning("the %s environment replied %r, which the model's tokenizer cannot spell: the model reads %r "
+                        "(%d such replies so far, counted as unspellable_replies). Reply in text the tokenizer knows "
+                        "(the built-in tiny model spells digits, + = * and the tool markers) or use a model whose "
+                        "tokenizer spells it", self.env_name or "episode's", reply[:200], seen[:200], n)
 
     def _end(self, e: _Episode, finish_reason: str = "stop") -> None:
         e.state, e.finish_reason = "done", finish_reason

@@ -103,6 +103,9 @@ def episode_metrics(st: dict):
                               "max_episode_tokens)", value=st["truncated"])
     yield CounterMetricFamily("relay_generator_template_drift", "episodes whose tokens differ from the chat "
                               "template's rendering of their conversation", value=st["template_drift"])
+    yield CounterMetricFamily("relay_generator_env_replies_unspellable", "environment replies whose text the "
+                              "model's tokenizer cannot spell (the model reads other text)",
+                              value=st.get("unspellable_replies", 0))
 
 
 def serve_metrics(gen: Generator) -> MetricsServer:

@@ -234,12 +234,12 @@ def episode_totals(per_generator: list[dict]) -> dict:
     counts summed, tool calls and failures by tool and environment failures by reason merged, and the
     means a user reads (turns per episode, environment seconds per episode). Empty when no generator
     runs episodes (a single-turn task)."""
-    out: dict = {"episodes": 0, "turns": 0, "env_seconds": 0.0, "template_drift": 0,
+    out: dict = {"episodes": 0, "turns": 0, "env_seconds": 0.0, "template_drift": 0, "unspellable_replies": 0,
                  "tool_calls": {}, "tool_failures": {}, "env_failures": {}}
     for e in per_generator:
         if not e:
             continue
-        for k in ("episodes", "turns", "template_drift"):
+        for k in ("episodes", "turns", "template_drift", "unspellable_replies"):
             out[k] += int(e.get(k) or 0)
         out["env_seconds"] += float(e.get("env_seconds") or 0.0)
         for k in ("tool_calls", "tool_failures", "env_failures"):

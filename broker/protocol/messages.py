@@ -333,7 +333,8 @@ class Heartbeat(BaseModel):
     episodes: dict[str, Any] = Field(default_factory=dict, description="object: multi-turn episodes (docs/agents.md), "
                                      "empty for single-turn tasks: episodes, turns (totals), tool_calls and "
                                      "tool_failures (objects: tool -> count), env_failures (object: reason -> count), "
-                                     "env_seconds (total), template_drift (count)")
+                                     "env_seconds (total), template_drift (count), unspellable_replies (count: "
+                                     "environment replies the tokenizer cannot spell)")
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:

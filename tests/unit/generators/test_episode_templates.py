@@ -99,6 +99,8 @@ def test_smollm2_chat_template_multi_turn_episode_has_no_drift():
     text = tok.decode(c.token_ids, skip_special_tokens=False)
     assert "<|im_end|>\n<|im_start|>tool\n1<|im_end|>\n<|im_start|>assistant\n" in text
     assert c.episode["turns"] == 2 and stats.template_drift == 0
+    # a byte-level tokenizer spells any reply: none counted unspellable (the tiny model's: test_episodes.py)
+    assert stats.unspellable == 0 and r.renderer.misspelled("higher, or lower? 🙂") is None
 
 
 def test_a_turn_the_model_split_unlike_the_tokenizer_is_not_template_drift():

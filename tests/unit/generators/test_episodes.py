@@ -12,6 +12,7 @@ import pytest
 from broker.protocol.messages import PromptEntry
 from generators.backends.base import Completion
 from generators.config import GeneratorConfig, SamplingConfig
+from generators.envs.base import Environment, StepResult
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.reward_client import RewardClient
 from tests.support.episode_envs import CountEnv
@@ -57,6 +58,9 @@ class FakeRenderer:
         return list(REPLY)
 
     def drift(self, messages, used):
+        return None
+
+    def misspelled(self, reply):
         return None
 
 
@@ -228,3 +232,53 @@ def test_the_episode_counters_reach_prometheus_by_tool_and_reason():
     assert samples[("relay_generator_tool_failures_total", (("tool", "count"),))] == 2
     assert samples[("relay_generator_env_failures_total", (("reason", "http_500"),))] == 1
     assert samples[("relay_generator_template_drift_total", ())] == 0
+
+
+class Hint(Environment):
+    """docs/agents.md's guess-the-number environment, in short: "higher" until the last turn."""
+
+    def reset(self, prompt):
+        self.turns = 0
+
+    def step(self, turn):
+        self.turns += 1
+        if self.turns >= 3:
+            return StepResult(reply=None, done=True, reward=0.0)
+        return StepResult(reply="higher" if self.turns == 1 else "7", done=False, role="user")
+
+
+def test_a_reply_the_tokenizer_cannot_spell_is_counted_in_the_episode_stats_and_the_sample(caplog):
+    """The tiny model's tokenizer spells digits, + = * and the tool markers: "higher" reaches the model as
+    <pad>. Counted per reply (a digit reply is not), in the stats the heartbeat, /api/state and /metrics show,
+    in the sample's episode info, and logged once with what the model reads instead."""
+    from generators.episodes import make_renderer
+    from generators.metrics import episode_metrics
+    from learner.tiny_model import build_tokenizer
+
+    backend = FakeBackend(turn=[5, 6, EOS])
+    backend.tokenizer = build_tokenizer(tools=True)
+    backend.encode = lambda text: backend.tokenizer(text)["input_ids"]
+    stats = EpisodeStats()
+    r = EpisodeRunner(backend, Hint, SamplingConfig(n=2, max_tokens=8), EpisodeLimits(4, 48, 30.0), lambda: 0,
+                      threads=4, stats=stats, env_name="guess")
+    with caplog.at_level("WARNING", logger="relay.generator.episodes"):
+        (group,) = r.run([prompt("12=")], [[1, 4, 5, 12]], seed=0)
+    assert stats.snapshot()["unspellable_replies"] == 2  # one "higher" per episode; "7" is spelled
+    assert [c.episode.get("unspellable_replies") for c in group] == [1, 1]
+    warned = [m for m in caplog.messages if "cannot spell" in m]
+    assert len(warned) == 1 and "'higher'" in warned[0] and "'<pad>'" in warned[0] and "guess" in warned[0]
+    fams = {f.name: f for f in episode_metrics(stats.snapshot())}
+    assert fams["relay_generator_env_replies_unspellable"].samples[0].value == 2
+    from broker.dashboard.state import episode_totals
+    assert episode_totals([stats.snapshot(), stats.snapshot()])["unspellable_replies"] == 4
+
+
+def test_whitespace_a_tokenizer_normalises_is_not_counted_as_unspellable():
+    from generators.episodes import misspelled
+
+    words = {"higher": [1], "lower": [2]}
+    enc = lambda t: [i for w in t.split() for i in words.get(w, [0])]  # noqa: E731
+    dec = lambda ids: " ".join({1: "higher", 2: "lower", 0: "<unk>"}[i] for i in ids)  # noqa: E731
+    assert misspelled("higher", enc, dec) is None
+    assert misspelled("higher  lower", enc, dec) is None  # whitespace normalised: nothing lost
+    assert misspelled("warmer", enc, dec) == "<unk>"
