@@ -10,10 +10,13 @@ the second assistant turn. Then it reports rewards; the group in the replay stre
 tokens sampled as trainable (1), everything else as context (0), and behaviour log-probs equal to the
 learner's recomputation on the same weights: the learner's batch (learner/data.py collate) trains exactly
 those tokens, and its chunked log-probs (learner/logprobs.py) match within 1e-3. About 3 minutes on 2 cores
-(loading SmolLM2's tokenizer from its GGUF, teaching the tiny model, starting four processes)."""
+(loading SmolLM2's tokenizer from its GGUF, teaching the tiny model, starting four processes). On the way:
+chat log-probs are the recorded behaviour log-probs, each answer names its weight version, a caller's reward
+is marked as the caller's, and docs/openai-endpoint.md's harness example runs as written."""
 
 import importlib.util
 import json
+import re
 
 import httpx
 import numpy as np
@@ -27,8 +30,8 @@ from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from tests.support.models import recompute_logprobs
-from tests.support.services import (announce_key, generator_cfg, metric_value, start_broker_and_reward, start_service,
-                                    wait_until)
+from tests.support.services import (ROOT, announce_key, generator_cfg, metric_value, start_broker_and_reward,
+                                    start_service, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -88,13 +91,13 @@ def taught_tiny_model(tok, out, steps: int = 200):
 
 
 def harness(client, session: str | None, group: str, user: str | None = None):
-    """What an agent harness does: ask, run the tool the model calls, send its result, read the answer.
-    Returns the two responses."""
+    """What an agent harness does: ask (with the tokens' log-probs), run the tool the model calls, send its
+    result, read the answer. Returns the two responses."""
     headers = {"X-Relay-Group": group, **({"X-Relay-Session": session} if session else {})}
     extra = {"user": user} if user else {}
     messages = list(QUESTION)
     first = client.chat.completions.create(model="relay", messages=messages, tools=TOOLS, temperature=TEMPERATURE,
-                                           max_tokens=64, extra_headers=headers, **extra)
+                                           max_tokens=64, extra_headers=headers, logprobs=True, **extra)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
@@ -108,7 +111,7 @@ def harness(client, session: str | None, group: str, user: str | None = None):
     return first, second
 
 
-def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis_url, tmp_path):
+def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis_url, tmp_path, monkeypatch):
     pytest.importorskip("openai")
     from openai import AuthenticationError, BadRequestError, OpenAI
 
@@ -150,7 +153,7 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
                                  if x.prompt_id == "openai:grp"), None), timeout=30, what="the endpoint's group")
     assert g.group_id == got.json()["group_id"] and g.generator_id == "g0" and g.weight_version == 0
     assert g.sampling["temperature"] == TEMPERATURE and len(g.samples) == 2
-    assert g.samples[0].reward_details["source"] == "harness"
+    assert g.samples[0].reward_details["source"] == "caller"  # a number the caller posted: marked as such
     assert g.samples[1].reward_details["source"].startswith("reward_service:")
     for sample, (first, second), reward in zip(g.samples, (s1, s2), (0.25, 1.0)):
         sampled = [first.model_extra["relay"]["completion_ids"], second.model_extra["relay"]["completion_ids"]]
@@ -161,6 +164,12 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
         a = len(ids) - n2
         assert mask == [1] * n1 + [0] * (a - n1) + [1] * n2 and a > n1
         assert ids[:n1] == sampled[0] and ids[a:] == sampled[1]
+        # what the first call answered: its weight version, and as log-probs the very behaviour log-probs trained
+        assert first.model_extra["relay"]["weight_version"] == 0 == second.model_extra["relay"]["weight_version"]
+        content = first.choices[0].logprobs.content
+        assert [t.token for t in content] == [tok.decode([i]) for i in sampled[0]]
+        assert np.allclose([t.logprob for t in content], sample.logprobs[:n1], atol=1e-6)
+        assert second.choices[0].logprobs is None  # not asked
         # nothing re-tokenised: prompt + completion is the chat template's rendering of the conversation
         context = tok.decode(ids[len(sampled[0]):a])
         assert "<|im_start|>tool\n5<|im_end|>" in context and context.endswith("<|im_start|>assistant\n")
@@ -213,6 +222,9 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     assert metric_value(text, "relay_generator_openai_template_drift_total") == 1
     assert metric_value(text, "relay_generator_openai_sessions_total", outcome="started") == 3
     assert metric_value(text, "relay_generator_openai_requests_total", endpoint="chat", outcome="error_400") == 1
+    # docs/openai-endpoint.md's harness, as written (only the generator's URL is this test's), twice: a group
+    run_docs_example(base, tmp_path, monkeypatch)
+
     # the generator's own loop shared the engine meanwhile (one lock): its groups of the run's prompts arrive too
     wait_until(lambda: any(not g.prompt_id.startswith("openai:") for _, g in queues.read_groups(r, keys)), timeout=60, what="a group of the run's prompts")
     assert gen.alive()
@@ -222,3 +234,32 @@ def _tool_system() -> str:
     from generators.openai_server import HERMES_TOOLS
 
     return HERMES_TOOLS.format(tools="\n".join(json.dumps(t) for t in TOOLS))
+
+
+def run_docs_example(base: str, tmp_path, monkeypatch) -> None:
+    """The harness example of docs/openai-endpoint.md, run as it is written: its key from
+    ``runs/latest/secrets/openai.key`` (relay up's file; here the test's key in that place), its URL line
+    pointed at this generator, with the names it leaves to the reader (the task, its tools and score)."""
+    doc = (ROOT / "docs" / "openai-endpoint.md").read_text()
+    code = re.search(r"```python\n(from openai import OpenAI\n.*?)```", doc, re.S).group(1)
+    code, n = re.subn(r'^base_url = "http://127\.0\.0\.1:8000/v1"', f'base_url = "{base}/v1"', code, flags=re.M)
+    assert n == 1, "the example's base_url line changed: update this test"
+    keyfile = tmp_path / "docs" / "runs" / "latest" / "secrets" / "openai.key"
+    keyfile.parent.mkdir(parents=True)
+    keyfile.write_text(KEY + "\n")
+    monkeypatch.chdir(tmp_path / "docs")
+
+    def run_tool(call):
+        args = json.loads(call.function.arguments)
+        return str(args["a"] + args["b"])
+
+    results = []
+    for attempt in range(2):  # the group's two sessions (group_size 2)
+        ns = {"task_id": "doc-task", "attempt": attempt, "TOOLS": TOOLS, "run_tool": run_tool,
+              "score": lambda content: float(content == ANSWER)}
+        exec(compile(code, "docs/openai-endpoint.md", "exec"), ns)
+        assert ns["msg"].content == ANSWER and [m["role"] for m in ns["messages"]] == [
+            "user", "assistant", "tool", "assistant"]
+        results.append(ns["done"])
+    assert results[0] == {"session": "doc-task-0", "group_complete": False}
+    assert results[1]["group_complete"] and results[1]["broker"] == "ok", results
