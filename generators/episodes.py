@@ -87,11 +87,9 @@ class EpisodeStats:
             if not ok:
                 self.tool_failures[name] = self.tool_failures.get(name, 0) + 1
 
-    def unspellable_reply(self) -> int:
-        """Count one reply the tokenizer could not spell; returns the count so far."""
+    def unspellable_reply(self) -> None:
         with self._lock:
             self.unspellable += 1
-            return self.unspellable
 
     def finished(self, turns: int, error: str, truncated: bool, drift: bool) -> None:
         with self._lock:
@@ -320,6 +318,7 @@ class EpisodeRunner:
         self.env_name = env_name
         self.pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
         self.rounds = 0            # backend.generate calls made (one per round)
+        self.misspelled = 0        # replies the tokenizer could not spell (training and evaluation: for the log)
         self.version = -1
 
     def prompt_ids(self, prompt: PromptEntry) -> list[int]:
@@ -463,12 +462,14 @@ class EpisodeRunner:
         e.state = "ready"
 
     def _check_spelling(self, e: _Episode, reply: str) -> None:
-        """Count a reply the tokenizer cannot spell; log it at the 1st, 10th, 100th, ... of them."""
+        """Count a reply the tokenizer cannot spell; log the runner's 1st, 10th, 100th, ... of them."""
         seen = self.renderer.misspelled(reply)
         if seen is None:
             return
         e.unspellable += 1
-        n = self.stats.unspellable_reply()
+        self.stats.unspellable_reply()
+        self.misspelled += 1
+        n = self.misspelled
         if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
             log.warning("the %s environment replied %r, which the model's tokenizer cannot spell: the model reads %r "
                         "(%d such replies so far, counted as unspellable_replies). Reply in text the tokenizer knows "

@@ -277,7 +277,9 @@ def test_the_python_example_of_docs_agents_md_works():
     from pathlib import Path
     doc = (Path(__file__).parents[3] / "docs" / "agents.md").read_text()
     src = re.search(r"```python\n(.*?)```", doc, re.DOTALL).group(1)
-    exec(compile(src, "docs/agents.md", "exec"), {"__name__": "docs_agents_example"})
+    ns = {"__name__": "docs_agents_example"}
+    exec(compile(src, "docs/agents.md", "exec"), ns)
+    register_env("guess")(ns["Guess"])  # what its package's entry point does (tests/integration/test_agents_docs.py)
     env = build_env("guess", {"max_turns": 4})()
     rs = episode(env, PromptEntry("guess", reference="42"), ["10", "50", "42"])
     assert [(r.reply, r.role, r.done, r.reward) for r in rs] == [
