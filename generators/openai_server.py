@@ -38,7 +38,6 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,7 +49,8 @@ from starlette.concurrency import run_in_threadpool
 from broker.client.telemetry import emit_event
 from broker.protocol.group import Group, Sample, versions_to_runs
 from broker.protocol.messages import ItemIn
-from generators.backends.base import Completion
+from generators.openai_answers import (Call, chat_logprobs, chat_logprobs_asked, completion_logprobs,
+                                       completion_logprobs_asked, is_json)
 from generators.sessions import Session, SessionError, Sessions
 
 if TYPE_CHECKING:
@@ -201,67 +201,6 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return (content or None) if calls else text, calls
 
 
-# -- log-probs and a call's answer ------------------------------------------------------------------
-
-NO_TOP_LOGPROBS = ("the generator records only the sampled token's log-prob (the behaviour log-prob the learner "
-                   "trains with), not the alternatives")
-
-
-def chat_logprobs_asked(body: dict) -> bool:
-    """Whether a chat request asks for its tokens' log-probs (``logprobs: true``); ``top_logprobs`` above 0
-    is refused (400), never answered with less than was asked."""
-    want, top = body.get("logprobs"), body.get("top_logprobs")
-    if want is not None and not isinstance(want, bool):
-        raise SessionError(400, f"logprobs must be true or false, got {want!r}")
-    if top is not None:
-        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-            raise SessionError(400, f"top_logprobs must be a non-negative integer, got {top!r}")
-        if top > 0:
-            raise SessionError(400, f"top_logprobs = {top} is not available: {NO_TOP_LOGPROBS}; send "
-                                    "logprobs = true with top_logprobs 0 or none")
-    return bool(want)
-
-
-def completion_logprobs_asked(body: dict) -> bool:
-    """Whether a completions request asks for its tokens' log-probs (``logprobs: 0``); more than 0
-    alternatives is refused (400)."""
-    n = body.get("logprobs")
-    if n is None:
-        return False
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise SessionError(400, f"logprobs must be a non-negative integer (the alternatives per token), got {n!r}")
-    if n > 0:
-        raise SessionError(400, f"logprobs = {n} is not available: {NO_TOP_LOGPROBS}; send logprobs = 0")
-    return True
-
-
-@dataclass
-class Call:
-    """One sampled call: its completion, its session (None: untracked), the weight version that sampled it
-    and the tokens the model was fed (the session's tokens and the new context, or the whole prompt)."""
-
-    completion: Completion
-    session: Session | None
-    version: int
-    prompt_tokens: int
-
-    def usage(self) -> dict:
-        n = len(self.completion.token_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
-
-    def relay(self) -> dict:
-        """Relay's extension of a response: the weight version, the session, and the exact token ids sampled
-        (what is trained)."""
-        s = self.session
-        out = {"weight_version": self.version, "session": None, "completion_ids": list(self.completion.token_ids)}
-        if s is not None:
-            out.update(session=s.id, group=s.group, calls=s.calls, template_drift=s.template_drift)
-        return {"relay": out}
-
-    def headers(self, sampling_note: str) -> dict:
-        return {"X-Relay-Sampling": sampling_note, "X-Relay-Weight-Version": str(self.version)}
-
-
 # -- the endpoint ---------------------------------------------------------------------------------
 
 
@@ -408,10 +347,7 @@ class OpenAIEndpoint:
         msg = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
-        logprobs = None
-        if want_logprobs:
-            logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                    for t, lp in zip(self.token_texts(c.token_ids), map(float, c.logprobs))]}
+        logprobs = chat_logprobs(self.token_texts(c.token_ids), c.logprobs) if want_logprobs else None
         return 200, {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or self.cfg.model_name,
@@ -442,12 +378,7 @@ class OpenAIEndpoint:
 
         call = self._call(sid, group, [{"text": prompt}], context_of, sampling, text=True)
         c = call.completion
-        logprobs = None
-        if want_logprobs:
-            tokens = self.token_texts(c.token_ids)
-            offsets = np.cumsum([len(prompt)] + [len(t) for t in tokens[:-1]]).tolist() if tokens else []
-            logprobs = {"tokens": tokens, "token_logprobs": [float(x) for x in c.logprobs], "top_logprobs": None,
-                        "text_offset": offsets}
+        logprobs = completion_logprobs(prompt, self.token_texts(c.token_ids), c.logprobs) if want_logprobs else None
         return 200, {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.get("model") or self.cfg.model_name,
@@ -588,11 +519,6 @@ class OpenAIEndpoint:
 
 
 # -- the HTTP server --------------------------------------------------------------------------------
-
-
-def is_json(content_type: str) -> bool:
-    """Whether a Content-Type header names JSON (``application/json``, parameters such as a charset allowed)."""
-    return content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
 def create_app(ep: OpenAIEndpoint) -> FastAPI:

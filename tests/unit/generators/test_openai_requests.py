@@ -1,7 +1,11 @@
 """The OpenAI endpoint's request rules (generators/openai_server.py) on a fake engine: sampling that
 differs from the run's is refused or overridden (said in X-Relay-Sampling), max_tokens is clamped,
 streaming and n > 1 are refused, no weights yet is 503, and /v1/completions sessions follow the
-token-in-token-out rule on text. The real model, chat template and broker: tests/integration/test_openai_endpoint.py."""
+token-in-token-out rule on text; no key, or a body that is not JSON, is refused before anything is read or
+sampled; a response names its weight version, its prompt's tokens and, when asked, its behaviour log-probs;
+a caller's reward is marked as such. The real model, chat template and broker:
+tests/integration/test_openai_endpoint.py; `relay up`'s key and a local attacker:
+tests/integration/test_openai_endpoint_access.py."""
 
 import threading
 import types
