@@ -25,6 +25,7 @@ from tests.support.services import ROOT, child_env, metric_value, wait_until
 pytestmark = pytest.mark.slow
 
 ORIGIN = {"Origin": "http://attacker.example"}
+START_S = 720  # relay up to an answering endpoint: ~40 s on a quiet machine, 5 minutes seen on a loaded one
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,14 @@ def run(tmp_path_factory):
     with out.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp / "runs" / "oa"
+    deadline = time.monotonic() + START_S
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
+
     try:
         dash = wait_until(lambda: re.search(r"dashboard at (http://127\.0\.0\.1:\d+)/", out.read_text()),
-                          timeout=120, what=f"relay up's dashboard:\n{out.read_text()[-3000:]}").group(1)
+                          timeout=left(), what=f"relay up's dashboard:\n{out.read_text()[-3000:]}").group(1)
 
         def endpoint_event():  # what anyone who reaches the dashboard reads: the endpoint's URL
             try:
@@ -49,14 +55,15 @@ def run(tmp_path_factory):
                 return None
             return next((e for e in entries if e["kind"] == "openai_endpoint"), None)
 
-        event = wait_until(endpoint_event, timeout=240, what=f"the openai_endpoint event:\n{out.read_text()[-3000:]}")
+        event = wait_until(endpoint_event, timeout=left(),
+                           what=f"the openai_endpoint event:\n{out.read_text()[-3000:]}")
         url = event["url"]
         key = (run_dir / "secrets" / "openai.key").read_text().strip()
         auth = {"Authorization": f"Bearer {key}"}
         # serving a version (before, a call is answered 503)
         wait_until(lambda: httpx.get(f"{url}/models", headers=auth, timeout=10).status_code == 200 and httpx.post(
             f"{url}/completions", json={"prompt": "1=", "max_tokens": 1}, headers=auth, timeout=30).status_code == 200,
-                   timeout=480, what="the endpoint answering")
+                   timeout=left(), what="the endpoint answering")
         targets = httpx.get(f"{dash}/api/prometheus/targets", timeout=5).json()
         metrics = next(f"http://{t}/metrics" for g in targets for t in g["targets"]
                        if g["labels"].get("service") == "generator")
@@ -135,7 +142,8 @@ def test_a_cross_site_text_plain_post_is_refused(run):
     assert "application/json" in r.json()["error"]["message"]
     # no CORS: the preflight of a JSON POST gets no allowance
     pre = httpx.request("OPTIONS", f"{url}/completions", timeout=10, headers={
-        **ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"})
+        **ORIGIN, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
     assert pre.status_code >= 400 and not any(h.startswith("access-control-") for h in pre.headers)
     after = _metrics(run)
     assert metric_value(after, "relay_generator_openai_sessions_total", outcome="started") == \
