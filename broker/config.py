@@ -40,8 +40,9 @@ class BrokerConfig(RunConnection):
     max_queue_groups: int = Field(256, ge=1, description="trajectories stream bound; above it producers get 'busy'")
     max_queue_bytes: int = Field(256 << 20, ge=1 << 20, description="trajectories stream bound in bytes (the "
                                  "group messages held, read or not); above it producers get 'busy'")
-    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message; a larger "
-                                   "ZeroMQ frame closes the producer's connection")
+    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message; one up to a "
+                                   "sixteenth larger (at least 64 KiB) is answered too_large, a larger ZeroMQ frame "
+                                   "closes the producer's connection unanswered (docs/protocol.md 5.1)")
     dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
     record_window: int = Field(RECORD_WINDOW, ge=0, description="group ids remembered for de-duplication: the "
                                "last record_window to 2x as many (a resend of an older group is taken as new); "
