@@ -46,6 +46,7 @@ from broker.protocol.group import (Group, GroupHead, decode_group_fast, group_fr
 from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
+from broker.runtime.ratelog import RateLimitedLog
 
 log = logging.getLogger("relay.broker.ingest")
 
@@ -54,6 +55,8 @@ INGEST_BATCH = 16
 INGEST_BATCH_BYTES = 8 << 20
 # the latest announced version is re-read at most this often (and always before a version_ahead rejection)
 LATEST_TTL_S = 0.1
+# refused handshakes logged one by one: at most this many per interval, then one summary line per interval
+DENIED_LOG_BURST, DENIED_LOG_INTERVAL_S = 5, 10.0
 # what CURVE adds to each frame on the wire, which ZMQ_MAXMSGSIZE counts: the MESSAGE command's name
 # ("\x07MESSAGE", 8 bytes), its nonce (8), the flags byte and the box's MAC (16) (ZeroMQ RFC 26)
 CURVE_FRAME_OVERHEAD = 33
@@ -107,6 +110,10 @@ class Ingest:
         self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=registry)
         self.m_denied = Counter("relay_broker_ingest_denied", "CURVE handshakes refused: key not in the allow-list",
                                 registry=registry)
+        # anyone who knows the broker's public key can make it refuse handshakes at will: a few lines in full
+        # per interval, then one summary line (the counter above counts every refusal)
+        self._denied_log = RateLimitedLog(log, "CURVE handshakes refused (keys not in the allow-list)",
+                                          interval_s=DENIED_LOG_INTERVAL_S, burst=DENIED_LOG_BURST)
 
     def bind(self) -> zmq.Socket:
         ctx = zmq.Context.instance()
@@ -142,13 +149,15 @@ class Ingest:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        self._denied_log.close()
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP (the authenticator's thread): admit a CURVE client only when its z85 key is listed."""
         ok = self.allowed is not None and self.allowed.allows_key(key.decode("ascii"))
         if not ok:
             self.m_denied.inc()
-            log.warning("ingest: refused a CURVE handshake from an unlisted key %s", key.decode("ascii"))
+            z85 = key.decode("ascii")
+            self._denied_log.log(z85, "ingest: refused a CURVE handshake from an unlisted key %s", z85)
         return ok
 
     def _count(self, outcome: str, reason: str = "") -> None:
