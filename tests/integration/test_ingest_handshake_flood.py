@@ -49,7 +49,7 @@ def test_a_handshake_flood_is_counted_in_full_but_logged_at_a_bounded_rate(procs
     t0 = time.monotonic()
     _flood(address, server_public, seconds=4)
     denied = metric_value(httpx.get(f"{http}/metrics", timeout=10).text, "relay_broker_ingest_denied_total")
-    assert denied >= 200, denied  # a flood indeed
+    assert denied >= 50, denied  # a flood indeed (hundreds on a quiet machine), far above the 5 lines logged
     # the interval's summary comes when it ends, flood over or not
     wait_until(lambda: "not logged one by one" in log_path.read_text(), DENIED_LOG_INTERVAL_S + 10, "the summary")
     text = log_path.read_text()[before:]
