@@ -11,6 +11,7 @@ from broker.prompts.datasets import DatasetConfig
 from broker.protocol.keys import EVENTS_MAX, RECORD_WINDOW
 from broker.prompts.evals import EvalConfig
 from broker.prompts.tasks import TaskConfig
+from broker.runtime.binds import ALLOW_DESCRIPTION, refuse_open_bind, zmq_bind_host
 from broker.runtime.config import RunConnection, StrictModel
 
 
@@ -32,6 +33,8 @@ class BrokerConfig(RunConnection):
                                  "zmq.auth.create_certificates writes; relay up makes one per run)")
     ingest_clients_file: str = Field("", description='the allow-list: JSON {"clients": [{"public_key": "<z85>", '
                                      '"generator_id": "<fnmatch pattern>"}]}')
+    allow_unauthenticated_bind: bool = Field(False, description=ALLOW_DESCRIPTION + ": here, ingest_auth = "
+                                             "'insecure' on an ingest_bind that is not loopback")
     http_host: str = Field("127.0.0.1", description="host of the HTTP server (health, metrics, state)")
     http_port: int = Field(8080, ge=0, le=65535, description="port of the HTTP server; 0 picks a free one")
     dead_after_s: float = Field(10.0, gt=0, description="the dashboard shows a generator as dead when its last "
@@ -40,8 +43,9 @@ class BrokerConfig(RunConnection):
     max_queue_groups: int = Field(256, ge=1, description="trajectories stream bound; above it producers get 'busy'")
     max_queue_bytes: int = Field(256 << 20, ge=1 << 20, description="trajectories stream bound in bytes (the "
                                  "group messages held, read or not); above it producers get 'busy'")
-    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message; a larger "
-                                   "ZeroMQ frame closes the producer's connection")
+    max_message_bytes: int = Field(16 << 20, ge=1024, description="largest accepted group message; one up to a "
+                                   "sixteenth larger (at least 64 KiB) is answered too_large, a larger ZeroMQ frame "
+                                   "closes the producer's connection unanswered (docs/protocol.md 5.1)")
     dead_letter_max: int = Field(1000, ge=0, description="rejected messages kept for inspection")
     record_window: int = Field(RECORD_WINDOW, ge=0, description="group ids remembered for de-duplication: the "
                                "last record_window to 2x as many (a resend of an older group is taken as new); "
@@ -75,6 +79,14 @@ class BrokerConfig(RunConnection):
             self.advertised_ingests()
         except ValueError as e:
             raise ValueError(f"ingest_workers = {self.ingest_workers}: {e}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _no_open_ingest_without_auth(self) -> "BrokerConfig":
+        if self.ingest_auth == "insecure":
+            refuse_open_bind("ingest_bind", self.ingest_bind, zmq_bind_host(self.ingest_bind),
+                             "ingest_auth = 'insecure' lets anyone who reaches it send groups the learner trains on",
+                             "use ingest_auth = 'curve' with its key files", self.allow_unauthenticated_bind)
         return self
 
     @model_validator(mode="after")

@@ -19,8 +19,10 @@ Who may send (docs/security.md "Ingest"): with ``ingest_auth = "curve"`` the soc
 and a ZAP handler admits only the public keys of the allow-list; a producer with any other key never
 completes the handshake, so nothing it sends is read. Each message carries the key it came with
 (ZeroMQ's ``User-Id``), and a group whose ``generator_id`` is not one that key may use is rejected
-``wrong_generator``. A frame larger than ``max_message_bytes`` closes the connection
-(``ZMQ_MAXMSGSIZE``); every message is decoded once, within msgpack's per-object limits.
+``wrong_generator``. A message larger than ``max_message_bytes`` is answered ``too_large`` without being
+decoded, up to a margin (:func:`socket_max_frame`); a larger frame closes the connection
+(``ZMQ_MAXMSGSIZE``, which under CURVE counts the encrypted frame: the overhead is added). Every message
+is decoded once, within msgpack's per-object limits.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ from broker.client.announcements import announced_hashes, latest_announcement
 from broker.client.overlap import OverlappedTransactions
 from broker.config import BrokerConfig
 from broker.protocol.codec import ProtocolError
-from broker.protocol.group import Group, GroupHead, decode_group_fast, group_from_map, group_id_of, unpack_group
+from broker.protocol.group import (Group, GroupHead, decode_group_fast, group_from_map, group_id_in_head, group_id_of,
+                                   unpack_group)
 from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
+from broker.runtime.ratelog import RateLimitedLog
 
 log = logging.getLogger("relay.broker.ingest")
 
@@ -51,6 +55,25 @@ INGEST_BATCH = 16
 INGEST_BATCH_BYTES = 8 << 20
 # the latest announced version is re-read at most this often (and always before a version_ahead rejection)
 LATEST_TTL_S = 0.1
+# refused handshakes logged one by one: at most this many per interval, then one summary line per interval
+DENIED_LOG_BURST, DENIED_LOG_INTERVAL_S = 5, 10.0
+# what CURVE adds to each frame on the wire, which ZMQ_MAXMSGSIZE counts: the MESSAGE command's name
+# ("\x07MESSAGE", 8 bytes), its nonce (8), the flags byte and the box's MAC (16) (ZeroMQ RFC 26)
+CURVE_FRAME_OVERHEAD = 33
+
+
+def too_large_margin(max_message_bytes: int) -> int:
+    """Bytes past ``max_message_bytes`` that the ingest still takes in to answer ``too_large``: a
+    sixteenth of the limit, at least 64 KiB (1 MiB for the default 16 MiB)."""
+    return max(64 << 10, max_message_bytes // 16)
+
+
+def socket_max_frame(max_message_bytes: int, curve: bool) -> int:
+    """The ingest socket's ``ZMQ_MAXMSGSIZE``: a message of up to ``max_message_bytes`` is decoded, one of up
+    to ``too_large_margin`` more is answered ``too_large`` (not decoded), a longer frame closes the
+    producer's connection unanswered (ZeroMQ drops it before it is held). Under CURVE ZeroMQ compares
+    the encrypted frame, ``CURVE_FRAME_OVERHEAD`` bytes longer than the message."""
+    return max_message_bytes + too_large_margin(max_message_bytes) + (CURVE_FRAME_OVERHEAD if curve else 0)
 
 
 @dataclass
@@ -87,12 +110,17 @@ class Ingest:
         self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=registry)
         self.m_denied = Counter("relay_broker_ingest_denied", "CURVE handshakes refused: key not in the allow-list",
                                 registry=registry)
+        # anyone who knows the broker's public key can make it refuse handshakes at will: a few lines in full
+        # per interval, then one summary line (the counter above counts every refusal)
+        self._denied_log = RateLimitedLog(log, "CURVE handshakes refused (keys not in the allow-list)",
+                                          interval_s=DENIED_LOG_INTERVAL_S, burst=DENIED_LOG_BURST)
 
     def bind(self) -> zmq.Socket:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)  # a larger frame closes the connection
+        # past max_message_bytes: answered too_large up to a margin; a larger frame closes the connection
+        sock.setsockopt(zmq.MAXMSGSIZE, socket_max_frame(self.cfg.max_message_bytes, self.allowed is not None))
         if self.allowed is not None:
             self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("relay.broker.zap"))
             self._auth.start()
@@ -121,13 +149,15 @@ class Ingest:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        self._denied_log.close()
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP (the authenticator's thread): admit a CURVE client only when its z85 key is listed."""
         ok = self.allowed is not None and self.allowed.allows_key(key.decode("ascii"))
         if not ok:
             self.m_denied.inc()
-            log.warning("ingest: refused a CURVE handshake from an unlisted key %s", key.decode("ascii"))
+            z85 = key.decode("ascii")
+            self._denied_log.log(z85, "ingest: refused a CURVE handshake from an unlisted key %s", z85)
         return ok
 
     def _count(self, outcome: str, reason: str = "") -> None:
@@ -211,8 +241,8 @@ class Ingest:
                 if self.cfg.dead_letter_max:
                     queues.dead_letter(batch.pipe, self.keys, e.reason, e.detail, payload, self.cfg.dead_letter_max)
                 log.warning("rejected a message: %s", e)
-                batch.acks[i] = Ack(group_id=g.group_id if g is not None else group_id_of(m), status="rejected",
-                                    reason=e.reason)
+                gid = g.group_id if g is not None else group_id_of(m) if m is not None else group_id_in_head(payload)
+                batch.acks[i] = Ack(group_id=gid, status="rejected", reason=e.reason)
                 continue
             batch.valid.append((i, g, payload))
         if batch.valid:

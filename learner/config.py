@@ -7,6 +7,7 @@ from typing import Literal, get_args
 from pydantic import Field, model_validator
 
 from broker.protocol.keys import RECORD_WINDOW
+from broker.runtime.binds import ALLOW_DESCRIPTION, refuse_open_bind
 from broker.runtime.config import IN_PROCESS_TRANSPORTS, RunConnection, StrictModel, WeightsConfig
 from learner.records import WandbConfig
 
@@ -98,6 +99,9 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions reach the generators "
                                    "(relay up: the run's [weights] section, given to the generators too)")
+    allow_unauthenticated_bind: bool = Field(False, description=ALLOW_DESCRIPTION + ": here, the http weight "
+                                             "server on a host that is not loopback with announce_auth = 'insecure' "
+                                             "(which leaves the server without its token)")
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
     tiny_vllm_compatible: bool = Field(False, description="with model 'tiny': build it as a Llama with attention heads "
                                        "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)")
@@ -187,6 +191,15 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
             valid = ", ".join(a for a in get_args(AdvantageEstimator) if a not in NEEDS_CRITIC)
             raise ValueError(f"advantage {self.advantage!r} needs a critic (a value model): set "
                              f"learner.critic.enabled=true; without one, valid: {valid}")
+        return self
+
+    @model_validator(mode="after")
+    def _no_open_weight_server_without_token(self) -> LearnerConfig:
+        if self.weights.transport == "http" and self.announce_auth == "insecure":
+            h = self.weights.http.host
+            refuse_open_bind("weights.http.host", h, h, "announce_auth = 'insecure' leaves the weight server "
+                             "without its token, so anyone who reaches it can download every version",
+                             "use announce_auth = 'hmac' with announce_key_file", self.allow_unauthenticated_bind)
         return self
 
     @model_validator(mode="after")

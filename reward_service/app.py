@@ -157,6 +157,9 @@ class BodyLimit:
 
 def create_app(cfg: RewardConfig) -> FastAPI:
     scorer = Scorer(cfg)
+    if not cfg.auth_token:  # allowed on loopback only (RewardConfig), where other local users still reach it
+        log.warning("no auth_token: any process that reaches %s:%s can call POST /score (relay up sets one per "
+                    "run; docs/rewards.md, Security)", cfg.host, cfg.port)
 
     @asynccontextmanager
     async def lifespan(_app):

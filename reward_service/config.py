@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from broker.runtime.binds import ALLOW_DESCRIPTION, refuse_open_bind
 from broker.runtime.config import StrictModel, format_validation_error
 
 
@@ -56,8 +57,19 @@ class RewardConfig(StrictModel):
     max_batch: int = Field(4096, ge=1, description="largest accepted batch (items per request)")
     max_request_bytes: int = Field(32 * 2 ** 20, ge=1024, description="largest accepted request body (bytes)")
     auth_token: str = Field("", description="when set, POST /score requires `Authorization: Bearer <token>` "
-                            "(set it through RELAY_AUTH_TOKEN rather than a file)")
+                            "(set it through RELAY_AUTH_TOKEN rather than a file; relay up makes one per run)")
     cache_size: int = Field(0, ge=0, description="scores kept in the content-hash cache (0 = no cache)")
+    allow_unauthenticated_bind: bool = Field(False, description=ALLOW_DESCRIPTION + ": here, a host that is not "
+                                             "loopback without auth_token")
+
+    @model_validator(mode="after")
+    def _no_open_bind_without_token(self) -> "RewardConfig":
+        if not self.auth_token:
+            refuse_open_bind("host", self.host, self.host, "no auth_token is set, so anyone who reaches it can "
+                             "score (and read what plugins answer)", "set auth_token (RELAY_AUTH_TOKEN; relay up "
+                             "makes one per run, relay secrets for compose and Kubernetes)",
+                             self.allow_unauthenticated_bind)
+        return self
 
     @field_validator("task_plugins")
     @classmethod

@@ -7,7 +7,9 @@ ends in :class:`CallFailed` with a short ``code`` (timeout, unreachable, http_50
 circuit_open, ...) that the plugin turns into a failed item; nothing is swallowed.
 
 Retried: timeouts, connection errors, HTTP 5xx and 429. Not retried: other 4xx (the request is
-wrong) and a 2xx whose body is not JSON (the server is wrong; retrying would not help).
+wrong), a 2xx whose body is not JSON (the server is wrong; retrying would not help) and a server whose
+certificate fails verification or its pin (``tls_unverified``: reward_service/tls.py). Plain http goes only
+to a loopback host unless ``allow_plain_http``: the requests carry the token, prompts and references.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import time
 from typing import Any
 
 import httpx
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from broker.client.connection import Backoff
 from broker.runtime.config import StrictModel
+from reward_service.tls import check_transport, is_tls_failure, tls_context
 
 
 class Observer:
@@ -54,6 +57,22 @@ class HttpOptions(StrictModel):
                            "remote (preferred over `token`: keeps the secret out of config files)")
     token: str = Field("", description="bearer token for the remote, inline")
     headers: dict[str, str] = Field(default_factory=dict, description="extra request headers")
+    ca_file: str = Field("", description="https: PEM file of the certificates to verify the server against "
+                         "(a private CA, or the server's own self-signed certificate) instead of the system's CAs")
+    pin_sha256: str = Field("", pattern=r"^([0-9a-f]{64})?$", description="https: SHA-256 of the server "
+                            "certificate's DER bytes (64 lowercase hex digits); any other certificate is refused "
+                            "before the request is sent, on top of the CA check (`openssl x509 -in cert.pem "
+                            "-outform der | sha256sum`)")
+    allow_plain_http: bool = Field(False, description="accept an http:// url to a host that is not loopback (the "
+                                   "token, prompts and reference answers then travel unencrypted to whoever holds "
+                                   "that address); refused otherwise")
+
+    @model_validator(mode="after")
+    def _transport(self) -> "HttpOptions":
+        url = getattr(self, "url", None) or getattr(self, "base_url", None)  # remote and environment; judge
+        if isinstance(url, str):
+            check_transport(url, self.ca_file, self.pin_sha256, self.allow_plain_http)
+        return self
 
 
 def resolve_token(opts: HttpOptions) -> str:
@@ -131,7 +150,8 @@ class HttpCaller:
         if self.client is None:  # created in the event loop that uses it
             self.sem = asyncio.Semaphore(self.opts.max_concurrency)
             self.client = httpx.AsyncClient(timeout=self.opts.timeout_s, headers=self.headers,
-                                            limits=httpx.Limits(max_connections=self.opts.max_concurrency))
+                                            limits=httpx.Limits(max_connections=self.opts.max_concurrency),
+                                            verify=tls_context(self.opts.ca_file, self.opts.pin_sha256))
 
     async def close(self) -> None:
         if self.client is not None:
@@ -161,6 +181,11 @@ class HttpCaller:
             except httpx.TimeoutException as e:
                 last = CallFailed("timeout", f"no reply within {self.opts.timeout_s}s ({type(e).__name__})")
             except httpx.TransportError as e:
+                if is_tls_failure(e):  # not the server we were told to trust: nothing was sent, never retried
+                    last = CallFailed("tls_unverified", f"{type(e).__name__}: {e}"[:300])
+                    self.breaker.record(False)
+                    self.observer.request(last.code)
+                    raise last from None
                 last = CallFailed("unreachable", f"{type(e).__name__}: {e}"[:200])
             else:
                 if resp.status_code == 200:

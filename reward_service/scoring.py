@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from broker.protocol.group import REWARD_LIMIT
 from broker.protocol.messages import ResultOut
 from reward_service import plugins as P
 from reward_service.config import PluginConfig, RewardConfig
@@ -203,6 +204,8 @@ class Scorer:
                 total += w * r.score
                 details[name] = r.score
                 details.update({f"{name}.{k}": v for k, v in r.details.items()})
+            if not failed and abs(total) > REWARD_LIMIT:
+                failed = f"invalid_score: the weighted sum {total:g} is outside [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}]"
             if failed:
                 scored.append(ResultOut(score=None, status="failed", reason=failed, plugin=label, details=details))
             else:
@@ -220,4 +223,6 @@ def _checked(r) -> P.Result:
         return P.Result.failed(f"plugin_error: unknown status {r.status!r}")
     if isinstance(r.score, bool) or not isinstance(r.score, (int, float)) or not math.isfinite(r.score):
         return P.Result.failed(f"invalid_score: {r.score!r} is not a finite number")
+    if abs(r.score) > REWARD_LIMIT:  # the group message's bound (docs/protocol.md 3.2): the broker would refuse it
+        return P.Result.failed(f"invalid_score: {r.score!r} is outside [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}]")
     return r

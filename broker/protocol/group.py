@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
+import msgpack
 import msgspec
 import numpy as np
 
@@ -21,6 +22,12 @@ from broker.protocol.codec import (MAX_ARRAY_LEN, MAX_MAP_LEN, SCHEMA_VERSION, W
 FINISH_REASONS = ("stop", "length")
 REWARD_STATUSES = ("ok", "failed")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# the largest reward magnitude a group may carry (docs/protocol.md 3.2, reason reward_range): far beyond any
+# reward in use (0..1 for the built-in plugins), and small enough that a batch's sums of squared rewards
+# (advantages, whitening) stay finite in float32. The reward service fails a plugin's score beyond it.
+REWARD_LIMIT = 1e6
+# a message the broker does not decode whole (too_large) has its group_id read from this many first bytes
+HEAD_BYTES = 4096
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,6 +297,24 @@ def group_id_of(m: dict | None) -> str:
     return gid if isinstance(gid, str) else ""
 
 
+def group_id_in_head(data: bytes | memoryview) -> str:
+    """The group id of a message that is not decoded whole (``too_large``, or not msgpack at all), read from
+    its first ``HEAD_BYTES`` only: the top-level map's first 16 keys, skipping their values, until
+    ``group_id`` (Relay's encoder writes it third). "" when it is not there, not a 1..128 character string,
+    or the bytes before it do not fit."""
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=HEAD_BYTES)
+    u.feed(bytes(data[:HEAD_BYTES]))
+    try:
+        for _ in range(min(u.read_map_header(), 16)):
+            if u.unpack() == "group_id":
+                gid = u.unpack()
+                return gid if isinstance(gid, str) and 0 < len(gid) <= 128 else ""
+            u.skip()
+    except (msgpack.UnpackException, ValueError):  # not a map, cut off at HEAD_BYTES, invalid UTF-8, ...
+        pass
+    return ""
+
+
 def finite32(x: float) -> bool:
     """Finite as float32, the dtype the learner computes in (1e300 is finite as float64, inf as float32)."""
     return math.isfinite(x) and abs(x) <= FLOAT32_MAX
@@ -349,6 +374,9 @@ def _validate_group(m: dict, in_order: bool) -> Group:
             reward = get_field(s, "reward", float, where)
             if not finite32(reward):
                 raise ProtocolError("non_finite", f"{where}.reward = {reward!r} is not finite as float32")
+            if abs(reward) > REWARD_LIMIT:
+                raise ProtocolError("reward_range", f"{where}.reward = {reward!r} is outside "
+                                    f"[-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}] (docs/protocol.md 3.2)")
         elif reward is not None:
             raise ProtocolError("bad_reward", f"{where}.reward must be nil when status is failed")
         details = s.get("reward_details", {})
@@ -420,6 +448,7 @@ _Runs = Annotated[list[Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgsp
                   msgspec.Meta(max_length=FAST_RUNS)]
 # finite as float32 (finite32): msgspec refuses NaN, the infinities and anything beyond float32's range
 _Float32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+_Reward = Annotated[float, msgspec.Meta(ge=-REWARD_LIMIT, le=REWARD_LIMIT)]
 _Flags = Annotated[list[tuple[Literal[0, 1], Annotated[int, msgspec.Meta(gt=0)]]],
                    msgspec.Meta(max_length=MAX_ARRAY_LEN)]
 _NIL, _EMPTY_MAP = msgspec.Raw(b"\xc0"), msgspec.Raw(b"\x80")
@@ -442,7 +471,7 @@ class _WireSample(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     # left raw until their sizes are known to fit the object budget (below), then decoded all together
     finish_reason: Literal["stop", "length"]
     reward_status: Literal["ok", "failed"]
-    reward: Union[_Float32, None] = None
+    reward: Union[_Reward, None] = None
     reward_details: msgspec.Raw = _EMPTY_MAP
     trainable_runs: msgspec.Raw = _NIL
 

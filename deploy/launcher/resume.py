@@ -42,6 +42,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
     from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
+    from deploy.launcher.run_tokens import recorded_reward_token
     from pydantic import ValidationError
 
     from broker.runtime.config import format_validation_error
@@ -138,6 +139,8 @@ def plan_resume(args, environ, usage_error) -> dict:
                 for p in path[:-1]:
                     d = d.setdefault(p, {})
                 d[path[-1]] = value
+    if not cfgs["reward"].get("auth_token"):  # none given again: the run's own (deploy/launcher/run_tokens.py)
+        cfgs["reward"]["auth_token"] = recorded_reward_token(run_dir)
     if cfgs["reward"].get("auth_token") and not cfgs["generator"].get("reward_token"):
         cfgs["generator"]["reward_token"] = cfgs["reward"]["auth_token"]
     openai_key = endpoint_key(cfgs["generator"], run_dir)  # the run's own (secrets/openai.key), when it made one

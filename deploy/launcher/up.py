@@ -117,6 +117,7 @@ def plan(args, environ: dict | None = None) -> dict:
     from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
+    from deploy.launcher.run_tokens import new_token
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
     from learner.model_folder import ModelFolderError, check_model_folder
@@ -199,7 +200,8 @@ def plan(args, environ: dict | None = None) -> dict:
                                 "ingest_clients_file": str(keydir / "clients.json"),
                                 "task": {**task_defaults(args.task), "name": args.task, "seed": args.seed}})
     needs = TASK_NEEDS.get(args.task, {})  # a multi-turn task: its environment, the tiny model's tool vocabulary
-    reward = section("reward", {"port": free_port(), **task_reward_defaults(args.task)})
+    # a bearer token per run: /score answers only the run's generators (deploy/launcher/run_tokens.py)
+    reward = section("reward", {"port": free_port(), "auth_token": new_token(), **task_reward_defaults(args.task)})
     # the generators reach the broker and the reward service where they are, overrides included
     workers = broker.get("ingest_workers", 1)
     workers = workers if isinstance(workers, int) and workers >= 1 else 1  # a bad value: BrokerConfig says so below
@@ -311,6 +313,7 @@ def run_up(args) -> int:
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
     from deploy.launcher.openai_key import endpoint_note
     from deploy.launcher.run_secrets import write_announce_key
+    from deploy.launcher.run_tokens import keep_reward_token
     from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
@@ -340,6 +343,7 @@ def run_up(args) -> int:
     try:
         redis_url = p["redis_url"]
         write_announce_key(run_dir)  # kept when resuming: the same key signs the rest of the run
+        keep_reward_token(run_dir, p["reward"].get("auth_token", ""))  # and the same reward token answers
         if p["redis_port"] is not None:
             users = p.get("redis_users")  # None: a run from before Redis had users, resumed as it was
             start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof,
@@ -385,7 +389,8 @@ def run_up(args) -> int:
                                 alive_at=_liveness_probe(r, keys, cfgs["generator"]["reward_url"], p["http_port"]))
         print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
               f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {run_dir / 'logs'}", flush=True)
-        print(f"relay up: reward service at {cfgs['generator']['reward_url']} (/healthz, /metrics, /score)", flush=True)
+        print(f"relay up: reward service at {cfgs['generator']['reward_url']} (/healthz, /metrics, /score"
+              f"{' with the token in secrets/reward.token' if cfgs['reward'].get('auth_token') else ''})", flush=True)
         evals = EvalHistory(r, keys)  # read incrementally: the latest round's pass@1 on the progress line
         truncation = TruncationWarning(progress, cfgs["generator"].get("sampling", {}).get("max_tokens"))
         while stopping["why"] is None:

@@ -38,6 +38,7 @@ from typing import Any
 
 from pydantic import Field
 
+from broker.protocol.group import REWARD_LIMIT
 from generators.envs.base import Environment, EnvError, StepResult, ToolCall
 from generators.envs.registry import register_env
 from reward_service.httpcall import CallFailed, HttpCaller, HttpOptions, Observer
@@ -175,6 +176,8 @@ def parse_step_reply(data: Any) -> StepResult:
     if role not in ("tool", "user"):
         raise ValueError(f"'role' must be 'tool' or 'user', not {str(role)[:20]!r}")
     reward = _finite_or_none(data.get("reward"), "'reward'")
+    if reward is not None and abs(reward) > REWARD_LIMIT:  # the group message's bound (docs/protocol.md 3.2)
+        raise ValueError(f"'reward' {reward:g} is outside [-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}]")
     info = data.get("info", {})
     if not isinstance(info, dict):
         raise ValueError("'info' must be an object")

@@ -9,8 +9,10 @@ The program sees: a tmpfs root; read-only binds of /usr, the Python installation
 ``ro_paths`` given; /dev/null, /dev/zero, /dev/urandom; a writable /sandbox holding the files of
 ``src``; a private /tmp. Nothing else of the host: no /etc, no /home, no /root, no /proc, no /work.
 Its network namespace has only a loopback interface that is down: every connection fails.
-It runs as nobody (65534) with no capabilities, under rlimits (CPU, address space, file size,
-open files, and processes when there is no cgroup) and a scrubbed environment. Before anything else
+It runs as the uid (and gid) of ``spec["uid"]``, leased for this run alone (sandbox_uids.py: no other
+process of the host has it, so none can ptrace or signal the program), with no capabilities, under rlimits
+(CPU, address space, file size, open files, and processes when there is no cgroup) and a scrubbed
+environment. Before anything else
 this launcher joins the run's cgroups (``cgroup_procs``), so everything below it counts against
 their memory and pids limits. This process stays as PID 1 of the namespace:
 when it exits, the kernel kills everything the program left behind.
@@ -26,7 +28,6 @@ import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
 MS_PRIVATE = 1 << 18
-NOBODY = 65534
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -54,7 +55,7 @@ def bind_ro(root, path):
 
 
 def setup(spec):
-    root = spec["root"]
+    root, uid = spec["root"], spec["uid"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk_mb']}m,mode=755")
     for p in ["/usr", "/bin", "/lib", "/lib64", "/sbin", *spec["ro_paths"]]:
@@ -65,11 +66,11 @@ def setup(spec):
         mount(None, root + dev, None, MS_REMOUNT | MS_BIND | MS_NOSUID)  # writable (for /dev/null), still nosuid
     for d in ("sandbox", "tmp"):
         os.makedirs(f"{root}/{d}")
-        os.chown(f"{root}/{d}", NOBODY, NOBODY)
+        os.chown(f"{root}/{d}", uid, uid)
     os.chmod(f"{root}/tmp", 0o1777)
     for name in os.listdir(spec["src"]):
         shutil.copyfile(os.path.join(spec["src"], name), f"{root}/sandbox/{name}")
-        os.chown(f"{root}/sandbox/{name}", NOBODY, NOBODY)
+        os.chown(f"{root}/sandbox/{name}", uid, uid)
     os.chroot(root)
     os.chdir("/sandbox")
 
@@ -82,7 +83,7 @@ def limit(spec):
                      (resource.RLIMIT_NOFILE, (64, 64)),
                      (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(res, val)
-    if spec["max_procs"] is not None:  # no cgroup: a per-user count, shared by every run as nobody
+    if spec["max_procs"] is not None:  # no cgroup: a per-user count, this run's alone (its own uid)
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_procs"],) * 2)
 
 
@@ -100,8 +101,8 @@ def main():
     if pid == 0:
         try:
             os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.setgid(spec["uid"])
+            os.setuid(spec["uid"])
             limit(spec)
             env = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
             os.execve(spec["argv"][0], spec["argv"], env)

@@ -29,11 +29,12 @@ import json
 import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from broker.runtime.config import StrictModel
 from reward_service.builtin import grader, sandbox
 from reward_service.builtin.cgroups import CgroupError, Cgroups
+from reward_service.builtin.sandbox_uids import FIRST_UID, UID_COUNT, UidPool
 from reward_service.plugins import Item, Result, RewardPlugin, register
 
 FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -52,7 +53,7 @@ class CodeOptions(StrictModel):
     memory_mb: int = Field(512, ge=64, le=65536, description="memory of the program, all its processes together "
                            "(the item's cgroup); also each process's address-space limit")
     max_processes: int = Field(32, ge=2, le=4096, description="processes and threads of one item at once (pids.max "
-                               "of its cgroup; with isolation = \"rlimits\", RLIMIT_NPROC of the shared user)")
+                               "of its cgroup; with isolation = \"rlimits\", RLIMIT_NPROC of the item's own uid)")
     isolation: Literal["cgroup", "rlimits"] = Field(
         "cgroup", description="\"cgroup\": one cgroup per item, limits for the whole process tree (refuses to start "
         "where cgroups cannot be made); \"rlimits\": per-process limits only, forked children multiply memory and "
@@ -65,6 +66,17 @@ class CodeOptions(StrictModel):
     extract_code: bool = Field(True, description="take the last ```python block of the completion")
     tests_field: str = Field("tests", description="metadata field holding the list of test snippets")
     check_sandbox: bool = Field(True, description="at start-up, refuse to start unless the sandbox works here")
+    uid_first: int = Field(FIRST_UID, ge=1000, le=2 ** 31 - 2, description="first uid (and gid) of the range the "
+                           "items run as: each item gets one of its own that no user or process of the host has "
+                           "(docs/rewards.md, Security); keep the range for the sandbox alone")
+    uid_count: int = Field(UID_COUNT, ge=1, le=2 ** 24, description="uids in that range: at least the items that "
+                           "may run at once on the host")
+
+    @model_validator(mode="after")
+    def _uid_range(self) -> "CodeOptions":
+        if self.uid_first + self.uid_count > 2 ** 31 - 1:
+            raise ValueError(f"uid_first + uid_count must stay below 2^31 - 1 ({self.uid_first} + {self.uid_count})")
+        return self
 
 
 @register("code_exec")
@@ -79,6 +91,7 @@ class CodeExec(RewardPlugin):
                                      max_output=2 ** 20)
         self.sem: asyncio.Semaphore | None = None
         self.cgroups: Cgroups | None = None
+        self.uids = UidPool(o.uid_first, o.uid_count)
 
     async def start(self) -> None:
         if self.options.isolation == "cgroup":
@@ -89,7 +102,7 @@ class CodeExec(RewardPlugin):
                 raise sandbox.SandboxError(f"{e}; code_exec needs a cgroup per item (see docs/deploy.md), or "
                                            "isolation = \"rlimits\" to accept per-process limits only") from e
         if self.options.check_sandbox:
-            await sandbox.probe(self.cgroups)
+            await sandbox.probe(self.cgroups, self.uids)
 
     async def score(self, items: list[Item]) -> list[Result]:
         if self.sem is None:
@@ -120,7 +133,7 @@ class CodeExec(RewardPlugin):
         async with self.sem:
             try:
                 o = await sandbox.run({"solution.py": code, "probes.json": probes, "_runner.py": grader.RUNNER},
-                                      ["_runner.py"], b"", self.limits, self.cgroups)
+                                      ["_runner.py"], b"", self.limits, self.cgroups, self.uids)
             except sandbox.SandboxError as e:
                 return Result.failed(f"sandbox_error: {e}"[:300])
         v = grader.grade(parsed, o.stdout)

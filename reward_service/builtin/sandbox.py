@@ -1,7 +1,8 @@
 """Run untrusted Python in a sandbox: no network, no host files, time and memory limits.
 
 The isolation is Linux namespaces (``unshare`` from util-linux, which needs root or
-CAP_SYS_ADMIN), a minimal chroot, an unprivileged user, rlimits and, given a
+CAP_SYS_ADMIN), a minimal chroot, an unprivileged user of its own (a uid no other process of the host
+shares, leased per run: ``sandbox_uids.py``), rlimits and, given a
 :class:`~reward_service.builtin.cgroups.Cgroups`, one cgroup per run whose memory and process
 limits hold for the whole process tree; see ``_sandbox_init.py`` for exactly what the program can
 see. :func:`probe` checks at start-up that it works on this machine: where it does not, the
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reward_service.builtin.cgroups import Cgroups, CgroupError
+from reward_service.builtin.sandbox_uids import DEFAULT_POOL, NoFreeUid, UidPool
 
 LAUNCHER = Path(__file__).with_name("_sandbox_init.py")
 
@@ -66,33 +68,42 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
 
 
 async def run(files: dict[str, str], argv: list[str], stdin: bytes, limits: Limits,
-              cgroups: Cgroups | None = None) -> Outcome:
+              cgroups: Cgroups | None = None, uids: UidPool | None = None) -> Outcome:
     """Run ``argv`` (paths relative to /sandbox, where ``files`` are written) in the sandbox.
 
     With ``cgroups``, the run gets its own cgroup (memory ``limits.memory_mb`` and ``limits.max_procs``
-    processes in all); without, only per-process rlimits hold.
+    processes in all); without, only per-process rlimits hold. The program runs as a uid of ``uids``
+    (default: the range of ``sandbox_uids``) that no other process of the host has, leased until every
+    process of the run is gone.
     """
     unshare = shutil.which("unshare")
     if unshare is None:
         raise SandboxError("the `unshare` command (util-linux) is not installed")
     py = python_executable()
     try:
-        cg = cgroups.make(limits.memory_mb, limits.max_procs) if cgroups else None
-    except CgroupError as e:
-        raise SandboxError(str(e)) from e
+        lease = await asyncio.to_thread((uids or DEFAULT_POOL).acquire)
+    except (NoFreeUid, OSError) as e:
+        raise SandboxError(f"no user id for the sandbox: {e}") from e
     try:
-        outcome = await _run(unshare, py, files, argv, stdin, limits, cg)
+        try:
+            cg = cgroups.make(limits.memory_mb, limits.max_procs) if cgroups else None
+        except CgroupError as e:
+            raise SandboxError(str(e)) from e
+        try:
+            outcome = await _run(unshare, py, files, argv, stdin, limits, cg, lease.uid)
+        finally:
+            if cg is not None:
+                cg.kill()
+                try:
+                    await asyncio.to_thread(cg.remove)
+                except CgroupError as e:
+                    raise SandboxError(str(e)) from e
     finally:
-        if cg is not None:
-            cg.kill()
-            try:
-                await asyncio.to_thread(cg.remove)
-            except CgroupError as e:
-                raise SandboxError(str(e)) from e
+        lease.release()  # the PID namespace (and the cgroup) took every process of the run with it
     return outcome
 
 
-async def _run(unshare, py, files, argv, stdin, limits, cg) -> Outcome:
+async def _run(unshare, py, files, argv, stdin, limits, cg, uid: int) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="relay-sandbox-") as tmp:
         src, root = Path(tmp, "src"), Path(tmp, "root")
         src.mkdir()
@@ -102,7 +113,7 @@ async def _run(unshare, py, files, argv, stdin, limits, cg) -> Outcome:
         spec = {"root": str(root), "src": str(src), "ro_paths": [sys.base_prefix],
                 "argv": [py, "-I", "-S", "-B", *argv], "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
                 "disk_mb": limits.disk_mb, "max_procs": None if cg else limits.max_procs,
-                "cgroup_procs": cg.procs if cg else []}
+                "cgroup_procs": cg.procs if cg else [], "uid": uid}
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             unshare, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--",
@@ -128,11 +139,12 @@ async def _run(unshare, py, files, argv, stdin, limits, cg) -> Outcome:
             timed_out = False
         except asyncio.TimeoutError:
             timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, its child (PID 1 inside) and all below with it
-            except ProcessLookupError:
-                pass
+            _kill(proc)
             out, err = await task
+        except asyncio.CancelledError:  # the request was abandoned: the program goes too, before its uid is
+            _kill(proc)                 # leased again
+            await asyncio.shield(proc.wait())
+            raise
         seconds = time.monotonic() - t0
     if proc.returncode == 125 and b"sandbox setup failed" in err:
         raise SandboxError(err.decode(errors="replace").strip()[-300:])
@@ -141,13 +153,20 @@ async def _run(unshare, py, files, argv, stdin, limits, cg) -> Outcome:
                    cg.peak_mb() if cg else None, cg.oom_kills() if cg else 0)
 
 
-async def probe(cgroups: Cgroups | None = None) -> None:
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, its child (PID 1 inside) and all below with it
+    except ProcessLookupError:
+        pass
+
+
+async def probe(cgroups: Cgroups | None = None, uids: UidPool | None = None) -> None:
     """Raise SandboxError unless a program runs in the sandbox (in a cgroup of ``cgroups`` when
     given) and cannot see the network."""
     code = ("import socket\n"
             "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n    print('isolated', e.errno)\n")
     try:
-        o = await run({"p.py": code}, ["p.py"], b"", Limits(wall_s=10), cgroups)
+        o = await run({"p.py": code}, ["p.py"], b"", Limits(wall_s=10), cgroups, uids)
     except OSError as e:
         raise SandboxError(f"cannot start the sandbox: {e}") from e
     if o.returncode != 0 or "isolated" not in o.stdout:

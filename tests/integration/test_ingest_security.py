@@ -122,12 +122,16 @@ def test_forged_hashes_and_numbers_that_are_not_finite_as_float32_are_rejected(p
     g = make_group(group_id="big")
     g.samples[0].reward = 1e300  # finite as float64, inf as float32: NaN advantages for the whole batch
     assert sender.send("big", encode_group(g)).reason == "non_finite"
+    g = make_group(group_id="huge-reward")
+    g.samples[0].reward = 3e38  # finite as float32, but its square is not: refused by the documented bound
+    assert sender.send("huge-reward", encode_group(g)).reason == "reward_range"
     g = make_group(group_id="nan")
     g.samples[0].logprobs = np.array([-0.5, math.nan, -0.1], np.float32)
     assert sender.send("nan", encode_group(g)).reason == "non_finite"
     assert sender.send("fine", encode_group(make_group(group_id="fine"))).status == "ok"
     stats = read_stats(r, k, "broker")
     assert stats["rejected:weight_hash"] == 2 and stats["rejected:non_finite"] == 2 and stats["accepted"] == 1
+    assert stats["rejected:reward_range"] == 1
     assert [f[b"gid"] for _, f in r.xrange(k.trajectories)] == [b"fine"]
 
 

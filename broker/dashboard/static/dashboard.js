@@ -1,5 +1,7 @@
 // Relay dashboard: loads the histories once, then follows /api/stream (server-sent events).
 // No framework, no network access beyond the broker: charts are hand-drawn SVG.
+// Everything shown comes from Redis, which anyone holding a service's Redis password can write: it is
+// always text (textContent, attribute values, h() below), never HTML. Nothing here parses markup.
 "use strict";
 
 const KEEP = 5000;           // history points kept per series in the page
@@ -9,13 +11,26 @@ const S = { state: null, learner: [], events: [], thr: [], cur: { learner: null,
 const $ = (id) => document.getElementById(id);
 const SVGNS = "http://www.w3.org/2000/svg";
 
-// ---------------------------------------------------------------------------- formatting
-function esc(s) {
-  return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+// ---------------------------------------------------------------------------- elements
+// h("td", {class: "num"}, text, child, ...): an element whose attributes are set as values and whose
+// children are nodes or text (a string becomes a text node, never markup); null/undefined/false skipped
+function h(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "data") { for (const [dk, dv] of Object.entries(v)) e.dataset[dk] = String(dv); }
+    else e.setAttribute(k, String(v));
+  }
+  for (const c of children.flat()) {
+    if (c !== null && c !== undefined && c !== false) e.append(c instanceof Node ? c : String(c));
+  }
+  return e;
 }
+
+// ---------------------------------------------------------------------------- formatting (text out)
 function fmt(x, digits = 3) {
   if (x === null || x === undefined || Number.isNaN(x)) return "–";
-  if (typeof x !== "number") return esc(x);
+  if (typeof x !== "number") return String(x);
   if (Number.isInteger(x)) return String(x);
   const a = Math.abs(x);
   if (a !== 0 && (a < 1e-3 || a >= 1e5)) return x.toExponential(2);
@@ -139,21 +154,19 @@ function renderGenerators(st) {
   const rows = gens.map((g) => {
     const cls = [g.hash_ok && !g.forged_announcements ? "" : "hash-mismatch", g.state === "dead" ? "dead" : ""].join(" ").trim();
     const lagCls = g.lag === null ? "" : g.lag > maxStale ? "lag-bad" : g.lag > 1 ? "lag-warn" : "";
-    const hash = g.hash_ok ? esc(short(g.hash))
-      : `⚠ ${esc(short(g.hash))} ≠ announced ${esc(short(g.announced_hash))}`;
-    const lat = g.last_update_latency_s === null || g.last_update_latency_s === undefined ? "–"
-      : `${(g.last_update_latency_s * 1000).toFixed(0)} ms`;
-    return `<tr data-id="${esc(g.id)}" data-hash-ok="${g.hash_ok}" data-state="${esc(g.state)}" class="${cls}">
-      <td>${esc(g.id)}</td><td>${esc(g.backend ?? "–")}</td>
-      <td class="state-cell"><span class="badge st-${esc(g.state)}" title="reported: ${esc(g.reported_state)}">${esc(g.state)}</span></td>
-      <td class="num version">${fmt(g.version)}</td><td class="num ${lagCls}">${fmt(g.lag)}</td>
-      <td class="hash" title="served ${esc(g.hash || "")}&#10;announced ${esc(g.announced_hash || "")}">${hash}</td>
-      <td class="num">${lat}</td><td class="num">${fmt(g.tokens_per_s, 1)}</td><td>${ago(g.age_s)}</td>
-      <td class="num">${fmt(g.groups_sent)}</td><td class="num">${fmt(g.refused_updates)}</td>
-      <td class="num">${fmt(g.reward_failures)}</td></tr>`;
+    const hash = g.hash_ok ? short(g.hash) : `⚠ ${short(g.hash)} ≠ announced ${short(g.announced_hash)}`;
+    const lat = typeof g.last_update_latency_s !== "number" ? "–" : `${(g.last_update_latency_s * 1000).toFixed(0)} ms`;
+    const num = (text, extra) => h("td", { class: extra ? `num ${extra}` : "num" }, text);
+    return h("tr", { data: { id: g.id, hashOk: g.hash_ok, state: g.state }, class: cls || null },
+      h("td", {}, g.id), h("td", {}, g.backend ?? "–"),
+      h("td", { class: "state-cell" }, h("span", { class: `badge st-${g.state}`, title: `reported: ${g.reported_state}` }, g.state)),
+      num(fmt(g.version), "version"), num(fmt(g.lag), lagCls),
+      h("td", { class: "hash", title: `served ${g.hash || ""}\nannounced ${g.announced_hash || ""}` }, hash),
+      num(lat), num(fmt(g.tokens_per_s, 1)), h("td", {}, ago(g.age_s)),
+      num(fmt(g.groups_sent)), num(fmt(g.refused_updates)), num(fmt(g.reward_failures)));
   });
-  $("generators").tBodies[0].innerHTML = rows.join("") ||
-    `<tr><td colspan="12" class="count">no generator has sent a heartbeat yet</td></tr>`;
+  $("generators").tBodies[0].replaceChildren(...(rows.length ? rows
+    : [h("tr", {}, h("td", { colspan: 12, class: "count" }, "no generator has sent a heartbeat yet"))]));
   const alerts = [];
   const forged = (st.flags || {}).forged_announcement;
   if (forged) alerts.push(`forged weight announcement in Redis (${forged.reason}): version ${forged.version}, ` +
@@ -164,7 +177,7 @@ function renderGenerators(st) {
     if (g.state === "dead") alerts.push(`${g.id}: no heartbeat for ${ago(g.age_s).replace(" ago", "")}`);
     for (const [h, why] of Object.entries(g.refused || {})) alerts.push(`${g.id} refused snapshot ${short(h)}: ${why}`);
   }
-  $("alerts").innerHTML = alerts.map((a) => `<div class="alert">${esc(a)}</div>`).join("");
+  $("alerts").replaceChildren(...alerts.map((a) => h("div", { class: "alert" }, a)));
 }
 
 // ---------------------------------------------------------------------------- SVG helpers
@@ -327,37 +340,37 @@ function renderCharts() {
     { name: "out (consumed)", points: S.thr.map((s) => [s.t - now, s.out_per_s]) }], { yMin: 0, xfmt: tf });
 }
 
-function kvTable(title, obj) {
+function kvTable(title, obj) {  // [heading, table or "none"]: nodes, the keys and values as text
   const rows = Object.entries(obj || {}).filter(([, v]) => v);
-  const body = rows.length ? `<table>${rows.map(([k, v]) => `<tr><td>${esc(k)}</td><td class="num">${fmt(v)}</td></tr>`).join("")}</table>`
-    : `<div class="none">none</div>`;
-  return `<h3>${esc(title)}</h3>${body}`;
+  const body = rows.length ? h("table", {}, rows.map(([k, v]) => h("tr", {}, h("td", {}, k), h("td", { class: "num" }, fmt(v)))))
+    : h("div", { class: "none" }, "none");
+  return [h("h3", {}, title), body];
 }
 function renderFailures(st) {
   const f = st.failures || {};
   const refused = {};
   for (const g of st.generators || []) if (g.refused_updates) refused[g.id] = g.refused_updates;
-  $("failures").innerHTML = kvTable("groups rejected by the broker, by reason", f.rejected) +
-    kvTable("groups dropped by the learner, by reason", f.learner_dropped) +
-    kvTable("reward failures (samples), by plugin", f.reward_failures_by_plugin) +
-    kvTable("weight updates refused, by generator", refused) +
-    kvTable("learner: non-finite numbers refused", f.learner_nonfinite) +
-    kvTable("records in Redis skipped as malformed, by kind", f.malformed_records);
+  $("failures").replaceChildren(...kvTable("groups rejected by the broker, by reason", f.rejected),
+    ...kvTable("groups dropped by the learner, by reason", f.learner_dropped),
+    ...kvTable("reward failures (samples), by plugin", f.reward_failures_by_plugin),
+    ...kvTable("weight updates refused, by generator", refused),
+    ...kvTable("learner: non-finite numbers refused", f.learner_nonfinite),
+    ...kvTable("records in Redis skipped as malformed, by kind", f.malformed_records));
 }
 
 function renderEpisodes(st) {  // multi-turn episodes (docs/agents.md); hidden for single-turn tasks
   const e = st.episodes || {};
   $("panel-episodes").style.display = e.episodes ? "" : "none";
   if (!e.episodes) return;
-  const drift = e.template_drift ? `<div class="bad" id="template-drift">template drift: ${fmt(e.template_drift)} episode(s)
-    whose conversation the chat template renders to other tokens than those sampled</div>` : "";
-  $("episodes").innerHTML = `<table>
-    <tr><td>episodes</td><td class="num" id="episodes-count">${fmt(e.episodes)}</td></tr>
-    <tr><td>turns per episode</td><td class="num" id="episodes-turns">${fmt(e.turns_per_episode, 2)}</td></tr>
-    <tr><td>environment seconds per episode</td><td class="num">${fmt(e.env_seconds_per_episode, 3)}</td></tr>
-    <tr><td>template drift</td><td class="num">${fmt(e.template_drift)}</td></tr></table>` + drift +
-    kvTable("tool calls, by tool", e.tool_calls) + kvTable("tool failures, by tool", e.tool_failures) +
-    kvTable("environment failures, by reason", e.env_failures);
+  const drift = e.template_drift ? h("div", { class: "bad", id: "template-drift" }, `template drift: ${fmt(e.template_drift)} ` +
+    "episode(s) whose conversation the chat template renders to other tokens than those sampled") : null;
+  const row = (label, value, id) => h("tr", {}, h("td", {}, label), h("td", { class: "num", id }, value));
+  $("episodes").replaceChildren(h("table", {}, row("episodes", fmt(e.episodes), "episodes-count"),
+    row("turns per episode", fmt(e.turns_per_episode, 2), "episodes-turns"),
+    row("environment seconds per episode", fmt(e.env_seconds_per_episode, 3)),
+    row("template drift", fmt(e.template_drift))), ...(drift ? [drift] : []),
+    ...kvTable("tool calls, by tool", e.tool_calls), ...kvTable("tool failures, by tool", e.tool_failures),
+    ...kvTable("environment failures, by reason", e.env_failures));
 }
 
 function renderEval(st) {  // evaluation rounds on the held-out set (docs/eval.md)
@@ -365,12 +378,13 @@ function renderEval(st) {  // evaluation rounds on the held-out set (docs/eval.m
   lineChart($("chart-eval"), [{ name: "pass@1", points: rounds.filter((e) => typeof e["pass@1"] === "number").map((e) => [e.version, e["pass@1"]]) },
     { name: "mean reward", points: rounds.filter((e) => typeof e.mean_reward === "number").map((e) => [e.version, e.mean_reward]), dash: "4 3" }],
     { yMin: 0 });
-  $("eval").tBodies[0].innerHTML = rounds.slice().reverse().map((e) => `<tr data-version="${e.version}">
-    <td class="num">${e.version}${e.final ? " (final)" : ""}</td><td class="num">${fmt(e["pass@1"])}</td>
-    <td class="num">${e.k ? `${fmt(e["pass@k"])} (k=${e.k})` : "–"}</td><td class="num">${fmt(e.mean_reward)}</td>
-    <td class="num">${fmt(e.mean_length, 1)}</td><td class="num">${e.n_prompts}/${e.prompts}</td>
-    <td class="num">${fmt(e.reward_failures)}</td></tr>`).join("") ||
-    `<tr><td colspan="7" class="count">no evaluation round yet (every eval.every_versions versions)</td></tr>`;
+  const num = (text) => h("td", { class: "num" }, text);
+  const rows = rounds.slice().reverse().map((e) => h("tr", { data: { version: e.version } },
+    num(`${fmt(e.version)}${e.final === true ? " (final)" : ""}`), num(fmt(e["pass@1"])),
+    num(e.k ? `${fmt(e["pass@k"])} (k=${fmt(e.k)})` : "–"), num(fmt(e.mean_reward)),
+    num(fmt(e.mean_length, 1)), num(`${fmt(e.n_prompts)}/${fmt(e.prompts)}`), num(fmt(e.reward_failures))));
+  $("eval").tBodies[0].replaceChildren(...(rows.length ? rows
+    : [h("tr", {}, h("td", { colspan: 7, class: "count" }, "no evaluation round yet (every eval.every_versions versions)"))]));
 }
 
 window.addEventListener("resize", render);

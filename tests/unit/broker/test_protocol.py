@@ -156,3 +156,29 @@ def test_the_reason_is_the_first_problem_in_order_though_array_values_are_checke
     with pytest.raises(ProtocolError) as e:
         decode_group(data)
     assert e.value.reason == "bad_token" and "samples[1]" in e.value.detail
+
+
+@pytest.mark.parametrize("reward", [3e38, -3e38, 1e6 + 1, -2e6])
+def test_a_reward_beyond_the_documented_bound_is_rejected_reward_range(reward):
+    from broker.protocol.group import REWARD_LIMIT, decode_group_fast
+
+    assert REWARD_LIMIT == 1e6  # docs/protocol.md 3.2
+    data = mutate(**{"samples.0.reward": reward})
+    assert decode_group_fast(data) is None  # the fast path does not take it either
+    with pytest.raises(ProtocolError) as e:
+        decode_group(data)
+    assert e.value.reason == "reward_range" and "samples[0].reward" in e.value.detail and "1e+06" in e.value.detail
+
+
+@pytest.mark.parametrize("reward", [1e6, -1e6, 0.5, -3])
+def test_a_reward_within_the_bound_is_accepted(reward):
+    assert decode_group(mutate(**{"samples.0.reward": reward})).samples[0].reward == reward
+
+
+def test_the_group_id_of_a_message_not_decoded_whole_is_read_from_its_head():
+    from broker.protocol.group import group_id_in_head
+
+    assert group_id_in_head(encode_group(make_group(group_id="abc", reference="x" * 100_000))) == "abc"
+    late = msgpack.packb({"pad": b"\0" * 5000, "group_id": "late"})  # past the first 4096 bytes: unknown
+    assert group_id_in_head(late) == "" and group_id_in_head(b"\xc1 garbage") == "" and group_id_in_head(b"") == ""
+    assert group_id_in_head(msgpack.packb({"group_id": 7})) == "" and group_id_in_head(msgpack.packb([1])) == ""

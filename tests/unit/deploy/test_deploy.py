@@ -195,6 +195,22 @@ def test_compose_refuses_to_start_without_the_secrets_and_accepts_what_relay_sec
     assert r.returncode == 0 and before == {p: p.read_bytes() for p in made.rglob("*") if p.is_file()}
 
 
+def test_compose_binds_0_0_0_0_only_with_the_authentication_on():
+    """Inside its containers compose binds every listener on 0.0.0.0; each service's config as `docker compose
+    config` renders it (the env files of `relay secrets` included) passes the refusal of an open bind without
+    authentication (broker/runtime/binds.py): the ingest under CURVE, the reward service with its token."""
+    services = yaml.safe_load(_compose("config").stdout)["services"]
+    cfgs = {}
+    for name, model in MODELS.items():
+        env = {k: str(v) for k, v in services[name]["environment"].items() if k.startswith("RELAY_")}
+        mount = ROOT / "deploy" / "config" / "reward.toml" if name == "reward" else None
+        cfgs[name] = load_config(model, mount, environ=env)
+    assert cfgs["broker"].ingest_bind.startswith("tcp://0.0.0.0:") and cfgs["broker"].ingest_auth == "curve"
+    assert cfgs["reward"].host == "0.0.0.0" and len(cfgs["reward"].auth_token) >= 32
+    assert cfgs["generator"].reward_token == cfgs["reward"].auth_token
+    assert not any(c.allow_unauthenticated_bind for n, c in cfgs.items() if n != "generator")
+
+
 # -- Kubernetes ---------------------------------------------------------------------------------
 
 def _render(overlay: str) -> str:

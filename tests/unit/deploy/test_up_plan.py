@@ -189,3 +189,30 @@ def test_under_the_http_transport_the_generators_get_no_weight_store(tmp_path):
     assert p["generator"]["weight_store"] == "" and p["learner"]["weight_store"].endswith("weights")
     p = _plan(tmp_path, "--run-id", "b")
     assert p["generator"]["weight_store"] == p["learner"]["weight_store"] != ""
+
+
+def test_each_run_gets_its_own_reward_token_for_the_service_and_its_generators(tmp_path):
+    a, b = _plan(tmp_path, "--run-id", "ta"), _plan(tmp_path, "--run-id", "tb")
+    token = a["reward"]["auth_token"]
+    assert len(token) >= 43 and token != b["reward"]["auth_token"]  # 32 random bytes, one per run
+    assert a["generator"]["reward_token"] == token
+    # it reaches both through their environment, never a config file
+    assert environment.split_secrets(a["reward"])[1]["RELAY_AUTH_TOKEN"] == f'"{token}"'
+    assert environment.split_secrets(a["generator"])[1]["RELAY_REWARD_TOKEN"] == f'"{token}"'
+    assert token not in str(environment.split_secrets(a["reward"])[0])
+    # the operator's own token wins, and "" turns the check off (loopback only)
+    mine = _plan(tmp_path, "--run-id", "tc", environ={"RELAY_AUTH_TOKEN": "mine"})
+    assert mine["reward"]["auth_token"] == "mine" == mine["generator"]["reward_token"]
+    off = _plan(tmp_path, "--run-id", "td", "--set", "reward.auth_token=")
+    assert off["reward"]["auth_token"] == "" and not off["generator"].get("reward_token")
+    with pytest.raises(ConfigError, match="auth_token"):  # and then it may not leave loopback
+        _plan(tmp_path, "--run-id", "te", "--set", "reward.auth_token=", "--set", "reward.host=0.0.0.0")
+
+
+def test_a_resumed_run_keeps_its_reward_token(tmp_path):
+    from deploy.launcher.run_tokens import keep_reward_token, recorded_reward_token, reward_token_path
+
+    keep_reward_token(tmp_path / "r", "s3cret")
+    assert recorded_reward_token(tmp_path / "r") == "s3cret" and recorded_reward_token(tmp_path / "none") == ""
+    assert oct(reward_token_path(tmp_path / "r").stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "r" / "secrets").stat().st_mode & 0o777) == "0o700"

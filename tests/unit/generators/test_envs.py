@@ -267,7 +267,8 @@ def test_remote_step_replies_are_checked():
     for bad, what in [([], "object"), ({"reply": "x"}, "done"), ({"done": False}, "required"),
                       ({"done": True, "reward": "1"}, "finite"), ({"done": True, "reward": float("nan")}, "finite"),
                       ({"done": True, "role": "system"}, "role"), ({"done": True, "tool_calls": [{"name": 1}]}, "tool_calls"),
-                      ({"done": True, "info": []}, "info"), ({"done": "yes"}, "done")]:
+                      ({"done": True, "info": []}, "info"), ({"done": "yes"}, "done"),
+                      ({"done": True, "reward": 3e38}, r"outside \[-1e\+06, 1e\+06\]")]:
         with pytest.raises(ValueError, match=what):
             parse_step_reply(bad)
 

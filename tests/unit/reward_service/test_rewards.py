@@ -162,6 +162,27 @@ def test_a_plugins_bad_results_become_visible_failures():
         del REGISTRY["test_broken"]
 
 
+class Huge(RewardPlugin):
+    async def score(self, items):
+        return [Result(3e38 if it.completion == "huge" else 9e5) for it in items]
+
+
+def test_a_score_beyond_the_reward_bound_fails_the_item_with_the_reason():
+    """Rewards are bounded (|r| <= 1e6, docs/protocol.md 3.2): a plugin's 3e38 fails its item, as does a
+    weighted sum of scores that are each within the bound but add up beyond it."""
+    register("test_huge")(Huge)
+    try:
+        s = _scorer(task_plugins={"sum": {"test_huge": 1.0, "digits": 1.0}, "twice": {"test_huge": 2.0}})
+        out = asyncio.run(s.score([Item("", "huge", task="test_huge"), Item("", "ok", task="test_huge"),
+                                   Item("", "ok", task="twice"), Item("", "ok", task="sum", reference="1")]))
+        assert out[0].status == "failed" and out[0].reason == "invalid_score: 3e+38 is outside [-1e+06, 1e+06]"
+        assert out[1].score == 9e5
+        assert out[2].status == "failed" and "weighted sum 1.8e+06 is outside [-1e+06, 1e+06]" in out[2].reason
+        assert out[3].status == "ok" and out[3].score == 9e5
+    finally:
+        del REGISTRY["test_huge"]
+
+
 def test_remote_results_are_checked_item_by_item():
     assert parse_result({"score": 0.5, "details": {"a": 1}}, "r").score == 0.5
     assert parse_result({"score": 1}, "r").details == {}
