@@ -35,8 +35,9 @@ def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_, description=f"{help_}. Every field, its default and bounds: {CONFIG_DOC} "
                        f"(or `relay config docs`); precedence: defaults < --config < RELAY_<FIELD> "
                        f"environment variables < --set.")
-    p.add_argument("--config", help=f"JSON or TOML config file for this service: the fields of the {name} "
-                   f"section of {CONFIG_DOC}, at the top level (no [{name}] header)")
+    p.add_argument("--config", help=f"JSON or TOML config file: this service's fields at the top level (the "
+                   f"{name} section of {CONFIG_DOC}), or a run file as `relay up --config` takes (sections "
+                   f"[broker], [reward], [generator], [learner], [weights]), of which it reads [{name}]")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help=f"override a config field (nested with dots), e.g. --set {SET_EXAMPLES[name]}")
     p.add_argument("--log-json", action="store_true", help="log as JSON lines")

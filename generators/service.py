@@ -28,7 +28,7 @@ from broker.client.telemetry import heartbeat
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat, PromptEntry
 from broker.protocol.signing import announce_key
-from broker.runtime.config import IN_PROCESS_TRANSPORTS
+from broker.runtime.config import IN_PROCESS_TRANSPORTS, ConfigError
 from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
@@ -164,6 +164,7 @@ class Generator:
             forged_announcements=w.forged_announcements,
             reward_failures=sink.reward_failures, reward_failures_by_plugin=dict(sink.reward_failures_by_plugin),
             reward_pauses=sink.reward_pauses, reward_paused_s=round(sink.reward_paused_s, 1),
+            reward_ok=sink.reward_ok, reward_last_failure=dict(sink.reward_last_failure),
             last_update_latency_s=w.last_update_latency_s,
             # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
             # where the heartbeat's schema has the field
@@ -294,5 +295,7 @@ class Generator:
             self.env_factory.close()  # what the environment's episodes share (a tool pool, an HTTP client)
         if self.weights.receiver is not None:
             self.weights.receiver.close()
+        if isinstance(self.sink.failure, ConfigError):
+            raise self.sink.failure  # the reward service refused this generator: relay generator exits 2 with why
         if self.sink.error:
             raise RuntimeError(f"generator stopped after a sink failure: {self.sink.error}")
