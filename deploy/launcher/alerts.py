@@ -11,8 +11,10 @@ broker/dashboard/state.py) once a second. It reads the learner's per-step metric
   episodes fail (``env:<name>``). A new reason code of a plugin is said again.
 - a policy that stopped learning (:class:`PolicyWatch`): no gradient for ``POLICY_WINDOW`` steps
   in a row (every sample of each group got the same reward, so the loss and its gradient are 0), said
-  as a collapse when the entropy is near 0 too; a policy diverging: its gradient norm ``EXPLODE_FACTOR``
-  times its norm at the start, or optimizer steps skipped for a non-finite loss or gradient.
+  as a collapse when the entropy is near 0 too; a dead policy (no gradient while the loss is not 0: its
+  outputs no longer depend on its weights, as a far too high learning rate leaves it); a policy
+  diverging: its gradient norm ``EXPLODE_FACTOR`` times its norm at the start, or optimizer steps skipped
+  for a non-finite loss or gradient.
 
 A failure that keeps happening stops the run (:class:`RunFailure`, its reason printed last, as a
 start-up error is): no reward was scored for ``fail_after_s`` seconds (``relay up --fail-after``,
@@ -32,6 +34,7 @@ from typing import Callable, Iterable
 
 POLICY_WINDOW = 50  # steps in a row without a gradient before the policy is said to have stopped learning
 NO_GRADIENT = 1e-8  # a gradient norm (or, where it is not known, a loss) at most this is none
+DEAD_STEPS = 5  # steps in a row without a gradient though the loss is not 0 before the policy is said dead
 COLLAPSE_ENTROPY = 0.05  # nats per token: below it the policy answers one way (a collapse, not a flat reward)
 EXPLODE_FACTOR = 100.0  # the recent gradient norm this many times the start's: diverging
 EXPLODE_BASELINE = 20  # steps whose gradient norms are the start's
@@ -119,21 +122,35 @@ def _num(x) -> float | None:
 
 class PolicyWatch:
     """The learner's per-step metrics (``entropy``, ``loss``, ``grad_norm``, ``reward_mean``, ``lr``,
-    ``skipped_steps``): warnings when the policy stops learning or diverges, each said once until it
-    recovers."""
+    ``skipped_steps``): warnings when the policy stops learning or is destroyed, each said once until it
+    recovers.
+
+    - no learning signal: no gradient and a loss of 0 for ``POLICY_WINDOW`` steps in a row (every sample of
+      each group got the same reward); a collapse when the entropy is near 0 too (one answer per prompt);
+    - a dead policy: no gradient while the loss is not 0, ``DEAD_STEPS`` steps in a row (the model's
+      outputs no longer depend on its weights: what a far too high learning rate leaves);
+    - diverging: the gradient norm ``EXPLODE_FACTOR`` times its norm at the start, or optimizer steps
+      skipped for a non-finite loss or gradient."""
 
     def __init__(self, window: int = POLICY_WINDOW):
         self.recent: deque[dict] = deque(maxlen=window)
         self.baseline: list[float] = []  # the first EXPLODE_BASELINE finite gradient norms
         self.norms: deque[float] = deque(maxlen=EXPLODE_RECENT)
         self.skipped = 0
+        self.flat = self.dead = 0  # consecutive steps without a gradient, with a loss of 0 / with a loss
         self.stalled = self.diverging = False  # said, until it recovers
         self.collapsed = False  # the stall is a collapse (entropy near 0), not a flat reward
+        self.killed = False  # said: the policy is dead
 
     @staticmethod
-    def no_gradient(e: dict) -> bool:
+    def _kind(e: dict) -> str:
+        """``learning``, ``flat`` (no gradient, loss 0) or ``dead`` (no gradient, a loss that is not 0)."""
         norm, loss = _num(e.get("grad_norm")), _num(e.get("loss"))
-        return norm <= NO_GRADIENT if norm is not None else (loss is not None and abs(loss) <= NO_GRADIENT)
+        if norm is not None and norm > NO_GRADIENT:
+            return "learning"
+        if loss is not None and abs(loss) <= NO_GRADIENT:
+            return "flat" if norm is not None or loss is not None else "learning"
+        return "dead" if norm is not None and loss is not None else "learning"
 
     def update(self, entries: Iterable[dict]) -> list[str]:
         out = []
@@ -144,14 +161,30 @@ class PolicyWatch:
                 if len(self.baseline) < EXPLODE_BASELINE:
                     self.baseline.append(norm)
                 self.norms.append(norm)
-            out += self._stalled(e) + self._diverging(e)
+            kind = self._kind(e)
+            self.flat = self.flat + 1 if kind == "flat" else 0
+            self.dead = self.dead + 1 if kind == "dead" else 0
+            out += self._stalled(e) + self._dead(e) + self._diverging(e)
         return out
 
+    def suspect(self) -> str | None:
+        """What is wrong with the policy now, in a few words (None: nothing seen), for a warning that would
+        otherwise blame something else (the truncation warning blames max_tokens)."""
+        last = self.recent[-1] if self.recent else {}
+        if self.dead >= 2:
+            return (f"its gradient has been 0 for the last {self.dead} steps while its loss is not (entropy "
+                    f"{_fmt(last.get('entropy'))}): the model no longer responds to its weights")
+        if self.skipped:
+            return f"{self.skipped} optimizer step(s) were skipped for a non-finite loss or gradient"
+        if self.diverging:
+            return f"its gradient norm is {statistics.median(self.norms):.3g}, {EXPLODE_FACTOR:.0f}x its norm at the start or more"
+        return None
+
     def _stalled(self, e: dict) -> list[str]:
-        if not self.no_gradient(e):
+        if self.flat == 0:
             self.stalled = False
             return []
-        if self.stalled or len(self.recent) < self.recent.maxlen or not all(map(self.no_gradient, self.recent)):
+        if self.stalled or self.flat < self.recent.maxlen:
             return []
         self.stalled = True
         ents = [x for x in (_num(r.get("entropy")) for r in self.recent) if x is not None]
@@ -170,6 +203,19 @@ class PolicyWatch:
                 f"reward (mean {reward}), so the loss and the gradient are 0; check that the reward can tell answers "
                 f"apart (its plugin, the dataset's references)"]
 
+    def _dead(self, e: dict) -> list[str]:
+        if self.dead == 0:
+            self.killed = False
+            return []
+        if self.killed or self.dead < DEAD_STEPS:
+            return []
+        self.killed = True
+        return [f"the policy is dead: its gradient has been 0 for the last {self.dead} steps (to step "
+                f"{int(_num(e.get('step')) or 0)}) while its loss is {_fmt(e.get('loss'))} and its entropy "
+                f"{_fmt(e.get('entropy'))}, so its outputs no longer depend on its weights and nothing more is "
+                f"learnt; a learning rate far too high does this (learner.lr = {_fmt(e.get('lr'))}): lower it and "
+                f"start again"]
+
     def _diverging(self, e: dict) -> list[str]:
         out = []
         skipped = int(_num(e.get("skipped_steps")) or 0)
@@ -177,7 +223,7 @@ class PolicyWatch:
             if not self.skipped:
                 out.append(f"{skipped} optimizer step(s) skipped by step {int(_num(e.get('step')) or 0)} for a "
                            f"non-finite loss or gradient (the weights were left as they were; the learner's log "
-                           f"says which): the policy is diverging, lower learner.lr ({_num(e.get('lr')) or '-'})")
+                           f"says which): the policy is diverging, lower learner.lr ({_fmt(e.get('lr'))})")
             self.skipped = skipped
         if len(self.baseline) < EXPLODE_BASELINE or len(self.norms) < EXPLODE_RECENT:
             return out
@@ -187,14 +233,16 @@ class PolicyWatch:
             return out
         if not self.diverging:
             self.diverging = True
-            ent = _num(e.get("entropy"))
             out.append(f"the policy may be diverging: its gradient norm is {now:.3g} (median of the last "
                        f"{len(self.norms)} steps, to step {int(_num(e.get('step')) or 0)}), {now / base:.0f}x its "
-                       f"{base:.3g} at the start (entropy {ent:.3g}): lower learner.lr "
-                       f"({_num(e.get('lr')) or '-'})" if ent is not None else
-                       f"the policy may be diverging: its gradient norm is {now:.3g}, {now / base:.0f}x its {base:.3g} "
-                       f"at the start: lower learner.lr ({_num(e.get('lr')) or '-'})")
+                       f"{base:.3g} at the start (entropy {_fmt(e.get('entropy'))}): lower learner.lr "
+                       f"({_fmt(e.get('lr'))})")
         return out
+
+
+def _fmt(x) -> str:
+    v = _num(x)
+    return "-" if v is None else f"{v:.4g}"
 
 
 class LearnerEntries:
@@ -239,6 +287,8 @@ class ConsoleAlerts:
     def flags(self) -> list[str]:
         """Short words for the progress line while a policy problem lasts."""
         out = []
+        if self.policy.killed:
+            out.append("POLICY DEAD")
         if self.policy.stalled:
             out.append("POLICY COLLAPSED" if self.policy.collapsed else "NO LEARNING SIGNAL")
         if self.policy.diverging:

@@ -154,16 +154,24 @@ class TruncationWarning:
     def __init__(self, progress: Progress, max_tokens: int | None):
         self.progress, self.max_tokens, self.shown = progress, max_tokens, False
 
-    def check(self, learner: dict) -> None:
+    def check(self, learner: dict, policy: str | None = None) -> None:
+        """``policy``: what is wrong with the policy, when something is (deploy/launcher/alerts.py,
+        ``PolicyWatch.suspect``): then the completions run to max_tokens because the policy answers noise,
+        and the warning says so instead of blaming the budget."""
         frac = learner.get("truncated_warning_frac")
         if self.shown or frac is None:
             return
         self.shown = True
         self.progress.done()  # off the progress line
         setting = f" = {self.max_tokens}" if self.max_tokens else f" (default {_default_max_tokens()})"
-        print(f"relay up: warning: {frac:.0%} of the completions of the last steps stopped at max_tokens (mean "
-              f"length {learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))}): "
-              f"answers are cut off; raise generator.sampling.max_tokens{setting} (docs/datasets.md)", flush=True)
+        cut = (f"{frac:.0%} of the completions of the last steps stopped at max_tokens (mean length "
+               f"{learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))})")
+        if policy:
+            print(f"relay up: warning: {cut}, but the budget is not what is wrong: the policy is broken ({policy}); "
+                  f"fix that rather than raising generator.sampling.max_tokens{setting}", flush=True)
+            return
+        print(f"relay up: warning: {cut}: answers are cut off; raise generator.sampling.max_tokens{setting} "
+              f"(docs/datasets.md)", flush=True)
 
 
 def _default_max_tokens() -> int:

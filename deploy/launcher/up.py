@@ -411,8 +411,8 @@ def run_up(args) -> int:
                 break
             try:
                 st = build_state(r, keys, announce_key=key)
-                truncation.check(st.get("learner", {}))
                 alerts.check(st)  # failures after start-up said on the console (deploy/launcher/alerts.py)
+                truncation.check(st.get("learner", {}), alerts.policy.suspect())
                 progress.show(st, supervisor.total(), latest_eval(evals.rounds()), alerts.flags())
             except RunFailure as e:  # one that keeps happening stops the run, its reason printed last
                 progress.done()
@@ -443,7 +443,7 @@ def run_up(args) -> int:
         for stage in stop_order([c.name for c in procs.children]):
             procs.stop(stage, timeout=60)
         # a warning the learner raised at its last steps, after the loop's last look (a short run)
-        truncation.check(read_stats(r, keys, "learner"))
+        truncation.check(read_stats(r, keys, "learner"), alerts.policy.suspect())
         published = _int(r.hget(keys.stats("learner"), "version"))
         if not started and published is not None:
             started = point_latest(p["runs_dir"], run_dir)

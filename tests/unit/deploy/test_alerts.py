@@ -96,7 +96,22 @@ def test_a_diverging_policy_is_said_by_its_gradient_norm_or_its_skipped_steps():
     assert "lower learner.lr (0.002)" in said[0] and w.diverging
     said = PolicyWatch().update([_step(1), _step(2, skipped=1, lr=1000.0), _step(3, skipped=2, lr=1000.0)])
     assert len(said) == 1 and said[0].startswith("1 optimizer step(s) skipped by step 2 for a non-finite loss")
-    assert "lower learner.lr (1000.0)" in said[0]
+    assert "lower learner.lr (1000)" in said[0]
+
+
+def test_a_policy_a_far_too_high_learning_rate_killed_is_said_dead_after_5_steps():
+    """What lr=1000 did to the tiny model (measured): from step 2 the gradient was exactly 0 while the loss was
+    not, and the entropy sat at ln 15 = 2.708 (uniform): the policy answered noise, and the only warning was
+    the truncation warning blaming max_tokens."""
+    w = PolicyWatch()
+    steps = [_step(1, entropy=2.652, grad_norm=0.277, lr=1000.0)]
+    steps += [_step(s, entropy=2.708, loss=0.0179, grad_norm=0.0, lr=1000.0) for s in range(2, 6)]
+    assert w.update(steps) == [] and w.suspect().startswith("its gradient has been 0 for the last 4 steps")
+    said = w.update([_step(6, entropy=2.708, loss=0.0068, grad_norm=0.0, lr=1000.0)])
+    assert len(said) == 1 and said[0].startswith("the policy is dead: its gradient has been 0 for the last 5 steps "
+                                                 "(to step 6) while its loss is 0.0068 and its entropy 2.708")
+    assert "learner.lr = 1000" in said[0] and w.killed and not w.stalled
+    assert PolicyWatch().suspect() is None
 
 
 def test_console_alerts_print_each_warning_once_and_stop_the_run(capsys):
