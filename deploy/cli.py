@@ -20,6 +20,7 @@ imported only after the config is validated, so ``--help`` and config errors are
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from broker.runtime.config import ConfigError, load_config, set_overrides
@@ -112,12 +113,17 @@ def cmd_generator(args) -> int:
 
 
 def cmd_learner(args) -> int:
-    from learner.config import LearnerConfig
+    from learner.config import LearnerConfig, lr_problems
 
     cfg = _load(LearnerConfig, args, "learner")
+    error, warnings = lr_problems(cfg)  # relay up checks them before anything starts (deploy/launcher/preflight.py)
+    if error:
+        raise ConfigError(error)
     from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)
+    for w in warnings:
+        logging.getLogger("relay.learner").warning(w)
     from learner.engine import close_distributed
     from learner.trainer import Learner
 
