@@ -33,7 +33,7 @@ from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
 from generators.leases import Leases
-from generators.liveness import ComputeWatch
+from generators.liveness import ComputeWatch, DecodeHook, GenerationStopped
 from generators.metrics import serve_metrics
 from generators.prompts import prompt_token_ids
 from generators.reward_client import RewardClient
@@ -55,9 +55,10 @@ class Generator:
         # a heartbeat (at most one per heartbeat_s) from every engine/decode step: a batch that decodes for
         # minutes on a slow machine is busy, not hung (relay up's --hang-after watches heartbeats); a single
         # step of minutes is covered by the ComputeWatch started in run()
-        self.backend.alive = self.send_heartbeat
-        self.state = "starting"
         self.stop = threading.Event()
+        # ... and a batch still generating STOP_GRACE_S after a stop is abandoned (generators/liveness.py)
+        self.backend.alive = DecodeHook(self.send_heartbeat, self.stop)
+        self.state = "starting"
         self.tokens = 0
         self.tokens_per_s = 0.0
         self._last_hb = 0.0
@@ -280,6 +281,9 @@ class Generator:
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("redis unavailable (%s); retrying", e)
                 time.sleep(1.0)
+            except GenerationStopped as e:
+                log.warning("%s", e)
+                break
         watch.join(self.cfg.heartbeat_s + 5)  # stopped with the loop: its heartbeats cannot follow "stopped"
         # drain: no new prompts; the batch the sink holds is scored, sent and released first
         self.state = "draining"
