@@ -140,7 +140,10 @@ class PolicyWatch:
         self.flat = self.dead = 0  # consecutive steps without a gradient, with a loss of 0 / with a loss
         self.stalled = self.diverging = False  # said, until it recovers
         self.collapsed = False  # the stall is a collapse (entropy near 0), not a flat reward
+        self.converged = False  # the stall is every prompt at the run's best reward (a note, not a warning)
         self.killed = False  # said: the policy is dead
+        self.best = float("-inf")  # the highest reward_mean of a step so far
+        self.notes: list[str] = []  # said as notes, not warnings: a policy that converged at its best
 
     @staticmethod
     def _kind(e: dict) -> str:
@@ -161,6 +164,8 @@ class PolicyWatch:
                 if len(self.baseline) < EXPLODE_BASELINE:
                     self.baseline.append(norm)
                 self.norms.append(norm)
+            reward = _num(e.get("reward_mean"))
+            self.best = max(self.best, reward) if reward is not None else self.best
             kind = self._kind(e)
             self.flat = self.flat + 1 if kind == "flat" else 0
             self.dead = self.dead + 1 if kind == "dead" else 0
@@ -182,7 +187,7 @@ class PolicyWatch:
 
     def _stalled(self, e: dict) -> list[str]:
         if self.flat == 0:
-            self.stalled = False
+            self.stalled = self.converged = False
             return []
         if self.stalled or self.flat < self.recent.maxlen:
             return []
@@ -193,6 +198,12 @@ class PolicyWatch:
         reward = f"{statistics.fmean(rewards):.3f}" if rewards else "-"
         n, step = len(self.recent), int(_num(e.get("step")) or 0)
         self.collapsed = ent is not None and ent < COLLAPSE_ENTROPY
+        if self.collapsed and rewards and max(rewards) - min(rewards) <= NO_GRADIENT and rewards[-1] >= self.best:
+            self.collapsed, self.converged = False, True  # every prompt scores the same, the run's best
+            self.notes.append(f"the policy converged: for the last {n} steps (to step {step}) every prompt got the same "
+                              f"reward, {reward}, the best of the run, with entropy {ent:.3g}: more steps change "
+                              f"nothing (learner.target_reward ends a run there)")
+            return []
         if self.collapsed:
             return [f"the policy has collapsed: for the last {n} steps (to step {step}) its entropy was {ent:.3g} "
                     f"and every sample of a group got the same reward, so the loss and the gradient are 0 and nothing "
@@ -275,6 +286,9 @@ class ConsoleAlerts:
         now = self.clock()
         for text in self.reward.update(st, now) + self.policy.update(self.entries()):
             self.warn(text)
+        while self.policy.notes:
+            self.before_print()
+            print(f"relay up: note: {self.policy.notes.pop(0)}", flush=True)
         why = self.reward.stop_reason(now)
         if why:
             raise RunFailure(why)
@@ -290,7 +304,8 @@ class ConsoleAlerts:
         if self.policy.killed:
             out.append("POLICY DEAD")
         if self.policy.stalled:
-            out.append("POLICY COLLAPSED" if self.policy.collapsed else "NO LEARNING SIGNAL")
+            out.append("POLICY COLLAPSED" if self.policy.collapsed else
+                       "CONVERGED" if self.policy.converged else "NO LEARNING SIGNAL")
         if self.policy.diverging:
             out.append("POLICY DIVERGING")
         return out

@@ -71,9 +71,10 @@ def test_a_collapsed_policy_is_said_after_50_steps_without_a_gradient():
     """The issue's case: entropy 0.006 and loss 0 for the last 100 steps looked like a normal run."""
     w = PolicyWatch()
     assert w.update([_step(s) for s in range(1, 101)]) == []
-    said = w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0) for s in range(101, 150)])
+    # one answer per prompt: each group's samples score the same, the prompts differ (the mean moves)
+    said = w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.3 + s % 3 / 100) for s in range(101, 150)])
     assert said == []  # 49 steps: not yet
-    said = w.update([_step(150, entropy=0.006, loss=0.0, grad_norm=0.0)])
+    said = w.update([_step(150, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.31)])
     assert len(said) == 1 and said[0].startswith("the policy has collapsed: for the last 50 steps (to step 150) its "
                                                  "entropy was 0.006") and "learner.entropy_coef" in said[0]
     assert w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0) for s in range(151, 200)]) == []  # said once
@@ -130,3 +131,15 @@ def test_console_alerts_print_each_warning_once_and_stop_the_run(capsys):
     out = capsys.readouterr().out
     assert out.count("relay up: warning: reward plugin 'mine' failed 1 samples: " + BUG) == 1
     assert alerts.warnings == [f"reward plugin 'mine' failed 1 samples: {BUG}"] and lines == ["done"]
+
+
+def test_a_policy_that_converged_at_its_best_is_a_note_not_a_collapse(capsys):
+    """The copy task solved: every sample of every prompt scores 1.0, so the loss is 0 too; that is the end of
+    learning, not a failure: a note on the console, no warning in the summary."""
+    alerts = ConsoleAlerts(lambda: None, fail_after_s=0, entries=lambda: [])
+    alerts.entries = lambda: [_step(s, entropy=0.5, reward=0.6 + s / 1000) for s in range(1, 301)] + \
+        [_step(s, entropy=0.004, loss=0.0, grad_norm=0.0, reward=1.0) for s in range(301, 360)]
+    alerts.check({})
+    out = capsys.readouterr().out
+    assert "relay up: note: the policy converged: for the last 50 steps" in out and "1.000" in out
+    assert alerts.warnings == [] and alerts.flags() == ["CONVERGED"]
