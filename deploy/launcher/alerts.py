@@ -55,9 +55,9 @@ def describe_failures(plugin: str, n: int, reason: str, logs: Path | None = None
     where = lambda name: f" ({logs / name})" if logs is not None else ""  # noqa: E731
     said = f": {reason}" if reason else ""
     if plugin == "reward_service":
-        return f"the generators got no reward from the reward service for {n} samples{said}{where('gen-0.log')}"
+        return f"the generators got no reward from the reward service for {n} samples{said}{where('gen-*.log')}"
     if plugin.startswith("env:"):
-        return f"environment '{plugin[4:]}' failed {n} episodes{said}{where('gen-0.log')}"
+        return f"environment '{plugin[4:]}' failed {n} episodes{said}{where('gen-*.log')}"
     return f"reward plugin '{plugin}' failed {n} samples{said}{where('reward.log')}"
 
 
