@@ -37,9 +37,10 @@ def lr_problems(cfg: "LearnerConfig") -> tuple[str | None, list[str]]:
     kind = "the built-in tiny model" if cfg.model == "tiny" else "a pretrained model"
     usual = (TINY_LR_PER_TOKEN if cfg.advantage in NEEDS_CRITIC else TINY_LR) if cfg.model == "tiny" else PRETRAINED_LR
     warnings = []
+    critic = cfg.critic.lr if cfg.critic.enabled else None
     for name, lr, scale, what in (("learner.lr", cfg.lr, LORA_LR_SCALE if cfg.lora.rank else 1.0,
                                    " with LoRA" if cfg.lora.rank else ""),
-                                  ("learner.critic.lr", cfg.critic.lr if cfg.critic.enabled else None, 1.0, "'s critic")):
+                                  ("learner.critic.lr", critic, 1.0, "'s critic")):
         if lr is None:
             continue
         if lr >= 1:

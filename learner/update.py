@@ -231,8 +231,8 @@ class PolicyUpdate:
         for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
             self._empty_backward(transform)
         local = self._local_gradient_norm(self.engine)
-        skipped = self._skip_reason(loss_finite, value_finite,
-                                    (local, self._local_gradient_norm(self.critic) if self.critic is not None else None))
+        critic_norm = self._local_gradient_norm(self.critic) if self.critic is not None else None
+        skipped = self._skip_reason(loss_finite, value_finite, (local, critic_norm))
         grad_norm = None
         if skipped:
             self._skip_step()

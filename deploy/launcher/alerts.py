@@ -182,7 +182,8 @@ class PolicyWatch:
         if self.skipped:
             return f"{self.skipped} optimizer step(s) were skipped for a non-finite loss or gradient"
         if self.diverging:
-            return f"its gradient norm is {statistics.median(self.norms):.3g}, {EXPLODE_FACTOR:.0f}x its norm at the start or more"
+            return (f"its gradient norm is {statistics.median(self.norms):.3g}, {EXPLODE_FACTOR:.0f}x its norm at "
+                    f"the start or more")
         return None
 
     def _stalled(self, e: dict) -> list[str]:
@@ -200,9 +201,9 @@ class PolicyWatch:
         self.collapsed = ent is not None and ent < COLLAPSE_ENTROPY
         if self.collapsed and rewards and max(rewards) - min(rewards) <= NO_GRADIENT and rewards[-1] >= self.best:
             self.collapsed, self.converged = False, True  # every prompt scores the same, the run's best
-            self.notes.append(f"the policy converged: for the last {n} steps (to step {step}) every prompt got the same "
-                              f"reward, {reward}, the best of the run, with entropy {ent:.3g}: more steps change "
-                              f"nothing (learner.target_reward ends a run there)")
+            self.notes.append(f"the policy converged: for the last {n} steps (to step {step}) every prompt got the "
+                              f"same reward, {reward}, the best of the run, with entropy {ent:.3g}: more steps "
+                              f"change nothing (learner.target_reward ends a run there)")
             return []
         if self.collapsed:
             return [f"the policy has collapsed: for the last {n} steps (to step {step}) its entropy was {ent:.3g} "

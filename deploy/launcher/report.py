@@ -39,7 +39,8 @@ def _reward_failures(rf: dict) -> list[str]:
     if not rf.get("samples"):
         return []
     reasons = rf.get("last_reason") or {}
-    parts = [f"{p} {n}" + (f" ({reasons[p]})" if reasons.get(p) else "") for p, n in (rf.get("by_plugin") or {}).items()]
+    parts = [f"{p} {n}" + (f" ({reasons[p]})" if reasons.get(p) else "")
+             for p, n in (rf.get("by_plugin") or {}).items()]
     scored = f" of {rf['samples'] + rf['samples_scored']}" if rf.get("samples_scored") is not None else ""
     fallback = f"; {rf['samples_trained_on_fallback']} trained on the fallback score" \
         if rf.get("samples_trained_on_fallback") else ""
@@ -71,8 +72,8 @@ def format_report(s: dict, run_dir: Path) -> str:
         restarts = {k: v for k, v in (s.get("restarts") or {}).items() if v}
         if restarts:
             errors = s.get("restart_errors") or {}
-            lines.append("  restarts     " + ", ".join(f"{k} {v}" + (f" (last error: {errors[k]})" if errors.get(k) else "")
-                                                       for k, v in restarts.items()))
+            lines.append("  restarts     " + ", ".join(
+                f"{k} {v}" + (f" (last error: {errors[k]})" if errors.get(k) else "") for k, v in restarts.items()))
     for w in s.get("warnings") or []:
         lines.append(f"  warning      {w}")
     exp = s.get("export")

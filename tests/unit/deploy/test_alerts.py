@@ -72,7 +72,8 @@ def test_a_collapsed_policy_is_said_after_50_steps_without_a_gradient():
     w = PolicyWatch()
     assert w.update([_step(s) for s in range(1, 101)]) == []
     # one answer per prompt: each group's samples score the same, the prompts differ (the mean moves)
-    said = w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.3 + s % 3 / 100) for s in range(101, 150)])
+    said = w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.3 + s % 3 / 100)
+                     for s in range(101, 150)])
     assert said == []  # 49 steps: not yet
     said = w.update([_step(150, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.31)])
     assert len(said) == 1 and said[0].startswith("the policy has collapsed: for the last 50 steps (to step 150) its "

@@ -95,5 +95,6 @@ def test_a_service_that_is_out_is_an_outage(server):
 
 
 def test_a_good_answer_is_the_results(server):
-    Scorer.answer = (200, json.dumps({"results": [{"score": 1.0, "status": "ok"}, {"score": 0.5, "status": "ok"}]}).encode())
+    results = [{"score": 1.0, "status": "ok"}, {"score": 0.5, "status": "ok"}]
+    Scorer.answer = (200, json.dumps({"results": results}).encode())
     assert [r.score for r in _client(server).score(ITEMS)] == [1.0, 0.5]
