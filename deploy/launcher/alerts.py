@@ -9,9 +9,9 @@ broker/dashboard/state.py) once a second. It reads the learner's per-step metric
   ``reward_failures_by_plugin``, ``reward_last_failure``): a plugin that raises, a remote server
   answering 401 or garbage, the reward service unreachable (``reward_service``), an environment whose
   episodes fail (``env:<name>``). A new reason code of a plugin is said again.
-- a policy that stopped learning (:class:`PolicyWatch`): no gradient for ``POLICY_WINDOW`` steps
-  in a row (every sample of each group got the same reward, so the loss and its gradient are 0), said
-  as a collapse when the entropy is near 0 too; a dead policy (no gradient while the loss is not 0: its
+- a policy that stopped learning (:class:`PolicyWatch`): most of the last ``POLICY_WINDOW`` steps
+  without a gradient (every sample of each group got the same reward, so the loss and its gradient are
+  0), a collapse when the entropy is near 0 too and the reward no longer rises; a dead policy (no gradient while the loss is not 0: its
   outputs no longer depend on its weights, as a far too high learning rate leaves it); a policy
   diverging: its gradient norm ``EXPLODE_FACTOR`` times its norm at the start, or optimizer steps skipped
   for a non-finite loss or gradient.
@@ -35,6 +35,11 @@ from typing import Callable, Iterable
 POLICY_WINDOW = 50  # steps in a row without a gradient before the policy is said to have stopped learning
 NO_GRADIENT = 1e-8  # a gradient norm (or, where it is not known, a loss) at most this is none
 DEAD_STEPS = 5  # steps in a row without a gradient though the loss is not 0 before the policy is said dead
+COLLAPSE_FLAT = 0.5  # share of a window's steps without a gradient that, at an entropy near 0, is a collapse
+STALL_FLAT = 0.9  # share of a window's steps without a gradient that is no learning signal (or convergence)
+STALL_REARM = 0.2  # a stall is said again only after the steps without a gradient fell below this share
+REWARD_RISING = 0.02  # the window's second half this much above its first: still learning, not collapsed
+CONVERGED_SHARE = 0.99  # a stalled window's mean reward this share of the best step's or more: converged
 COLLAPSE_ENTROPY = 0.05  # nats per token: below it the policy answers one way (a collapse, not a flat reward)
 EXPLODE_FACTOR = 100.0  # the recent gradient norm this many times the start's: diverging
 EXPLODE_BASELINE = 20  # steps whose gradient norms are the start's
@@ -125,8 +130,10 @@ class PolicyWatch:
     ``skipped_steps``): warnings when the policy stops learning or is destroyed, each said once until it
     recovers.
 
-    - no learning signal: no gradient and a loss of 0 for ``POLICY_WINDOW`` steps in a row (every sample of
-      each group got the same reward); a collapse when the entropy is near 0 too (one answer per prompt);
+    - over a window of ``POLICY_WINDOW`` steps: collapsed (entropy near 0, at least ``COLLAPSE_FLAT`` of the
+      steps without any gradient: every sample of each group got the same reward, and the reward not
+      rising), converged (the same, at the best reward a step of the run had: a note), no learning signal (entropy high,
+      ``STALL_FLAT`` of the steps without a gradient);
     - a dead policy: no gradient while the loss is not 0, ``DEAD_STEPS`` steps in a row (the model's
       outputs no longer depend on its weights: what a far too high learning rate leaves);
     - diverging: the gradient norm ``EXPLODE_FACTOR`` times its norm at the start, or optimizer steps
@@ -137,7 +144,7 @@ class PolicyWatch:
         self.baseline: list[float] = []  # the first EXPLODE_BASELINE finite gradient norms
         self.norms: deque[float] = deque(maxlen=EXPLODE_RECENT)
         self.skipped = 0
-        self.flat = self.dead = 0  # consecutive steps without a gradient, with a loss of 0 / with a loss
+        self.dead = 0  # consecutive steps without a gradient while the loss is not 0
         self.stalled = self.diverging = False  # said, until it recovers
         self.collapsed = False  # the stall is a collapse (entropy near 0), not a flat reward
         self.converged = False  # the stall is every prompt at the run's best reward (a note, not a warning)
@@ -166,9 +173,7 @@ class PolicyWatch:
                 self.norms.append(norm)
             reward = _num(e.get("reward_mean"))
             self.best = max(self.best, reward) if reward is not None else self.best
-            kind = self._kind(e)
-            self.flat = self.flat + 1 if kind == "flat" else 0
-            self.dead = self.dead + 1 if kind == "dead" else 0
+            self.dead = self.dead + 1 if self._kind(e) == "dead" else 0
             out += self._stalled(e) + self._dead(e) + self._diverging(e)
         return out
 
@@ -187,33 +192,48 @@ class PolicyWatch:
         return None
 
     def _stalled(self, e: dict) -> list[str]:
-        if self.flat == 0:
-            self.stalled = self.converged = False
+        """A full window in which most steps had no gradient (``flat``: every sample of each group got the same
+        reward). With the entropy near 0 and the reward no longer rising: collapsed (half the steps flat are
+        enough: a measured default run at entropy 0.005 had 105 of its 600 steps flat, never 50 in a row,
+        and its reward stuck at 0.88 while single steps had reached 0.97); the same at the best reward a
+        step of the run had: converged (a note); with the entropy high: no learning signal (nearly every
+        step flat). Said once, until the flat steps are few
+        again."""
+        flat = sum(self._kind(r) == "flat" for r in self.recent)
+        if self.stalled and flat < self.recent.maxlen * STALL_REARM:
+            self.stalled = self.collapsed = self.converged = False
+        if self.stalled or len(self.recent) < self.recent.maxlen:
             return []
-        if self.stalled or self.flat < self.recent.maxlen:
-            return []
-        self.stalled = True
         ents = [x for x in (_num(r.get("entropy")) for r in self.recent) if x is not None]
         rewards = [x for x in (_num(r.get("reward_mean")) for r in self.recent) if x is not None]
-        ent = statistics.fmean(ents) if ents else None
-        reward = f"{statistics.fmean(rewards):.3f}" if rewards else "-"
+        ent = statistics.median(ents) if ents else None  # the window's typical step, whatever a few others did
         n, step = len(self.recent), int(_num(e.get("step")) or 0)
-        self.collapsed = ent is not None and ent < COLLAPSE_ENTROPY
-        if self.collapsed and rewards and max(rewards) - min(rewards) <= NO_GRADIENT and rewards[-1] >= self.best:
-            self.collapsed, self.converged = False, True  # every prompt scores the same, the run's best
-            self.notes.append(f"the policy converged: for the last {n} steps (to step {step}) every prompt got the "
-                              f"same reward, {reward}, the best of the run, with entropy {ent:.3g}: more steps "
-                              f"change nothing (learner.target_reward ends a run there)")
+        half = len(rewards) // 2
+        rising = half and statistics.fmean(rewards[half:]) > statistics.fmean(rewards[:half]) + REWARD_RISING
+        low = ent is not None and ent < COLLAPSE_ENTROPY
+        if low and rewards and flat >= n * COLLAPSE_FLAT and self.best > 0 \
+                and statistics.fmean(rewards) >= CONVERGED_SHARE * self.best:
+            self.stalled = self.converged = True  # at the best reward a step of the run had: solved, not stuck
+            self.notes.append(f"the policy converged: over the last {n} steps (to step {step}) its entropy was "
+                              f"{ent:.3g} and {flat} steps had no gradient, at a mean reward of "
+                              f"{statistics.fmean(rewards):.3f}, the best of the run: more steps change little "
+                              f"(learner.target_reward ends a run there)")
             return []
-        if self.collapsed:
-            return [f"the policy has collapsed: for the last {n} steps (to step {step}) its entropy was {ent:.3g} "
-                    f"and every sample of a group got the same reward, so the loss and the gradient are 0 and nothing "
-                    f"is learnt (mean reward {reward}). If {reward} is the task's best score the run has converged "
-                    f"(learner.target_reward ends a run there); otherwise raise learner.entropy_coef or "
-                    f"generator.sampling.temperature, or lower learner.lr (docs/learner.md)"]
-        return [f"no learning signal: for the last {n} steps (to step {step}) every sample of a group got the same "
-                f"reward (mean {reward}), so the loss and the gradient are 0; check that the reward can tell answers "
-                f"apart (its plugin, the dataset's references)"]
+        reward = f"{statistics.fmean(rewards):.3f}" if rewards else "-"
+        if low and flat >= n * COLLAPSE_FLAT and not rising:
+            self.stalled = self.collapsed = True
+            return [f"the policy has collapsed: over the last {n} steps (to step {step}) its entropy was {ent:.3g} "
+                    f"and {flat} steps had no gradient at all (every sample of each group got the same reward), and "
+                    f"the mean reward stays at {reward}: it gives one answer per prompt and learns nothing more. "
+                    f"If {reward} is the task's best score the run has converged (learner.target_reward ends a run "
+                    f"there); otherwise raise learner.entropy_coef or generator.sampling.temperature, or lower "
+                    f"learner.lr (docs/learner.md)"]
+        if not low and flat >= n * STALL_FLAT:
+            self.stalled = True
+            return [f"no learning signal: over the last {n} steps (to step {step}) {flat} had no gradient at all "
+                    f"(every sample of each group got the same reward; mean {reward}); check that the reward can "
+                    f"tell answers apart (its plugin, the dataset's references)"]
+        return []
 
     def _dead(self, e: dict) -> list[str]:
         if self.dead == 0:
