@@ -117,8 +117,8 @@ class RewardWatch:
         worst = max(self.by_plugin, key=self.by_plugin.get) if self.by_plugin else ""
         who = describe_failures(worst, self.by_plugin.get(worst, 0), self.reasons.get(worst, ""), self.logs) \
             if worst else "failed rewards"
-        return (f"no reward was scored for {now - t0:.0f}s while {self.failed - failed0} failed; {who}. Fix that "
-                f"and resume the run, or give --fail-after 0 to let a run go on without rewards")
+        return (f"no reward was scored for {now - t0:.0f}s while {self.failed - failed0} failed; {who}. Fix that, "
+                f"or give --fail-after 0 to let a run go on without rewards")
 
 
 def _num(x) -> float | None:

@@ -5,6 +5,7 @@
   learner's first version, stops the run once no reward has been scored for --fail-after seconds, and
   is in the final report and summary.json; it once meant minutes of "waiting for the first batch" and
   a report saying "0 dropped stale";
+- an environment whose episodes all fail is named with its error and stops the run the same way;
 - a wrong reward token stops the run at once with the setting to fix as its last line; it once held
   every batch as a reward outage (0 steps in 55 s, nothing said).
 """
@@ -19,7 +20,7 @@ import time
 
 import pytest
 
-from tests.support.failing_plugins import MESSAGE, install
+from tests.support.failing_plugins import ENV_MESSAGE, MESSAGE, install
 from tests.support.services import ROOT, child_env
 
 pytestmark = pytest.mark.slow  # a whole `relay up` each (~40-60 s)
@@ -111,3 +112,22 @@ def test_a_wrong_reward_token_stops_the_run_with_the_setting_to_fix(tmp_path):
     summary = json.loads((runs / "token" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps"] == 0 and "exit code 2" in summary["error"]
     assert time.monotonic() - t0 < 300
+
+
+def test_an_environment_that_fails_every_episode_is_named_and_stops_the_run(tmp_path):
+    """A custom environment (a `relay.envs` entry point) whose episodes all fail as they start: named on the
+    console with its error, and the run stops once no reward has been scored for --fail-after seconds."""
+    env = {**child_env(), "PYTHONPATH": os.pathsep.join([install(tmp_path / "plugins"), str(ROOT)])}
+    runs = tmp_path / "runs"
+    up = Console([*COMMON, "--runs-dir", str(runs), "--run-id", "env", "--fail-after", "30", "--set",
+                  "generator.env=fails_at_start", "--set", "learner.tiny_tools=true", "--set",
+                  "generator.max_episode_tokens=32"], env)
+    rc = up.wait(300)
+    out = up.text()
+    assert rc == 1, out
+    said = up.first(r"relay up: warning: environment 'fails_at_start' failed \d+ episodes")
+    assert said and f"env_error: exception_ValueError: {ENV_MESSAGE}" in said[1], out
+    last = out.splitlines()[-1]
+    assert last.startswith("relay up: error: no reward was scored for ") and "environment 'fails_at_start'" in last
+    summary = json.loads((runs / "env" / "summary.json").read_text())
+    assert summary["reward_failures"]["by_plugin"]["env:fails_at_start"] > 0 and summary["steps"] == 0
