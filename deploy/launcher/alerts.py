@@ -78,9 +78,11 @@ class RewardWatch:
         self.reasons: dict[str, str] = {}  # plugin -> its latest reason
         self._said: set[tuple[str, str]] = set()  # (plugin, reason code) already printed
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, ok, failed), the last fail_after_s
+        self.streak: tuple[float, int] | None = None  # (time, failed before it): failures since, nothing scored
 
     def update(self, st: dict, now: float) -> list[str]:
         """Take the state ``st`` at time ``now``; the warnings to print (each plugin's new reason)."""
+        ok_before, failed_before = self.ok, self.failed
         for g in st.get("generators") or []:
             ok, failed = int(g.get("reward_ok") or 0), int(g.get("reward_failures") or 0)
             last_ok, last_failed = self._last.get(g["id"], (0, 0))
@@ -92,6 +94,10 @@ class RewardWatch:
         f = st.get("failures") or {}
         self.by_plugin = {k: int(v) for k, v in (f.get("reward_failures_by_plugin") or {}).items() if v}
         self.reasons.update(f.get("reward_last_failure") or {})
+        if self.ok > ok_before:
+            self.streak = None  # a reward was scored: no streak of failures only
+        elif self.failed > failed_before and self.streak is None:
+            self.streak = (now, failed_before)  # the first failures with nothing scored since
         self._samples.append((now, self.ok, self.failed))
         while len(self._samples) > 2 and self._samples[1][0] <= now - self.fail_after_s:
             self._samples.popleft()  # keep one sample at least fail_after_s old
@@ -104,12 +110,13 @@ class RewardWatch:
         return out
 
     def stop_reason(self, now: float) -> str | None:
-        """Why the run must stop: for the last ``fail_after_s`` no reward was scored while failures kept
-        arriving (some in the last half of that time too); None otherwise, or with ``fail_after_s`` 0."""
-        if not self.fail_after_s or not self._samples:
+        """Why the run must stop: for ``fail_after_s`` since the first failure no reward was scored while
+        failures kept arriving (some in the last half of that time too); None otherwise, or with
+        ``fail_after_s`` 0. (Before the first failure, a model loading scores nothing either: not counted.)"""
+        if not self.fail_after_s or self.streak is None:
             return None
-        t0, ok0, failed0 = self._samples[0]
-        if now - t0 < self.fail_after_s or self.ok != ok0 or self.failed == failed0:
+        t0, failed0 = self.streak
+        if now - t0 < self.fail_after_s:
             return None
         half = next((s for s in self._samples if s[0] >= now - self.fail_after_s / 2), None)
         if half is None or self.failed == half[2]:

@@ -127,19 +127,19 @@ def test_the_failure_captures_are_what_relay_up_prints():
     from deploy.launcher.report import format_report
 
     warning, line = _block_after("What fails after start-up is said as it starts").splitlines()
-    assert warning.startswith("relay up: warning: reward plugin 'raises' failed 768 samples: plugin_error: ")
-    st = {"learner": {"groups_dropped_reward_failed": 320}, "learner_version": 0, "queue_depth": 0,
+    assert warning.startswith("relay up: warning: reward plugin 'raises' failed 264 samples: plugin_error: ")
+    st = {"learner": {"groups_dropped_reward_failed": 704}, "learner_version": 0, "queue_depth": 0,
           "generators": [{"id": "gen-0", "version": 0, "reward_ok": 0}],
-          "failures": {"reward_failures": 2624, "reward_failures_by_plugin": {"raises": 2624}}}
-    assert progress_line(st, 20, 32.0, None, None, {"version": 0, "pass@1": 0.0}) == line
+          "failures": {"reward_failures": 5128, "reward_failures_by_plugin": {"raises": 5128}}}
+    assert progress_line(st, 20, 47.0, None, None, {"version": 0, "pass@1": 0.0}) == line
     capture = _block_after("What went wrong on the way has lines of its own").splitlines()
     reason = "plugin_error: ValueError: the test plugin's own bug"
-    summary = {"status": "failed", "run_id": "raise2", "steps": 0, "steps_total": 20, "wall_seconds": 51.0,
+    summary = {"status": "failed", "run_id": "raise3", "steps": 0, "steps_total": 20, "wall_seconds": 86.0,
                "reward_first": None, "reward_last": None,
                "eval": [{"version": 0, "pass@1": 0.0}], "groups_trained": 0, "groups_dropped_stale": 0,
-               "groups_dropped": {"reward_failed": 1344}, "groups_rejected": 0, "audit": {"lost": 0, "trained_twice": 0},
-               "reward_failures": {"samples": 10816, "samples_scored": 0, "by_plugin": {"raises": 10816},
+               "groups_dropped": {"reward_failed": 3488}, "groups_rejected": 0, "audit": {"lost": 0, "trained_twice": 0},
+               "reward_failures": {"samples": 28032, "samples_scored": 0, "by_plugin": {"raises": 28032},
                                    "last_reason": {"raises": reason}},
                "warnings": [warning.removeprefix("relay up: warning: ")], "error": capture[-1].removeprefix(
                    "relay up: error: ")}
-    assert format_report(summary, Path("runs/raise2")).splitlines() == capture[:-1]
+    assert format_report(summary, Path("runs/raise3")).splitlines() == capture[:-1]

@@ -35,12 +35,19 @@ def test_the_reward_service_itself_and_an_environment_are_named_as_such():
 
 def test_no_reward_scored_for_fail_after_s_while_failures_arrive_stops_the_run():
     w = RewardWatch(fail_after_s=60)
-    for t in range(0, 61, 2):  # two minutes of failures only
-        w.update(_state(ok=32, failed=64 * (t + 1), by_plugin={"mine": 64 * (t + 1)}, reasons={"mine": BUG}), float(t))
-        if t < 60:
+    w.update(_state(ok=32), 0.0)
+    for t in range(2, 63, 2):  # a minute of failures only, counted from the first one (at 2 s)
+        w.update(_state(ok=32, failed=32 * t, by_plugin={"mine": 32 * t}, reasons={"mine": BUG}), float(t))
+        if t < 62:
             assert w.stop_reason(float(t)) is None, t
-    why = w.stop_reason(60.0)
-    assert why.startswith("no reward was scored for 60s while 3840 failed; reward plugin 'mine'") and BUG in why
+    why = w.stop_reason(62.0)
+    assert why.startswith("no reward was scored for 60s while 1984 failed; reward plugin 'mine'") and BUG in why
+    # a run whose model still loads scores nothing either: only failures start the count
+    idle = RewardWatch(fail_after_s=60)
+    for t in range(0, 100, 10):
+        idle.update(_state(), float(t))
+    idle.update(_state(failed=8, by_plugin={"mine": 8}), 100.0)
+    assert idle.stop_reason(100.0) is None and idle.stop_reason(159.0) is None
 
 
 def test_a_run_that_scores_some_rewards_or_pauses_for_an_outage_is_not_stopped():
