@@ -113,10 +113,15 @@ class Sink:
             return False
 
     def drain(self) -> None:
-        """Deliver the batch it holds, then end the thread."""
-        if self._thread.is_alive():
-            self._outbox.put(None)
-            self._thread.join()
+        """Deliver the batch it holds, then end the thread. A sink that dies meanwhile (a fatal error with a
+        batch still waiting at the hand-over) takes nothing more: the wait ends with it, not forever."""
+        while self._thread.is_alive():
+            try:
+                self._outbox.put(None, timeout=0.5)
+                break
+            except queue.Full:
+                continue
+        self._thread.join()
 
     def close(self) -> None:
         self.sender.close()
