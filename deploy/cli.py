@@ -20,6 +20,7 @@ imported only after the config is validated, so ``--help`` and config errors are
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from broker.runtime.config import ConfigError, load_config, set_overrides
@@ -35,8 +36,9 @@ def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help_, description=f"{help_}. Every field, its default and bounds: {CONFIG_DOC} "
                        f"(or `relay config docs`); precedence: defaults < --config < RELAY_<FIELD> "
                        f"environment variables < --set.")
-    p.add_argument("--config", help=f"JSON or TOML config file for this service: the fields of the {name} "
-                   f"section of {CONFIG_DOC}, at the top level (no [{name}] header)")
+    p.add_argument("--config", help=f"JSON or TOML config file: this service's fields at the top level (the "
+                   f"{name} section of {CONFIG_DOC}), or a run file as `relay up --config` takes (sections "
+                   f"[broker], [reward], [generator], [learner], [weights]), of which it reads [{name}]")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help=f"override a config field (nested with dots), e.g. --set {SET_EXAMPLES[name]}")
     p.add_argument("--log-json", action="store_true", help="log as JSON lines")
@@ -111,12 +113,17 @@ def cmd_generator(args) -> int:
 
 
 def cmd_learner(args) -> int:
-    from learner.config import LearnerConfig
+    from learner.config import LearnerConfig, lr_problems
 
     cfg = _load(LearnerConfig, args, "learner")
+    error, warnings = lr_problems(cfg)  # relay up checks them before anything starts (deploy/launcher/preflight.py)
+    if error:
+        raise ConfigError(error)
     from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)
+    for w in warnings:
+        logging.getLogger("relay.learner").warning(w)
     from learner.engine import close_distributed
     from learner.trainer import Learner
 

@@ -1,12 +1,24 @@
 """The generator's client of the reward service: one ``POST /score`` per batch (the types are
 broker/protocol/messages.py's ItemIn / ScoreRequest / ScoreResponse, the ones the service declares).
 
-Failure behaviour: a failed call (an HTTP error, a timeout, an unreadable or short reply) is retried
-with back-off (0.2 s doubling to 5 s). Refused connections mean nothing reached the service (down,
-or being restarted), so for up to ``reward_down_s`` they are waited out without counting; after
-that, and for every other failure, ``reward_retries`` retries are allowed. Then every item of the
-batch is marked failed (``plugin`` "reward_service", the last error as the reason): a failure is
-visible, never a silent 0. Used by the training loop (the sink) and by evaluation rounds.
+Failure behaviour (docs/rewards.md, "Failures"), by what the service answered:
+
+- 401 or 403 (the service refused the generator's token) and 404 or 405 (no reward service at that
+  URL): a configuration error, never retried: :class:`RewardRefused`, a ConfigError, which stops the
+  generator with the reason (``relay generator`` exits 2; ``relay up`` then stops the run with it).
+- no answer (refused connections, timeouts), 5xx, 408 or 429: the service is out. Retried with
+  back-off (0.2 s doubling to 5 s); refused connections mean nothing reached the service (down, or
+  being restarted), so for up to ``reward_down_s`` they are waited out without counting; after that,
+  ``reward_retries`` retries are allowed. Then every item is marked failed with the reason code
+  ``reward_service``, which the sink treats as an outage (it holds the batch: generators/sink.py).
+- 200 with a body that is not a ScoreResponse (not JSON, another shape, the wrong number of results),
+  or another 4xx (413, 422: the request was refused): the service answered, wrongly. Retried
+  ``reward_retries`` times (a proxy's hiccup), then every item is marked failed with the code
+  ``reward_malformed`` or ``reward_http_<status>``: not an outage, so the batch is sent as it is and
+  its failures counted.
+
+Every failed item names the plugin "reward_service" and the last error: a failure is visible, never a
+silent 0. Used by the training loop (the sink) and by evaluation rounds.
 """
 
 from __future__ import annotations
@@ -17,18 +29,41 @@ from typing import Callable
 
 import httpx
 
-from broker.client.connection import Backoff
+from broker.client.connection import Backoff, redact_url
+from broker.runtime.config import ConfigError
 from broker.protocol.messages import ItemIn, PromptEntry, ResultOut, ScoreRequest, ScoreResponse
 from generators.backends.base import Completion
 from generators.config import GeneratorConfig
 
 log = logging.getLogger("relay.generator.reward")
 
+# HTTP statuses that say the service is out (retried; the batch is held as an outage when they persist)
+OUT_STATUSES = (408, 429)
+
+
+class RewardRefused(ConfigError):
+    """The reward service refused the generator (its token) or is not at ``reward_url``: no retry can
+    fix it, so the generator stops with this message (exit 2)."""
+
+
+def refusal(status: int, url: str, has_token: bool, body: str) -> RewardRefused:
+    """The error for a 401/403/404/405 answer to ``POST {url}/score``, naming the setting to fix."""
+    if status in (401, 403):
+        sent = "" if has_token else ", and the generator sent none"
+        return RewardRefused(
+            f"the reward service at {url} refused the generator's token (HTTP {status}{sent}): set "
+            f"generator.reward_token to its reward.auth_token (RELAY_REWARD_TOKEN, RELAY_AUTH_TOKEN; relay up "
+            f"passes reward.auth_token on when generator.reward_token is unset)")
+    said = f" ({' '.join(body.split())[:80]})" if body.strip() else ""
+    return RewardRefused(f"no reward service at {url}: POST /score answered HTTP {status}{said}; set "
+                         f"generator.reward_url to the reward service's base URL")
+
 
 class RewardClient:
     def __init__(self, cfg: GeneratorConfig, stopped: Callable[[], bool] = lambda: False):
         self.retries, self.down_s, self.stopped = cfg.reward_retries, cfg.reward_down_s, stopped
         self.env = getattr(cfg, "env", "")  # the generator's environment (multi-turn episodes), named in results
+        self.url, self.has_token = redact_url(cfg.reward_url), bool(cfg.reward_token)
         self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s,
                                  headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None)
 
@@ -70,13 +105,21 @@ class RewardClient:
         return None
 
     def score(self, items: list[ItemIn]) -> list[ResultOut]:
-        """The results of ``items``, in order; all failed when the service could not score them."""
+        """The results of ``items``, in order; all failed when the service could not score them (the reason
+        code ``reward_service`` for an outage, ``reward_malformed`` / ``reward_http_<status>`` for a wrong
+        answer). Raises :class:`RewardRefused` when the service refuses the generator or is not there."""
         backoff, failures, down_since = Backoff(0.2, 5.0), 0, None
         body = ScoreRequest(items=items).model_dump(mode="json")
         while True:
+            code = "reward_service"  # the reason code if this attempt is the last: an outage unless said below
             try:
                 resp = self.http.post("/score", json=body)
+                if resp.status_code in (401, 403, 404, 405):
+                    raise refusal(resp.status_code, self.url, self.has_token, resp.text)
+                if 400 <= resp.status_code < 500 and resp.status_code not in OUT_STATUSES:
+                    code = f"reward_http_{resp.status_code}"  # the request was refused: not an outage
                 resp.raise_for_status()
+                code = "reward_malformed"  # it answered 200: whatever goes wrong below is its answer's fault
                 results = ScoreResponse.model_validate_json(resp.content).results
                 if len(results) != len(items):
                     raise ValueError(f"{len(results)} results for {len(items)} items")
@@ -93,7 +136,7 @@ class RewardClient:
                     failures += 1
                     log.warning("reward call failed (attempt %d): %s", failures, last_err)
                     if failures > self.retries:
-                        return [ResultOut.failed(f"reward_service: {last_err}", "reward_service") for _ in items]
+                        return [ResultOut.failed(f"{code}: {last_err}", "reward_service") for _ in items]
                 backoff.sleep()
 
     def close(self) -> None:

@@ -28,12 +28,12 @@ from broker.client.telemetry import heartbeat
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat, PromptEntry
 from broker.protocol.signing import announce_key
-from broker.runtime.config import IN_PROCESS_TRANSPORTS
+from broker.runtime.config import IN_PROCESS_TRANSPORTS, ConfigError
 from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
 from generators.leases import Leases
-from generators.liveness import ComputeWatch
+from generators.liveness import ComputeWatch, DecodeHook, GenerationStopped
 from generators.metrics import serve_metrics
 from generators.prompts import prompt_token_ids
 from generators.reward_client import RewardClient
@@ -55,9 +55,10 @@ class Generator:
         # a heartbeat (at most one per heartbeat_s) from every engine/decode step: a batch that decodes for
         # minutes on a slow machine is busy, not hung (relay up's --hang-after watches heartbeats); a single
         # step of minutes is covered by the ComputeWatch started in run()
-        self.backend.alive = self.send_heartbeat
-        self.state = "starting"
         self.stop = threading.Event()
+        # ... and a batch still generating STOP_GRACE_S after a stop is abandoned (generators/liveness.py)
+        self.backend.alive = DecodeHook(self.send_heartbeat, self.stop)
+        self.state = "starting"
         self.tokens = 0
         self.tokens_per_s = 0.0
         self._last_hb = 0.0
@@ -164,6 +165,7 @@ class Generator:
             forged_announcements=w.forged_announcements,
             reward_failures=sink.reward_failures, reward_failures_by_plugin=dict(sink.reward_failures_by_plugin),
             reward_pauses=sink.reward_pauses, reward_paused_s=round(sink.reward_paused_s, 1),
+            reward_ok=sink.reward_ok, reward_last_failure=dict(sink.reward_last_failure),
             last_update_latency_s=w.last_update_latency_s,
             # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
             # where the heartbeat's schema has the field
@@ -279,6 +281,9 @@ class Generator:
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 log.warning("redis unavailable (%s); retrying", e)
                 time.sleep(1.0)
+            except GenerationStopped as e:
+                log.warning("%s", e)
+                break
         watch.join(self.cfg.heartbeat_s + 5)  # stopped with the loop: its heartbeats cannot follow "stopped"
         # drain: no new prompts; the batch the sink holds is scored, sent and released first
         self.state = "draining"
@@ -294,5 +299,7 @@ class Generator:
             self.env_factory.close()  # what the environment's episodes share (a tool pool, an HTTP client)
         if self.weights.receiver is not None:
             self.weights.receiver.close()
+        if isinstance(self.sink.failure, ConfigError):
+            raise self.sink.failure  # the reward service refused this generator: relay generator exits 2 with why
         if self.sink.error:
             raise RuntimeError(f"generator stopped after a sink failure: {self.sink.error}")

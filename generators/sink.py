@@ -5,7 +5,8 @@ The hand-over holds one batch: a slow broker (``busy``) or reward service slows 
 one batch instead of piling up memory. A prompt is released (XACK + XDEL) only after the broker's
 final ack for its group, so a generator that dies loses nothing: its pending prompts are reclaimed
 by another generator. An error in the sink is fatal: it is recorded, the stop flag is set, and the
-batch's prompts stay pending (reclaimed later).
+batch's prompts stay pending (reclaimed later); a configuration error (the reward service refusing the
+generator's token, generators/reward_client.py) is kept as ``failure`` so the generator exits with it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from broker.protocol.group import Group, Sample, encode_group, versions_to_runs
 from broker.protocol.ingest_auth import CurveClientKeys, load_client_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import PromptEntry, ResultOut
+from broker.runtime.config import ConfigError
 from generators.backends.base import Completion
 from generators.config import GeneratorConfig
 from generators.leases import Leases
@@ -86,8 +88,11 @@ class Sink:
         self.reward_pauses = 0  # outages that held a batch (paused_reward)
         self.reward_paused_s = 0.0  # seconds spent holding batches through them
         self.error = ""
+        self.failure: BaseException | None = None  # the exception behind ``error``
         self.groups_sent = self.groups_rejected = self.reward_failures = 0
+        self.reward_ok = 0  # samples whose reward was scored
         self.reward_failures_by_plugin: dict[str, int] = {}
+        self.reward_last_failure: dict[str, str] = {}  # plugin -> the reason of its latest failed sample
         self._outbox: queue.Queue = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._loop, name="sink", daemon=True)
         self._extra_sender: GroupSender | None = None  # send_group's (another thread's) socket
@@ -108,10 +113,15 @@ class Sink:
             return False
 
     def drain(self) -> None:
-        """Deliver the batch it holds, then end the thread."""
-        if self._thread.is_alive():
-            self._outbox.put(None)
-            self._thread.join()
+        """Deliver the batch it holds, then end the thread. A sink that dies meanwhile (a fatal error with a
+        batch still waiting at the hand-over) takes nothing more: the wait ends with it, not forever."""
+        while self._thread.is_alive():
+            try:
+                self._outbox.put(None, timeout=0.5)
+                break
+            except queue.Full:
+                continue
+        self._thread.join()
 
     def close(self) -> None:
         self.sender.close()
@@ -142,9 +152,9 @@ class Sink:
                     return
                 self._deliver(batch)
             except BaseException as e:  # noqa: BLE001 - recorded and fatal: the process exits non-zero
-                self.error = f"{type(e).__name__}: {e}"
+                self.error, self.failure = f"{type(e).__name__}: {e}", e
                 log.critical("sink failed (%s); stopping: the batch's prompts stay pending and are reclaimed",
-                             self.error, exc_info=True)
+                             self.error, exc_info=not isinstance(e, ConfigError))
                 self.stop.set()
                 return
             finally:
@@ -213,6 +223,9 @@ class Sink:
             self.reward_failures += 1
             plugin = r.plugin or "unknown"
             self.reward_failures_by_plugin[plugin] = self.reward_failures_by_plugin.get(plugin, 0) + 1
+            self.reward_last_failure[plugin] = r.reason[:200]
+        else:
+            self.reward_ok += 1
         return Sample(
             completion_ids=np.asarray(c.token_ids, dtype=np.int32),
             logprobs=np.asarray(c.logprobs, dtype=np.float32),

@@ -26,6 +26,38 @@ PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's a
 LORA_LR_SCALE = 10.0  # LoRA adapters train at about 10x the full fine-tuning rate (the usual LoRA practice)
 
 
+# learning rates a model trains at lie within these factors of its kind's default rate (tiny or pretrained, with
+# or without LoRA; _default_lr): below, hardly anything moves; above, training usually diverges (docs/learner.md)
+LR_BELOW, LR_ABOVE = 100.0, 20.0
+
+
+def lr_problems(cfg: "LearnerConfig") -> tuple[str | None, list[str]]:
+    """The learning rates' check: (an error, warnings). An error for a rate no model trains at: 1 or more
+    (AdamW moves every weight by about the rate at each step; weights are ~0.02); a warning for one far from
+    the rate the model's kind trains at (outside LR_BELOW / LR_ABOVE times it)."""
+    kind = "the built-in tiny model" if cfg.model == "tiny" else "a pretrained model"
+    usual = (TINY_LR_PER_TOKEN if cfg.advantage in NEEDS_CRITIC else TINY_LR) if cfg.model == "tiny" else PRETRAINED_LR
+    warnings = []
+    critic = cfg.critic.lr if cfg.critic.enabled else None
+    for name, lr, scale, what in (("learner.lr", cfg.lr, LORA_LR_SCALE if cfg.lora.rank else 1.0,
+                                   " with LoRA" if cfg.lora.rank else ""),
+                                  ("learner.critic.lr", critic, 1.0, "'s critic")):
+        if lr is None:
+            continue
+        if lr >= 1:
+            return (f"{name} = {lr:g} is no learning rate: AdamW would move every weight by about {lr:g} at each step "
+                    f"(the weights are ~0.02); models train at {PRETRAINED_LR:g} (pretrained) to {TINY_LR:g} (the "
+                    f"tiny model): set {name} below 1, or leave it unset for the model's default (docs/learner.md)"), []
+        rate = usual * scale
+        lo, hi = rate / LR_BELOW, rate * LR_ABOVE
+        if not lo <= lr <= hi:
+            how = f"{lr / rate:.0f}x above" if lr > hi else f"{rate / lr:.0f}x below"
+            fate = "training usually diverges (the policy dies)" if lr > hi else "hardly anything will be learnt"
+            warnings.append(f"{name} = {lr:g} is {how} the {rate:g} that {kind}{what} trains at: {fate}; a rate "
+                            f"from {lo:g} to {hi:g} suits it (docs/learner.md)")
+    return None, warnings
+
+
 class CorrectionConfig(StrictModel):
     """Off-policy correction against the behaviour log-probs μ (see docs/off-policy.md)."""
 

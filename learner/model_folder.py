@@ -34,3 +34,27 @@ def check_model_folder(model: str) -> Path:
         raise ModelFolderError(f"model folder {model!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the "
                                "tokenizer into it (tokenizer.save_pretrained) or download the whole model")
     return path.resolve()
+
+
+# config.json keys that hold a model's context length (positions), the usual one first
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def context_length(model: str) -> int | None:
+    """The most positions ``model`` ('tiny', or a checked folder) takes: prompt and completion together,
+    from its config.json (a multimodal model's ``text_config``); None when the config does not say."""
+    import json
+
+    if model == "tiny":
+        from learner.tiny_model import MAX_POSITIONS
+
+        return MAX_POSITIONS
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for c in (cfg, cfg.get("text_config") or {}):
+        for k in CONTEXT_KEYS:
+            if isinstance(c.get(k), int) and c[k] > 0:
+                return c[k]
+    return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SYMBOLS = ["<pad>", "<bos>", "<eos>", *"0123456789", "+", "="]
+MAX_POSITIONS = 64  # the tiny model's context: prompt and completion together (relay up checks they fit)
 TOOL_SYMBOLS = ["*", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
@@ -60,7 +61,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layer
     tokenizer = build_tokenizer(tools)
     common = dict(
         vocab_size=len(symbols(tools)), hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=64, tie_word_embeddings=True,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
     )
     if vllm_compatible:

@@ -22,6 +22,7 @@ dropped, the weights and the optimizer state stay as they were, and ``train_step
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import replace
@@ -82,23 +83,38 @@ class PolicyUpdate:
         return logp, outside
 
     @staticmethod
-    def _nonfinite_gradient(engine) -> bool:
-        """Whether this rank's accumulated gradient of ``engine`` has a NaN or ±inf. At ZeRO stage 0 the
-        gradients are the parameters' ``.grad``; the ZeRO optimizers hold theirs in partitions and check
-        their norm themselves (DeepSpeed skips a step whose norm is not finite, with clipping on), and the
-        weights are checked before publishing (learner/publish.py)."""
+    def _local_gradient_norm(engine) -> float | None:
+        """The 2-norm of this rank's accumulated gradient of ``engine`` at ZeRO stage 0, where the gradients
+        are the parameters' ``.grad`` (None at stages 1-3: the ZeRO optimizers hold theirs in partitions and
+        check their norm themselves; DeepSpeed skips a step whose norm is not finite, with clipping on; the
+        weights are checked before publishing, learner/publish.py)."""
         if engine.zero_optimization_stage() != 0:
-            return False
+            return None
         grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        return bool(grads) and not bool(torch.isfinite(torch.stack([g.norm() for g in grads]).norm()))
+        return float(torch.stack([g.norm() for g in grads]).norm()) if grads else None
 
-    def _skip_reason(self, loss_finite: bool, value_loss_finite: bool = True) -> str | None:
+    def _grad_norm(self, engine, local: float | None) -> float | None:
+        """The global gradient norm (before clipping) of the step ``engine`` just took: DeepSpeed's own
+        (``get_global_grad_norm``: the ZeRO optimizers' and the bf16 optimizer's, over every rank's
+        partition), else at ZeRO stage 0 in fp32, where DeepSpeed keeps none, ``local`` (the norm
+        computed for the finiteness check) when this is the only rank. None when neither is known
+        (stage 0 in fp32 with several ranks: each rank holds only its own share before the all-reduce)."""
+        norm = engine.get_global_grad_norm()
+        if norm is not None:
+            return float(norm)
+        return local if self.world == 1 else None
+
+    def _skip_reason(self, loss_finite: bool, value_loss_finite: bool = True,
+                     norms: tuple[float | None, float | None] = (None, None)) -> str | None:
         """Why every rank skips this optimizer step, of the policy and of the critic (None: take it): a
-        non-finite loss or gradient norm of either on any rank."""
-        flags = {"loss": float(not loss_finite), "gradient norm": float(self._nonfinite_gradient(self.engine))}
+        non-finite loss or gradient norm (``norms``: this rank's, :meth:`_local_gradient_norm`) of either on
+        any rank."""
+        def bad(norm: float | None) -> float:
+            return float(norm is not None and not math.isfinite(norm))
+
+        flags = {"loss": float(not loss_finite), "gradient norm": bad(norms[0])}
         if self.critic is not None:
-            flags.update({"value loss": float(not value_loss_finite),
-                          "critic gradient norm": float(self._nonfinite_gradient(self.critic))})
+            flags.update({"value loss": float(not value_loss_finite), "critic gradient norm": bad(norms[1])})
         flags = self._reduce(flags, dist.ReduceOp.MAX)
         bad = [k for k, v in flags.items() if v]
         return f"non-finite {' and '.join(bad)}" if bad else None
@@ -214,11 +230,15 @@ class PolicyUpdate:
             totals["forward_tokens"] += mb.input_ids.numel()
         for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
             self._empty_backward(transform)
-        skipped = self._skip_reason(loss_finite, value_finite)
+        local = self._local_gradient_norm(self.engine)
+        critic_norm = self._local_gradient_norm(self.critic) if self.critic is not None else None
+        skipped = self._skip_reason(loss_finite, value_finite, (local, critic_norm))
+        grad_norm = None
         if skipped:
             self._skip_step()
         else:
             self.engine.step()
+            grad_norm = self._grad_norm(self.engine, local)
             if self.critic is not None:
                 self.critic.step()
         sums = {**self._reduce({k: v for k, v in sums.items() if k not in EXTREMES}),
@@ -237,6 +257,7 @@ class PolicyUpdate:
             diag.update(value_loss=totals["value_loss"],
                         value_clip_frac=totals["value_clipped"] / max(norm.tokens, 1.0))
         diag["skipped"] = skipped
+        diag["grad_norm"] = grad_norm  # None: a skipped step, or not known (_grad_norm)
         return diag
 
     # -- advantages ------------------------------------------------------------------------------
@@ -359,8 +380,12 @@ class PolicyUpdate:
                     steps.append(self._optimizer_step(b, rows, transform, old))
         skipped = [d.pop("skipped") for d in steps]
         fresh = [f for f in (d.pop("mismatch_kl_fresh") for d in steps) if f is not None]
+        norms = [n for n in (d.pop("grad_norm") for d in steps) if n is not None]
         diag = {k: sum(d[k] for d in steps) / len(steps) for k in steps[0]}
         diag["mismatch_kl_fresh"] = sum(fresh) / len(fresh) if fresh else None
+        # the largest global gradient norm (before clipping) of the batch's optimizer steps, and the learning rate
+        diag["grad_norm"] = max(norms) if norms else None
+        diag["lr"] = float(self.engine.get_lr()[0])
         padded, forward = sum(d.pop("padded_tokens") for d in steps), sum(d.pop("forward_tokens") for d in steps)
         diag.update(ratio_min=min(d["ratio_min"] for d in steps), ratio_max=max(d["ratio_max"] for d in steps),
                     micro_batches=sum(d["micro_batches"] for d in steps),

@@ -7,9 +7,14 @@ ends in :class:`CallFailed` with a short ``code`` (timeout, unreachable, http_50
 circuit_open, ...) that the plugin turns into a failed item; nothing is swallowed.
 
 Retried: timeouts, connection errors, HTTP 5xx and 429. Not retried: other 4xx (the request is
-wrong), a 2xx whose body is not JSON (the server is wrong; retrying would not help) and a server whose
-certificate fails verification or its pin (``tls_unverified``: reward_service/tls.py). Plain http goes only
-to a loopback host unless ``allow_plain_http``: the requests carry the token, prompts and references.
+wrong, or the token: 401), a 2xx whose body is not JSON (the server is wrong; retrying would not
+help) and a server whose certificate fails verification or its pin (``tls_unverified``:
+reward_service/tls.py). The circuit breaker counts only what says the server is out (the retried
+failures): a 4xx or a reply that is not JSON came from a server that is up, so it fails the call
+without opening the breaker (it counts as an answer: a half-open breaker closes). A wrong token or a
+server answering garbage is then a visible failure of every item, never taken for an outage. Plain
+http goes only to a loopback host unless ``allow_plain_http``: the requests carry the token, prompts
+and references.
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ class HttpOptions(StrictModel):
     backoff_s: float = Field(0.2, ge=0, le=60, description="first retry delay; doubles each retry (with jitter)")
     backoff_max_s: float = Field(5.0, ge=0, le=600, description="longest retry delay")
     max_concurrency: int = Field(4, ge=1, le=1024, description="requests in flight to this server at most")
-    breaker_failures: int = Field(5, ge=1, description="consecutive failed attempts that open the circuit breaker")
+    breaker_failures: int = Field(5, ge=1, description="consecutive failed attempts that open the circuit breaker "
+                                  "(timeouts, connection errors, 5xx, 429; a 4xx or a reply that is not JSON does "
+                                  "not count)")
     breaker_reset_s: float = Field(10.0, gt=0, description="seconds the breaker stays open before one trial "
                                    "request (half-open)")
     token_env: str = Field("", description="name of an environment variable holding a bearer token for the "
@@ -192,7 +199,7 @@ class HttpCaller:
                     try:
                         data = resp.json()
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                        self.breaker.record(False)
+                        self.breaker.record(True)  # it answered: not an outage (the module's docstring)
                         self.observer.request("malformed")
                         raise CallFailed("malformed", f"reply is not JSON: {e}; body starts {resp.text[:80]!r}") from None
                     self.breaker.record(True)
@@ -200,7 +207,7 @@ class HttpCaller:
                     return data
                 last = CallFailed(f"http_{resp.status_code}", resp.text[:200])
                 if resp.status_code < 500 and resp.status_code != 429:
-                    self.breaker.record(False)
+                    self.breaker.record(True)  # it answered (a wrong request or token): not an outage
                     self.observer.request(last.code)
                     raise last
             self.breaker.record(False)

@@ -87,17 +87,23 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
             "refused_updates": hb.refused_updates,
             "forged_announcements": hb.forged_announcements,
             "refused": hb.refused,
+            "reward_ok": hb.reward_ok,
             "reward_failures": hb.reward_failures,
             "reward_failures_by_plugin": hb.reward_failures_by_plugin,
+            "reward_last_failure": hb.reward_last_failure,
+            "reward_pauses": hb.reward_pauses,
+            "reward_paused_s": hb.reward_paused_s,
             "metrics_port": hb.metrics_port,
             "episodes": hb.episodes,
         })
     learner = read_stats(r, keys, "learner")
     broker = read_stats(r, keys, "broker")
     reward_failures: dict[str, int] = {}
+    last_failure: dict[str, str] = {}  # plugin -> a latest reason (the last generator's, in id order, that has one)
     for g in gens:
         for plugin, n in g["reward_failures_by_plugin"].items():
             reward_failures[plugin] = reward_failures.get(plugin, 0) + int(n)
+        last_failure.update(g["reward_last_failure"])
     return {
         "run_id": keys.run_id,
         "time": now,
@@ -127,6 +133,9 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
                                   if k in learner},
             "reward_failures_by_plugin": dict(sorted(reward_failures.items())),
             "reward_failures": sum(int(g["reward_failures"] or 0) for g in gens),
+            "reward_last_failure": dict(sorted(last_failure.items())),
+            # reward outages that held a batch (generators in state paused_reward meanwhile; docs/rewards.md)
+            "reward_pauses": sum(int(g["reward_pauses"] or 0) for g in gens),
             "refused_updates": sum(int(g["refused_updates"] or 0) for g in gens),
             "forged_announcements": sum(int(g["forged_announcements"] or 0) for g in gens),
             # heartbeat entries that could not be read (skipped above; the reader logs why)

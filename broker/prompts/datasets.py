@@ -242,30 +242,60 @@ class PromptBuilder:
                             messages=msgs if self.use_template else None)
 
 
+def sample_rows(n: int, first: int = 8, spread: int = 24) -> list[int]:
+    """The rows a start-up check looks at: the first ``first``, and ``spread`` more spaced evenly over all
+    ``n`` (a dataset's odd rows are seldom at its start)."""
+    return sorted(set(range(min(first, n))) | set(range(0, n, max(1, -(-n // spread)))))
+
+
 def check_dataset(cfg: DatasetConfig, tokenizer, rows: list[dict] | None = None, first: int = 8) -> list[dict]:
     """The start-up check of a dataset (``relay up`` before anything starts, and the broker): its rows
     read and their field mapping checked (:func:`read_rows`), the tokenizer's chat template when
-    ``chat_template = "always"``, and the first ``first`` rows built into prompts with ``tokenizer``.
-    Returns the rows; raises :class:`DatasetError`."""
+    ``chat_template = "always"``, and a sample of rows (:func:`sample_rows`: the first ``first`` and some
+    spread over the rest) built into prompts with ``tokenizer``, whose text must survive it: the system
+    prompt, each row's prompt and its reference (:func:`check_encodes`; text the tokenizer cannot spell
+    would be dropped silently, and a reference the model cannot write never matches). Returns the rows;
+    raises :class:`DatasetError`."""
     rows = read_rows(cfg) if rows is None else rows
     builder = PromptBuilder(cfg, tokenizer)
-    for row in rows[:first]:
-        entry = builder.build(row)
-        if entry is not None and cfg.system_prompt:
+    fix = "or fix those rows"
+    for i in sample_rows(len(rows), first):
+        entry = builder.build(rows[i])
+        if entry is None:  # too long: skipped (and counted) when it comes
+            continue
+        if cfg.system_prompt:
             check_encodes(tokenizer, cfg.system_prompt, entry.prompt_ids, "dataset.system_prompt")
+        where = f"row {cfg.start + i}"
+        for m in builder.messages(rows[i]):
+            if m["content"] != cfg.system_prompt:
+                check_encodes(tokenizer, str(m["content"]), entry.prompt_ids, f"{where}'s prompt", fix)
+        if entry.reference:
+            check_encodes(tokenizer, entry.reference, encode_text(tokenizer, entry.reference),
+                          f"{where}'s reference {entry.reference[:40]!r}", fix)
     return rows
 
 
-def check_encodes(tokenizer, text: str, ids: list[int], what: str) -> None:
+def prompt_tokens(cfg: DatasetConfig, tokenizer, rows: list[dict]) -> list[int]:
+    """The prompt length in tokens of the rows :func:`check_dataset` looks at (those within max_prompt_tokens)."""
+    builder = PromptBuilder(cfg, tokenizer)
+    return [len(e.prompt_ids) for e in (builder.build(rows[i]) for i in sample_rows(len(rows))) if e is not None]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids, without special tokens (a completion's, as the model would write it)."""
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def check_encodes(tokenizer, text: str, ids: list[int], what: str, fix: str = "or leave it empty") -> None:
     """``text`` must survive into ``ids``: decoding them gives it back (whitespace aside). A tokenizer
     that cannot spell it (the built-in tiny model knows only digits, '+' and '=') would drop it
     silently: the stored text would have it, the tokens the model sees would not."""
     decoded = "".join(tokenizer.decode(ids, skip_special_tokens=True).split())
     if "".join(text.split()) not in decoded:
         name = getattr(tokenizer, "name_or_path", "") or "the built-in tiny model's"
-        raise DatasetError(f"{what} does not survive the tokenizer ({name}): decoding the prompt's token ids "
-                           f"gives {decoded[:80]!r} without it; use a model whose tokenizer can spell it (the "
-                           "built-in tiny model knows only digits, '+' and '='), or leave it empty")
+        raise DatasetError(f"{what} does not survive the tokenizer ({name}): decoding its token ids gives "
+                           f"{decoded[:80]!r} without {' '.join(text.split())[:60]!r}; use a model whose tokenizer "
+                           f"can spell it (the built-in tiny model knows only digits, '+' and '='), {fix}")
 
 
 # ------------------------------------------------------------------------------------------------

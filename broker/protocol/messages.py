@@ -326,6 +326,9 @@ class Heartbeat(BaseModel):
     reward_failures: int = Field(0, description="int: samples whose reward failed")
     reward_failures_by_plugin: dict[str, int] = Field(default_factory=dict, description="object: plugin -> samples "
                                                       "whose reward failed")
+    reward_ok: int = Field(0, description="int: samples whose reward was scored")
+    reward_last_failure: dict[str, str] = Field(default_factory=dict, description="object: plugin -> the reason of "
+                                                "its latest failed sample (at most 200 characters)")
     reward_pauses: int = Field(0, description="int: reward outages that held a batch (state paused_reward)")
     reward_paused_s: float = Field(0.0, description="float: seconds batches were held through reward outages")
     last_update_latency_s: float | None = Field(None, description="float: publish -> apply seconds of the last "

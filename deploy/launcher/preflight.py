@@ -13,7 +13,14 @@ Every check is the services' own start-up code, called here too (one piece of co
   runs it when it builds its backend);
 - the reward plugins' secrets are set (``check_secrets``, reward_service/config.py; each plugin
   resolves its token with the same code when it starts);
-- an external Redis (``--redis-url``) answers.
+- an external Redis (``--redis-url``) answers;
+- the learning rates (``lr_problems``, learner/config.py): 1 or more is an error, one far from the
+  rate the model's kind trains at a note;
+- prompt and completion fit the model's context (``context_length``, learner/model_folder.py):
+  ``max_prompt_tokens`` (or, left at its default, the longest prompt of the rows checked; a built-in
+  task's longest prompt) plus ``generator.sampling.max_tokens`` (an episode's ``max_episode_tokens``);
+- an environment on the built-in tiny model has its tool vocabulary (``learner.tiny_tools``; the
+  generator's ``check_tool_vocabulary`` refuses to start without it, at every restart).
 
 Only a dataset check loads a tokenizer (transformers); the rest reads files and configs.
 """
@@ -44,7 +51,8 @@ def _tokenizer(path: str):
 def check_run(p: dict) -> list[str]:
     """Check the run ``p`` (``plan()``'s result) before anything starts; raise PreflightError on the first
     mistake. Returns notes worth printing (e.g. a dataset that ends before the last step)."""
-    from broker.prompts.datasets import DatasetError, check_dataset, read_rows
+    from broker.prompts.datasets import DatasetError, check_dataset, prompt_tokens, read_rows
+    from learner.config import lr_problems
     from generators.config import BackendMissing, check_backend_installed
     from learner.model_folder import ModelFolderError, check_model_folder
     from reward_service.config import check_secrets
@@ -68,6 +76,17 @@ def check_run(p: dict) -> list[str]:
         raise PreflightError(str(e)) from None
     if p.get("redis_port") is None:
         _check_redis(p["redis_url"])
+    error, lr_notes = lr_problems(learner)
+    if error:
+        raise PreflightError(error)
+    notes += lr_notes
+    if generator.env and learner.model == "tiny" and not learner.tiny_tools:
+        raise PreflightError(f"generator.env = {generator.env!r} on the built-in tiny model needs its tool symbols: "
+                             "set learner.tiny_tools = true (relay up --task calc does), or use a model whose "
+                             "tokenizer has a chat template")
+    context = Context(learner.model, generator)
+    if broker.dataset is None:
+        context.check_task(broker.task)
     tokenizers: dict[str, object] = {}
 
     def tokenizer(path: str):
@@ -89,6 +108,7 @@ def check_run(p: dict) -> list[str]:
             check_dataset(ds, tok, rows)
         except DatasetError as e:
             raise PreflightError(f"{name}: {e}") from None
+        notes += context.check_dataset(ds, name, prompt_tokens(ds, tok, rows))
         if ds is main and main.epochs is not None:
             prompts, need = len(rows) * main.epochs, learner.steps * learner.batch_groups
             if prompts < need:
@@ -96,6 +116,66 @@ def check_run(p: dict) -> list[str]:
                              f"{learner.steps} steps x {learner.batch_groups} groups need {need}: the run will end "
                              f"when the data ends, near step {prompts // learner.batch_groups}")
     return notes
+
+
+class Context:
+    """Whether prompt and completion fit the model's context (``context_length``; a vLLM backend's
+    ``max_model_len`` when it is smaller). The completion's budget: ``sampling.max_tokens``, or with an
+    environment the episode's ``max_episode_tokens`` (every turn and reply after the prompt)."""
+
+    def __init__(self, model: str, generator: GeneratorConfig):
+        from learner.model_folder import context_length
+
+        self.positions = context_length(model)
+        limit = getattr(generator.backend, "max_model_len", 0)
+        if limit and (self.positions is None or limit < self.positions):
+            self.positions = limit
+        if generator.env:
+            self.budget, self.setting = generator.max_episode_tokens, "generator.max_episode_tokens"
+        else:
+            self.budget, self.setting = generator.sampling.max_tokens, "generator.sampling.max_tokens"
+        self.model = "the built-in tiny model" if model == "tiny" else f"the model ({model})"
+        if self.positions is not None and self.budget >= self.positions:
+            raise PreflightError(f"{self.setting} = {self.budget} does not fit {self.model}'s context of "
+                                 f"{self.positions} positions (prompt and completion together): set it below "
+                                 f"{self.positions}, leaving room for the prompt (docs/datasets.md)")
+
+    def _fit(self, prompt: int, what: str) -> None:
+        if self.positions is not None and prompt + self.budget > self.positions:
+            raise PreflightError(f"{what} ({prompt} tokens) + {self.setting} ({self.budget}) is more than "
+                                 f"{self.model}'s context of {self.positions} positions: lower {self.setting} to "
+                                 f"{self.positions - prompt} or less, or shorten the prompts (docs/datasets.md)")
+
+    def check_task(self, task) -> None:
+        """A built-in task's longest prompt (its characters and the special tokens: at most a token each)."""
+        import itertools
+
+        from broker.prompts.tasks import prompt_stream
+
+        longest = max(len(p.text) for p in itertools.islice(prompt_stream(task), 256)) + 2
+        self._fit(longest, f"the {task.name} task's longest prompt")
+
+    def check_dataset(self, ds, name: str, lengths: list[int]) -> list[str]:
+        """A dataset: ``max_prompt_tokens`` set by the user must fit with the budget; left at its default, the
+        longest prompt of the rows checked (``lengths``) must, and a note says what to set."""
+        if self.positions is None:
+            return []
+        room = self.positions - self.budget
+        if "max_prompt_tokens" in ds.model_fields_set:
+            if ds.max_prompt_tokens > room:
+                raise PreflightError(f"{name}.max_prompt_tokens ({ds.max_prompt_tokens}) + {self.setting} "
+                                     f"({self.budget}) is more than {self.model}'s context of {self.positions} "
+                                     f"positions: set {name}.max_prompt_tokens to {room} or less (longer prompts are "
+                                     f"skipped and counted), or lower {self.setting} (docs/datasets.md)")
+            return []
+        if lengths:
+            self._fit(max(lengths), f"{name}'s longest prompt of the rows checked")
+        if ds.max_prompt_tokens > room:
+            return [f"{name}.max_prompt_tokens is {ds.max_prompt_tokens} (the default), but only prompts of up to "
+                    f"{room} tokens fit {self.model}'s {self.positions} positions with {self.setting} = "
+                    f"{self.budget}: set {name}.max_prompt_tokens = {room} so that a longer prompt is skipped (and "
+                    f"counted) rather than overflow"]
+        return []
 
 
 def _check_redis(url: str) -> None:

@@ -8,7 +8,10 @@ plain line every 15 s. The line, once the first step is trained:
 
 (one line on screen). Before it, what the run is waiting for: the learner's first version, or the
 first batch. Rates are measured from the first step this process saw (a resumed run's earlier
-part does not count).
+part does not count). What went wrong since the start follows, when anything did: samples whose
+reward failed, by plugin (``reward-failed raises 640``), groups the learner dropped because every
+reward of theirs failed (``reward-dropped 80``), and the policy problems relay up warned about
+(``POLICY COLLAPSED``, deploy/launcher/alerts.py).
 """
 
 from __future__ import annotations
@@ -50,8 +53,20 @@ class Rates:
         return (step - s0) / (now - t0), (tokens - k0) / (now - t0)
 
 
+def failure_parts(st: dict) -> list[str]:
+    """The progress line's failures: samples whose reward failed, by plugin, and groups dropped for them."""
+    f = st.get("failures") or {}
+    by_plugin = {k: int(v) for k, v in (f.get("reward_failures_by_plugin") or {}).items() if v}
+    parts = ["reward-failed " + ", ".join(f"{k} {v}" for k, v in sorted(by_plugin.items()))] if by_plugin else []
+    dropped = int((st.get("learner") or {}).get("groups_dropped_reward_failed", 0))
+    if dropped:
+        parts.append(f"reward-dropped {dropped}")
+    return parts
+
+
 def progress_line(st: dict, total: int, elapsed: float, steps_per_s: float | None, tokens_per_s: float | None,
-                  latest_eval: dict | None = None, restarts: int = 0, tty: bool = False) -> str:
+                  latest_eval: dict | None = None, restarts: int = 0, tty: bool = False,
+                  flags: list[str] | tuple = ()) -> str:
     """One line of the run's state (``st``: the dashboard's ``/api/state``, broker/dashboard/state.py)."""
     ln = st.get("learner", {})
     step = int(ln.get("step", 0))
@@ -64,7 +79,10 @@ def progress_line(st: dict, total: int, elapsed: float, steps_per_s: float | Non
     if st.get("learner_version") is None:
         parts.append("waiting for the learner's first version (model load)")
     elif step == 0:
-        parts.append("waiting for the first batch (generation, rewards)")
+        scored = sum(int(g.get("reward_ok") or 0) for g in st.get("generators", []))
+        failed = int((st.get("failures") or {}).get("reward_failures") or 0)
+        parts.append("waiting for the first batch: every reward so far failed" if failed and not scored
+                     else "waiting for the first batch (generation, rewards)")
     else:
         if steps_per_s:
             rate = f"{steps_per_s:.1f} steps/s" if steps_per_s >= 1 else f"{steps_per_s * 60:.2f} steps/min"
@@ -86,6 +104,7 @@ def progress_line(st: dict, total: int, elapsed: float, steps_per_s: float | Non
         parts.append(gens)
     if restarts:
         parts.append(f"restarts {restarts}")
+    parts += failure_parts(st) + list(flags)
     return "  ".join(p for p in parts if p)
 
 
@@ -107,13 +126,13 @@ class Progress:
         self.last_print = float("-inf")
         self.on_line = False
 
-    def show(self, st: dict, restarts: int = 0, latest_eval: dict | None = None) -> None:
+    def show(self, st: dict, restarts: int = 0, latest_eval: dict | None = None, flags: list[str] | tuple = ()) -> None:
         if not self.enabled:
             return
         now = time.monotonic()
         ln = st.get("learner", {})
         steps_s, tokens_s = self.rates.update(now, int(ln.get("step", 0)), float(ln.get("tokens_trained", 0)))
-        line = progress_line(st, self.total, now - self.t0, steps_s, tokens_s, latest_eval, restarts, self.tty)
+        line = progress_line(st, self.total, now - self.t0, steps_s, tokens_s, latest_eval, restarts, self.tty, flags)
         if self.tty:
             print("\r\033[K" + line, end="", flush=True)
             self.on_line = True
@@ -135,16 +154,24 @@ class TruncationWarning:
     def __init__(self, progress: Progress, max_tokens: int | None):
         self.progress, self.max_tokens, self.shown = progress, max_tokens, False
 
-    def check(self, learner: dict) -> None:
+    def check(self, learner: dict, policy: str | None = None) -> None:
+        """``policy``: what is wrong with the policy, when something is (deploy/launcher/alerts.py,
+        ``PolicyWatch.suspect``): then the completions run to max_tokens because the policy answers noise,
+        and the warning says so instead of blaming the budget."""
         frac = learner.get("truncated_warning_frac")
         if self.shown or frac is None:
             return
         self.shown = True
         self.progress.done()  # off the progress line
         setting = f" = {self.max_tokens}" if self.max_tokens else f" (default {_default_max_tokens()})"
-        print(f"relay up: warning: {frac:.0%} of the completions of the last steps stopped at max_tokens (mean "
-              f"length {learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))}): "
-              f"answers are cut off; raise generator.sampling.max_tokens{setting} (docs/datasets.md)", flush=True)
+        cut = (f"{frac:.0%} of the completions of the last steps stopped at max_tokens (mean length "
+               f"{learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))})")
+        if policy:
+            print(f"relay up: warning: {cut}, but the budget is not what is wrong: the policy is broken ({policy}); "
+                  f"fix that rather than raising generator.sampling.max_tokens{setting}", flush=True)
+            return
+        print(f"relay up: warning: {cut}: answers are cut off; raise generator.sampling.max_tokens{setting} "
+              f"(docs/datasets.md)", flush=True)
 
 
 def _default_max_tokens() -> int:

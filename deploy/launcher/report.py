@@ -1,5 +1,8 @@
 """The end-of-run report: a few lines from ``summary.json`` (``relay up`` prints it at the end,
-``relay status RUN`` prints it for a finished run). The error, when there is one, comes last."""
+``relay status RUN`` prints it for a finished run). What went wrong on the way has lines of its own
+when it happened: reward failures by plugin with their reason, groups dropped by reason, restarts
+with each service's last error, the warnings printed during the run. The error, when there is one,
+comes last."""
 
 from __future__ import annotations
 
@@ -26,6 +29,24 @@ def _path(p: Path | str) -> str:
         return str(p)
 
 
+# the learner's reasons for dropping a group (summary.json's groups_dropped), as the report says them
+DROPPED = {"reward_failed": "every reward failed", "bad_token": "a token outside the vocabulary",
+           "sampling_mismatch": "sampled with other settings", "nonfinite": "a non-finite number"}
+
+
+def _reward_failures(rf: dict) -> list[str]:
+    """The report's line on failed rewards: how many samples, by plugin with each one's latest reason."""
+    if not rf.get("samples"):
+        return []
+    reasons = rf.get("last_reason") or {}
+    parts = [f"{p} {n}" + (f" ({reasons[p]})" if reasons.get(p) else "")
+             for p, n in (rf.get("by_plugin") or {}).items()]
+    scored = f" of {rf['samples'] + rf['samples_scored']}" if rf.get("samples_scored") is not None else ""
+    fallback = f"; {rf['samples_trained_on_fallback']} trained on the fallback score" \
+        if rf.get("samples_trained_on_fallback") else ""
+    return [f"  rewards      {rf['samples']}{scored} samples failed: " + "; ".join(parts) + fallback]
+
+
 def format_report(s: dict, run_dir: Path) -> str:
     status = s.get("status", "unknown")
     total = s.get("steps_total")
@@ -42,12 +63,19 @@ def format_report(s: dict, run_dir: Path) -> str:
                      f"(v{b.get('version')})   {len(rounds)} round{'s' if len(rounds) > 1 else ''}")
     if "groups_trained" in s:
         au = s.get("audit") or {}
-        lines.append(f"  groups       {s['groups_trained']} trained, {s.get('groups_dropped_stale', 0)} dropped stale, "
-                     f"{s.get('groups_rejected', 0)} rejected; audit: lost {au.get('lost', '-')}, trained twice "
-                     f"{au.get('trained_twice', '-')}")
+        other = {k: v for k, v in (s.get("groups_dropped") or {}).items() if v and k != "stale"}
+        dropped = "".join(f", {v} dropped ({DROPPED.get(k, k)})" for k, v in sorted(other.items()))
+        lines.append(f"  groups       {s['groups_trained']} trained, {s.get('groups_dropped_stale', 0)} dropped stale"
+                     f"{dropped}, {s.get('groups_rejected', 0)} rejected; audit: lost {au.get('lost', '-')}, trained "
+                     f"twice {au.get('trained_twice', '-')}")
+        lines += _reward_failures(s.get("reward_failures") or {})
         restarts = {k: v for k, v in (s.get("restarts") or {}).items() if v}
         if restarts:
-            lines.append("  restarts     " + ", ".join(f"{k} {v}" for k, v in restarts.items()))
+            errors = s.get("restart_errors") or {}
+            lines.append("  restarts     " + ", ".join(
+                f"{k} {v}" + (f" (last error: {errors[k]})" if errors.get(k) else "") for k, v in restarts.items()))
+    for w in s.get("warnings") or []:
+        lines.append(f"  warning      {w}")
     exp = s.get("export")
     if exp:
         lines.append(f"  export       {_path(exp['path'])} (version {exp['version']}; loads with transformers)")

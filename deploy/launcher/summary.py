@@ -34,10 +34,18 @@ def outcome(rc: int, error: str | None) -> dict:
     return {"status": status, "error": error if status == "failed" else None}
 
 
+def dropped_counts(lastm: dict, learner_stats: dict) -> dict[str, int]:
+    """``groups_dropped_<why>`` -> groups the learner dropped: its stats in Redis, which count drops as they
+    happen (when every group is dropped, no step ever writes a metrics line), else the last metrics line."""
+    keys = {k for k in (*lastm, *learner_stats) if k.startswith("groups_dropped_")}
+    return {k: int(max(float(learner_stats.get(k, 0) or 0), float(lastm.get(k, 0) or 0))) for k in sorted(keys)}
+
+
 def build_summary(run_id: str, metrics: list[dict], learner_version: int | None, broker_stats: dict,
-                  generators: dict[str, Heartbeat], wall_seconds: float) -> dict:
+                  generators: dict[str, Heartbeat], wall_seconds: float, learner_stats: dict | None = None) -> dict:
     first, last = reward_first_last(metrics)
     lastm = metrics[-1] if metrics else {}
+    dropped = dropped_counts(lastm, learner_stats or {})
     return {
         "run_id": run_id,
         "steps": lastm.get("step", 0),
@@ -45,11 +53,13 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         "reward_first": first,
         "reward_last": last,
         "groups_trained": lastm.get("groups_trained", 0),
-        "groups_dropped_stale": lastm.get("groups_dropped_stale", 0),
-        "groups_dropped_nonfinite": lastm.get("groups_dropped_nonfinite", 0),
+        "groups_dropped_stale": dropped.get("groups_dropped_stale", 0),
+        "groups_dropped_nonfinite": dropped.get("groups_dropped_nonfinite", 0),
+        # every reason: stale, reward_failed, bad_token, sampling_mismatch, nonfinite (docs/learner.md)
+        "groups_dropped": {k[len("groups_dropped_"):]: v for k, v in dropped.items() if v},
         "skipped_steps": lastm.get("skipped_steps", 0),  # optimizer steps skipped for a NaN/inf loss or gradient
         "groups_rejected": int(sum(v for k, v in broker_stats.items() if k.startswith("rejected:"))),
-        "reward_failures": reward_failures(lastm, generators),
+        "reward_failures": reward_failures({**lastm, **dropped}, generators),
         "episodes": episode_totals([hb.episodes for hb in generators.values()]),  # {} for single-turn tasks
         "generators": {
             gid: {"backend": hb.backend, "version_applied": hb.version, "groups_sent": hb.groups_sent,
@@ -62,16 +72,20 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
 
 def reward_failures(lastm: dict, generators: dict[str, Heartbeat]) -> dict:
     """What failed rewards did to the run: samples whose reward failed (by plugin, as the generators
-    counted them), groups the learner dropped because none of their rewards was usable, and the samples
-    trained on ``learner.fallback_score`` instead (``fallback_used``: the reward figures then include
-    that score, not a measured one)."""
+    counted them, with each plugin's latest reason), groups the learner dropped because none of their
+    rewards was usable, and the samples trained on ``learner.fallback_score`` instead (``fallback_used``:
+    the reward figures then include that score, not a measured one)."""
     by_plugin: dict[str, int] = {}
+    reasons: dict[str, str] = {}
     for hb in generators.values():
         for plugin, n in hb.reward_failures_by_plugin.items():
             by_plugin[plugin] = by_plugin.get(plugin, 0) + int(n)
+        reasons.update(hb.reward_last_failure)
     fallback = int(lastm.get("samples_reward_fallback", 0) or 0)
     return {"samples": sum(int(hb.reward_failures) for hb in generators.values()),
+            "samples_scored": sum(int(hb.reward_ok) for hb in generators.values()),
             "by_plugin": dict(sorted(by_plugin.items())),
+            "last_reason": dict(sorted(reasons.items())),
             "groups_dropped": int(lastm.get("groups_dropped_reward_failed", 0) or 0),
             "samples_trained_on_fallback": fallback, "fallback_used": fallback > 0}
 

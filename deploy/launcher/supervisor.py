@@ -13,14 +13,20 @@ Policy, per service (broker, reward, each generator, the learner; never the embe
   restarted: it failed at start-up, and would fail the same way again; it fails the run at once,
   with its last log lines;
 - a service past its budget, or one that may not be restarted (``restartable``), fails the run;
+- a service that keeps failing for the same reason fails the run instead of being restarted again:
+  one that exits with code 2 (a configuration error: ``relay <service>`` exits 2 on a bad config, a
+  generator on a refused ingest key or reward token; a restart runs into it again), or one whose last
+  ``same_error_deaths`` deaths (each with an exit code, within ``same_error_window_s``) ended on the
+  same last log line (:func:`last_error`, the last line of its traceback);
 - a service that has come up and then shows no sign of life for ``hang_s`` (``alive_at``: a
   generator's heartbeat, the others' ``/healthz`` answering; a process frozen by SIGSTOP, or stuck
   where it cannot heartbeat) is taken for dead: it is killed (SIGKILL), counted in ``hangs``, and
   restarted like any other death.
 
-Every restart is logged on stderr, counted per service (``restarts``, which ``summary.json``
-reports), and the current PIDs are rewritten to ``pids.json`` (atomically) so an operator or a test
-can find each service by PID.
+Every death is logged on stderr with the service's last error line, every restart is counted per
+service (``restarts``, which ``summary.json`` reports, with each service's last error in
+``restart_errors``), and the current PIDs are rewritten to ``pids.json`` (atomically) so an operator
+or a test can find each service by PID.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class RestartPolicy:
     stable_s: float = 30.0  # a child up this long has its back-off start over
     hang_s: float = 0.0  # no sign of life for this long = hung (killed, then restarted); 0 = not watched
     probe_every_s: float = 2.0  # how often each service's sign of life is looked for
+    same_error_deaths: int = 3  # this many deaths in a row on the same error line fail the run (0 = never)
+    same_error_window_s: float = 600.0  # ... when they all happened within this many seconds
 
     def delay(self, consecutive: int) -> float:
         """Seconds to wait before restart number ``consecutive`` (1, 2, …) of a quick-failing child."""
@@ -62,8 +70,19 @@ class GiveUp(Exception):
 
     def last_error(self) -> str:
         """The service's last log line that says what went wrong (the last line of a traceback)."""
-        lines = [" ".join(ln.split()) for ln in self.child.tail(40).splitlines() if ln.strip()]
-        return lines[-1] if lines else "(its log is empty)"
+        return last_error(self.child) or "(its log is empty)"
+
+
+# a service's exit code for a configuration error (`relay <service>` on a bad config, a generator whose
+# ingest key or reward token is refused): a restart would fail the same way
+CONFIG_ERROR_EXIT = 2
+
+
+def last_error(child: Child) -> str:
+    """The child's last non-empty log line, whitespace collapsed ("" when its log is empty): the last line
+    of a traceback, or the error a service logged before it exited."""
+    lines = [" ".join(ln.split()) for ln in child.tail(40).splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 class Supervisor:
@@ -93,6 +112,8 @@ class Supervisor:
         self.hangs: Counter[str] = Counter()  # services killed because they stopped showing signs of life
         self._last_sign: dict[int, float] = {}  # pid -> unix time of that process's latest sign of life
         self._probed: dict[str, float] = {}  # name -> monotonic time of its last probe
+        self.errors: dict[str, str] = {}  # name -> the last error line of its latest death (summary's restart_errors)
+        self._deaths: dict[str, list[tuple[float, str]]] = {}  # name -> (monotonic time, error line) of its deaths
         self.write_pids()
 
     def child(self, name: str) -> Child:
@@ -127,19 +148,23 @@ class Supervisor:
                 raise GiveUp(c, "a clean exit before the run finished is not restarted")
             if name in self.not_restartable:
                 raise GiveUp(c, f"not restarted: {self.not_restartable[name]}")
+            if rc == CONFIG_ERROR_EXIT:
+                raise GiveUp(c, "it stopped on a configuration error (exit code 2), which a restart would not fix")
             if name not in self._due:
                 if self.restarts[name] >= self.policy.max_restarts:
                     raise GiveUp(c, f"restart budget spent ({self.restarts[name]} of --max-restarts "
                                     f"{self.policy.max_restarts})")
+                error = last_error(c)
+                self._same_error(c, now, error)
                 uptime = now - c.started_at
                 self._consecutive[name] = 1 if uptime >= self.policy.stable_s else self._consecutive[name] + 1
                 delay = self.policy.delay(self._consecutive[name])
                 self._due[name] = now + delay
                 how = f"signal {-rc}" if rc < 0 else f"code {rc}"
                 self.before_print()
-                print(f"relay up: {name} (pid {c.pid}) died ({how}) after {uptime:.1f}s; restart "
-                      f"{self.restarts[name] + 1}/{self.policy.max_restarts} in {delay:.1f}s", file=sys.stderr,
-                      flush=True)
+                print(f"relay up: {name} (pid {c.pid}) died ({how}) after {uptime:.1f}s"
+                      f"{f': {error}' if error and rc > 0 else ''}; restart {self.restarts[name] + 1}/"
+                      f"{self.policy.max_restarts} in {delay:.1f}s", file=sys.stderr, flush=True)
             elif now >= self._due[name]:
                 del self._due[name]
                 new = self.procs.restart(c)
@@ -147,6 +172,24 @@ class Supervisor:
                 self.write_pids()
                 self.before_print()
                 print(f"relay up: {name} restarted (pid {new.pid})", file=sys.stderr, flush=True)
+
+    def _same_error(self, c: Child, now: float, error: str) -> None:
+        """Record a death of ``c`` (``error``: its last log line); GiveUp when its last ``same_error_deaths``
+        deaths with an exit code (a kill by a signal says nothing about the service) ended on that same line
+        within ``same_error_window_s``: it keeps failing for one reason, which a restart does not fix."""
+        if c.proc.returncode <= 0 or not error:
+            self._deaths.pop(c.name, None)  # a signal (or nothing logged) breaks the streak
+            return
+        self.errors[c.name] = error
+        deaths = self._deaths.get(c.name, [])
+        if deaths and deaths[-1][1] != error:
+            deaths = []  # another reason: the streak starts over
+        deaths = [d for d in deaths if now - d[0] <= self.policy.same_error_window_s] + [(now, error)]
+        self._deaths[c.name] = deaths
+        n = self.policy.same_error_deaths
+        if n and len(deaths) >= n:
+            raise GiveUp(c, f"it failed {len(deaths)} times in a row with the same error within "
+                            f"{now - deaths[0][0]:.0f}s, which restarting does not fix")
 
     def _watch(self, c: Child, now: float) -> None:
         """Kill ``c`` when it has shown no sign of life for ``policy.hang_s`` (it is then restarted as dead)."""

@@ -82,6 +82,10 @@ def add_up_arguments(p) -> None:
                    "heartbeat; the others' /healthz) is taken for hung: killed and restarted (default 120; 0 = off)")
     p.add_argument("--no-restart", action="store_true", help="never restart a service: the first one that dies "
                    "ends the run (same as --max-restarts 0)")
+    p.add_argument("--fail-after", type=float, default=120.0, metavar="S",
+                   help="stop the run when no reward has been scored for S seconds while failed ones kept coming "
+                   "(a reward plugin that raises, a wrong token of a remote scorer); failures are named on the "
+                   "console as they start (default 120; 0 = never stop for them)")
 
 
 def _validate(model, data: dict, section: str):
@@ -143,6 +147,8 @@ def plan(args, environ: dict | None = None) -> dict:
         raise UsageError("--learner-ranks must be at least 1")
     if args.max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
+    if getattr(args, "fail_after", 0) < 0:
+        raise UsageError("--fail-after must be 0 (never) or more seconds")
     try:
         args.model = str(check_model_folder(args.model))
     except ModelFolderError as e:
@@ -307,6 +313,7 @@ def run_up(args) -> int:
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
     from broker.prompts.evals import EvalHistory
+    from deploy.launcher.alerts import ConsoleAlerts, LearnerEntries, RunFailure
     from deploy.launcher.progress import Progress, TruncationWarning, latest_eval
     from deploy.launcher.procs import ProcessGroup, start_redis
     from deploy.launcher.report import format_report
@@ -393,6 +400,7 @@ def run_up(args) -> int:
               f"{' with the token in secrets/reward.token' if cfgs['reward'].get('auth_token') else ''})", flush=True)
         evals = EvalHistory(r, keys)  # read incrementally: the latest round's pass@1 on the progress line
         truncation = TruncationWarning(progress, cfgs["generator"].get("sampling", {}).get("max_tokens"))
+        alerts = ConsoleAlerts(progress.done, args.fail_after, run_dir / "logs", LearnerEntries(r, keys).new)
         while stopping["why"] is None:
             if not started and r.hexists(keys.stats("learner"), "version"):
                 started = point_latest(p["runs_dir"], run_dir)
@@ -413,8 +421,13 @@ def run_up(args) -> int:
                 break
             try:
                 st = build_state(r, keys, announce_key=key)
-                truncation.check(st.get("learner", {}))
-                progress.show(st, supervisor.total(), latest_eval(evals.rounds()))
+                alerts.check(st)  # failures after start-up said on the console (deploy/launcher/alerts.py)
+                truncation.check(st.get("learner", {}), alerts.policy.suspect())
+                progress.show(st, supervisor.total(), latest_eval(evals.rounds()), alerts.flags())
+            except RunFailure as e:  # one that keeps happening stops the run, its reason printed last
+                progress.done()
+                error, rc = str(e), 1
+                break
             except Exception as e:  # the display must never stop the run; show why it is blank
                 print(f"\rrelay up: progress unavailable: {e}", end="", file=sys.stderr)
             time.sleep(supervisor.sleep_hint(1.0))
@@ -440,14 +453,15 @@ def run_up(args) -> int:
         for stage in stop_order([c.name for c in procs.children]):
             procs.stop(stage, timeout=60)
         # a warning the learner raised at its last steps, after the loop's last look (a short run)
-        truncation.check(read_stats(r, keys, "learner"))
+        truncation.check(read_stats(r, keys, "learner"), alerts.policy.suspect())
         published = _int(r.hget(keys.stats("learner"), "version"))
         if not started and published is not None:
             started = point_latest(p["runs_dir"], run_dir)
         wall = time.time() - t0 + ((resumed or {}).get("wall_seconds") or 0)  # both parts of a resumed run
         summary = {**outcome(rc, error),
                    **build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"), published,
-                                   read_stats(r, keys, "broker"), read_heartbeats(r, keys), wall)}
+                                   read_stats(r, keys, "broker"), read_heartbeats(r, keys), wall,
+                                   read_stats(r, keys, "learner"))}
         summary["steps_total"] = total
         summary["resumes"] = resumed.get("resumes", 0) + 1 if resumed is not None else 0
         summary["audit"] = audit(r, keys)
@@ -458,6 +472,8 @@ def run_up(args) -> int:
         summary["restarts"] = {k: v + before.get(k, 0) for k, v in supervisor.restarts.items()}  # every part
         hung = (resumed or {}).get("hangs") or {}
         summary["hangs"] = {k: v + hung.get(k, 0) for k, v in supervisor.hangs.items() if v or hung.get(k)}
+        summary["restart_errors"] = {**((resumed or {}).get("restart_errors") or {}), **supervisor.errors}
+        summary["warnings"] = [*((resumed or {}).get("warnings") or []), *alerts.warnings]
         ended = r.get(keys.done)  # the learner's sentence: its steps done, or the dataset ran out
         summary["ended"] = ended.decode() if ended and rc == 0 else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -110,6 +110,15 @@ def test_a_service_reads_its_section_of_a_run_file(procs, tmp_path):
     _assert_clear_error(res, "rewards")
 
 
+def test_a_services_help_says_it_reads_its_section_of_a_run_file():
+    """`relay reward --help` says what `--config` takes: its own fields, or a run file's [reward] section (the
+    test above); it once said the opposite ("no [reward] header")."""
+    res = relay("reward", "--help")
+    text = " ".join(res.stdout.split())
+    assert res.returncode == 0 and "no [reward] header" not in text
+    assert "a run file as `relay up --config` takes" in text and "of which it reads [reward]" in text
+
+
 def _write(path, text):
     path.write_text(text)
     return path

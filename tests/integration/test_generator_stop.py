@@ -70,3 +70,30 @@ def test_sigterm_drains_what_the_generator_holds(procs, redis_url, tmp_path):
     sent = read_heartbeats(r, keys)["g"].groups_sent
     assert sent == r.xlen(keys.trajectories) and sent % 8 == 0  # whole batches only, each group in Redis
     assert read_heartbeats(r, keys)["g"].state == "stopped"
+
+
+def test_sigterm_abandons_a_batch_still_generating_after_the_grace(procs, redis_url, tmp_path):
+    """A long batch (here 50 decode steps of 1 s each: a big model's, or the issue's 4096 tokens) does not hold
+    a stop: 10 s after SIGTERM the batch still generating is abandoned and the generator exits, its prompts
+    pending for another generator. (A Ctrl-C of relay up once waited 49 s for such a batch.)"""
+    svc = start_broker_and_reward(procs, redis_url, tmp_path, "long", prompt_backlog=8, eval={"every_versions": 0})
+    r, keys = redis.Redis.from_url(redis_url), Keys("long")
+    path = build_tiny_model(tmp_path / "model")
+    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4,
+              announce_key(tmp_path)).publish(
+        AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
+    gen = start_service(procs, "gen", "generator", generator_cfg(
+        svc, redis_url, "long", "g", prompts_per_batch=2, backend={"type": "torch", "step_latency_s": 1.0},
+        sampling={"n": 4, "max_tokens": 50}), tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 0:
+        assert gen.alive(), gen.tail()
+        time.sleep(0.2)
+    time.sleep(2)  # a few decode steps into the batch
+    t0 = time.monotonic()
+    gen.proc.send_signal(signal.SIGTERM)
+    gen.proc.wait(60)
+    assert time.monotonic() - t0 < 25, "the generator finished its 50 s batch before stopping"
+    assert "the batch still generating 10s after the stop is abandoned" in gen.log_path.read_text(), gen.tail()
+    assert r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 2 and r.xlen(keys.trajectories) == 0
+    assert read_heartbeats(r, keys)["g"].state == "stopped"

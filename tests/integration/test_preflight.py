@@ -40,11 +40,23 @@ def _unset_token(tmp_path, env):
                      '"model": "m", "token_env": "PREFLIGHT_TEST_JUDGE_KEY"}}']
 
 
-def _dataset(**fields):
+def _dataset(rows: list[dict] | None = None, **fields):
     def args(tmp_path, env):
-        out = ["--set", "broker.eval.every_versions=0", "--set", f"broker.dataset.path={_data(tmp_path)}"]
+        path = _data(tmp_path)
+        if rows is not None:
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = ["--set", "broker.eval.every_versions=0", "--set", f"broker.dataset.path={path}"]
         return out + [a for k, v in fields.items() for a in ("--set", f"broker.dataset.{k}={v}")]
     return args
+
+
+def _set(*pairs: str):
+    return lambda tmp_path, env: [a for p in pairs for a in ("--set", p)]
+
+
+# the issue's "reverse the word" dataset: on the tiny model every prompt became <bos> and trained at reward 0
+WORDS = [{"prompt": "123", "answer": "321"}] * 3 + [{"prompt": f"reverse the word {w}", "answer": w[::-1]}
+                                                    for w in ("apple", "pear")]
 
 
 MISTAKES = {
@@ -64,6 +76,28 @@ MISTAKES = {
     "vllm not installed": (_hidden_vllm, ["vllm backend needs the vllm package", "--backend torch"]),
     "unset token_env": (_unset_token, ["reward.plugins.judge", "'PREFLIGHT_TEST_JUDGE_KEY'", "not set",
                                        "export PREFLIGHT_TEST_JUDGE_KEY="]),
+    # once: 2 minutes of no step, then a Ctrl-C that took 49 s
+    "max_tokens past the model's context": (_set("generator.sampling.max_tokens=4096"),
+                                            ["generator.sampling.max_tokens = 4096", "context of 64 positions",
+                                             "set it below 64"]),
+    "a task's prompt and max_tokens past the context": (_set("generator.sampling.max_tokens=60"),
+                                                        ["copy task's longest prompt (6 tokens)",
+                                                         "lower generator.sampling.max_tokens to 58 or less"]),
+    "max_prompt_tokens + max_tokens past the context": (_dataset(max_prompt_tokens=64),
+                                                        ["broker.dataset.max_prompt_tokens (64)",
+                                                         "set broker.dataset.max_prompt_tokens to 56 or less"]),
+    "a prompt the tiny model cannot spell": (_dataset(WORDS, reference_field="answer"),
+                                             ["row 3's prompt does not survive the tokenizer",
+                                              "'reverse the word apple'", "knows only digits"]),
+    "a reference the tiny model cannot spell": (_dataset([{"prompt": "123", "answer": "one two three"}],
+                                                         reference_field="answer"),
+                                                ["row 0's reference 'one two three' does not survive the tokenizer"]),
+    "a learning rate of 1000": (_set("learner.lr=1000"), ["learner.lr = 1000 is no learning rate",
+                                                          "set learner.lr below 1"]),
+    "a learning rate of 1e30": (_set("learner.lr=1e30"), ["learner.lr = 1e+30 is no learning rate"]),
+    "an environment on the tiny model without its tools": (lambda tmp_path, env: ["--task", "calc", "--set",
+                                                                                  "learner.tiny_tools=false"],
+                                                           ["generator.env = 'calc'", "learner.tiny_tools = true"]),
 }
 
 

@@ -118,3 +118,28 @@ def test_the_end_of_run_capture_has_the_reports_lines():
                "reward_last": 0.9, "eval": [{"version": 0, "pass@1": 0.0}], "groups_trained": 1, "audit": {},
                "export": {"path": "p", "version": 600}}
     assert labels == [ln.split()[0] for ln in format_report(summary, Path("runs/x")).splitlines()[1:]]
+
+
+def test_the_failure_captures_are_what_relay_up_prints():
+    """The README's captures of a run whose reward plugin raises: the progress line is what `progress_line`
+    prints for that state, and the report's lines are `format_report`'s for that summary."""
+    from deploy.launcher.progress import progress_line
+    from deploy.launcher.report import format_report
+
+    warning, line = _block_after("What fails after start-up is said as it starts").splitlines()
+    assert warning.startswith("relay up: warning: reward plugin 'raises' failed 264 samples: plugin_error: ")
+    st = {"learner": {"groups_dropped_reward_failed": 704}, "learner_version": 0, "queue_depth": 0,
+          "generators": [{"id": "gen-0", "version": 0, "reward_ok": 0}],
+          "failures": {"reward_failures": 5128, "reward_failures_by_plugin": {"raises": 5128}}}
+    assert progress_line(st, 20, 47.0, None, None, {"version": 0, "pass@1": 0.0}) == line
+    capture = _block_after("What went wrong on the way has lines of its own").splitlines()
+    reason = "plugin_error: ValueError: the test plugin's own bug"
+    summary = {"status": "failed", "run_id": "raise3", "steps": 0, "steps_total": 20, "wall_seconds": 86.0,
+               "reward_first": None, "reward_last": None,
+               "eval": [{"version": 0, "pass@1": 0.0}], "groups_trained": 0, "groups_dropped_stale": 0,
+               "groups_dropped": {"reward_failed": 3488}, "groups_rejected": 0, "audit": {"lost": 0, "trained_twice": 0},
+               "reward_failures": {"samples": 28032, "samples_scored": 0, "by_plugin": {"raises": 28032},
+                                   "last_reason": {"raises": reason}},
+               "warnings": [warning.removeprefix("relay up: warning: ")], "error": capture[-1].removeprefix(
+                   "relay up: error: ")}
+    assert format_report(summary, Path("runs/raise3")).splitlines() == capture[:-1]

@@ -41,9 +41,12 @@ def _service(procs, tmp_path, cfg: dict, env: dict | None = None) -> str:
 
 
 def test_remote_plugin_failures_are_failed_items_with_reasons_and_the_breaker_opens(procs, tmp_path):
+    """Every way a remote server fails is a failed item with its reason; only the failures that say the
+    server is out (5xx, timeouts) count toward the circuit breaker: a 401 (a wrong token) or garbage came
+    from a server that answered, and never open it (so they are never taken for an outage)."""
     remote = _remote(procs, token="tok")
     opts = {"url": f"{remote}/score", "token_env": "REMOTE_TOKEN", "timeout_s": 0.5, "retries": 1, "backoff_s": 0.01,
-            "breaker_failures": 5, "breaker_reset_s": 1.0}
+            "breaker_failures": 4, "breaker_reset_s": 1.0}
     base = _service(procs, tmp_path, {"plugins": {"rm": {"type": "remote", "options": opts},
                                                   "rm_notoken": {"type": "remote", "options": {
                                                       "url": f"{remote}/score", "retries": 3}}},
@@ -56,9 +59,13 @@ def test_remote_plugin_failures_are_failed_items_with_reasons_and_the_breaker_op
     ok = score()
     assert [r["score"] for r in ok] == [1.0, 0.5] and ok[1]["details"] == {"prefix": 1.0}
     assert ok[0]["plugin"] == "rm"
-    unauthorized = score("nt")  # a 401 is not retried
-    assert all(r["status"] == "failed" and r["reason"].startswith("remote_http_401") for r in unauthorized)
-    assert httpx.get(f"{remote}/stats").json()["unauthorized"] == 1
+    for _ in range(6):  # more 401s than breaker_failures (5 by default): never the breaker, always the reason
+        unauthorized = score("nt")  # a 401 is not retried
+        assert all(r["status"] == "failed" and r["reason"].startswith("remote_http_401") for r in unauthorized)
+    assert httpx.get(f"{remote}/stats").json()["unauthorized"] == 6
+    for _ in range(5):  # garbage, more often than breaker_failures: the items fail, the breaker stays shut
+        httpx.post(f"{remote}/control", json={"mode": "garbage"})
+        assert score()[0]["reason"].startswith("remote_malformed")
     for mode, reason in (("500", "remote_http_500"), ("garbage", "remote_malformed"), ("hang", "remote_timeout")):
         httpx.post(f"{remote}/control", json={"mode": mode})
         t0 = time.monotonic()
@@ -67,7 +74,10 @@ def test_remote_plugin_failures_are_failed_items_with_reasons_and_the_breaker_op
         assert res[0]["reason"].startswith(reason), res
         if mode == "hang":
             assert time.monotonic() - t0 < 5  # two attempts of 0.5 s, not the server's 60 s
-    # 500 (2 attempts) + garbage (not retried: 1) + hang (2) = 5 consecutive failures: the breaker is open
+    # 500 (2 attempts), garbage (an answer: the count starts over), hang (2 attempts): 2 consecutive failures
+    res = score()
+    assert res[0]["reason"].startswith("remote_timeout"), res  # the breaker (4) is still shut
+    # the third and fourth consecutive failures opened it
     res = score()
     assert res[0]["reason"].startswith("remote_circuit_open"), res
     httpx.post(f"{remote}/control", json={"mode": "ok"})
@@ -76,7 +86,8 @@ def test_remote_plugin_failures_are_failed_items_with_reasons_and_the_breaker_op
     m = httpx.get(f"{base}/metrics").text
     for reason in ("remote_http_500", "remote_malformed", "remote_timeout", "remote_circuit_open"):
         assert metric_value(m, "relay_reward_items_total", plugin="rm", status="failed", reason=reason) >= 2, reason
-    assert metric_value(m, "relay_reward_items_total", plugin="rm_notoken", reason="remote_http_401") == 2
+    assert metric_value(m, "relay_reward_items_total", plugin="rm_notoken", reason="remote_http_401") == 12
+    assert metric_value(m, "relay_reward_items_total", plugin="rm_notoken", reason="remote_circuit_open") == 0
     assert metric_value(m, "relay_reward_remote_requests_total", plugin="rm", outcome="http_500") == 2
     assert metric_value(m, "relay_reward_circuit_open", plugin="rm") == 0.0
     assert metric_value(m, "relay_reward_batch_seconds_count", plugin="rm") >= 6

@@ -143,3 +143,52 @@ def test_a_frozen_child_is_taken_for_hung_killed_and_restarted(group, tmp_path):
     assert time.monotonic() - t0 >= 1.4  # not before hang_s of silence
     assert sup.hangs["gen-0"] == 1 and sup.restarts["gen-0"] == 1 and old.proc.returncode == -signal.SIGKILL
     assert sup.child("gen-0").alive() and sup.child("gen-1").alive() and sup.hangs["gen-1"] == 0
+
+
+def test_a_service_that_keeps_failing_for_the_same_reason_fails_the_run_with_it(group, tmp_path, capsys):
+    """A service that came up and then dies again and again on the same error (a custom environment that
+    fails as each generator starts on it) stops the run after 3 such deaths, with that error, instead of
+    being restarted up to its budget; each death is printed with its error line."""
+    crash = [sys.executable, "-c", "print('serving', flush=True); "
+             "raise ValueError('the environment failed at start')"]
+    group.start("gen-0", crash)
+    sup = Supervisor(group, RestartPolicy(max_restarts=10, backoff_s=0.05), tmp_path / "pids.json", ["gen-0"])
+    with pytest.raises(GiveUp, match="failed 3 times in a row with the same error") as e:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            sup.poll(lambda: False)
+            time.sleep(0.02)
+    assert e.value.last_error() == "ValueError: the environment failed at start"
+    assert sup.restarts["gen-0"] == 2 and sup.errors["gen-0"] == "ValueError: the environment failed at start"
+    err = capsys.readouterr().err
+    assert "gen-0 (pid" in err and "died (code 1)" in err
+    assert ": ValueError: the environment failed at start; restart 1/10" in err
+
+
+def test_another_error_or_a_kill_starts_the_count_over(group, tmp_path):
+    """Deaths on different errors, or kills by a signal (which say nothing about the service), are
+    restarted up to the budget as before."""
+    n = tmp_path / "n"
+    n.write_text("0")
+    flip = [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(n)!r}); k = int(p.read_text()); "
+            "p.write_text(str(k + 1)); raise SystemExit(f'RuntimeError: failure number {k % 2}')"]
+    group.start("gen-0", flip)
+    sup = Supervisor(group, RestartPolicy(max_restarts=4, backoff_s=0.05), tmp_path / "pids.json", ["gen-0"])
+    with pytest.raises(GiveUp, match="restart budget spent"):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            sup.poll(lambda: False)
+            time.sleep(0.02)
+    assert sup.restarts["gen-0"] == 4
+
+
+def test_a_configuration_error_exit_is_not_restarted(group, tmp_path):
+    """Exit code 2 is a configuration error (relay <service> on a bad config; a generator whose reward token or
+    ingest key is refused): a restart would meet it again, so the run stops at once with its reason."""
+    group.start("gen-0", [sys.executable, "-c", "import sys; print('the reward service refused the generator\\'s "
+                          "token', file=sys.stderr); sys.exit(2)"])
+    group.children[0].proc.wait(10)
+    sup = Supervisor(group, RestartPolicy(), tmp_path / "pids.json", ["gen-0"])
+    with pytest.raises(GiveUp, match=r"configuration error \(exit code 2\)") as e:
+        sup.poll(lambda: False)
+    assert sup.total() == 0 and "refused the generator's token" in e.value.last_error()

@@ -64,3 +64,42 @@ def test_progress_shows_length_and_truncation_and_the_warning_prints_once(capsys
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and "70% of the completions of the last steps stopped at max_tokens" in out[0]
     assert "raise generator.sampling.max_tokens = 8" in out[0]
+
+
+def test_learning_rates_far_from_the_models_are_a_note_and_absurd_ones_an_error():
+    """lr=1000 was accepted (with a warning that blamed max_tokens), 1e30 too: 1 or more is an error; a rate
+    far from the one the model's kind trains at is a note naming the range that suits it."""
+    from learner.config import LearnerConfig, lr_problems
+
+    assert lr_problems(LearnerConfig()) == (None, [])  # the defaults
+    assert lr_problems(LearnerConfig(model="/m", lora={"rank": 8})) == (None, [])
+    error, _ = lr_problems(LearnerConfig(lr=1000.0))
+    assert error.startswith("learner.lr = 1000 is no learning rate") and "set learner.lr below 1" in error
+    error, _ = lr_problems(LearnerConfig(critic={"enabled": True, "lr": 5.0}, advantage="gae"))
+    assert error.startswith("learner.critic.lr = 5 is no learning rate")
+    _, notes = lr_problems(LearnerConfig(lr=0.5))
+    assert notes == ["learner.lr = 0.5 is 250x above the 0.002 that the built-in tiny model trains at: training "
+                     "usually diverges (the policy dies); a rate from 2e-05 to 0.04 suits it (docs/learner.md)"]
+    _, notes = lr_problems(LearnerConfig(model="/m", lr=1e-3))
+    assert len(notes) == 1 and "1000x above the 1e-06 that a pretrained model trains at" in notes[0]
+    _, notes = lr_problems(LearnerConfig(model="/m", lr=1e-3, lora={"rank": 8}))  # LoRA trains at 10x
+    assert "100x above the 1e-05 that a pretrained model with LoRA trains at" in notes[0]
+    _, notes = lr_problems(LearnerConfig(lr=1e-9))
+    assert "2000000x below" in notes[0] and "hardly anything will be learnt" in notes[0]
+
+
+def test_the_truncation_warning_blames_a_broken_policy_not_max_tokens(capsys):
+    """With lr=1000 the tiny model's output went uniform (gradient 0 from step 2): 59% of its completions ran to
+    max_tokens, and the warning said to raise max_tokens. When the policy is broken, it says that instead."""
+    from deploy.launcher.alerts import PolicyWatch
+    from deploy.launcher.progress import Progress, TruncationWarning
+
+    watch = PolicyWatch()
+    watch.update([{"step": 1, "grad_norm": 0.28, "loss": 0.068, "entropy": 2.652}] +
+                 [{"step": s, "grad_norm": 0.0, "loss": 0.02, "entropy": 2.708} for s in range(2, 8)])
+    TruncationWarning(Progress(False, 40), 8).check({"step": 7.0, "completion_len_mean": 6.6,
+                                                     "truncated_warning_frac": 0.59}, watch.suspect())
+    out = capsys.readouterr().out
+    assert "59% of the completions of the last steps stopped at max_tokens" in out
+    assert "but the budget is not what is wrong: the policy is broken (its gradient has been 0 for the last 6 " \
+           "steps while its loss is not (entropy 2.708)" in out and "raise generator" not in out

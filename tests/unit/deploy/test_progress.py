@@ -38,3 +38,15 @@ def test_rates_are_measured_from_the_first_step_seen():
 def test_a_fast_run_counts_steps_per_second():
     st = {"learner": {"step": 71.0}, "learner_version": 71, "generators": []}
     assert "4.5 steps/s" in progress_line(st, 200, 61.0, 4.517, None)
+
+
+def test_failures_after_start_up_are_on_the_line():
+    """A plugin that fails every reward once looked like "waiting for the first batch" for minutes."""
+    st = {"learner": {"groups_dropped_reward_failed": 80.0}, "learner_version": 0,
+          "generators": [{"id": "gen-0", "version": 0, "reward_ok": 0}],
+          "failures": {"reward_failures": 640, "reward_failures_by_plugin": {"mine": 640}}}
+    line = progress_line(st, 16, 40.0, None, None)
+    assert "waiting for the first batch: every reward so far failed" in line
+    assert line.endswith("gen-0:v0  reward-failed mine 640  reward-dropped 80")
+    st = {"learner": {"step": 9.0, "loss": 0.0}, "learner_version": 9, "generators": []}
+    assert progress_line(st, 16, 40.0, None, None, flags=["POLICY COLLAPSED"]).endswith("POLICY COLLAPSED")

@@ -44,6 +44,22 @@ def test_the_report_says_how_the_run_went_in_a_few_lines(tmp_path):
     assert "export" not in failed and "eval" not in failed
 
 
+def test_the_report_says_what_failed_on_the_way(tmp_path):
+    """Reward failures by plugin with their reason, groups dropped for them, restarts with their last error,
+    and the warnings printed during the run: once only in summary.json ("0 dropped stale" and nothing more)."""
+    text = format_report({**SUMMARY, "groups_trained": 0, "groups_dropped_stale": 0,
+                          "groups_dropped": {"reward_failed": 26240},
+                          "reward_failures": {"samples": 210048, "samples_scored": 0, "by_plugin": {"mine": 210048},
+                                              "last_reason": {"mine": "plugin_error: ValueError: boom"},
+                                              "groups_dropped": 26240, "samples_trained_on_fallback": 0},
+                          "restarts": {"gen-0": 2}, "restart_errors": {"gen-0": "ValueError: no tools"},
+                          "warnings": ["the policy has collapsed: ..."]}, tmp_path / "r1")
+    assert "0 trained, 0 dropped stale, 26240 dropped (every reward failed), 0 rejected" in text
+    assert "  rewards      210048 of 210048 samples failed: mine 210048 (plugin_error: ValueError: boom)" in text
+    assert "  restarts     gen-0 2 (last error: ValueError: no tools)" in text
+    assert "  warning      the policy has collapsed: ..." in text
+
+
 def test_relay_status_shows_a_finished_run_from_its_folder(tmp_path):
     run = tmp_path / "runs" / "r1"
     (run / "config").mkdir(parents=True)

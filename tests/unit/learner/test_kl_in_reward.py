@@ -37,6 +37,12 @@ class PlainEngine(torch.nn.Module):
     def zero_optimization_stage(self):
         return 0
 
+    def get_global_grad_norm(self):
+        return None  # as DeepSpeed's engine at ZeRO 0 in fp32: the learner's own norm is reported
+
+    def get_lr(self):
+        return [g["lr"] for g in self.opt.param_groups]
+
 
 def _model(seed):
     from transformers import Qwen2Config, Qwen2ForCausalLM
