@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from transformers import DynamicCache
 
 from broker.protocol.sampling import sampling_logprobs
 from broker.protocol.weightstore import (ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_SETTINGS, PEFT_PREFIX, MappedFile,
@@ -37,6 +38,15 @@ def _base_layer_name(name: str) -> str:
     """``<module>.weight`` -> ``<module>.base_layer.weight``: where a layer with an adapter keeps its own weight."""
     module, leaf = name.rsplit(".", 1)
     return f"{module}.base_layer.{leaf}"
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a transformers model's ``forward`` takes its KV cache by: ``cache`` from transformers
+    5.2x (where ``past_key_values`` is a deprecated alias that warns on every call: one ``FutureWarning``
+    per decode step in a generator's log), ``past_key_values`` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def mapped_tensors(m: MappedFile) -> dict[str, torch.Tensor]:
@@ -208,8 +218,12 @@ class TorchBackend(HFText):
         version = on_step() if on_step is not None else -1
         # one prefill per prompt, then its KV cache is copied to the n rows of its group (row i*n+j is
         # sample j of prompt i): the group's prompt is computed once, not n times
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-        past, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, dim=0)
+        # the cache is ours, filled in place by every forward (never read back from the output, whose field
+        # name also changed across transformers versions)
+        past = DynamicCache(config=self.model.config)
+        kv = {cache_kwarg(self.model): past}
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv)
+        logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         if n > 1:
             past.batch_repeat_interleave(n)
         attn, pos = attn.repeat_interleave(n, dim=0), pos.repeat_interleave(n, dim=0)
@@ -239,8 +253,8 @@ class TorchBackend(HFText):
                 version = on_step()  # cache of earlier tokens stays as the old weights computed it)
                 versions[t + 1:] = [version] * (sampling.max_tokens - t - 1)
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                             past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1]
+                             use_cache=True, **kv)
+            logits = out.logits[:, -1]
             next_pos = next_pos + 1
         tokens, lps, done, lengths = tokens.cpu(), lps.cpu(), done.cpu(), lengths.cpu()
         result: list[list[Completion]] = []

@@ -32,6 +32,20 @@ def test_a_group_shares_its_prompts_prefill_and_samples_as_if_each_row_had_its_o
     assert len({tuple(c.token_ids) for c in grouped[0]}) > 1, "the samples of a group must differ"
 
 
+def test_sampling_raises_no_deprecation_warning(backend):
+    """Every decode step passes the KV cache under the name the installed transformers wants: with the
+    old name, transformers 5.2x warns on each call (a generator's log had 99 ``FutureWarning:
+    past_key_values`` lines per 100 steps)."""
+    import warnings
+
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        groups = backend.generate([backend.encode("473=")], sampling, seed=3)
+    assert len(groups[0]) == 2
+
+
 def test_a_bf16_sharded_version_loads_into_an_fp32_engine(tmp_path):
     """A version published in bf16, in shards with the Hugging Face index (learner/publish.py), loads into
     the fp32 torch backend, first load and in-place update: the engine keeps its dtype and holds the
