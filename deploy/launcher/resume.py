@@ -41,6 +41,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     from broker.client.connection import split_addresses
     from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
+    from deploy.launcher.up import ingest_key_dir
     from pydantic import ValidationError
 
     from broker.runtime.config import format_validation_error
@@ -139,7 +140,12 @@ def plan_resume(args, environ, usage_error) -> dict:
                 d[path[-1]] = value
     if cfgs["reward"].get("auth_token") and not cfgs["generator"].get("reward_token"):
         cfgs["generator"]["reward_token"] = cfgs["reward"]["auth_token"]
+    # generator-0's config is the run's generator section, but for what relay up gave generator 0 alone: its
+    # id and its ingest key (one of the run's, in secrets/ingest/); each generator gets its own again
     cfgs["generator"].pop("id", None)
+    own_key = cfgs["generator"].get("ingest_key_file")
+    if own_key and Path(own_key).parent == ingest_key_dir(run_dir):
+        del cfgs["generator"]["ingest_key_file"]
     args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
     args.redis_aof = launch["redis_aof"]
     return {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,

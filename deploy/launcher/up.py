@@ -357,10 +357,7 @@ def run_up(args) -> int:
             procs.start("learner", [sys.executable, *learner_cmd], envs["learner"])
         else:
             procs.start("learner", relay + learner_cmd, envs["learner"])
-        for i in range(args.generators):
-            gcfg = dict(cfgs["generator"], id=f"gen-{i}")
-            if gcfg.get("ingest_auth", "curve") == "curve" and not gcfg.get("ingest_key_file"):
-                gcfg["ingest_key_file"] = gen_keys[gcfg["id"]]  # its own key, bound to its id by the allow-list
+        for i, gcfg in enumerate(generator_configs(cfgs["generator"], gen_keys, args.generators)):
             path = run_dir / "config" / f"generator-{i}.json"
             procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], _write_config(path, gcfg, env))
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts, hang_s=args.hang_after)
@@ -488,6 +485,19 @@ def _ingest_keys(run_dir: Path, broker: dict, generator_ids: list[str]) -> dict[
         write_ingest_keys(d, generator_ids)
         os.chmod(d.parent, 0o700)
     return {gid: str(d / f"generator-{gid}.key_secret") for gid in generator_ids}
+
+
+def generator_configs(generator: dict, gen_keys: dict[str, str], n: int) -> list[dict]:
+    """The config of each of ``n`` generators: the run's generator section with its id (``gen-<i>``) and,
+    under CURVE, its own ingest key (the allow-list binds each key to one id), unless the section names
+    one key for all."""
+    out = []
+    for i in range(n):
+        gcfg = dict(generator, id=f"gen-{i}")
+        if gcfg.get("ingest_auth", "curve") == "curve" and not gcfg.get("ingest_key_file"):
+            gcfg["ingest_key_file"] = gen_keys[gcfg["id"]]
+        out.append(gcfg)
+    return out
 
 
 def _write_config(path: Path, cfg: dict, env: dict) -> dict:
