@@ -26,6 +26,7 @@ completes the handshake, so nothing it sends is read. Each message carries the k
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from broker.protocol.group import Group, GroupHead, decode_group_fast, group_fro
 from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
+from broker.runtime.ports import handed_over_bind
 
 log = logging.getLogger("relay.broker.ingest")
 
@@ -101,6 +103,9 @@ class Ingest:
             sock.curve_publickey, sock.curve_secretkey = self._server_keys
         else:
             log.warning("ingest_auth = insecure: any process that reaches %s can send groups", self.cfg.ingest_bind)
+        fd = handed_over_bind(self.cfg.ingest_bind)
+        if fd is not None:  # the socket relay up bound for this address and handed over (broker/runtime/ports.py)
+            sock.setsockopt(zmq.USE_FD, os.dup(fd))  # ZeroMQ closes what it is given when the socket closes
         try:
             sock.bind(self.cfg.ingest_bind)
         except zmq.ZMQError as e:
