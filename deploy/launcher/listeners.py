@@ -76,7 +76,8 @@ def hold_service_ports(cfgs: dict, movable: set[str]) -> Listeners:
         broker, reward, gen = cfgs["broker"], cfgs["reward"], cfgs["generator"]
         port = int(broker.get("http_port", 8080))
         if port:
-            s = _hold(broker.get("http_host", "127.0.0.1"), port, "http" in movable, "--dashboard-port or broker.http_port")
+            s = _hold(broker.get("http_host", "127.0.0.1"), port, "http" in movable,
+                      "--dashboard-port or broker.http_port")
             held.add("broker", s)
             broker["http_port"] = s.getsockname()[1]
             if "http_port" in cfgs:

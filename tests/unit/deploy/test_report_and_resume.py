@@ -58,9 +58,27 @@ def test_relay_status_shows_a_finished_run_from_its_folder(tmp_path):
     # no summary and nothing running: killed mid-run, and it says how to continue
     (run / "summary.json").unlink()
     res = relay("status", str(run))
-    assert res.returncode == 1 and "relay up --resume" in res.stderr, res.stderr
+    assert res.returncode == 1 and f"-m deploy.cli up --resume {run}" in res.stderr, res.stderr  # as it was run
     res = relay("status", "nope", "--runs-dir", str(tmp_path / "runs"))
     assert res.returncode == 1 and "not a run folder" in res.stderr
+
+
+def test_plain_relay_status_shows_the_latest_run_not_port_8080(tmp_path):
+    """`relay status` with no RUN, --url or --redis-url is `relay status latest`: the last run started in
+    the runs folder (before, it asked http://127.0.0.1:8080, whatever ran there or nothing)."""
+    runs = tmp_path / "runs"
+    (runs / "r1" / "config").mkdir(parents=True)
+    (runs / "r1" / "summary.json").write_text(json.dumps(SUMMARY))
+    (runs / "latest").symlink_to("r1")
+    res = relay("status", cwd=tmp_path)  # the default --runs-dir, runs, from where relay up was run
+    assert res.returncode == 0 and res.stdout.startswith("relay up: run r1 completed: 600/600 steps"), res
+    res = relay("status", "--runs-dir", str(runs), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["run_id"] == "r1", res
+    # --url still reads that broker, and without a latest run plain status asks the default address
+    res = relay("status", "--url", "http://127.0.0.1:1", cwd=tmp_path)
+    assert res.returncode == 1 and "http://127.0.0.1:1/api/state" in res.stderr, res
+    res = relay("status", "--runs-dir", str(tmp_path / "none"), "--url", "http://127.0.0.1:1")
+    assert res.returncode == 1 and "give a RUN folder" in res.stderr, res
 
 
 def test_relay_status_shows_a_resumed_run_that_is_running_live_not_its_old_summary(tmp_path):
