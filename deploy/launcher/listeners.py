@@ -18,6 +18,7 @@ weight server).
 
 from __future__ import annotations
 
+import os
 import socket
 
 from broker.runtime.ports import LISTEN_FDS, hold_port, hold_port_run, tcp_host_port
@@ -54,13 +55,17 @@ def _bind_host(host: str) -> str:
     return "0.0.0.0" if host in ("", "*") else host
 
 
+def _why(e: OSError) -> str:
+    return os.strerror(e.errno) if e.errno and e.errno > 0 else str(e)
+
+
 def _hold(host: str, port: int, movable: bool, setting: str) -> socket.socket:
     try:
         return hold_port(_bind_host(host), port)
     except OSError as e:
         if not movable:
-            raise PortTaken(f"port {port} on {host} is in use ({setting}): {e.strerror or e}; pick another "
-                            f"port, or leave it out and relay up picks a free one") from None
+            raise PortTaken(f"cannot listen on {host}:{port} ({setting}): {_why(e)}; pick another port, "
+                            f"or leave it out and relay up picks a free one") from None
         return hold_port(_bind_host(host))
 
 
@@ -90,9 +95,10 @@ def hold_service_ports(cfgs: dict, movable: set[str]) -> Listeners:
                 socks = [hold_port(_bind_host(host), first + k) for k in range(workers)]
             except OSError as e:
                 if "ingest" not in movable:
-                    what = f"ports {first}-{first + workers - 1}" if workers > 1 else f"port {first}"
-                    raise PortTaken(f"{what} on {host} in use (broker.ingest_bind; worker k binds its port + k): "
-                                    f"{e.strerror or e}; pick another port, or leave it out") from None
+                    what = f"{host}:{first}-{first + workers - 1}" if workers > 1 else f"{host}:{first}"
+                    raise PortTaken(f"cannot listen on {what} (broker.ingest_bind; worker k binds its port + k): "
+                                    f"{_why(e)}; pick another port, or leave it out and relay up picks "
+                                    f"a free one") from None
                 socks = hold_port_run(workers, _bind_host(host))
             held.add("broker", *socks)
             new = socks[0].getsockname()[1]

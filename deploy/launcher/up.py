@@ -307,8 +307,8 @@ def run_up(args) -> int:
     p = lock = None
     try:
         p = plan(args)  # and the services' ports bound, held from now on (deploy/launcher/listeners.py)
-        lock = claim_runs_folder(p)  # writable, and no other relay up in it: before anything else
         notes = check_run(p)  # the dataset, model folder, backend, secrets: before anything starts
+        lock = claim_runs_folder(p)  # writable, and no other relay up in it: the first thing written
     except (UsageError, ConfigError, PreflightError, RunsFolderError, RuntimeError) as e:  # RuntimeError: RedisNotFound
         print(f"relay up: error: {e}", file=sys.stderr)
         if p is not None:

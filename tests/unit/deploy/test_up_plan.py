@@ -218,7 +218,8 @@ def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_ano
         assert held.env("broker") == {"RELAY_LISTEN_FDS": ",".join(map(str, held.fds("broker")))}
         held.close()
         monkeypatch.undo()
-        with pytest.raises(UsageError, match=f"port {theirs} on 127.0.0.1 is in use \\(reward.port\\)"):
+        with pytest.raises(UsageError, match=f"cannot listen on 127.0.0.1:{theirs} \\(reward.port\\): Address already "
+                                             f"in use"):
             _plan(tmp_path, "--run-id", "b", "--set", f"reward.port={theirs}")
     finally:
         holder.kill()
