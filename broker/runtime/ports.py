@@ -82,7 +82,8 @@ def free_port_run(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:
 
 def _listener(host: str, port: int) -> socket.socket:
     """A TCP socket listening on (host, port) now (no SO_REUSEPORT: a port someone holds is refused)."""
-    return socket.create_server((host, port), backlog=128)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host.strip("[]"), port), family=family, backlog=128)
 
 
 def hold_port(host: str = "127.0.0.1", port: int = 0, tries: int = 200) -> socket.socket:

@@ -50,7 +50,26 @@ class RunsLock:
 
     def acquire(self, run_id: str, resuming: bool = False) -> "RunsLock":
         """Take the lock, or RunsFolderError naming the run that holds it and the fix."""
-        f = open(self.path, "a+")
+        f = self._locked(open(self.path, "a+"), resuming)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} {run_id}\n")  # for a second relay up's message; the flock is the lock
+        f.flush()
+        self._file = f
+        return self
+
+    def check(self, resuming: bool = False) -> None:
+        """RunsFolderError when another process holds the lock; writes nothing (no lock file, no folder, when
+        there is none yet)."""
+        try:
+            f = open(self.path)
+        except OSError:  # none yet (nothing can hold it), or unreadable: claim_runs_folder says why
+            return
+        with self._locked(f, resuming):
+            pass
+
+    def _locked(self, f, resuming: bool):
+        """``f`` (the lock file) with the lock taken, or RunsFolderError (``f`` closed)."""
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -63,17 +82,19 @@ class RunsLock:
                    "--runs-dir DIR (its runs/latest is its own)")
             raise RunsFolderError(f"another relay up ({who}) is running in {self.path.parent}: two runs in one runs "
                                   f"folder share runs/latest and slow each other down; {fix}") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()} {run_id}\n")  # for the message above; the flock is the lock
-        f.flush()
-        self._file = f
-        return self
+        return f
 
     def release(self) -> None:
         if self._file is not None:
             self._file.close()  # closing the file releases the flock
             self._file = None
+
+
+def check_runs_folder(p: dict) -> None:
+    """Before the pre-start checks, so that a second relay up is refused at once: RunsFolderError when
+    another relay up holds the runs folder of the run ``p``. Writes nothing (claim_runs_folder takes the lock
+    once the checks have passed)."""
+    RunsLock(p["runs_dir"]).check(resuming=p.get("resumed") is not None)
 
 
 def claim_runs_folder(p: dict) -> RunsLock:

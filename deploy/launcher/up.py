@@ -302,13 +302,15 @@ def _child_env() -> dict:
 
 def run_up(args) -> int:
     from deploy.launcher.preflight import PreflightError, check_run
-    from deploy.launcher.rundir import PRIVATE_UMASK, RunsFolderError, claim_runs_folder, link_base_model, make_private
+    from deploy.launcher.rundir import (PRIVATE_UMASK, RunsFolderError, check_runs_folder, claim_runs_folder,
+                                        link_base_model, make_private)
 
     p = lock = None
     try:
         p = plan(args)  # and the services' ports bound, held from now on (deploy/launcher/listeners.py)
+        check_runs_folder(p)  # no other relay up in that runs folder: refused at once, nothing written
         notes = check_run(p)  # the dataset, model folder, backend, secrets: before anything starts
-        lock = claim_runs_folder(p)  # writable, and no other relay up in it: the first thing written
+        lock = claim_runs_folder(p)  # writable, and ours until the run ends: the first thing written
     except (UsageError, ConfigError, PreflightError, RunsFolderError, RuntimeError) as e:  # RuntimeError: RedisNotFound
         print(f"relay up: error: {e}", file=sys.stderr)
         if p is not None:

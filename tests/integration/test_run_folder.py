@@ -105,9 +105,8 @@ def test_a_runs_folder_that_cannot_be_written_is_refused_before_start_with_the_f
         pytest.skip("no read-only folder can be made here (root without user namespaces)")
     runs, wrap, why = made
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(runs), "--dashboard-port", "0", "--no-progress"]
-    t0 = time.monotonic()
     res = subprocess.run(wrap(cmd), capture_output=True, text=True, env=child_env(), timeout=60)
-    assert res.returncode == 2 and time.monotonic() - t0 < 5, (res.returncode, res.stderr)
+    assert res.returncode == 2, (res.returncode, res.stderr)
     assert f"relay up: error: cannot write the run into {runs}: " in res.stderr and why in res.stderr, res.stderr
     assert "give a writable folder with --runs-dir DIR" in res.stderr and "Errno" not in res.stderr, res.stderr
     assert json.dumps(os.listdir(runs)) == "[]"

@@ -32,10 +32,15 @@ def test_a_second_run_in_a_runs_folder_is_refused_until_the_first_process_is_gon
             RunsLock(tmp_path).acquire("second")
         with pytest.raises(RunsFolderError, match="then resume this run"):
             RunsLock(tmp_path).acquire("second", resuming=True)
+        with pytest.raises(RunsFolderError, match="run first"):  # the check before the pre-start checks
+            RunsLock(tmp_path).check()
     finally:
         holder.send_signal(signal.SIGKILL)  # killed: no clean-up of its own
         holder.wait()
     assert (tmp_path / LOCK).exists()  # the file stays; the lock went with the process
+    RunsLock(tmp_path).check()
+    RunsLock(tmp_path / "none").check()  # no runs folder yet: nothing holds it, and nothing is written
+    assert not (tmp_path / "none").exists()
     lock = RunsLock(tmp_path).acquire("second")
     assert (tmp_path / LOCK).read_text() == f"{os.getpid()} second\n"
     lock.release()
