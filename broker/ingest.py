@@ -28,6 +28,7 @@ is decoded once, within msgpack's per-object limits.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
 from broker.runtime.ratelog import RateLimitedLog
+from broker.runtime.ports import handed_over_bind
 
 log = logging.getLogger("relay.broker.ingest")
 
@@ -129,6 +131,9 @@ class Ingest:
             sock.curve_publickey, sock.curve_secretkey = self._server_keys
         else:
             log.warning("ingest_auth = insecure: any process that reaches %s can send groups", self.cfg.ingest_bind)
+        fd = handed_over_bind(self.cfg.ingest_bind)
+        if fd is not None:  # the socket relay up bound for this address and handed over (broker/runtime/ports.py)
+            sock.setsockopt(zmq.USE_FD, os.dup(fd))  # ZeroMQ closes what it is given when the socket closes
         try:
             sock.bind(self.cfg.ingest_bind)
         except zmq.ZMQError as e:

@@ -37,6 +37,7 @@ from broker.ingest import Ingest
 from broker.protocol.keys import Keys
 from broker.protocol.signing import announce_key
 from broker.runtime.heap import freeze_startup_objects
+from broker.runtime.ports import LISTEN_FDS, handed_over_bind
 
 log = logging.getLogger("relay.broker.workers")
 
@@ -75,7 +76,10 @@ class Workers:
     def _start(self, k: int) -> None:
         worker_cfg = self.cfg.model_copy(update={"ingest_bind": self.binds[k], "ingest_workers": 1})
         cmd = [sys.executable, "-m", "broker.ingest_workers", str(k), *(["--log-json"] if self.log_json else [])]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, text=True)
+        fd = handed_over_bind(self.binds[k])  # the socket relay up holds for this worker's address, passed on
+        fds = (fd,) if fd is not None else ()
+        env = {**os.environ, LISTEN_FDS: ",".join(map(str, fds))}
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, text=True, pass_fds=fds, env=env)
         proc.stdin.write(worker_cfg.model_dump_json())
         proc.stdin.close()
         self.procs[k] = proc

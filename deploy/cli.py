@@ -95,8 +95,16 @@ def cmd_reward(args) -> int:
     from reward_service.app import create_app
 
     setup_logging("reward", "0", as_json=args.log_json)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
-    return 0
+    from broker.runtime.ports import handed_over
+
+    sock = handed_over(cfg.host, cfg.port)  # the socket relay up bound for it (broker/runtime/ports.py)
+    if sock is None:
+        uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+        return 0
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
+                                           access_log=False))
+    server.run(sockets=[sock])
+    return 0 if server.started else 3
 
 
 def cmd_generator(args) -> int:

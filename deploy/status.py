@@ -2,7 +2,9 @@
 
 ``relay status RUN`` (a run folder, or a run id or ``latest`` under ``--runs-dir``) shows a finished
 run from its ``summary.json`` (the end-of-run report), or, while it runs, reads its broker at the
-port recorded in its ``config/broker.json``.
+port recorded in its ``config/broker.json``. Plain ``relay status`` is ``relay status latest``: the
+last run started in ``--runs-dir`` (``runs/latest``); without one there, the broker at
+http://127.0.0.1:8080 (a Docker Compose deployment).
 
 Reads ``GET /api/state`` from the broker (``--url``), or builds the same state straight from the
 run's Redis (``--redis-url`` + ``--run-id``) when the broker's HTTP port is not reachable.
@@ -17,9 +19,11 @@ import sys
 def add_status_arguments(p) -> None:
     p.add_argument("run", nargs="?", default=None, metavar="RUN",
                    help="a run folder, or a run id or 'latest' under --runs-dir: a finished run's report from its "
-                        "summary.json, or the state of a running one")
+                        "summary.json, or the state of a running one (default: latest, when there is one and "
+                        "neither --url nor --redis-url is given)")
     p.add_argument("--runs-dir", default="runs", help="folder that holds the run folders (default: runs)")
-    p.add_argument("--url", default=None, help="the broker's HTTP address (default http://127.0.0.1:8080)")
+    p.add_argument("--url", default=None, help="the broker's HTTP address (default: the latest run's, else "
+                   "http://127.0.0.1:8080)")
     p.add_argument("--redis-url", default=None, help="read the state from this Redis instead of the broker")
     p.add_argument("--run-id", default=None, help="the run to show (with --redis-url)")
     p.add_argument("--dead-after-s", type=float, default=10.0,
@@ -62,8 +66,8 @@ def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead
         resp.raise_for_status()
         return resp.json()
     except httpx.HTTPError as e:
-        raise StatusError(f"cannot read {base}/api/state: {e} (is the broker running? pass --url, or "
-                          f"--redis-url and --run-id)") from None
+        raise StatusError(f"cannot read {base}/api/state: {e} (is the broker running? give a RUN folder, --url, "
+                          f"or --redis-url and --run-id)") from None
 
 
 def _f(x, digits: int = 3) -> str:
@@ -121,7 +125,7 @@ def format_state(st: dict) -> str:
     return "\n".join(lines)
 
 
-def show_run(run: str, runs_dir: str, as_json: bool, dead_after_s: float) -> int:
+def show_run(run: str, runs_dir: str, as_json: bool, dead_after_s: float, check: bool = False) -> int:
     """A run named by its folder: the live state while it runs (its processes in ``pids.json``
     alive), else the report of its ``summary.json``."""
     from pathlib import Path
@@ -137,11 +141,13 @@ def show_run(run: str, runs_dir: str, as_json: bool, dead_after_s: float) -> int
         broker = json.loads((folder / "config" / "broker.json").read_text())
         st = fetch_state(f"http://127.0.0.1:{broker.get('http_port', 8080)}", None, None, dead_after_s)
         print(json.dumps(st, indent=1) if as_json else format_state(st))
-        return 0
+        return 3 if check and _flagged(st) else 0
     path = folder / "summary.json"
     if not path.is_file():
+        from deploy.launcher.resume import relay_command
+
         raise StatusError(f"run {run!r} is not running and has no summary.json: it was killed before it finished "
-                          f"(`relay up --resume {run}` continues it)")
+                          f"(`{relay_command()} up --resume {run}` continues it)")
     text = path.read_text()
     summary = json.loads(text)
     print(text if as_json else format_report(summary, Path(folder)))
@@ -149,17 +155,25 @@ def show_run(run: str, runs_dir: str, as_json: bool, dead_after_s: float) -> int
 
 
 def run_status(args) -> int:
+    from pathlib import Path
+
     try:
         if args.run:
             if args.url or args.redis_url:
                 raise StatusError("give a RUN folder, or --url / --redis-url, not both")
-            return show_run(args.run, args.runs_dir, args.json, args.dead_after_s)
+            return show_run(args.run, args.runs_dir, args.json, args.dead_after_s, args.check)
+        if not (args.url or args.redis_url) and (Path(args.runs_dir) / "latest").exists():
+            # the last run started here (runs/latest)
+            return show_run("latest", args.runs_dir, args.json, args.dead_after_s, args.check)
         st = fetch_state(args.url, args.redis_url, args.run_id, args.dead_after_s)
     except StatusError as e:
         print(f"relay status: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(st, indent=1) if args.json else format_state(st))
+    return 3 if args.check and _flagged(st) else 0
+
+
+def _flagged(st: dict) -> bool:
+    """A generator serves a wrong hash or is dead (``--check``)."""
     flagged = st.get("flags") or {}
-    if args.check and (flagged.get("hash_mismatch") or flagged.get("dead")):
-        return 3
-    return 0
+    return bool(flagged.get("hash_mismatch") or flagged.get("dead"))

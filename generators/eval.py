@@ -113,6 +113,7 @@ class Evaluator:
             return  # evaluation is off (no round was ever enqueued)
         self.gen.weights.update()
         deadline = time.monotonic() + self.final_wait_s
-        while time.monotonic() < deadline and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version)):
+        while time.monotonic() < deadline and not self.gen.stop.is_set() \
+                and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version)):
             time.sleep(0.1)
         self.serve(force=True)

@@ -81,20 +81,25 @@ def stale_extension_locks_removed(root: str | Path | None = None, stale_s: float
 
 
 def init_distributed() -> None:
-    """Single-process defaults when not launched by torchrun / the deepspeed launcher."""
+    """The process group DeepSpeed trains in. Several ranks (launched by relay up's rank launcher,
+    deploy/launcher/ranks.py, torchrun or the deepspeed launcher): the ``env://`` rendezvous their launcher
+    set up. One process of its own: a group of one over an in-memory store (``HashStore``): no store
+    listens (before, a TCP store on a port picked free and bound later, which another run could take in
+    between, listening on every interface); gloo's device, which listens for peers even when there are
+    none, is kept on the loopback interface."""
     import deepspeed
+    import torch.distributed as dist
 
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from broker.runtime.ports import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "gloo":
         _shm_comm_op_built()
+    if os.environ["WORLD_SIZE"] == "1" and "MASTER_PORT" not in os.environ and not dist.is_initialized():
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.isdir("/sys/class/net/lo"):
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's device listens even alone: on the loopback only
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # DeepSpeed adopts it
     with stale_extension_locks_removed():
         deepspeed.init_distributed(dist_backend=backend)
 

@@ -19,6 +19,7 @@ learner trains the next step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from broker.client.announcements import advertise_run, announce
+from broker.client.announcements import advertise_run, announce, record, signed_announcement
 from broker.client.telemetry import emit_event, read_heartbeats
 from broker.protocol import tensordigest, weightstore
 from broker.protocol.keys import Keys
@@ -290,6 +291,28 @@ def first_version(latest_announced: int | None, store: str | Path) -> int:
     return max(latest_announced + 1 if latest_announced is not None else 0, stored[-1] + 1 if stored else 0)
 
 
+def resumed_versions(saved: dict, latest_announced: int | None, store: str | Path) -> tuple[int, bool, bool]:
+    """Where a learner resumed from a checkpoint goes on with the versions: ``(version, publish_now,
+    unpublished)``. ``saved`` is the checkpoint's state: ``version`` (the last version handed to the
+    publisher when it was written) and ``pending`` (its weights were to be published right after it, as
+    ``version + 1``).
+
+    When the newest version announced (and stored) is the checkpoint's own, the generators already
+    serve the checkpoint's weights, or those of an earlier step of the same training (between two
+    publications, as at any step of a run): the learner goes on from that number without publishing
+    (``unpublished``: a step has changed the weights since, so the next due publication publishes).
+    Otherwise its weights are published now, one past every number used (:func:`first_version`): a
+    checkpoint whose publication was cut short (a learner killed between the two) publishes it as
+    ``version + 1``; versions announced from steps the checkpoint does not hold (a learner killed after
+    it) are left behind, so the generators leave weights that are no longer trained on."""
+    version, pending = int(saved["version"]), bool(saved.get("pending", False))
+    stored = weightstore.list_versions(store)
+    newest = max(latest_announced if latest_announced is not None else -1, stored[-1] if stored else -1)
+    if latest_announced is not None and latest_announced == newest == version + pending:
+        return version + pending, False, bool(saved.get("unpublished", True)) and not pending
+    return first_version(latest_announced, store), True, False
+
+
 class Publisher:
     """Writes a snapshot into the weight store, seals it and announces it (:meth:`write`); :meth:`publish`
     is the synchronous whole (snapshot, then write), for tools and tests."""
@@ -316,6 +339,23 @@ class Publisher:
         # version that carried the base model with the base's tensor digest, once one is announced
         self.adapter_config: dict | None = None
         self.base_pin: tuple[int, str] | None = None
+
+    def readvertise(self, latest: Announcement | None) -> None:
+        """A learner resumed without publishing (:func:`resumed_versions`) stands behind the versions announced
+        before it. With the http transport those name the previous learner's weight server (its port is gone):
+        the latest version, and the version that carries the base model its adapter pins, are announced again
+        with this learner's URL; the same versions, hashes and digests, so a generator that serves the latest
+        loads nothing. With the other transports the announcements stand as they are."""
+        if latest is None or self.url_for is None:
+            return
+        if latest.base is not None and latest.base != latest.version:
+            base = signed_announcement(self.r, self.keys, latest.base, self.announce_key)
+            if base is not None:
+                record(self.r, self.keys, dataclasses.replace(base, url=self.url_for(base.version)), self.announce_key)
+        announce(self.r, self.keys, dataclasses.replace(latest, url=self.url_for(latest.version)), self.announce_key,
+                 self.versions_kept)
+        log.info("version %d announced again with this learner's weight server (%s)", latest.version,
+                 self.url_for(latest.version))
 
     @property
     def needs_base(self) -> bool:

@@ -36,7 +36,7 @@ from learner import checkpoint
 from learner.ranks import share_batch, write_checksum
 from learner.records import RunRecords
 from learner.publish import (BackgroundPublisher, Progress, Publisher, fill, first_version, publication_dtype,
-                            snapshot_buffers)
+                            resumed_versions, snapshot_buffers)
 from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
@@ -136,6 +136,7 @@ class Learner:
             self.publisher.url_for = self.weight_server.url
         latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
+        self.publish_first = True  # the weights it starts from are published first (not after a resume that continues)
         self.step = 0
         self.saved_step = 0  # the step of the newest checkpoint
         self.step_metrics: dict | None = None  # the leader's metrics line of the step just trained
@@ -168,6 +169,10 @@ class Learner:
             return
         self.step = self.saved_step = state["step"]
         self.counts.update(state["counts"])
+        latest = latest_announcement(self.r, self.keys, self.announce_key)
+        self.version, publish, unpublished = resumed_versions(state, latest.version if latest else None,
+                                                              self.cfg.weight_store)
+        self.publish_first, self.unpublished = self._agree(publish), self._agree(unpublished)  # the leader's, on every rank
         if not self.leader:
             return
         self.commit([tuple(x) for x in state["uncommitted"]], self.step)
@@ -183,34 +188,39 @@ class Learner:
         """Acknowledge trained groups and record them once each in the audit log."""
         queues.commit(self.r, self.keys, entries, step, self.cfg.record_window)
 
-    def after_step(self, fresh) -> None:
+    def after_step(self, fresh, publishes: bool) -> None:
         """On every rank (each writes its part of a checkpoint); the leader, which read ``fresh``,
-        then commits what the checkpoint holds, or commits every step without checkpoints."""
+        then commits what the checkpoint holds, or commits every step without checkpoints.
+        ``publishes``: this step's weights are published right after."""
         every = self.cfg.checkpoint_every
         due = (self.step % every == 0 or self.step == self.cfg.steps) if every else True
         if self.leader:
             self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)
         if every and due:
-            self.checkpoint()
+            self.checkpoint(publishes)
         elif self.leader and due:
             self.commit(self.uncommitted, self.step)
             self.uncommitted = []
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, publishes: bool = False) -> None:
         """Write a checkpoint of this step (every rank), then commit what it holds (the leader). It also
         holds the step's metrics line: a learner killed after the checkpoint and before writing that
-        line gets it back on resume (metrics.jsonl has one line per step, whatever the crash)."""
+        line gets it back on resume (metrics.jsonl has one line per step, whatever the crash), and where
+        the versions stand (``pending``: its weights are published right after it, as the next version;
+        ``unpublished``: they differ from the last version's), so that a resumed learner continues the
+        versions without publishing the same weights again (learner/publish.py ``resumed_versions``)."""
         self.drain_publisher()  # the checkpoint records a version: announced (or skipped) before it is written
+        pending = publishes and self.unpublished
         line = None
         if self.leader and self.step_metrics is not None and self.step_metrics.get("step") == self.step:
             line = dict(self.step_metrics)
             if "version" not in line:  # the checkpoint comes before this step's publication
-                published = self.step % self.cfg.publish_every == 0 or self.step == self.cfg.steps
-                line["version"] = self.version + int(published and self.unpublished)
+                line["version"] = self.version + int(pending)
             line = finite_metrics(line)
         checkpoint.save(self.ckpt_dir, self.step, self.engine,
-                        {"version": self.version, "counts": dict(self.counts), "uncommitted": self.uncommitted,
-                         "metrics": line}, critic=self.critic)
+                        {"version": self.version, "pending": pending, "unpublished": self.unpublished,
+                         "counts": dict(self.counts), "uncommitted": self.uncommitted, "metrics": line},
+                        critic=self.critic)
         self.saved_step = self.step
         if self.leader:
             self.commit(self.uncommitted, self.step)
@@ -267,11 +277,16 @@ class Learner:
             if self.cfg.admission_eta is not None:
                 self.r.hset(self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups,
                                                           "eta": self.cfg.admission_eta})
-        self.publish()
+        if self.publish_first:
+            self.publish()
+        elif self.leader:  # resumed where the announced versions stand: the generators load the latest one
+            self.publisher.readvertise(latest_announcement(self.r, self.keys, self.announce_key))
+            self.r.hset(self.keys.stats("learner"), mapping={"version": self.version})
         if self.leader:
-            log.info("published initial version %d; training %d steps of %d groups on %d rank(s); lr %g, micro-batches "
-                     "of at most %d tokens", self.version, self.cfg.steps, self.cfg.batch_groups, self.world,
-                     self.cfg.lr, self.cfg.micro_batch_tokens)
+            log.info("%s version %d; training %d steps of %d groups on %d rank(s); lr %g, micro-batches of at most %d "
+                     "tokens", "published initial" if self.publish_first else "continuing from announced",
+                     self.version, self.cfg.steps, self.cfg.batch_groups, self.world, self.cfg.lr,
+                     self.cfg.micro_batch_tokens)
         step = self.step
         mf = open(self.metrics_path, "a") if self.leader else None
         try:
@@ -310,7 +325,7 @@ class Learner:
                     self.check_target(rewards, step)
                     self.step_metrics = diag  # a checkpoint of this step carries its metrics line (resume)
                 publishes = step % self.cfg.publish_every == 0 or step == self.cfg.steps
-                self.after_step(fresh)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
+                self.after_step(fresh, publishes)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
                 if publishes:
                     self.publish_next()
                 if not self.leader:
@@ -415,7 +430,7 @@ class Learner:
         last weights published), then mark the run done and say why, so the generators and ``relay up`` end
         it cleanly instead of waiting for groups that never come."""
         if self.cfg.checkpoint_every and self.step > self.saved_step:
-            self.checkpoint()  # and commits what it holds
+            self.checkpoint(publishes=bool(self.step % self.cfg.publish_every))  # and commits what it holds
         elif self.leader and self.uncommitted:
             self.commit(self.uncommitted, self.step)
             self.uncommitted = []

@@ -46,6 +46,12 @@ def announce(r: redis.Redis, keys: Keys, a: Announcement, key: bytes | None = No
     pipe.execute()
 
 
+def record(r: redis.Redis, keys: Keys, a: Announcement, key: bytes | None = None) -> None:
+    """Record version ``a.version``'s announcement in ``versions`` (signed with ``key``) without making it
+    the latest or telling subscribers: an older version announced again (learner/publish.py readvertise)."""
+    r.hset(keys.versions, str(a.version), encode_announcement(signing.signed(key, keys.run_id, a)))
+
+
 def announced_runs(r: redis.Redis) -> list[str]:
     """Every run in this Redis that has announced a version."""
     return sorted({Keys.run_of(k.decode()) for k in r.scan_iter(Keys("*").latest)})

@@ -28,6 +28,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 
+from broker.runtime.ports import handed_over
+
 log = logging.getLogger("relay.http")
 
 _REPLIES = {
@@ -60,7 +62,8 @@ class BoundedHTTPServer:
         # long-lived responses (the dashboard's event stream) may hold at most this many workers
         self.stream_slots = threading.BoundedSemaphore(stream_slots if stream_slots is not None else max(1, workers // 2))
         self.refused: Counter = Counter()
-        self.socket = socket.create_server(address, backlog=128)
+        # the socket its launcher bound for it (relay up holds every port it hands out: broker/runtime/ports.py)
+        self.socket = handed_over(*address[:2]) or socket.create_server(address, backlog=128)
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()[:2]
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="http")

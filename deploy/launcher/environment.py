@@ -35,6 +35,8 @@ NOT_CONFIG = {
     "RELAY_FUZZ_EXAMPLES": "tests: the ingest fuzz test's examples",
     "RELAY_UPDATE_SNAPSHOTS": "tests: rewrite the pinned snapshots",
     "RELAY_CHROMIUM": "tests: the browser of the dashboard tests",
+    "RELAY_LISTEN_FDS": ("a service started by relay up: the listening sockets relay up bound for it "
+                         "(broker/runtime/ports.py)"),
     "RELAY_STALE_EXTENSION_LOCK_S": ("learner: age after which a torch extension lock is taken as stale "
                                      "(ops but the CPU communication op, whose dead holders are seen at once)"),
 }

@@ -40,6 +40,7 @@ class Child:
     env: dict | None = field(default=None, repr=False)
     cwd: str | None = None
     started_at: float = field(default_factory=time.monotonic)
+    pass_fds: tuple[int, ...] = ()  # listening sockets handed over (broker/runtime/ports.py), again on a restart
 
     @property
     def pid(self) -> int:
@@ -63,13 +64,16 @@ class ProcessGroup:
         self.children: list[Child] = []
 
     def start(self, name: str, argv: list[str], env: dict | None = None, critical: bool = True,
-              cwd: str | None = None) -> Child:
+              cwd: str | None = None, pass_fds: tuple[int, ...] = ()) -> Child:
+        """Start ``argv`` as ``name``; ``pass_fds``: file descriptors it inherits under the same numbers
+        (the listening sockets the launcher holds for it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         logf = open(log_path, "ab")
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
-        child = Child(name, proc, log_path, critical, logf, list(argv), env, cwd)
+                                env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
+                                pass_fds=tuple(pass_fds))
+        child = Child(name, proc, log_path, critical, logf, list(argv), env, cwd, pass_fds=tuple(pass_fds))
         self.children.append(child)
         return child
 
@@ -93,7 +97,7 @@ class ProcessGroup:
             old._log = None
         i = self.children.index(old)
         self.children.pop(i)
-        new = self.start(old.name, old.argv, old.env, old.critical, old.cwd)
+        new = self.start(old.name, old.argv, old.env, old.critical, old.cwd, old.pass_fds)
         self.children.remove(new)
         self.children.insert(i, new)  # keeps the reverse stop order
         return new
@@ -128,6 +132,14 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 class RedisNotFound(RuntimeError):
     pass
+
+
+class RedisPortTaken(RuntimeError):
+    """redis-server could not listen on its port: another process took it after it was chosen."""
+
+    def __init__(self, child: Child, port: int):
+        super().__init__(f"redis-server could not listen on port {port}: it is in use")
+        self.child, self.port = child, port
 
 
 def find_redis_server() -> str:
@@ -169,6 +181,8 @@ def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if not child.alive():
+            if "Address already in use" in child.tail():
+                raise RedisPortTaken(child, port)
             raise RuntimeError(f"redis-server exited at start:\n{child.tail()}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:

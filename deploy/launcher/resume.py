@@ -38,11 +38,11 @@ def run_folder(run: str, runs_dir: str | Path) -> Path:
 def plan_resume(args, environ, usage_error) -> dict:
     """The plan (as :func:`deploy.launcher.up.plan` returns it) of the run to resume."""
     from deploy.launcher import environment
-    from broker.client.connection import split_addresses
-    from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
+    from deploy.launcher.procs import find_redis_server, free_port, port_in_use
     from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
     from deploy.launcher.run_tokens import recorded_reward_token
+    from deploy.launcher.up import hold_ports, ingest_key_dir
     from pydantic import ValidationError
 
     from broker.runtime.config import format_validation_error
@@ -109,24 +109,10 @@ def plan_resume(args, environ, usage_error) -> dict:
     for name in ("broker", "learner", "generator"):  # a run from before announcements were signed gets a key now
         if cfgs[name].get("announce_auth", "hmac") == "hmac":
             cfgs[name].setdefault("announce_key_file", str(announce_key_path(run_dir)))
-    # the launcher's ports, moved when taken (each config that names one follows it)
-    ingest, workers = _port_of(cfgs["broker"]["ingest_bind"]), int(cfgs["broker"].get("ingest_workers", 1))
-    if any(port_in_use(ingest + k) for k in range(workers)):  # ingest worker k is at port + k
-        new = free_port_run(workers)
-        cfgs["broker"]["ingest_bind"] = cfgs["broker"]["ingest_bind"].replace(f":{ingest}", f":{new}")
-        addresses = split_addresses(cfgs["generator"]["broker_address"])
-        cfgs["generator"]["broker_address"] = ",".join(
-            a.replace(f":{ingest + k}", f":{new + k}") for k, a in enumerate(addresses))
-    reward = cfgs["reward"].get("port", 8090)
-    if port_in_use(reward):
-        new = free_port()
-        cfgs["reward"]["port"] = new
-        cfgs["generator"]["reward_url"] = cfgs["generator"]["reward_url"].replace(f":{reward}", f":{new}")
+    # the recorded ports, held again by hold_ports below (a port taken now moves, each config that names it following)
     http_port = cfgs["broker"].get("http_port", 8080)
     if args.dashboard_port is not None:
         http_port = args.dashboard_port or free_port()
-    elif http_port and port_in_use(http_port):
-        http_port = free_port()
     cfgs["broker"]["http_port"] = http_port
     # tokens are never recorded: they come from the environment again, as when the run started
     for name, c in cfgs.items():
@@ -144,12 +130,18 @@ def plan_resume(args, environ, usage_error) -> dict:
     if cfgs["reward"].get("auth_token") and not cfgs["generator"].get("reward_token"):
         cfgs["generator"]["reward_token"] = cfgs["reward"]["auth_token"]
     openai_key = endpoint_key(cfgs["generator"], run_dir)  # the run's own (secrets/openai.key), when it made one
+    # generator-0's config is the run's generator section, but for what relay up gave generator 0 alone: its
+    # id and its ingest key (one of the run's, in secrets/ingest/); each generator gets its own again
     cfgs["generator"].pop("id", None)
+    own_key = cfgs["generator"].get("ingest_key_file")
+    if own_key and Path(own_key).parent == ingest_key_dir(run_dir):
+        del cfgs["generator"]["ingest_key_file"]
     args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
     args.redis_aof = launch["redis_aof"]
-    return {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
-            "http_port": http_port, "redis_url": launcher_url, "redis_port": redis_port, "redis_users": users,
-            "resumed": summary, "openai_key": openai_key, **cfgs}
+    p = {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
+         "http_port": http_port, "redis_url": launcher_url, "redis_port": redis_port, "redis_users": users,
+         "resumed": summary, "openai_key": openai_key, **cfgs}
+    return hold_ports(p, {"ingest", "reward"} | ({"http"} if not args.dashboard_port else set()))
 
 
 def still_running(run_dir: Path) -> list[str]:
@@ -175,8 +167,33 @@ def _port_of(address: str) -> int:
 
 def resume_command(run_dir: Path) -> str:
     """The command that resumes this run, as the user can type it here."""
+    return f"{relay_command()} up --resume {_typed(run_dir)}"
+
+
+def relay_command(argv0: str | None = None, executable: str | None = None) -> str:
+    """The ``relay`` command as the user can type it again from here, from how this process was started:
+    ``relay`` when that is the one on PATH, else the path it was run by (``.venv/bin/relay`` when typed
+    so, relative to here when below it), or ``<python> -m deploy.cli`` when it was run as a module."""
+    import shutil
+    import sys
+
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    script = Path(argv0)
+    if not script.is_file():  # python -c, an embedding: the command's name
+        return "relay"
+    if script.name == "cli.py" and script.parent.name == "deploy":  # python -m deploy.cli
+        return f"{_typed(Path(executable or sys.executable))} -m deploy.cli"
+    on_path = shutil.which(script.name)
+    if script.name == "relay" and on_path and Path(on_path).resolve() == script.resolve():
+        return "relay"
+    return _typed(script)
+
+
+def _typed(path: Path) -> str:
+    """``path`` as it can be typed here: relative below the working folder (``./x`` for a bare name, which
+    a shell would look up on PATH), absolute elsewhere."""
     try:
-        shown = run_dir.relative_to(Path.cwd())
+        shown = path.absolute().relative_to(Path.cwd())
     except ValueError:
-        shown = run_dir
-    return f"relay up --resume {shown}"
+        return str(path.absolute())
+    return str(shown) if len(shown.parts) > 1 else f"./{shown}"

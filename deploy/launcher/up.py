@@ -207,12 +207,13 @@ def plan(args, environ: dict | None = None) -> dict:
                                 "task": {**task_defaults(args.task), "name": args.task, "seed": args.seed}})
     needs = TASK_NEEDS.get(args.task, {})  # a multi-turn task: its environment, the tiny model's tool vocabulary
     # a bearer token per run: /score answers only the run's generators (deploy/launcher/run_tokens.py)
-    reward = section("reward", {"port": free_port(), "auth_token": new_token(), **task_reward_defaults(args.task)})
+    reward_port = free_port()
+    reward = section("reward", {"port": reward_port, "auth_token": new_token(), **task_reward_defaults(args.task)})
     # the generators reach the broker and the reward service where they are, overrides included
     workers = broker.get("ingest_workers", 1)
     workers = workers if isinstance(workers, int) and workers >= 1 else 1  # a bad value: BrokerConfig says so below
     if workers > 1 and broker.get("ingest_bind") == default_bind:  # worker k binds port + k: all of them free
-        broker["ingest_bind"] = f"tcp://127.0.0.1:{free_port_run(workers)}"
+        broker["ingest_bind"] = default_bind = f"tcp://127.0.0.1:{free_port_run(workers)}"
     try:
         ingest = ",".join(worker_addresses(connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1"), workers))
     except ValueError as e:
@@ -241,9 +242,26 @@ def plan(args, environ: dict | None = None) -> dict:
     batch = LearnerConfig.model_validate(learner).batch_groups
     if batch % args.learner_ranks:
         raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({args.learner_ranks})")
-    return {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
-            "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
-            "broker": broker, "reward": reward, "learner": learner, "generator": generator, "openai_key": openai_key}
+    p = {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
+         "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
+         "broker": broker, "reward": reward, "learner": learner, "generator": generator,
+         "openai_key": openai_key}
+    # the ports relay up chose (not the user) move to free ones if taken before they are held, now
+    movable = {name for name, ours in (("http", args.dashboard_port in (None, 0) and broker["http_port"] == http_port),
+                                       ("ingest", broker.get("ingest_bind") == default_bind),
+                                       ("reward", reward.get("port") == reward_port)) if ours}
+    return hold_ports(p, movable)
+
+
+def hold_ports(p: dict, movable: set[str]) -> dict:
+    """``p`` with its services' ports bound and held (``p["listeners"]``, deploy/launcher/listeners.py)."""
+    from deploy.launcher.listeners import PortTaken, hold_service_ports
+
+    try:
+        p["listeners"] = hold_service_ports(p, movable)
+    except PortTaken as e:
+        raise UsageError(str(e)) from None
+    return p
 
 
 def _switch_backend(base: dict, layer: dict) -> dict:
@@ -295,15 +313,21 @@ def _child_env() -> dict:
 
 def run_up(args) -> int:
     from deploy.launcher.preflight import PreflightError, check_run
+    from deploy.launcher.rundir import (PRIVATE_UMASK, RunsFolderError, check_runs_folder, claim_runs_folder,
+                                        link_base_model, make_private)
 
+    p = lock = None
     try:
-        p = plan(args)
+        p = plan(args)  # and the services' ports bound, held from now on (deploy/launcher/listeners.py)
+        check_runs_folder(p)  # no other relay up in that runs folder: refused at once, nothing written
         notes = check_run(p)  # the dataset, model folder, backend, secrets: before anything starts
-    except (UsageError, ConfigError, PreflightError) as e:
+        lock = claim_runs_folder(p)  # writable, and ours until the run ends: the first thing written
+    except (UsageError, ConfigError, PreflightError, RunsFolderError, RuntimeError) as e:  # RuntimeError: RedisNotFound
         print(f"relay up: error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:  # RedisNotFound
-        print(f"relay up: error: {e}", file=sys.stderr)
+        if p is not None:
+            p["listeners"].close()
+        if lock is not None:
+            lock.release()
         return 2
     for note in notes:
         print(f"relay up: note: {note}")
@@ -315,7 +339,8 @@ def run_up(args) -> int:
     from broker.prompts.evals import EvalHistory
     from deploy.launcher.alerts import ConsoleAlerts, LearnerEntries, RunFailure
     from deploy.launcher.progress import Progress, TruncationWarning, latest_eval
-    from deploy.launcher.procs import ProcessGroup, start_redis
+    from deploy.launcher import embedded_redis
+    from deploy.launcher.procs import ProcessGroup
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
     from deploy.launcher.openai_key import endpoint_note
@@ -327,8 +352,10 @@ def run_up(args) -> int:
 
     run_dir: Path = p["run_dir"]
     resumed = p.get("resumed")  # the summary of the part before, when resuming
+    umask = os.umask(PRIVATE_UMASK)  # every file of the run (and of its children) its user's alone
+    make_private(run_dir, new=resumed is None)
     if resumed is None:
-        run_dir.mkdir(parents=True)
+        link_base_model(Path(p["learner"]["run_dir"]), p["learner"].get("model", "tiny"))
         (run_dir / "config").mkdir(mode=0o700)
         (run_dir / LAUNCH).write_text(json.dumps(launch_record(args, p["redis_port"] is not None), indent=1))
     procs = ProcessGroup(run_dir / "logs")
@@ -347,36 +374,36 @@ def run_up(args) -> int:
     error = None  # why the run failed (summary.json's error)
     started = False  # runs/latest moves here once the learner has published its first version
     failure = None
+    cut_short = ""  # a signal during the final evaluation round: said after `ended`
     try:
         redis_url = p["redis_url"]
         write_announce_key(run_dir)  # kept when resuming: the same key signs the rest of the run
         keep_reward_token(run_dir, p["reward"].get("auth_token", ""))  # and the same reward token answers
         if p["redis_port"] is not None:
             users = p.get("redis_users")  # None: a run from before Redis had users, resumed as it was
-            start_redis(procs, run_dir, p["redis_port"], aof=args.redis_aof,
-                        acl_file=users.write(run_dir) if users is not None else None)
+            embedded_redis.start(procs, run_dir, p, args.redis_aof, users.write(run_dir) if users is not None else None)
+            redis_url = p["redis_url"]  # on another port if its own was taken meanwhile
         cfgs = {name: p[name] for name in SERVICES}
         if note := endpoint_note(run_dir, cfgs["generator"], p.get("openai_key", False)):
             print(f"relay up: {note}", flush=True)
         gen_ids = [f"gen-{i}" for i in range(args.generators)]
         gen_keys = _ingest_keys(run_dir, cfgs["broker"], gen_ids)
         env = _child_env()
-        envs = {name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], env)
+        held = p["listeners"]  # the broker's and the reward service's ports, bound by plan() and handed over
+        envs = {name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], {**env, **held.env(name)})
                 for name in ("broker", "reward", "learner")}
         relay = [sys.executable, "-m", "deploy.cli"]
-        procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], envs["broker"])
-        procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], envs["reward"])
+        procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], envs["broker"],
+                    pass_fds=held.fds("broker"))
+        procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], envs["reward"],
+                    pass_fds=held.fds("reward"))
         learner_cmd = ["learner", "--config", str(run_dir / "config/learner.json")]
-        if args.learner_ranks > 1:  # torchrun starts one process per rank; stopping its group stops them all
-            learner_cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.learner_ranks),
-                           "-m", "deploy.cli", *learner_cmd]
-            procs.start("learner", [sys.executable, *learner_cmd], envs["learner"])
+        if args.learner_ranks > 1:  # one process per rank, their store on 127.0.0.1 (deploy/launcher/ranks.py)
+            procs.start("learner", [sys.executable, "-m", "deploy.launcher.ranks", str(args.learner_ranks),
+                                    *relay, *learner_cmd], envs["learner"])
         else:
             procs.start("learner", relay + learner_cmd, envs["learner"])
-        for i in range(args.generators):
-            gcfg = dict(cfgs["generator"], id=f"gen-{i}")
-            if gcfg.get("ingest_auth", "curve") == "curve" and not gcfg.get("ingest_key_file"):
-                gcfg["ingest_key_file"] = gen_keys[gcfg["id"]]  # its own key, bound to its id by the allow-list
+        for i, gcfg in enumerate(generator_configs(cfgs["generator"], gen_keys, args.generators)):
             path = run_dir / "config" / f"generator-{i}.json"
             procs.start(f"gen-{i}", relay + ["generator", "--config", str(path)], _write_config(path, gcfg, env))
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts, hang_s=args.hang_after)
@@ -445,8 +472,9 @@ def run_up(args) -> int:
                 print(f"relay up: the learner is done; waiting for the generators to answer the final evaluation "
                       f"round (at most {wait_s:.0f} s)", flush=True)
             deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and any(c.alive() for c in gens):
+            while time.monotonic() < deadline and any(c.alive() for c in gens) and stopping["why"] is None:
                 time.sleep(0.2)
+            cut_short = final_eval_cut_short(stopping["why"])  # the run is complete; the round is left unanswered
         # every service but Redis stops first, in dependency order, so that the audit below is exact: the
         # generators first (each scores, sends and releases the batch it holds), then the broker and the
         # reward service they needed, then the learner (its last step, checkpoint and commits land in Redis)
@@ -475,7 +503,7 @@ def run_up(args) -> int:
         summary["restart_errors"] = {**((resumed or {}).get("restart_errors") or {}), **supervisor.errors}
         summary["warnings"] = [*((resumed or {}).get("warnings") or []), *alerts.warnings]
         ended = r.get(keys.done)  # the learner's sentence: its steps done, or the dataset ran out
-        summary["ended"] = ended.decode() if ended and rc == 0 else None
+        summary["ended"] = ended.decode() + cut_short if ended and rc == 0 else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_report(summary, run_dir), flush=True)
         if summary["ended"]:
@@ -493,6 +521,9 @@ def run_up(args) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         procs.stop()
+        p["listeners"].close()
+        lock.release()
+        os.umask(umask)
         if failure is not None:
             _print_failure(failure)
     return rc
@@ -514,6 +545,19 @@ def _ingest_keys(run_dir: Path, broker: dict, generator_ids: list[str]) -> dict[
         write_ingest_keys(d, generator_ids)
         os.chmod(d.parent, 0o700)
     return {gid: str(d / f"generator-{gid}.key_secret") for gid in generator_ids}
+
+
+def generator_configs(generator: dict, gen_keys: dict[str, str], n: int) -> list[dict]:
+    """The config of each of ``n`` generators: the run's generator section with its id (``gen-<i>``) and,
+    under CURVE, its own ingest key (the allow-list binds each key to one id), unless the section names
+    one key for all."""
+    out = []
+    for i in range(n):
+        gcfg = dict(generator, id=f"gen-{i}")
+        if gcfg.get("ingest_auth", "curve") == "curve" and not gcfg.get("ingest_key_file"):
+            gcfg["ingest_key_file"] = gen_keys[gcfg["id"]]
+        out.append(gcfg)
+    return out
 
 
 def _write_config(path: Path, cfg: dict, env: dict) -> dict:
@@ -548,6 +592,18 @@ def final_eval_wait_s(broker: dict) -> float:
 
     ev = EvalConfig.model_validate(broker.get("eval", {}))
     return max(15.0, ev.final_timeout_s) if ev.every_versions > 0 and ev.final else 15.0
+
+
+def final_eval_cut_short(signal_name: str | None) -> str:
+    """A signal while relay up waits for the final evaluation round: the learner has finished its steps and
+    the final version is published, so the run is complete (status ``completed``, exit 0, the version
+    exported, nothing to resume); the round is left unanswered. Says so now, and returns what
+    ``summary.json``'s ``ended`` adds ("" without a signal)."""
+    if signal_name is None:
+        return ""
+    print(f"relay up: {signal_name} received while the generators answered the final evaluation round; the learner "
+          f"has finished its steps: stopping every service without that round", flush=True)
+    return f" (the final evaluation round cut short by {signal_name})"
 
 
 def _print_failure(e) -> None:

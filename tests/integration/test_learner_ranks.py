@@ -1,4 +1,4 @@
-"""`relay up --learner-ranks 2`: two DeepSpeed processes (torchrun, gloo on CPU), each training on
+"""`relay up --learner-ranks 2`: two DeepSpeed processes (started by deploy/launcher/ranks.py, gloo on CPU), each training on
 its own half of every batch, hold identical weights after every step; with ZeRO-3, where each holds
 a partition of the weights, they publish the whole model and checkpoint their partitions."""
 

@@ -26,6 +26,14 @@ def test_quick_start_is_exactly_make_run_and_make_test():
     assert _block_after("## Quick start").split() == ["make", "run", "make", "test"]
 
 
+def test_every_relay_command_the_readme_shows_is_typed_one_way():
+    """`make` puts `relay` in .venv/bin, not on PATH: every command line of the README's code blocks is
+    typed `.venv/bin/relay ...`, never a bare `relay ...` that the shell would not find."""
+    lines = [ln.strip() for block in re.findall(r"```(?:\w+)?\n(.*?)```", README, re.S) for ln in block.splitlines()]
+    typed = [ln for ln in lines if re.match(r"(\S*/)?relay\s+[a-z]+(\s|$)", ln)]  # not the output "relay up: ..."
+    assert len(typed) >= 10 and all(ln.startswith(".venv/bin/relay ") for ln in typed), typed
+
+
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_configuration_examples_run_as_shown(tmp_path):
     """The README's `relay up` and `make run` lines, in a scratch copy of the working folder."""
@@ -38,7 +46,10 @@ def test_configuration_examples_run_as_shown(tmp_path):
     (work / "my-run.toml").write_text(toml)
     commands = [c for c in _block_after("## Configuration").splitlines() if c.strip()]
     assert len(commands) == 3
-    for cmd in commands:
+    # the second (the last run's model) twice: it works from a run that was itself given --model (before, that
+    # run's folder had no learner/base_model and the command failed the second time)
+    assert "--model runs/latest/learner/base_model" in commands[1]
+    for cmd in [commands[0], commands[1], commands[1], commands[2]]:
         res = _run(cmd + (" --dashboard-port 0 --no-progress" if "relay up" in cmd else ""), work)
         assert res.returncode == 0, f"{cmd}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         summary = json.loads((work / "runs" / "latest" / "summary.json").read_text())

@@ -47,8 +47,8 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     assert "ConnectionError" not in (run / "logs" / "learner.log").read_text()
     # the final version exported on Ctrl-C too, and the exact command that resumes the run
     assert first["export"]["version"] == first["versions_published"] and (run / "export" / "config.json").is_file()
-    m = re.search(r"resume with: (relay up --resume .+)", out)
-    assert m and m.group(1) == "relay up --resume runs/r", out
+    m = re.search(r"resume with: (.+)", out)  # as relay up was run here: python -m deploy.cli
+    assert m and m.group(1) == f"{sys.executable} -m deploy.cli up --resume runs/r", out
     assert "interrupted: " in out and "{" not in out, out  # the report, not summary.json
 
     # resumed, then crashed: relay up killed outright (its children get SIGTERM from the kernel)
@@ -99,6 +99,54 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
         if f.is_file() and f.relative_to(run).parts[0] != "secrets":
             data = f.read_bytes()
             assert not any(x.encode() in data for x in secrets), f"a secret in {f}"
+
+
+@pytest.mark.slow  # two parts of a run of every service, two generators (~60 s)
+def test_a_two_generator_run_stopped_and_resumed_rejects_no_group_and_publishes_each_version_once(tmp_path):
+    """Ctrl-C mid-run, then the resume command relay up printed, typed as printed: every generator sends
+    with its own ingest key again (before, generator 1 got generator 0's and the broker refused all its
+    groups), and the versions go on by one from where they stood (before, the resumed learner published
+    its checkpoint's weights again under a new number: a run resumed once ended one version past its
+    steps)."""
+    steps = 30
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the README's .venv/bin/relay
+    run = work / "runs" / "r"
+    metrics = run / "learner" / "metrics.jsonl"
+    proc = subprocess.Popen([".venv/bin/relay", "up", "--run-id", "r", "--steps", str(steps), "--generators", "2",
+                             "--dashboard-port", "0", "--no-progress", "--set", f"learner.batch_groups={BATCH}",
+                             "--set", "learner.checkpoint_every=7", "--set", "broker.eval.every_versions=0"],
+                            cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 8, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    first = json.loads((run / "summary.json").read_text())
+    assert first["status"] == "interrupted" and 8 <= first["steps"] < steps, first
+    assert first["versions_published"] == first["steps"] and first["groups_rejected"] == 0, first
+    # the command that resumes it, as it can be typed from here: relay was run as .venv/bin/relay
+    m = re.search(r"resume with: (.+)", out)
+    assert m and m.group(1) == ".venv/bin/relay up --resume runs/r", out
+
+    resumed = _sh(m.group(1) + " --dashboard-port 0 --no-progress", work)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "completed" and s["steps"] == steps and s["resumes"] == 1, s
+    keys = {json.loads((run / "config" / f"generator-{i}.json").read_text())["ingest_key_file"] for i in range(2)}
+    assert keys == {str(run.resolve() / "secrets" / "ingest" / f"generator-gen-{i}.key_secret") for i in range(2)}
+    assert s["groups_rejected"] == 0 and s["audit"]["rejected"] == 0, (s["groups_rejected"], s["audit"])
+    assert s["audit"]["trained_once"] == steps * BATCH and s["audit"]["lost"] == 0, s["audit"]
+    # both generators of the second part sent groups, from the version the run stood at onwards
+    for gid, g in s["generators"].items():
+        assert g["groups_sent"] > 0 and g["version_applied"] > first["versions_published"], (gid, g)
+    # one version per step, from the initial one: no version published twice, none skipped
+    assert s["versions_published"] == s["export"]["version"] == steps, s
+    versions = [json.loads(ln)["version"] for ln in metrics.read_text().splitlines()]
+    assert versions == list(range(1, steps + 1)), versions
+    log = (run / "logs" / "learner.log").read_text()
+    assert log.count("published initial version 0;") == 1, log[-3000:]
+    assert f"continuing from announced version {first['versions_published']};" in log, log[-3000:]
 
 
 def _sh(cmd: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -261,3 +261,38 @@ def test_the_tensor_digest_is_checked_from_the_downloaded_bytes(served, redis_ur
     assert list(weights.refused.values()) == ["digest_mismatch"]
     refused = [e for _, e in read_events(r, keys, None, 100) if e.kind == "refused"]
     assert refused[-1].data["reason"] == "digest_mismatch" and refused[-1].data["version"] == 2
+
+
+def test_a_resumed_learner_announces_the_latest_version_again_with_its_own_server(tmp_path, redis_url):
+    """A learner resumed without publishing (learner/publish.py resumed_versions) serves the store from a new
+    weight server (another port; the old learner's is gone): the latest version, and the version carrying the
+    base model its adapter pins, are announced again with the new server's URL, the same versions, hashes and
+    signatures' key, and a generator starting now fetches the latest from there."""
+    import dataclasses
+
+    from broker.client.announcements import latest_announcement, signed_announcement
+    from learner.publish import Publisher
+    from tests.support.services import announce_key
+
+    store, key = tmp_path / "store", announce_key(tmp_path)
+    store.mkdir()
+    r, keys = connect_redis(redis_url), Keys("r")
+    old = WeightServer(store).start()
+    a2, a3 = _publish(store, 2, 1000), _publish(store, 3, 1000)
+    for a in (a2, a3):  # version 3 an adapter on version 2's base, as LoRA runs publish them
+        announce(r, keys, dataclasses.replace(a, url=old.url(a.version), base=2, base_digest="b" * 64), key)
+    old.close()
+    new = WeightServer(store).start()
+    try:
+        assert new.base_url != old.base_url
+        pub = Publisher(r, keys, str(store), None, 4, key)
+        pub.url_for = new.url
+        pub.readvertise(latest_announcement(r, keys, key))
+        latest = latest_announcement(r, keys, key)
+        assert (latest.version, latest.hash, latest.url) == (3, a3.hash, new.url(3))
+        assert signed_announcement(r, keys, 2, key).url == new.url(2)
+        fetched = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"))).fetch(latest)
+        weightstore.check(fetched, a3.hash)  # the very files announced (WeightStoreError otherwise)
+        assert fetched.name == "v000003"
+    finally:
+        new.close()

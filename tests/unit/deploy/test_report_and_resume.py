@@ -11,7 +11,7 @@ import time
 import pytest
 
 from deploy.launcher.report import format_report
-from deploy.launcher.up import UsageError, add_up_arguments, plan
+from deploy.launcher.up import UsageError, add_up_arguments, generator_configs, plan
 from tests.support.services import relay
 
 SUMMARY = {
@@ -74,9 +74,27 @@ def test_relay_status_shows_a_finished_run_from_its_folder(tmp_path):
     # no summary and nothing running: killed mid-run, and it says how to continue
     (run / "summary.json").unlink()
     res = relay("status", str(run))
-    assert res.returncode == 1 and "relay up --resume" in res.stderr, res.stderr
+    assert res.returncode == 1 and f"-m deploy.cli up --resume {run}" in res.stderr, res.stderr  # as it was run
     res = relay("status", "nope", "--runs-dir", str(tmp_path / "runs"))
     assert res.returncode == 1 and "not a run folder" in res.stderr
+
+
+def test_plain_relay_status_shows_the_latest_run_not_port_8080(tmp_path):
+    """`relay status` with no RUN, --url or --redis-url is `relay status latest`: the last run started in
+    the runs folder (before, it asked http://127.0.0.1:8080, whatever ran there or nothing)."""
+    runs = tmp_path / "runs"
+    (runs / "r1" / "config").mkdir(parents=True)
+    (runs / "r1" / "summary.json").write_text(json.dumps(SUMMARY))
+    (runs / "latest").symlink_to("r1")
+    res = relay("status", cwd=tmp_path)  # the default --runs-dir, runs, from where relay up was run
+    assert res.returncode == 0 and res.stdout.startswith("relay up: run r1 completed: 600/600 steps"), res
+    res = relay("status", "--runs-dir", str(runs), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["run_id"] == "r1", res
+    # --url still reads that broker, and without a latest run plain status asks the default address
+    res = relay("status", "--url", "http://127.0.0.1:1", cwd=tmp_path)
+    assert res.returncode == 1 and "http://127.0.0.1:1/api/state" in res.stderr, res
+    res = relay("status", "--runs-dir", str(tmp_path / "none"), "--url", "http://127.0.0.1:1")
+    assert res.returncode == 1 and "give a RUN folder" in res.stderr, res
 
 
 def test_relay_status_shows_a_resumed_run_that_is_running_live_not_its_old_summary(tmp_path):
@@ -156,6 +174,27 @@ def test_resume_keeps_the_recorded_config_and_moves_only_ports_that_are_taken(tm
     # tokens are never in the run folder: they come from the environment again
     p, _ = _plan(tmp_path, "--resume", str(run), environ={"RELAY_AUTH_TOKEN": '"t0k"'})
     assert p["reward"]["auth_token"] == "t0k" and p["generator"]["reward_token"] == "t0k"
+
+
+def test_resume_gives_every_generator_its_own_ingest_key_again(tmp_path):
+    """generator-0.json is the run's generator section as resume reads it back, but its ingest key is
+    generator 0's alone: after a resume every generator must have its own again, or the broker refuses
+    every group of the others (their key is bound to gen-0's id)."""
+    run = _run_folder(tmp_path, {"status": "interrupted", "steps": 20})
+    keys = run.resolve() / "secrets" / "ingest"
+    gen0 = json.loads((run / "config" / "generator-0.json").read_text())
+    gen0["ingest_key_file"] = str(keys / "generator-gen-0.key_secret")
+    (run / "config" / "generator-0.json").write_text(json.dumps(gen0))
+    p, args = _plan(tmp_path, "--resume", "r1")
+    own = {f"gen-{i}": str(keys / f"generator-gen-{i}.key_secret") for i in range(args.generators)}
+    cfgs = generator_configs(p["generator"], own, args.generators)
+    assert [c["id"] for c in cfgs] == ["gen-0", "gen-1", "gen-2"]
+    assert [c["ingest_key_file"] for c in cfgs] == [own["gen-0"], own["gen-1"], own["gen-2"]]
+    # a key the user named for every generator (not one of the run's own) is kept for all of them
+    gen0["ingest_key_file"] = str(tmp_path / "shared.key_secret")
+    (run / "config" / "generator-0.json").write_text(json.dumps(gen0))
+    p, _ = _plan(tmp_path, "--resume", "r1")
+    assert {c["ingest_key_file"] for c in generator_configs(p["generator"], own, 3)} == {str(tmp_path / "shared.key_secret")}
 
 
 @pytest.mark.parametrize("summary,aof,argv,environ,message", [

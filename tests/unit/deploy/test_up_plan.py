@@ -3,6 +3,7 @@
 import argparse
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -216,3 +217,37 @@ def test_a_resumed_run_keeps_its_reward_token(tmp_path):
     assert recorded_reward_token(tmp_path / "r") == "s3cret" and recorded_reward_token(tmp_path / "none") == ""
     assert oct(reward_token_path(tmp_path / "r").stat().st_mode & 0o777) == "0o600"
     assert oct((tmp_path / "r" / "secrets").stat().st_mode & 0o777) == "0o700"
+
+
+def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_another_process_has_them(
+        tmp_path, monkeypatch):
+    """Another run picked the same ports at the same moment (free_port answers a port another process
+    holds): each port relay up chose moves to a free one, held by relay up from then on, with the
+    generators' addresses following; a port the user set that is taken is an error naming the setting."""
+    from deploy.launcher import procs
+    from deploy.launcher.up import UsageError
+
+    holder = subprocess.Popen([sys.executable, "-c", "import socket, time\ns = socket.create_server(('127.0.0.1', 0))\n"
+                               "print(s.getsockname()[1], flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = int(holder.stdout.readline())
+        monkeypatch.setattr(procs, "free_port", lambda *a, **k: theirs)
+        p = _plan(tmp_path, "--run-id", "a", "--set", "broker.ingest_workers=2")
+        ingest = int(p["broker"]["ingest_bind"].rsplit(":", 1)[1])
+        ours = [p["broker"]["http_port"], ingest, ingest + 1, p["reward"]["port"]]
+        assert theirs not in ours and len(set(ours)) == 4, ours
+        assert p["http_port"] == p["broker"]["http_port"]
+        assert p["generator"]["broker_address"] == f"tcp://127.0.0.1:{ingest},tcp://127.0.0.1:{ingest + 1}"
+        assert p["generator"]["reward_url"] == f"http://127.0.0.1:{p['reward']['port']}"
+        held = p["listeners"]
+        assert sorted(s.getsockname()[1] for socks in held.sockets.values() for s in socks) == sorted(ours)
+        assert all(procs.port_in_use(port) for port in ours)  # bound until the run ends: nobody can take them
+        assert held.env("broker") == {"RELAY_LISTEN_FDS": ",".join(map(str, held.fds("broker")))}
+        held.close()
+        monkeypatch.undo()
+        with pytest.raises(UsageError, match=f"cannot listen on 127.0.0.1:{theirs} \\(reward.port\\): Address already "
+                                             f"in use"):
+            _plan(tmp_path, "--run-id", "b", "--set", f"reward.port={theirs}")
+    finally:
+        holder.kill()
+        holder.wait()
