@@ -43,6 +43,7 @@ from broker.protocol.group import Group, GroupHead, decode_group_fast, group_fro
 from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
+from broker.protocol.signing import AnnounceVerifier
 
 log = logging.getLogger("relay.broker.ingest")
 
@@ -67,7 +68,7 @@ class Ingest:
     """Validates and appends groups; counts every outcome (Redis ``stats:broker`` and Prometheus)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
-                 announce_key: bytes | None = None):
+                 announce_key: AnnounceVerifier | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
         self.announce_key = announce_key  # a forged announcement's version never drives version_ahead
         self._latest_version: int | None = None  # cached; see _version_ahead

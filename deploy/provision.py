@@ -9,7 +9,10 @@ this command makes the same kinds of secret for services started by Compose or K
 run id is fixed by the deployment (``--run-id``: ``compose`` for docker-compose.yml, ``k8s`` for the
 manifests). The folder (mode 0700) gets:
 
-    announce.key               the announcement key: the learner signs, the broker and generators check
+    announce.key               the private announcement key (Ed25519, PEM): the learner's alone, it signs
+    announce.pub               its public half: the broker and the generators check announcements with it
+    weights.key                the weights key: the learner's weight server (http transport) admits its
+                               holders, the learner and the generators
     ingest/broker.key_secret   the broker's CURVE certificate (ingest), ingest/broker.key its public half
     ingest/generator-generator.key_secret  the generators' certificate: every replica shares it, bound to
                                the ids ``gen-*`` (the generators' default ids) in ingest/clients.json
@@ -36,7 +39,8 @@ import sys
 from pathlib import Path
 
 from broker.protocol.ingest_auth import write_ingest_keys
-from broker.protocol.signing import write_key_file
+from broker.protocol import weightauth
+from broker.protocol.signing import write_key_pair
 from deploy.launcher.run_secrets import SERVICE_USERS, RedisUsers
 
 GENERATOR_KEY = "generator"  # one certificate for every generator replica
@@ -50,11 +54,13 @@ def make(folder: Path, run_id: str, redis_host: str = REDIS_HOST, force: bool = 
     if force and folder.exists():
         for sub in ("ingest", "redis"):
             shutil.rmtree(folder / sub, ignore_errors=True)
-        for name in ("announce.key", "relay.env", *(f"{u}.env" for u in SERVICE_USERS)):
+        for name in ("announce.key", "announce.pub", "weights.key", "relay.env", *(f"{u}.env" for u in SERVICE_USERS)):
             (folder / name).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
-    out = {"announce_key": write_key_file(folder / "announce.key")}
+    private, public = write_key_pair(folder / "announce.key", folder / "announce.pub")
+    out = {"announce_key": private, "announce_public_key": public,
+           "weights_key": weightauth.write_key_file(folder / "weights.key")}
     if not (folder / "ingest" / "clients.json").exists():
         write_ingest_keys(folder / "ingest", [GENERATOR_KEY], patterns={GENERATOR_KEY: GENERATOR_IDS})
     out.update(ingest_broker_secret=folder / "ingest" / "broker.key_secret",
@@ -99,7 +105,9 @@ def k8s_secrets(files: dict[str, Path], namespace: str) -> str:
     read = {k: p.read_bytes() for k, p in files.items() if k not in ("broker_env", "learner_env", "generator_env",
                                                                       "reward_env")}
     docs = [
-        secret("relay-announce-key", {"key": read["announce_key"]}),
+        secret("relay-announce-key", {"key": read["announce_key"]}),  # the learner's alone
+        secret("relay-announce-public", {"key": read["announce_public_key"]}),  # the broker's, the generators'
+        secret("relay-weights-key", {"key": read["weights_key"]}),  # the learner's and the generators'
         secret("relay-ingest-broker", {"broker.key_secret": read["ingest_broker_secret"],
                                        "clients.json": read["ingest_clients"]}),
         secret("relay-ingest-generator", {"generator.key_secret": read["ingest_generator_secret"],

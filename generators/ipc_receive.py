@@ -60,7 +60,7 @@ class IpcReceiver(Staging):
 
     via = "ipc"
 
-    def __init__(self, r, keys: Keys, generator_id: str, announce_key: bytes | None, device: str = "cpu",
+    def __init__(self, r, keys: Keys, generator_id: str, announce_key: signing.AnnounceVerifier | None, device: str = "cpu",
                  poll_s: float = 0.01, max_bytes: int = 1 << 40, tamper: Callable[[torch.Tensor], None] | None = None,
                  after_copy: Callable[[], None] | None = None):
         super().__init__(device)

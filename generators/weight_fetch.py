@@ -1,5 +1,7 @@
 """The ``http`` weight transport, generator side: fetch an announced version from the learner's weight
-server (learner/weight_server.py) into a local cache, checking it as it arrives, then load it.
+server (learner/weight_server.py) into a local cache, checking it as it arrives, then load it. The server
+is the one the generator's config names (``weights.http.advertise_url``, or ``host`` and a fixed
+``port``), whatever URL an announcement names.
 
 :meth:`WeightFetcher.fetch` downloads ``manifest.json`` first and checks it against the hash in the
 signed announcement (``weightstore.manifest_hash``), then streams each file the manifest lists into a
@@ -37,7 +39,7 @@ from urllib.parse import urlsplit
 
 from broker.protocol import tensordigest, weightstore
 from broker.protocol.messages import Announcement
-from broker.runtime.config import HttpWeightsConfig
+from broker.runtime.config import ConfigError, HttpWeightsConfig
 
 log = logging.getLogger("relay.generator.weight_fetch")
 
@@ -53,12 +55,19 @@ class _Dropped(Exception):
 class WeightFetcher:
     """Fetches announced versions into ``cache`` (``cfg.cache_dir``, or a private temporary folder).
 
-    ``token``: the bearer token of the run's weight server (broker/protocol/weightauth.py),
-    None when announcements are unsigned. ``timeout_s``: per connection and per read; ``attempts``: the
+    ``token``: the bearer token of the run's weight server (broker/protocol/weightauth.py, from the
+    run's weights key), None with ``weights.auth = "insecure"``. Versions are fetched from ``cfg.base_url()``
+    only (the configured server): an announcement's ``url`` says a version is served, never where from. ``timeout_s``: per connection and per read; ``attempts``: the
     tries per file (a drop resumes where it stopped; back-off 0.2 s doubling, at most 5 s)."""
 
     def __init__(self, cfg: HttpWeightsConfig, token: str | None = None, keep: int = 3, timeout_s: float = 30.0,
                  attempts: int = 5):
+        self.base_url = cfg.base_url()
+        if not self.base_url:
+            raise ConfigError("weights.transport = 'http': a generator fetches only from the learner's configured "
+                              "weight server, never from whatever URL an announcement names: set weights.http."
+                              "advertise_url (or weights.http.host and a fixed weights.http.port) to the learner's "
+                              "(relay up sets it)")
         if cfg.cache_dir:
             self.cache = Path(cfg.cache_dir).resolve()
             self.cache.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -79,6 +88,7 @@ class WeightFetcher:
         if not a.url:
             raise weightstore.WeightStoreError("no_url", f"version {a.version} was announced without a URL (the "
                                                "learner's weights.transport is not http)")
+        url = self.url(a.version)  # the configured server's, never the announced one: the URL only says it is served
         final = weightstore.version_dir(self.cache, a.version)
         if final.is_dir():
             try:
@@ -93,31 +103,31 @@ class WeightFetcher:
             shutil.rmtree(staging)
         staging.mkdir(mode=0o700)
         try:
-            raw = self._get_small(a.url, weightstore.MANIFEST)
+            raw = self._get_small(url, weightstore.MANIFEST)
             try:
                 manifest = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise weightstore.WeightStoreError("bad_manifest", f"{a.url}{weightstore.MANIFEST}: {e}") from None
+                raise weightstore.WeightStoreError("bad_manifest", f"{url}{weightstore.MANIFEST}: {e}") from None
             if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-                raise weightstore.WeightStoreError("bad_manifest", f"{a.url}{weightstore.MANIFEST} has no 'files' map")
+                raise weightstore.WeightStoreError("bad_manifest", f"{url}{weightstore.MANIFEST} has no 'files' map")
             if weightstore.manifest_hash(manifest) != a.hash:
-                raise weightstore.WeightStoreError("hash_mismatch", f"{a.url}{weightstore.MANIFEST}: manifest hash "
+                raise weightstore.WeightStoreError("hash_mismatch", f"{url}{weightstore.MANIFEST}: manifest hash "
                                                    f"differs from the announced {a.hash[:12]}")
             for name in manifest["files"]:
                 if not weightstore.plain_name(name):
-                    raise weightstore.WeightStoreError("bad_name", f"{a.url}{weightstore.MANIFEST} lists {name!r}: "
+                    raise weightstore.WeightStoreError("bad_name", f"{url}{weightstore.MANIFEST} lists {name!r}: "
                                                        "not a plain file name")
             (staging / weightstore.MANIFEST).write_bytes(raw)
             entries: list[tuple[str, bytes]] = []
             algorithm = tensordigest.algorithm_of(a.digest) if a.digest else None  # the one the announcement used
             for name, digest in manifest["files"].items():
-                got, found = self._get_file(a.url, name, staging / name, digest, algorithm)
+                got, found = self._get_file(url, name, staging / name, digest, algorithm)
                 nbytes += got
                 entries.extend(found)
             try:
                 tensors = tensordigest.combine(entries, algorithm) if algorithm else None  # nothing to compare it with
             except ValueError as e:
-                raise weightstore.WeightStoreError("bad_safetensors", f"{a.url}: {e}") from None
+                raise weightstore.WeightStoreError("bad_safetensors", f"{url}: {e}") from None
             os.rename(staging, final)
             self.digests[a.version] = tensors
         finally:
@@ -126,9 +136,13 @@ class WeightFetcher:
         dt = time.perf_counter() - t0
         self.fetched += 1
         self.fetched_bytes += nbytes
-        log.info("fetched version %d over http: %.1f MB in %.2fs from %s", a.version, nbytes / 1e6, dt, a.url)
+        log.info("fetched version %d over http: %.1f MB in %.2fs from %s", a.version, nbytes / 1e6, dt, url)
         self.prune({a.version} | ({serving} if serving is not None else set()))
         return final
+
+    def url(self, version: int) -> str:
+        """The base URL of version ``version``'s files on the configured server (learner/weight_server.py ``url``)."""
+        return f"{self.base_url}/v{version:06d}/"
 
     def prune(self, keep_also: set[int]) -> list[int]:
         """Delete cached versions older than the newest ``keep`` that are not in ``keep_also``."""
@@ -164,7 +178,7 @@ class WeightFetcher:
             raise weightstore.WeightStoreError("not_found", f"{where}: 404 (pruned, or never published)")
         if resp.status in (401, 403):
             raise weightstore.WeightStoreError("unauthorized", f"{where}: {resp.status} (the run's bearer token is "
-                                               "derived from its announcement key: is it the same key?)")
+                                               "derived from its weights key, weights.key_file: is it the same key?)")
         if resp.status == 416:
             raise _Dropped(f"{where}: 416 for a resume at byte {start}: {body[:200]!r}")
         raise _Dropped(f"{where}: HTTP {resp.status} {body[:200]!r}")

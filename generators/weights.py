@@ -40,6 +40,7 @@ from broker.client.announcements import ForgedAnnouncement, checked_latest, newe
 from broker.client.telemetry import emit_event
 from broker.protocol import weightstore
 from broker.protocol.keys import Keys
+from broker.protocol.signing import AnnounceVerifier
 from generators.backends.base import Backend
 
 log = logging.getLogger("relay.generator.weights")
@@ -53,7 +54,7 @@ class WeightApplier:
 
     def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
                  report: Callable[[str, bool], None] = lambda state, heartbeat: None,
-                 stopped: Callable[[], bool] = lambda: False, announce_key: bytes | None = None,
+                 stopped: Callable[[], bool] = lambda: False, announce_key: AnnounceVerifier | None = None,
                  store: str = "", fetcher=None, receiver=None, hash_threads: int = 1):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)

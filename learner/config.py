@@ -94,6 +94,9 @@ class PolicyLossConfig(StrictModel):
 class LearnerConfig(RunConnection, PolicyLossConfig):
     """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
 
+    announce_key_file: str = Field("", description="file holding the run's private announcement key (Ed25519, "
+                                   "PKCS#8 PEM, mode 0600; relay up writes runs/<id>/secrets/announce.key): the "
+                                   "learner alone signs; needed by announce_auth = ed25519")
     run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions reach the generators "

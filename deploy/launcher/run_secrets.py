@@ -1,7 +1,10 @@
 """A run's secrets, written by ``relay up`` into ``runs/<id>/secrets/`` (mode 0700, files 0600) and
 read back by ``relay up --resume``:
 
-    secrets/announce.key          the announcement key (learner signs, generators and broker verify)
+    secrets/announce.key          the private announcement key (Ed25519, PEM): the learner's alone, it signs
+    secrets/announce.pub          its public half: the broker, the generators and the launcher verify
+    secrets/weights.key           the weights key: the learner's weight listeners admit its holders (the
+                                  learner and the generators; http transport's token, collective joins)
     secrets/redis/<user>.password one password per Redis user (broker, learner, generator, launcher)
     secrets/redis/users.acl       the embedded redis-server's ACL file (``--aclfile``): those users,
                                   passwords as SHA-256, no way to log in as ``default``
@@ -20,7 +23,8 @@ import os
 import secrets
 from pathlib import Path
 
-from broker.protocol.signing import write_key_file
+from broker.protocol import weightauth
+from broker.protocol.signing import read_signer, write_key_pair
 
 SERVICE_USERS = ("broker", "learner", "generator")
 LAUNCHER_USER = "launcher"
@@ -55,10 +59,55 @@ def announce_key_path(run_dir: Path) -> Path:
     return secrets_dir(run_dir) / "announce.key"
 
 
-def write_announce_key(run_dir: Path) -> Path:
-    """The run's announcement key (kept when it exists: a resumed run signs with the same key)."""
+def announce_public_key_path(run_dir: Path) -> Path:
+    return secrets_dir(run_dir) / "announce.pub"
+
+
+def weights_key_path(run_dir: Path) -> Path:
+    return secrets_dir(run_dir) / "weights.key"
+
+
+def write_run_keys(run_dir: Path) -> None:
+    """The run's announcement key pair and weights key (kept when they exist: a resumed run signs with the
+    same key; a key pair from before Ed25519 is refused, broker/protocol/signing.py)."""
     _private_dir(secrets_dir(run_dir))
-    return write_key_file(announce_key_path(run_dir))
+    write_key_pair(announce_key_path(run_dir), announce_public_key_path(run_dir))
+    weightauth.write_key_file(weights_key_path(run_dir))
+
+
+def run_key_fields(run_dir: Path) -> dict[str, dict]:
+    """Service -> the config fields that name its keys: the private announcement key for the learner only,
+    the public one for the broker and the generators, the weights key for the learner and the generators."""
+    public = str(announce_public_key_path(run_dir))
+    weights = {"weights": {"key_file": str(weights_key_path(run_dir))}}
+    return {"learner": {"announce_key_file": str(announce_key_path(run_dir)), **weights},
+            "broker": {"announce_public_key_file": public},
+            "generator": {"announce_public_key_file": public, **weights}}
+
+
+def pin_weight_port(learner: dict, generator: dict, free_port) -> None:
+    """``weights.transport = "http"``: a generator fetches only from the weight server its config names
+    (``weights.http.advertise_url``, or ``host`` and a fixed ``port``), so a learner left to pick any free
+    port (0) gets a fixed one now, in both configs."""
+    http = learner.setdefault("weights", {}).setdefault("http", {})
+    if http.get("advertise_url") or http.get("port"):
+        return
+    http["port"] = free_port()
+    generator.setdefault("weights", {}).setdefault("http", {}).setdefault("port", http["port"])
+
+
+def made_before_ed25519(run_dir: Path) -> bool:
+    """A run whose announcement key is the HMAC key every service held (a run from before Ed25519)."""
+    from broker.protocol.signing import AnnounceKeyError
+
+    path = announce_key_path(run_dir)
+    if not path.is_file():
+        return False
+    try:
+        read_signer(path)
+    except AnnounceKeyError as e:
+        return "HMAC" in str(e)
+    return False
 
 
 def acl_rules(run_id: str, user: str, password: str) -> str:

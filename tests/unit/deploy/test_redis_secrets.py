@@ -36,13 +36,17 @@ def _plan(tmp_path, *argv):
     return plan(p.parse_args(["--runs-dir", str(tmp_path), "--dashboard-port", "0", *argv]), environ={})
 
 
-def test_each_service_gets_its_own_redis_user_and_the_announcement_key(tmp_path):
+def test_each_service_gets_its_own_redis_user_and_its_half_of_the_announcement_key(tmp_path):
     p = _plan(tmp_path, "--run-id", "u")
     users = p["redis_users"]
     port = p["redis_port"]
     for name in ("broker", "learner", "generator"):
         assert p[name]["redis_url"] == f"redis://{name}:{users.passwords[name]}@127.0.0.1:{port}/0"
-        assert p[name]["announce_key_file"] == str(tmp_path / "u" / "secrets" / "announce.key")
+    # the learner alone signs: the private key is in its config only; the others check with the public key
+    assert p["learner"]["announce_key_file"] == str(tmp_path / "u" / "secrets" / "announce.key")
+    for name in ("broker", "generator"):
+        assert "announce_key_file" not in p[name]
+        assert p[name]["announce_public_key_file"] == str(tmp_path / "u" / "secrets" / "announce.pub")
     assert p["redis_url"] == users.url("launcher", port) and "redis_url" not in p["reward"]
     assert len(set(users.passwords.values())) == 4
     assert p["generator"]["weight_store"] == p["learner"]["weight_store"]  # versions outside it are refused
