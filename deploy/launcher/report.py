@@ -48,6 +48,10 @@ def format_report(s: dict, run_dir: Path) -> str:
         restarts = {k: v for k, v in (s.get("restarts") or {}).items() if v}
         if restarts:
             lines.append("  restarts     " + ", ".join(f"{k} {v}" for k, v in restarts.items()))
+    refused = s.get("redis_refused")
+    if refused:
+        lines.append("  redis        refused " + "; ".join(f"{e['user']}: {e['reason']} {e['object']} ({e['count']}x)"
+                                                     for e in refused[:3]) + " (summary.json: redis_refused)")
     exp = s.get("export")
     if exp:
         lines.append(f"  export       {_path(exp['path'])} (version {exp['version']}; loads with transformers)")

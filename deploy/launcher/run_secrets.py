@@ -9,9 +9,10 @@ read back by ``relay up --resume``:
     secrets/redis/users.acl       the embedded redis-server's ACL file (``--aclfile``): those users,
                                   passwords as SHA-256, no way to log in as ``default``
 
-Each Redis user may touch only the run's keys and pub/sub channels (``relay:<run id>:*``) and no
-command of the ``@dangerous`` category (FLUSHALL, FLUSHDB, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL,
-MONITOR, CLIENT KILL, ...); the launcher, which only watches the run, may only read. The services get
+Each Redis user may run only the commands its service needs, on the run's keys its service reads or
+writes (deploy/launcher/redis_acl.py: only the broker writes the trajectories stream, only the learner
+the announcements), and no command of the ``@dangerous`` category; the launcher, which only watches
+the run, may only read. The services get
 their user's credentials in their Redis URL (``redis://learner:<password>@127.0.0.1:<port>/0``),
 through the environment (deploy/launcher/environment.py ``SECRETS``), never a config file.
 """
@@ -25,14 +26,11 @@ from pathlib import Path
 
 from broker.protocol import weightauth
 from broker.protocol.signing import read_signer, write_key_pair
+from deploy.launcher.redis_acl import acl_permissions
 
 SERVICE_USERS = ("broker", "learner", "generator")
 LAUNCHER_USER = "launcher"
 USERS = (*SERVICE_USERS, LAUNCHER_USER)
-# what each user may run, after "-@all"; every user loses @dangerous whatever it was granted
-COMMANDS = {"broker": "+@all", "learner": "+@all", "generator": "+@all",
-            LAUNCHER_USER: "+@read +@connection +@transaction"}
-EXTRA = {LAUNCHER_USER: "+info"}  # granted after -@dangerous: INFO (memory, clients) for watching a run
 
 
 def secrets_dir(run_dir: Path) -> Path:
@@ -111,13 +109,10 @@ def made_before_ed25519(run_dir: Path) -> bool:
 
 
 def acl_rules(run_id: str, user: str, password: str) -> str:
-    """One line of the ACL file: ``user`` with ``password`` (stored as its SHA-256), the run's keys
-    and channels only, its commands without @dangerous."""
+    """One line of the ACL file: ``user`` with ``password`` (stored as its SHA-256) and its rights on the
+    run's keys (deploy/launcher/redis_acl.py)."""
     digest = hashlib.sha256(password.encode()).hexdigest()
-    prefix = f"relay:{run_id}:*"
-    extra = f" {EXTRA[user]}" if user in EXTRA else ""
-    return (f"user {user} on #{digest} resetkeys ~{prefix} resetchannels &{prefix} "
-            f"-@all {COMMANDS[user]} -@dangerous{extra}")
+    return f"user {user} on #{digest} {acl_permissions(run_id, user)}"
 
 
 def run_redis_url(run_dir: Path, user: str = LAUNCHER_USER) -> str:

@@ -311,7 +311,8 @@ def run_up(args) -> int:
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
     from deploy.launcher.run_secrets import write_run_keys
-    from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
+    from deploy.launcher.summary import (audit, build_summary, eval_records, export_final, outcome, read_metrics,
+                                         redis_refusals)
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
 
@@ -445,6 +446,7 @@ def run_up(args) -> int:
         summary["steps_total"] = total
         summary["resumes"] = resumed.get("resumes", 0) + 1 if resumed is not None else 0
         summary["audit"] = audit(r, keys)
+        summary["redis_refused"] = redis_refusals(r)  # a right a service lacks (or someone tried): never silent
         summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
         # the final version as an HF folder, after Ctrl-C too (not after a failure: it may be broken)
         summary["export"] = export_final(run_dir) if rc in (0, 130) else None
