@@ -85,6 +85,13 @@ class WeightFetcher:
     def fetch(self, a: Announcement, serving: int | None = None) -> Path:
         """The local folder of version ``a`` (downloaded unless already cached and intact); the cache is
         pruned to the newest ``keep`` versions plus ``serving``. Raises WeightStoreError."""
+        return self.fetch_kept(a, serving)[0]
+
+    def fetch_kept(self, a: Announcement, serving: int | None = None, keep: bool = False
+                   ) -> tuple[Path, weightstore.Verified | None]:
+        """:meth:`fetch`, and with ``keep`` what was hashed, for the engine to load (weightstore.Verified,
+        closed by the caller): each safetensors file mapped from the very open file it was written and hashed
+        through, the other files' bytes as they were hashed. No second read of the weights."""
         if not a.url:
             raise weightstore.WeightStoreError("no_url", f"version {a.version} was announced without a URL (the "
                                                "learner's weights.transport is not http)")
@@ -92,8 +99,9 @@ class WeightFetcher:
         final = weightstore.version_dir(self.cache, a.version)
         if final.is_dir():
             try:
-                self.digests[a.version] = weightstore.check(final, a.hash, self.cache, tensor_digest=bool(a.digest)).digest
-                return final
+                v = weightstore.check(final, a.hash, self.cache, tensor_digest=bool(a.digest), keep=keep)
+                self.digests[a.version] = v.digest
+                return final, (v if keep else None)
             except weightstore.WeightStoreError as e:
                 log.warning("cached version %d is not intact (%s): fetching it again", a.version, e)
                 shutil.rmtree(final)
@@ -102,6 +110,7 @@ class WeightFetcher:
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(mode=0o700)
+        kept = weightstore.Verified({}, None) if keep else None
         try:
             raw = self._get_small(url, weightstore.MANIFEST)
             try:
@@ -121,15 +130,21 @@ class WeightFetcher:
             entries: list[tuple[str, bytes]] = []
             algorithm = tensordigest.algorithm_of(a.digest) if a.digest else None  # the one the announcement used
             for name, digest in manifest["files"].items():
-                got, found = self._get_file(url, name, staging / name, digest, algorithm)
+                got, found = self._get_file(url, name, staging / name, digest, algorithm, kept)
                 nbytes += got
                 entries.extend(found)
+            if kept is not None:
+                kept.manifest = manifest
             try:
                 tensors = tensordigest.combine(entries, algorithm) if algorithm else None  # nothing to compare it with
             except ValueError as e:
                 raise weightstore.WeightStoreError("bad_safetensors", f"{url}: {e}") from None
             os.rename(staging, final)
             self.digests[a.version] = tensors
+        except BaseException:
+            if kept is not None:
+                kept.close()
+            raise
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -138,7 +153,7 @@ class WeightFetcher:
         self.fetched_bytes += nbytes
         log.info("fetched version %d over http: %.1f MB in %.2fs from %s", a.version, nbytes / 1e6, dt, url)
         self.prune({a.version} | ({serving} if serving is not None else set()))
-        return final
+        return final, kept
 
     def url(self, version: int) -> str:
         """The base URL of version ``version``'s files on the configured server (learner/weight_server.py ``url``)."""
@@ -212,12 +227,14 @@ class WeightFetcher:
 
         return self._retrying(f"{url}{name}", attempt)
 
-    def _get_file(self, url: str, name: str, dest: Path, digest: str,
-                  tensors: str | None) -> tuple[int, list[tuple[str, bytes]]]:
+    def _get_file(self, url: str, name: str, dest: Path, digest: str, tensors: str | None,
+                  kept: weightstore.Verified | None = None) -> tuple[int, list[tuple[str, bytes]]]:
         """Stream ``name`` into ``dest`` hashing as it comes (the file's sha256 and, with ``tensors`` (a
         tensor digest algorithm) for a ``.safetensors`` file, its tensors' digest entries); resume from the
-        last byte after a drop. Returns (bytes, entries)."""
-        dl = _Download(dest, tensors if name.endswith(".safetensors") else None)
+        last byte after a drop. Returns (bytes, entries). With ``kept``: the file, once its sha256 checks,
+        goes into it (a safetensors file mapped through the open file that wrote it, another file's bytes)."""
+        safetensors = name.endswith(".safetensors")
+        dl = _Download(dest, tensors if safetensors else None, keep_bytes=kept is not None and not safetensors)
         try:
             def attempt(i: int) -> None:
                 if i and dl.got:
@@ -241,27 +258,34 @@ class WeightFetcher:
                     conn.close()
 
             self._retrying(f"{url}{name}", attempt)
+            actual = dl.hash.hexdigest()
+            if actual != digest:
+                raise weightstore.WeightStoreError("corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest "
+                                                   f"{digest[:12]}")
+            if kept is not None and safetensors:
+                kept.files[name] = weightstore.map_written(dl.out, name)
+            elif kept is not None:
+                kept.blobs[name] = bytes(dl.kept)
         finally:
             dl.out.close()
-        actual = dl.hash.hexdigest()
-        if actual != digest:
-            raise weightstore.WeightStoreError("corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest "
-                                               f"{digest[:12]}")
         return dl.got, (dl.tensors.finish() if dl.tensors is not None else [])
 
 
 class _Download:
     """One file being downloaded: the bytes written so far, their running sha256 and (``tensors``: a
-    safetensors file) the running digest of its tensors."""
+    safetensors file) the running digest of its tensors; with ``keep_bytes`` (a small file the engine will
+    load) the bytes themselves."""
 
-    def __init__(self, dest: Path, tensors: str | None):
-        self.out = open(dest, "wb")
-        self.name, self.algorithm = dest.name, tensors
+    def __init__(self, dest: Path, tensors: str | None, keep_bytes: bool = False):
+        self.out = open(dest, "w+b")  # read back through this same open file (weightstore.map_written)
+        self.name, self.algorithm, self.keep_bytes = dest.name, tensors, keep_bytes
         self.restart()
 
     def write(self, chunk: bytes) -> None:
         self.out.write(chunk)
         self.hash.update(chunk)
+        if self.keep_bytes:
+            self.kept += chunk
         if self.tensors is not None:
             self.tensors.update(chunk)
         self.got += len(chunk)
@@ -269,6 +293,7 @@ class _Download:
     def restart(self) -> None:
         self.out.seek(0)
         self.out.truncate()
+        self.kept = bytearray()
         self.hash = hashlib.sha256()
         self.tensors = weightstore.TensorHasher(self.name, self.algorithm) if self.algorithm else None
         self.got = 0

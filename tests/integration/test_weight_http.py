@@ -223,20 +223,20 @@ def test_applier_fetches_refuses_a_corrupted_byte_and_skips_a_pruned_version(ser
     assert refused and refused[-1].data["reason"] == "corrupt_file" and refused[-1].data["version"] == 2
 
     # version 3 pruned between its announcement and its fetch (the learner moved on to 4): not refused
-    real_fetch = fetcher.fetch
+    real_fetch_kept = fetcher.fetch_kept
 
-    def learner_moves_on(a, serving):
+    def learner_moves_on(a, serving, keep=False):
         if a.version == 3:
             publish(4)
             shutil.rmtree(weightstore.version_dir(store, 3))
-        return real_fetch(a, serving)
+        return real_fetch_kept(a, serving, keep)
 
-    fetcher.fetch = learner_moves_on
+    fetcher.fetch_kept = learner_moves_on
     publish(3)
     weights.update()
     assert weights.version == 4 and weights.refused_updates == 1
     with pytest.raises(weightstore.WeightStoreError) as e:
-        real_fetch(Announcement(3, "0" * 64, "", url=server.url(3)))
+        real_fetch_kept(Announcement(3, "0" * 64, "", url=server.url(3)))
     assert e.value.reason == "not_found"
 
     # the cache keeps the newest two and the one served
