@@ -20,12 +20,16 @@ when that base's digest is the pinned one; a generator starting fresh loads the 
 that carries it first. An adapter for another base is refused (``base_mismatch``), shown red like a
 bad hash: the generator never serves its base model in the adapted policy's place.
 
-An announcement the run's key did not sign (written into Redis by someone else) is never loaded: it
+An announcement the learner's private key did not sign (written into Redis by someone else, or signed
+with any other key: a generator holds only the public one) is never loaded: it
 is logged, counted (``forged_announcements``, in the heartbeat and /metrics), reported as a
 ``refused`` event, and the generator keeps serving its version. With ``store`` set, a version
 outside the weight store is refused as well (broker/protocol/weightstore.py ``check_in_store``).
 With ``weights.transport = "http"`` a version is first fetched from the learner's weight server into the
 generator's own cache (generators/weight_fetch.py), then verified and loaded from there the same way.
+
+Check then load is one read, for every load of an engine that takes what it is handed (the torch
+backend): the files the check hashed are what the engine loads (:meth:`WeightApplier._obtain`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ rank 1) as four broadcasts from rank 0, in this order:
    offsets aligned to :data:`ALIGN` bytes, the gaps zero), sliced in ``bucket_bytes`` pieces.
 3. ``trailer``: a length-prefixed JSON object ``{"version", "digest", "header_sha256", "sig"}``:
    the tensor digest (broker/protocol/tensordigest.py, the same one the announcement carries) and the
-   HMAC of the run's announcement key over them (broker/protocol/signing.py ``collective_signature``).
+   learner's Ed25519 signature over them (broker/protocol/signing.py ``collective_signature``).
    A version the learner refused while it was on the wire (a weight NaN or inf) ends with an empty
    ``digest`` and ``"abort": reason`` (signed the same way): every member discards it.
 

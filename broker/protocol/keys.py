@@ -224,8 +224,8 @@ class Keys:
 
     @property
     def collective(self) -> str:
-        """Hash {host, port, pid}: the learner leader's rendezvous (TCPStore) for the collective weight
-        transport, written when it starts (learner/broadcast.py); generators join through it."""
+        """Hash {host, port, pid}: the learner leader's rendezvous (learner/rendezvous.py) for the collective
+        weight transport, written when it starts (learner/broadcast.py); generators join through it."""
         return self._k("collective")
 
     @property
