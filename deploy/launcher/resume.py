@@ -117,11 +117,11 @@ def plan_resume(args, environ, usage_error) -> dict:
     for name in ("broker", "learner", "generator"):
         if cfgs[name].get("announce_auth", "ed25519") == "ed25519":
             cfgs[name] = deep_merge(keyed[name], cfgs[name])
-    http = cfgs["learner"].get("weights", {}).get("http", {})
-    if cfgs["learner"].get("weights", {}).get("transport") == "http" and http.get("port") and port_in_use(http["port"]):
+    old = cfgs["learner"].get("weights", {}).get("http", {}).get("port")
+    if cfgs["learner"].get("weights", {}).get("transport") == "http" and old and port_in_use(old):
         new = free_port()  # the generators fetch from the recorded port: both move
         for name in ("learner", "generator"):
-            if cfgs[name].get("weights", {}).get("http", {}).get("port") == http["port"]:
+            if cfgs[name].get("weights", {}).get("http", {}).get("port") == old:
                 cfgs[name]["weights"]["http"]["port"] = new
     # the launcher's ports, moved when taken (each config that names one follows it)
     ingest, workers = _port_of(cfgs["broker"]["ingest_bind"]), int(cfgs["broker"].get("ingest_workers", 1))
