@@ -21,7 +21,9 @@ manifests). The folder (mode 0700) gets:
     broker.env, learner.env, generator.env   RELAY_REDIS_URL with that service's user and password
     relay.env                  the reward service's bearer token (RELAY_AUTH_TOKEN, RELAY_REWARD_TOKEN)
 
-Existing files are kept, so running it again changes nothing (``--force`` makes new ones). Containers
+Existing files are kept, so running it again changes nothing (``--force`` makes new ones), but for the
+Redis ACL file, written again from the current rights of each user with the passwords it holds. An
+announcement key from before Ed25519 (an HMAC key) is refused: ``--force`` makes a new pair. Containers
 run as another user than the one who runs this (uid 10001 for Relay, 999 for Redis) and Compose
 bind-mounts secret files as they are, so the files are readable (0644) while the folder (0700) keeps
 every other user of the host out. Kubernetes Secrets are mounted with the modes the manifests set.
@@ -68,9 +70,8 @@ def make(folder: Path, run_id: str, redis_host: str = REDIS_HOST, force: bool = 
                ingest_clients=folder / "ingest" / "clients.json",
                ingest_generator_secret=folder / "ingest" / f"generator-{GENERATOR_KEY}.key_secret")
     users = RedisUsers.read_from(folder, run_id) if (folder / "redis" / "users.acl").exists() else None
-    if users is None:
-        users = RedisUsers.new(run_id)
-        users.write_to(folder)
+    users = users or RedisUsers.new(run_id)
+    users.write_to(folder)  # the ACL file always from the current rights (deploy/launcher/redis_acl.py), passwords kept
     out.update(redis_acl=folder / "redis" / "users.acl", redis_launcher_password=folder / "redis" / "launcher.password")
     for user in SERVICE_USERS:
         env = folder / f"{user}.env"

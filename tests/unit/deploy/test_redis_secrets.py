@@ -57,3 +57,21 @@ def test_an_external_redis_url_is_used_as_given(tmp_path):
     p = _plan(tmp_path, "--run-id", "x", "--redis-url", url)
     assert p["redis_users"] is None and p["redis_url"] == url
     assert {p[n]["redis_url"] for n in ("broker", "learner", "generator")} == {url}
+
+
+def test_relay_secrets_writes_the_acl_file_again_from_the_current_rights_keeping_the_passwords(tmp_path):
+    """A deployment made before the per-service rights (every user +@all on the run's keys) gets them by running
+    `relay secrets` again, without new passwords (the services' env files stay valid)."""
+    from deploy.launcher.run_secrets import acl_rules
+    from deploy.provision import make
+
+    folder = tmp_path / "secrets"
+    files = make(folder, "compose")
+    password = (folder / "redis" / "generator.password").read_text().strip()
+    acl = files["redis_acl"]
+    wide = acl.read_text().replace(acl_rules("compose", "generator", password),
+                                   "user generator on #x resetkeys ~relay:compose:* -@all +@all -@dangerous")
+    acl.write_text(wide)
+    make(folder, "compose")
+    assert acl.read_text() != wide and acl_rules("compose", "generator", password) in acl.read_text()
+    assert (folder / "redis" / "generator.password").read_text().strip() == password
