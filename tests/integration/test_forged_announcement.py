@@ -63,7 +63,7 @@ def test_a_running_generator_never_loads_a_forged_announcement_and_the_dashboard
     hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 1 and h, timeout=60,
                     what=f"the forged announcement noticed:\n{gen.tail()}")
     # and one signed with a key that is not the run's
-    other = signing.signed(bytes(32), "forge", Announcement(100, forged.hash, forged.path))
+    other = signing.signed(signing.AnnounceSigner.generate(), "forge", Announcement(100, forged.hash, forged.path))
     _forge(r, keys, other)
     hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 2 and h, timeout=60,
                     what=f"the second forgery noticed:\n{gen.tail()}")
