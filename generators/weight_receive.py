@@ -197,6 +197,7 @@ class Receiver(Staging):
         self.r, self.keys, self.cfg, self.generator_id, self.key = r, keys, cfg, generator_id, announce_key
         self.weights_key = weights_key  # proves this generator may join (None: weights.auth insecure)
         self._conn: socket.socket | None = None  # the rendezvous connection: open while a member
+        self._not_joined = ""  # why the last join failed (logged once per reason)
         self.max_bytes, self.tamper = max_bytes, tamper
         self.pg = None
         self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(HASH_THREADS)]
@@ -231,9 +232,13 @@ class Receiver(Staging):
                 while not self.stop.is_set():
                     self._receive_one()
             except (redis.RedisError, RuntimeError, ValueError, OSError) as e:  # the group failed, or no learner yet
+                why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
                 if self.joined.is_set():
-                    log.warning("left the weight broadcast (%s); following the store until it joins again",
-                                str(e).splitlines()[0][:200])
+                    log.warning("left the weight broadcast (%s); following the store until it joins again", why)
+                elif why != self._not_joined and "not opened its rendezvous" not in why:
+                    log.warning("cannot join the weight broadcast (%s); following the store, trying again every "
+                                "second", why)  # once per reason: a refused key or id is seen, not repeated
+                self._not_joined = why
                 self.joined.clear()
                 if self.pg is not None:
                     wire.abort_group(self.pg)
