@@ -71,6 +71,12 @@ def test_a_join_without_the_weights_key_gets_nothing_and_does_not_evict_the_gene
     real = start_peer(peers, redis_url, tmp_path, model, "gen-0", RUN, "--until", "1")
     wait_until(lambda: b.member_ids() == ["gen-0"], timeout=60, what="gen-0 joined")
     host, port = _address(r, keys)
+    # it listens on the configured host only (the TCPStore it replaced listened on every interface)
+    import psutil
+
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert listening == {"127.0.0.1"}, listening
     # the attack that worked before: join as gen-0 through the rendezvous store
     got = _store_join(host, port, "gen-0")
     assert got.startswith("refused"), got
