@@ -292,7 +292,8 @@ def _bench_http(b: Bench) -> dict:
         v = b.new_weights()
         bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied))
         bg.drain()
-        procs = b.generators({"transport": "http", "shard_mb": shard_mb}, "")  # each its own private cache
+        procs = b.generators({"transport": "http", "shard_mb": shard_mb,  # each its own private cache, fetching
+                              "http": {"advertise_url": server.base_url}}, "")  # from this server only
         b.wait_applied(v, 0.0, procs)  # the first fetch and load (the engine starts)
         ours, raw = [], []
         for _ in range(WARMUP + b.versions):
