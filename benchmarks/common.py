@@ -147,23 +147,49 @@ class Stack:
 
     @property
     def announce_key_file(self) -> str:
-        """The announcement key the stack's learner signs with and its broker and generators check."""
-        from broker.protocol.signing import write_key_file
+        """The private announcement key the stack's learner signs with."""
+        from broker.protocol.signing import write_key_pair
 
-        return str(write_key_file(self.dir / "announce.key"))
+        return str(write_key_pair(self.dir / "announce.key", self.dir / "announce.pub")[0])
 
     @property
-    def announce_key(self) -> bytes:
-        from broker.protocol.signing import read_key_file
+    def announce_public_key_file(self) -> str:
+        """Its public half, which the stack's broker and generators check announcements with."""
+        from broker.protocol.signing import write_key_pair
 
-        return read_key_file(self.announce_key_file)
+        return str(write_key_pair(self.dir / "announce.key", self.dir / "announce.pub")[1])
+
+    @property
+    def announce_key(self):
+        """The signing key (an AnnounceSigner: it verifies too)."""
+        from broker.protocol.signing import read_signer
+
+        return read_signer(self.announce_key_file)
+
+    @property
+    def weights_key_file(self) -> str:
+        """The stack's weights key (the http weight server's token, collective joins)."""
+        from broker.protocol.weightauth import write_key_file
+
+        return str(write_key_file(self.dir / "weights.key"))
+
+    @property
+    def weights_key(self) -> bytes:
+        from broker.protocol.weightauth import read_key_file
+
+        return read_key_file(self.weights_key_file)
 
     def service(self, name: str, service: str, cfg: dict):
         """Start ``relay <service>``; a broker or a generator gets the stack's CURVE keys (ingest_keys)
         unless ``cfg`` sets ingest_auth: the benchmarks measure the authenticated ingest a run uses; the
-        broker, the learner and the generators get the stack's announcement key."""
-        if service in ("broker", "learner", "generator"):
+        learner gets the stack's private announcement key, the broker and the generators its public key,
+        the learner and the generators its weights key."""
+        if service == "learner":
             cfg = {"announce_key_file": self.announce_key_file, **cfg}
+        if service in ("broker", "generator"):
+            cfg = {"announce_public_key_file": self.announce_public_key_file, **cfg}
+        if service in ("learner", "generator"):
+            cfg = {**cfg, "weights": {"key_file": self.weights_key_file, **cfg.get("weights", {})}}
         if service in ("broker", "generator") and "ingest_auth" not in cfg:
             k = self.ingest_keys()
             cfg = {**({"ingest_key_file": k["broker_key_file"], "ingest_clients_file": k["clients_file"]}

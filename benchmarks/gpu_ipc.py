@@ -47,13 +47,13 @@ def generator(device: str, model_dir: str, redis_url: str, key_file: str) -> Non
     """The child: a torch-backend generator following the ipc transport; one JSON line per version applied."""
     from broker.client.connection import connect_redis
     from broker.protocol.keys import Keys
-    from broker.protocol.signing import read_key_file
+    from broker.protocol.signing import read_verifier
     from broker.protocol.tensordigest import state_digest
     from generators.config import TorchBackendConfig
     from generators.ipc_receive import IpcReceiver
     from generators.weights import WeightApplier
 
-    r, keys, key = connect_redis(redis_url), Keys(RUN), read_key_file(key_file)
+    r, keys, key = connect_redis(redis_url), Keys(RUN), read_verifier(key_file)
     backend = TorchBackendConfig(device=device, dtype="bfloat16").build()
     backend.load(model_dir)
     receiver = IpcReceiver(r, keys, "g-0", key, device=device)
@@ -107,7 +107,7 @@ def main(device: str, size_name: str, rounds: int, out: Path | None) -> dict:
         snap = snapshot_buffers(weights, torch.bfloat16, tied)
         nbytes = sum(t.numel() * t.element_size() for t in snap.values())
         child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_ipc", "--generator", device, str(model_dir),
-                                  redis_url, stack.announce_key_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  redis_url, stack.announce_public_key_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  env=dict(os.environ, PYTHONUNBUFFERED="1"), text=True)
         try:
             if not json.loads(child.stdout.readline() or "{}").get("ready"):

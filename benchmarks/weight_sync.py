@@ -274,7 +274,7 @@ def _bench_http(b: Bench) -> dict:
     store, raw_dir = b.tmp / "weights-http", b.tmp / "http-raw"
     store.mkdir(parents=True, exist_ok=True)
     raw_dir.mkdir(parents=True, exist_ok=True)
-    server = WeightServer(store, token=bearer_token(b.stack.announce_key, b.keys.run_id)).start()
+    server = WeightServer(store, token=bearer_token(b.stack.weights_key, b.keys.run_id)).start()
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args) -> None:
@@ -292,7 +292,8 @@ def _bench_http(b: Bench) -> dict:
         v = b.new_weights()
         bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied))
         bg.drain()
-        procs = b.generators({"transport": "http", "shard_mb": shard_mb}, "")  # each its own private cache
+        procs = b.generators({"transport": "http", "shard_mb": shard_mb,  # each its own private cache, fetching
+                              "http": {"advertise_url": server.base_url}}, "")  # from this server only
         b.wait_applied(v, 0.0, procs)  # the first fetch and load (the engine starts)
         ours, raw = [], []
         for _ in range(WARMUP + b.versions):
@@ -335,7 +336,7 @@ def _bench_http(b: Bench) -> dict:
 
 
 def _collective_peer(redis_url: str, key_file: str, model: str, gid: str, raw_addr: str, rank: int,
-                     rounds: int, total: int, bucket_mb: float) -> None:
+                     rounds: int, total: int, bucket_mb: float, weights_key_file: str) -> None:
     """A generator's side, in its own process: the torch backend, a WeightApplier with the real Receiver
     (generators/weight_receive.py), plus rank ``rank`` of a plain gloo group for the raw baseline. Each
     round: receive ``total`` bytes by ``torch.distributed.broadcast``, then apply what the collective
@@ -347,7 +348,8 @@ def _collective_peer(redis_url: str, key_file: str, model: str, gid: str, raw_ad
 
     from broker.client.connection import connect_redis
     from broker.protocol.keys import Keys
-    from broker.protocol.signing import read_key_file
+    from broker.protocol.signing import read_verifier
+    from broker.protocol.weightauth import read_key_file
     from broker.runtime.config import CollectiveWeightsConfig
     from generators.config import TorchBackendConfig
     from generators.weight_receive import Receiver
@@ -355,10 +357,12 @@ def _collective_peer(redis_url: str, key_file: str, model: str, gid: str, raw_ad
 
     torch.set_num_threads(1)
     r, keys = connect_redis(redis_url), Keys("bench-coll")
-    key = read_key_file(key_file)
+    key = read_verifier(key_file)
+    weights_key = read_key_file(weights_key_file)
     backend = TorchBackendConfig(dtype="bfloat16").build()  # as the other rows' generators
     backend.load(model)
-    receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), gid, key).start()
+    receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), gid, key,
+                        weights_key).start()
     w = WeightApplier(r, keys, backend, gid, announce_key=key, receiver=receiver)
     w.version = 0
 
@@ -409,7 +413,8 @@ def _bench_collective(b: Bench) -> dict:
     url = stack.redis()
     r = redis.Redis.from_url(url)
     queues.ensure_groups(r, keys)
-    bc = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), stack.announce_key).start()
+    bc = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), stack.announce_key,
+                     weights_key=stack.weights_key).start()
     pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=2,
                     announce_key=stack.announce_key, dtype=torch.bfloat16, broadcaster=bc)
     send_s: list[float] = []  # of each publication: the broadcast (Broadcaster.send), for the breakdown
@@ -430,8 +435,8 @@ def _bench_collective(b: Bench) -> dict:
     peers = []
     for i in range(2):
         code = (f"from benchmarks.weight_sync import _collective_peer; _collective_peer({url!r}, "
-                f"{stack.announce_key_file!r}, {str(base)!r}, 'gen-{i}', {raw_addr!r}, {i + 1}, {rounds}, "
-                f"{total}, {bucket_mb})")
+                f"{stack.announce_public_key_file!r}, {str(base)!r}, 'gen-{i}', {raw_addr!r}, {i + 1}, {rounds}, "
+                f"{total}, {bucket_mb}, {stack.weights_key_file!r})")
         peers.append(subprocess.Popen([sys.executable, "-c", code], env=child_env(), cwd=ROOT,
                                       stderr=open(Path(tmp) / f"gen-{i}.log", "w")))
 

@@ -12,10 +12,10 @@ from broker.protocol.keys import EVENTS_MAX, RECORD_WINDOW
 from broker.prompts.evals import EvalConfig
 from broker.prompts.tasks import TaskConfig
 from broker.runtime.binds import ALLOW_DESCRIPTION, refuse_open_bind, zmq_bind_host
-from broker.runtime.config import RunConnection, StrictModel
+from broker.runtime.config import StrictModel, VerifyingConnection  # StrictModel: for plugins (docs/rewards.md)
 
 
-class BrokerConfig(RunConnection):
+class BrokerConfig(VerifyingConnection):
     """The broker: where it listens, how much it queues, which prompts it feeds."""
 
     ingest_bind: str = Field("tcp://127.0.0.1:5555", description="ZeroMQ ROUTER address generators send groups to")

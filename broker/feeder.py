@@ -16,6 +16,7 @@ from broker.config import BrokerConfig
 from broker.prompts.datasets import DatasetSource, Position, check_dataset, load_tokenizer, read_rows
 from broker.prompts.tasks import TaskSource
 from broker.protocol.keys import Keys
+from broker.protocol.signing import AnnounceVerifier
 
 log = logging.getLogger("relay.broker.feeder")
 
@@ -25,7 +26,7 @@ FEED_EVERY_S = 0.1
 
 class PromptFeeder:
     def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
-                 announce_key: bytes | None = None):
+                 announce_key: AnnounceVerifier | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
         self.announce_key = announce_key  # the tokenizer comes from a verified announcement's folder only
         self._next_feed = 0.0

@@ -49,6 +49,7 @@ from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
 from broker.runtime.ratelog import RateLimitedLog
 from broker.runtime.ports import handed_over_bind
+from broker.protocol.signing import AnnounceVerifier
 
 log = logging.getLogger("relay.broker.ingest")
 
@@ -92,7 +93,7 @@ class Ingest:
     """Validates and appends groups; counts every outcome (Redis ``stats:broker`` and Prometheus)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
-                 announce_key: bytes | None = None):
+                 announce_key: AnnounceVerifier | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
         self.announce_key = announce_key  # a forged announcement's version never drives version_ahead
         self._latest_version: int | None = None  # cached; see _version_ahead

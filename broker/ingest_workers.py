@@ -35,7 +35,7 @@ from broker.client.telemetry import emit_event
 from broker.config import BrokerConfig
 from broker.ingest import Ingest
 from broker.protocol.keys import Keys
-from broker.protocol.signing import announce_key
+from broker.protocol.signing import announce_verifier
 from broker.runtime.heap import freeze_startup_objects
 from broker.runtime.ports import LISTEN_FDS, handed_over_bind
 
@@ -46,7 +46,7 @@ def serve(cfg: BrokerConfig, stop: threading.Event, alive=lambda: True) -> None:
     """One ingest worker: bind ``cfg.ingest_bind`` and serve batches until ``stop`` is set or ``alive()``
     turns false. Redis unavailable: nothing is acknowledged; the producers resend once it is back."""
     r = connect_redis(cfg.redis_url)
-    ingest = Ingest(r, Keys(cfg.run_id), cfg, CollectorRegistry(), announce_key(cfg.announce_auth, cfg.announce_key_file))
+    ingest = Ingest(r, Keys(cfg.run_id), cfg, CollectorRegistry(), announce_verifier(cfg.announce_auth, cfg.announce_public_key_file))
     sock = ingest.bind()
     freeze_startup_objects()  # broker/runtime/heap.py
     try:

@@ -24,7 +24,7 @@ from broker.prompts.evals import EvalScheduler
 from broker.protocol.keys import EVENTS_MAX, Keys
 from broker.runtime.heap import freeze_startup_objects
 from broker.runtime.httpserver import BoundedHTTPServer
-from broker.protocol.signing import announce_key
+from broker.protocol.signing import announce_verifier
 
 log = logging.getLogger("relay.broker")
 
@@ -35,7 +35,7 @@ class Broker:
         self.log_json = log_json  # the ingest workers log as the broker does
         self.keys = Keys(cfg.run_id)
         # the key that tells the learner's announcements from forged ones (None: announce_auth insecure)
-        self.announce_key = announce_key(cfg.announce_auth, cfg.announce_key_file)
+        self.announce_key = announce_verifier(cfg.announce_auth, cfg.announce_public_key_file)
         self.r = connect_redis(cfg.redis_url)
         self.stop_event = threading.Event()
         self._events_trimmed_at = float("-inf")

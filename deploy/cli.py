@@ -239,8 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sec = sub.add_parser("secrets", help="make the secrets of a Compose or Kubernetes deployment",
                          description="Keys and passwords for docker-compose.yml (deploy/secrets) and, with --k8s, "
-                                     "the Kubernetes Secrets of deploy/k8s: the announcement key, the ingest's CURVE "
-                                     "certificates, Redis users, the reward token (docs/deploy.md, docs/security.md).")
+                                     "the Kubernetes Secrets of deploy/k8s: the announcement key pair, the weights "
+                                     "key, the ingest's CURVE certificates, Redis users, the reward token "
+                                     "(docs/deploy.md, docs/security.md).")
     add_secrets_arguments(sec)
     sec.set_defaults(fn=cmd_secrets)
     return parser

@@ -9,7 +9,10 @@ this command makes the same kinds of secret for services started by Compose or K
 run id is fixed by the deployment (``--run-id``: ``compose`` for docker-compose.yml, ``k8s`` for the
 manifests). The folder (mode 0700) gets:
 
-    announce.key               the announcement key: the learner signs, the broker and generators check
+    announce.key               the private announcement key (Ed25519, PEM): the learner's alone, it signs
+    announce.pub               its public half: the broker and the generators check announcements with it
+    weights.key                the weights key: the learner's weight server (http transport) admits its
+                               holders, the learner and the generators
     ingest/broker.key_secret   the broker's CURVE certificate (ingest), ingest/broker.key its public half
     ingest/generator-generator.key_secret  the generators' certificate: every replica shares it, bound to
                                the ids ``gen-*`` (the generators' default ids) in ingest/clients.json
@@ -18,7 +21,9 @@ manifests). The folder (mode 0700) gets:
     broker.env, learner.env, generator.env   RELAY_REDIS_URL with that service's user and password
     relay.env                  the reward service's bearer token (RELAY_AUTH_TOKEN, RELAY_REWARD_TOKEN)
 
-Existing files are kept, so running it again changes nothing (``--force`` makes new ones). Containers
+Existing files are kept, so running it again changes nothing (``--force`` makes new ones), but for the
+Redis ACL file, written again from the current rights of each user with the passwords it holds. An
+announcement key from before Ed25519 (an HMAC key) is refused: ``--force`` makes a new pair. Containers
 run as another user than the one who runs this (uid 10001 for Relay, 999 for Redis) and Compose
 bind-mounts secret files as they are, so the files are readable (0644) while the folder (0700) keeps
 every other user of the host out. Kubernetes Secrets are mounted with the modes the manifests set.
@@ -36,7 +41,8 @@ import sys
 from pathlib import Path
 
 from broker.protocol.ingest_auth import write_ingest_keys
-from broker.protocol.signing import write_key_file
+from broker.protocol import weightauth
+from broker.protocol.signing import write_key_pair
 from deploy.launcher.run_secrets import SERVICE_USERS, RedisUsers
 
 GENERATOR_KEY = "generator"  # one certificate for every generator replica
@@ -50,11 +56,13 @@ def make(folder: Path, run_id: str, redis_host: str = REDIS_HOST, force: bool = 
     if force and folder.exists():
         for sub in ("ingest", "redis"):
             shutil.rmtree(folder / sub, ignore_errors=True)
-        for name in ("announce.key", "relay.env", *(f"{u}.env" for u in SERVICE_USERS)):
+        for name in ("announce.key", "announce.pub", "weights.key", "relay.env", *(f"{u}.env" for u in SERVICE_USERS)):
             (folder / name).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
-    out = {"announce_key": write_key_file(folder / "announce.key")}
+    private, public = write_key_pair(folder / "announce.key", folder / "announce.pub")
+    out = {"announce_key": private, "announce_public_key": public,
+           "weights_key": weightauth.write_key_file(folder / "weights.key")}
     if not (folder / "ingest" / "clients.json").exists():
         write_ingest_keys(folder / "ingest", [GENERATOR_KEY], patterns={GENERATOR_KEY: GENERATOR_IDS})
     out.update(ingest_broker_secret=folder / "ingest" / "broker.key_secret",
@@ -62,9 +70,8 @@ def make(folder: Path, run_id: str, redis_host: str = REDIS_HOST, force: bool = 
                ingest_clients=folder / "ingest" / "clients.json",
                ingest_generator_secret=folder / "ingest" / f"generator-{GENERATOR_KEY}.key_secret")
     users = RedisUsers.read_from(folder, run_id) if (folder / "redis" / "users.acl").exists() else None
-    if users is None:
-        users = RedisUsers.new(run_id)
-        users.write_to(folder)
+    users = users or RedisUsers.new(run_id)
+    users.write_to(folder)  # the ACL file always from the current rights (deploy/launcher/redis_acl.py), passwords kept
     out.update(redis_acl=folder / "redis" / "users.acl", redis_launcher_password=folder / "redis" / "launcher.password")
     for user in SERVICE_USERS:
         env = folder / f"{user}.env"
@@ -99,7 +106,9 @@ def k8s_secrets(files: dict[str, Path], namespace: str) -> str:
     read = {k: p.read_bytes() for k, p in files.items() if k not in ("broker_env", "learner_env", "generator_env",
                                                                       "reward_env")}
     docs = [
-        secret("relay-announce-key", {"key": read["announce_key"]}),
+        secret("relay-announce-key", {"key": read["announce_key"]}),  # the learner's alone
+        secret("relay-announce-public", {"key": read["announce_public_key"]}),  # the broker's, the generators'
+        secret("relay-weights-key", {"key": read["weights_key"]}),  # the learner's and the generators'
         secret("relay-ingest-broker", {"broker.key_secret": read["ingest_broker_secret"],
                                        "clients.json": read["ingest_clients"]}),
         secret("relay-ingest-generator", {"generator.key_secret": read["ingest_generator_secret"],

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from broker.runtime.config import RunConnection, StrictModel, WeightsConfig
+from broker.runtime.config import StrictModel, VerifyingConnection, WeightsConfig
 
 if TYPE_CHECKING:
     from generators.backends.base import Backend
@@ -191,7 +191,7 @@ class OpenAIConfig(StrictModel):
         return self
 
 
-class GeneratorConfig(RunConnection):
+class GeneratorConfig(VerifyingConnection):
     """One generator replica."""
 
     id: str = Field(default_factory=lambda: f"gen-{socket.gethostname()}-{os.getpid()}",

@@ -9,7 +9,7 @@ GPU) and checks the slot's sequence number before and after: a slot rewritten me
 moved two versions on) makes the copy *superseded*, discarded, never refused. The copy and its digest
 start as soon as ``staged`` names the version, beside the learner's own check and digest; only when
 ``current`` confirms the same version, slot and sequence number is the copy checked: the signature of
-``current`` (the run's announcement key) and the digest of the bytes copied against the signed one. A
+``current`` (the run's public announcement key) and the digest of the bytes copied against the signed one. A
 version that fails is *rejected* (refused and flagged by the WeightApplier, never applied), otherwise
 *ready*. The
 WeightApplier (generators/weights.py) applies the newest ready version between batches; the torch
@@ -60,7 +60,7 @@ class IpcReceiver(Staging):
 
     via = "ipc"
 
-    def __init__(self, r, keys: Keys, generator_id: str, announce_key: bytes | None, device: str = "cpu",
+    def __init__(self, r, keys: Keys, generator_id: str, announce_key: signing.AnnounceVerifier | None, device: str = "cpu",
                  poll_s: float = 0.01, max_bytes: int = 1 << 40, tamper: Callable[[torch.Tensor], None] | None = None,
                  after_copy: Callable[[], None] | None = None):
         super().__init__(device)

@@ -27,7 +27,8 @@ from broker.client.connection import connect_redis
 from broker.client.telemetry import heartbeat
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat, PromptEntry
-from broker.protocol.signing import announce_key
+from broker.protocol.signing import announce_verifier
+from broker.protocol.weightauth import bearer_token, weights_key
 from broker.runtime.config import IN_PROCESS_TRANSPORTS, ConfigError
 from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
@@ -48,7 +49,8 @@ class Generator:
         self.cfg = cfg
         self.keys = Keys(cfg.run_id)
         curve = sender_keys(cfg)  # before the backend loads its model: a missing key file fails at once
-        key = announce_key(cfg.announce_auth, cfg.announce_key_file)  # a bad key file fails here, first
+        key = announce_verifier(cfg.announce_auth, cfg.announce_public_key_file)  # a bad key file fails here, first
+        self.weights_key = weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # http, collective
         self.r = connect_redis(cfg.redis_url)
         self.leases = Leases(self.r, cfg.id, cfg.claim_idle_s)  # the prompts it holds, renewed while it holds them
         self.backend = cfg.backend.build()
@@ -75,9 +77,8 @@ class Generator:
         fetcher = None
         if cfg.weights.transport == "http":  # versions fetched from the learner's weight server, no shared volume
             from generators.weight_fetch import WeightFetcher
-            from broker.protocol.weightauth import bearer_token
 
-            fetcher = WeightFetcher(cfg.weights.http, bearer_token(key, cfg.run_id))
+            fetcher = WeightFetcher(cfg.weights.http, bearer_token(self.weights_key, cfg.run_id))
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
                                      key, cfg.weight_store, fetcher, receiver=self._receiver(key),
                                      hash_threads=cfg.weights.hash_threads)
@@ -133,7 +134,7 @@ class Generator:
             return IpcReceiver(self.r, self.keys, self.cfg.id, key, device=str(getattr(self.backend, "device", "cpu")))
         from generators.weight_receive import Receiver
 
-        return Receiver(self.r, self.keys, self.cfg.weights.collective, self.cfg.id, key)
+        return Receiver(self.r, self.keys, self.cfg.weights.collective, self.cfg.id, key, self.weights_key)
 
     # -- state and heartbeats -------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
 """The ``http`` weight transport, generator side: fetch an announced version from the learner's weight
-server (learner/weight_server.py) into a local cache, checking it as it arrives, then load it.
+server (learner/weight_server.py) into a local cache, checking it as it arrives, then load it. The server
+is the one the generator's config names (``weights.http.advertise_url``, or ``host`` and a fixed
+``port``), whatever URL an announcement names.
 
 :meth:`WeightFetcher.fetch` downloads ``manifest.json`` first and checks it against the hash in the
 signed announcement (``weightstore.manifest_hash``), then streams each file the manifest lists into a
@@ -37,7 +39,7 @@ from urllib.parse import urlsplit
 
 from broker.protocol import tensordigest, weightstore
 from broker.protocol.messages import Announcement
-from broker.runtime.config import HttpWeightsConfig
+from broker.runtime.config import ConfigError, HttpWeightsConfig
 
 log = logging.getLogger("relay.generator.weight_fetch")
 
@@ -53,12 +55,19 @@ class _Dropped(Exception):
 class WeightFetcher:
     """Fetches announced versions into ``cache`` (``cfg.cache_dir``, or a private temporary folder).
 
-    ``token``: the bearer token of the run's weight server (broker/protocol/weightauth.py),
-    None when announcements are unsigned. ``timeout_s``: per connection and per read; ``attempts``: the
+    ``token``: the bearer token of the run's weight server (broker/protocol/weightauth.py, from the
+    run's weights key), None with ``weights.auth = "insecure"``. Versions are fetched from ``cfg.base_url()``
+    only (the configured server): an announcement's ``url`` says a version is served, never where from. ``timeout_s``: per connection and per read; ``attempts``: the
     tries per file (a drop resumes where it stopped; back-off 0.2 s doubling, at most 5 s)."""
 
     def __init__(self, cfg: HttpWeightsConfig, token: str | None = None, keep: int = 3, timeout_s: float = 30.0,
                  attempts: int = 5):
+        self.base_url = cfg.base_url()
+        if not self.base_url:
+            raise ConfigError("weights.transport = 'http': a generator fetches only from the learner's configured "
+                              "weight server, never from whatever URL an announcement names: set weights.http."
+                              "advertise_url (or weights.http.host and a fixed weights.http.port) to the learner's "
+                              "(relay up sets it)")
         if cfg.cache_dir:
             self.cache = Path(cfg.cache_dir).resolve()
             self.cache.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -76,14 +85,23 @@ class WeightFetcher:
     def fetch(self, a: Announcement, serving: int | None = None) -> Path:
         """The local folder of version ``a`` (downloaded unless already cached and intact); the cache is
         pruned to the newest ``keep`` versions plus ``serving``. Raises WeightStoreError."""
+        return self.fetch_kept(a, serving)[0]
+
+    def fetch_kept(self, a: Announcement, serving: int | None = None, keep: bool = False
+                   ) -> tuple[Path, weightstore.Verified | None]:
+        """:meth:`fetch`, and with ``keep`` what was hashed, for the engine to load (weightstore.Verified,
+        closed by the caller): each safetensors file mapped from the very open file it was written and hashed
+        through, the other files' bytes as they were hashed. No second read of the weights."""
         if not a.url:
             raise weightstore.WeightStoreError("no_url", f"version {a.version} was announced without a URL (the "
                                                "learner's weights.transport is not http)")
+        url = self.url(a.version)  # the configured server's, never the announced one: the URL only says it is served
         final = weightstore.version_dir(self.cache, a.version)
         if final.is_dir():
             try:
-                self.digests[a.version] = weightstore.check(final, a.hash, self.cache, tensor_digest=bool(a.digest)).digest
-                return final
+                v = weightstore.check(final, a.hash, self.cache, tensor_digest=bool(a.digest), keep=keep)
+                self.digests[a.version] = v.digest
+                return final, (v if keep else None)
             except weightstore.WeightStoreError as e:
                 log.warning("cached version %d is not intact (%s): fetching it again", a.version, e)
                 shutil.rmtree(final)
@@ -92,43 +110,54 @@ class WeightFetcher:
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(mode=0o700)
+        kept = weightstore.Verified({}, None) if keep else None
         try:
-            raw = self._get_small(a.url, weightstore.MANIFEST)
+            raw = self._get_small(url, weightstore.MANIFEST)
             try:
                 manifest = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise weightstore.WeightStoreError("bad_manifest", f"{a.url}{weightstore.MANIFEST}: {e}") from None
+                raise weightstore.WeightStoreError("bad_manifest", f"{url}{weightstore.MANIFEST}: {e}") from None
             if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-                raise weightstore.WeightStoreError("bad_manifest", f"{a.url}{weightstore.MANIFEST} has no 'files' map")
+                raise weightstore.WeightStoreError("bad_manifest", f"{url}{weightstore.MANIFEST} has no 'files' map")
             if weightstore.manifest_hash(manifest) != a.hash:
-                raise weightstore.WeightStoreError("hash_mismatch", f"{a.url}{weightstore.MANIFEST}: manifest hash "
+                raise weightstore.WeightStoreError("hash_mismatch", f"{url}{weightstore.MANIFEST}: manifest hash "
                                                    f"differs from the announced {a.hash[:12]}")
             for name in manifest["files"]:
                 if not weightstore.plain_name(name):
-                    raise weightstore.WeightStoreError("bad_name", f"{a.url}{weightstore.MANIFEST} lists {name!r}: "
+                    raise weightstore.WeightStoreError("bad_name", f"{url}{weightstore.MANIFEST} lists {name!r}: "
                                                        "not a plain file name")
             (staging / weightstore.MANIFEST).write_bytes(raw)
             entries: list[tuple[str, bytes]] = []
             algorithm = tensordigest.algorithm_of(a.digest) if a.digest else None  # the one the announcement used
             for name, digest in manifest["files"].items():
-                got, found = self._get_file(a.url, name, staging / name, digest, algorithm)
+                got, found = self._get_file(url, name, staging / name, digest, algorithm, kept)
                 nbytes += got
                 entries.extend(found)
+            if kept is not None:
+                kept.manifest = manifest
             try:
                 tensors = tensordigest.combine(entries, algorithm) if algorithm else None  # nothing to compare it with
             except ValueError as e:
-                raise weightstore.WeightStoreError("bad_safetensors", f"{a.url}: {e}") from None
+                raise weightstore.WeightStoreError("bad_safetensors", f"{url}: {e}") from None
             os.rename(staging, final)
             self.digests[a.version] = tensors
+        except BaseException:
+            if kept is not None:
+                kept.close()
+            raise
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         dt = time.perf_counter() - t0
         self.fetched += 1
         self.fetched_bytes += nbytes
-        log.info("fetched version %d over http: %.1f MB in %.2fs from %s", a.version, nbytes / 1e6, dt, a.url)
+        log.info("fetched version %d over http: %.1f MB in %.2fs from %s", a.version, nbytes / 1e6, dt, url)
         self.prune({a.version} | ({serving} if serving is not None else set()))
-        return final
+        return final, kept
+
+    def url(self, version: int) -> str:
+        """The base URL of version ``version``'s files on the configured server (learner/weight_server.py ``url``)."""
+        return f"{self.base_url}/v{version:06d}/"
 
     def prune(self, keep_also: set[int]) -> list[int]:
         """Delete cached versions older than the newest ``keep`` that are not in ``keep_also``."""
@@ -164,7 +193,7 @@ class WeightFetcher:
             raise weightstore.WeightStoreError("not_found", f"{where}: 404 (pruned, or never published)")
         if resp.status in (401, 403):
             raise weightstore.WeightStoreError("unauthorized", f"{where}: {resp.status} (the run's bearer token is "
-                                               "derived from its announcement key: is it the same key?)")
+                                               "derived from its weights key, weights.key_file: is it the same key?)")
         if resp.status == 416:
             raise _Dropped(f"{where}: 416 for a resume at byte {start}: {body[:200]!r}")
         raise _Dropped(f"{where}: HTTP {resp.status} {body[:200]!r}")
@@ -198,12 +227,14 @@ class WeightFetcher:
 
         return self._retrying(f"{url}{name}", attempt)
 
-    def _get_file(self, url: str, name: str, dest: Path, digest: str,
-                  tensors: str | None) -> tuple[int, list[tuple[str, bytes]]]:
+    def _get_file(self, url: str, name: str, dest: Path, digest: str, tensors: str | None,
+                  kept: weightstore.Verified | None = None) -> tuple[int, list[tuple[str, bytes]]]:
         """Stream ``name`` into ``dest`` hashing as it comes (the file's sha256 and, with ``tensors`` (a
         tensor digest algorithm) for a ``.safetensors`` file, its tensors' digest entries); resume from the
-        last byte after a drop. Returns (bytes, entries)."""
-        dl = _Download(dest, tensors if name.endswith(".safetensors") else None)
+        last byte after a drop. Returns (bytes, entries). With ``kept``: the file, once its sha256 checks,
+        goes into it (a safetensors file mapped through the open file that wrote it, another file's bytes)."""
+        safetensors = name.endswith(".safetensors")
+        dl = _Download(dest, tensors if safetensors else None, keep_bytes=kept is not None and not safetensors)
         try:
             def attempt(i: int) -> None:
                 if i and dl.got:
@@ -227,27 +258,34 @@ class WeightFetcher:
                     conn.close()
 
             self._retrying(f"{url}{name}", attempt)
+            actual = dl.hash.hexdigest()
+            if actual != digest:
+                raise weightstore.WeightStoreError("corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest "
+                                                   f"{digest[:12]}")
+            if kept is not None and safetensors:
+                kept.files[name] = weightstore.map_written(dl.out, name)
+            elif kept is not None:
+                kept.blobs[name] = bytes(dl.kept)
         finally:
             dl.out.close()
-        actual = dl.hash.hexdigest()
-        if actual != digest:
-            raise weightstore.WeightStoreError("corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest "
-                                               f"{digest[:12]}")
         return dl.got, (dl.tensors.finish() if dl.tensors is not None else [])
 
 
 class _Download:
     """One file being downloaded: the bytes written so far, their running sha256 and (``tensors``: a
-    safetensors file) the running digest of its tensors."""
+    safetensors file) the running digest of its tensors; with ``keep_bytes`` (a small file the engine will
+    load) the bytes themselves."""
 
-    def __init__(self, dest: Path, tensors: str | None):
-        self.out = open(dest, "wb")
-        self.name, self.algorithm = dest.name, tensors
+    def __init__(self, dest: Path, tensors: str | None, keep_bytes: bool = False):
+        self.out = open(dest, "w+b")  # read back through this same open file (weightstore.map_written)
+        self.name, self.algorithm, self.keep_bytes = dest.name, tensors, keep_bytes
         self.restart()
 
     def write(self, chunk: bytes) -> None:
         self.out.write(chunk)
         self.hash.update(chunk)
+        if self.keep_bytes:
+            self.kept += chunk
         if self.tensors is not None:
             self.tensors.update(chunk)
         self.got += len(chunk)
@@ -255,6 +293,7 @@ class _Download:
     def restart(self) -> None:
         self.out.seek(0)
         self.out.truncate()
+        self.kept = bytearray()
         self.hash = hashlib.sha256()
         self.tensors = weightstore.TensorHasher(self.name, self.algorithm) if self.algorithm else None
         self.got = 0

@@ -3,11 +3,15 @@ the learner (learner/broadcast.py; the wire format in broker/protocol/collective
 
 The generator first loads the newest stored version as with every transport (late joiners and
 restarts catch up from the store), then :meth:`Receiver.start` joins: it reads the learner's
-rendezvous address from Redis (``Keys.collective``), takes a ticket in its TCPStore, writes its id
-and a fresh session nonce, and builds its side of a 2-rank gloo group. Each version lands in a fresh
+rendezvous address from Redis (``Keys.collective``), connects, proves it holds the run's weights key
+(and checks the learner proves it back), builds its side of a 2-rank gloo group whose store is that
+connection (:class:`RemoteStore`), and answers the learner's nonce sent over the new group; the
+connection then stays open as long as it is a member (broker/protocol/collective.py, learner/rendezvous.py).
+A join refused because its id is still connected (the learner has not yet seen this generator's previous
+connection end) is tried again a second later. Each version lands in a fresh
 CPU staging buffer, bucket by bucket; each tensor is hashed as soon as its last byte has landed
 (a hashing thread, meanwhile the next buckets arrive). A version is *ready* only when the trailer's
-signature checks (the run's announcement key) and the digest of the bytes received equals the signed
+signature checks (the run's public announcement key) and the digest of the bytes received equals the signed
 digest; otherwise it is *rejected* (kept for the WeightApplier to refuse and flag, never applied).
 The WeightApplier (generators/weights.py) takes the newest ready version between batches (and
 between decode steps with in_flight=continue). Versions that arrive while an older one waits replace
@@ -22,10 +26,10 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from broker.protocol import collective as wire
-from broker.protocol import signing
+from broker.protocol import signing, weightauth
 from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import combine
 from broker.runtime.config import CollectiveWeightsConfig
@@ -186,22 +190,38 @@ class Receiver(Staging):
 
     via = "collective"
 
-    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, generator_id: str, announce_key: bytes | None,
+    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, generator_id: str,
+                 announce_key: signing.AnnounceVerifier | None, weights_key: bytes | None = None,
                  max_bytes: int = 1 << 40, tamper: Callable[[int, torch.Tensor], None] | None = None):
         super().__init__("cpu")  # gloo receives into host memory
         self.r, self.keys, self.cfg, self.generator_id, self.key = r, keys, cfg, generator_id, announce_key
+        self.weights_key = weights_key  # proves this generator may join (None: weights.auth insecure)
+        self._conn: socket.socket | None = None  # the rendezvous connection: open while a member
+        self._not_joined = ""  # why the last join failed (logged once per reason)
         self.max_bytes, self.tamper = max_bytes, tamper
         self.pg = None
         self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(HASH_THREADS)]
 
     def close(self, wait_s: float = 0.0) -> None:
-        """Leave the group; the thread is not waited for (a receive blocked in gloo ends only at its timeout)."""
+        """Leave the group; the thread is not waited for (a receive blocked in gloo ends only at its timeout).
+        The rendezvous connection is left open: it closes with the process (closing it now would make the
+        learner tear its side down, failing the blocked receive into Python code while the process exits)."""
         super().close(wait_s)
 
     def _interrupt(self) -> None:
         pg = self.pg
         if pg is not None:
             wire.abort_group(pg)
+
+    def _leave(self) -> None:
+        """End the membership: the learner sees the rendezvous connection close and frees this id."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -212,13 +232,18 @@ class Receiver(Staging):
                 while not self.stop.is_set():
                     self._receive_one()
             except (redis.RedisError, RuntimeError, ValueError, OSError) as e:  # the group failed, or no learner yet
+                why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
                 if self.joined.is_set():
-                    log.warning("left the weight broadcast (%s); following the store until it joins again",
-                                str(e).splitlines()[0][:200])
+                    log.warning("left the weight broadcast (%s); following the store until it joins again", why)
+                elif why != self._not_joined and "not opened its rendezvous" not in why:
+                    log.warning("cannot join the weight broadcast (%s); following the store, trying again every "
+                                "second", why)  # once per reason: a refused key or id is seen, not repeated
+                self._not_joined = why
                 self.joined.clear()
                 if self.pg is not None:
                     wire.abort_group(self.pg)
                     self.pg = None
+                self._leave()
                 self.stop.wait(1.0)
 
     def _join(self) -> None:
@@ -226,13 +251,37 @@ class Receiver(Staging):
         if not addr:
             raise RuntimeError("the learner has not opened its rendezvous yet")
         host, port = addr[b"host"].decode(), int(addr[b"port"])
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
-        session = secrets.token_hex(8)
-        ticket = store.add("joins", 1)
-        store.set(f"join/{ticket}", json.dumps({"generator": self.generator_id, "session": session}))
-        self.pg = wire.gloo_group(store, f"member/{ticket}", 1, host, self.cfg.timeout_s)
-        self._store = store  # kept alive with the group
+        conn = socket.create_connection((host, port), timeout=self.cfg.timeout_s)
+        self._conn = conn
+        wire.keepalive(conn)
+        hello = wire.read_frame(conn, wire.MAX_JOIN_FRAME)
+        if hello.get("kind") != "challenge":
+            raise ValueError(f"{host}:{port} is not a Relay rendezvous (it said {str(hello)[:100]})")
+        challenge, session, nonce = str(hello["challenge"]), secrets.token_hex(8), secrets.token_hex(32)
+        key, run, gid = self.weights_key, self.keys.run_id, self.generator_id
+        proof = weightauth.join_proof(key, run, challenge, nonce, gid, session) if key is not None else ""
+        conn.sendall(wire.frame({"kind": "join", "generator": gid, "session": session, "nonce": nonce, "proof": proof}))
+        try:
+            answer = wire.read_frame(conn, wire.MAX_JOIN_FRAME)
+        except ConnectionError:
+            raise ConnectionError("the learner closed the rendezvous connection without an answer: it does not take "
+                                  "this generator's weights key (weights.key_file) for the run's") from None
+        if answer.get("kind") == "refused":
+            raise RuntimeError(f"the learner refused the join: {answer.get('reason')}")
+        if answer.get("kind") != "accepted" or (key is not None and not weightauth.same(
+                str(answer.get("proof", "")), weightauth.accept_proof(key, run, challenge, nonce, gid, session))):
+            raise ValueError(f"{host}:{port} did not prove the run's weights key: not the learner")
+        ticket = int(answer["ticket"])
+        self.pg = wire.gloo_group(RemoteStore(conn), "m", 1, host, self.cfg.timeout_s)
+        conn.sendall(wire.frame({"op": "ready"}))
+        pair = torch.zeros(32, dtype=torch.uint8)  # the learner's nonce, over the group itself
+        self.pg.broadcast(pair, 0, datetime.timedelta(seconds=self.cfg.timeout_s)).wait()
+        mac = weightauth.join_proof(key, run, "pair", pair.numpy().tobytes().hex(), gid, session) \
+            if key is not None else ""
+        conn.sendall(wire.frame({"op": "pair", "mac": mac}))
+        if wire.read_frame(conn).get("kind") != "member":
+            raise RuntimeError("the learner did not admit this generator once its group was built")
+        conn.settimeout(None)  # silent from now on: open as long as the membership
         self.joins += 1
         self.joined.set()
         log.info("joined the weight broadcast at %s:%d (ticket %d)", host, port, ticket)
@@ -287,3 +336,38 @@ class Receiver(Staging):
         got = Received(version, digest, state, problem, trailer["digest"], time.time(), time.perf_counter() - t0, flat)
         self._deliver(got)
         log.debug("received version %d (%.1f MiB) in %.3fs", version, layout.total / (1 << 20), got.seconds)
+
+
+class RemoteStore(dist.Store):
+    """The store of a gloo group being built, kept by the learner: each operation is one frame on the
+    rendezvous connection and its answer (broker/protocol/collective.py, step 4). Only what gloo's
+    rendezvous uses (set, get, wait, check, add)."""
+
+    def __init__(self, conn: socket.socket):
+        super().__init__()
+        self.conn = conn
+        self.lock = threading.Lock()  # gloo may call from more than one thread
+
+    def _call(self, **msg):
+        with self.lock:
+            self.conn.sendall(wire.frame(msg))
+            answer = wire.read_frame(self.conn)
+        if not answer.get("ok"):
+            raise RuntimeError(f"the learner's store: {answer.get('error', 'refused')}")
+        return answer.get("value")
+
+    def set(self, key, value) -> None:
+        self._call(op="set", key=str(key), value=bytes(value.encode() if isinstance(value, str) else value))
+
+    def get(self, key) -> bytes:
+        return bytes(self._call(op="get", key=str(key)))
+
+    def wait(self, keys, timeout=None) -> None:
+        self._call(op="wait", keys=[str(k) for k in keys],
+                   timeout_s=timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None)
+
+    def check(self, keys) -> bool:
+        return bool(self._call(op="check", keys=[str(k) for k in keys]))
+
+    def add(self, key, amount) -> int:
+        return int(self._call(op="add", key=str(key), n=int(amount)))

@@ -20,12 +20,16 @@ when that base's digest is the pinned one; a generator starting fresh loads the 
 that carries it first. An adapter for another base is refused (``base_mismatch``), shown red like a
 bad hash: the generator never serves its base model in the adapted policy's place.
 
-An announcement the run's key did not sign (written into Redis by someone else) is never loaded: it
+An announcement the learner's private key did not sign (written into Redis by someone else, or signed
+with any other key: a generator holds only the public one) is never loaded: it
 is logged, counted (``forged_announcements``, in the heartbeat and /metrics), reported as a
 ``refused`` event, and the generator keeps serving its version. With ``store`` set, a version
 outside the weight store is refused as well (broker/protocol/weightstore.py ``check_in_store``).
 With ``weights.transport = "http"`` a version is first fetched from the learner's weight server into the
 generator's own cache (generators/weight_fetch.py), then verified and loaded from there the same way.
+
+Check then load is one read, for every load of an engine that takes what it is handed (the torch
+backend): the files the check hashed are what the engine loads (:meth:`WeightApplier._obtain`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from broker.client.announcements import ForgedAnnouncement, checked_latest, newe
 from broker.client.telemetry import emit_event
 from broker.protocol import weightstore
 from broker.protocol.keys import Keys
+from broker.protocol.signing import AnnounceVerifier
 from generators.backends.base import Backend
 
 log = logging.getLogger("relay.generator.weights")
@@ -53,7 +58,7 @@ class WeightApplier:
 
     def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
                  report: Callable[[str, bool], None] = lambda state, heartbeat: None,
-                 stopped: Callable[[], bool] = lambda: False, announce_key: bytes | None = None,
+                 stopped: Callable[[], bool] = lambda: False, announce_key: AnnounceVerifier | None = None,
                  store: str = "", fetcher=None, receiver=None, hash_threads: int = 1):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
@@ -98,7 +103,7 @@ class WeightApplier:
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
-                path, digest, files = self._obtain(a)
+                path, digest, verified = self._obtain(a)
                 try:
                     if a.adapter_only:  # a LoRA adapter alone: onto the base it pins (loaded first on a fresh start)
                         if self.version is None:
@@ -108,16 +113,12 @@ class WeightApplier:
                                 "base_mismatch", f"version {a.version} is an adapter for the base model "
                                 f"{a.base_digest[:12] or '?'} (version {a.base}); this generator serves the base "
                                 f"{self.base_digest[:12] or 'of a model without adapters'}")
-                        self.backend.update_weights(str(path))
-                    elif self.version is None:
-                        self.backend.load(str(path))
-                    elif files is not None:  # the bytes the check hashed, not the files opened again
-                        self.backend.update_weights(str(path), files=files.files)
+                        self._engine("update_weights", path, verified)
                     else:
-                        self.backend.update_weights(str(path))
+                        self._engine("load" if self.version is None else "update_weights", path, verified)
                 finally:
-                    if files is not None:
-                        files.close()
+                    if verified is not None:
+                        verified.close()
                 break
             except (weightstore.WeightStoreError, ValueError, OSError) as e:
                 newer = self._latest()
@@ -144,25 +145,38 @@ class WeightApplier:
         if self.receiver is not None:
             self.receiver.start()  # joins the broadcast once the engine runs (a no-op when started)
 
+    def _engine(self, what: str, path, verified) -> None:
+        """The backend's ``load`` or ``update_weights`` of version folder ``path``: from the bytes its check
+        hashed when there are (``verified``), else by path (an engine that opens the files itself)."""
+        fn = getattr(self.backend, what)
+        if verified is not None:
+            fn(str(path), verified=verified)
+        else:
+            fn(str(path))
+
     def _obtain(self, a):
-        """(the local folder of version ``a``, the digest of its tensors, the check's mapped files or None),
-        its files checked against the announced hash and digest: read in place from the store, or fetched
-        over HTTP (the fetcher checked hash and digest as the bytes came). WeightStoreError otherwise.
-        From the store, a whole-model update into an engine that loads mapped files (the torch backend)
-        keeps the files the check mapped: the engine loads the bytes that were hashed (a file renamed into
-        the folder after the check is not loaded), and the files are read once."""
+        """(the local folder of version ``a``, the digest of its tensors, what its check kept or None), its
+        files checked against the announced hash and digest: read in place from the store, or fetched over
+        HTTP (the fetcher checked hash and digest as the bytes came). WeightStoreError otherwise.
+
+        For an engine that loads what it is handed (the torch backend: ``loads_mapped_files``), every load
+        (the first, each update, a LoRA adapter, its base) keeps what the check read: the safetensors files
+        mapped, the other files' bytes (weightstore.check ``keep``; over HTTP, the files the fetcher wrote and
+        hashed, mapped through the same open files). The engine loads the bytes that were hashed (a file
+        renamed into the folder after the check is not loaded), and the files are read once."""
+        keep = bool(getattr(self.backend, "loads_mapped_files", False))
         if self.fetcher is None:
-            keep = (getattr(self.backend, "loads_mapped_files", False) and self.version is not None
-                    and not a.adapter_only)
             v = weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None,
                                   threads=self.hash_threads, keep=keep)
             return a.path, v.digest, (v if keep else None)
-        path = self.fetcher.fetch(a, self.version)
+        path, v = self.fetcher.fetch_kept(a, self.version, keep)
         digest = self.fetcher.digests.get(a.version)
         if a.digest and digest != a.digest:
+            if v is not None:
+                v.close()
             raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {(digest or '')[:12]} "
                                                f"differs from the announced {a.digest[:12]}")
-        return path, digest, None
+        return path, digest, v
 
     def _load_base(self, a) -> None:
         """Start the engine from the version that carries the base model the adapter ``a`` pins (its signed
@@ -172,9 +186,13 @@ class WeightApplier:
             found = "not announced" if b is None else f"announced with base {b.base} ({b.base_digest[:12]})"
             raise weightstore.WeightStoreError("missing_base", f"version {a.version} is an adapter for the base model "
                                                f"of version {a.base} ({a.base_digest[:12]}), which is {found}")
-        path, _, _ = self._obtain(b)
+        path, _, verified = self._obtain(b)
         log.info("loading the base model from version %d for the adapter of version %d", b.version, a.version)
-        self.backend.load(str(path))
+        try:
+            self._engine("load", path, verified)
+        finally:
+            if verified is not None:
+                verified.close()
 
     # -- the in-process transports (collective, ipc) ---------------------------------------------
 

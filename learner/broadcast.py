@@ -1,11 +1,11 @@
 """The ``collective`` weight transport, learner side: each version broadcast straight to the generators.
 
 torch.distributed has no dynamic membership, so there is no global process group: the leader runs a
-``TCPStore`` server (``weights.collective.host``/``port``; the address is advertised in Redis under
-``Keys.collective``) and builds one independent 2-rank group per generator session. A generator joins
-by taking a ticket in the store (``joins``) and writing ``join/<ticket>`` (its id and a fresh session
-nonce); an acceptor thread builds the group (rank 0 here, rank 1 there, under the prefix
-``member/<ticket>``). A generator that dies, hangs or joins never blocks the others.
+rendezvous (learner/rendezvous.py, on ``weights.collective.host``/``port``; the address is advertised
+in Redis under ``Keys.collective``) and builds one independent 2-rank gloo group per generator session.
+A generator joins by proving it holds the run's weights key; one whose id is already connected is
+refused (the live member stays); a member whose connection to the rendezvous ends is dropped at once. A
+generator that dies, hangs or joins never blocks the others.
 
 Per version (:meth:`Broadcaster.send`, called by the publisher before it writes the store copy):
 the tensors are copied into one flat uint8 buffer bucket by bucket, each bucket broadcast to every
@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from broker.client.telemetry import emit_event
 from broker.protocol import collective as wire
@@ -41,6 +40,7 @@ from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import DEFAULT as DEFAULT_DIGEST
 from broker.protocol.tensordigest import combine
 from broker.runtime.config import CollectiveWeightsConfig
+from learner.rendezvous import Rendezvous
 
 log = logging.getLogger("relay.learner.broadcast")
 
@@ -52,6 +52,7 @@ class Member:
     session: str
     pg: object
     joined_at: float
+    close: Callable[[], None] = lambda: None  # ends its membership (its rendezvous connection)
     versions: int = 0
 
 
@@ -59,76 +60,62 @@ class Broadcaster:
     """The leader's side of the collective transport. ``start`` opens the rendezvous; ``send`` (from
     the publisher's thread) broadcasts one version to the members present; ``close`` stops."""
 
-    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, announce_key: bytes | None,
-                 digest: str = DEFAULT_DIGEST):
+    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, announce_key: signing.AnnounceSigner | None,
+                 digest: str = DEFAULT_DIGEST, weights_key: bytes | None = None):
         if cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()):
             # the buckets are CPU tensors (the publication snapshot); NCCL groups would need them on a device
             log.warning("weights.collective.backend=%s: this build sends CPU snapshots over gloo "
                         "(docs/weights.md, 'NCCL on GPUs')", cfg.backend)
         self.r, self.keys, self.cfg, self.key = r, keys, cfg, announce_key
+        self.weights_key = weights_key  # who may join (None: weights.auth insecure, anyone who reaches the port)
         self.digest = digest  # the tensor digest's algorithm (weights.digest), named in each header
         self.members: dict[int, Member] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.dropped = 0
-        self.store = None
+        self.rendezvous: Rendezvous | None = None
         self.port = 0
-        self._seen = 0
         self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest")  # hashing releases the GIL
                          for _ in range(max(1, min(4, (os.cpu_count() or 1) - 1)))]
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="relay-publish-check")  # send(check=) beside the buckets
         self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
 
     def start(self) -> "Broadcaster":
-        self.store = dist.TCPStore(self.cfg.host, self.cfg.port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.cfg.timeout_s))
-        self.port = self.store.port
-        self.store.add("joins", 0)
+        self.rendezvous = Rendezvous(self.cfg.host, self.cfg.port, self.weights_key, self.keys.run_id,
+                                     self.cfg.timeout_s, self.cfg.max_members, self._joined, self._left).start()
+        self.port = self.rendezvous.port
         self.r.hset(self.keys.collective, mapping={"host": self.cfg.host, "port": self.port, "pid": os.getpid(),
                                                    "started_at": time.time()})
-        threading.Thread(target=self._accept, name="relay-collective-accept", daemon=True).start()
-        log.info("collective weight transport: rendezvous on %s:%d", self.cfg.host, self.port)
         return self
 
     def close(self) -> None:
         self.stop.set()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         with self.lock:
             members, self.members = list(self.members.values()), {}
         for m in members:
             wire.abort_group(m.pg)
+            m.close()
         for pool in self._hashers:
             pool.shutdown(wait=False)
         self._checker.shutdown(wait=False)
 
-    # -- membership -----------------------------------------------------------------------------
+    # -- membership (learner/rendezvous.py admits; these are its callbacks) -----------------------
 
-    def _accept(self) -> None:
-        while not self.stop.wait(0.1):
-            try:
-                n = self.store.add("joins", 0)
-            except RuntimeError as e:  # the store is ours: this happens only while closing
-                log.warning("rendezvous store unavailable: %s", e)
-                continue
-            while self._seen < n:
-                self._seen += 1
-                threading.Thread(target=self._admit, args=(self._seen,), daemon=True,
-                                 name=f"relay-collective-join-{self._seen}").start()
-
-    def _admit(self, ticket: int) -> None:
-        try:
-            req = json.loads(self.store.get(f"join/{ticket}"))
-            gen, session = str(req["generator"]), str(req["session"])
-            pg = wire.gloo_group(self.store, f"member/{ticket}", 0, self.cfg.host, self.cfg.timeout_s)
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            log.warning("join %d failed: %s", ticket, e)
-            return
+    def _joined(self, ticket: int, gen: str, session: str, pg, close: Callable[[], None]) -> None:
         with self.lock:
-            stale = [t for t, m in self.members.items() if m.generator == gen]  # the same generator restarted
-            for t in stale:
-                wire.abort_group(self.members.pop(t).pg)
-            self.members[ticket] = Member(ticket, gen, session, pg, time.time())
+            self.members[ticket] = Member(ticket, gen, session, pg, time.time(), close)
         log.info("generator %s joined the weight broadcast (session %s, ticket %d)", gen, session[:8], ticket)
         emit_event(self.r, self.keys, "collective_joined", generator=gen, session=session)
+
+    def _left(self, ticket: int, gen: str, why: str) -> None:
+        with self.lock:
+            m = self.members.pop(ticket, None)
+        if m is not None:  # not dropped by a broadcast first: it left (exited, or its machine is gone)
+            wire.abort_group(m.pg)
+            log.info("generator %s left the weight broadcast (%s)", gen, why or "its connection closed")
+            emit_event(self.r, self.keys, "collective_left", generator=gen, reason=why[:200])
 
     def member_ids(self) -> list[str]:
         with self.lock:
@@ -264,6 +251,7 @@ class Broadcaster:
             self.members.pop(m.ticket, None)
         self.dropped += 1
         wire.abort_group(m.pg)
+        m.close()  # its id is free again: it rejoins once it notices
         log.warning("dropped generator %s from the weight broadcast at version %d (%s); it catches up from the "
                     "store and joins again", m.generator, version, why.splitlines()[0][:200])
         emit_event(self.r, self.keys, "collective_dropped", generator=m.generator, version=version,

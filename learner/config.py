@@ -127,13 +127,16 @@ class PolicyLossConfig(StrictModel):
 class LearnerConfig(RunConnection, PolicyLossConfig):
     """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
 
+    announce_key_file: str = Field("", description="file holding the run's private announcement key (Ed25519, "
+                                   "PKCS#8 PEM, mode 0600; relay up writes runs/<id>/secrets/announce.key): the "
+                                   "learner alone signs; needed by announce_auth = ed25519")
     run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions reach the generators "
                                    "(relay up: the run's [weights] section, given to the generators too)")
     allow_unauthenticated_bind: bool = Field(False, description=ALLOW_DESCRIPTION + ": here, the http weight "
-                                             "server on a host that is not loopback with announce_auth = 'insecure' "
-                                             "(which leaves the server without its token)")
+                                             "server or the collective rendezvous on a host that is not loopback with "
+                                             "weights.auth = 'insecure' (which leaves it without the weights key)")
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
     tiny_vllm_compatible: bool = Field(False, description="with model 'tiny': build it as a Llama with attention heads "
                                        "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)")
@@ -226,12 +229,14 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         return self
 
     @model_validator(mode="after")
-    def _no_open_weight_server_without_token(self) -> LearnerConfig:
-        if self.weights.transport == "http" and self.announce_auth == "insecure":
-            h = self.weights.http.host
-            refuse_open_bind("weights.http.host", h, h, "announce_auth = 'insecure' leaves the weight server "
-                             "without its token, so anyone who reaches it can download every version",
-                             "use announce_auth = 'hmac' with announce_key_file", self.allow_unauthenticated_bind)
+    def _no_open_weight_listener_without_key(self) -> LearnerConfig:
+        w = self.weights
+        if w.auth == "insecure" and w.transport in ("http", "collective"):
+            setting, host = (("weights.http.host", w.http.host) if w.transport == "http"
+                             else ("weights.collective.host", w.collective.host))
+            refuse_open_bind(setting, host, host, f"weights.auth = 'insecure' leaves the {w.transport} transport's "
+                             "listener without the weights key, so anyone who reaches it receives every version",
+                             "use weights.auth = 'key' with weights.key_file", self.allow_unauthenticated_bind)
         return self
 
     @model_validator(mode="after")

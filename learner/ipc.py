@@ -42,7 +42,7 @@ class IpcSharer:
 
     via = "ipc"
 
-    def __init__(self, r, keys: Keys, announce_key: bytes | None, digest: str = DEFAULT_DIGEST):
+    def __init__(self, r, keys: Keys, announce_key: signing.AnnounceSigner | None, digest: str = DEFAULT_DIGEST):
         self.r, self.keys, self.key, self.digest = r, keys, announce_key, digest
         self.layout: wire.Layout | None = None
         self.header = b""

@@ -38,6 +38,7 @@ from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
 from broker.protocol.weightstore import ADAPTER_CONFIG, ADAPTER_FILE, INDEX, is_adapter_tensor
 from broker.runtime.config import WeightsConfig
+from broker.protocol.signing import AnnounceSigner
 
 log = logging.getLogger("relay.learner.publish")
 
@@ -317,7 +318,7 @@ class Publisher:
     """Writes a snapshot into the weight store, seals it and announces it (:meth:`write`); :meth:`publish`
     is the synchronous whole (snapshot, then write), for tools and tests."""
 
-    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: bytes | None = None,
+    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: AnnounceSigner | None = None,
                  dtype: torch.dtype = torch.float32,
                  shard_mb: float = WeightsConfig.model_fields["shard_mb"].default, broadcaster=None,
                  digest: str = tensordigest.DEFAULT, versions_kept: int = 0, hash_threads: int = 1):

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from broker.client import queues
 from broker.client.announcements import latest_announcement
-from broker.protocol.signing import announce_key
+from broker.protocol.signing import announce_signer
+from broker.protocol.weightauth import weights_key as read_weights_key
 from broker.client.connection import connect_redis, redact_url
 from broker.protocol.keys import Keys
 from learner.config import LearnerConfig
@@ -53,7 +54,8 @@ class Learner:
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.keys = Keys(cfg.run_id)
-        self.announce_key = announce_key(cfg.announce_auth, cfg.announce_key_file)  # signs every announcement
+        self.announce_key = announce_signer(cfg.announce_auth, cfg.announce_key_file)  # signs every announcement
+        weights_key = read_weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # http, collective
         init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.leader = self.rank == 0  # reads the queue, commits, publishes; the others train their share
@@ -111,7 +113,7 @@ class Learner:
             from learner.broadcast import Broadcaster
 
             self.broadcaster = Broadcaster(self.r, self.keys, cfg.weights.collective, self.announce_key,
-                                           cfg.weights.digest).start()
+                                           cfg.weights.digest, weights_key).start()
         elif self.leader and cfg.weights.transport == "ipc":
             from learner.ipc import IpcSharer
 
@@ -132,7 +134,7 @@ class Learner:
         if self.leader and cfg.weights.transport == "http":
             from learner.weight_server import serve_store
 
-            self.weight_server = serve_store(cfg.weight_store, cfg.weights.http, self.announce_key, cfg.run_id)
+            self.weight_server = serve_store(cfg.weight_store, cfg.weights.http, weights_key, cfg.run_id)
             self.publisher.url_for = self.weight_server.url
         latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
         self.version = first_version(latest.version if latest else None, cfg.weight_store)

@@ -10,10 +10,10 @@ bytes.
 
 Integrity is not this server's job: a generator checks the manifest against the hash in the signed
 announcement and every file against the manifest (generators/weight_fetch.py). Confidentiality is:
-with the run's announcement key, every request must carry ``Authorization: Bearer <token>`` where
-the token is derived from that key (broker/protocol/weightauth.py), so only the run's services read the
-weights (docs/security.md); without it (``announce_auth = "insecure"``) anyone who reaches the port
-does. It binds ``weights.http.host`` (127.0.0.1 by default).
+with the run's weights key, every request must carry ``Authorization: Bearer <token>`` where the
+token is derived from that key (broker/protocol/weightauth.py), so only the learner and the generators
+read the weights (docs/security.md); without it (``weights.auth = "insecure"``) anyone who reaches the
+port does. It binds ``weights.http.host`` (127.0.0.1 by default).
 
 Bounded like the other servers (broker/runtime/httpserver.py): a fixed pool of worker threads, a cap
 on open connections, a deadline on each request head and on each write.
@@ -90,7 +90,7 @@ class WeightServer:
     def start(self) -> "WeightServer":
         self.http.start(name="weight-server")
         log.info("serving the weight store %s at %s%s", self.store, self.base_url,
-                 " (bearer token required)" if self.token else " (no authentication: announce_auth insecure)")
+                 " (bearer token required)" if self.token else " (no authentication: weights.auth insecure)")
         return self
 
     def url(self, version: int) -> str:
@@ -149,9 +149,10 @@ class WeightServer:
         return os.fdopen(fd, "rb"), st.st_size, etag
 
 
-def serve_store(store: str | Path, cfg: HttpWeightsConfig, announce_key: bytes | None, run_id: str) -> WeightServer:
-    """The learner leader's weight server for ``weights.transport = "http"``, started."""
-    return WeightServer(store, cfg.host, cfg.port, bearer_token(announce_key, run_id), cfg.advertise_url).start()
+def serve_store(store: str | Path, cfg: HttpWeightsConfig, weights_key: bytes | None, run_id: str) -> WeightServer:
+    """The learner leader's weight server for ``weights.transport = "http"``, started (``weights_key``: the run's
+    weights key, broker/protocol/weightauth.py; None: no token asked)."""
+    return WeightServer(store, cfg.host, cfg.port, bearer_token(weights_key, run_id), cfg.advertise_url).start()
 
 
 def wait_until_served(r, keys, version: int, timeout_s: float, fresh_s: float = 15.0) -> bool:
@@ -207,7 +208,7 @@ def _handler(server: WeightServer) -> type[BaseHTTPRequestHandler]:
             if server.token is not None:
                 given = self.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {server.token}".encode()):
-                    self._reply(401, "a bearer token is required (derived from the run's announcement key)",
+                    self._reply(401, "a bearer token is required (derived from the run's weights key)",
                                 {"WWW-Authenticate": "Bearer"}, body)
                     return
             found = server.open(self.path.split("?", 1)[0])

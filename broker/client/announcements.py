@@ -3,8 +3,8 @@ every version's hash in a hash, and a pub/sub message to wake subscribers; writt
 read by generators, the broker and the dashboard), and the run's advertisement (``run``: how to join
 it, each field written by the service that knows it).
 
-Announcements are signed by the learner with the run's announcement key (broker/protocol/signing.py).
-A reader given the key sees only verified ones: under a forged ``latest`` (unsigned, or signed with
+Announcements are signed by the learner with the run's private key (Ed25519, broker/protocol/signing.py).
+A reader given the public key sees only verified ones: under a forged ``latest`` (unsigned, or signed with
 another key) the latest is the newest signed entry of ``versions`` (:func:`checked_latest` says what
 was forged), and a forged ``versions`` entry reads as a version never announced."""
 
@@ -22,7 +22,7 @@ from broker.protocol.messages import (Announcement, RunInfo, decode_announcement
 
 
 class ForgedAnnouncement(Exception):
-    """An announcement in Redis that the run's key did not sign. ``reason``: ``unsigned`` or
+    """An announcement in Redis that the run's private key did not sign. ``reason``: ``unsigned`` or
     ``bad_signature``; ``announcement``: what it claims."""
 
     def __init__(self, announcement: Announcement, reason: str):
@@ -30,7 +30,7 @@ class ForgedAnnouncement(Exception):
         self.announcement, self.reason = announcement, reason
 
 
-def announce(r: redis.Redis, keys: Keys, a: Announcement, key: bytes | None = None, versions_kept: int = 0) -> None:
+def announce(r: redis.Redis, keys: Keys, a: Announcement, key: signing.AnnounceSigner | None = None, versions_kept: int = 0) -> None:
     """Make version ``a.version`` the latest (a key), record it in ``versions`` (so anyone can
     check the hash a generator serves for a recent version), and tell subscribers (pub/sub); signed
     with ``key`` (the run's announcement key) when given. ``versions_kept`` > 0: the record of version
@@ -57,7 +57,7 @@ def announced_runs(r: redis.Redis) -> list[str]:
     return sorted({Keys.run_of(k.decode()) for k in r.scan_iter(Keys("*").latest)})
 
 
-def checked_latest(r: redis.Redis, keys: Keys, key: bytes | None) -> Announcement | None:
+def checked_latest(r: redis.Redis, keys: Keys, key: signing.AnnounceVerifier | None) -> Announcement | None:
     """The latest announcement (None before the first); with ``key``, ForgedAnnouncement when the
     key did not sign it."""
     data = r.get(keys.latest)
@@ -70,7 +70,7 @@ def checked_latest(r: redis.Redis, keys: Keys, key: bytes | None) -> Announcemen
     return a
 
 
-def latest_announcement(r: redis.Redis, keys: Keys, key: bytes | None = None) -> Announcement | None:
+def latest_announcement(r: redis.Redis, keys: Keys, key: signing.AnnounceVerifier | None = None) -> Announcement | None:
     """The latest announcement; with ``key``, the newest one that key signed (``latest``, or when
     someone overwrote it, the newest signed entry of ``versions``)."""
     try:
@@ -79,7 +79,7 @@ def latest_announcement(r: redis.Redis, keys: Keys, key: bytes | None = None) ->
         return newest_signed(r, keys, key)
 
 
-def newest_signed(r: redis.Redis, keys: Keys, key: bytes) -> Announcement | None:
+def newest_signed(r: redis.Redis, keys: Keys, key: signing.AnnounceVerifier) -> Announcement | None:
     """The newest entry of ``versions`` signed by ``key`` (None when there is none)."""
     best = None
     for field, raw in r.hgetall(keys.versions).items():
@@ -94,7 +94,7 @@ def newest_signed(r: redis.Redis, keys: Keys, key: bytes) -> Announcement | None
 
 
 def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int],
-                     key: bytes | None = None) -> dict[int, str | None]:
+                     key: signing.AnnounceVerifier | None = None) -> dict[int, str | None]:
     """The hash announced for each of ``versions`` (None when that version was never announced,
     or, with ``key``, when its entry is not signed by that key or cannot be read)."""
     versions = sorted(set(versions))
@@ -104,13 +104,13 @@ def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int],
     return {v: _entry_hash(keys, v, raw, key) for v, raw in zip(versions, got)}
 
 
-def signed_announcement(r: redis.Redis, keys: Keys, version: int, key: bytes | None = None) -> Announcement | None:
+def signed_announcement(r: redis.Redis, keys: Keys, version: int, key: signing.AnnounceVerifier | None = None) -> Announcement | None:
     """The announcement of ``version`` (None when it was never announced, or, with ``key``, when its
     entry is not signed by that key or cannot be read)."""
     return _entry(keys, version, r.hget(keys.versions, str(version)), key)
 
 
-def _entry(keys: Keys, version: int, raw: bytes | None, key: bytes | None) -> Announcement | None:
+def _entry(keys: Keys, version: int, raw: bytes | None, key: signing.AnnounceVerifier | None) -> Announcement | None:
     """The ``versions`` entry ``raw`` of ``version`` when it is that version's (and ``key`` signed it)."""
     if raw is None:
         return None
@@ -123,7 +123,7 @@ def _entry(keys: Keys, version: int, raw: bytes | None, key: bytes | None) -> An
     return a
 
 
-def _entry_hash(keys: Keys, version: int, raw: bytes | None, key: bytes | None) -> str | None:
+def _entry_hash(keys: Keys, version: int, raw: bytes | None, key: signing.AnnounceVerifier | None) -> str | None:
     a = _entry(keys, version, raw, key)
     if a is None and raw is not None and key is None:
         try:

@@ -160,6 +160,8 @@ def pending_groups(r: redis.Redis, keys: Keys) -> int:
     """Groups the learner has read but not yet acknowledged (being trained on)."""
     try:
         return int(r.xpending(keys.trajectories, TRAJECTORIES_GROUP)["pending"])
+    except redis.exceptions.NoPermissionError:
+        raise  # a user without the right (docs/security.md, "Redis users"): never a silent 0
     except redis.ResponseError:  # no stream or no consumer group yet (before the broker started)
         return 0
 

@@ -35,6 +35,7 @@ from broker.protocol.keys import Keys
 from broker.runtime.httpserver import BoundedHTTPServer
 from broker.runtime.metrics import CONTENT_TYPE, advertised_host, render
 from broker.dashboard.state import Throughput, build_state, events_history, learner_history, shown_state
+from broker.protocol.signing import AnnounceVerifier
 
 log = logging.getLogger("relay.broker.dashboard")
 
@@ -48,7 +49,7 @@ class Dashboard:
     """State, histories and the event stream of one run, for the broker's HTTP server."""
 
     def __init__(self, r: redis.Redis, keys: Keys, stop: threading.Event, dead_after_s: float = 10.0,
-                 push_s: float = 1.0, sample_s: float = 1.0, announce_key: bytes | None = None,
+                 push_s: float = 1.0, sample_s: float = 1.0, announce_key: AnnounceVerifier | None = None,
                  eval_history: EvalHistory | None = None):
         self.r, self.keys, self.stop = r, keys, stop
         self.announce_key = announce_key

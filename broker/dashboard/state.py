@@ -26,6 +26,7 @@ from broker.client import queues
 from broker.client.telemetry import read_after, read_events, read_heartbeats, read_stats
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat
+from broker.protocol.signing import AnnounceVerifier
 
 log = logging.getLogger("relay.broker.state")
 
@@ -41,7 +42,7 @@ def _prefixed(stats: dict[str, float], prefix: str) -> dict[str, int]:
 
 
 def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: dict | None = None,
-                now: float | None = None, announce_key: bytes | None = None) -> dict:
+                now: float | None = None, announce_key: AnnounceVerifier | None = None) -> dict:
     """The whole state (see docs/dashboard.md for every field). ``rates`` is the broker's
     throughput estimate (``groups_in_per_s``, ``groups_out_per_s``); None outside the broker.
     With ``announce_key``, only announcements it signed count: a forged ``latest`` is shown in

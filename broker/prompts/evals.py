@@ -38,6 +38,7 @@ from broker.runtime.config import StrictModel
 from broker.prompts.datasets import DatasetConfig, Position
 from broker.protocol.keys import Keys
 from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound, decode_eval_result
+from broker.protocol.signing import AnnounceVerifier
 
 log = logging.getLogger("relay.broker.eval")
 
@@ -74,7 +75,7 @@ class EvalScheduler:
     """Appends a round of held-out prompts when one is due (call :meth:`tick` from the broker loop)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, cfg: EvalConfig, make_source, check_every_s: float = 0.2,
-                 announce_key: bytes | None = None):
+                 announce_key: AnnounceVerifier | None = None):
         self.r, self.keys, self.cfg = r, keys, cfg
         self.announce_key = announce_key
         self.make_source = make_source  # () -> a source with take(k, Position), or None while not ready

@@ -14,13 +14,33 @@ rank 1) as four broadcasts from rank 0, in this order:
    offsets aligned to :data:`ALIGN` bytes, the gaps zero), sliced in ``bucket_bytes`` pieces.
 3. ``trailer``: a length-prefixed JSON object ``{"version", "digest", "header_sha256", "sig"}``:
    the tensor digest (broker/protocol/tensordigest.py, the same one the announcement carries) and the
-   HMAC of the run's announcement key over them (broker/protocol/signing.py ``collective_signature``).
+   learner's Ed25519 signature over them (broker/protocol/signing.py ``collective_signature``).
    A version the learner refused while it was on the wire (a weight NaN or inf) ends with an empty
    ``digest`` and ``"abort": reason`` (signed the same way): every member discards it.
 
-Nothing received is applied before the trailer's signature checks and the digest of the bytes
-received equals the signed digest: whoever can reach the rendezvous port cannot inject weights, and a
-bucket altered in flight is refused. Only JSON and raw tensor bytes travel (no pickle).
+Nothing received is applied before the trailer's signature checks (the learner's Ed25519 key,
+verified with the run's public key) and the digest of the bytes received equals the signed digest:
+whoever can reach the rendezvous port cannot inject weights, and a bucket altered in flight is refused.
+Only JSON and raw tensor bytes travel (no pickle).
+
+Who may receive: the **rendezvous** (learner/rendezvous.py serves, generators/weight_receive.py joins),
+one TCP connection per generator made of frames (a 4-byte big-endian length, then a msgpack map; at
+most :data:`MAX_JOIN_FRAME` bytes before the join is accepted, :data:`MAX_FRAME` after):
+
+1. learner: ``{"kind": "challenge", "v": 1, "challenge": <64 hex>}`` (fresh for each connection);
+2. generator: ``{"kind": "join", "generator": id, "session": hex, "nonce": <64 hex>, "proof": hex}``,
+   ``proof`` = weightauth.join_proof(weights key, run id, challenge, nonce, generator, session);
+   a wrong proof (or none, or too late) closes the connection without a word;
+3. learner: ``{"kind": "refused", "reason": str}`` (an id already connected, the group full) or
+   ``{"kind": "accepted", "ticket": int, "proof": hex}`` (weightauth.accept_proof: the generator
+   checks it is the learner);
+4. the gloo group is built, its store being this connection: the generator sends
+   ``{"op": "set"|"get"|"wait"|"check"|"add", ...}``, the learner answers ``{"ok": true, "value": ...}``
+   or ``{"ok": false, "error": str}``; then ``{"op": "ready"}``;
+5. the learner broadcasts 32 random bytes over the new group; the generator answers
+   ``{"op": "pair", "mac": weightauth.join_proof(key, run id, "pair", <those bytes, hex>, generator,
+   session)}``; the learner's ``{"kind": "member"}`` makes it a member;
+6. the connection stays open, silent, as long as the membership: either side closing it ends it.
 """
 
 from __future__ import annotations
@@ -28,7 +48,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import struct
 from dataclasses import dataclass
+
+import msgpack
 
 ALIGN = 64  # every tensor starts at a multiple of this many bytes of the flat buffer (any dtype can view it)
 MAX_BLOB = 64 << 20  # a header or trailer longer than this is refused (a peer that is not the learner)
@@ -139,6 +162,87 @@ def parse_trailer(raw: bytes) -> dict:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CollectiveError(f"malformed trailer: {e}", "bad_collective_trailer") from None
     return out
+
+
+# -- the rendezvous's frames (learner/rendezvous.py, generators/weight_receive.py) ---------------
+
+RENDEZVOUS_VERSION = 1
+MAX_JOIN_FRAME = 4096  # a challenge or a join: a few hundred bytes
+MAX_FRAME = 1 << 20  # after the join: the gloo group's store traffic (addresses: hundreds of bytes)
+_LENGTH = struct.Struct(">I")
+
+
+class FrameError(ValueError):
+    """A frame that is too long or not a msgpack map."""
+
+
+def frame(msg: dict) -> bytes:
+    """``msg`` as one frame: its length (4 bytes, big-endian), then the msgpack map."""
+    body = msgpack.packb(msg, use_bin_type=True)
+    return _LENGTH.pack(len(body)) + body
+
+
+def _decode(body: bytes) -> dict:
+    from broker.protocol.codec import ProtocolError, unpack_map
+
+    try:
+        return unpack_map(body)  # bounded by the frame's size, whatever its shape
+    except ProtocolError as e:
+        raise FrameError(f"a frame that is not a msgpack map: {e}") from None
+
+
+class FrameReader:
+    """Frames out of a byte stream fed in pieces (a non-blocking socket): :meth:`feed`, then :meth:`next`
+    until None. FrameError for a frame longer than ``max_bytes``."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.buf = max_bytes, bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > self.max_bytes + _LENGTH.size:
+            raise FrameError(f"more than {self.max_bytes} bytes before a frame ended")
+
+    def next(self) -> dict | None:
+        if len(self.buf) < _LENGTH.size:
+            return None
+        (n,) = _LENGTH.unpack_from(self.buf)
+        if n > self.max_bytes:
+            raise FrameError(f"a frame of {n} bytes (at most {self.max_bytes})")
+        if len(self.buf) < _LENGTH.size + n:
+            return None
+        body = bytes(self.buf[_LENGTH.size:_LENGTH.size + n])
+        del self.buf[:_LENGTH.size + n]
+        return _decode(body)
+
+
+def read_frame(sock, max_bytes: int = MAX_FRAME) -> dict:
+    """One frame from a blocking socket (its timeout applies); ConnectionError when it closes first."""
+    (n,) = _LENGTH.unpack(_read_exactly(sock, _LENGTH.size))
+    if n > max_bytes:
+        raise FrameError(f"a frame of {n} bytes (at most {max_bytes})")
+    return _decode(_read_exactly(sock, n))
+
+
+def _read_exactly(sock, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("the rendezvous connection closed")
+        out += chunk
+    return bytes(out)
+
+
+def keepalive(sock, idle_s: int = 10, interval_s: int = 5, count: int = 3) -> None:
+    """TCP keep-alive on ``sock``: a peer whose machine is gone is seen in about idle + interval x count
+    seconds (a process that exits closes its connections at once)."""
+    import socket
+
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 # -- the torch side (imported lazily: this module stays importable without torch) ----------------

@@ -20,8 +20,8 @@ copy version v while v+1 is written. Everything else lies in one Redis hash, ``K
   ``current`` entry with the same version, slot, sequence number and epoch follows;
 - ``current``: JSON ``{"version", "slot", "seq", "epoch", "digest", "header_sha256", "sig"}``: the
   newest version, the slot and sequence number it lies under, its tensor digest
-  (broker/protocol/tensordigest.py, the one the announcement carries) and the HMAC of the run's
-  announcement key over them (signing.py ``collective_signature``: the same statement the collective
+  (broker/protocol/tensordigest.py, the one the announcement carries) and the learner's Ed25519
+  signature over them (signing.py ``collective_signature``: the same statement the collective
   trailer makes).
 
 A generator reads ``current``, checks that ``seq<slot>`` still equals its ``seq``, copies the slot into

@@ -53,6 +53,11 @@ class Keys:
     def _k(self, name: str) -> str:
         return f"relay:{self.run_id}:{name}"
 
+    @property
+    def prefix(self) -> str:
+        """What every key and channel of the run starts with (``relay:<run_id>:``; Redis ACL patterns)."""
+        return self._k("")
+
     @staticmethod
     def run_of(key: str) -> str:
         """The run id of one of these keys (``Keys("*")`` gives the SCAN patterns over every run)."""
@@ -219,8 +224,8 @@ class Keys:
 
     @property
     def collective(self) -> str:
-        """Hash {host, port, pid}: the learner leader's rendezvous (TCPStore) for the collective weight
-        transport, written when it starts (learner/broadcast.py); generators join through it."""
+        """Hash {host, port, pid}: the learner leader's rendezvous (learner/rendezvous.py) for the collective
+        weight transport, written when it starts (learner/broadcast.py); generators join through it."""
         return self._k("collective")
 
     @property

@@ -83,7 +83,7 @@ class Announcement:
              weights.digest = sha256, plain hex), the same however they
              travel (store, http, collective): each generator compares it with the digest of what it
              applied. "" from a learner before digests existed.
-    sig:     hex HMAC-SHA256 of every other field by the run's announcement key (signing.py), or ""
+    sig:     hex Ed25519 signature of every other field by the learner's private key (signing.py), or ""
              when the run's announcements are not signed (``announce_auth = "insecure"``).
     base:    LoRA adapter versions (learner.lora, docs/weights.md "LoRA adapters"): the version whose
              folder holds the base model the adapter applies to; ``base == version`` for a version that

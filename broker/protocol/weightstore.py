@@ -18,7 +18,10 @@ digests it computed while writing (the weight files: hashed from the bytes it wr
 
 :func:`check` reads each file once: the sha256 of the file and, for ``.safetensors`` files when asked,
 the digest of the tensors they hold (broker/protocol/tensordigest.py), from the same chunks, so that a
-generator compares what it loads with the digest announced for the version (docs/weights.md).
+generator compares what it loads with the digest announced for the version (docs/weights.md). With
+``keep`` it hands back what it hashed, for the engine to load: each ``.safetensors`` file mapped (the
+hashes read the mapping), every other file's bytes (read once, hashed, kept): check and load are one
+read of one open file, so a file renamed into the folder after the check is never what is loaded.
 
 No torch here: the learner writes the files, this module seals, verifies and prunes them.
 """
@@ -52,6 +55,7 @@ def is_adapter_tensor(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 CHUNK = 1 << 22  # bytes read at a time while hashing (memory stays bounded whatever the file size)
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused (safetensors' own bound)
+MAX_KEPT_FILE = 256 << 20  # a file other than .safetensors kept in memory by check(keep=True): configs, tokenizers
 # safetensors' dtype names -> torch's (the names in the tensor digest)
 SAFETENSORS_DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
@@ -291,13 +295,26 @@ def _unmap(mapping: mmap.mmap) -> None:
         pass
 
 
+def _keep_bytes(f: Path) -> tuple[str, list, None, bytes | None, WeightStoreError | None]:
+    """A file that is not safetensors, for ``keep``: its bytes, read once, hashed and kept."""
+    with open(f, "rb") as fh:
+        data = fh.read(MAX_KEPT_FILE + 1)
+    if len(data) > MAX_KEPT_FILE:
+        raise WeightStoreError("file_too_large", f"{f}: more than {MAX_KEPT_FILE >> 20} MiB in a file other than "
+                               ".safetensors (kept in memory between its check and its load)")
+    return hashlib.sha256(data).hexdigest(), [], None, data, None
+
+
 def _hash_file(f: Path, tensors: str | None, keep: bool = False
-               ) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, WeightStoreError | None]:
+               ) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, bytes | None, WeightStoreError | None]:
     """(sha256 hex of the file, its tensor-digest entries with the algorithm ``tensors`` when one is
-    given, with ``keep`` the file mapped (:class:`MappedFile`), and the file's safetensors problem if
-    its tensors were asked for and it has one) from one read. With ``keep`` the hashes read the mapping
-    itself, so what is loaded from it later is what was hashed. The sha256 is always finished: a file
-    that differs from its manifest is ``corrupt_file`` whatever its header looks like."""
+    given, with ``keep`` the file mapped (:class:`MappedFile`; a file other than safetensors: its bytes),
+    and the file's safetensors problem if its tensors were asked for and it has one) from one read. With
+    ``keep`` the hashes read the mapping itself, so what is loaded from it later is what was hashed. The
+    sha256 is always finished: a file that differs from its manifest is ``corrupt_file`` whatever its
+    header looks like."""
+    if keep and not f.name.endswith(".safetensors"):
+        return _keep_bytes(f)
     h = hashlib.sha256()
     th = TensorHasher(f.name, tensors or tensordigest.DEFAULT) if tensors or keep else None
     problem: WeightStoreError | None = None
@@ -335,7 +352,36 @@ def _hash_file(f: Path, tensors: str | None, keep: bool = False
                                                   for b, e, n, d, shape in th.tensors])
     if mapped is None and mapping is not None:
         _unmap(mapping)
-    return h.hexdigest(), (entries if tensors else []), mapped, problem
+    return h.hexdigest(), (entries if tensors else []), mapped, None, problem
+
+
+def map_written(fh, name: str) -> MappedFile:
+    """A safetensors file just written and hashed through the open file ``fh`` (generators/weight_fetch.py),
+    mapped from that same open file: what is loaded is the inode whose bytes were hashed, whatever is renamed
+    over its name since. Only the header is parsed (no second pass over the data); WeightStoreError
+    ``bad_safetensors`` when it is not a safetensors file whose tensors lie inside it."""
+    fh.flush()
+    size = os.fstat(fh.fileno()).st_size
+    if size < 8:
+        raise WeightStoreError("bad_safetensors", f"{name}: {size} bytes")
+    mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        th = TensorHasher(name)
+        (n,) = struct.unpack("<Q", mapping[:8])
+        if n > MAX_HEADER or 8 + n > size:
+            raise WeightStoreError("bad_safetensors", f"{name}: a header of {n} bytes in a {size}-byte file")
+        try:
+            th.head = bytes(mapping[:8 + n])
+            th._parse()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightStoreError("bad_safetensors", f"{name}: the header is not JSON ({e})") from None
+        if th.tensors and th.data_start + th.tensors[-1][1] > size:
+            raise WeightStoreError("bad_safetensors", f"{name}: its tensors end past the file's {size} bytes")
+        return MappedFile(name, mapping, [(b + th.data_start, e + th.data_start, n_, d, shape)
+                                          for b, e, n_, d, shape in th.tensors])
+    except BaseException:
+        _unmap(mapping)
+        raise
 
 
 @dataclass
@@ -346,6 +392,7 @@ class Verified:
     manifest: dict
     digest: str | None
     files: dict[str, MappedFile] = field(default_factory=dict)  # with ``keep``: each .safetensors file, mapped
+    blobs: dict[str, bytes] = field(default_factory=dict)  # with ``keep``: every other file's bytes, as hashed
 
     def close(self) -> None:
         for m in self.files.values():
@@ -369,7 +416,8 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
     ``expected_digest`` raises WeightStoreError ``digest_mismatch`` (a file altered and its manifest
     recomputed: the hash matches, the tensors are not the ones published). ``threads``: files read and
     hashed side by side (weights.hash_threads). ``keep``: the ``.safetensors`` files stay mapped
-    (``Verified.files``; close them with ``Verified.close``), to be loaded from the bytes checked."""
+    (``Verified.files``; close them with ``Verified.close``) and the others' bytes are kept
+    (``Verified.blobs``), to be loaded from the bytes checked."""
     tensor_digest = tensor_digest or bool(expected_digest)
     algorithm = tensordigest.algorithm_of(expected_digest) if expected_digest else tensordigest.DEFAULT
     path = Path(path) if root is None else check_in_store(path, root)
@@ -383,9 +431,10 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
         if not (path / name).is_file():
             raise WeightStoreError("missing_file", f"{path / name} is listed in the manifest but missing")
 
-    def one(name: str) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, WeightStoreError | None]:
+    def one(name: str) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, bytes | None,
+                                WeightStoreError | None]:
         st = name.endswith(".safetensors")
-        return _hash_file(path / name, algorithm if tensor_digest and st else None, keep and st)
+        return _hash_file(path / name, algorithm if tensor_digest and st else None, keep)
 
     names = sorted(manifest["files"], key=lambda n: -(path / n).stat().st_size)  # the largest files start first
     # files hashed side by side (hashlib and xxhash release the GIL): a version in several shards is checked
@@ -398,13 +447,14 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
             found[name] = futures[name].result()
         except (WeightStoreError, OSError, ValueError) as e:
             problem = problem or e
-    verified = Verified(manifest, None, {n: m for n, (_, _, m, _) in found.items() if m is not None})
+    verified = Verified(manifest, None, {n: m for n, (_, _, m, _, _) in found.items() if m is not None},
+                        {n: b for n, (_, _, _, b, _) in found.items() if b is not None})
     try:
         if problem is not None:  # a file that could not be read
             raise problem
         entries: list[tuple[str, bytes]] = []
         for name, digest in manifest["files"].items():  # the first problem in the manifest's order
-            actual, tensors, _, bad = found[name]
+            actual, tensors, _, _, bad = found[name]
             if actual != digest:
                 raise WeightStoreError("corrupt_file", f"{path / name}: sha256 {actual[:12]} != manifest {digest[:12]}")
             if bad is not None:  # as the manifest says, and not a safetensors file

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -33,18 +33,33 @@ class StrictModel(BaseModel):
 
 class RunConnection(StrictModel):
     """The fields of every service that joins a run through its Redis (broker, learner, generators):
-    the run, the Redis URL and the announcement key (the learner signs, the others check)."""
+    the run, the Redis URL and whether announcements are signed (the learner signs with the run's private
+    key, :class:`VerifyingConnection`'s services check with its public key)."""
 
     run_id: str = Field("default", description="run id; namespaces every Redis key")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL: redis://[user:password@]"
                            "host:port/db, rediss:// for TLS, or unix://; the password is a secret (give it as "
                            "RELAY_REDIS_URL; relay up never writes it to the run folder, shows it redacted)")
-    announce_auth: Literal["hmac", "insecure"] = Field(
-        "hmac", description="hmac: weight announcements signed by the learner with the run's HMAC-SHA256 key and "
-        "checked by the broker and the generators (docs/security.md); insecure: neither signed nor checked "
-        "(anyone who can write to Redis chooses the weights the generators load)")
-    announce_key_file: str = Field("", description="file holding the run's announcement key (64 hex digits, "
-                                   "mode 0600; relay up writes runs/<id>/secrets/announce.key); needed by hmac")
+    announce_auth: Literal["ed25519", "insecure"] = Field(
+        "ed25519", description="ed25519: weight announcements signed by the learner with the run's private key and "
+        "checked by the broker and the generators with its public key (docs/security.md); insecure: neither signed "
+        "nor checked (anyone who can write to Redis chooses the weights the generators load)")
+
+    @field_validator("announce_auth", mode="before")
+    @classmethod
+    def _no_hmac(cls, v):
+        if v == "hmac":
+            raise ValueError("'hmac' was removed: every generator held the HMAC key, so any of them could sign a "
+                             "version; use 'ed25519' (the learner alone holds the private key; docs/security.md)")
+        return v
+
+
+class VerifyingConnection(RunConnection):
+    """A service that checks the learner's announcements (the broker, the generators)."""
+
+    announce_public_key_file: str = Field(
+        "", description="file holding the run's public announcement key (64 hex digits; relay up writes "
+        "runs/<id>/secrets/announce.pub); needed by announce_auth = ed25519")
 
 
 class HttpWeightsConfig(StrictModel):
@@ -53,11 +68,23 @@ class HttpWeightsConfig(StrictModel):
     host: str = Field("127.0.0.1", description="address the learner's weight server binds")
     port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the URL is announced)")
     advertise_url: str = Field("", description="base URL the generators fetch from (default: http://host:port; "
-                               "set it when the generators reach the learner under another name)")
+                               "set it when the generators reach the learner under another name). A generator "
+                               "fetches only from this URL (or http://host:port with a fixed port), whatever URL an "
+                               "announcement names; relay up sets it")
     cache_dir: str = Field("", description="generators: folder the fetched versions are kept in (default: a "
                            "private temporary folder)")
     linger_s: float = Field(60.0, ge=0, le=3600, description="learner: at the end of the run, keep serving until "
                             "every live generator serves the last version, at most this long")
+
+    def base_url(self) -> str:
+        """The learner's weight server as configured: ``advertise_url``, else ``http://host:port`` when the
+        port is fixed; "" when the port is only chosen when the server starts (0)."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        if not self.port:
+            return ""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
 
 class CollectiveWeightsConfig(StrictModel):
@@ -65,8 +92,11 @@ class CollectiveWeightsConfig(StrictModel):
 
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process-group backend: auto = nccl on "
                                                      "GPUs, gloo on CPU")
-    host: str = Field("127.0.0.1", description="address of the learner's rendezvous (TCPStore) server")
+    host: str = Field("127.0.0.1", description="address the learner's rendezvous binds (that address only); joins "
+                      "prove the run's weights key (weights.auth)")
     port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the address is advertised in Redis)")
+    max_members: int = Field(256, ge=1, le=4096, description="generators the learner broadcasts to at most; a join "
+                             "beyond is refused (each member is a gloo group with its own threads)")
     bucket_mb: float = Field(64.0, gt=0, description="tensors are broadcast in buckets of about this many MiB")
     timeout_s: float = Field(60.0, gt=0, description="a broadcast (or a join) that takes longer drops the "
                              "generator from the group; it catches up from the store and joins again")
@@ -98,6 +128,13 @@ class WeightsConfig(StrictModel):
     digest: Literal["xxh3", "sha256"] = Field(
         "xxh3", description="per-tensor hash of the tensor digest every generator checks against what it applied: "
         "xxh3 (XXH3-128, ~5x faster) or sha256 (cryptographic; the files' own hashes are sha256 either way)")
+    auth: Literal["key", "insecure"] = Field(
+        "key", description="key: the learner's weight listeners (the http server, the collective rendezvous) admit "
+        "only holders of the run's weights key (key_file): the learner and the generators; insecure: whoever reaches "
+        "the port receives the weights (docs/security.md)")
+    key_file: str = Field("", description="file holding the run's weights key (64 hex digits, mode 0600; relay up "
+                          "writes runs/<id>/secrets/weights.key); read by the learner and the generators with the "
+                          "http and collective transports")
     http: HttpWeightsConfig = Field(default_factory=HttpWeightsConfig, description="the http transport")
     collective: CollectiveWeightsConfig = Field(default_factory=CollectiveWeightsConfig,
                                                 description="the collective transport")

@@ -76,6 +76,10 @@ def format_report(s: dict, run_dir: Path) -> str:
                 f"{k} {v}" + (f" (last error: {errors[k]})" if errors.get(k) else "") for k, v in restarts.items()))
     for w in s.get("warnings") or []:
         lines.append(f"  warning      {w}")
+    refused = s.get("redis_refused")
+    if refused:
+        lines.append("  redis        refused " + "; ".join(f"{e['user']}: {e['reason']} {e['object']} ({e['count']}x)"
+                                                     for e in refused[:3]) + " (summary.json: redis_refused)")
     exp = s.get("export")
     if exp:
         lines.append(f"  export       {_path(exp['path'])} (version {exp['version']}; loads with transformers)")

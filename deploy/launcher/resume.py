@@ -6,8 +6,11 @@ from the run folder's append-only file (``--redis-aof``, everysec by default), s
 the broker's feeder position and the learner's commit log are where the run left them, and the
 learner continues from its newest checkpoint (docs/learner.md). Only the ports may change: a
 recorded port that is now taken is replaced by a free one in every config that names it. The run's
-secrets (``secrets/``: the Redis users' passwords, the announcement key) are reused; an external
-Redis's URL, recorded with its password redacted, comes again from ``RELAY_REDIS_URL``.
+secrets (``secrets/``: the Redis users' passwords, the announcement key pair, the weights key) are
+reused; an external Redis's URL, recorded with its password redacted, comes again from
+``RELAY_REDIS_URL``. A run made before announcements were signed with Ed25519 (its announcement key is
+the HMAC key every service held) is refused, saying how to continue from its weights in a new run
+(docs/security.md, "Runs from before Ed25519").
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ def plan_resume(args, environ, usage_error) -> dict:
     from deploy.launcher import environment
     from deploy.launcher.procs import find_redis_server, free_port, port_in_use
     from deploy.launcher.openai_key import endpoint_key
-    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
+    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, made_before_ed25519, run_key_fields
     from deploy.launcher.run_tokens import recorded_reward_token
     from deploy.launcher.up import hold_ports, ingest_key_dir
     from pydantic import ValidationError
 
-    from broker.runtime.config import format_validation_error
+    from broker.runtime.config import deep_merge, format_validation_error
     from learner.config import LearnerConfig
 
     given = [f"--{name.replace('_', '-')}" for name in _FIXED if getattr(args, name) is not None] + \
@@ -68,6 +71,12 @@ def plan_resume(args, environ, usage_error) -> dict:
         raise usage_error(f"run {run_dir.name} is still running ({', '.join(running)}): stop it first (Ctrl-C)")
     if not (run_dir / LAUNCH).is_file():
         raise usage_error(f"{run_dir} has no {LAUNCH}: it was not started by a `relay up` that can resume it")
+    if made_before_ed25519(run_dir):
+        raise usage_error(f"run {run_dir.name} was made before weight announcements were signed with Ed25519: its "
+                          f"announcement key is the HMAC key every generator held, so its announcements cannot be "
+                          f"trusted by this version and it cannot be resumed. Continue from its weights in a new run: "
+                          f"relay export {run_dir} --out {run_dir.name}-model, then relay up --model "
+                          f"{run_dir.name}-model (docs/security.md, 'Runs from before Ed25519')")
     launch = json.loads((run_dir / LAUNCH).read_text())
     cfg_dir = run_dir / "config"
     cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
@@ -106,9 +115,16 @@ def plan_resume(args, environ, usage_error) -> dict:
         for c in cfgs.values():
             if "redis_url" in c:
                 c["redis_url"] = launcher_url
-    for name in ("broker", "learner", "generator"):  # a run from before announcements were signed gets a key now
-        if cfgs[name].get("announce_auth", "hmac") == "hmac":
-            cfgs[name].setdefault("announce_key_file", str(announce_key_path(run_dir)))
+    keyed = run_key_fields(run_dir)  # a run from before announcements were signed gets the keys now
+    for name in ("broker", "learner", "generator"):
+        if cfgs[name].get("announce_auth", "ed25519") == "ed25519":
+            cfgs[name] = deep_merge(keyed[name], cfgs[name])
+    old = cfgs["learner"].get("weights", {}).get("http", {}).get("port")
+    if cfgs["learner"].get("weights", {}).get("transport") == "http" and old and port_in_use(old):
+        new = free_port()  # the generators fetch from the recorded port: both move
+        for name in ("learner", "generator"):
+            if cfgs[name].get("weights", {}).get("http", {}).get("port") == old:
+                cfgs[name]["weights"]["http"]["port"] = new
     # the recorded ports, held again by hold_ports below (a port taken now moves, each config that names it following)
     http_port = cfgs["broker"].get("http_port", 8080)
     if args.dashboard_port is not None:

@@ -1,14 +1,18 @@
 """A run's secrets, written by ``relay up`` into ``runs/<id>/secrets/`` (mode 0700, files 0600) and
 read back by ``relay up --resume``:
 
-    secrets/announce.key          the announcement key (learner signs, generators and broker verify)
+    secrets/announce.key          the private announcement key (Ed25519, PEM): the learner's alone, it signs
+    secrets/announce.pub          its public half: the broker, the generators and the launcher verify
+    secrets/weights.key           the weights key: the learner's weight listeners admit its holders (the
+                                  learner and the generators; http transport's token, collective joins)
     secrets/redis/<user>.password one password per Redis user (broker, learner, generator, launcher)
     secrets/redis/users.acl       the embedded redis-server's ACL file (``--aclfile``): those users,
                                   passwords as SHA-256, no way to log in as ``default``
 
-Each Redis user may touch only the run's keys and pub/sub channels (``relay:<run id>:*``) and no
-command of the ``@dangerous`` category (FLUSHALL, FLUSHDB, CONFIG, KEYS, DEBUG, SHUTDOWN, ACL,
-MONITOR, CLIENT KILL, ...); the launcher, which only watches the run, may only read. The services get
+Each Redis user may run only the commands its service needs, on the run's keys its service reads or
+writes (deploy/launcher/redis_acl.py: only the broker writes the trajectories stream, only the learner
+the announcements), and no command of the ``@dangerous`` category; the launcher, which only watches
+the run, may only read. The services get
 their user's credentials in their Redis URL (``redis://learner:<password>@127.0.0.1:<port>/0``),
 through the environment (deploy/launcher/environment.py ``SECRETS``), never a config file.
 """
@@ -20,15 +24,13 @@ import os
 import secrets
 from pathlib import Path
 
-from broker.protocol.signing import write_key_file
+from broker.protocol import weightauth
+from broker.protocol.signing import read_signer, write_key_pair
+from deploy.launcher.redis_acl import acl_permissions
 
 SERVICE_USERS = ("broker", "learner", "generator")
 LAUNCHER_USER = "launcher"
 USERS = (*SERVICE_USERS, LAUNCHER_USER)
-# what each user may run, after "-@all"; every user loses @dangerous whatever it was granted
-COMMANDS = {"broker": "+@all", "learner": "+@all", "generator": "+@all",
-            LAUNCHER_USER: "+@read +@connection +@transaction"}
-EXTRA = {LAUNCHER_USER: "+info"}  # granted after -@dangerous: INFO (memory, clients) for watching a run
 
 
 def secrets_dir(run_dir: Path) -> Path:
@@ -55,20 +57,62 @@ def announce_key_path(run_dir: Path) -> Path:
     return secrets_dir(run_dir) / "announce.key"
 
 
-def write_announce_key(run_dir: Path) -> Path:
-    """The run's announcement key (kept when it exists: a resumed run signs with the same key)."""
+def announce_public_key_path(run_dir: Path) -> Path:
+    return secrets_dir(run_dir) / "announce.pub"
+
+
+def weights_key_path(run_dir: Path) -> Path:
+    return secrets_dir(run_dir) / "weights.key"
+
+
+def write_run_keys(run_dir: Path) -> None:
+    """The run's announcement key pair and weights key (kept when they exist: a resumed run signs with the
+    same key; a key pair from before Ed25519 is refused, broker/protocol/signing.py)."""
     _private_dir(secrets_dir(run_dir))
-    return write_key_file(announce_key_path(run_dir))
+    write_key_pair(announce_key_path(run_dir), announce_public_key_path(run_dir))
+    weightauth.write_key_file(weights_key_path(run_dir))
+
+
+def run_key_fields(run_dir: Path) -> dict[str, dict]:
+    """Service -> the config fields that name its keys: the private announcement key for the learner only,
+    the public one for the broker and the generators, the weights key for the learner and the generators."""
+    public = str(announce_public_key_path(run_dir))
+    weights = {"weights": {"key_file": str(weights_key_path(run_dir))}}
+    return {"learner": {"announce_key_file": str(announce_key_path(run_dir)), **weights},
+            "broker": {"announce_public_key_file": public},
+            "generator": {"announce_public_key_file": public, **weights}}
+
+
+def pin_weight_port(learner: dict, generator: dict, free_port) -> None:
+    """``weights.transport = "http"``: a generator fetches only from the weight server its config names
+    (``weights.http.advertise_url``, or ``host`` and a fixed ``port``), so a learner left to pick any free
+    port (0) gets a fixed one now, in both configs."""
+    http = learner.setdefault("weights", {}).setdefault("http", {})
+    if http.get("advertise_url") or http.get("port"):
+        return
+    http["port"] = free_port()
+    generator.setdefault("weights", {}).setdefault("http", {}).setdefault("port", http["port"])
+
+
+def made_before_ed25519(run_dir: Path) -> bool:
+    """A run whose announcement key is the HMAC key every service held (a run from before Ed25519)."""
+    from broker.protocol.signing import AnnounceKeyError
+
+    path = announce_key_path(run_dir)
+    if not path.is_file():
+        return False
+    try:
+        read_signer(path)
+    except AnnounceKeyError as e:
+        return "HMAC" in str(e)
+    return False
 
 
 def acl_rules(run_id: str, user: str, password: str) -> str:
-    """One line of the ACL file: ``user`` with ``password`` (stored as its SHA-256), the run's keys
-    and channels only, its commands without @dangerous."""
+    """One line of the ACL file: ``user`` with ``password`` (stored as its SHA-256) and its rights on the
+    run's keys (deploy/launcher/redis_acl.py)."""
     digest = hashlib.sha256(password.encode()).hexdigest()
-    prefix = f"relay:{run_id}:*"
-    extra = f" {EXTRA[user]}" if user in EXTRA else ""
-    return (f"user {user} on #{digest} resetkeys ~{prefix} resetchannels &{prefix} "
-            f"-@all {COMMANDS[user]} -@dangerous{extra}")
+    return f"user {user} on #{digest} {acl_permissions(run_id, user)}"
 
 
 def run_redis_url(run_dir: Path, user: str = LAUNCHER_USER) -> str:

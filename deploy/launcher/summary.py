@@ -90,6 +90,20 @@ def reward_failures(lastm: dict, generators: dict[str, Heartbeat]) -> dict:
             "samples_trained_on_fallback": fallback, "fallback_used": fallback > 0}
 
 
+def redis_refusals(r) -> list[dict] | None:
+    """What the run's Redis refused its users (its ACL LOG: a service denied a right it needs, or someone
+    with a service's password trying one it lacks; deploy/launcher/redis_acl.py), as {user, reason,
+    command or key, where, count}; None when this Redis has no log to show (an external one)."""
+    import redis
+
+    try:
+        entries = r.acl_log(count=100)
+    except redis.RedisError:
+        return None
+    return [{"user": e.get("username"), "reason": e.get("reason"), "object": e.get("object"),
+             "context": e.get("context"), "count": e.get("count")} for e in entries]
+
+
 def audit(r, keys) -> dict:
     """Where every group went, from the counters the broker's and the learner's atomic scripts keep in
     Redis (broker/protocol/scripts.py): exact for the whole run, however long (the de-duplication and

@@ -120,7 +120,7 @@ def plan(args, environ: dict | None = None) -> dict:
     from deploy.launcher import environment
     from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
-    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, announce_key_path
+    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, pin_weight_port, run_key_fields
     from deploy.launcher.run_tokens import new_token
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
@@ -189,8 +189,8 @@ def plan(args, environ: dict | None = None) -> dict:
     def redis_url(user: str) -> str:
         return users.url(user, redis_port) if users is not None else args.redis_url
 
-    # the learner signs its announcements with this key, the broker and the generators check them
-    common = {"run_id": run_id, "announce_key_file": str(announce_key_path(run_dir))}
+    common = {"run_id": run_id}
+    keyed = run_key_fields(run_dir)  # the learner signs announcements, the others check; who may read weights
 
     def section(name: str, base: dict) -> dict:
         for layer in (file_cfg.get(name, {}), env_over[name], flags[name], over.get(name, {})):
@@ -200,7 +200,7 @@ def plan(args, environ: dict | None = None) -> dict:
 
     keydir = ingest_key_dir(run_dir)  # written by run_up (write_ingest_keys), one certificate per generator
     default_bind = f"tcp://127.0.0.1:{free_port()}"
-    broker = section("broker", {**common, "redis_url": redis_url("broker"),
+    broker = section("broker", {**common, **keyed["broker"], "redis_url": redis_url("broker"),
                                 "ingest_bind": default_bind, "http_port": http_port,
                                 "ingest_key_file": str(keydir / "broker.key_secret"),
                                 "ingest_clients_file": str(keydir / "clients.json"),
@@ -219,11 +219,13 @@ def plan(args, environ: dict | None = None) -> dict:
     except ValueError as e:
         raise ConfigError(f"[broker] ingest_workers = {workers}: {e}") from None
     reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
-    learner = section("learner", {**common, "redis_url": redis_url("learner"), "run_dir": str(run_dir / "learner"),
+    learner = section("learner", {**common, **keyed["learner"], "redis_url": redis_url("learner"),
+                                  "run_dir": str(run_dir / "learner"),
                                   "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed,
                                   **({"tiny_tools": True} if needs.get("tools") else {}),
                                   **(EPISODE_LEARNER_DEFAULTS if needs.get("env") else {})})
-    generator = section("generator", {**common, "redis_url": redis_url("generator"), "broker_address": ingest,
+    generator = section("generator", {**common, **keyed["generator"], "redis_url": redis_url("generator"),
+                                      "broker_address": ingest,
                                       "weight_store": learner.get("weight_store", ""),
                                       "backend": {"type": args.backend},
                                       "ingest_auth": broker.get("ingest_auth", "curve"),
@@ -231,6 +233,7 @@ def plan(args, environ: dict | None = None) -> dict:
                                       "reward_url": reward_url, "seed": args.seed, **episode_defaults(needs)})
     if generator.get("weights", {}).get("transport") == "http":
         generator["weight_store"] = ""  # no shared folder: versions are fetched from the learner's weight server
+        pin_weight_port(learner, generator, free_port)  # ...which the generators name: it gets a fixed port
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
         learner.setdefault("tiny_vllm_compatible", True)
     if reward.get("auth_token") and not generator.get("reward_token"):
@@ -333,7 +336,7 @@ def run_up(args) -> int:
         print(f"relay up: note: {note}")
     from broker.client.connection import connect_redis
     from broker.client.telemetry import read_heartbeats, read_stats
-    from broker.protocol.signing import announce_key
+    from broker.protocol.signing import announce_verifier
     from broker.protocol.keys import Keys
     from broker.dashboard.state import build_state
     from broker.prompts.evals import EvalHistory
@@ -344,9 +347,10 @@ def run_up(args) -> int:
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
     from deploy.launcher.openai_key import endpoint_note
-    from deploy.launcher.run_secrets import write_announce_key
+    from deploy.launcher.run_secrets import write_run_keys
     from deploy.launcher.run_tokens import keep_reward_token
-    from deploy.launcher.summary import audit, build_summary, eval_records, export_final, outcome, read_metrics
+    from deploy.launcher.summary import (audit, build_summary, eval_records, export_final, outcome, read_metrics,
+                                         redis_refusals)
     from deploy.launcher.supervisor import GiveUp, RestartPolicy, Supervisor
     from learner.config import LearnerConfig
 
@@ -377,7 +381,7 @@ def run_up(args) -> int:
     cut_short = ""  # a signal during the final evaluation round: said after `ended`
     try:
         redis_url = p["redis_url"]
-        write_announce_key(run_dir)  # kept when resuming: the same key signs the rest of the run
+        write_run_keys(run_dir)  # kept when resuming: the same key signs the rest of the run
         keep_reward_token(run_dir, p["reward"].get("auth_token", ""))  # and the same reward token answers
         if p["redis_port"] is not None:
             users = p.get("redis_users")  # None: a run from before Redis had users, resumed as it was
@@ -413,7 +417,8 @@ def run_up(args) -> int:
                                     "initial weights")
         r = connect_redis(redis_url)
         keys = Keys(p["run_id"])
-        key = announce_key(cfgs["broker"].get("announce_auth", "hmac"), cfgs["broker"].get("announce_key_file", ""))
+        key = announce_verifier(cfgs["broker"].get("announce_auth", "ed25519"),
+                                cfgs["broker"].get("announce_public_key_file", ""))
         total = cfgs["learner"].get("steps", 600)
         progress = Progress(not args.no_progress, total)
         supervisor = Supervisor(procs, policy, run_dir / "pids.json",  # writes pids.json, rewritten on restarts
@@ -493,6 +498,7 @@ def run_up(args) -> int:
         summary["steps_total"] = total
         summary["resumes"] = resumed.get("resumes", 0) + 1 if resumed is not None else 0
         summary["audit"] = audit(r, keys)
+        summary["redis_refused"] = redis_refusals(r)  # a right a service lacks (or someone tried): never silent
         summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
         # the final version as an HF folder, after Ctrl-C too (not after a failure: it may be broken)
         summary["export"] = export_final(run_dir) if rc in (0, 130) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +21,7 @@ from transformers import DynamicCache
 
 from broker.protocol.sampling import sampling_logprobs
 from broker.protocol.weightstore import (ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_SETTINGS, PEFT_PREFIX, MappedFile,
-                                         is_adapter_tensor)
+                                         Verified, is_adapter_tensor)
 from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, TorchBackendConfig
 
@@ -47,6 +48,13 @@ def cache_kwarg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+def _no_init_weights():
+    """transformers' context that skips the random initialisation of a model built from its config."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 def mapped_tensors(m: MappedFile) -> dict[str, torch.Tensor]:
@@ -69,7 +77,7 @@ def mapped_tensors(m: MappedFile) -> dict[str, torch.Tensor]:
 class TorchBackend(HFText):
     name = "torch"
     supports_in_flight = TorchBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
-    loads_mapped_files = True  # update_weights(path, files=...): loads the bytes weightstore.check hashed
+    loads_mapped_files = True  # load/update_weights(path, verified=...): loads the bytes weightstore.check hashed
 
     def __init__(self, cfg: TorchBackendConfig):
         self.cfg = cfg
@@ -81,31 +89,60 @@ class TorchBackend(HFText):
             raise RuntimeError(f"backend.device is {cfg.device!r} but torch sees no CUDA device")
         self.device = torch.device(cfg.device)
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, verified: Verified | None = None) -> None:
+        """Start the engine from version ``path``; with ``verified`` (``weightstore.check(keep=True)``), from
+        the bytes that check hashed: the tensors from its mapped files, the config and tokenizer from the
+        bytes it kept (written into a private temporary folder for transformers to read), so nothing is
+        opened again by name after the check."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.adapter = None  # the LoRA adapter's settings (adapter_config.json) once the model has adapters
+        if verified is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+            self._config = json.loads((Path(path) / "config.json").read_text())
+        else:
+            self._load_verified(verified)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
-        self._config = json.loads((Path(path) / "config.json").read_text())
-        self.adapter = None  # the LoRA adapter's settings (adapter_config.json) once the model has adapters
-        if (Path(path) / ADAPTER_CONFIG).is_file():
-            self._load_adapter(path)
+        if (ADAPTER_CONFIG in verified.blobs) if verified is not None else (Path(path) / ADAPTER_CONFIG).is_file():
+            self._load_adapter(path, verified)
+
+    def _load_verified(self, v: Verified) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix="relay-verified-") as folder:  # mode 0700: this process's own
+            for name, data in v.blobs.items():
+                (Path(folder) / name).write_bytes(data)
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            config = AutoConfig.from_pretrained(folder)
+        with _no_init_weights(), self.device:  # the weights come from the mapped files: no random init first
+            self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+        self.model.tie_weights()
+        self._config = json.loads(v.blobs["config.json"])
+        self._load_state({k: t for name in sorted(v.files) if name != ADAPTER_FILE
+                          for k, t in mapped_tensors(v.files[name]).items()})
+        self.model.eval()
 
     def engine_info(self) -> dict:
         """Identity of the running engine: the same PID and module across updates means no restart."""
         return {"pid": os.getpid(), "engine_id": id(self.model)}
 
-    def update_weights(self, path: str, files: dict[str, MappedFile] | None = None) -> None:
+    def update_weights(self, path: str, files: dict[str, MappedFile] | None = None,
+                       verified: Verified | None = None) -> None:
         """Load version ``path`` in place: a whole model (its tensors into the same parameters; with a LoRA
-        adapter beside it, the adapter too), or a LoRA adapter alone (:meth:`_load_adapter`). ``files``:
-        its safetensors files as ``weightstore.check(keep=True)`` mapped them, loaded instead of opening
-        the files again (what is loaded is what was verified, whatever was renamed into the folder since)."""
-        if not (Path(path) / "config.json").is_file() and (Path(path) / ADAPTER_CONFIG).is_file():
-            self._load_adapter(path)
+        adapter beside it, the adapter too), or a LoRA adapter alone (:meth:`_load_adapter`). ``verified``
+        (``weightstore.check(keep=True)``; ``files``: its mapped safetensors files alone): the bytes that check
+        hashed are loaded, instead of opening the files again (what is loaded is what was verified, whatever
+        was renamed into the folder since)."""
+        files = verified.files if verified is not None else files
+        blobs = verified.blobs if verified is not None else None
+        has = (lambda name: name in blobs) if blobs is not None else (lambda name: (Path(path) / name).is_file())
+        if not has("config.json") and has(ADAPTER_CONFIG):
+            self._load_adapter(path, verified)
             return
-        cfg = json.loads((Path(path) / "config.json").read_text())
+        raw = blobs["config.json"] if blobs is not None else (Path(path) / "config.json").read_bytes()
+        cfg = json.loads(raw)
         if {k: v for k, v in cfg.items() if k != "transformers_version"} != {
                 k: v for k, v in self._config.items() if k != "transformers_version"}:
             raise ValueError("the snapshot's config.json differs from the served model's architecture")
@@ -118,6 +155,17 @@ class TorchBackend(HFText):
             for f in sorted(Path(path).glob("*.safetensors")):
                 if f.name != ADAPTER_FILE:
                     state.update(load_file(f, device=str(self.device)))
+        self._load_state(state)
+        if has(ADAPTER_CONFIG):
+            self._load_adapter(path, verified)
+        elif self.adapter is not None:  # a whole model without adapter (merged): the adapters add nothing now
+            with torch.no_grad():
+                for k, p in self.model.named_parameters():
+                    if ".lora_B." in k:
+                        p.zero_()
+
+    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a whole model's tensors into the model's parameters (ValueError when they do not match)."""
         own = self.model.state_dict()
         # a layer that carries an adapter holds its own weight under <module>.base_layer.<weight|bias>
         state = {k if k in own else _base_layer_name(k): v for k, v in state.items()}
@@ -127,29 +175,24 @@ class TorchBackend(HFText):
                    and not is_adapter_tensor(k)]
         if missing or unexpected:
             raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        if (Path(path) / ADAPTER_CONFIG).is_file():
-            self._load_adapter(path)
-        elif self.adapter is not None:  # a whole model without adapter (merged): the adapters add nothing now
-            with torch.no_grad():
-                for k, p in self.model.named_parameters():
-                    if ".lora_B." in k:
-                        p.zero_()
 
-    def _load_adapter(self, path: str) -> None:
+    def _load_adapter(self, path: str, verified: Verified | None = None) -> None:
         """Load the LoRA adapter of version ``path`` (PEFT's layout: adapter_config.json and
         adapter_model.safetensors) into the model's adapters in place, adding them (peft) to the model on the
         first one. All or nothing: ValueError, the model unchanged, when the settings differ from the
         adapters the model has, or the tensors are not exactly one A and one B per adapted layer."""
         from peft import LoraConfig, inject_adapter_in_model
 
-        settings = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+        settings = json.loads(verified.blobs[ADAPTER_CONFIG] if verified is not None
+                              else (Path(path) / ADAPTER_CONFIG).read_bytes())
         wanted = {k: settings.get(k) for k in ADAPTER_SETTINGS}
         if settings.get("use_dora") or settings.get("modules_to_save") or settings.get("bias", "none") != "none":
             raise ValueError(f"{path}: DoRA, modules_to_save and adapter biases are not supported")
         if self.adapter is not None and wanted != self.adapter:
             raise ValueError(f"{path}: adapter settings {wanted} differ from those of the adapter served "
                              f"{self.adapter}")
-        tensors = load_file(Path(path) / ADAPTER_FILE, device=str(self.device))
+        tensors = mapped_tensors(verified.files[ADAPTER_FILE]) if verified is not None \
+            else load_file(Path(path) / ADAPTER_FILE, device=str(self.device))
         # from_pretrained of a folder with an adapter_config.json (load) attached its adapter already (transformers
         # does so by itself): injecting a second time would stack peft's layers; the copy below fills them either way
         if self.adapter is None and not getattr(self.model, "_hf_peft_config_loaded", False):

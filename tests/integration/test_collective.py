@@ -1,6 +1,6 @@
 """The collective weight transport over real gloo groups between real processes (learner/broadcast.py,
 generators/weight_receive.py): the learner's broadcaster in this process, generators' receivers in
-subprocesses (tests/support/collective_peer.py), real Redis, real TCPStore on a free port."""
+subprocesses (tests/support/collective_peer.py), real Redis, the learner's rendezvous on a free port."""
 
 
 import pytest
@@ -14,7 +14,7 @@ from broker.runtime.config import CollectiveWeightsConfig
 from learner.broadcast import Broadcaster
 from learner.tiny_model import build_tiny_model
 from tests.support.peers import moved_version, peer_result, start_peer
-from tests.support.services import announce_key, wait_until
+from tests.support.services import announce_key, wait_until, weights_key
 
 
 def _peer(procs, redis_url, tmp_path, model, gid, *extra):
@@ -25,7 +25,8 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
     # buckets of 64 KiB: the tiny model (~0.5 MiB in fp32) travels in several
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path)).start()
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path),
+                    weights_key=weights_key(tmp_path)).start()
     try:
         good = _peer(peers, redis_url, tmp_path, model, "g-good", "--until", "2")
         bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "2", "--until-refused", "1",
@@ -78,7 +79,8 @@ def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url
 
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path)).start()
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path),
+                    weights_key=weights_key(tmp_path)).start()
 
     def streamed(version: int, source: dict, missing: str = "") -> tuple[str, list[str]]:
         """Send ``version`` while another thread fills it tensor by tensor (as the learner's snapshot does),
@@ -131,7 +133,8 @@ def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_pa
     """Only the corrupted version is sent: the generator must still serve its initial weights, bit for bit."""
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path)).start()
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path),
+                    weights_key=weights_key(tmp_path)).start()
     try:
         bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "0", "--until-refused", "1",
                     "--flip-bucket", "0")
@@ -144,10 +147,13 @@ def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_pa
     assert res["engine_digest"] == state_digest(moved_version(model, 0.0))  # not served: the weights are unchanged
 
 
-def test_a_dead_generator_is_dropped_and_the_others_still_receive(redis_url, tmp_path, peers):
+def test_a_dead_generator_leaves_at_once_and_the_others_still_receive(redis_url, tmp_path, peers):
+    """A generator killed between two versions: its rendezvous connection ends with its process, so the learner
+    drops it before the next broadcast (no wait of timeout_s for it), and frees its id."""
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=10), announce_key(tmp_path)).start()
+    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=10), announce_key(tmp_path),
+                    weights_key=weights_key(tmp_path)).start()
     try:
         alive = _peer(peers, redis_url, tmp_path, model, "g-alive", "--until", "2")
         dead = _peer(peers, redis_url, tmp_path, model, "g-dead", "--until", "99")
@@ -155,15 +161,17 @@ def test_a_dead_generator_is_dropped_and_the_others_still_receive(redis_url, tmp
         b.send(1, moved_version(model, 0.01))
         dead.kill()  # SIGKILL between two versions
         dead.wait()
+        wait_until(lambda: b.member_ids() == ["g-alive"], timeout=10, what="the dead generator left")
+        assert "g-dead" not in b.rendezvous.ids  # a restarted g-dead may join again
         v2 = moved_version(model, 0.02)
         assert b.send(2, v2) == state_digest(v2)
         res = peer_result(alive, tmp_path, "g-alive")
     finally:
         b.close()
     assert res["version"] == 2 and res["engine_digest"] == state_digest(v2)
-    assert b.member_ids() == [] and b.dropped == 1  # closed; g-dead was dropped at version 2
-    dropped = [e.data for _, e in read_events(r, keys, None, 100) if e.kind == "collective_dropped"]
-    assert [(d["generator"], d["version"]) for d in dropped] == [("g-dead", 2)]
+    assert b.member_ids() == [] and b.dropped == 0  # closed; g-dead left before version 2, no broadcast waited for it
+    left = [e.data["generator"] for _, e in read_events(r, keys, None, 100) if e.kind == "collective_left"]
+    assert left[0] == "g-dead" and set(left) <= {"g-dead", "g-alive"}  # g-alive leaves too once it exits
 
 
 def test_groups_of_a_version_applied_before_its_announcement_get_the_announced_hash(redis_url, tmp_path):

@@ -19,7 +19,7 @@ from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.browser import browser  # noqa: F401  (a fixture)
 from tests.support.data import make_group
-from tests.support.services import (RecordingBackend, announce_key, announce_key_file, generator_cfg,
+from tests.support.services import (RecordingBackend, announce_key, announce_public_key_file, generator_cfg,
                                     start_broker_and_reward, start_service, wait_until)
 
 
@@ -63,7 +63,7 @@ def test_a_running_generator_never_loads_a_forged_announcement_and_the_dashboard
     hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 1 and h, timeout=60,
                     what=f"the forged announcement noticed:\n{gen.tail()}")
     # and one signed with a key that is not the run's
-    other = signing.signed(bytes(32), "forge", Announcement(100, forged.hash, forged.path))
+    other = signing.signed(signing.AnnounceSigner.generate(), "forge", Announcement(100, forged.hash, forged.path))
     _forge(r, keys, other)
     hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 2 and h, timeout=60,
                     what=f"the second forgery noticed:\n{gen.tail()}")
@@ -111,7 +111,7 @@ def _check_page(request, url: str) -> bool:
 
 def test_a_forged_version_does_not_drive_the_brokers_version_checks(redis_url, tmp_path):
     b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
-                            announce_key_file=str(announce_key_file(tmp_path))))
+                            announce_public_key_file=str(announce_public_key_file(tmp_path))))
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
     announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"), announce_key(tmp_path))
     _forge(r, keys, Announcement(version=10**9, hash="cd" * 32, path="/attacker"))
@@ -123,9 +123,9 @@ def test_a_forged_version_does_not_drive_the_brokers_version_checks(redis_url, t
 
 def test_a_service_without_its_key_file_does_not_start(procs, redis_url, tmp_path):
     gen = start_service(procs, "gen", "generator", {"run_id": "nokey", "redis_url": redis_url,
-                                                    "announce_key_file": str(tmp_path / "missing.key")}, tmp_path)
+                                                    "announce_public_key_file": str(tmp_path / "missing.pub")}, tmp_path)
     assert gen.proc.wait(60) == 2
-    assert "cannot read the announcement key" in gen.tail()
+    assert "cannot read the announcement public key" in gen.tail()
 
 
 def test_a_forgery_that_copies_a_real_hash_neither_loads_nor_blocks_the_real_version(redis_url, tmp_path):
@@ -154,3 +154,86 @@ def test_a_forgery_that_copies_a_real_hash_neither_loads_nor_blocks_the_real_ver
     announce(r, keys, Announcement(3, h3, str(p3)), key)
     w.update()
     assert w.version == 2 and w.refused[h3] == "outside_store" and w.refused_updates == 1
+
+
+def _what_a_generator_holds(tmp_path):
+    """Every secret of a `relay up` run that a generator's config names (what whoever steals one generator's files
+    has), each as bytes, and the learner's signing key."""
+    from pathlib import Path
+
+    from broker.protocol.ingest_auth import write_ingest_keys
+    from deploy.launcher.run_secrets import announce_key_path, run_key_fields, write_run_keys
+
+    run = tmp_path / "run"
+    write_run_keys(run)
+    mine = run_key_fields(run)["generator"]
+    ingest = write_ingest_keys(run / "secrets" / "ingest", ["gen-0"])
+    files = [mine["announce_public_key_file"], mine["weights"]["key_file"], ingest["generators"]["gen-0"],
+             ingest["broker_public_key_file"]]
+    return {Path(f).name: Path(f).read_bytes() for f in files}, signing.read_signer(announce_key_path(run)), \
+        mine["announce_public_key_file"]
+
+
+def _signatures_from(secret: bytes, run_id: str, a: Announcement) -> list[str]:
+    """Every way the secret could sign ``a``: as the HMAC key announcements were signed with before (over the old and
+    the new canonical bytes), and as an Ed25519 private key (the secret itself when it is 32 bytes in hex, or its
+    hash)."""
+    import hashlib
+    import hmac
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    text = secret.strip()
+    try:
+        raw = bytes.fromhex(text.decode())
+    except ValueError:
+        raw = text
+    message = signing.canonical_bytes(run_id, a)
+    old = message.replace(b"17:relay-announce-v2,", b"17:relay-announce-v1,")
+    sigs = [hmac.new(k, m, hashlib.sha256).hexdigest() for k in (raw, text) for m in (message, old)]
+    for seed in {raw[:32].ljust(32, b"\0"), hashlib.sha256(text).digest()}:
+        sigs.append(Ed25519PrivateKey.from_private_bytes(seed).sign(message).hex())
+    return sigs
+
+
+def test_an_announcement_signed_with_a_generators_secrets_is_refused_by_the_generators_and_the_broker(redis_url,
+                                                                                                       tmp_path):
+    """The theft the HMAC key allowed: every secret one generator holds, used to sign a version of the thief's
+    (a huge version naming a folder of theirs). A generator does not load it, the broker does not take it for the
+    latest version (groups claiming it are refused) and keeps accepting the learner's."""
+    from generators.weights import WeightApplier
+    from tests.support.data import MAKE_GROUP_HASH, snapshot
+
+    held, learner_key, public_file = _what_a_generator_holds(tmp_path)
+    public = signing.read_verifier(public_file)
+    r, keys = redis.Redis.from_url(redis_url), Keys("r")
+    store = tmp_path / "store"
+    p4, h4 = snapshot(store, 4)
+    announce(r, keys, Announcement(3, MAKE_GROUP_HASH, "/weights/v3"), learner_key)
+    announce(r, keys, Announcement(4, h4, str(p4)), learner_key)
+    backend = RecordingBackend()
+    w = WeightApplier(r, keys, backend, "gen-0", announce_key=public, store=str(store))
+    w.update(block=True)
+    assert w.version == 4
+    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
+                            announce_public_key_file=public_file))
+    evil_path, evil_hash = snapshot(store, 10**9, b"the thief's weights")  # even inside the store
+    forged, sigs = 0, set()
+    for name, secret in held.items():
+        for sig in _signatures_from(secret, "r", Announcement(10**9, evil_hash, str(evil_path), published_at=1.0)):
+            _forge(r, keys, Announcement(10**9, evil_hash, str(evil_path), published_at=1.0, sig=sig))
+            forged, _ = forged + 1, sigs.add(sig)
+            w.update()
+            assert w.version == 4, f"a generator loaded a version signed with {name}"
+            assert latest_announcement(r, keys, public).version == 4, name
+            b.ingest._read_latest()
+            thief = make_group(group_id=f"thief-{forged}", weight_version=10**9, weight_hash=evil_hash)
+            for s in thief.samples:
+                s.version_runs = [[10**9, sum(n for _, n in s.version_runs)]]
+            ack = b.ingest.handle(encode_group(thief))
+            assert (ack.status, ack.reason) == ("rejected", "version_ahead"), name
+    assert backend.loaded == [str(p4)] and w.forged_announcements == len(sigs) > 10  # each seen, counted once
+    announce(r, keys, Announcement(4, h4, str(p4)), learner_key)  # the learner's own are still taken
+    for s in (g := make_group(group_id="honest")).samples:
+        s.version_runs = [[3, sum(n for _, n in s.version_runs)]]
+    assert b.ingest.handle(encode_group(g)).status == "ok"

@@ -13,7 +13,7 @@ from broker.protocol.group import encode_group
 from broker.protocol.messages import Announcement
 from broker.config import BrokerConfig
 from broker.service import Broker
-from tests.support.services import announce_key, announce_key_file, producer_keys, start_broker
+from tests.support.services import announce_key, announce_public_key_file, producer_keys, start_broker
 from tests.support.data import announce_make_group_versions, make_group
 
 
@@ -24,7 +24,7 @@ def _group(gid: str, **kw) -> bytes:
 def _broker(redis_url: str, tmp_path, **extra) -> Broker:
     """A broker in this process whose ingest is driven directly (handle_batch; no socket, so no CURVE keys)."""
     return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
-                               announce_key_file=str(announce_key_file(tmp_path)), **extra))
+                               announce_public_key_file=str(announce_public_key_file(tmp_path)), **extra))
 
 
 def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_url, tmp_path):

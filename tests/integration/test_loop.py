@@ -29,6 +29,7 @@ def test_loop_learns_and_versions_advance(tmp_path):
     a = s["audit"]  # every group accounted for
     assert a["trained_once"] == 100 * 32 and a["trained_twice"] == 0 and a["lost"] == 0
     assert a["produced"] == a["trained_once"] + a["dropped"] + a["queued"]
+    assert s["redis_refused"] == []  # each service's least-privilege Redis user had every right it needed
     assert set(s["generators"]) == {"gen-0", "gen-1"}
     for g in s["generators"].values():
         assert g["backend"] == "torch" and g["version_applied"] >= 90 and g["groups_sent"] > 0

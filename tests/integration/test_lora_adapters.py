@@ -183,7 +183,7 @@ def test_over_http_a_fresh_generator_fetches_the_base_then_only_adapters(setup):
         for v in range(3):
             _train(model, seed=v)
             _publish(pub, model, v)
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache")))
+        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=server.base_url))
         backend = TorchBackendConfig().build()
         gen = WeightApplier(r, keys, backend, "g0", fetcher=fetcher)
         gen.update()  # its first version is the adapter of version 2: the base of version 0 comes first

@@ -107,7 +107,7 @@ def test_nothing_but_sealed_versions_listed_files(served, tmp_path):
     assert _get(server, "/v000003/model.safetensors")[0].status == 200 and a3.version == 3
 
 
-def test_bearer_token_required_when_the_run_signs(tmp_path):
+def test_bearer_token_required_with_the_runs_weights_key(tmp_path):
     store = tmp_path / "store"
     store.mkdir()
     a = _publish(store, 1, 1000)
@@ -118,12 +118,40 @@ def test_bearer_token_required_when_the_run_signs(tmp_path):
         assert _get(server, "/v000001/manifest.json", Authorization="Bearer t0ken")[0].status == 200
         a.url = server.url(1)
         with pytest.raises(weightstore.WeightStoreError) as e:
-            WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c1")), token="nope").fetch(a)
+            WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c1"), advertise_url=server.base_url),
+                          token="nope").fetch(a)
         assert e.value.reason == "unauthorized"
-        path = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c2")), token="t0ken").fetch(a)
+        path = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c2"), advertise_url=server.base_url),
+                             token="t0ken").fetch(a)
         assert weightstore.verify(path, a.hash, tmp_path / "c2")["version"] == 1
     finally:
         server.close()
+
+
+def test_a_generator_fetches_only_from_its_configured_server_whatever_url_an_announcement_names(tmp_path):
+    """A thief's own weight server, named by an announcement (signed with a stolen key, or written into Redis
+    under announce_auth = insecure), with the token the generator sends: the generator never asks it for
+    anything, and fetches the version from the learner's server its config names."""
+    from pathlib import Path
+
+    real_store, evil_store = tmp_path / "real", tmp_path / "evil"
+    real_store.mkdir()
+    evil_store.mkdir()
+    a = _publish(real_store, 1, 1000)
+    shutil.copytree(Path(a.path), evil_store / "v000001")  # the same version, served by the thief
+    real, evil = WeightServer(real_store, token="t0ken").start(), WeightServer(evil_store).start()
+    try:
+        a.url = evil.url(1)
+        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=real.base_url),
+                                token="t0ken")
+        path = fetcher.fetch(a)
+        assert weightstore.verify(path, a.hash)["version"] == 1
+        assert not evil.counts and real.counts["200"] >= 3  # manifest, model, config: from the learner's only
+        with pytest.raises(Exception, match="advertise_url"):  # no configured server: no fetching at all
+            WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c2")))
+    finally:
+        real.close()
+        evil.close()
 
 
 def test_parse_range_edges():
@@ -141,7 +169,7 @@ def test_a_dropped_download_resumes_with_a_range_request(served, tmp_path):
     proxy = FlakyProxy(server.http.server_address, b"model.safetensors", cut_after=1_500_000, drops=2)
     try:
         a.url = f"http://127.0.0.1:{proxy.port}/v000005/"
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache")))
+        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), port=proxy.port))
         path = fetcher.fetch(a)
     finally:
         proxy.close()
@@ -168,7 +196,7 @@ def test_applier_fetches_refuses_a_corrupted_byte_and_skips_a_pruned_version(ser
     store, server = served
     r, keys = connect_redis(redis_url), Keys("http")
     cache = tmp_path / "cache"
-    fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(cache)), keep=2)
+    fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(cache), advertise_url=server.base_url), keep=2)
     backend = StubBackend()
     weights = WeightApplier(r, keys, backend, "g", fetcher=fetcher)
 
@@ -195,20 +223,20 @@ def test_applier_fetches_refuses_a_corrupted_byte_and_skips_a_pruned_version(ser
     assert refused and refused[-1].data["reason"] == "corrupt_file" and refused[-1].data["version"] == 2
 
     # version 3 pruned between its announcement and its fetch (the learner moved on to 4): not refused
-    real_fetch = fetcher.fetch
+    real_fetch_kept = fetcher.fetch_kept
 
-    def learner_moves_on(a, serving):
+    def learner_moves_on(a, serving, keep=False):
         if a.version == 3:
             publish(4)
             shutil.rmtree(weightstore.version_dir(store, 3))
-        return real_fetch(a, serving)
+        return real_fetch_kept(a, serving, keep)
 
-    fetcher.fetch = learner_moves_on
+    fetcher.fetch_kept = learner_moves_on
     publish(3)
     weights.update()
     assert weights.version == 4 and weights.refused_updates == 1
     with pytest.raises(weightstore.WeightStoreError) as e:
-        real_fetch(Announcement(3, "0" * 64, "", url=server.url(3)))
+        real_fetch_kept(Announcement(3, "0" * 64, "", url=server.url(3)))
     assert e.value.reason == "not_found"
 
     # the cache keeps the newest two and the one served
@@ -245,7 +273,7 @@ def test_the_tensor_digest_is_checked_from_the_downloaded_bytes(served, redis_ur
     proxy = FlakyProxy(server.http.server_address, b"model.safetensors", cut_after=700_000, drops=2)
     try:
         a1.url = f"http://127.0.0.1:{proxy.port}/v000001/"
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache")))
+        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), port=proxy.port))
         weights = WeightApplier(r, keys, StubBackend(), "g", fetcher=fetcher)
         announce(r, keys, a1)
         weights.update(block=True)
@@ -255,6 +283,7 @@ def test_the_tensor_digest_is_checked_from_the_downloaded_bytes(served, redis_ur
 
     bad = dict(good, w=good["w"].clone())
     bad["w"][3, 4] += 1.0  # one weight changed; the manifest is recomputed over the altered file
+    fetcher.base_url = server.base_url  # the proxy is gone: straight from the server
     announce(r, keys, _tensor_version(store, 2, bad, state_digest(good), server))
     weights.update()
     assert weights.version == 1 and weights.refused_updates == 1

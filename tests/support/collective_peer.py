@@ -20,7 +20,8 @@ import torch
 
 from broker.client.connection import connect_redis
 from broker.protocol.keys import Keys
-from broker.protocol.signing import read_key_file
+from broker.protocol import weightauth
+from broker.protocol.signing import read_verifier
 from broker.protocol.tensordigest import state_digest
 from broker.runtime.config import CollectiveWeightsConfig
 from generators.config import TorchBackendConfig
@@ -31,8 +32,9 @@ from generators.weights import WeightApplier
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    for a in ("--redis", "--run", "--key-file", "--model", "--id"):
+    for a in ("--redis", "--run", "--key-file", "--model", "--id"):  # --key-file: the public announcement key
         p.add_argument(a, required=True)
+    p.add_argument("--weights-key-file", default="", help="the run's weights key (collective joins)")
     p.add_argument("--until", type=int, default=1)
     p.add_argument("--until-refused", type=int, default=0)
     p.add_argument("--flip-bucket", type=int, default=-1)
@@ -42,7 +44,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
     r, keys = connect_redis(args.redis), Keys(args.run)
-    key = read_key_file(args.key_file)
+    key = read_verifier(args.key_file)
+    wkey = weightauth.read_key_file(args.weights_key_file) if args.weights_key_file else None
     flipped = []
 
     def flip(i: int, bucket: torch.Tensor) -> None:
@@ -63,7 +66,7 @@ def main() -> None:
                                tamper=flip_copy if args.flip_bucket >= 0 else None)
     else:
         receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout),
-                            args.id, key, tamper=flip if args.flip_bucket >= 0 else None)
+                            args.id, key, wkey, tamper=flip if args.flip_bucket >= 0 else None)
     w = WeightApplier(r, keys, backend, args.id, announce_key=key, receiver=receiver)
     w.version = 0  # the initial weights, as if loaded from the store
     receiver.start()

@@ -14,7 +14,7 @@ MAKE_GROUP_HASH = "ab" * 32  # make_group's weight_hash
 
 def announce_make_group_versions(r, keys, key: bytes | None) -> None:
     """Announce versions 3 and 4 with make_group's hash, as a learner would have (signed with ``key``, the
-    services' announcement key): the broker then accepts make_group's groups (weight_version 3, tokens of
+    services' private announcement key): the broker then accepts make_group's groups (weight_version 3, tokens of
     versions 3 and 4)."""
     for v in (3, 4):
         announce(r, keys, Announcement(version=v, hash=MAKE_GROUP_HASH, path=f"/weights/v{v}"), key)

@@ -27,9 +27,9 @@ def main(redis_url: str, run_dir: Path, steps: int) -> None:
     from learner.config import LearnerConfig
     from learner.trainer import Learner
 
-    from broker.protocol.signing import write_key_file
+    from broker.protocol.signing import write_key_pair
 
-    key = write_key_file(Path(run_dir) / "announce.key")  # the learner signs what it announces
+    key, _ = write_key_pair(Path(run_dir) / "announce.key", Path(run_dir) / "announce.pub")  # the learner signs what it announces
     cfg = LearnerConfig(announce_key_file=str(key), run_id="critic", redis_url=redis_url, run_dir=str(run_dir),
                         weight_store=str(run_dir / "weights"),
                         steps=steps, batch_groups=4, checkpoint_every=0, tensorboard=False, wait_timeout_s=60,

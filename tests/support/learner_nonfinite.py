@@ -42,9 +42,9 @@ def main(redis_url: str, run_dir: Path) -> None:
     from learner.ranks import write_checksum
     from learner.trainer import Learner
 
-    from broker.protocol.signing import write_key_file
+    from broker.protocol.signing import write_key_pair
 
-    key = write_key_file(Path(run_dir) / "announce.key")  # the learner signs what it announces
+    key, _ = write_key_pair(Path(run_dir) / "announce.key", Path(run_dir) / "announce.pub")  # the learner signs what it announces
     cfg = LearnerConfig(announce_key_file=str(key), run_id="bench", redis_url=redis_url, run_dir=str(run_dir),
                         weight_store=str(run_dir / "weights"),
                         steps=3, batch_groups=2, publish_every=1, checkpoint_every=0, tensorboard=False,

@@ -9,13 +9,14 @@ import sys
 
 import torch
 
-from tests.support.services import ROOT, announce_key_file, child_env
+from tests.support.services import ROOT, announce_public_key_file, child_env, weights_key_file
 
 
 def start_peer(procs: list, redis_url: str, tmp_path, model, gid: str, run: str, *extra: str) -> subprocess.Popen:
     """A peer generator ``gid`` of run ``run`` (its log in ``tmp_path/<gid>.log``), added to ``procs``."""
     cmd = [sys.executable, str(ROOT / "tests/support/collective_peer.py"), "--redis", redis_url, "--run", run,
-           "--key-file", str(announce_key_file(tmp_path)), "--model", str(model), "--id", gid, *extra]
+           "--key-file", str(announce_public_key_file(tmp_path)), "--weights-key-file", str(weights_key_file(tmp_path)),
+           "--model", str(model), "--id", gid, *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{gid}.log", "w"), env=child_env(),
                          cwd=ROOT, text=True)
     procs.append(p)

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 
 from broker.protocol.ingest_auth import CurveClientKeys, load_client_keys, write_ingest_keys
-from broker.protocol.signing import read_key_file, write_key_file
+from broker.protocol import weightauth
+from broker.protocol.signing import AnnounceSigner, read_signer, write_key_pair
 from deploy.launcher.procs import Child, ProcessGroup, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,23 +59,51 @@ def with_ingest_keys(service: str, cfg: dict, tmp_path: Path) -> dict:
 
 
 def announce_key_file(tmp_path: Path) -> Path:
-    """The announcement key of the services a test starts (made on first use, one per test)."""
-    return write_key_file(tmp_path / "announce.key")
+    """The private announcement key of the services a test starts (the key pair made on first use, one per
+    test): the learner's."""
+    return write_key_pair(tmp_path / "announce.key", tmp_path / "announce.pub")[0]
 
 
-def announce_key(tmp_path: Path) -> bytes:
-    """That key, for a test that publishes (``Publisher``, ``announce``) to the services it started."""
-    return read_key_file(announce_key_file(tmp_path))
+def announce_public_key_file(tmp_path: Path) -> Path:
+    """Its public half: the broker's and the generators'."""
+    return write_key_pair(tmp_path / "announce.key", tmp_path / "announce.pub")[1]
+
+
+def announce_key(tmp_path: Path) -> AnnounceSigner:
+    """That key, for a test that publishes (``Publisher``, ``announce``) to the services it started; it
+    verifies too (a test's WeightApplier, ``latest_announcement``)."""
+    return read_signer(announce_key_file(tmp_path))
+
+
+def weights_key_file(tmp_path: Path) -> Path:
+    """The run's weights key of a test (the http server's token, collective joins; one per test)."""
+    return weightauth.write_key_file(tmp_path / "weights.key")
+
+
+def weights_key(tmp_path: Path) -> bytes:
+    return weightauth.read_key_file(weights_key_file(tmp_path))
+
+
+def with_run_keys(service: str, cfg: dict, tmp_path: Path) -> dict:
+    """``cfg`` with the test's keys unless it sets them: the private announcement key for a learner, the
+    public one for a broker or a generator (announce_auth ed25519), the weights key for a learner or a
+    generator (weights.auth key)."""
+    signs = cfg.get("announce_auth", "ed25519") == "ed25519"
+    if service == "learner" and signs and "announce_key_file" not in cfg:
+        cfg = {**cfg, "announce_key_file": str(announce_key_file(tmp_path))}
+    if service in ("broker", "generator") and signs and "announce_public_key_file" not in cfg:
+        cfg = {**cfg, "announce_public_key_file": str(announce_public_key_file(tmp_path))}
+    weights = dict(cfg.get("weights") or {})
+    if service in ("learner", "generator") and weights.get("auth", "key") == "key" and "key_file" not in weights:
+        cfg = {**cfg, "weights": {**weights, "key_file": str(weights_key_file(tmp_path))}}
+    return cfg
 
 
 def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_path: Path):
     """``relay <service>`` with ``cfg``; brokers and generators get the test's CURVE keys unless ``cfg``
-    sets ingest_auth, and the broker, learner and generators share the test's announcement key
-    (:func:`announce_key_file`) unless ``cfg`` says otherwise."""
-    cfg = with_ingest_keys(service, cfg, tmp_path)
-    if service in ("broker", "learner", "generator") and "announce_key_file" not in cfg \
-            and cfg.get("announce_auth", "hmac") == "hmac":
-        cfg = {**cfg, "announce_key_file": str(announce_key_file(tmp_path))}
+    sets ingest_auth, and the broker, learner and generators the test's announcement and weights keys
+    (:func:`with_run_keys`) unless ``cfg`` says otherwise."""
+    cfg = with_run_keys(service, with_ingest_keys(service, cfg, tmp_path), tmp_path)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),

@@ -85,14 +85,17 @@ def test_the_digest_of_the_flat_buffer_is_the_digest_of_the_tensors():
 
 
 def test_the_trailer_signature_binds_version_digest_and_header():
-    key, other = b"k" * 32, b"o" * 32
+    key, other = signing.AnnounceSigner.generate(), signing.AnnounceSigner.generate()  # the learner's, another's
     hs = hashlib.sha256(b"header").hexdigest()
     sig = signing.collective_signature(key, "run", 3, "d" * 64, hs)
+    key = signing.AnnounceVerifier(key.public)  # what the generators check it with
     assert signing.check_collective(key, "run", 3, "d" * 64, hs, sig) is None
     assert signing.check_collective(key, "run", 4, "d" * 64, hs, sig) == "bad_signature"
     assert signing.check_collective(key, "run", 3, "e" * 64, hs, sig) == "bad_signature"
     assert signing.check_collective(key, "other-run", 3, "d" * 64, hs, sig) == "bad_signature"
     assert signing.check_collective(other, "run", 3, "d" * 64, hs, sig) == "bad_signature"
+    assert signing.check_collective(key, "run", 3, "d" * 64, hs,
+                                    signing.collective_signature(other, "run", 3, "d" * 64, hs)) == "bad_signature"
     assert signing.check_collective(key, "run", 3, "d" * 64, hs, "") == "unsigned"
     # not interchangeable with an announcement's signature (its own context string)
     assert signing.COLLECTIVE_CONTEXT != signing.CONTEXT

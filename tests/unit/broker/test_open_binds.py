@@ -41,10 +41,12 @@ def test_a_reward_service_without_a_token_on_a_reachable_host_is_refused():
     RewardConfig(host="127.0.0.1")
 
 
-def test_a_weight_server_without_its_token_on_a_reachable_host_is_refused():
-    weights = {"transport": "http", "http": {"host": "0.0.0.0"}}
-    msg = _error(LearnerConfig, weights=weights, announce_auth="insecure")
-    assert "weights.http.host" in msg and "announce_auth = 'insecure'" in msg and "allow_unauthenticated_bind" in msg
-    LearnerConfig(weights=weights, announce_auth="hmac")  # the token, derived from the announcement key
-    LearnerConfig(weights=weights, announce_auth="insecure", allow_unauthenticated_bind=True)
-    LearnerConfig(weights={"transport": "store", "http": {"host": "0.0.0.0"}}, announce_auth="insecure")  # unused
+def test_a_weight_listener_without_the_weights_key_on_a_reachable_host_is_refused():
+    for transport in ("http", "collective"):
+        weights = {"transport": transport, transport: {"host": "0.0.0.0"}, "auth": "insecure"}
+        msg = _error(LearnerConfig, weights=weights)
+        assert f"weights.{transport}.host" in msg and "weights.auth = 'insecure'" in msg
+        assert "allow_unauthenticated_bind" in msg
+        LearnerConfig(weights={**weights, "auth": "key"})  # the weights key guards it
+        LearnerConfig(weights=weights, allow_unauthenticated_bind=True)
+    LearnerConfig(weights={"transport": "store", "http": {"host": "0.0.0.0"}, "auth": "insecure"})  # unused

@@ -145,7 +145,13 @@ def test_compose_wiring():
         env = services[name]["environment"]
         assert "RELAY_REDIS_URL" not in env and "RELAY_INGEST_AUTH" not in env, name
         assert f"deploy/secrets/{name.split('-')[0]}.env" in [e["path"] for e in services[name]["env_file"]], name
-        assert "announce_key" in services[name]["secrets"], name
+        # the private announcement key is the learner's alone: whoever steals a generator's (or the broker's)
+        # files cannot sign a version; the weights key goes to who reads weights (learner, generators)
+        want = {"announce_key", "weights_key"} if name == "learner" else \
+            {"announce_public"} | ({"weights_key"} if name.startswith("generator") else set())
+        assert want == set(services[name]["secrets"]) & {"announce_key", "announce_public", "weights_key"}, name
+        assert ("RELAY_ANNOUNCE_KEY_FILE" in env) == (name == "learner"), name
+        assert ("RELAY_ANNOUNCE_PUBLIC_KEY_FILE" in env) != (name == "learner"), name
     assert {"ingest_broker_key", "ingest_clients"} <= set(services["broker"]["secrets"])
     assert {"ingest_generator_key", "ingest_broker_public"} <= set(services["generator"]["secrets"])
     assert all(v["file"].startswith("deploy/secrets/") for v in compose["secrets"].values())

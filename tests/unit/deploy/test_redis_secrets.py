@@ -36,13 +36,17 @@ def _plan(tmp_path, *argv):
     return plan(p.parse_args(["--runs-dir", str(tmp_path), "--dashboard-port", "0", *argv]), environ={})
 
 
-def test_each_service_gets_its_own_redis_user_and_the_announcement_key(tmp_path):
+def test_each_service_gets_its_own_redis_user_and_its_half_of_the_announcement_key(tmp_path):
     p = _plan(tmp_path, "--run-id", "u")
     users = p["redis_users"]
     port = p["redis_port"]
     for name in ("broker", "learner", "generator"):
         assert p[name]["redis_url"] == f"redis://{name}:{users.passwords[name]}@127.0.0.1:{port}/0"
-        assert p[name]["announce_key_file"] == str(tmp_path / "u" / "secrets" / "announce.key")
+    # the learner alone signs: the private key is in its config only; the others check with the public key
+    assert p["learner"]["announce_key_file"] == str(tmp_path / "u" / "secrets" / "announce.key")
+    for name in ("broker", "generator"):
+        assert "announce_key_file" not in p[name]
+        assert p[name]["announce_public_key_file"] == str(tmp_path / "u" / "secrets" / "announce.pub")
     assert p["redis_url"] == users.url("launcher", port) and "redis_url" not in p["reward"]
     assert len(set(users.passwords.values())) == 4
     assert p["generator"]["weight_store"] == p["learner"]["weight_store"]  # versions outside it are refused
@@ -53,3 +57,21 @@ def test_an_external_redis_url_is_used_as_given(tmp_path):
     p = _plan(tmp_path, "--run-id", "x", "--redis-url", url)
     assert p["redis_users"] is None and p["redis_url"] == url
     assert {p[n]["redis_url"] for n in ("broker", "learner", "generator")} == {url}
+
+
+def test_relay_secrets_writes_the_acl_file_again_from_the_current_rights_keeping_the_passwords(tmp_path):
+    """A deployment made before the per-service rights (every user +@all on the run's keys) gets them by running
+    `relay secrets` again, without new passwords (the services' env files stay valid)."""
+    from deploy.launcher.run_secrets import acl_rules
+    from deploy.provision import make
+
+    folder = tmp_path / "secrets"
+    files = make(folder, "compose")
+    password = (folder / "redis" / "generator.password").read_text().strip()
+    acl = files["redis_acl"]
+    wide = acl.read_text().replace(acl_rules("compose", "generator", password),
+                                   "user generator on #x resetkeys ~relay:compose:* -@all +@all -@dangerous")
+    acl.write_text(wide)
+    make(folder, "compose")
+    assert acl.read_text() != wide and acl_rules("compose", "generator", password) in acl.read_text()
+    assert (folder / "redis" / "generator.password").read_text().strip() == password

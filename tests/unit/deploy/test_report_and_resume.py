@@ -237,3 +237,35 @@ def _until_exec(pid: int, run) -> None:
     while str(run).encode() not in open(f"/proc/{pid}/cmdline", "rb").read():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_resume_of_a_run_from_before_ed25519_is_refused_saying_how_to_continue(tmp_path):
+    """Its announce.key is the HMAC key every generator held: its announcements cannot be trusted as the
+    learner's, so the run is not continued; the message says how to carry its weights into a new run."""
+    run = _run_folder(tmp_path, {"status": "interrupted", "steps": 20})
+    (run / "secrets").mkdir(mode=0o700)
+    (run / "secrets" / "announce.key").write_text("ab" * 32 + "\n")
+    with pytest.raises(UsageError, match="before weight announcements were signed with Ed25519") as e:
+        _plan(tmp_path, "--resume", "r1")
+    assert f"relay export {run.resolve()} --out r1-model" in str(e.value) and "relay up --model r1-model" in str(e.value)
+
+
+def test_resume_gives_each_service_its_half_of_the_keys_and_moves_a_taken_weight_server_port(tmp_path):
+    run = _run_folder(tmp_path, {"status": "interrupted", "steps": 20})
+    for name in ("learner", "generator-0"):
+        path = run / "config" / f"{name}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()),
+                                    "weights": {"transport": "http", "http": {"port": 6394}}}))
+    with socket.socket() as busy:  # the learner's weight server port, taken now
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 6394))
+        busy.listen()
+        p, _ = _plan(tmp_path, "--resume", "r1")
+    secrets = run.resolve() / "secrets"
+    assert p["learner"]["announce_key_file"] == str(secrets / "announce.key")
+    assert "announce_key_file" not in p["broker"] and "announce_key_file" not in p["generator"]
+    assert p["broker"]["announce_public_key_file"] == p["generator"]["announce_public_key_file"] == \
+        str(secrets / "announce.pub")
+    port = p["learner"]["weights"]["http"]["port"]
+    assert port != 6394 and p["generator"]["weights"]["http"]["port"] == port  # the generators follow it
+    assert p["learner"]["weights"]["key_file"] == p["generator"]["weights"]["key_file"] == str(secrets / "weights.key")

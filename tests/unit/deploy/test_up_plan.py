@@ -174,11 +174,16 @@ def test_the_run_wide_weights_section_reaches_the_learner_and_the_generators(tmp
     transfer; a service's own ``weights`` fields win over the run-wide ones."""
     (tmp_path / "run.toml").write_text("[weights]\ntransport = \"collective\"\n[weights.collective]\nbucket_mb = 8\n")
     p = _plan(tmp_path, "--run-id", "a", "--set", "weights.transport=http")
-    assert p["learner"]["weights"] == p["generator"]["weights"] == {"transport": "http"}
+    key = {"key_file": str(tmp_path / "a" / "secrets" / "weights.key")}  # the run's weights key: both read weights
+    port = p["learner"]["weights"]["http"]["port"]  # fixed: the generators fetch from that server only
+    assert port > 0
+    assert p["learner"]["weights"] == p["generator"]["weights"] == {"transport": "http", **key, "http": {"port": port}}
     p = _plan(tmp_path, "--run-id", "b", "--config", str(tmp_path / "run.toml"),
               "--set", "generator.weights.collective.timeout_s=5")
-    assert p["learner"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8}}
-    assert p["generator"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8, "timeout_s": 5}}
+    key = {"key_file": str(tmp_path / "b" / "secrets" / "weights.key")}
+    assert p["learner"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8}, **key}
+    assert p["generator"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8, "timeout_s": 5},
+                                         **key}
     with pytest.raises(ConfigError, match="weights.transport"):
         _plan(tmp_path, "--run-id", "c", "--set", "weights.transport=ftp")
 
