@@ -320,7 +320,9 @@ def test_a_resumed_learner_announces_the_latest_version_again_with_its_own_serve
         latest = latest_announcement(r, keys, key)
         assert (latest.version, latest.hash, latest.url) == (3, a3.hash, new.url(3))
         assert signed_announcement(r, keys, 2, key).url == new.url(2)
-        fetched = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"))).fetch(latest)
+        # a generator configured with the new server (relay up pins the port; a moved one is in its config)
+        fetched = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"),
+                                                  advertise_url=new.base_url)).fetch(latest)
         weightstore.check(fetched, a3.hash)  # the very files announced (WeightStoreError otherwise)
         assert fetched.name == "v000003"
     finally:
