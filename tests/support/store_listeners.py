@@ -1,7 +1,7 @@
 """Run by tests/integration/test_learner_store.py as a learner process would run: join the learner's
 process group (learner/engine.py init_distributed, one rank or one of several started by
-deploy/launcher/ranks.py), train nothing, and report every TCP socket that this process, or the one
-that launched it, listens on, as JSON lines in OUT (rank 0 only): {"pid", "who", "address", "port"}.
+deploy/launcher/ranks.py), train nothing, and report every TCP socket that this process, or the launcher
+that started it, listens on, as JSON lines in OUT (rank 0 only): {"pid", "who", "address", "port"}.
 
     python -m tests.support.store_listeners OUT
 """
@@ -59,7 +59,9 @@ def main() -> int:
     t = torch.ones(1)
     dist.all_reduce(t)  # the group works (gloo's links between the ranks are up)
     if dist.get_rank() == 0:
-        pids = {os.getpid(): "rank 0", os.getppid(): "launcher"}
+        pids = {os.getpid(): "rank 0"}
+        if "WORLD_SIZE" in os.environ:  # started by a launcher (deploy/launcher/ranks.py); alone, the parent
+            pids[os.getppid()] = "launcher"  # is whoever ran us (a pytest worker holding other tests' sockets)
         Path(sys.argv[1]).write_text("".join(json.dumps(x) + "\n" for x in listening(pids)) +
                                      json.dumps({"world": dist.get_world_size(), "sum": t.item(),
                                                  "master_port": os.environ.get("MASTER_PORT")}) + "\n")
