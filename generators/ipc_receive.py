@@ -36,6 +36,7 @@ from broker.protocol import ipc, signing
 from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import state_digest
 from generators.weight_receive import Received, Staging
+from generators.transports import ReceiverContext, Receiving
 
 log = logging.getLogger("relay.generator.ipc")
 
@@ -223,3 +224,10 @@ class IpcReceiver(Staging):
                                copied.flat))
         log.debug("version %d (%.1f MiB) from slot %d ready %.3fs after its copy began%s", version,
                   self.layout.total / (1 << 20), slot, seconds, " (copied ahead)" if copied is ahead else "")
+
+
+def receiving(ctx: ReceiverContext) -> Receiving:
+    """``weights.transport = "ipc"``, generator side (generators/transports.py): an :class:`IpcReceiver` copying
+    each version from the learner's shared slots onto this backend's device."""
+    return Receiving(tensors=IpcReceiver(ctx.r, ctx.keys, ctx.cfg.id, ctx.announce_key,
+                                         device=str(getattr(ctx.backend, "device", "cpu"))))

@@ -28,8 +28,8 @@ from broker.client.telemetry import heartbeat
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Heartbeat, PromptEntry
 from broker.protocol.signing import announce_verifier
-from broker.protocol.weightauth import bearer_token, weights_key
-from broker.runtime.config import IN_PROCESS_TRANSPORTS, ConfigError
+from broker.protocol.weightauth import weights_key
+from broker.runtime.config import ConfigError
 from generators.config import GeneratorConfig
 from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from generators.eval import Evaluator
@@ -39,6 +39,7 @@ from generators.metrics import serve_metrics
 from generators.prompts import prompt_token_ids
 from generators.reward_client import RewardClient
 from generators.sink import Batch, Sink, sender_keys
+from generators.transports import ReceiverContext, build_receiving
 from generators.weights import WeightApplier
 
 log = logging.getLogger("relay.generator")
@@ -74,13 +75,10 @@ class Generator:
 
             self.env_factory = build_env(cfg.env, cfg.env_options)
         self._batch = 0
-        fetcher = None
-        if cfg.weights.transport == "http":  # versions fetched from the learner's weight server, no shared volume
-            from generators.weight_fetch import WeightFetcher
-
-            fetcher = WeightFetcher(cfg.weights.http, bearer_token(self.weights_key, cfg.run_id))
+        # weights.transport: how versions arrive beside the store (generators/transports.py)
+        receiving = build_receiving(ReceiverContext(cfg, self.r, self.keys, self.backend, key, self.weights_key))
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
-                                     key, cfg.weight_store, fetcher, receiver=self._receiver(key),
+                                     key, cfg.weight_store, receiving.fetcher, receiver=receiving.tensors,
                                      hash_threads=cfg.weights.hash_threads)
         self.rewards = RewardClient(cfg, self.stop.is_set)
         self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
@@ -116,25 +114,6 @@ class Generator:
             raise SystemExit(2) from None
         except TimeoutError as e:
             log.warning("%s; the groups wait until it answers", e)
-
-    def _receiver(self, key: bytes | None):
-        """The receiver of an in-process transport (collective: generators/weight_receive.py; ipc:
-        generators/ipc_receive.py), or None: another transport, or a backend that cannot take tensors in
-        process (it follows the store copy instead)."""
-        transport = self.cfg.weights.transport
-        if transport not in IN_PROCESS_TRANSPORTS:
-            return None
-        if not hasattr(self.backend, "update_weights_from_tensors"):
-            log.warning("weights.transport = %s: the %s backend cannot apply tensors in process; this generator "
-                        "loads each version from the store copy instead", transport, self.backend.name)
-            return None
-        if transport == "ipc":
-            from generators.ipc_receive import IpcReceiver
-
-            return IpcReceiver(self.r, self.keys, self.cfg.id, key, device=str(getattr(self.backend, "device", "cpu")))
-        from generators.weight_receive import Receiver
-
-        return Receiver(self.r, self.keys, self.cfg.weights.collective, self.cfg.id, key, self.weights_key)
 
     # -- state and heartbeats -------------------------------------------------------------------
 

@@ -40,6 +40,8 @@ from urllib.parse import urlsplit
 from broker.protocol import tensordigest, weightstore
 from broker.protocol.messages import Announcement
 from broker.runtime.config import ConfigError, HttpWeightsConfig
+from broker.protocol.weightauth import bearer_token
+from generators.transports import ReceiverContext, Receiving
 
 log = logging.getLogger("relay.generator.weight_fetch")
 
@@ -297,3 +299,9 @@ class _Download:
         self.hash = hashlib.sha256()
         self.tensors = weightstore.TensorHasher(self.name, self.algorithm) if self.algorithm else None
         self.got = 0
+
+
+def receiving(ctx: ReceiverContext) -> Receiving:
+    """``weights.transport = "http"``, generator side (generators/transports.py): versions fetched from the
+    learner's configured weight server, with the run's bearer token."""
+    return Receiving(fetcher=WeightFetcher(ctx.cfg.weights.http, bearer_token(ctx.weights_key, ctx.cfg.run_id)))

@@ -45,6 +45,7 @@ from broker.protocol import signing, weightauth
 from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import combine
 from broker.runtime.config import CollectiveWeightsConfig
+from generators.transports import ReceiverContext, Receiving
 
 log = logging.getLogger("relay.generator.receive")
 
@@ -371,3 +372,11 @@ class RemoteStore(dist.Store):
 
     def add(self, key, amount) -> int:
         return int(self._call(op="add", key=str(key), n=int(amount)))
+
+
+def receiving(ctx: ReceiverContext) -> Receiving:
+    """``weights.transport = "collective"``, generator side (generators/transports.py): a :class:`Receiver`
+    that joins the learner's broadcast with the weights key."""
+    cfg = ctx.cfg
+    return Receiving(tensors=Receiver(ctx.r, ctx.keys, cfg.weights.collective, cfg.id, ctx.announce_key,
+                                      ctx.weights_key))

@@ -41,6 +41,7 @@ from broker.protocol.tensordigest import DEFAULT as DEFAULT_DIGEST
 from broker.protocol.tensordigest import combine
 from broker.runtime.config import CollectiveWeightsConfig
 from learner.rendezvous import Rendezvous
+from learner.transports import Sender, SenderContext
 
 log = logging.getLogger("relay.learner.broadcast")
 
@@ -257,3 +258,16 @@ class Broadcaster:
         emit_event(self.r, self.keys, "collective_dropped", generator=m.generator, version=version,
                    reason=why.splitlines()[0][:200])
 
+
+
+class CollectiveSender(Sender):
+    """``weights.transport = "collective"``, learner side (learner/transports.py): the :class:`Broadcaster`,
+    started at once (its rendezvous listens), takes each version before the store copy is written."""
+
+    name = "collective"
+
+    def __init__(self, ctx: SenderContext):
+        super().__init__(ctx)
+        cfg = ctx.cfg.weights
+        self.handoff = Broadcaster(ctx.r, ctx.keys, cfg.collective, ctx.announce_key, cfg.digest,
+                                   ctx.weights_key).start()

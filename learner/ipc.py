@@ -32,6 +32,7 @@ from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import DEFAULT as DEFAULT_DIGEST
 from broker.protocol.tensordigest import state_digest
 from learner.publish import refuse_nonfinite
+from learner.transports import Sender, SenderContext
 
 log = logging.getLogger("relay.learner.ipc")
 
@@ -221,6 +222,24 @@ class IpcSharer:
                 continue
             if isinstance(h, dict) and h.get("kind") == "shm":
                 _unlink(str(h.get("name", "")))
+
+
+class IpcSender(Sender):
+    """``weights.transport = "ipc"``, learner side (learner/transports.py): the :class:`IpcSharer` stages each
+    version into a shared slot on the device as soon as the weights are gathered, hands it to the
+    generators on this host before the store copy is written, and unlinks its slots once closed."""
+
+    name = "ipc"
+
+    def __init__(self, ctx: SenderContext):
+        super().__init__(ctx)
+        self.handoff = IpcSharer(ctx.r, ctx.keys, ctx.announce_key, ctx.cfg.weights.digest).start()
+
+    def stage(self, version: int, weights: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> None:
+        self.handoff.stage(version, weights, dtype, tied)
+
+    def close(self) -> None:
+        self.handoff.close()
 
 
 def _unlink(name: str) -> None:

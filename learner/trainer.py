@@ -38,6 +38,7 @@ from learner.ranks import share_batch, write_checksum
 from learner.records import RunRecords
 from learner.publish import (BackgroundPublisher, Progress, Publisher, fill, first_version, publication_dtype,
                             resumed_versions, snapshot_buffers)
+from learner.transports import SenderContext, build_sender
 from learner.update import PolicyUpdate
 
 log = logging.getLogger("relay.learner")
@@ -106,21 +107,13 @@ class Learner:
             reference.to(self.engine.device)
         self.critic = build_engine(critic, cfg, critic=True) if critic is not None else None
         self.update = PolicyUpdate(self.engine, cfg, pad_id, reference, self.rank, self.world, self.critic)
-        # weights.transport = collective (learner/broadcast.py) or ipc (learner/ipc.py): each version handed to
-        # the generators first, the store copy written behind
-        self.broadcaster = None
-        if self.leader and cfg.weights.transport == "collective":
-            from learner.broadcast import Broadcaster
-
-            self.broadcaster = Broadcaster(self.r, self.keys, cfg.weights.collective, self.announce_key,
-                                           cfg.weights.digest, weights_key).start()
-        elif self.leader and cfg.weights.transport == "ipc":
-            from learner.ipc import IpcSharer
-
-            self.broadcaster = IpcSharer(self.r, self.keys, self.announce_key, cfg.weights.digest).start()
+        # weights.transport: how each version reaches the generators beside its store copy (learner/transports.py)
+        self.sender = build_sender(SenderContext(cfg, self.r, self.keys, self.announce_key, weights_key)) \
+            if self.leader else None
         self.publisher = Publisher(self.r, self.keys, cfg.weight_store, tokenizer, cfg.keep_versions,
                                    self.announce_key, publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
-                                   cfg.weights.shard_mb, self.broadcaster, cfg.weights.digest,
+                                   cfg.weights.shard_mb, self.sender.handoff if self.sender else None,
+                                   cfg.weights.digest,
                                    # never fewer than the staleness bound accepts
                                    max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0,
                                    hash_threads=cfg.weights.hash_threads)
@@ -130,12 +123,8 @@ class Learner:
         self.background = BackgroundPublisher(self.publisher, model.config) if self.leader else None
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         self.blocked_s = 0.0  # seconds this step waited for publication (snapshot, drains): publish_blocked_s
-        self.weight_server = None  # weights.transport http: the leader serves the store (learner/weight_server.py)
-        if self.leader and cfg.weights.transport == "http":
-            from learner.weight_server import serve_store
-
-            self.weight_server = serve_store(cfg.weight_store, cfg.weights.http, weights_key, cfg.run_id)
-            self.publisher.url_for = self.weight_server.url
+        if self.sender is not None:
+            self.sender.attach(self.publisher)
         latest = latest_announcement(self.r, self.keys, self.announce_key)  # a forged huge version is not ours
         self.version = first_version(latest.version if latest else None, cfg.weight_store)
         self.publish_first = True  # the weights it starts from are published first (not after a resume that continues)
@@ -243,8 +232,7 @@ class Learner:
                 weights = merged_state_dict(weights, self.lora_scale)
         self.unpublished = False  # on every rank, whatever the leader decides: the ranks stay in step
         if self.leader:
-            if self.cfg.weights.transport == "ipc":  # weights on a GPU: into a shared slot on the device, now
-                self.broadcaster.stage(self.version, weights, self.publisher.dtype, self.tied)
+            self.sender.stage(self.version, weights, self.publisher.dtype, self.tied)  # ipc: into a shared slot, now
             try:  # handed over before it is copied: the collective broadcast streams it as it fills
                 state = snapshot_buffers(weights, self.publisher.dtype, self.tied,
                                          self.background.spare() or self.publisher.buffers(weights, self.tied))
@@ -370,24 +358,20 @@ class Learner:
             log.info("finished %d steps at version %d", step, self.version)
 
     def stop_serving_weights(self) -> None:
-        """weights.transport http: the run is over; serve until the generators have the last version (their
-        final evaluation round uses it), at most ``weights.http.linger_s``, then close the weight server."""
-        if self.weight_server is not None:
-            from learner.weight_server import wait_until_served
-
-            wait_until_served(self.r, self.keys, self.version, self.cfg.weights.http.linger_s)
-            self.weight_server.close()
-            self.weight_server = None
+        """The run is over: the sender finishes (the http transport serves until the generators have the last
+        version, their final evaluation round uses it, at most ``weights.http.linger_s``)."""
+        if self.sender is not None:
+            self.sender.finish(self.version)
 
     def close_publisher(self) -> None:
-        """Drain the publisher and end its thread (the last version is announced before ``done``); with the ipc
-        transport, stop sharing (the slots' shared-memory segments unlinked; the store holds every version)."""
+        """Drain the publisher and end its thread (the last version is announced before ``done``), then close the
+        sender (the ipc transport stops sharing: its slots unlinked; the store holds every version)."""
         if self.background is not None:
             self.background.close()
             self.counts["publish_skipped"] += self.background.take_skipped()
             self.counts["publish_refused_nonfinite"] += self.background.take_refused()
-        if self.leader and self.cfg.weights.transport == "ipc":
-            self.broadcaster.close()
+        if self.sender is not None:
+            self.sender.close()
 
     def warn_if_truncated(self, diag: dict) -> None:
         """Warn once when most completions of the last ``TRUNCATED_WARN_STEPS`` steps stopped at

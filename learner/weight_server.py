@@ -37,6 +37,7 @@ from broker.protocol import weightstore
 from broker.protocol.weightauth import bearer_token
 from broker.runtime.config import HttpWeightsConfig
 from broker.runtime.httpserver import BoundedHTTPServer
+from learner.transports import Sender, SenderContext
 
 log = logging.getLogger("relay.learner.weight_server")
 
@@ -174,6 +175,28 @@ def wait_until_served(r, keys, version: int, timeout_s: float, fresh_s: float = 
                         ", ".join(behind), version, timeout_s)
             return False
         time.sleep(0.2)
+
+
+class HttpSender(Sender):
+    """``weights.transport = "http"``, learner side (learner/transports.py): the leader serves its weight
+    store read-only (:class:`WeightServer`), each announcement names the version's URL there, and at the
+    run's end it serves until the generators have the last version (at most ``weights.http.linger_s``)."""
+
+    name = "http"
+
+    def __init__(self, ctx: SenderContext):
+        super().__init__(ctx)
+        cfg = ctx.cfg
+        self.server: WeightServer | None = serve_store(cfg.weight_store, cfg.weights.http, ctx.weights_key, cfg.run_id)
+
+    def attach(self, publisher) -> None:
+        publisher.url_for = self.server.url
+
+    def finish(self, version: int) -> None:
+        if self.server is not None:
+            wait_until_served(self.ctx.r, self.ctx.keys, version, self.ctx.cfg.weights.http.linger_s)
+            self.server.close()
+            self.server = None
 
 
 def _url_host(host: str) -> str:
