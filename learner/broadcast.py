@@ -216,16 +216,30 @@ class Broadcaster:
                 checking.result()
         except (ValueError, RuntimeError) as e:  # not finite, or the copy failed
             refused = refused or (e if isinstance(e, ValueError) else ValueError(str(e)))
-        entries = hashes.entries()
-        digest = "" if refused is not None else combine(entries, layout.digest)
-        header_sha = hashlib.sha256(header).hexdigest()
-        trailer = json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,
-                              "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest,
-                                                                  header_sha) if self.key is not None else "",
-                              **({"abort": str(refused)[:200]} if refused is not None else {})},
-                             separators=(",", ":")).encode()
+        digest = "" if refused is not None else combine(hashes.entries(), layout.digest)
+        trailer = self._trailer(version, digest, header, refused)
         for m in members:
             issue(m, lambda pg: wire.send_blob(pg, trailer, timeout))
+        self._complete(members, works, failed, version)
+        log.info("broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs", version,
+                 layout.total / (1 << 20), len(layout.buckets), "from the snapshot" if in_place else "copied",
+                 len(members) - len(failed), len(members), time.perf_counter() - t0)
+        if refused is not None:
+            raise refused
+        return digest
+
+    def _trailer(self, version: int, digest: str, header: bytes, refused: ValueError | None) -> bytes:
+        """The version's last blob: its digest (empty, with ``abort``, for a refused version), the header's
+        hash, and the announcement key's signature of the three."""
+        header_sha = hashlib.sha256(header).hexdigest()
+        return json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,
+                           "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest,
+                                                               header_sha) if self.key is not None else "",
+                           **({"abort": str(refused)[:200]} if refused is not None else {})},
+                          separators=(",", ":")).encode()
+
+    def _complete(self, members: list[Member], works: dict[int, list], failed: dict[int, str], version: int) -> None:
+        """Wait for every member's sends (one deadline of ``timeout_s`` for all); drop the members that failed."""
         deadline = time.monotonic() + self.cfg.timeout_s
         for m in members:
             for w in works[m.ticket]:
@@ -240,12 +254,6 @@ class Broadcaster:
                 self._drop(m, failed[m.ticket], version)
             else:
                 m.versions += 1
-        log.info("broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs", version,
-                 layout.total / (1 << 20), len(layout.buckets), "from the snapshot" if in_place else "copied",
-                 len(members) - len(failed), len(members), time.perf_counter() - t0)
-        if refused is not None:
-            raise refused
-        return digest
 
     def _drop(self, m: Member, why: str, version: int) -> None:
         with self.lock:

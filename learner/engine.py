@@ -80,8 +80,8 @@ def stale_extension_locks_removed(root: str | Path | None = None, stale_s: float
         t.join()
 
 
-def init_distributed() -> None:
-    """The process group DeepSpeed trains in. Several ranks (launched by relay up's rank launcher,
+def init_distributed() -> tuple[int, int]:
+    """The process group DeepSpeed trains in, joined; returns this process's (rank, world size). Several ranks (launched by relay up's rank launcher,
     deploy/launcher/ranks.py, torchrun or the deepspeed launcher): the ``env://`` rendezvous their launcher
     set up. One process of its own: a group of one over an in-memory store (``HashStore``): no store
     listens (before, a TCP store on a port picked free and bound later, which another run could take in
@@ -102,6 +102,7 @@ def init_distributed() -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # DeepSpeed adopts it
     with stale_extension_locks_removed():
         deepspeed.init_distributed(dist_backend=backend)
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _shm_comm_op_built() -> None:

@@ -76,6 +76,66 @@ class _Live:
     generator: str
 
 
+class Membership:
+    """Who is joining or a member, by generator id, and the admission bounds: one place per id (a restarted
+    generator is admitted once its old connection has ended), at most ``max_members``, at most
+    :data:`MAX_QUEUED` + :data:`BUILDERS` groups waiting or being built. Used by the selector's thread and
+    the builders' threads, under its lock."""
+
+    def __init__(self, max_members: int):
+        self.max_members = max_members
+        self.lock = threading.Lock()
+        self.ids: dict[str, int] = {}  # generator id -> its ticket, while building or a member
+        self.tickets = 0
+        self.queued = 0
+
+    def admit(self, generator: str) -> tuple[int, None] | tuple[None, tuple[str, str]]:
+        """``(ticket, None)``, the join queued for a builder; or ``(None, (counter, reason))``, refused."""
+        with self.lock:
+            if generator in self.ids:
+                return None, ("refused_duplicate", f"generator {generator!r} is already connected (a generator "
+                              f"that restarted is admitted once its old connection has ended)")
+            if len(self.ids) >= self.max_members:
+                return None, ("refused_full", f"the broadcast has {self.max_members} members "
+                              f"(weights.collective.max_members)")
+            if self.queued >= MAX_QUEUED + BUILDERS:
+                return None, ("refused_busy", "too many joins at once; try again")
+            self.tickets += 1
+            self.ids[generator] = self.tickets
+            self.queued += 1
+            return self.tickets, None
+
+    def building(self) -> None:
+        """A builder took a queued join."""
+        with self.lock:
+            self.queued -= 1
+
+    def release(self, generator: str, ticket: int) -> None:
+        """``generator``'s place, if ``ticket`` still holds it (its group failed, or its connection ended)."""
+        with self.lock:
+            if self.ids.get(generator) == ticket:
+                del self.ids[generator]
+
+
+class Tally:
+    """Joins counted by outcome (``counts``); refusals logged at most every :data:`LOG_EVERY_S`, with the
+    number since the last line (a flood of joins writes a few lines, not one per join)."""
+
+    def __init__(self):
+        self.counts = {"joined": 0, "refused_unauthenticated": 0, "refused_duplicate": 0, "refused_full": 0,
+                       "refused_busy": 0, "failed": 0, "left": 0}
+        self._since_log, self._logged_at = 0, 0.0
+
+    def refused(self, what: str, why: str = "") -> None:
+        self.counts[what] += 1
+        self._since_log += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY_S:
+            log.warning("rendezvous: refused %d join(s) in the last %.0f s (the last: %s%s)", self._since_log,
+                        min(now - self._logged_at, 1e9) if self._logged_at else 0, what, f", {why}" if why else "")
+            self._logged_at, self._since_log = now, 0
+
+
 class Rendezvous:
     """Admits generators to the weight broadcast (see the module's docstring). ``on_join(ticket, generator,
     session, pg, close)`` makes a member of a group built (``close()`` ends its membership: the connection
@@ -84,7 +144,7 @@ class Rendezvous:
 
     def __init__(self, host: str, port: int, key: bytes | None, run_id: str, timeout_s: float, max_members: int,
                  on_join: Callable, on_leave: Callable[[int, str, str], None]):
-        self.key, self.run_id, self.timeout_s, self.max_members = key, run_id, timeout_s, max_members
+        self.key, self.run_id, self.timeout_s = key, run_id, timeout_s
         self.on_join, self.on_leave = on_join, on_leave
         self.host = host
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
@@ -98,16 +158,20 @@ class Rendezvous:
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._handoff: queue.SimpleQueue = queue.SimpleQueue()  # (conn, ticket, generator) built: watch them
         self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.ids: dict[str, int] = {}  # generator id -> its ticket, while building or a member
-        self.tickets = 0
-        self.queued = 0
+        self.members = Membership(max_members)
         self.pending: dict[socket.socket, _Pending] = {}
-        self.counts = {"joined": 0, "refused_unauthenticated": 0, "refused_duplicate": 0, "refused_full": 0,
-                       "refused_busy": 0, "failed": 0, "left": 0}
-        self._refused_since_log, self._logged_at = 0, 0.0
+        self.tally = Tally()
         self._builders = _BoundedPool(BUILDERS)
         self._thread = threading.Thread(target=self._loop, name="relay-collective-rendezvous", daemon=True)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.tally.counts
+
+    @property
+    def ids(self) -> dict[str, int]:
+        """Generator id -> ticket, of the joins being built and the members."""
+        return self.members.ids
 
     def start(self) -> "Rendezvous":
         self._thread.start()
@@ -177,7 +241,7 @@ class Rendezvous:
                 return
             if len(self.pending) >= MAX_PENDING:
                 conn.close()
-                self._count_refused("refused_busy")
+                self.tally.refused("refused_busy")
                 continue
             conn.setblocking(False)
             challenge = secrets.token_hex(32)
@@ -201,16 +265,7 @@ class Rendezvous:
         """Close a connection that did not prove the key: nothing said, counted, logged now and then."""
         self._forget(p.conn)
         p.conn.close()
-        self._count_refused("refused_unauthenticated", why)
-
-    def _count_refused(self, what: str, why: str = "") -> None:
-        self.counts[what] += 1
-        self._refused_since_log += 1
-        now = time.monotonic()
-        if now - self._logged_at >= LOG_EVERY_S:
-            log.warning("rendezvous: refused %d join(s) in the last %.0f s (the last: %s%s)", self._refused_since_log,
-                        min(now - self._logged_at, 1e9) if self._logged_at else 0, what, f", {why}" if why else "")
-            self._logged_at, self._refused_since_log = now, 0
+        self.tally.refused("refused_unauthenticated", why)
 
     def _read_join(self, p: _Pending) -> None:
         try:
@@ -231,23 +286,9 @@ class Rendezvous:
             self._refuse_quietly(p, "no valid proof of the weights key")
             return
         self._forget(p.conn)
-        refusal = None
-        with self.lock:
-            if req.generator in self.ids:
-                refusal = ("refused_duplicate", f"generator {req.generator!r} is already connected (a generator that "
-                           f"restarted is admitted once its old connection has ended)")
-            elif len(self.ids) >= self.max_members:
-                refusal = ("refused_full", f"the broadcast has {self.max_members} members "
-                           f"(weights.collective.max_members)")
-            elif self.queued >= MAX_QUEUED + BUILDERS:
-                refusal = ("refused_busy", "too many joins at once; try again")
-            else:
-                self.tickets += 1
-                ticket = self.tickets
-                self.ids[req.generator] = ticket
-                self.queued += 1
+        ticket, refusal = self.members.admit(req.generator)
         if refusal is not None:
-            self._count_refused(refusal[0], refusal[1])
+            self.tally.refused(refusal[0], refusal[1])
             _send_quietly(p.conn, {"kind": "refused", "reason": refusal[1]})
             p.conn.close()
             return
@@ -282,27 +323,22 @@ class Rendezvous:
             return  # a member has nothing to say once admitted: ignored
         self._forget(m.conn)
         m.conn.close()
-        with self.lock:
-            if self.ids.get(m.generator) == m.ticket:
-                del self.ids[m.generator]
+        self.members.release(m.generator, m.ticket)
         self.counts["left"] += 1
         self.on_leave(m.ticket, m.generator, why)
 
     # -- a builder's thread ----------------------------------------------------------------------
 
     def _build(self, conn: socket.socket, ticket: int, req: JoinRequest) -> None:
-        with self.lock:
-            self.queued -= 1
+        self.members.building()
         try:
-            pg = self._group(conn, ticket, req)
+            pg = build_group(conn, ticket, req, self.host, self.key, self.run_id, self.timeout_s)
         except (OSError, RuntimeError, ValueError, wire.FrameError) as e:
             self.counts["failed"] += 1
             log.warning("generator %s could not join the weight broadcast: %s", req.generator,
                         str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
             conn.close()
-            with self.lock:
-                if self.ids.get(req.generator) == ticket:
-                    del self.ids[req.generator]
+            self.members.release(req.generator, ticket)
             return
         self.counts["joined"] += 1
 
@@ -316,52 +352,54 @@ class Rendezvous:
         self._handoff.put((conn, ticket, req.generator))
         self._wake()
 
-    def _group(self, conn: socket.socket, ticket: int, req: JoinRequest):
-        """Accept ``req``, build its group (serving its store on ``conn``), check the peer of the group holds
-        the key; returns the group."""
-        import torch
-        import torch.distributed as dist
 
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        conn.settimeout(self.timeout_s)
-        wire.keepalive(conn)
-        accept = weightauth.accept_proof(self.key, self.run_id, req.challenge, req.nonce, req.generator,
-                                         req.session) if self.key is not None else ""
-        conn.sendall(wire.frame({"kind": "accepted", "ticket": ticket, "proof": accept}))
-        store = dist.HashStore()
-        store.set_timeout(timeout)
-        built: dict = {}
+def build_group(conn: socket.socket, ticket: int, req: JoinRequest, host: str, key: bytes | None, run_id: str,
+                timeout_s: float):
+    """Accept ``req`` (a builder's thread), build its 2-rank gloo group on ``host`` (serving the group's store
+    on ``conn``), check that the peer of the group holds the weights ``key``; returns the group."""
+    import torch
+    import torch.distributed as dist
 
-        def construct() -> None:
-            try:
-                built["pg"] = wire.gloo_group(store, "m", 0, self.host, self.timeout_s)
-            except RuntimeError as e:
-                built["error"] = e
+    timeout = datetime.timedelta(seconds=timeout_s)
+    conn.settimeout(timeout_s)
+    wire.keepalive(conn)
+    accept = weightauth.accept_proof(key, run_id, req.challenge, req.nonce, req.generator,
+                                     req.session) if key is not None else ""
+    conn.sendall(wire.frame({"kind": "accepted", "ticket": ticket, "proof": accept}))
+    store = dist.HashStore()
+    store.set_timeout(timeout)
+    built: dict = {}
 
-        t = threading.Thread(target=construct, name=f"relay-collective-group-{ticket}", daemon=True)
-        t.start()
+    def construct() -> None:
         try:
-            _serve_store(conn, store, timeout)
-        finally:
-            t.join(self.timeout_s)
-        if "pg" not in built:
-            raise RuntimeError(f"its group was not built: {built.get('error', 'timed out')}")
-        pg = built["pg"]
-        try:
-            nonce = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
-            pg.broadcast(nonce, 0, timeout).wait()
-            answer = wire.read_frame(conn)
-            if self.key is not None and not (answer.get("op") == "pair" and weightauth.same(
-                    str(answer.get("mac", "")), weightauth.join_proof(self.key, self.run_id, "pair",
-                                                                      bytes(nonce.numpy()).hex(), req.generator,
-                                                                      req.session))):
-                raise ValueError("the peer of its group did not prove the weights key (another process connected "
-                                 "to the group's port first?)")
-            conn.sendall(wire.frame({"kind": "member"}))
-        except BaseException:
-            wire.abort_group(pg)
-            raise
-        return pg
+            built["pg"] = wire.gloo_group(store, "m", 0, host, timeout_s)
+        except RuntimeError as e:
+            built["error"] = e
+
+    t = threading.Thread(target=construct, name=f"relay-collective-group-{ticket}", daemon=True)
+    t.start()
+    try:
+        _serve_store(conn, store, timeout)
+    finally:
+        t.join(timeout_s)
+    if "pg" not in built:
+        raise RuntimeError(f"its group was not built: {built.get('error', 'timed out')}")
+    pg = built["pg"]
+    try:
+        nonce = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
+        pg.broadcast(nonce, 0, timeout).wait()
+        answer = wire.read_frame(conn)
+        if key is not None and not (answer.get("op") == "pair" and weightauth.same(
+                str(answer.get("mac", "")), weightauth.join_proof(key, run_id, "pair",
+                                                                  bytes(nonce.numpy()).hex(), req.generator,
+                                                                  req.session))):
+            raise ValueError("the peer of its group did not prove the weights key (another process connected "
+                             "to the group's port first?)")
+        conn.sendall(wire.frame({"kind": "member"}))
+    except BaseException:
+        wire.abort_group(pg)
+        raise
+    return pg
 
 
 def _serve_store(conn: socket.socket, store, timeout: datetime.timedelta) -> None:

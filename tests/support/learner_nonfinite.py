@@ -72,7 +72,7 @@ def main(redis_url: str, run_dir: Path) -> None:
 
     update_module.batch_advantages = poisoned  # the learner computes each batch's advantages through it
     learner.run()
-    metrics = httpx.get(f"http://127.0.0.1:{learner.observer.server.port}/metrics", timeout=10).text
+    metrics = httpx.get(f"http://127.0.0.1:{learner.log.observer.server.port}/metrics", timeout=10).text
     sums = [json.loads(x)["sha256"] for x in (run_dir / "rank-0.checksums").read_text().splitlines()]
     (run_dir / "out.json").write_text(json.dumps({"weights": sums, "metrics": metrics, **digests}))
 

@@ -44,17 +44,17 @@ def test_the_truncation_warning_needs_most_completions_cut_over_the_last_steps(c
     from types import SimpleNamespace
 
     from broker.protocol.keys import Keys
-    from learner.trainer import TRUNCATED_WARN_STEPS, Learner
+    from learner.steplog import TRUNCATED_WARN_STEPS, StepLog
 
     written = {}
     me = SimpleNamespace(recent_truncated=deque(maxlen=TRUNCATED_WARN_STEPS), warned_truncated=False, keys=Keys("t"),
                          r=SimpleNamespace(hset=lambda key, field, value: written.update({field: value})))
     # a random-init model's long first answers: one bad step among short ones does not warn
     for step, frac in enumerate([0.9, 0.4, 0.3, 0.3, 0.2, 0.2], 1):
-        Learner.warn_if_truncated(me, {"step": step, "completion_truncated_frac": frac, "completion_len_mean": 5.0})
+        StepLog.warn_if_truncated(me, {"step": step, "completion_truncated_frac": frac, "completion_len_mean": 5.0})
     assert not me.warned_truncated and not written
     for step, frac in enumerate([0.9, 0.95, 1.0, 0.8, 0.9, 1.0, 1.0], 7):
-        Learner.warn_if_truncated(me, {"step": step, "completion_truncated_frac": frac, "completion_len_mean": 8.0})
+        StepLog.warn_if_truncated(me, {"step": step, "completion_truncated_frac": frac, "completion_len_mean": 8.0})
     # warned at step 8, the first window above one half: 0.3, 0.2, 0.2, 0.9, 0.95
     assert me.warned_truncated and written["truncated_warning_frac"] == pytest.approx(0.51)
     assert sum("stopped at max_tokens" in r.getMessage() for r in caplog.records) == 1  # once

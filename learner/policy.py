@@ -1,0 +1,70 @@
+"""The learner's models, built once at start-up: the policy's DeepSpeed engine, and the roles beside it
+that verl gives workers of their own: the reference (the initial weights, frozen, for the KL terms) and
+the critic (a value model with its own engine, learner/critic.py); LoRA adapters when configured.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from learner.config import LearnerConfig
+from learner.engine import build_engine, load_model
+from learner.logprobs import check_output_head
+
+log = logging.getLogger("relay.learner")
+
+
+@dataclass
+class Policy:
+    engine: object  # the policy's DeepSpeed engine
+    critic: object | None  # the critic's engine (learner.critic.enabled)
+    reference: object | None  # the frozen reference (kl_coef > 0): a copy, or the LoRA base with adapters off
+    model: torch.nn.Module  # the policy's module (its config names the published folder's architecture)
+    tokenizer: object
+    pad_id: int
+    vocab: int
+    lora_scale: float | None  # learner.lora: the adapters' scale; None without LoRA
+
+
+def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
+    """Every rank builds the same models (the leader first builds the tiny model's folder)."""
+    if leader or cfg.model != "tiny":
+        model, tokenizer = load_model(cfg)
+    dist.barrier()  # the leader built the tiny model's folder
+    if not leader and cfg.model == "tiny":
+        model, tokenizer = load_model(cfg, build=False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    vocab = model.get_input_embeddings().num_embeddings
+    check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
+    critic = None  # verl's critic worker: a value model with its own engine (learner/critic.py)
+    if cfg.critic.enabled:
+        from learner.critic import build_value_model
+
+        critic = build_value_model(model, cfg)  # before the policy's engine: from its initial weights
+    lora_scale = None  # learner.lora: adapters trained, each version the adapter or the merged model (learner/lora.py)
+    reference = None  # the role of verl's reference worker: the initial weights, frozen
+    if cfg.lora.rank:
+        from learner.lora import AdapterDisabled, apply_lora, scaling
+
+        model = apply_lora(model, cfg.lora)
+        lora_scale = scaling(cfg.lora)
+        if leader:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in model.parameters())
+            log.info("LoRA rank %d on %s: %d of %d parameters trained (%.2f%%)", cfg.lora.rank,
+                     cfg.lora.target_modules, trainable, total, 100 * trainable / total)
+        if cfg.kl_coef > 0:
+            reference = AdapterDisabled(model)  # the base: the same weights, adapters off (no copy)
+    elif cfg.kl_coef > 0:
+        import copy
+
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    engine = build_engine(model, cfg)
+    if isinstance(reference, torch.nn.Module):
+        reference.to(engine.device)
+    critic = build_engine(critic, cfg, critic=True) if critic is not None else None
+    return Policy(engine, critic, reference, model, tokenizer, pad_id, vocab, lora_scale)
