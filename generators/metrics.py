@@ -60,7 +60,7 @@ class GeneratorCollector(Collector):
         yield lat
         rf = CounterMetricFamily("relay_generator_reward_failures", "samples whose reward failed, by plugin",
                                  labels=["plugin"])
-        for plugin, n in sorted(sink.reward_failures_by_plugin.items()):
+        for plugin, n in sorted(sink.scored.failures_by_plugin.items()):
             rf.add_metric([plugin], n)
         yield rf
         busy = CounterMetricFamily("relay_generator_busy_waits", "times the broker answered busy (back-pressure)")

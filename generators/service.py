@@ -51,7 +51,7 @@ class Generator:
         self.keys = Keys(cfg.run_id)
         curve = sender_keys(cfg)  # before the backend loads its model: a missing key file fails at once
         key = announce_verifier(cfg.announce_auth, cfg.announce_public_key_file)  # a bad key file fails here, first
-        self.weights_key = weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # http, collective
+        wkey = weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # http, collective
         self.r = connect_redis(cfg.redis_url)
         self.leases = Leases(self.r, cfg.id, cfg.claim_idle_s)  # the prompts it holds, renewed while it holds them
         self.backend = cfg.backend.build()
@@ -76,7 +76,7 @@ class Generator:
             self.env_factory = build_env(cfg.env, cfg.env_options)
         self._batch = 0
         # weights.transport: how versions arrive beside the store (generators/transports.py)
-        receiving = build_receiving(ReceiverContext(cfg, self.r, self.keys, self.backend, key, self.weights_key))
+        receiving = build_receiving(ReceiverContext(cfg, self.r, self.keys, self.backend, key, wkey))
         self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
                                      key, cfg.weight_store, receiving.fetcher, receiver=receiving.tensors,
                                      hash_threads=cfg.weights.hash_threads)
@@ -143,9 +143,7 @@ class Generator:
             metrics_port=self.metrics.port, groups_sent=sink.groups_sent, groups_rejected=sink.groups_rejected,
             tokens=self.tokens, updates=w.updates, refused_updates=w.refused_updates,
             forged_announcements=w.forged_announcements,
-            reward_failures=sink.reward_failures, reward_failures_by_plugin=dict(sink.reward_failures_by_plugin),
-            reward_pauses=sink.reward_pauses, reward_paused_s=round(sink.reward_paused_s, 1),
-            reward_ok=sink.reward_ok, reward_last_failure=dict(sink.reward_last_failure),
+            **sink.scored.fields(),
             last_update_latency_s=w.last_update_latency_s,
             # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
             # where the heartbeat's schema has the field

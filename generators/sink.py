@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -72,6 +72,33 @@ def sender_keys(cfg: GeneratorConfig) -> CurveClientKeys | None:
     return load_client_keys(cfg.ingest_key_file, cfg.broker_public_key_file) if cfg.ingest_auth == "curve" else None
 
 
+@dataclass
+class RewardTally:
+    """The rewards of the samples a generator sent, as its heartbeat reports them (``fields``)."""
+
+    ok: int = 0  # samples whose reward was scored
+    failures: int = 0
+    failures_by_plugin: dict[str, int] = field(default_factory=dict)
+    last_failure: dict[str, str] = field(default_factory=dict)  # plugin -> the reason of its latest failed sample
+    pauses: int = 0  # outages that held a batch (paused_reward)
+    paused_s: float = 0.0  # seconds spent holding batches through them
+
+    def count(self, r: ResultOut) -> None:
+        if r.ok:
+            self.ok += 1
+            return
+        self.failures += 1
+        plugin = r.plugin or "unknown"
+        self.failures_by_plugin[plugin] = self.failures_by_plugin.get(plugin, 0) + 1
+        self.last_failure[plugin] = r.reason[:200]
+
+    def fields(self) -> dict:
+        """The heartbeat's ``reward_*`` fields (broker/protocol/messages.py ``Heartbeat``)."""
+        return {"reward_failures": self.failures, "reward_failures_by_plugin": dict(self.failures_by_plugin),
+                "reward_pauses": self.pauses, "reward_paused_s": round(self.paused_s, 1), "reward_ok": self.ok,
+                "reward_last_failure": dict(self.last_failure)}
+
+
 class Sink:
     def __init__(self, cfg: GeneratorConfig, r: redis.Redis, keys: Keys, rewards: RewardClient,
                  decode: Callable[[list[int]], str], stop: threading.Event, heartbeat: Callable[[], None],
@@ -85,14 +112,10 @@ class Sink:
         self.stop, self.heartbeat = stop, heartbeat
         self.sender = GroupSender(cfg.broker_address, curve=curve)
         self.state = "idle"  # idle | scoring | sending | paused_backpressure | paused_reward (in the heartbeat)
-        self.reward_pauses = 0  # outages that held a batch (paused_reward)
-        self.reward_paused_s = 0.0  # seconds spent holding batches through them
+        self.scored = RewardTally()  # the rewards of the samples sent: scored, failed (by plugin), outages held
         self.error = ""
         self.failure: BaseException | None = None  # the exception behind ``error``
-        self.groups_sent = self.groups_rejected = self.reward_failures = 0
-        self.reward_ok = 0  # samples whose reward was scored
-        self.reward_failures_by_plugin: dict[str, int] = {}
-        self.reward_last_failure: dict[str, str] = {}  # plugin -> the reason of its latest failed sample
+        self.groups_sent = self.groups_rejected = 0
         self._outbox: queue.Queue = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._loop, name="sink", daemon=True)
         self._extra_sender: GroupSender | None = None  # send_group's (another thread's) socket
@@ -202,14 +225,14 @@ class Sink:
                 break
             if since is None:
                 since = now
-                self.reward_pauses += 1
+                self.scored.pauses += 1
                 log.warning("reward outage (%s): holding the batch of %d prompt(s) and scoring it again with "
                             "back-off; no new prompts are claimed meanwhile", why, len(prompts))
             self.state = "paused_reward"
             self.heartbeat()
             self.stop.wait(min(backoff.next(), max(0.0, since + self.cfg.reward_outage_hold_s - now)))
         if since is not None:
-            self.reward_paused_s += now - since
+            self.scored.paused_s += now - since
             if why is None:
                 log.info("reward outage over after %.1fs: the held batch is scored", now - since)
             else:
@@ -219,13 +242,7 @@ class Sink:
         return scores
 
     def _sample(self, c: Completion, r: ResultOut, version: int) -> Sample:
-        if not r.ok:
-            self.reward_failures += 1
-            plugin = r.plugin or "unknown"
-            self.reward_failures_by_plugin[plugin] = self.reward_failures_by_plugin.get(plugin, 0) + 1
-            self.reward_last_failure[plugin] = r.reason[:200]
-        else:
-            self.reward_ok += 1
+        self.scored.count(r)
         return Sample(
             completion_ids=np.asarray(c.token_ids, dtype=np.int32),
             logprobs=np.asarray(c.logprobs, dtype=np.float32),

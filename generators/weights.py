@@ -29,7 +29,9 @@ With ``weights.transport = "http"`` a version is first fetched from the learner'
 generator's own cache (generators/weight_fetch.py), then verified and loaded from there the same way.
 
 Check then load is one read, for every load of an engine that takes what it is handed (the torch
-backend): the files the check hashed are what the engine loads (:meth:`WeightApplier._obtain`).
+backend): the files the check hashed are what the engine loads (:meth:`VersionFiles.obtain`).
+
+Versions received in process (the collective and ipc transports) are applied by generators/received.py.
 """
 
 from __future__ import annotations
@@ -46,8 +48,43 @@ from broker.protocol import weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.signing import AnnounceVerifier
 from generators.backends.base import Backend
+from generators.received import ReceivedVersions
 
 log = logging.getLogger("relay.generator.weights")
+
+
+class VersionFiles:
+    """Where a version's files come from, checked against its announcement: read in place from the weight
+    store (``store``: the folder every version must be in; None, anywhere), or fetched over HTTP first
+    (``fetcher``: weights.transport http, generators/weight_fetch.py). ``hash_threads``: a version's files
+    verified side by side (weights.hash_threads)."""
+
+    def __init__(self, store: str | None, fetcher=None, hash_threads: int = 1):
+        self.store, self.fetcher, self.hash_threads = store, fetcher, hash_threads
+
+    def obtain(self, a, serving: int | None, keep: bool):
+        """(the local folder of version ``a``, the digest of its tensors, what its check kept or None), its
+        files checked against the announced hash and digest: read in place from the store, or fetched over
+        HTTP (the fetcher checked hash and digest as the bytes came). WeightStoreError otherwise.
+
+        ``serving``: the version served now (None before the first). ``keep``: for an engine that loads what
+        it is handed (the torch backend: ``loads_mapped_files``), every load
+        (the first, each update, a LoRA adapter, its base) keeps what the check read: the safetensors files
+        mapped, the other files' bytes (weightstore.check ``keep``; over HTTP, the files the fetcher wrote and
+        hashed, mapped through the same open files). The engine loads the bytes that were hashed (a file
+        renamed into the folder after the check is not loaded), and the files are read once."""
+        if self.fetcher is None:
+            v = weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None,
+                                  threads=self.hash_threads, keep=keep)
+            return a.path, v.digest, (v if keep else None)
+        path, v = self.fetcher.fetch_kept(a, serving, keep)
+        digest = self.fetcher.digests.get(a.version)
+        if a.digest and digest != a.digest:
+            if v is not None:
+                v.close()
+            raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {(digest or '')[:12]} "
+                                               f"differs from the announced {a.digest[:12]}")
+        return path, digest, v
 
 
 class WeightApplier:
@@ -62,11 +99,8 @@ class WeightApplier:
                  store: str = "", fetcher=None, receiver=None, hash_threads: int = 1):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
-        self.store = store or None  # the weight store every version must be in (None: anywhere)
-        self.fetcher = fetcher  # weights.transport http: generators/weight_fetch.py WeightFetcher (None: store)
-        self.hash_threads = hash_threads  # a version's files verified side by side (weights.hash_threads)
-        self.forged_announcements = 0  # distinct announcements seen whose signature is missing or wrong
-        self._forged_seen: set[tuple[str, str]] = set()
+        self.files = VersionFiles(store or None, fetcher, hash_threads)  # where a version's files come from, checked
+        self._forged_seen: set[tuple[str, str]] = set()  # distinct announcements whose signature is missing or wrong
         self.report, self.stopped = report, stopped
         self.version: int | None = None  # the version served (None before the first load)
         self.hash = ""
@@ -77,20 +111,40 @@ class WeightApplier:
         self.updates = 0
         self.refused_updates = 0
         self.last_update_latency_s: float | None = None
-        # the collective and ipc transports (generators/weight_receive.py, generators/ipc_receive.py): versions
-        # that arrive before their announcement; None with the other transports
-        self.receiver = receiver
         self.via = "store"  # how the version served arrived: store, http, collective or ipc
-        self.unconfirmed: dict[int, str] = {}  # version applied via the collective -> digest, until its announcement
-        self.collective_updates = 0  # versions applied from the receiver (collective or ipc)
-        self.last_receive_s: float | None = None  # how long the receiver took to receive and check the last one
-        self.applied_digests: dict[int, str] = {}  # version -> digest of what was applied via the collective
+        # the collective and ipc transports (generators/received.py): versions that arrive in process before
+        # their announcement (the receiver None with the other transports)
+        self.received = ReceivedVersions(self, receiver)
+
+    @property
+    def forged_announcements(self) -> int:
+        """Distinct announcements seen whose signature is missing or wrong (each counted once)."""
+        return len(self._forged_seen)
+
+    @property
+    def receiver(self):
+        """The in-process transport's receiver (generators/weight_receive.py, generators/ipc_receive.py), or None."""
+        return self.received.receiver
+
+    @property
+    def collective_updates(self) -> int:
+        """Versions applied from the receiver (collective or ipc)."""
+        return self.received.updates
+
+    @property
+    def last_receive_s(self) -> float | None:
+        """How long the receiver took to receive and check the last version it delivered."""
+        return self.received.last_receive_s
+
+    def hash_for(self, version: int, wait_s: float = 30.0) -> str:
+        """The manifest hash announced for ``version`` (generators/received.py ``ReceivedVersions.hash_for``)."""
+        return self.received.hash_for(version, wait_s)
 
     def update(self, block: bool = False) -> None:
         """Apply the latest announced version if it is newer than the one served. ``block``: wait
         (every 0.2 s) until a first version is announced."""
         if self.receiver is not None and self.version is not None:
-            self._from_collective()
+            self.received.apply_newest()
         while True:
             a = self._latest()
             if a is not None or not block or self.stopped():
@@ -99,11 +153,11 @@ class WeightApplier:
             time.sleep(0.2)
         if (a is not None and self.receiver is not None and self.version is not None and a.version > self.version
                 and self.receiver.catch_up(a.version)):  # announced just before the receiver delivered it
-            self._from_collective()
+            self.received.apply_newest()
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
             try:
-                path, digest, verified = self._obtain(a)
+                path, digest, verified = self.files.obtain(a, self.version, self._keeps())
                 try:
                     if a.adapter_only:  # a LoRA adapter alone: onto the base it pins (loaded first on a fresh start)
                         if self.version is None:
@@ -135,7 +189,7 @@ class WeightApplier:
         latency = time.time() - a.published_at
         self.version, self.hash, self.digest = a.version, a.hash, digest or ""
         self.base_digest = a.base_digest if a.base is not None else ""
-        self.via = "http" if self.fetcher else "store"
+        self.via = "http" if self.files.fetcher else "store"
         self.updates += 1
         self.last_update_latency_s = round(latency, 4)
         emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency,
@@ -154,29 +208,9 @@ class WeightApplier:
         else:
             fn(str(path))
 
-    def _obtain(self, a):
-        """(the local folder of version ``a``, the digest of its tensors, what its check kept or None), its
-        files checked against the announced hash and digest: read in place from the store, or fetched over
-        HTTP (the fetcher checked hash and digest as the bytes came). WeightStoreError otherwise.
-
-        For an engine that loads what it is handed (the torch backend: ``loads_mapped_files``), every load
-        (the first, each update, a LoRA adapter, its base) keeps what the check read: the safetensors files
-        mapped, the other files' bytes (weightstore.check ``keep``; over HTTP, the files the fetcher wrote and
-        hashed, mapped through the same open files). The engine loads the bytes that were hashed (a file
-        renamed into the folder after the check is not loaded), and the files are read once."""
-        keep = bool(getattr(self.backend, "loads_mapped_files", False))
-        if self.fetcher is None:
-            v = weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None,
-                                  threads=self.hash_threads, keep=keep)
-            return a.path, v.digest, (v if keep else None)
-        path, v = self.fetcher.fetch_kept(a, self.version, keep)
-        digest = self.fetcher.digests.get(a.version)
-        if a.digest and digest != a.digest:
-            if v is not None:
-                v.close()
-            raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {(digest or '')[:12]} "
-                                               f"differs from the announced {a.digest[:12]}")
-        return path, digest, v
+    def _keeps(self) -> bool:
+        """The engine loads what it is handed (the torch backend): the check keeps what it read for the load."""
+        return bool(getattr(self.backend, "loads_mapped_files", False))
 
     def _load_base(self, a) -> None:
         """Start the engine from the version that carries the base model the adapter ``a`` pins (its signed
@@ -186,101 +220,13 @@ class WeightApplier:
             found = "not announced" if b is None else f"announced with base {b.base} ({b.base_digest[:12]})"
             raise weightstore.WeightStoreError("missing_base", f"version {a.version} is an adapter for the base model "
                                                f"of version {a.base} ({a.base_digest[:12]}), which is {found}")
-        path, _, verified = self._obtain(b)
+        path, _, verified = self.files.obtain(b, self.version, self._keeps())
         log.info("loading the base model from version %d for the adapter of version %d", b.version, a.version)
         try:
             self._engine("load", path, verified)
         finally:
             if verified is not None:
                 verified.close()
-
-    # -- the in-process transports (collective, ipc) ---------------------------------------------
-
-    def _from_collective(self) -> None:
-        """Apply the newest version received over the collective, if newer than the one served; refuse
-        and flag what arrived with a bad digest or signature; check applied versions against their
-        announcements as these arrive."""
-        for bad in self.receiver.take_rejected():
-            self._refuse_collective(bad.version, bad.problem, bad.digest)
-        got = self.receiver.take(self.version)
-        if got is not None:
-            self.report("updating", False)
-            try:
-                # the engine may take the staging buffer itself (the torch backend, same dtype): no copy
-                adopted = bool(self.backend.update_weights_from_tensors(got.state, adopt=True))
-                failed = None
-            except (ValueError, RuntimeError) as e:
-                failed, adopted = e, False
-            self.receiver.recycle(got, adopted)  # a buffer the engine no longer uses takes the next version
-            if failed is not None:
-                self._refuse_collective(got.version, f"apply_failed: {failed}", got.digest)
-            else:
-                self.version, self.digest, self.via = got.version, got.digest, self.receiver.via
-                self.hash = ""  # the manifest hash of its files: known from the announcement (below)
-                self.unconfirmed[got.version] = got.digest
-                self.applied_digests[got.version] = got.digest
-                for old in [v for v in self.applied_digests if v < got.version - 1000]:
-                    del self.applied_digests[old]
-                self.updates += 1
-                self.collective_updates += 1
-                latency = time.time() - got.received_at + got.seconds
-                self.last_receive_s = got.seconds
-                self.last_update_latency_s = round(latency, 4)
-                emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=got.version,
-                           latency_s=latency, digest=got.digest, via=self.receiver.via)
-                log.info("serving version %d (digest %s) via %s", got.version, got.digest[:12], self.receiver.via)
-                self.report("sampling", True)
-        self._confirm()
-
-    def _confirm(self) -> None:
-        """Compare each version applied via the collective with its signed announcement once that exists."""
-        for v, digest in list(self.unconfirmed.items()):
-            a = signed_announcement(self.r, self.keys, v, self.announce_key)  # a forged entry reads as none yet
-            if a is None:
-                if len(self.unconfirmed) > 64:  # never announced (the learner died after the broadcast)
-                    del self.unconfirmed[v]
-                continue
-            del self.unconfirmed[v]
-            if not a.digest or a.digest == digest:
-                if v == self.version:
-                    self.hash = a.hash
-                continue
-            self._refuse_collective(v, "announced_digest_mismatch", digest)
-            if v == self.version:
-                self.version = v - 1  # what we serve is not what was announced: load the store copy now
-
-    def hash_for(self, version: int, wait_s: float = 30.0) -> str:
-        """The manifest hash announced for ``version`` (what the broker checks a group's ``weight_hash``
-        against). A version applied via the collective is served before its announcement exists: this
-        waits for the announcement (at most ``wait_s``; "" then, and the broker rejects the group, counted).
-        Called from the sink's thread, so generation never waits for it, and (``wait_s=0``) for heartbeats.
-        Reads only: safe from any thread."""
-        if version == self.version and self.hash:
-            return self.hash
-        deadline = time.monotonic() + wait_s
-        while True:
-            a = signed_announcement(self.r, self.keys, version, self.announce_key)
-            if a is not None:
-                applied = self.applied_digests.get(version)
-                # a digest other than the one applied: flagged by _confirm; its groups must not pass
-                return a.hash if not (a.digest and applied and a.digest != applied) else ""
-            if time.monotonic() >= deadline or self.stopped():
-                if wait_s > 0:
-                    log.error("version %d was applied via the collective but not announced within %.0fs", version,
-                              wait_s)
-                return ""
-            time.sleep(0.02)
-
-    def _refuse_collective(self, version: int, reason: str, digest: str) -> None:
-        """A version from the collective that is not served: flagged as a bad snapshot is (shown, counted,
-        a ``refused`` event); the previous version keeps serving, later ones still arrive."""
-        reason = reason.splitlines()[0][:200]
-        self.refused[f"{self.receiver.via}:v{version}:{digest[:12]}"] = reason
-        self.refused_updates += 1
-        log.error("refused weight version %d received via %s (%s); still serving version %s",
-                  version, self.receiver.via, reason, self.version)
-        emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=version, reason=reason,
-                   via=self.receiver.via, digest=digest)
 
     def _latest(self):
         """The latest announcement signed by the run's key (None before the first). A forged one in
@@ -291,7 +237,6 @@ class WeightApplier:
             a = e.announcement
             if (a.hash, a.sig) not in self._forged_seen:
                 self._forged_seen.add((a.hash, a.sig))
-                self.forged_announcements += 1
                 self.refused[a.hash] = e.reason  # shown only: a signed announcement of that hash still loads
                 log.error("ignored a forged weight announcement (%s): version %d, hash %s, path %s; still serving "
                           "version %s", e.reason, a.version, a.hash[:12], a.path, self.version)

@@ -186,7 +186,7 @@ def test_groups_of_a_version_applied_before_its_announcement_get_the_announced_h
 
     r, keys, key = connect_redis(redis_url), Keys("coll"), announce_key(tmp_path)
     w = WeightApplier(r, keys, backend=None, generator_id="g", announce_key=key)
-    w.version, w.hash, w.applied_digests = 5, "", {5: "d5", 6: "d6"}
+    w.version, w.hash, w.received.applied_digests = 5, "", {5: "d5", 6: "d6"}
     assert w.hash_for(5, wait_s=0) == ""  # not announced yet: the heartbeat says nothing
     later = threading.Timer(0.3, announce, (r, keys, Announcement(version=5, hash="h5", path="/p5", digest="d5"), key))
     later.start()
