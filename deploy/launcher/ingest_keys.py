@@ -51,9 +51,7 @@ def write_run_ingest_keys(run_dir: Path, broker: dict, generator: dict, generato
             "clients": broker.get("ingest_clients_file") == str(clients_file),
             "generators": not generator.get("ingest_key_file")}
     if producer_ids and not ours["clients"]:
-        raise IngestAuthError(f"--producers adds each producer's key to the run's allow-list, but "
-                              f"broker.ingest_clients_file = {broker.get('ingest_clients_file')!r} is your own: add "
-                              f"your producers' keys to it instead (docs/protocol.md section 12, 'Your own keys')")
+        raise IngestAuthError(_own_list_note(broker.get("ingest_clients_file")))
     if not any(ours.values()):
         return {}  # every key is the user's own: none of the run's is written
     d.mkdir(parents=True, exist_ok=True)
@@ -77,7 +75,8 @@ def write_run_ingest_keys(run_dir: Path, broker: dict, generator: dict, generato
     return out
 
 
-def check_ingest_keys(run_dir: Path, broker: dict, generator: dict, generator_ids: list[str]) -> None:
+def check_ingest_keys(run_dir: Path, broker: dict, generator: dict, generator_ids: list[str],
+                      producer_ids: list[str] = ()) -> None:
     """Before anything starts: the keys the configs name fit together, the broker's certificate, its
     allow-list, each generator's certificate (admitted for its id) and copy of the broker's public key. A
     mismatch would otherwise show only as groups that never get an answer (a refused handshake is silent
@@ -113,6 +112,8 @@ def check_ingest_keys(run_dir: Path, broker: dict, generator: dict, generator_id
                               f"allow-list admits only the run's generator keys, and your own allow-list does not "
                               f"hold them; only {'broker.ingest_clients_file' if clients else 'generator.ingest_key_file'} "
                               f"is your own {hint}")
+    if clients is not None and producer_ids:
+        raise IngestAuthError(_own_list_note(clients))
     if clients is not None:
         allow = load_allow_list(clients, "broker.ingest_clients_file")
         pattern = allow.patterns.get(_public_of(gen_key))
@@ -122,6 +123,12 @@ def check_ingest_keys(run_dir: Path, broker: dict, generator: dict, generator_id
                                       f"{gid!r} by broker.ingest_clients_file = {clients!r}"
                                       + (f" (it binds that key to {pattern!r})" if pattern else "")
                                       + ": bind it to the pattern gen-* there")
+
+
+def _own_list_note(clients: str) -> str:
+    return (f"--producers adds each producer's key to the run's allow-list, but broker.ingest_clients_file = "
+            f"{clients!r} is your own: add your producers' keys to it instead (docs/protocol.md section 12, "
+            f"'Your own keys')")
 
 
 def _public_of(certificate: str, field: str = "generator.ingest_key_file") -> str:

@@ -80,7 +80,8 @@ def check_run(p: dict) -> list[str]:
     except ValueError as e:
         raise PreflightError(str(e)) from None
     try:  # the ingest keys the configs name fit together (deploy/launcher/ingest_keys.py)
-        check_ingest_keys(p["run_dir"], p["broker"], p["generator"], p.get("generator_ids", []))
+        check_ingest_keys(p["run_dir"], p["broker"], p["generator"], p.get("generator_ids", []),
+                          p.get("producer_ids", []))
     except ConfigError as e:
         raise PreflightError(str(e)) from None
     if p.get("redis_port") is None:

@@ -116,3 +116,15 @@ def test_a_producer_has_a_redis_user_with_the_generators_rights_and_its_file_say
     assert info["curve"]["secret_key"] in (d / "producer-1.key_secret").read_text()
     assert info["curve"]["broker_public_key"] in (d / "broker.key").read_text()
     assert load_allow_list(broker["ingest_clients_file"]).allows(info["curve"]["public_key"], "producer-1")
+
+
+def test_with_a_redis_of_ones_own_the_producers_file_gives_its_address_without_credentials(tmp_path):
+    broker, generator = run_configs(tmp_path)
+    generator.update(broker_address="tcp://127.0.0.1:5555")
+    write_run_ingest_keys(tmp_path, broker, generator, ["gen-0"], ["producer-0"])
+    [path] = write_connection_files(tmp_path, "r", ["producer-0"], broker, generator, "", None,
+                                    "redis://admin:s3cret@db.example:6400/0")
+    info = json.loads(path.read_text())
+    assert info["redis"] == {"url": "redis://db.example:6400/0", "host": "db.example", "port": 6400,
+                             "user": None, "password": None}
+    assert "s3cret" not in path.read_text()
