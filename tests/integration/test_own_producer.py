@@ -161,3 +161,59 @@ def test_a_producer_written_from_the_docs_joins_relay_up_and_its_groups_are_trai
     assert s["generators"]["producer-0"]["groups_sent"] == len(sent)  # its heartbeat, read by relay up
     assert (run_dir / "logs" / "broker.log").read_text().count(public.decode()) >= 1  # the refused key, logged
     assert s["redis_refused"], s.get("redis_refused")  # the producer's forbidden writes, reported
+
+
+@pytest.mark.slow  # a relay up run stopped and resumed (~60 s)
+def test_a_resumed_run_keeps_its_producer_and_rewrites_its_file_with_the_new_addresses(tmp_path):
+    """relay up --resume keeps the producers of --producers (their keys in the allow-list, their Redis users
+    and passwords) and writes their files again, which the producer reads again to send and be answered."""
+    import signal
+
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "deploy.cli", "up"]
+    up = subprocess.Popen(cmd + ["--run-id", "r", "--producers", "1", "--steps", "300", "--generators", "1",
+                                 "--dashboard-port", "0", "--no-progress", "--set", f"learner.batch_groups={BATCH}",
+                                 "--set", "learner.checkpoint_every=2", "--set", "broker.eval.every_versions=0"],
+                          cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = work / "runs" / "r"
+    producer_file = run_dir / "secrets" / "producers" / "producer-0.json"
+    metrics = run_dir / "learner" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert up.poll() is None and time.monotonic() < deadline, up.communicate()[0][-3000:]
+            time.sleep(0.2)
+        first, written = json.loads(producer_file.read_text()), producer_file.stat().st_mtime_ns
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=120)
+        assert up.returncode == 130, out[-3000:]
+        up = subprocess.Popen(cmd + ["--resume", "runs/r", "--dashboard-port", "0", "--no-progress"], cwd=work,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        steps = metrics.read_text().count("\n")
+        while producer_file.stat().st_mtime_ns == written or metrics.read_text().count("\n") < steps + 2:
+            assert up.poll() is None and time.monotonic() < deadline + 120, up.communicate()[0][-3000:]
+            time.sleep(0.2)
+        again = json.loads(producer_file.read_text())  # the same keys and user; the ports may have moved
+        assert again["curve"] == first["curve"] and again["redis"]["password"] == first["redis"]["password"]
+        r, run_id, pid, address, curve = doc_join()(producer_file)
+        latest = msgpack.unpackb(r.get(f"relay:{run_id}:latest"), raw=False)
+        sampling = json.loads(r.hget(f"relay:{run_id}:run", "sampling"))
+        gid = uuid.uuid4().hex
+        payload = build_group(group_id=gid, run_id=run_id, prompt_id="0-1", prompt_ids=[1, 7, 14],
+                              samples=[{"completion_ids": [7, 2], "logprobs": [-0.5, -0.5],
+                                        "versions": [latest["version"]] * 2, "finish_reason": "stop", "reward": 1.0},
+                                       {"completion_ids": [8, 2], "logprobs": [-0.5, -0.5],
+                                        "versions": [latest["version"]] * 2, "finish_reason": "stop", "reward": 0.0}],
+                              generator_id=pid, weight_version=latest["version"], weight_hash=latest["hash"],
+                              sampling=sampling)
+        ack = send_group(address, gid, payload, timeout_s=10.0, give_up_s=60.0, curve=curve)
+        assert ack["status"] == "ok", ack
+        up.send_signal(signal.SIGINT)
+        out, _ = up.communicate(timeout=120)
+        assert up.returncode == 130, out[-3000:]
+        assert "1 producer of your own may join as producer-0" in out, out[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
