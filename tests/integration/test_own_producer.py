@@ -151,6 +151,8 @@ def test_a_producer_written_from_the_docs_joins_relay_up_and_its_groups_are_trai
             up.kill()
             up.wait()
     assert up.returncode == 0, out[-3000:]
+    print(f"producer-0: {len(sent)} groups acknowledged, {len(trained)} of them seen committed; the learner "
+          f"committed {committed} in all")
     assert "1 producer of your own may join as producer-0" in out and str(producer_file.parent) in out, out
     assert acks and all(a["status"] == "ok" for a in acks), [a for a in acks if a["status"] != "ok"][:3]
     assert trained and trained <= log, (len(sent), len(trained))  # trained: in the commit log of the run
