@@ -24,7 +24,7 @@ class BrokerConfig(VerifyingConnection):
                                   "(*, 0.0.0.0, ::) replaced by this host's name")
     ingest_workers: int = Field(1, ge=1, le=64, description="ingest processes, each validating and appending on a "
                                 "socket of its own: worker k binds ingest_bind's port + k; producers connect to "
-                                "them all and spread their groups (docs/protocol.md 2.3)")
+                                "them all and spread their groups (docs/protocol.md 5.1)")
     ingest_auth: Literal["curve", "insecure"] = Field(
         "curve", description="who may send groups: 'curve' = only producers whose CURVE public key is in "
         "ingest_clients_file, each bound to the generator ids it may use; 'insecure' = anyone who reaches "

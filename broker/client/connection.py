@@ -99,7 +99,7 @@ def connect_host(bind_host: str, wildcard_host: str | None = None) -> str:
 
 def worker_addresses(address: str, workers: int) -> list[str]:
     """The addresses of ``workers`` broker ingest workers whose first is ``address`` (``tcp://host:port``):
-    worker k at ``port + k`` (broker.ingest_workers, docs/protocol.md 2.3)."""
+    worker k at ``port + k`` (broker.ingest_workers, docs/protocol.md 5.1)."""
     if workers == 1:
         return [address]
     scheme, _, rest = address.partition("://")

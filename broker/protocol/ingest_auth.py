@@ -1,5 +1,5 @@
 """Who may send groups to the ingest: ZeroMQ CURVE keys and the allow-list that binds each producer's
-public key to the generator ids it may use (docs/protocol.md 2.1, docs/security.md "Ingest").
+public key to the generator ids it may use (docs/protocol.md 5.4, docs/security.md "Ingest").
 
 Files, in the formats ``zmq.auth.create_certificates`` writes and ``zmq.auth.load_certificate`` reads:
 

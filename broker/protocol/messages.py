@@ -412,8 +412,8 @@ class RunInfo:
     ingest_address: str, the broker's ZeroMQ address to connect a DEALER to (the broker, at start-up).
     ingest_addresses: str, every ingest worker's address, comma-separated (the first is ingest_address);
                     a producer that connects its DEALER to all of them spreads its groups over the workers
-                    (docs/protocol.md 2.3); absent from runs of one worker's brokers before it existed.
-    ingest_auth:    str, "curve" (a producer needs a listed CURVE key, docs/protocol.md 2.1) or
+                    (docs/protocol.md 5.1); absent from runs of one worker's brokers before it existed.
+    ingest_auth:    str, "curve" (a producer needs a listed CURVE key, docs/protocol.md 5.4) or
                     "insecure" (plain ZMTP) (the broker, at start-up).
     reward_url:     str, the reward service's base URL (the first generator to start).
     sampling:       JSON object {n, temperature, top_p, top_k, max_tokens}: the sampling parameters

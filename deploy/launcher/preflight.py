@@ -14,6 +14,9 @@ Every check is the services' own start-up code, called here too (one piece of co
 - the reward plugins' secrets are set (``check_secrets``, reward_service/config.py; each plugin
   resolves its token with the same code when it starts);
 - an external Redis (``--redis-url``) answers;
+- the ingest keys the configs name are one broker key pair and an allow-list that admits the generators'
+  key for their ids (``check_ingest_keys``, deploy/launcher/ingest_keys.py; with keys of the user's own,
+  docs/protocol.md section 12);
 - the learning rates (``lr_problems``, learner/config.py): 1 or more is an error, one far from the
   rate the model's kind trains at a note;
 - prompt and completion fit the model's context (``context_length``, learner/model_folder.py):
@@ -55,6 +58,8 @@ def check_run(p: dict) -> list[str]:
     from learner.config import lr_problems
     from generators.config import BackendMissing, check_backend_installed
     from learner.model_folder import ModelFolderError, check_model_folder
+    from broker.runtime.config import ConfigError
+    from deploy.launcher.ingest_keys import check_ingest_keys
     from reward_service.config import check_secrets
 
     broker = BrokerConfig.model_validate(p["broker"])
@@ -73,6 +78,11 @@ def check_run(p: dict) -> list[str]:
     try:
         check_secrets(reward)
     except ValueError as e:
+        raise PreflightError(str(e)) from None
+    try:  # the ingest keys the configs name fit together (deploy/launcher/ingest_keys.py)
+        check_ingest_keys(p["run_dir"], p["broker"], p["generator"], p.get("generator_ids", []),
+                          p.get("producer_ids", []))
+    except ConfigError as e:
         raise PreflightError(str(e)) from None
     if p.get("redis_port") is None:
         _check_redis(p["redis_url"])

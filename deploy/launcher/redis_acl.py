@@ -22,6 +22,8 @@ command of the pair may write only the keys of that pair. Every key comes from b
   ``issued`` (admission); writes its heartbeat, its metrics endpoint, events, evaluation results, and the
   run's reward URL and sampling if nobody wrote them first (HSETNX). It can neither read nor write the
   trajectories stream, nor write an announcement.
+- **producer-<i>** (``relay up --producers N``: a producer of the user's own, docs/protocol.md section 12):
+  exactly the generator's rights, under a user (and password) of its own.
 - **launcher** (``relay up``'s progress and summary, health checks, ``relay status --redis-url``): reads
   the whole run, ``INFO``, and ``ACL LOG`` (so a run reports a command Redis refused); writes nothing.
 
@@ -103,9 +105,18 @@ def rights(keys: Keys) -> dict[str, tuple[str, tuple[str, ...], list[Right]]]:
 AFTER = {"launcher": "+info +acl|log"}
 
 
+PRODUCER_PREFIX = "producer-"  # the Redis users (and generator ids) of ``relay up --producers N``
+
+
+def role(user: str) -> str:
+    """The service whose rights ``user`` has: a producer of the user's own has a generator's."""
+    return "generator" if user.startswith(PRODUCER_PREFIX) else user
+
+
 def acl_permissions(run_id: str, user: str) -> str:
     """The permissions part of ``user``'s line of the ACL file (after ``user NAME on #HASH``)."""
     keys = Keys(run_id)
+    user = role(user)
     root, reads, grants = rights(keys)[user]
     channel = f" &{_pattern(keys.announce)}" if user == "learner" else ""
     root_keys = " ".join(f"%R~{r}" for r in reads)

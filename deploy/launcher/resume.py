@@ -21,12 +21,12 @@ from pathlib import Path
 LAUNCH = "launch.json"  # how relay up started the run (what resume needs beyond config/*.json)
 # flags that would change a run: a resumed run keeps its recorded config
 _FIXED = ("task", "model", "backend", "steps", "config", "seed", "run_id", "redis_url", "generators",
-          "learner_ranks")
+          "learner_ranks", "producers")
 
 
 def launch_record(args, embedded_redis: bool) -> dict:
     return {"generators": args.generators, "learner_ranks": args.learner_ranks, "embedded_redis": embedded_redis,
-            "redis_aof": args.redis_aof}
+            "redis_aof": args.redis_aof, "producers": args.producers or 0}
 
 
 def run_folder(run: str, runs_dir: str | Path) -> Path:
@@ -45,7 +45,9 @@ def plan_resume(args, environ, usage_error) -> dict:
     from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, made_before_ed25519, run_key_fields
     from deploy.launcher.run_tokens import recorded_reward_token
-    from deploy.launcher.up import hold_ports, ingest_key_dir
+    from deploy.launcher.ingest_keys import ingest_key_dir
+    from deploy.launcher.producers import producer_ids
+    from deploy.launcher.up import hold_ports
     from pydantic import ValidationError
 
     from broker.runtime.config import deep_merge, format_validation_error
@@ -156,7 +158,9 @@ def plan_resume(args, environ, usage_error) -> dict:
     args.redis_aof = launch["redis_aof"]
     p = {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
          "http_port": http_port, "redis_url": launcher_url, "redis_port": redis_port, "redis_users": users,
-         "resumed": summary, "openai_key": openai_key, **cfgs}
+         "resumed": summary, "openai_key": openai_key, **cfgs,
+         "generator_ids": [f"gen-{i}" for i in range(args.generators)],
+         "producer_ids": producer_ids(launch.get("producers", 0))}  # their keys and Redis users are kept
     return hold_ports(p, {"ingest", "reward"} | ({"http"} if not args.dashboard_port else set()))
 
 

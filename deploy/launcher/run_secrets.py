@@ -5,7 +5,8 @@ read back by ``relay up --resume``:
     secrets/announce.pub          its public half: the broker, the generators and the launcher verify
     secrets/weights.key           the weights key: the learner's weight listeners admit its holders (the
                                   learner and the generators; http transport's token, collective joins)
-    secrets/redis/<user>.password one password per Redis user (broker, learner, generator, launcher)
+    secrets/redis/<user>.password one password per Redis user (broker, learner, generator, launcher, and
+                                  producer-<i> for each producer of ``relay up --producers N``)
     secrets/redis/users.acl       the embedded redis-server's ACL file (``--aclfile``): those users,
                                   passwords as SHA-256, no way to log in as ``default``
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from broker.protocol import weightauth
 from broker.protocol.signing import read_signer, write_key_pair
-from deploy.launcher.redis_acl import acl_permissions
+from deploy.launcher.redis_acl import PRODUCER_PREFIX, acl_permissions
 
 SERVICE_USERS = ("broker", "learner", "generator")
 LAUNCHER_USER = "launcher"
@@ -136,8 +137,9 @@ class RedisUsers:
         self.run_id, self.passwords = run_id, passwords
 
     @classmethod
-    def new(cls, run_id: str) -> "RedisUsers":
-        return cls(run_id, {u: secrets.token_urlsafe(32) for u in USERS})
+    def new(cls, run_id: str, producers: list[str] | tuple[str, ...] = ()) -> "RedisUsers":
+        """Every service's user, and one per producer id (``producer-<i>``: a generator's rights)."""
+        return cls(run_id, {u: secrets.token_urlsafe(32) for u in (*USERS, *producers)})
 
     @classmethod
     def read(cls, run_dir: Path, run_id: str) -> "RedisUsers | None":
@@ -150,7 +152,12 @@ class RedisUsers:
         folder = secrets_folder / "redis"
         if not folder.is_dir():
             return None
-        return cls(run_id, {u: (folder / f"{u}.password").read_text().strip() for u in USERS})
+        names = [*USERS, *sorted(f.name.removesuffix(".password") for f in folder.glob(f"{PRODUCER_PREFIX}*.password"))]
+        return cls(run_id, {u: (folder / f"{u}.password").read_text().strip() for u in names})
+
+    def producers(self) -> list[str]:
+        """The producers' users (``relay up --producers N``), in id order."""
+        return sorted((u for u in self.passwords if u.startswith(PRODUCER_PREFIX)), key=lambda u: int(u.split("-")[-1]))
 
     def url(self, user: str, port: int) -> str:
         return f"redis://{user}:{self.passwords[user]}@127.0.0.1:{port}/0"
@@ -161,7 +168,7 @@ class RedisUsers:
         # replays the append-only file's MULTI/EXEC blocks as `default` and re-checks them against its ACL:
         # `default off` or `-@all` silently drops those transactions when a run is resumed (redis/redis#14541)
         lines = ["user default on resetpass ~* &* +@all"]
-        lines += [acl_rules(self.run_id, u, self.passwords[u]) for u in USERS]
+        lines += [acl_rules(self.run_id, u, self.passwords[u]) for u in self.passwords]
         return "\n".join(lines) + "\n"
 
     def write(self, run_dir: Path) -> Path:

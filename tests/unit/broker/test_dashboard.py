@@ -112,3 +112,21 @@ def test_episode_totals_merge_every_generators_episodes_and_stay_empty_for_singl
     assert e["episodes"] == 40 and e["turns_per_episode"] == 2.0 and e["env_seconds_per_episode"] == 0.1
     assert e["tool_calls"] == {"calculator": 40, "python": 3} and e["tool_failures"] == {"calculator": 2}
     assert e["env_failures"] == {"timeout": 4} and e["template_drift"] == 1
+
+
+def test_reward_pauses_are_in_api_state_per_generator_and_summed(redis_url):
+    """docs/rewards.md: the heartbeats' reward_pauses are in /api/state, per generator and in failures."""
+    import time
+
+    import redis
+
+    from broker.dashboard.state import build_state
+    from broker.protocol.keys import Keys
+
+    r, k = redis.Redis.from_url(redis_url), Keys("r")
+    for gid, pauses in (("gen-0", 2), ("gen-1", 3)):
+        r.hset(k.generators, gid, json.dumps({"id": gid, "last_seen": time.time(), "reward_pauses": pauses,
+                                              "reward_paused_s": 1.5}))
+    st = build_state(r, k)
+    assert sorted(g["reward_pauses"] for g in st["generators"]) == [2, 3]
+    assert st["failures"]["reward_pauses"] == 5

@@ -96,10 +96,12 @@ def build_group(group_id, run_id, prompt_id, prompt_ids, samples, generator_id, 
     }, use_bin_type=True)
 
 
-def send_group(address, group_id, payload, timeout_s=10.0, give_up_s=3600.0):
+def send_group(address, group_id, payload, timeout_s=10.0, give_up_s=3600.0, curve=None):
     """Send one encoded group to the broker; return the final ack as a dict whose status is
     "ok", "duplicate" or "rejected". Lazy pirate: when no reply comes within timeout_s, drop
-    the socket and resend the same bytes on a fresh one; on "busy", back off and resend."""
+    the socket and resend the same bytes on a fresh one; on "busy", back off and resend.
+    curve: (the broker's public key, this producer's public key, its secret key), z85 text,
+    when the broker runs CURVE (section 5.4); None for an insecure broker."""
     ctx = zmq.Context.instance()
     deadline = time.monotonic() + give_up_s
     pause = 0.05
@@ -109,6 +111,9 @@ def send_group(address, group_id, payload, timeout_s=10.0, give_up_s=3600.0):
             if sock is None:
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                if curve is not None:  # before connect: the handshake uses them
+                    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                        k.encode() for k in curve)
                 sock.connect(address)
             sock.send_multipart([b"", payload])  # empty delimiter frame, then the message
             if not sock.poll(int(timeout_s * 1000)):
