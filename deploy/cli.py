@@ -62,7 +62,7 @@ def _section(data: dict, service: str, model) -> dict:
     """``data`` itself when it is a service file; the ``service`` section (with the run-wide sections it
     takes, as ``relay up`` gives them) when it is a run file: only run-file sections at its top level,
     none of them a field of ``model``."""
-    from deploy.launcher.up import SERVICES, SHARED, _shared_sections
+    from deploy.launcher.plan import SERVICES, SHARED, _shared_sections
 
     sections = set(SERVICES) | set(SHARED)
     if not data or not set(data) <= sections or set(data) & set(model.model_fields):

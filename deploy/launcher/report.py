@@ -6,6 +6,7 @@ comes last."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -90,3 +91,52 @@ def format_report(s: dict, run_dir: Path) -> str:
     if s.get("error"):
         lines.append(f"  error        {s['error']}")
     return "\n".join(lines)
+
+
+def report_run(p: dict, watch, wall_s: float, resume_command: str) -> None:
+    """The end of ``relay up`` (deploy/launcher/up.py ``run_up``: plan -> start -> watch -> report): the run's
+    ``summary.json`` (with the part before, when it was resumed), this report on the console, then why it
+    ended, how to resume it, or its error, last, where it is seen."""
+    import json
+
+    from broker.client.telemetry import read_heartbeats, read_stats
+    from deploy.launcher.summary import (audit, build_summary, eval_records, export_final, outcome, read_metrics,
+                                         redis_refusals)
+    from deploy.launcher.watch import point_latest
+
+    r, keys, run_dir, rc = watch.r, watch.keys, p["run_dir"], watch.rc
+    resumed = p.get("resumed")  # the summary of the part before, when resuming
+    # a warning the learner raised at its last steps, after the loop's last look (a short run)
+    watch.truncation.check(read_stats(r, keys, "learner"), watch.alerts.policy.suspect())
+    published = int(v) if (v := r.hget(keys.stats("learner"), "version")) is not None else None
+    if not watch.started and published is not None:
+        watch.started = point_latest(p["runs_dir"], run_dir)
+    wall = wall_s + ((resumed or {}).get("wall_seconds") or 0)  # both parts of a resumed run
+    summary = {**outcome(rc, watch.error),
+               **build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"), published,
+                               read_stats(r, keys, "broker"), read_heartbeats(r, keys), wall,
+                               read_stats(r, keys, "learner"))}
+    summary["steps_total"] = watch.total
+    summary["resumes"] = resumed.get("resumes", 0) + 1 if resumed is not None else 0
+    summary["audit"] = audit(r, keys)
+    summary["redis_refused"] = redis_refusals(r)  # a right a service lacks (or someone tried): never silent
+    summary["eval"] = eval_records(r, keys, run_dir)  # evaluation rounds (docs/eval.md)
+    # the final version as an HF folder, after Ctrl-C too (not after a failure: it may be broken)
+    summary["export"] = export_final(run_dir) if rc in (0, 130) else None
+    sup = watch.supervisor
+    before = (resumed or {}).get("restarts") or {}
+    summary["restarts"] = {k: v + before.get(k, 0) for k, v in sup.restarts.items()}  # every part
+    hung = (resumed or {}).get("hangs") or {}
+    summary["hangs"] = {k: v + hung.get(k, 0) for k, v in sup.hangs.items() if v or hung.get(k)}
+    summary["restart_errors"] = {**((resumed or {}).get("restart_errors") or {}), **sup.errors}
+    summary["warnings"] = [*((resumed or {}).get("warnings") or []), *watch.alerts.warnings]
+    ended = r.get(keys.done)  # the learner's sentence: its steps done, or the dataset ran out
+    summary["ended"] = ended.decode() + watch.cut_short if ended and rc == 0 else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(format_report(summary, run_dir), flush=True)
+    if summary["ended"]:
+        print(f"relay up: the run ended: {summary['ended']}", flush=True)
+    if rc == 130:
+        print(f"relay up: resume with: {resume_command}", flush=True)
+    if watch.error and watch.failure is None:  # a service's failure is printed after the services stop
+        print(f"relay up: error: {watch.error}", file=sys.stderr, flush=True)  # last, where it is seen

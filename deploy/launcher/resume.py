@@ -38,27 +38,19 @@ def run_folder(run: str, runs_dir: str | Path) -> Path:
                             f"a run folder holds config/)")
 
 
-def plan_resume(args, environ, usage_error) -> dict:
-    """The plan (as :func:`deploy.launcher.up.plan` returns it) of the run to resume."""
+def _resumable(args, environ, usage_error) -> Path:
+    """The folder of the run ``--resume`` names, once it is one that can be resumed as asked: no flag or
+    ``RELAY_*`` variable that would change its recorded config, not running, started by a ``relay up`` that
+    recorded its launch, and made since announcements were signed with Ed25519."""
     from deploy.launcher import environment
-    from deploy.launcher.procs import find_redis_server, free_port, port_in_use
-    from deploy.launcher.openai_key import endpoint_key
-    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers, made_before_ed25519, run_key_fields
-    from deploy.launcher.run_tokens import recorded_reward_token
-    from deploy.launcher.ingest_keys import ingest_key_dir
-    from deploy.launcher.producers import producer_ids
-    from deploy.launcher.up import hold_ports
-    from pydantic import ValidationError
-
-    from broker.runtime.config import deep_merge, format_validation_error
-    from learner.config import LearnerConfig
+    from deploy.launcher.run_secrets import made_before_ed25519
 
     given = [f"--{name.replace('_', '-')}" for name in _FIXED if getattr(args, name) is not None] + \
         (["--set"] if args.set else [])
     if given:
         raise usage_error(f"--resume continues a run with its recorded config (config/*.json); leave out "
                           f"{', '.join(given)}")
-    env_over = environment.resolve(environment.config_models(), environ)  # refuses unknown RELAY_* variables
+    environment.resolve(environment.config_models(), environ)  # refuses unknown RELAY_* variables
     secret_vars = set(environment.SECRETS.values())
     setting = sorted(k for k in environ if k.startswith(environment.PREFIX) and k not in environment.NOT_CONFIG
                      and k not in secret_vars)
@@ -79,20 +71,17 @@ def plan_resume(args, environ, usage_error) -> dict:
                           f"trusted by this version and it cannot be resumed. Continue from its weights in a new run: "
                           f"relay export {run_dir} --out {run_dir.name}-model, then relay up --model "
                           f"{run_dir.name}-model (docs/security.md, 'Runs from before Ed25519')")
-    launch = json.loads((run_dir / LAUNCH).read_text())
-    cfg_dir = run_dir / "config"
-    cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
-    cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
-    try:
-        learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
-    except ValidationError as e:
-        raise usage_error(f"{cfg_dir / 'learner.json'}: {format_validation_error(e)}") from None
-    steps = learner.steps
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    if summary.get("status") == "completed":
-        raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
-    if learner.checkpoint_every == 0:
-        raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
+    return run_dir
+
+
+def _resumed_redis(run_dir: Path, cfgs: dict, launch: dict, environ, usage_error):
+    """(the embedded Redis's port, its users, the launcher's Redis URL) of a resumed run, each service's
+    ``redis_url`` in ``cfgs`` set to match: the run's own embedded Redis on its recorded port (another if that
+    is taken now), its append-only file read back; or the external Redis it used, its URL with the password
+    given again as ``RELAY_REDIS_URL`` (never written to the run folder)."""
+    from deploy.launcher.procs import find_redis_server, free_port, port_in_use
+    from deploy.launcher.run_secrets import LAUNCHER_USER, RedisUsers
+
     redis_port = None
     users = None
     launcher_url = cfgs["learner"]["redis_url"]
@@ -117,6 +106,41 @@ def plan_resume(args, environ, usage_error) -> dict:
         for c in cfgs.values():
             if "redis_url" in c:
                 c["redis_url"] = launcher_url
+    return redis_port, users, launcher_url
+
+
+def plan_resume(args, environ, usage_error) -> dict:
+    """The plan (as :func:`deploy.launcher.plan.plan` returns it) of the run to resume."""
+    from deploy.launcher import environment
+    from deploy.launcher.procs import free_port, port_in_use
+    from deploy.launcher.openai_key import endpoint_key
+    from deploy.launcher.run_secrets import run_key_fields
+    from deploy.launcher.run_tokens import recorded_reward_token
+    from deploy.launcher.ingest_keys import ingest_key_dir
+    from deploy.launcher.producers import producer_ids
+    from deploy.launcher.plan import hold_ports
+    from pydantic import ValidationError
+
+    from broker.runtime.config import deep_merge, format_validation_error
+    from learner.config import LearnerConfig
+
+    run_dir = _resumable(args, environ, usage_error)
+    env_over = environment.resolve(environment.config_models(), environ)
+    launch = json.loads((run_dir / LAUNCH).read_text())
+    cfg_dir = run_dir / "config"
+    cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
+    cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
+    try:
+        learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
+    except ValidationError as e:
+        raise usage_error(f"{cfg_dir / 'learner.json'}: {format_validation_error(e)}") from None
+    steps = learner.steps
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    if summary.get("status") == "completed":
+        raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
+    if learner.checkpoint_every == 0:
+        raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
+    redis_port, users, launcher_url = _resumed_redis(run_dir, cfgs, launch, environ, usage_error)
     keyed = run_key_fields(run_dir)  # a run from before announcements were signed gets the keys now
     for name in ("broker", "learner", "generator"):
         if cfgs[name].get("announce_auth", "ed25519") == "ed25519":
@@ -158,7 +182,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     args.redis_aof = launch["redis_aof"]
     p = {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
          "http_port": http_port, "redis_url": launcher_url, "redis_port": redis_port, "redis_users": users,
-         "resumed": summary, "openai_key": openai_key, **cfgs,
+         "resumed": summary, "openai_key": openai_key, **cfgs, "learner_config": learner,
          "generator_ids": [f"gen-{i}" for i in range(args.generators)],
          "producer_ids": producer_ids(launch.get("producers", 0))}  # their keys and Redis users are kept
     return hold_ports(p, {"ingest", "reward"} | ({"http"} if not args.dashboard_port else set()))

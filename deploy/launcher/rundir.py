@@ -98,7 +98,7 @@ def check_runs_folder(p: dict) -> None:
 
 
 def claim_runs_folder(p: dict) -> RunsLock:
-    """The checks of this module for the run ``p`` (:func:`deploy.launcher.up.plan`): its runs folder
+    """The checks of this module for the run ``p`` (:func:`deploy.launcher.plan.plan`): its runs folder
     writable, then locked for it; the lock is held until :meth:`RunsLock.release` or the process ends."""
     check_writable(p["runs_dir"])
     return RunsLock(p["runs_dir"]).acquire(p["run_id"], resuming=p.get("resumed") is not None)

@@ -10,7 +10,8 @@ import pytest
 
 from deploy.launcher.environment import split_secrets
 from deploy.launcher.openai_key import endpoint_key, endpoint_note, openai_key_path
-from deploy.launcher.up import ConfigError, add_up_arguments, plan
+from deploy.launcher.plan import ConfigError, plan
+from deploy.launcher.up import add_up_arguments
 
 
 def _plan(tmp_path, *argv, environ=None):

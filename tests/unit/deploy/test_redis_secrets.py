@@ -5,7 +5,7 @@ import json
 
 from broker.client.connection import redact_url
 from deploy.launcher.environment import split_secrets
-from deploy.launcher.up import _write_config
+from deploy.launcher.start import _write_config
 
 
 def test_redact_url_hides_the_password_only():
@@ -29,7 +29,8 @@ def test_the_config_file_holds_the_url_redacted_and_the_service_gets_it_in_its_e
 def _plan(tmp_path, *argv):
     import argparse
 
-    from deploy.launcher.up import add_up_arguments, plan
+    from deploy.launcher.plan import plan
+    from deploy.launcher.up import add_up_arguments
 
     p = argparse.ArgumentParser()
     add_up_arguments(p)

@@ -11,7 +11,9 @@ import time
 import pytest
 
 from deploy.launcher.report import format_report
-from deploy.launcher.up import UsageError, add_up_arguments, generator_configs, plan
+from deploy.launcher.plan import UsageError, plan
+from deploy.launcher.start import generator_configs
+from deploy.launcher.up import add_up_arguments
 from tests.support.services import relay
 
 SUMMARY = {

@@ -4,7 +4,8 @@ vocabulary, short turns, one-digit operands), below anything the user configures
 import argparse
 
 from broker.prompts.tasks import TaskConfig, prompt_stream
-from deploy.launcher.up import add_up_arguments, plan
+from deploy.launcher.plan import plan
+from deploy.launcher.up import add_up_arguments
 
 
 def _plan(tmp_path, *argv):

@@ -9,7 +9,8 @@ import pytest
 
 from broker.runtime.config import ConfigError
 from deploy.launcher import environment
-from deploy.launcher.up import add_up_arguments, plan
+from deploy.launcher.plan import plan
+from deploy.launcher.up import add_up_arguments
 from tests.support.services import ROOT
 
 
@@ -230,7 +231,7 @@ def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_ano
     holds): each port relay up chose moves to a free one, held by relay up from then on, with the
     generators' addresses following; a port the user set that is taken is an error naming the setting."""
     from deploy.launcher import procs
-    from deploy.launcher.up import UsageError
+    from deploy.launcher.plan import UsageError
 
     holder = subprocess.Popen([sys.executable, "-c", "import socket, time\ns = socket.create_server(('127.0.0.1', 0))\n"
                                "print(s.getsockname()[1], flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)

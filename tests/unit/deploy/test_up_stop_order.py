@@ -1,6 +1,6 @@
 """relay up stops a run's services in dependency order, so that the audit written after them is exact."""
 
-from deploy.launcher.up import stop_order
+from deploy.launcher.start import stop_order
 
 
 def test_producers_first_then_what_they_need_then_the_learner():
