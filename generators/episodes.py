@@ -241,6 +241,16 @@ def check_tool_vocabulary(renderer, backend) -> None:
 
 
 @dataclass
+class _TokenMarks:
+    """Per token of an episode, beside its id: the behaviour log-prob, the version that sampled it (context
+    tokens: the version of the turn they follow), and 1 when it is trained (sampled), 0 (context)."""
+
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    trainable: list[int] = field(default_factory=list)
+
+
+@dataclass
 class _Episode:
     group: int                      # the prompt's index in the batch
     prompt: PromptEntry
@@ -248,10 +258,8 @@ class _Episode:
     env: Environment | None
     deadline: float
     messages: list[dict]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    trainable: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # after the prompt: the model's and the context's
+    marks: _TokenMarks = field(default_factory=_TokenMarks)  # each token's log-prob, version, trainable
     answer: list[int] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
@@ -267,9 +275,9 @@ class _Episode:
 
     def add(self, ids: list[int], lps: list[float], versions: list[int], trainable: int) -> None:
         self.tokens += ids
-        self.logprobs += lps
-        self.versions += versions
-        self.trainable += [trainable] * len(ids)
+        self.marks.logprobs += lps
+        self.marks.versions += versions
+        self.marks.trainable += [trainable] * len(ids)
 
     def completion(self) -> Completion:
         info: dict[str, Any] = {"turns": self.turns, "tool_calls": self.tool_calls,
@@ -281,8 +289,9 @@ class _Episode:
             info["template_drift"] = True
         if self.unspellable:
             info["unspellable_replies"] = self.unspellable
-        return Completion(list(self.tokens), list(self.logprobs), self.finish_reason, list(self.versions),
-                          trainable=list(self.trainable), env_reward=self.env_reward, answer_ids=list(self.answer),
+        m = self.marks
+        return Completion(list(self.tokens), list(m.logprobs), self.finish_reason, list(m.versions),
+                          trainable=list(m.trainable), env_reward=self.env_reward, answer_ids=list(self.answer),
                           episode=info)
 
 

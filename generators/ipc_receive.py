@@ -55,6 +55,18 @@ class _Copy:
     started: float  # perf_counter when its copy began
 
 
+@dataclass
+class _Slots:
+    """The learner's two slots as this receiver mapped them: their ``epoch`` (allocation), the version layout
+    and its header's sha256, the mapped buffers and what keeps their mappings open."""
+
+    epoch: int
+    layout: wire.Layout
+    header_sha: str
+    mapped: list[torch.Tensor]
+    keep: list
+
+
 class IpcReceiver(Staging):
     """``tamper(flat)`` is a test hook: it may alter the generator's copy right after it landed, as a
     faulty copy would; ``after_copy()`` another, called between the copy and the second sequence check."""
@@ -68,11 +80,7 @@ class IpcReceiver(Staging):
         self.r, self.keys, self.generator_id, self.key = r, keys, generator_id, announce_key
         self.poll_s, self.max_bytes, self.tamper, self.after_copy = poll_s, max_bytes, tamper, after_copy
         self.superseded = 0  # copies discarded because the learner rewrote the slot meanwhile
-        self.epoch: int | None = None  # of the slots mapped
-        self.layout: wire.Layout | None = None
-        self.header_sha = ""
-        self.mapped: list[torch.Tensor] = []
-        self._keep: list = []
+        self.slots: _Slots | None = None  # the learner's slots, mapped
         self._seen = b""  # the last ``current`` entry handled
         self._seen_staged = b""  # the last ``staged`` entry looked at
         self._pending: _Copy | None = None  # a version copied ahead of its ``current`` entry
@@ -124,7 +132,7 @@ class IpcReceiver(Staging):
                     log.warning("stopped receiving over ipc (%s); following the store until the slots can be "
                                 "mapped again", str(e).splitlines()[0][:200])
                 self.joined.clear()
-                self.epoch, self._pending = None, None
+                self.slots, self._pending = None, None
                 self.stop.wait(1.0)
 
     def _map(self, epoch: int) -> None:
@@ -143,8 +151,7 @@ class IpcReceiver(Staging):
                 raise ipc.IpcError(f"a slot of {flat.numel()} bytes for a layout of {layout.total}")
             mapped.append(flat[:layout.total])
             keep.append(k)
-        self.mapped, self._keep, self.layout, self.epoch = mapped, keep, layout, epoch
-        self.header_sha = hashlib.sha256(fields[1]).hexdigest()
+        self.slots = _Slots(epoch, layout, hashlib.sha256(fields[1]).hexdigest(), mapped, keep)
         self.joins += 1
         self.joined.set()
         log.info("mapped the learner's ipc slots (epoch %d, %.1f MiB each, on %s)", epoch, layout.total / (1 << 20),
@@ -158,7 +165,7 @@ class IpcReceiver(Staging):
         ``current`` entry then finds the work done (:meth:`_receive`). One at a time (one staging buffer)."""
         if st["version"] <= self._newest or self._pending is not None:
             return
-        if st["epoch"] != self.epoch:
+        if self.slots is None or st["epoch"] != self.slots.epoch:
             self._map(st["epoch"])
         self._pending = self._copy(st["version"], st["slot"], st["seq"])
 
@@ -169,11 +176,11 @@ class IpcReceiver(Staging):
         if self._seq(slot) != seq:  # already rewritten
             self.superseded += 1
             return None
-        layout = self.layout
+        layout = self.slots.layout
         flat = self._buffer(layout.total)
-        flat.copy_(self.mapped[slot], non_blocking=True)
-        if flat.is_cuda or self.mapped[slot].is_cuda:
-            torch.cuda.synchronize(flat.device if flat.is_cuda else self.mapped[slot].device)
+        flat.copy_(self.slots.mapped[slot], non_blocking=True)
+        if flat.is_cuda or self.slots.mapped[slot].is_cuda:
+            torch.cuda.synchronize(flat.device if flat.is_cuda else self.slots.mapped[slot].device)
         if self.after_copy is not None:
             self.after_copy()
         if self._seq(slot) != seq:  # the learner rewrote the slot during the copy: torn, discarded
@@ -186,7 +193,7 @@ class IpcReceiver(Staging):
             self.tamper(flat)
         state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
                  for s in layout.slots}
-        return _Copy(version, slot, seq, self.epoch, flat, state, state_digest(state, layout.digest), t0)
+        return _Copy(version, slot, seq, self.slots.epoch, flat, state, state_digest(state, layout.digest), t0)
 
     def _receive(self, cur: dict) -> None:
         """A new ``current`` entry: its version copied (or the copy made ahead of it taken), checked against
@@ -194,7 +201,7 @@ class IpcReceiver(Staging):
         version, slot = cur["version"], cur["slot"]
         if version <= self._newest:
             return
-        if cur["epoch"] != self.epoch:
+        if self.slots is None or cur["epoch"] != self.slots.epoch:
             self._map(cur["epoch"])
         ahead, self._pending = self._pending, None
         if ahead is not None and (ahead.version, ahead.slot, ahead.seq, ahead.epoch) == \
@@ -215,7 +222,7 @@ class IpcReceiver(Staging):
         if self.key is not None:
             problem = signing.check_collective(self.key, self.keys.run_id, version, cur["digest"], cur["header_sha256"],
                                                cur["sig"])
-        if problem is None and cur["header_sha256"] != self.header_sha:
+        if problem is None and cur["header_sha256"] != self.slots.header_sha:
             problem = "header_mismatch"
         if problem is None and cur["digest"] != copied.digest:
             problem = "digest_mismatch"
@@ -223,7 +230,7 @@ class IpcReceiver(Staging):
         self._deliver(Received(version, copied.digest, copied.state, problem, cur["digest"], time.time(), seconds,
                                copied.flat))
         log.debug("version %d (%.1f MiB) from slot %d ready %.3fs after its copy began%s", version,
-                  self.layout.total / (1 << 20), slot, seconds, " (copied ahead)" if copied is ahead else "")
+                  self.slots.layout.total / (1 << 20), slot, seconds, " (copied ahead)" if copied is ahead else "")
 
 
 def receiving(ctx: ReceiverContext) -> Receiving:
