@@ -82,6 +82,12 @@ def release(pipe, stream: str, *eids: bytes) -> None:
     pipe.xdel(stream, *eids)
 
 
+def delete_entries(pipe, stream: str, *eids: bytes) -> None:
+    """Delete entries of a stream no consumer group reads (the evaluation results, once summarised), queued on
+    ``pipe``."""
+    pipe.xdel(stream, *eids)
+
+
 def prompts_ready(r: redis.Redis, keys: Keys) -> int:
     """Prompts in the prompts stream (fed, not yet released)."""
     return int(r.xlen(keys.prompts))

@@ -337,7 +337,7 @@ class EvalHistory:
                 continue
             ids = self._ids.pop(v, None)
             if ids:
-                pipe.xdel(self.keys.eval_results, *ids)
+                queues.delete_entries(pipe, self.keys.eval_results, *ids)
         if len(pipe):
             pipe.execute()
         for v in settled:
