@@ -58,7 +58,7 @@ def main() -> None:
     if args.transport == "ipc":
         def flip_copy(flat: torch.Tensor) -> None:  # a byte in the middle of the largest tensor
             if not flipped:
-                s = max(receiver.layout.slots, key=lambda s: s.nbytes)
+                s = max(receiver.slots.layout.slots, key=lambda s: s.nbytes)
                 flat[s.offset + s.nbytes // 2] ^= 0x40
                 flipped.append(0)
 
