@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, child_env, row, skipped
+from benchmarks.common import ROOT, child_env, row, skipped, torch_threads
 
 SYSTEMS = ("relay-torch", "relay-vllm", "trl")
 PRECISIONS = ("fp32", "bf16")
@@ -154,14 +154,16 @@ def run_trl(work: Path, model: Path, train: Path, s: dict, steps: int, seed: int
             "steps": steps_out, "weights": weights, "folder": out, "trl": info}
 
 
-def evaluate(run: dict, test_rows: list[dict], eval_every: int, steps: int, max_tokens: int) -> list[dict]:
+def evaluate(run: dict, test_rows: list[dict], eval_every: int, steps: int, max_tokens: int,
+             start: dict | None = None) -> list[dict]:
     """pass@1 at steps 0, eval_every, ... and the last, from the run's saved weights; each point with the
-    wall time at which the run had those weights (0 for the initial model)."""
+    wall time at which the run had those weights. Step 0 is the model every run starts from: ``start``, its
+    evaluation (made once per benchmark, from the model folder itself), at time 0."""
     from benchmarks.peer_eval import pass_at_1
 
     at = {m["step"]: m["t"] for m in run["steps"]}
-    curve = []
-    for k in sorted(set(range(0, steps + 1, eval_every)) | {steps}):
+    curve = [{"step": 0, "t": 0.0, **start}] if start else []
+    for k in sorted(set(range(eval_every if start else 0, steps + 1, eval_every)) | {steps}):
         folder = run["weights"].get(k)
         if folder is None or not folder.is_dir():
             raise RuntimeError(f"{run['system']} seed {run['seed']}: no saved weights for step {k} ({folder})")
@@ -252,17 +254,19 @@ def compare_all(steps: int = 16, seeds=(0, 1), systems=SYSTEMS, precisions=PRECI
                 settings: dict | None = None, work: Path | None = None, png: Path | None = None,
                 held_out: int = HELD_OUT) -> dict:
     """Every run and its curve; the rows. ``work`` keeps the runs (a temporary folder otherwise)."""
-    import torch
-
     s = {**SETTINGS, **(settings or {})}
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="relay-bench-peer-")) if own else Path(work)
     work.mkdir(parents=True, exist_ok=True)
     try:
         model, train, test = prepare(work)
-        from benchmarks.peer_eval import read_jsonl
+        from benchmarks.peer_eval import pass_at_1, read_jsonl
 
         test_rows = read_jsonl(test, held_out)
+        with torch_threads(2):  # both cores: nothing else runs meanwhile
+            start = {x: v for x, v in pass_at_1(model, test_rows, max_tokens=s["max_tokens"]).items()
+                     if x in ("pass_at_1", "mean_tokens", "eval_s")}
+        print(f"relay bench: peer: the initial model: pass@1 {start['pass_at_1']:.3f}", file=sys.stderr, flush=True)
         runs = []
         for seed in seeds:
             for prec in precisions:
@@ -270,20 +274,18 @@ def compare_all(steps: int = 16, seeds=(0, 1), systems=SYSTEMS, precisions=PRECI
                     print(f"relay bench: peer: {system} {prec} seed {seed}: {steps} steps", file=sys.stderr, flush=True)
                     r = run_trl(work, model, train, s, steps, seed, prec, eval_every) if system == "trl" else \
                         run_relay(work, model, train, test, s, steps, seed, prec, system.split("-", 1)[1])
-                    old = torch.get_num_threads()
-                    torch.set_num_threads(2)
-                    try:
-                        r["curve"] = evaluate(r, test_rows, eval_every, steps, s["max_tokens"])
-                    finally:
-                        torch.set_num_threads(old)
+                    with torch_threads(2):
+                        r["curve"] = evaluate(r, test_rows, eval_every, steps, s["max_tokens"], start)
                     r["summary"] = summarise(r, steps)
-                    shutil.rmtree(r["folder"] / "weights" if system != "trl" else r["folder"], ignore_errors=True)
+                    # the weights (0.5 GB a version) once scored; a Relay run keeps its config, logs and metrics
+                    for folder in ([r["folder"] / "weights", r["folder"] / "export"] if system != "trl" else [r["folder"]]):
+                        shutil.rmtree(folder, ignore_errors=True)
                     r.pop("weights"), r.pop("folder")
                     runs.append(r)
         rows = [x for system in systems if system != "trl" for prec in precisions
                 for x in compare(runs, system, prec, steps)]
         fig = figure(runs, png) if png else None
-        return {"settings": s, "steps": steps, "seeds": list(seeds), "eval_every": eval_every, "held_out": len(test_rows),
+        return {"settings": s, "steps": steps, "initial": start, "seeds": list(seeds), "eval_every": eval_every, "held_out": len(test_rows),
                 "runs": runs, "rows": rows, "figure": str(fig) if fig else None,
                 "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
     finally:

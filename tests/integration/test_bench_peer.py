@@ -10,7 +10,9 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# ~7 min on the 2-core machine with load average ~5 from other work; the default 900 s timeout ran out at
+# nice 19 with load average 12
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,9 @@ def test_both_systems_train_the_same_steps_and_are_scored_by_one_evaluator(resul
         assert [p["step"] for p in r["curve"]] == [0, 2]
         assert all(m["tokens"] > 0 for m in r["steps"])  # completion tokens trained each step
         assert 0 < r["steps"][0]["t"] < r["steps"][1]["t"]
-    # step 0 is the same model folder's weights on both sides: the one evaluator gives the same answer
-    assert runs["relay-torch"]["curve"][0]["pass_at_1"] == runs["trl"]["curve"][0]["pass_at_1"]
-    assert runs["relay-torch"]["curve"][0]["mean_tokens"] == runs["trl"]["curve"][0]["mean_tokens"]
+    # step 0 is the model both start from, evaluated once; step 2 each side's own saved weights
+    assert runs["relay-torch"]["curve"][0] == runs["trl"]["curve"][0] == {"step": 0, "t": 0.0, **res["initial"]}
+    assert all(r["curve"][1]["eval_s"] > 0 and r["curve"][1]["t"] == r["steps"][-1]["t"] for r in runs.values())
     # where the time goes, per side
     assert set(runs["relay-torch"]["summary"]["breakdown"]) == {"wait_s", "train_s", "publish_s"}
     assert set(runs["trl"]["summary"]["breakdown"]) == {"gen_s", "prepare_s", "train_s"}
