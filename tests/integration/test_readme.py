@@ -78,7 +78,7 @@ def test_the_smollm2_demo_runs_as_shown_at_small_size(tmp_path):
     assert summary["steps"] == 1 and summary["export"], summary
     rounds = {r["version"]: r for r in summary["eval"]}
     assert {0, 1} <= set(rounds) and all(r["n_prompts"] == 2 and r["reward_failures"] == 0 for r in rounds.values())
-    assert (work / ".cache" / "smollm2-demo" / "test.jsonl").read_text().count("\n") == 32
+    assert (work / ".cache" / "smollm2-demo" / "test.jsonl").read_text().count("\n") == 128
 
 
 def test_the_layout_table_has_one_line_per_folder_of_the_tree():
