@@ -224,6 +224,30 @@ def test_calc_reward_function():
     assert calc_reward("7*8", calls, True, "56", None)[0] == pytest.approx(0.55)  # the tool gave no number
 
 
+def test_calc_evaluation_counts_only_the_exact_call_and_the_whole_answer():
+    """Why an evaluation round can report pass@1 0 while the training reward is 0.8 (docs/agents.md, Measured):
+    pass@1 counts an episode correct at the round's threshold, 1.0, which only the exact call with the tool's
+    whole result read back reaches; the exact call with one digit of the answer (``5`` for 56, ``89`` for 81, ``40``
+    for 4) scores 0.8, however many prompts it answers that way."""
+    from broker.prompts.evals import summarize_round
+    from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound
+
+    make = build_env("calc", {})
+
+    def greedy(prompt: str, answer: str) -> EvalResult:
+        r = episode(make(), PromptEntry(prompt, "", "calc"), [f"<tool_call>{prompt[:-1]}</tool_call>", answer])[-1]
+        assert r.done
+        return EvalResult(version=600, greedy=EvalCompletion(reward=r.reward, length=12, finish_reason="stop"))
+
+    one_digit = {0: greedy("7*8=", "5"), 1: greedy("9*9=", "89"), 2: greedy("2*2=", "40")}
+    assert [res.greedy.reward for res in one_digit.values()] == pytest.approx([0.8, 0.8, 0.8])
+    s = summarize_round(EvalRound(version=600, prompts=3), one_digit)
+    assert s["pass@1"] == 0.0 and s["mean_reward"] == pytest.approx(0.8)
+    whole = {0: greedy("7*8=", "56"), 1: greedy("9*9=", "89"), 2: greedy("2*2=", "4")}
+    s = summarize_round(EvalRound(version=600, prompts=3), whole)
+    assert s["pass@1"] == pytest.approx(2 / 3)
+
+
 def test_calc_without_reference_uses_the_true_value():
     env = build_env("calc")()
     assert episode(env, PromptEntry("12+30="), ["<tool_call>12+30</tool_call>", "42"])[-1].reward == 1.0
