@@ -176,9 +176,9 @@ def test_calc_partial_credit():
     def reward(call, answer):
         return episode(build_env("calc")(), P, [f"<tool_call>{call}</tool_call>", answer])[-1].reward
 
-    # 2 of 3 characters, one operand of two, the tool's 21 read back: 0.1 + 0.5 * 2/3 + 0.4 * 1/2 * 1
+    # 2 of 3 characters, one operand of two, the tool's 21 read back: 0.1 + 0.5 * 2/3 + 0.4 * (1/2)² * 1
     r1, r2 = episode(build_env("calc")(), P, ["<tool_call>7*3</tool_call>", "21"])
-    assert r1.reply == "21" and r2.reward == approx(0.1 + 0.5 * 2 / 3 + 0.2)
+    assert r1.reply == "21" and r2.reward == approx(0.1 + 0.5 * 2 / 3 + 0.1)
     assert r2.info == {"tool": 1.0, "expression": approx(2 / 3), "operands": 0.5, "answer": 1.0, "turns": 2}
     # no operand right: the call's credit and its operator, whatever the answer (the tool's 54, or the true
     # 56 remembered rather than read): a call that ignores the prompt earns no answer credit
@@ -189,6 +189,11 @@ def test_calc_partial_credit():
     assert reward("7*", "56") == approx(0.05 + 0.5 * 2 / 3) and reward("975", "975") == approx(0.05)
     # right expression, no answer digit right
     assert reward("7*8", "3") == approx(0.6)
+    # ...beats one operand right with a second that makes the answer trivial, read back right (0.53; 0.63
+    # when the answer's credit was weighted by o, not o², and a run settled on d*0 answered 0)
+    trivial = reward("7*0", "0")
+    assert trivial == approx(0.1 + 0.5 * 2 / 3 + 0.4 / 4) and trivial < reward("7*8", "3")
+    assert reward("7*1", "7") < reward("7*8", "3")
     # an unreadable call counts as calling the tool but earns no tool or expression credit
     r = episode(build_env("calc")(), P, ["<tool_call>{7*8</tool_call>", "56"])
     assert r[0].tool_calls[0].error == "bad_json" and r[-1].reward == 0.0
