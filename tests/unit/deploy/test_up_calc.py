@@ -21,7 +21,7 @@ def test_calc_sets_the_environment_the_tool_vocabulary_and_short_turns(tmp_path)
     assert g["env"] == "calc" and g["max_turns"] == 3 and g["sampling"]["max_tokens"] == 5
     assert p["learner"]["tiny_tools"] is True
     assert g["sampling"]["n"] == 32 and p["learner"]["batch_groups"] == 8 and p["learner"]["entropy_coef"] == 0.03
-    assert p["learner"]["lr"] == 2e-3 and p["learner"]["steps"] == 1200  # docs/agents.md, "Measured"
+    assert p["learner"]["lr"] == 1e-3 and p["learner"]["steps"] == 3000  # docs/agents.md, "Measured"
     assert g["prompts_per_batch"] == 4  # the 2 generators sample a step's 8 groups side by side
     assert p["broker"]["task"]["min_digits"] == p["broker"]["task"]["max_digits"] == 1
     assert p["reward"]["task_plugins"]["calc"] == "digits" and p["reward"]["task_plugins"]["copy"] == "digits"
