@@ -16,6 +16,7 @@ from pathlib import Path
 
 from broker.prompts.tasks import TASK_NEEDS, UnknownTaskError, check_task, task_defaults
 from broker.runtime.config import ConfigError, deep_merge, format_validation_error, read_file, set_overrides
+from deploy.launcher.episode_presets import EPISODE_LEARNER_DEFAULTS, episode_defaults, task_reward_defaults
 from deploy.launcher.ingest_keys import ingest_key_dir
 
 SERVICES = ("broker", "reward", "generator", "learner")
@@ -106,13 +107,15 @@ def plan(args, environ: dict | None = None) -> dict:
                                   "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed,
                                   **({"tiny_tools": True} if needs.get("tools") else {}),
                                   **(EPISODE_LEARNER_DEFAULTS if needs.get("env") else {})})
+    episodes = episode_defaults(needs, broker.get("task", {}).get("max_digits"), learner.get("batch_groups"),
+                                args.generators)
     generator = section("generator", {**common, **keyed["generator"], "redis_url": redis_url("generator"),
                                       "broker_address": ingest,
                                       "weight_store": learner.get("weight_store", ""),
                                       "backend": {"type": args.backend},
                                       "ingest_auth": broker.get("ingest_auth", "curve"),
                                       "broker_public_key_file": str(keydir / "broker.key"),
-                                      "reward_url": reward_url, "seed": args.seed, **episode_defaults(needs)})
+                                      "reward_url": reward_url, "seed": args.seed, **episodes})
     _join(learner, generator, reward)
     openai_key = endpoint_key(generator, run_dir)  # the OpenAI endpoint's per-run key (deploy/launcher/openai_key.py)
     checked = _validate_all(broker, reward, learner, generator, args.learner_ranks)
@@ -274,28 +277,3 @@ def _switch_backend(base: dict, layer: dict) -> dict:
     if new is None or old is None or new == old:
         return base
     return {**base, "backend": {}}
-
-
-# a multi-turn task's generator defaults (below the config file, variables, flags and --set): short turns
-# (the tiny model's tool call is 6 tokens), a few turns (call the tool, read its answer, answer)
-EPISODE_DEFAULTS = {"max_turns": 3, "max_episode_tokens": 32, "sampling": {"max_tokens": 8, "n": 32}}
-# and the learner's: 8 groups of 32 episodes a step, half the tiny model's usual learning rate, an entropy bonus
-# and a higher upper clip keep the policy exploring the call's characters until it copies the prompt into them
-# (with 16 groups of 16 at 2e-3 it collapsed onto one call for every prompt; docs/agents.md, runs r1-r8)
-EPISODE_LEARNER_DEFAULTS = {"batch_groups": 8, "lr": 1e-3, "entropy_coef": 0.03, "clip_eps_high": 0.28}
-
-
-def episode_defaults(needs: dict) -> dict:
-    """The generator's episode settings for a task that needs an environment (``TASK_NEEDS``), else none."""
-    return {"env": needs["env"], **EPISODE_DEFAULTS} if needs.get("env") else {}
-
-
-def task_reward_defaults(task: str) -> dict:
-    """A multi-turn task's reward route: the environment scores the episodes it ends; one ended by a budget
-    (no answer in time) is scored by the reward service on its last turn, with the digit tasks' plugin
-    (0 for an unfinished answer)."""
-    if task not in TASK_NEEDS:
-        return {}
-    from reward_service.config import RewardConfig
-
-    return {"task_plugins": {**RewardConfig.model_fields["task_plugins"].default_factory(), task: "digits"}}

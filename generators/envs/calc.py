@@ -16,7 +16,7 @@ Reward, computed here at ``done`` (the reward service is not asked), in [0, 1]:
   + 0.05 * [that call is one operation on two numbers (like ``7*3``) and the tool computed it]
   + 0.5 * e   e: the call's expression against the prompt's, position-wise (characters equal at the
               same position / the longer length; spaces ignored)
-  + 0.4 * o * a   o: the call's operands against the prompt's, digits position-wise, when the call has
+  + 0.4 * o² * a  o: the call's operands against the prompt's, digits position-wise, when the call has
               the prompt's operator (else 0); a: the final answer (the last turn, when it calls no
               tool) against WHAT THE TOOL RETURNED for turn 1's call, position-wise; 0 when the tool
               returned no number or the episode ran out of turns still calling tools
@@ -24,7 +24,10 @@ Reward, computed here at ``done`` (the reward service is not asked), in [0, 1]:
 The answer is scored against the tool's result, never the true one, so remembering a product earns
 nothing: the answer's credit comes from reading the tool. It is weighted by the operands' match, so a
 call that ignores the prompt (the same ``4*4`` for every prompt, answered ``16`` from the tool) earns
-no answer credit: 0.27, where ``7*3`` answered ``21`` earns 0.63 and only ``7*8`` answered ``56`` 1.0.
+no answer credit: 0.27, where ``7*3`` answered ``21`` earns 0.53 and only ``7*8`` answered ``56`` 1.0. It is
+weighted by o squared so that ``7*0`` answered ``0`` (one operand right, an answer that needs no reading:
+0.53) scores below the exact call answered wrongly (0.6): with o alone it scored 0.63, and a run settled on
+``d*0`` answered ``0`` for every prompt (docs/agents.md).
 Each rung (a readable call, a whole operation, the right characters, the tool's answer read back)
 scores above the one before, so a random model finds the protocol. (What earlier rewards taught the
 tiny model instead is in docs/agents.md: calling half an expression and answering from memory, an
@@ -96,7 +99,9 @@ def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool
     expr_match = position_match("".join(expr.split()), "".join(expression.split())) if expr is not None else 0.0
     operands = operands_match(expr, expression) if expr is not None else 0.0
     ans = position_match(answer.strip(), tool_result) if answer is not None and tool_result is not None else 0.0
-    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * operands * ans
+    # o squared: a call with one operand right and a second that makes the answer trivial (7*0 answered 0, 7*1
+    # answered 7) must score below the exact call answered wrongly, or it is where the policy settles
+    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * operands ** 2 * ans
     return round(reward, 6), {"tool": tool, "expression": round(expr_match, 6), "operands": round(operands, 6),
                               "answer": round(ans, 6)}
 

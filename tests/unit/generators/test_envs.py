@@ -176,9 +176,9 @@ def test_calc_partial_credit():
     def reward(call, answer):
         return episode(build_env("calc")(), P, [f"<tool_call>{call}</tool_call>", answer])[-1].reward
 
-    # 2 of 3 characters, one operand of two, the tool's 21 read back: 0.1 + 0.5 * 2/3 + 0.4 * 1/2 * 1
+    # 2 of 3 characters, one operand of two, the tool's 21 read back: 0.1 + 0.5 * 2/3 + 0.4 * (1/2)² * 1
     r1, r2 = episode(build_env("calc")(), P, ["<tool_call>7*3</tool_call>", "21"])
-    assert r1.reply == "21" and r2.reward == approx(0.1 + 0.5 * 2 / 3 + 0.2)
+    assert r1.reply == "21" and r2.reward == approx(0.1 + 0.5 * 2 / 3 + 0.1)
     assert r2.info == {"tool": 1.0, "expression": approx(2 / 3), "operands": 0.5, "answer": 1.0, "turns": 2}
     # no operand right: the call's credit and its operator, whatever the answer (the tool's 54, or the true
     # 56 remembered rather than read): a call that ignores the prompt earns no answer credit
@@ -189,6 +189,11 @@ def test_calc_partial_credit():
     assert reward("7*", "56") == approx(0.05 + 0.5 * 2 / 3) and reward("975", "975") == approx(0.05)
     # right expression, no answer digit right
     assert reward("7*8", "3") == approx(0.6)
+    # ...beats one operand right with a second that makes the answer trivial, read back right (0.53; 0.63
+    # when the answer's credit was weighted by o, not o², and a run settled on d*0 answered 0)
+    trivial = reward("7*0", "0")
+    assert trivial == approx(0.1 + 0.5 * 2 / 3 + 0.4 / 4) and trivial < reward("7*8", "3")
+    assert reward("7*1", "7") < reward("7*8", "3")
     # an unreadable call counts as calling the tool but earns no tool or expression credit
     r = episode(build_env("calc")(), P, ["<tool_call>{7*8</tool_call>", "56"])
     assert r[0].tool_calls[0].error == "bad_json" and r[-1].reward == 0.0
@@ -222,6 +227,30 @@ def test_calc_reward_function():
     assert calc_reward("7*8", calls, True, None, "56")[0] == pytest.approx(0.6)
     assert calc_reward("7*8", calls, True, "560", "56")[0] == pytest.approx(0.6 + 0.4 * 2 / 3)
     assert calc_reward("7*8", calls, True, "56", None)[0] == pytest.approx(0.55)  # the tool gave no number
+
+
+def test_calc_evaluation_counts_only_the_exact_call_and_the_whole_answer():
+    """Why an evaluation round can report pass@1 0 while the training reward is 0.8 (docs/agents.md, Measured):
+    pass@1 counts an episode correct at the round's threshold, 1.0, which only the exact call with the tool's
+    whole result read back reaches; the exact call with one digit of the answer (``5`` for 56, ``89`` for 81, ``40``
+    for 4) scores 0.8, however many prompts it answers that way."""
+    from broker.prompts.evals import summarize_round
+    from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound
+
+    make = build_env("calc", {})
+
+    def greedy(prompt: str, answer: str) -> EvalResult:
+        r = episode(make(), PromptEntry(prompt, "", "calc"), [f"<tool_call>{prompt[:-1]}</tool_call>", answer])[-1]
+        assert r.done
+        return EvalResult(version=600, greedy=EvalCompletion(reward=r.reward, length=12, finish_reason="stop"))
+
+    one_digit = {0: greedy("7*8=", "5"), 1: greedy("9*9=", "89"), 2: greedy("2*2=", "40")}
+    assert [res.greedy.reward for res in one_digit.values()] == pytest.approx([0.8, 0.8, 0.8])
+    s = summarize_round(EvalRound(version=600, prompts=3), one_digit)
+    assert s["pass@1"] == 0.0 and s["mean_reward"] == pytest.approx(0.8)
+    whole = {0: greedy("7*8=", "56"), 1: greedy("9*9=", "89"), 2: greedy("2*2=", "4")}
+    s = summarize_round(EvalRound(version=600, prompts=3), whole)
+    assert s["pass@1"] == pytest.approx(2 / 3)
 
 
 def test_calc_without_reference_uses_the_true_value():
