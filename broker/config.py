@@ -12,7 +12,7 @@ from broker.protocol.keys import EVENTS_MAX, RECORD_WINDOW
 from broker.prompts.evals import EvalConfig
 from broker.prompts.tasks import TaskConfig
 from broker.runtime.binds import ALLOW_DESCRIPTION, refuse_open_bind, zmq_bind_host
-from broker.runtime.config import StrictModel, VerifyingConnection  # StrictModel: for plugins (docs/rewards.md)
+from broker.runtime.config import StrictModel, VerifyingConnection  # noqa: F401 (StrictModel: for plugins, docs/rewards.md)
 
 
 class BrokerConfig(VerifyingConnection):

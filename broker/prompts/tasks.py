@@ -41,12 +41,12 @@ def _digits(rng: random.Random, lo: int, hi: int) -> str:
     return "".join(rng.choice("0123456789") for _ in range(rng.randint(lo, hi)))
 
 
-def _copy(rng: random.Random, cfg: TaskConfig) -> Prompt:
+def _copy(rng: random.Random, cfg: TaskConfig) -> PromptEntry:
     d = _digits(rng, cfg.min_digits, cfg.max_digits)
     return PromptEntry(d + "=", d, "copy")
 
 
-def _reverse(rng: random.Random, cfg: TaskConfig) -> Prompt:
+def _reverse(rng: random.Random, cfg: TaskConfig) -> PromptEntry:
     d = _digits(rng, cfg.min_digits, cfg.max_digits)
     return PromptEntry(d + "=", d[::-1], "reverse")
 
@@ -56,7 +56,7 @@ def _calc(rng: random.Random, cfg: TaskConfig) -> PromptEntry:
     return PromptEntry(f"{int(a)}*{int(b)}=", str(int(a) * int(b)), "calc")
 
 
-def _add(rng: random.Random, cfg: TaskConfig) -> Prompt:
+def _add(rng: random.Random, cfg: TaskConfig) -> PromptEntry:
     a, b = _digits(rng, cfg.min_digits, cfg.max_digits), _digits(rng, cfg.min_digits, cfg.max_digits)
     return PromptEntry(f"{int(a)}+{int(b)}=", str(int(a) + int(b)), "add")
 

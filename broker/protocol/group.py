@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-from itertools import accumulate, chain
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union

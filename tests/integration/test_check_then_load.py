@@ -6,7 +6,6 @@ learner's LoRA publication), real weight server."""
 
 import os
 
-import pytest
 import redis
 import torch
 from safetensors.torch import load_file, save_file

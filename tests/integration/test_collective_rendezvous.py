@@ -108,7 +108,7 @@ def test_a_thousand_joins_without_the_key_cost_the_learner_no_thread_and_no_broa
     wait_until(lambda: b.member_ids() == ["gen-0"], timeout=60, what="gen-0 joined")
     host, port = _address(r, keys)
     before = _threads()
-    got = _store_join(host, port, "nobody", ticket_count=300)  # before: one learner thread per ticket
+    _store_join(host, port, "nobody", ticket_count=300)  # before: one learner thread per ticket
     peak = _threads()
     socks, stop = [], threading.Event()
 

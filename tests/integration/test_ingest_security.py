@@ -17,7 +17,7 @@ import redis
 from broker.client import queues
 from broker.client.sender import GroupSender
 from broker.client.telemetry import read_stats
-from broker.protocol.group import Group, Sample, encode_group
+from broker.protocol.group import Sample, encode_group
 from broker.protocol.ingest_auth import load_client_keys, write_ingest_keys
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port

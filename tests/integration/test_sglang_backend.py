@@ -43,7 +43,7 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
     for url, child in ((f"http://127.0.0.1:{sgl_port}/get_model_info", sgl), (f"http://127.0.0.1:{http}/healthz", b),
                        (f"http://127.0.0.1:{reward}/healthz", rw)):
         wait_http(url, child)
-    gen = start_service(procs, "gen", "generator", {
+    start_service(procs, "gen", "generator", {
         "id": "g0", "run_id": "t", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
         "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 2,
         "sampling": {"n": 4, "max_tokens": 6, "temperature": 0.8},

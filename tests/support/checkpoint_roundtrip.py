@@ -24,7 +24,7 @@ def run(out: Path, settings: list[str]) -> None:
     from learner.tiny_model import build_tiny_model
 
     init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model_dir = out / "model"
     if rank == 0:  # MLP weights of 160 x 640 > ZeRO-3's persistence threshold: those are really partitioned
         build_tiny_model(model_dir, hidden=160, layers=1, heads=5)

@@ -112,7 +112,9 @@ def test_groups_beyond_the_fast_paths_limits_are_checked_field_by_field_and_acce
 def test_the_fast_path_returns_read_only_arrays_as_the_validation_does():
     data = encode_group(rich_group())
     fast, expected = decode_group_fast(data), slow(data)
-    arrays = lambda g: [g.prompt_ids] + [a for s in g.samples for a in (s.completion_ids, s.logprobs)]
+    def arrays(g):
+        return [g.prompt_ids] + [a for s in g.samples for a in (s.completion_ids, s.logprobs)]
+
     assert [a.flags.writeable for a in arrays(fast)] == [a.flags.writeable for a in arrays(expected)]
     assert not any(a.flags.writeable for a in arrays(fast))
 

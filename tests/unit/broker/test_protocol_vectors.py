@@ -42,6 +42,7 @@ EXAMPLE_HASH = "6046ddcfdb736b74a6f080c04680c08c2390c3e2fbb3c02875817760f443559a
 
 
 # ---- the minimal producer of docs/protocol.md section 10, verbatim ---------------------------
+# fmt: off (the document's text, byte for byte: test_doc_holds_the_minimal_producer_verbatim)
 
 
 def build_group(group_id, run_id, prompt_id, prompt_ids, samples, generator_id, weight_version,
@@ -139,6 +140,9 @@ def send_group(address, group_id, payload, timeout_s=10.0, give_up_s=3600.0, cur
         if sock is not None:
             sock.close(linger=0)
     raise TimeoutError(f"broker {address} did not take group {group_id} in {give_up_s}s")
+
+
+# fmt: on
 
 
 # ---- helpers ----------------------------------------------------------------------------------

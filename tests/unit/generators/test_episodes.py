@@ -251,7 +251,6 @@ def test_a_reply_the_tokenizer_cannot_spell_is_counted_in_the_episode_stats_and_
     """The tiny model's tokenizer spells digits, + = * and the tool markers: "higher" reaches the model as
     <pad>. Counted per reply (a digit reply is not), in the stats the heartbeat, /api/state and /metrics show,
     in the sample's episode info, and logged once with what the model reads instead."""
-    from generators.episodes import make_renderer
     from generators.metrics import episode_metrics
     from learner.tiny_model import build_tokenizer
 

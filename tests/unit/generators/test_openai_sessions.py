@@ -119,7 +119,7 @@ def test_a_group_completes_when_all_its_sessions_have_rewards_and_its_prompt_is_
 
 def test_sessions_with_different_first_prompts_share_their_common_prefix_and_the_rest_is_context():
     ss, _ = _sessions(n=2)
-    a = _run(ss, "a", "g", q="qa")
+    _run(ss, "a", "g", q="qa")
     b = _run(ss, "b", "g", q="qb")
     ss.reward("a", 1.0)
     parts = ss.reward("b", 0.0)

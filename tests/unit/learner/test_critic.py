@@ -4,17 +4,14 @@ out here: ``compute_value_loss`` (every aggregation mode, fully masked rows) and
 values from a full forward of each sample alone (so the alignment of values, rewards and tokens is
 checked too)."""
 
-import numpy as np
 import pytest
 import torch
 
-from broker.protocol.group import Sample
 from learner.config import LearnerConfig
 from learner.critic import ValueModel, explained_variance, value_loss
 from learner.data import collate
 from learner.losses import AGGREGATIONS
 from learner.update import PolicyUpdate
-from tests.support.data import make_group
 from tests.unit.learner.test_kl_in_reward import SAMPLING, PlainEngine, _groups, _model
 from tests.unit.learner.test_verl_parity import verl_agg_loss
 
