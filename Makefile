@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium nodejs vllm peer run test test-fast smollm2-demo compose-smoke clean
+.PHONY: setup redis chromium nodejs vllm peer run lint test test-fast smollm2-demo compose-smoke clean
 
 setup: $(STAMP) redis
 
@@ -66,11 +66,17 @@ RELAY_ARGS ?=
 run: setup
 	$(VENV)/bin/relay up $(RELAY_ARGS)
 
+# the formatter and the linter (ruff, pinned in the test extra; its settings in pyproject.toml): `make test` runs
+# them first; `$(VENV)/bin/ruff format .` and `$(VENV)/bin/ruff check --fix .` fix what they report
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
 # the suite runs two test files at a time (pytest-xdist; a file's tests stay together, so a module's relay up
 # run is set up once): most integration tests wait on services and timers, and use one core of two
 # (docs/testing.md). TEST_WORKERS=0 runs it in this process, one test at a time.
 TEST_WORKERS ?= 2
-test: setup vllm peer chromium nodejs
+test: setup lint vllm peer chromium nodejs
 	$(PY) -m pytest -q --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test-fast: setup
