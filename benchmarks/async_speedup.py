@@ -49,22 +49,45 @@ SETTINGS = {"generator.prompts_per_batch": 16, "learner.ppo_epochs": 2, "learner
 
 def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int) -> dict:
     run_id = f"eta{eta}-seed{seed}"
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--steps", str(max_steps), "--generators", "2",
-           "--seed", str(seed), "--runs-dir", str(runs), "--run-id", run_id, "--dashboard-port", "0",
-           "--no-progress",
-           "--set", f"generator.backend.step_latency_s={STEP_LATENCY_S}",
-           *[a for k, v in SETTINGS.items() for a in ("--set", f"{k}={v}")],
-           "--set", f"learner.admission_eta={eta}",
-           "--set", f"learner.target_reward={target}", "--set", f"learner.target_window={WINDOW}",
-           # no evaluation rounds: not what this measures, and relay up would wait for the last one
-           "--set", "broker.eval.every_versions=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--steps",
+        str(max_steps),
+        "--generators",
+        "2",
+        "--seed",
+        str(seed),
+        "--runs-dir",
+        str(runs),
+        "--run-id",
+        run_id,
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        f"generator.backend.step_latency_s={STEP_LATENCY_S}",
+        *[a for k, v in SETTINGS.items() for a in ("--set", f"{k}={v}")],
+        "--set",
+        f"learner.admission_eta={eta}",
+        "--set",
+        f"learner.target_reward={target}",
+        "--set",
+        f"learner.target_window={WINDOW}",
+        # no evaluation rounds: not what this measures, and relay up would wait for the last one
+        "--set",
+        "broker.eval.every_versions=0",
+    ]
     t0 = time.time()
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=3600)
     wall = time.time() - t0
     if res.returncode != 0:
         raise RuntimeError(f"relay up ({run_id}) failed with {res.returncode}:\n{res.stderr[-3000:]}")
-    metrics = [json.loads(x) for x in (runs / run_id / "learner" / "metrics.jsonl").read_text().splitlines()
-               if x.strip()]
+    metrics = [
+        json.loads(x) for x in (runs / run_id / "learner" / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
     from learner.config import LearnerConfig  # the run's learner config with every default filled in
 
     config = LearnerConfig.model_validate(json.loads((runs / run_id / "config" / "learner.json").read_text()))
@@ -74,13 +97,21 @@ def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int) -> d
     rewards = [r for m in metrics for r in m["group_rewards"]]
     reached = len(rewards) >= WINDOW and statistics.fmean(rewards[-WINDOW:]) >= target
     steps = len(metrics)
-    return {"eta": eta, "seed": seed, "reached": reached, "seconds": last["t"] - start,
-            "steps": steps, "s_per_step": (last["t"] - start) / max(1, steps - 1), "wall_s": round(wall, 1),
-            "wait_s_mean": statistics.fmean(m["wait_s"] for m in metrics),
-            "compute_s_mean": statistics.fmean(m["compute_s"] for m in metrics),
-            "final_window_reward": statistics.fmean(rewards[-WINDOW:]) if rewards else None,
-            "correction": config.correction.model_dump(), "ppo_epochs": config.ppo_epochs,
-            "staleness": staleness_histogram(metrics)}
+    return {
+        "eta": eta,
+        "seed": seed,
+        "reached": reached,
+        "seconds": last["t"] - start,
+        "steps": steps,
+        "s_per_step": (last["t"] - start) / max(1, steps - 1),
+        "wall_s": round(wall, 1),
+        "wait_s_mean": statistics.fmean(m["wait_s"] for m in metrics),
+        "compute_s_mean": statistics.fmean(m["compute_s"] for m in metrics),
+        "final_window_reward": statistics.fmean(rewards[-WINDOW:]) if rewards else None,
+        "correction": config.correction.model_dump(),
+        "ppo_epochs": config.ppo_epochs,
+        "staleness": staleness_histogram(metrics),
+    }
 
 
 def run(quick: bool) -> list[dict]:
@@ -91,9 +122,16 @@ def run(quick: bool) -> list[dict]:
         for seed in seeds:  # the modes interleaved: each seed's runs back to back
             for eta in etas:
                 r = one_run(Path(tmp), eta, seed, target, max_steps)
-                print(f"relay bench: async_speedup: η={eta} seed={seed}: "
-                      + (f"reward {target} in {r['seconds']:.1f} s, {r['steps']} steps" if r["reached"]
-                         else f"reward {target} not reached in {r['steps']} steps"), file=sys.stderr, flush=True)
+                print(
+                    f"relay bench: async_speedup: η={eta} seed={seed}: "
+                    + (
+                        f"reward {target} in {r['seconds']:.1f} s, {r['steps']} steps"
+                        if r["reached"]
+                        else f"reward {target} not reached in {r['steps']} steps"
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 runs.append(r)
     # a run that never reached the target counts with its whole length (a lower bound), and fails the row
     secs = {eta: [r["seconds"] for r in runs if r["eta"] == eta] for eta in etas}
@@ -102,13 +140,28 @@ def run(quick: bool) -> list[dict]:
     for eta in etas[1:]:
         value = statistics.median(secs[eta])
         per_seed = [s / a for s, a in zip(secs[0], secs[eta])]
-        out.append(row(f"async_speedup/eta{eta}", value, sync, f"s to mean reward {target}", 1 / TARGET_SPEEDUP,
-                       "lower", {
-                           "speedup_of_medians": sync / value, "speedup_per_seed": per_seed,
-                           "speedup_spread": [min(per_seed), max(per_seed)], "target_speedup": TARGET_SPEEDUP,
-                           "target_reward": target, "window_groups": WINDOW, "step_latency_s": STEP_LATENCY_S,
-                           "settings": SETTINGS,
-                           "correction": runs[0]["correction"], "seeds": list(seeds),
-                           "runs": [r for r in runs if r["eta"] in (0, eta)]},
-                       extra_ok=all(r["reached"] for r in runs if r["eta"] in (0, eta))))
+        out.append(
+            row(
+                f"async_speedup/eta{eta}",
+                value,
+                sync,
+                f"s to mean reward {target}",
+                1 / TARGET_SPEEDUP,
+                "lower",
+                {
+                    "speedup_of_medians": sync / value,
+                    "speedup_per_seed": per_seed,
+                    "speedup_spread": [min(per_seed), max(per_seed)],
+                    "target_speedup": TARGET_SPEEDUP,
+                    "target_reward": target,
+                    "window_groups": WINDOW,
+                    "step_latency_s": STEP_LATENCY_S,
+                    "settings": SETTINGS,
+                    "correction": runs[0]["correction"],
+                    "seeds": list(seeds),
+                    "runs": [r for r in runs if r["eta"] in (0, eta)],
+                },
+                extra_ok=all(r["reached"] for r in runs if r["eta"] in (0, eta)),
+            )
+        )
     return out

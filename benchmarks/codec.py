@@ -21,13 +21,26 @@ def make_group(samples: int, tokens: int, seed: int = 0, run_id: str = "bench") 
     out = []
     for _ in range(samples):
         versions = np.sort(rng.integers(10, 12, tokens))  # a weight update in the middle of the completion
-        out.append(Sample(completion_ids=rng.integers(0, 150_000, tokens).astype(np.int32),
-                          logprobs=-rng.exponential(1.0, tokens).astype(np.float32),
-                          version_runs=versions_to_runs(versions), finish_reason="length", reward=0.5))
-    return Group(group_id=Group.new_id(), run_id=run_id, prompt_id="0-1",
-                 prompt_ids=rng.integers(0, 150_000, 128).astype(np.int32), samples=out, generator_id="gen-0",
-                 weight_version=10, weight_hash="0" * 64,
-                 sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": tokens, "n": samples})
+        out.append(
+            Sample(
+                completion_ids=rng.integers(0, 150_000, tokens).astype(np.int32),
+                logprobs=-rng.exponential(1.0, tokens).astype(np.float32),
+                version_runs=versions_to_runs(versions),
+                finish_reason="length",
+                reward=0.5,
+            )
+        )
+    return Group(
+        group_id=Group.new_id(),
+        run_id=run_id,
+        prompt_id="0-1",
+        prompt_ids=rng.integers(0, 150_000, 128).astype(np.int32),
+        samples=out,
+        generator_id="gen-0",
+        weight_version=10,
+        weight_hash="0" * 64,
+        sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": tokens, "n": samples},
+    )
 
 
 def run(quick: bool) -> list[dict]:
@@ -42,8 +55,9 @@ def run(quick: bool) -> list[dict]:
 
     def raw() -> None:
         blobs = [(ids.tobytes(), lps.tobytes(), ver.tobytes()) for ids, lps, ver in arrays]
-        back = [(np.frombuffer(a, np.int32), np.frombuffer(b, np.float32), np.frombuffer(c, np.int32))
-                for a, b, c in blobs]
+        back = [
+            (np.frombuffer(a, np.int32), np.frombuffer(b, np.float32), np.frombuffer(c, np.int32)) for a, b, c in blobs
+        ]
         assert len(back) == samples
 
     repeats, number = (3, 20) if quick else (15, 200)
@@ -55,7 +69,25 @@ def run(quick: bool) -> list[dict]:
     enc = median_time(lambda: encode_group(g), 3, number)
     payload = encode_group(g)
     dec = median_time(lambda: decode_group(payload), 3, number)
-    return [row("codec", v * 1e6, b * 1e6, "µs per group", TARGET, "lower", {
-        "samples": samples, "tokens_per_sample": tokens, "array_bytes": nbytes, "message_bytes": len(payload),
-        "codec_MB_per_s": nbytes / v / 1e6, "raw_MB_per_s": nbytes / b / 1e6,
-        "encode_us": enc * 1e6, "decode_us": dec * 1e6, "repeats": repeats, "calls_per_repeat": number})]
+    return [
+        row(
+            "codec",
+            v * 1e6,
+            b * 1e6,
+            "µs per group",
+            TARGET,
+            "lower",
+            {
+                "samples": samples,
+                "tokens_per_sample": tokens,
+                "array_bytes": nbytes,
+                "message_bytes": len(payload),
+                "codec_MB_per_s": nbytes / v / 1e6,
+                "raw_MB_per_s": nbytes / b / 1e6,
+                "encode_us": enc * 1e6,
+                "decode_us": dec * 1e6,
+                "repeats": repeats,
+                "calls_per_repeat": number,
+            },
+        )
+    ]

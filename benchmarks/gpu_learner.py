@@ -32,15 +32,42 @@ from pathlib import Path
 
 SIZES = {
     # model shape, prompts × samples per step, prompt tokens, completion tokens, micro-batch tokens
-    "0.5b": dict(model=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                            num_key_value_heads=2, vocab_size=151936), prompts=16, n=8, prompt=128, completion=512,
-                 micro_batch_tokens=16384, gradient_checkpointing=True),
+    "0.5b": dict(
+        model=dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+        prompts=16,
+        n=8,
+        prompt=128,
+        completion=512,
+        micro_batch_tokens=16384,
+        gradient_checkpointing=True,
+    ),
     # Qwen2.5-1.5B's shape (tied embeddings as there): how memory and speed scale from 0.5B
-    "1.5b": dict(model=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                            num_key_value_heads=2, vocab_size=151936), prompts=16, n=8, prompt=128, completion=512,
-                 micro_batch_tokens=16384, gradient_checkpointing=True),
-    "tiny": dict(model=None, prompts=4, n=4, prompt=4, completion=8, micro_batch_tokens=64,
-                 gradient_checkpointing=True),
+    "1.5b": dict(
+        model=dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        ),
+        prompts=16,
+        n=8,
+        prompt=128,
+        completion=512,
+        micro_batch_tokens=16384,
+        gradient_checkpointing=True,
+    ),
+    "tiny": dict(
+        model=None, prompts=4, n=4, prompt=4, completion=8, micro_batch_tokens=64, gradient_checkpointing=True
+    ),
 }
 SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0)
 
@@ -54,8 +81,9 @@ def build_model(out: Path, shape: dict | None) -> Path:
 
     if shape is None:
         return build_tiny_model(out)
-    config = Qwen2Config(max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0, **shape)
+    config = Qwen2Config(
+        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
@@ -81,10 +109,28 @@ def sample_groups(path: Path, device: str, size: dict):
     gen_s = time.perf_counter() - t0
     groups = []
     for prompt, completions in zip(prompts, out):
-        samples = [Sample(np.array(c.token_ids, np.int32), np.array(c.logprobs, np.float32), [[0, len(c.token_ids)]],
-                          c.finish_reason, float(rng.random())) for c in completions]
-        g = Group(Group.new_id(), "gpu-bench", "0-1", np.array(prompt, np.int32), samples, "gen-0", 0, "0" * 64,
-                  sampling.model_dump(), task="copy")
+        samples = [
+            Sample(
+                np.array(c.token_ids, np.int32),
+                np.array(c.logprobs, np.float32),
+                [[0, len(c.token_ids)]],
+                c.finish_reason,
+                float(rng.random()),
+            )
+            for c in completions
+        ]
+        g = Group(
+            Group.new_id(),
+            "gpu-bench",
+            "0-1",
+            np.array(prompt, np.int32),
+            samples,
+            "gen-0",
+            0,
+            "0" * 64,
+            sampling.model_dump(),
+            task="copy",
+        )
         groups.append(decode_group(encode_group(g)))
     tokens = sum(len(s.completion_ids) for g in groups for s in g.samples)
     del backend
@@ -129,14 +175,21 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
 
     size = SIZES[size_name]
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --size tiny to check the script)")
+        raise SystemExit(
+            "--device cuda but torch sees no CUDA device (use --device cpu --size tiny to check the script)"
+        )
     tmp = Path(tempfile.mkdtemp(prefix="relay-gpu-learner-"))
     path = build_model(tmp / "model", size["model"])
     groups, gen = sample_groups(path, device, size)
 
-    cfg = LearnerConfig(run_dir=str(tmp / "run"), model=str(path), micro_batch_tokens=size["micro_batch_tokens"],
-                        gradient_checkpointing=size["gradient_checkpointing"], lr=1e-6,
-                        deepspeed=DeepSpeedConfig(zero_stage=2, bf16=True))
+    cfg = LearnerConfig(
+        run_dir=str(tmp / "run"),
+        model=str(path),
+        micro_batch_tokens=size["micro_batch_tokens"],
+        gradient_checkpointing=size["gradient_checkpointing"],
+        lr=1e-6,
+        deepspeed=DeepSpeedConfig(zero_stage=2, bf16=True),
+    )
     net, tok = load_model(cfg)
     params = sum(p.numel() for p in net.parameters())
     plain = copy.deepcopy(net).to(device).train()
@@ -160,10 +213,17 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
         return update.train_step(groups, groups[0].sampling, 0)
 
     trained = int(sum(len(g.prompt_ids) + len(s.completion_ids) for g in groups for s in g.samples))
-    result = {"device": device, "size": size_name, "params": params, "tokens_per_step": trained,
-              "micro_batch_tokens": cfg.micro_batch_tokens, "gradient_checkpointing": cfg.gradient_checkpointing,
-              "engine": "DeepSpeed ZeRO-2, bf16 (fp32 master weights), torch AdamW",
-              "plain": "bf16 autocast, fp32 weights, torch AdamW", **gen}
+    result = {
+        "device": device,
+        "size": size_name,
+        "params": params,
+        "tokens_per_step": trained,
+        "micro_batch_tokens": cfg.micro_batch_tokens,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "engine": "DeepSpeed ZeRO-2, bf16 (fp32 master weights), torch AdamW",
+        "plain": "bf16 autocast, fp32 weights, torch AdamW",
+        **gen,
+    }
     timings = {"learner": [], "plain": []}
     peaks = {"learner": 0.0, "plain": 0.0}
     for i in range(steps + 1):  # the first of each is a warm-up
@@ -181,8 +241,13 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
     for name in timings:
         s = statistics.median(timings[name])
         tps = trained / s
-        result[name] = {"step_s": s, "step_s_all": timings[name], "tokens_per_s": tps, "peak_memory_gb": peaks[name],
-                        "mfu": 6 * params * tps / (peak_tflops * 1e12) if device.startswith("cuda") else None}
+        result[name] = {
+            "step_s": s,
+            "step_s_all": timings[name],
+            "tokens_per_s": tps,
+            "peak_memory_gb": peaks[name],
+            "mfu": 6 * params * tps / (peak_tflops * 1e12) if device.startswith("cuda") else None,
+        }
     result["ratio_tokens_per_s"] = result["learner"]["tokens_per_s"] / result["plain"]["tokens_per_s"]
     result["peak_tflops"] = peak_tflops if device.startswith("cuda") else None
     if out:

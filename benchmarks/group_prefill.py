@@ -38,12 +38,18 @@ def main() -> None:
     torch.set_num_threads(1)
     b = TorchBackend(TorchBackendConfig())
     b.load(args.model)
-    system = ("You are a careful math tutor. Solve the problem in a few short steps, then write the final answer "
-              "on its own line as 'Answer: <number>'.")
-    prompts = [b.tokenizer.apply_chat_template([{"role": "system", "content": system},
-                                                {"role": "user", "content": r["question"]}],
-                                               add_generation_prompt=True, tokenize=True)["input_ids"]
-               for r in rows()[:args.prompts]]
+    system = (
+        "You are a careful math tutor. Solve the problem in a few short steps, then write the final answer "
+        "on its own line as 'Answer: <number>'."
+    )
+    prompts = [
+        b.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": r["question"]}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )["input_ids"]
+        for r in rows()[: args.prompts]
+    ]
     s = SamplingConfig(n=args.n, temperature=0.7, max_tokens=args.max_tokens)
     grouped, repeated = [], []
     for k in range(args.repeats):
@@ -54,8 +60,16 @@ def main() -> None:
         b.generate([p for p in prompts for _ in range(args.n)], s.model_copy(update={"n": 1}), seed=k)
         repeated.append(time.perf_counter() - t)
     g, r = statistics.median(grouped), statistics.median(repeated)
-    print(json.dumps({"prompt_tokens_mean": sum(map(len, prompts)) / len(prompts), "grouped_s": round(g, 2),
-                      "per_row_s": round(r, 2), "ratio": round(g / r, 3)}))
+    print(
+        json.dumps(
+            {
+                "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+                "grouped_s": round(g, 2),
+                "per_row_s": round(r, 2),
+                "ratio": round(g / r, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,14 @@ def measure(size_mb: int, threads: int, shard_mb: float, root: Path, state) -> d
     digest = weightstore.check(path, h, tensor_digest=True, threads=threads).digest
     t3 = time.perf_counter()
     shutil.rmtree(path)
-    return {"size_mb": size_mb, "threads": threads, "shards": len(known), "write_s": round(t1 - t0, 4),
-            "verify_s": round(t3 - t2, 4), "digest": digest}
+    return {
+        "size_mb": size_mb,
+        "threads": threads,
+        "shards": len(known),
+        "write_s": round(t1 - t0, 4),
+        "verify_s": round(t3 - t2, 4),
+        "digest": digest,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -56,8 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for size_mb in (int(x) for x in args.sizes_mb.split(",")):
             per = min(TENSOR_MB, max(1, size_mb // 8))  # at least 8 tensors
-            state = {f"layers.{i:04d}.weight": torch.randn(per << 19, dtype=torch.float32).to(torch.bfloat16)
-                     for i in range(max(1, size_mb // per))}
+            state = {
+                f"layers.{i:04d}.weight": torch.randn(per << 19, dtype=torch.float32).to(torch.bfloat16)
+                for i in range(max(1, size_mb // per))
+            }
             digests = set()
             for threads in (int(x) for x in args.threads.split(",")):
                 for _ in range(args.repeats):

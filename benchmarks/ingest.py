@@ -35,7 +35,9 @@ WINDOW = 64  # groups in flight per broker producer (GroupSender.send_many), = t
 PLAIN_RUN = "bench-plain"  # the run of the broker without CURVE
 
 
-def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: list[str], run_id: str = "bench") -> None:
+def producer(
+    mode: str, target: str, count: int, tokens: int, seed: int, keys: list[str], run_id: str = "bench"
+) -> None:
     """One producer process: encode ``count`` groups, print "ready", wait for "go" on stdin, send.
     ``target``: a Redis URL (raw), or the broker's ingest address(es), comma-separated."""
     from benchmarks.codec import make_group
@@ -68,7 +70,7 @@ def producer(mode: str, target: str, count: int, tokens: int, seed: int, keys: l
     else:
         for i in range(0, len(payloads), 64):
             pipe = r.pipeline(transaction=False)
-            for gid, data, v in payloads[i:i + 64]:
+            for gid, data, v in payloads[i : i + 64]:
                 pipe.xadd(RAW_STREAM, {"gid": gid, "data": data, "v": v, "gen": f"raw-{seed}"})
             pipe.execute()
     print(f"cpu {time.process_time() - cpu0}", flush=True)  # this process's CPU seconds from "go" to its last group
@@ -112,23 +114,54 @@ class Round:
     """One round's figures: groups/s, MB/s, and CPU µs per group by party (``redis``: its own account, every
     thread; ``producers``: theirs from "go" to their last group; ``consumer``: this process; ``broker``: the
     broker process and its workers, when its pid was given), each over the clocked part of the round."""
+
     groups_per_s: float
     mb_per_s: float
     cpu_us: dict[str, float]
 
 
-def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens: int, seed: int,
-              keys: list[str] = (), producers: int = 2, run_id: str = "bench", broker_pid: int | None = None
-              ) -> Round:
+def one_round(
+    mode: str,
+    target: str,
+    r,
+    stream: str,
+    per_producer: int,
+    tokens: int,
+    seed: int,
+    keys: list[str] = (),
+    producers: int = 2,
+    run_id: str = "bench",
+    broker_pid: int | None = None,
+) -> Round:
     """One round of ``producers`` processes (``keys``: a broker producer's CURVE key files; ``run_id``: the run
     the broker's groups are for; ``broker_pid``: the broker, whose CPU is then counted)."""
     from broker.protocol.keys import Keys
 
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--run-id", run_id, "--producer", mode,
-                               target, str(per_producer), str(tokens), str(seed + k), *keys], cwd=ROOT,
-                              env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
-             for k in range(producers)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.ingest",
+                "--run-id",
+                run_id,
+                "--producer",
+                mode,
+                target,
+                str(per_producer),
+                str(tokens),
+                str(seed + k),
+                *keys,
+            ],
+            cwd=ROOT,
+            env=child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for k in range(producers)
+    ]
     try:
         for p in procs:
             line = p.stdout.readline().strip()
@@ -140,8 +173,14 @@ def one_round(mode: str, target: str, r, stream: str, per_producer: int, tokens:
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        nbytes, t1 = consume(r, stream, producers * per_producer, timeout_s=600, producers=procs,
-                             keys=Keys(run_id) if mode == "broker" else None)
+        nbytes, t1 = consume(
+            r,
+            stream,
+            producers * per_producer,
+            timeout_s=600,
+            producers=procs,
+            keys=Keys(run_id) if mode == "broker" else None,
+        )
         redis1, self1 = _redis_cpu_s(r), time.process_time()
         broker1 = _tree_cpu_s(broker_pid) if broker_pid else 0.0
         producer_cpu = 0.0
@@ -184,8 +223,9 @@ def _redis_cpu_s(r) -> float:
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
-def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1, auth: str = "curve"
-                 ) -> tuple[str, list[str], int]:
+def start_broker(
+    stack: Stack, r, run_id: str = "bench", workers: int = 1, auth: str = "curve"
+) -> tuple[str, list[str], int]:
     """A ``relay broker`` for run ``run_id`` with ``workers`` ingest workers, ``auth`` its ``ingest_auth``,
     unbounded queue, the versions of benchmarks.codec.make_group's groups announced: (its ingest
     address(es), comma-separated; the producers' CURVE key files, none without CURVE; its pid)."""
@@ -196,21 +236,33 @@ def start_broker(stack: Stack, r, run_id: str = "bench", workers: int = 1, auth:
     from deploy.launcher.procs import free_port_run
 
     ingest = f"tcp://127.0.0.1:{free_port_run(workers)}"
-    broker = stack.service(f"broker-{run_id}", "broker", {"run_id": run_id, "redis_url": stack.redis_url,
-                                                          "ingest_bind": ingest, "ingest_workers": workers,
-                                                          # curve: the stack's keys (Stack.service)
-                                                          **({} if auth == "curve" else {"ingest_auth": auth}),
-                                                          "http_port": 0, "max_queue_groups": 10**9,
-                                                          # the consumer acknowledges with raw XACK + XDEL, not the
-                                                          # learner's commit that lowers the byte count: no byte bound
-                                                          "max_queue_bytes": 1 << 50})
+    broker = stack.service(
+        f"broker-{run_id}",
+        "broker",
+        {
+            "run_id": run_id,
+            "redis_url": stack.redis_url,
+            "ingest_bind": ingest,
+            "ingest_workers": workers,
+            # curve: the stack's keys (Stack.service)
+            **({} if auth == "curve" else {"ingest_auth": auth}),
+            "http_port": 0,
+            "max_queue_groups": 10**9,
+            # the consumer acknowledges with raw XACK + XDEL, not the
+            # learner's commit that lowers the byte count: no byte bound
+            "max_queue_bytes": 1 << 50,
+        },
+    )
     keys = Keys(run_id)
     wait_until(lambda: r.exists(keys.prompts), 60, "the broker to start", broker)
     for v in (10, 11):  # the versions benchmarks.codec.make_group's groups carry, with their hash
         announce(r, keys, Announcement(version=v, hash="0" * 64, path=f"/bench/v{v}"), stack.announce_key)
     k = stack.ingest_keys()
-    return (",".join(worker_addresses(ingest, workers)),
-            [k["producer"], k["broker_public_key_file"]] if auth == "curve" else [], broker.pid)
+    return (
+        ",".join(worker_addresses(ingest, workers)),
+        [k["producer"], k["broker_public_key_file"]] if auth == "curve" else [],
+        broker.pid,
+    )
 
 
 def median_cpu(rounds: list[Round]) -> dict[str, float]:
@@ -235,37 +287,74 @@ def run(quick: bool) -> list[dict]:
         r.xgroup_create(RAW_STREAM, "learner", id="0", mkstream=True)
         ours, plain, raw = [], [], []
         for i in range(rounds):
-            ours.append(one_round("broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i, producer_keys,
-                                  broker_pid=pid))
+            ours.append(
+                one_round(
+                    "broker", ingest, r, keys.trajectories, per_producer, tokens, 10 * i, producer_keys, broker_pid=pid
+                )
+            )
             raw.append(one_round("raw", url, r, RAW_STREAM, per_producer, tokens, 10 * i + 5))
-            plain.append(one_round("broker", plain_ingest, r, Keys(PLAIN_RUN).trajectories, per_producer, tokens,
-                                   10 * i + 7, run_id=PLAIN_RUN, broker_pid=plain_pid))
+            plain.append(
+                one_round(
+                    "broker",
+                    plain_ingest,
+                    r,
+                    Keys(PLAIN_RUN).trajectories,
+                    per_producer,
+                    tokens,
+                    10 * i + 7,
+                    run_id=PLAIN_RUN,
+                    broker_pid=plain_pid,
+                )
+            )
         for run_id in ("bench", PLAIN_RUN):
             accepted = int(read_stats(r, Keys(run_id), "broker").get("accepted", 0))
             if accepted != 2 * per_producer * rounds:
-                raise RuntimeError(f"the broker of {run_id} accepted {accepted} groups, expected "
-                                   f"{2 * per_producer * rounds}")
+                raise RuntimeError(
+                    f"the broker of {run_id} accepted {accepted} groups, expected {2 * per_producer * rounds}"
+                )
     v = statistics.median(x.groups_per_s for x in ours)
     b = statistics.median(x.groups_per_s for x in raw)
     p = statistics.median(x.groups_per_s for x in plain)
-    return [row("ingest", v, b, "groups/s", TARGET, "higher", {
-        "producers": 2, "groups_per_round": 2 * per_producer, "rounds": rounds, "samples": 8,
-        "tokens_per_sample": tokens, "broker_MB_per_s": statistics.median(x.mb_per_s for x in ours),
-        "raw_MB_per_s": statistics.median(x.mb_per_s for x in raw),
-        "broker_rounds_groups_per_s": [x.groups_per_s for x in ours],
-        "raw_rounds_groups_per_s": [x.groups_per_s for x in raw], "raw_pipeline_depth": 64,
-        # CPU µs per group by party, median rounds: where each path's CPU goes (docs/benchmarks.md "ingest")
-        "broker_cpu_us_per_group": median_cpu(ours), "raw_cpu_us_per_group": median_cpu(raw),
-        "no_curve_cpu_us_per_group": median_cpu(plain),
-        "no_curve_groups_per_s": p, "no_curve_ratio": round(p / b, 3),
-        "no_curve_rounds_groups_per_s": [x.groups_per_s for x in plain],
-        "broker_window": WINDOW})]
+    return [
+        row(
+            "ingest",
+            v,
+            b,
+            "groups/s",
+            TARGET,
+            "higher",
+            {
+                "producers": 2,
+                "groups_per_round": 2 * per_producer,
+                "rounds": rounds,
+                "samples": 8,
+                "tokens_per_sample": tokens,
+                "broker_MB_per_s": statistics.median(x.mb_per_s for x in ours),
+                "raw_MB_per_s": statistics.median(x.mb_per_s for x in raw),
+                "broker_rounds_groups_per_s": [x.groups_per_s for x in ours],
+                "raw_rounds_groups_per_s": [x.groups_per_s for x in raw],
+                "raw_pipeline_depth": 64,
+                # CPU µs per group by party, median rounds: where each path's CPU goes (docs/benchmarks.md "ingest")
+                "broker_cpu_us_per_group": median_cpu(ours),
+                "raw_cpu_us_per_group": median_cpu(raw),
+                "no_curve_cpu_us_per_group": median_cpu(plain),
+                "no_curve_groups_per_s": p,
+                "no_curve_ratio": round(p / b, 3),
+                "no_curve_rounds_groups_per_s": [x.groups_per_s for x in plain],
+                "broker_window": WINDOW,
+            },
+        )
+    ]
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="an ingest benchmark producer (started by relay bench ingest)")
-    ap.add_argument("--producer", nargs="+", metavar="MODE TARGET COUNT TOKENS SEED [KEY_FILE BROKER_PUBLIC_KEY_FILE]",
-                    required=True)
+    ap.add_argument(
+        "--producer",
+        nargs="+",
+        metavar="MODE TARGET COUNT TOKENS SEED [KEY_FILE BROKER_PUBLIC_KEY_FILE]",
+        required=True,
+    )
     ap.add_argument("--run-id", default="bench")
     a = ap.parse_args()
     mode, target, count, tokens, seed, *keys = a.producer

@@ -39,13 +39,24 @@ def run(quick: bool) -> list[dict]:
             each = per_round // p
             for _ in range(rounds):
                 seed += 100
-                got.setdefault((p, 0), []).append(one_round("raw", url, r, RAW_STREAM, each, tokens, seed,
-                                                            producers=p))
+                got.setdefault((p, 0), []).append(one_round("raw", url, r, RAW_STREAM, each, tokens, seed, producers=p))
                 for w, (run_id, address, keys, pid) in brokers.items():
                     seed += 100
-                    got.setdefault((p, w), []).append(one_round("broker", address, r, Keys(run_id).trajectories,
-                                                                each, tokens, seed, keys, producers=p,
-                                                                run_id=run_id, broker_pid=pid))
+                    got.setdefault((p, w), []).append(
+                        one_round(
+                            "broker",
+                            address,
+                            r,
+                            Keys(run_id).trajectories,
+                            each,
+                            tokens,
+                            seed,
+                            keys,
+                            producers=p,
+                            run_id=run_id,
+                            broker_pid=pid,
+                        )
+                    )
         for w, (run_id, *_) in brokers.items():
             sent = sum(rounds * (per_round // p * p) for p in producers)
             accepted = int(read_stats(r, Keys(run_id), "broker").get("accepted", 0))
@@ -55,11 +66,27 @@ def run(quick: bool) -> list[dict]:
     rate = {k: statistics.median(x.groups_per_s for x in v) for k, v in got.items()}
     for p in producers:
         for w in WORKERS:
-            rows.append(row(f"ingest_scaling/{p}p/{w}w", rate[(p, w)], rate[(p, 0)], "groups/s", None, "higher", {
-                "producers": p, "workers": w, "rounds_groups_per_s": [x.groups_per_s for x in got[(p, w)]],
-                "raw_rounds_groups_per_s": [x.groups_per_s for x in got[(p, 0)]],
-                "groups_per_round": per_round // p * p, "tokens_per_sample": tokens, "samples": 8,
-                "over_one_worker": rate[(p, w)] / rate[(p, 1)],
-                # CPU µs per group by party (the broker: all its workers), median rounds
-                "cpu_us_per_group": median_cpu(got[(p, w)]), "raw_cpu_us_per_group": median_cpu(got[(p, 0)])}))
+            rows.append(
+                row(
+                    f"ingest_scaling/{p}p/{w}w",
+                    rate[(p, w)],
+                    rate[(p, 0)],
+                    "groups/s",
+                    None,
+                    "higher",
+                    {
+                        "producers": p,
+                        "workers": w,
+                        "rounds_groups_per_s": [x.groups_per_s for x in got[(p, w)]],
+                        "raw_rounds_groups_per_s": [x.groups_per_s for x in got[(p, 0)]],
+                        "groups_per_round": per_round // p * p,
+                        "tokens_per_sample": tokens,
+                        "samples": 8,
+                        "over_one_worker": rate[(p, w)] / rate[(p, 1)],
+                        # CPU µs per group by party (the broker: all its workers), median rounds
+                        "cpu_us_per_group": median_cpu(got[(p, w)]),
+                        "raw_cpu_us_per_group": median_cpu(got[(p, 0)]),
+                    },
+                )
+            )
     return rows

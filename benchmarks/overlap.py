@@ -35,15 +35,38 @@ IDLE_TARGET = 0.10
 
 
 def one_run(runs: Path, mode: str, eta: int, steps: int, latency: float, batch_groups: int) -> dict:
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--steps", str(steps), "--generators", "2",
-           "--runs-dir", str(runs), "--run-id", mode, "--dashboard-port", "0", "--no-progress",
-           "--set", "generator.backend.type=simulated",
-           "--set", f"generator.backend.per_token_latency_s={latency}",
-           "--set", f"generator.prompts_per_batch={batch_groups // 2}",
-           "--set", f"learner.batch_groups={batch_groups}", "--set", f"learner.admission_eta={eta}",
-           "--set", "learner.max_staleness=8",
-           # no evaluation rounds: they are not what this measures, and relay up would wait for the last one
-           "--set", "broker.eval.every_versions=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--steps",
+        str(steps),
+        "--generators",
+        "2",
+        "--runs-dir",
+        str(runs),
+        "--run-id",
+        mode,
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        "generator.backend.type=simulated",
+        "--set",
+        f"generator.backend.per_token_latency_s={latency}",
+        "--set",
+        f"generator.prompts_per_batch={batch_groups // 2}",
+        "--set",
+        f"learner.batch_groups={batch_groups}",
+        "--set",
+        f"learner.admission_eta={eta}",
+        "--set",
+        "learner.max_staleness=8",
+        # no evaluation rounds: they are not what this measures, and relay up would wait for the last one
+        "--set",
+        "broker.eval.every_versions=0",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"relay up ({mode}) failed with {res.returncode}:\n{res.stderr[-3000:]}")
@@ -52,13 +75,18 @@ def one_run(runs: Path, mode: str, eta: int, steps: int, latency: float, batch_g
         raise RuntimeError(f"relay up ({mode}) recorded {len(metrics)} of {steps} steps")
     skip = max(1, steps // 5)
     tail = metrics[skip:]
-    step_s = [b["t"] - a["t"] for a, b in zip(metrics[skip - 1:], tail)]
+    step_s = [b["t"] - a["t"] for a, b in zip(metrics[skip - 1 :], tail)]
     wait = [m["wait_s"] for m in tail]
     total = sum(step_s)
-    return {"step_s": total / len(step_s), "wait_s": sum(wait) / len(wait), "idle_fraction": sum(wait) / total,
-            "compute_s": statistics.mean(m["compute_s"] for m in tail),
-            "publish_blocked_s": statistics.mean(m["publish_blocked_s"] for m in tail), "steps_timed": len(step_s),
-            "staleness": staleness_histogram(tail)}
+    return {
+        "step_s": total / len(step_s),
+        "wait_s": sum(wait) / len(wait),
+        "idle_fraction": sum(wait) / total,
+        "compute_s": statistics.mean(m["compute_s"] for m in tail),
+        "publish_blocked_s": statistics.mean(m["publish_blocked_s"] for m in tail),
+        "steps_timed": len(step_s),
+        "staleness": staleness_histogram(tail),
+    }
 
 
 def run(quick: bool) -> list[dict]:
@@ -75,8 +103,28 @@ def run(quick: bool) -> list[dict]:
     idle = asyn["idle_fraction"]
     ideal_idle = max(0.0, 1.0 - t_train / t_gen) if t_gen > 0 else 0.0  # waiting for a slower generation is expected
     idle_ok = idle <= ideal_idle + IDLE_TARGET
-    return [row("overlap", speedup, ideal, "× speed-up async/sync", TARGET, "higher", {
-        "T_gen_s": t_gen, "T_train_s": t_train, "ideal_speedup": ideal, "learner_idle_fraction_async": idle,
-        "ideal_idle_fraction": ideal_idle, "idle_target": f"≤ ideal idle + {IDLE_TARGET}", "idle_met": idle_ok,
-        "per_token_latency_s": latency, "batch_groups": batch_groups, "steps": steps, "sync": sync, "async": asyn},
-        extra_ok=idle_ok)]
+    return [
+        row(
+            "overlap",
+            speedup,
+            ideal,
+            "× speed-up async/sync",
+            TARGET,
+            "higher",
+            {
+                "T_gen_s": t_gen,
+                "T_train_s": t_train,
+                "ideal_speedup": ideal,
+                "learner_idle_fraction_async": idle,
+                "ideal_idle_fraction": ideal_idle,
+                "idle_target": f"≤ ideal idle + {IDLE_TARGET}",
+                "idle_met": idle_ok,
+                "per_token_latency_s": latency,
+                "batch_groups": batch_groups,
+                "steps": steps,
+                "sync": sync,
+                "async": asyn,
+            },
+            extra_ok=idle_ok,
+        )
+    ]

@@ -51,15 +51,24 @@ HELD_OUT = 128
 # side", has the table). The demo's values: 8 questions x 8 completions, 64 new tokens at temperature 0.7,
 # AdamW at 2e-5 with torch's defaults, PPO-clip 0.2 without KL, token-mean loss over the whole batch.
 SETTINGS = {
-    "prompts_per_step": 8, "completions_per_prompt": 8, "max_tokens": 64, "temperature": 0.7, "lr": 2e-5,
-    "betas": [0.9, 0.999], "adam_eps": 1e-8, "clip_eps": 0.2, "kl": 0.0, "grad_clip": 1.0,
+    "prompts_per_step": 8,
+    "completions_per_prompt": 8,
+    "max_tokens": 64,
+    "temperature": 0.7,
+    "lr": 2e-5,
+    "betas": [0.9, 0.999],
+    "adam_eps": 1e-8,
+    "clip_eps": 0.2,
+    "kl": 0.0,
+    "grad_clip": 1.0,
     "aggregation": "token-mean over the batch's completion tokens (Relay token-mean, TRL loss_type='dapo')",
     "advantage": "GRPO: (r - group mean) / group std (Relay grpo eps 1e-6, TRL scale_rewards='group' eps 1e-4)",
     "optimizer_steps_per_batch": 1,
     # TRL's micro-batch (per_device_train_batch_size; gradient accumulation makes up the step): 16
     # completions, about Relay's micro_batch_tokens = 2,048 of ~120-token samples
     "trl_per_device_batch": 16,
-    "relay_threads": {"generator": 1, "learner": 1}, "trl_threads": 2,
+    "relay_threads": {"generator": 1, "learner": 1},
+    "trl_threads": 2,
 }
 QUICK = {"prompts_per_step": 2, "completions_per_prompt": 2, "max_tokens": 8, "trl_per_device_batch": 4}
 
@@ -76,15 +85,25 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
 
 
 def relay_args(s: dict, precision: str, backend: str) -> list[str]:
-    sets = {"generator.prompts_per_batch": s["prompts_per_step"], "learner.batch_groups": s["prompts_per_step"],
-            "generator.sampling.n": s["completions_per_prompt"], "generator.sampling.max_tokens": s["max_tokens"],
-            "generator.sampling.temperature": s["temperature"], "learner.lr": s["lr"],
-            "learner.policy_loss": "ppo", "learner.clip_eps": s["clip_eps"], "learner.kl_coef": s["kl"],
-            "learner.aggregation": "token-mean", "learner.advantage": "grpo", "learner.ppo_epochs": 1,
-            "learner.minibatches": 1, "learner.weight_decay": 0.0,
-            "learner.deepspeed.gradient_clipping": s["grad_clip"],
-            "learner.threads": s["relay_threads"]["learner"],
-            "learner.deepspeed.bf16": str(precision == "bf16").lower()}
+    sets = {
+        "generator.prompts_per_batch": s["prompts_per_step"],
+        "learner.batch_groups": s["prompts_per_step"],
+        "generator.sampling.n": s["completions_per_prompt"],
+        "generator.sampling.max_tokens": s["max_tokens"],
+        "generator.sampling.temperature": s["temperature"],
+        "learner.lr": s["lr"],
+        "learner.policy_loss": "ppo",
+        "learner.clip_eps": s["clip_eps"],
+        "learner.kl_coef": s["kl"],
+        "learner.aggregation": "token-mean",
+        "learner.advantage": "grpo",
+        "learner.ppo_epochs": 1,
+        "learner.minibatches": 1,
+        "learner.weight_decay": 0.0,
+        "learner.deepspeed.gradient_clipping": s["grad_clip"],
+        "learner.threads": s["relay_threads"]["learner"],
+        "learner.deepspeed.bf16": str(precision == "bf16").lower(),
+    }
     if backend == "torch":
         sets["generator.backend.threads"] = s["relay_threads"]["generator"]
         sets["generator.backend.dtype"] = "bfloat16" if precision == "bf16" else "float32"
@@ -96,45 +115,107 @@ def relay_args(s: dict, precision: str, backend: str) -> list[str]:
     return args
 
 
-def run_relay(work: Path, model: Path, train: Path, test: Path, s: dict, steps: int, seed: int, precision: str,
-              backend: str) -> dict:
+def run_relay(
+    work: Path, model: Path, train: Path, test: Path, s: dict, steps: int, seed: int, precision: str, backend: str
+) -> dict:
     run_id = f"relay-{backend}-{precision}-s{seed}"
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", str(model),
-           "--config", str(ROOT / "examples" / "smollm2-cpu" / "relay.toml"), "--generators", "1",
-           "--steps", str(steps), "--seed", str(seed), "--runs-dir", str(work / "runs"), "--run-id", run_id,
-           "--dashboard-port", "0", "--no-progress",
-           "--set", f"broker.dataset.path={train}", "--set", f"broker.eval.dataset.path={test}",
-           "--set", "broker.eval.every_versions=0", "--set", "broker.eval.final=false",
-           "--set", f"learner.keep_versions={steps + 2}", "--set", "learner.checkpoint_every=0",
-           *relay_args(s, precision, backend)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--model",
+        str(model),
+        "--config",
+        str(ROOT / "examples" / "smollm2-cpu" / "relay.toml"),
+        "--generators",
+        "1",
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--runs-dir",
+        str(work / "runs"),
+        "--run-id",
+        run_id,
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        f"broker.dataset.path={train}",
+        "--set",
+        f"broker.eval.dataset.path={test}",
+        "--set",
+        "broker.eval.every_versions=0",
+        "--set",
+        "broker.eval.final=false",
+        "--set",
+        f"learner.keep_versions={steps + 2}",
+        "--set",
+        "learner.checkpoint_every=0",
+        *relay_args(s, precision, backend),
+    ]
     t0 = time.time()
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=4 * 3600)
     if res.returncode != 0:
         raise RuntimeError(f"relay up ({run_id}) failed with {res.returncode}:\n{res.stderr[-3000:]}")
     folder = work / "runs" / run_id
     metrics = [json.loads(x) for x in (folder / "learner" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps_out = [{"step": m["step"], "t": m["t"] - t0, "wait_s": m["wait_s"], "train_s": m["compute_s"],
-                  "publish_s": m.get("publish_blocked_s") or 0.0, "tokens": m["tokens"],
-                  "reward_mean": m["reward_mean"], "version": m["version"],
-                  "staleness": m["staleness"]} for m in metrics]
+    steps_out = [
+        {
+            "step": m["step"],
+            "t": m["t"] - t0,
+            "wait_s": m["wait_s"],
+            "train_s": m["compute_s"],
+            "publish_s": m.get("publish_blocked_s") or 0.0,
+            "tokens": m["tokens"],
+            "reward_mean": m["reward_mean"],
+            "version": m["version"],
+            "staleness": m["staleness"],
+        }
+        for m in metrics
+    ]
     weights = {0: folder / "weights" / "v000000"}
     for m in steps_out:
         weights[m["step"]] = folder / "weights" / f"v{m['version']:06d}"
-    return {"system": f"relay-{backend}", "seed": seed, "precision": precision, "launch_to_exit_s": time.time() - t0,
-            "steps": steps_out, "weights": weights, "folder": folder}
+    return {
+        "system": f"relay-{backend}",
+        "seed": seed,
+        "precision": precision,
+        "launch_to_exit_s": time.time() - t0,
+        "steps": steps_out,
+        "weights": weights,
+        "folder": folder,
+    }
 
 
-def run_trl(work: Path, model: Path, train: Path, s: dict, steps: int, seed: int, precision: str,
-            eval_every: int) -> dict:
+def run_trl(
+    work: Path, model: Path, train: Path, s: dict, steps: int, seed: int, precision: str, eval_every: int
+) -> dict:
     out = work / f"trl-{precision}-s{seed}"
-    spec = {"model": str(model), "train": str(train), "out": str(out), "seed": seed, "steps": steps,
-            "precision": precision, "threads": s["trl_threads"], "save_every": eval_every, "settings": s}
+    spec = {
+        "model": str(model),
+        "train": str(train),
+        "out": str(out),
+        "seed": seed,
+        "steps": steps,
+        "precision": precision,
+        "threads": s["trl_threads"],
+        "save_every": eval_every,
+        "settings": s,
+    }
     spec_path = work / f"trl-{precision}-s{seed}.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(child_env(), OMP_NUM_THREADS=str(s["trl_threads"]))
     t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "benchmarks.peer_trl", str(spec_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=4 * 3600)
+    res = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peer_trl", str(spec_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=4 * 3600,
+    )
     if res.returncode != 0:
         raise RuntimeError(f"TRL ({out.name}) failed with {res.returncode}:\n{res.stderr[-3000:]}")
     lines = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x.strip()]
@@ -142,20 +223,37 @@ def run_trl(work: Path, model: Path, train: Path, s: dict, steps: int, seed: int
     saved = info["save0_s"]  # the evaluator's checkpoints: not TRL's work, left out of its times
     steps_out = []
     for m in lines:  # a step's end is recorded before its checkpoint is saved
-        steps_out.append({"step": m["step"], "t": m["t"] - t0 - saved, "gen_s": m["gen_s"],
-                          "prepare_s": m["prepare_s"], "train_s": m["train_s"], "tokens": m["tokens"],
-                          "save_s": m["save_s"]})
+        steps_out.append(
+            {
+                "step": m["step"],
+                "t": m["t"] - t0 - saved,
+                "gen_s": m["gen_s"],
+                "prepare_s": m["prepare_s"],
+                "train_s": m["train_s"],
+                "tokens": m["tokens"],
+                "save_s": m["save_s"],
+            }
+        )
         saved += m["save_s"]
     rewards = info.pop("rewards")
     for m, r in zip(steps_out, rewards):
         m["reward_mean"] = r
     weights = {k: out / f"step-{k}" for k in [0] + [m["step"] for m in lines] if (out / f"step-{k}").is_dir()}
-    return {"system": "trl", "seed": seed, "precision": precision, "launch_to_exit_s": time.time() - t0,
-            "steps": steps_out, "weights": weights, "folder": out, "trl": info}
+    return {
+        "system": "trl",
+        "seed": seed,
+        "precision": precision,
+        "launch_to_exit_s": time.time() - t0,
+        "steps": steps_out,
+        "weights": weights,
+        "folder": out,
+        "trl": info,
+    }
 
 
-def evaluate(run: dict, test_rows: list[dict], eval_every: int, steps: int, max_tokens: int,
-             start: dict | None = None) -> list[dict]:
+def evaluate(
+    run: dict, test_rows: list[dict], eval_every: int, steps: int, max_tokens: int, start: dict | None = None
+) -> list[dict]:
     """pass@1 at steps 0, eval_every, ... and the last, from the run's saved weights; each point with the
     wall time at which the run had those weights. Step 0 is the model every run starts from: ``start``, its
     evaluation (made once per benchmark, from the model folder itself), at time 0."""
@@ -169,8 +267,12 @@ def evaluate(run: dict, test_rows: list[dict], eval_every: int, steps: int, max_
             raise RuntimeError(f"{run['system']} seed {run['seed']}: no saved weights for step {k} ({folder})")
         r = pass_at_1(folder, test_rows, max_tokens=max_tokens)
         curve.append({"step": k, "t": at.get(k, 0.0), **{x: r[x] for x in ("pass_at_1", "mean_tokens", "eval_s")}})
-        print(f"relay bench: peer: {run['system']} {run['precision']} seed {run['seed']} step {k}: "
-              f"pass@1 {r['pass_at_1']:.3f}", file=sys.stderr, flush=True)
+        print(
+            f"relay bench: peer: {run['system']} {run['precision']} seed {run['seed']} step {k}: "
+            f"pass@1 {r['pass_at_1']:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
     return curve
 
 
@@ -181,14 +283,20 @@ def summarise(run: dict, steps: int) -> dict:
     if len(st) != steps:
         raise RuntimeError(f"{run['system']} seed {run['seed']}: {len(st)} steps recorded of {steps}")
     later = st[1:] or st
-    keys = ("wait_s", "train_s", "publish_s") if run["system"].startswith("relay") else ("gen_s", "prepare_s", "train_s")
+    keys = (
+        ("wait_s", "train_s", "publish_s") if run["system"].startswith("relay") else ("gen_s", "prepare_s", "train_s")
+    )
     span = st[-1]["t"] - st[0]["t"] if len(st) > 1 else None
     reached = next((p["t"] for p in run["curve"] if p["pass_at_1"] >= TARGET_PASS), None)
-    return {"wall_to_last_s": st[-1]["t"], "first_step_s": st[0]["t"],
-            "per_step_s": span / (len(st) - 1) if span else st[0]["t"],
-            "breakdown": {k: statistics.fmean(m[k] for m in later) for k in keys},
-            "tokens_per_s": sum(m["tokens"] for m in later) / span if span else None,
-            "wall_to_pass_0_9_s": reached, "final_pass_at_1": run["curve"][-1]["pass_at_1"]}
+    return {
+        "wall_to_last_s": st[-1]["t"],
+        "first_step_s": st[0]["t"],
+        "per_step_s": span / (len(st) - 1) if span else st[0]["t"],
+        "breakdown": {k: statistics.fmean(m[k] for m in later) for k in keys},
+        "tokens_per_s": sum(m["tokens"] for m in later) / span if span else None,
+        "wall_to_pass_0_9_s": reached,
+        "final_pass_at_1": run["curve"][-1]["pass_at_1"],
+    }
 
 
 def compare(runs: list[dict], system: str, precision: str, steps: int) -> list[dict]:
@@ -202,24 +310,71 @@ def compare(runs: list[dict], system: str, precision: str, steps: int) -> list[d
     by = lambda rs: {r["seed"]: r for r in rs}  # noqa: E731
     diff = [by(mine)[s]["summary"]["final_pass_at_1"] - by(trl)[s]["summary"]["final_pass_at_1"] for s in seeds]
     details = {"seeds": seeds, "steps": steps}
-    out = [row(f"{name}/wall_to_{steps}_steps", med(mine, "wall_to_last_s"), med(trl, "wall_to_last_s"), "s", None,
-               "lower", {**details, "relay_per_step_s": med(mine, "per_step_s"), "trl_per_step_s": med(trl, "per_step_s")}),
-           row(f"{name}/pass_at_1_step_{steps}", statistics.fmean(r["summary"]["final_pass_at_1"] for r in mine),
-               statistics.fmean(r["summary"]["final_pass_at_1"] for r in trl), "pass@1", None, "higher",
-               {**details, "relay_minus_trl_per_seed": diff,
+    out = [
+        row(
+            f"{name}/wall_to_{steps}_steps",
+            med(mine, "wall_to_last_s"),
+            med(trl, "wall_to_last_s"),
+            "s",
+            None,
+            "lower",
+            {**details, "relay_per_step_s": med(mine, "per_step_s"), "trl_per_step_s": med(trl, "per_step_s")},
+        ),
+        row(
+            f"{name}/pass_at_1_step_{steps}",
+            statistics.fmean(r["summary"]["final_pass_at_1"] for r in mine),
+            statistics.fmean(r["summary"]["final_pass_at_1"] for r in trl),
+            "pass@1",
+            None,
+            "higher",
+            {
+                **details,
+                "relay_minus_trl_per_seed": diff,
                 "relay_minus_trl_mean": statistics.fmean(diff) if diff else None,
-                "relay_minus_trl_spread": [min(diff), max(diff)] if diff else None})]
+                "relay_minus_trl_spread": [min(diff), max(diff)] if diff else None,
+            },
+        ),
+    ]
     reach = [r["summary"]["wall_to_pass_0_9_s"] for r in mine], [r["summary"]["wall_to_pass_0_9_s"] for r in trl]
     if all(x is not None for x in reach[0] + reach[1]):
-        out.append(row(f"{name}/wall_to_pass_0.9", statistics.median(reach[0]), statistics.median(reach[1]), "s",
-                       None, "lower", details))
+        out.append(
+            row(
+                f"{name}/wall_to_pass_0.9",
+                statistics.median(reach[0]),
+                statistics.median(reach[1]),
+                "s",
+                None,
+                "lower",
+                details,
+            )
+        )
     else:
-        out.append({**skipped(f"{name}/wall_to_pass_0.9", f"pass@1 {TARGET_PASS} not reached in {steps} steps by "
-                              f"every run (Relay {reach[0]}, TRL {reach[1]})", "s", None, "lower"), "details": details})
+        out.append(
+            {
+                **skipped(
+                    f"{name}/wall_to_pass_0.9",
+                    f"pass@1 {TARGET_PASS} not reached in {steps} steps by "
+                    f"every run (Relay {reach[0]}, TRL {reach[1]})",
+                    "s",
+                    None,
+                    "lower",
+                ),
+                "details": details,
+            }
+        )
     tps = [r["summary"]["tokens_per_s"] for r in mine], [r["summary"]["tokens_per_s"] for r in trl]
     if all(x is not None for x in tps[0] + tps[1]):
-        out.append(row(f"{name}/trained_tokens_per_s", statistics.median(tps[0]), statistics.median(tps[1]),
-                       "completion tokens/s", None, "higher", details))
+        out.append(
+            row(
+                f"{name}/trained_tokens_per_s",
+                statistics.median(tps[0]),
+                statistics.median(tps[1]),
+                "completion tokens/s",
+                None,
+                "higher",
+                details,
+            )
+        )
     return out
 
 
@@ -239,20 +394,38 @@ def figure(runs: list[dict], path: Path) -> Path | None:
     for ax, prec in zip(axes[0], precisions):
         for r in (r for r in runs if r["precision"] == prec):
             xs = [p["t"] / 60 for p in r["curve"]]
-            ax.plot(xs, [p["pass_at_1"] for p in r["curve"]], marker="o", color=colours[r["system"]],
-                    alpha=0.85, label=f"{r['system']} seed {r['seed']}")
+            ax.plot(
+                xs,
+                [p["pass_at_1"] for p in r["curve"]],
+                marker="o",
+                color=colours[r["system"]],
+                alpha=0.85,
+                label=f"{r['system']} seed {r['seed']}",
+            )
         ax.axhline(TARGET_PASS, color="grey", lw=0.8, ls="--")
-        ax.set(title=f"SmolLM2-135M word problems, {prec}", xlabel="wall time from launch (min)",
-               ylabel=f"greedy pass@1 ({HELD_OUT} held-out)", ylim=(0, 1))
+        ax.set(
+            title=f"SmolLM2-135M word problems, {prec}",
+            xlabel="wall time from launch (min)",
+            ylabel=f"greedy pass@1 ({HELD_OUT} held-out)",
+            ylim=(0, 1),
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
 
 
-def compare_all(steps: int = 16, seeds=(0, 1), systems=SYSTEMS, precisions=PRECISIONS, eval_every: int = 4,
-                settings: dict | None = None, work: Path | None = None, png: Path | None = None,
-                held_out: int = HELD_OUT) -> dict:
+def compare_all(
+    steps: int = 16,
+    seeds=(0, 1),
+    systems=SYSTEMS,
+    precisions=PRECISIONS,
+    eval_every: int = 4,
+    settings: dict | None = None,
+    work: Path | None = None,
+    png: Path | None = None,
+    held_out: int = HELD_OUT,
+) -> dict:
     """Every run and its curve; the rows. ``work`` keeps the runs (a temporary folder otherwise)."""
     s = {**SETTINGS, **(settings or {})}
     own = work is None
@@ -264,30 +437,52 @@ def compare_all(steps: int = 16, seeds=(0, 1), systems=SYSTEMS, precisions=PRECI
 
         test_rows = read_jsonl(test, held_out)
         with torch_threads(2):  # both cores: nothing else runs meanwhile
-            start = {x: v for x, v in pass_at_1(model, test_rows, max_tokens=s["max_tokens"]).items()
-                     if x in ("pass_at_1", "mean_tokens", "eval_s")}
+            start = {
+                x: v
+                for x, v in pass_at_1(model, test_rows, max_tokens=s["max_tokens"]).items()
+                if x in ("pass_at_1", "mean_tokens", "eval_s")
+            }
         print(f"relay bench: peer: the initial model: pass@1 {start['pass_at_1']:.3f}", file=sys.stderr, flush=True)
         runs = []
         for seed in seeds:
             for prec in precisions:
                 for system in systems:
                     print(f"relay bench: peer: {system} {prec} seed {seed}: {steps} steps", file=sys.stderr, flush=True)
-                    r = run_trl(work, model, train, s, steps, seed, prec, eval_every) if system == "trl" else \
-                        run_relay(work, model, train, test, s, steps, seed, prec, system.split("-", 1)[1])
+                    r = (
+                        run_trl(work, model, train, s, steps, seed, prec, eval_every)
+                        if system == "trl"
+                        else run_relay(work, model, train, test, s, steps, seed, prec, system.split("-", 1)[1])
+                    )
                     with torch_threads(2):
                         r["curve"] = evaluate(r, test_rows, eval_every, steps, s["max_tokens"], start)
                     r["summary"] = summarise(r, steps)
                     # the weights (0.5 GB a version) once scored; a Relay run keeps its config, logs and metrics
-                    for folder in ([r["folder"] / "weights", r["folder"] / "export"] if system != "trl" else [r["folder"]]):
+                    for folder in (
+                        [r["folder"] / "weights", r["folder"] / "export"] if system != "trl" else [r["folder"]]
+                    ):
                         shutil.rmtree(folder, ignore_errors=True)
                     r.pop("weights"), r.pop("folder")
                     runs.append(r)
-        rows = [x for system in systems if system != "trl" for prec in precisions
-                for x in compare(runs, system, prec, steps)]
+        rows = [
+            x
+            for system in systems
+            if system != "trl"
+            for prec in precisions
+            for x in compare(runs, system, prec, steps)
+        ]
         fig = figure(runs, png) if png else None
-        return {"settings": s, "steps": steps, "initial": start, "seeds": list(seeds), "eval_every": eval_every, "held_out": len(test_rows),
-                "runs": runs, "rows": rows, "figure": str(fig) if fig else None,
-                "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
+        return {
+            "settings": s,
+            "steps": steps,
+            "initial": start,
+            "seeds": list(seeds),
+            "eval_every": eval_every,
+            "held_out": len(test_rows),
+            "runs": runs,
+            "rows": rows,
+            "figure": str(fig) if fig else None,
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        }
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
@@ -298,8 +493,20 @@ def run(quick: bool) -> list[dict]:
     run it by name). The curves go into the first row's details and runs/bench-peer/ (JSON and PNG)."""
     out = ROOT / "runs" / "bench-peer"
     out.mkdir(parents=True, exist_ok=True)
-    res = compare_all(steps=2, seeds=(0,), systems=("relay-torch", "trl"), precisions=("fp32",), eval_every=2,
-                      settings=QUICK, held_out=8, png=out / "peer.png") if quick else compare_all(png=out / "peer.png")
+    res = (
+        compare_all(
+            steps=2,
+            seeds=(0,),
+            systems=("relay-torch", "trl"),
+            precisions=("fp32",),
+            eval_every=2,
+            settings=QUICK,
+            held_out=8,
+            png=out / "peer.png",
+        )
+        if quick
+        else compare_all(png=out / "peer.png")
+    )
     (out / "peer.json").write_text(json.dumps(res, indent=1, default=str))
     rows = res["rows"]
     if rows:
@@ -322,8 +529,9 @@ def main() -> int:
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    res = compare_all(a.steps, a.seeds, a.systems, a.precisions, a.eval_every, QUICK if a.quick else None, a.work,
-                      a.png, a.held_out)
+    res = compare_all(
+        a.steps, a.seeds, a.systems, a.precisions, a.eval_every, QUICK if a.quick else None, a.work, a.png, a.held_out
+    )
     text = json.dumps(res, indent=1, default=str)
     if a.json:
         a.json.write_text(text)

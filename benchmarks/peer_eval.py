@@ -14,8 +14,10 @@ import asyncio
 import json
 from pathlib import Path
 
-SYSTEM_PROMPT = ("You are a careful math tutor. Solve the problem in a few short steps, then write the final answer "
-                 "on its own line as 'Answer: <number>'.")
+SYSTEM_PROMPT = (
+    "You are a careful math tutor. Solve the problem in a few short steps, then write the final answer "
+    "on its own line as 'Answer: <number>'."
+)
 
 
 def read_jsonl(path: Path, n: int | None = None) -> list[dict]:
@@ -54,19 +56,33 @@ def pass_at_1(model_dir: Path, rows: list[dict], max_tokens: int = 64, batch: in
     texts, finished, lengths = [], [], []
     with torch.no_grad():
         for i in range(0, len(rows), batch):
-            part = rows[i:i + batch]
-            prompts = [tok.apply_chat_template(messages(r["question"]), tokenize=False, add_generation_prompt=True)
-                       for r in part]
+            part = rows[i : i + batch]
+            prompts = [
+                tok.apply_chat_template(messages(r["question"]), tokenize=False, add_generation_prompt=True)
+                for r in part
+            ]
             enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, top_k=None, top_p=None,
-                                 temperature=None, pad_token_id=tok.pad_token_id)
-            for seq in out[:, enc["input_ids"].shape[1]:].tolist():
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+                pad_token_id=tok.pad_token_id,
+            )
+            for seq in out[:, enc["input_ids"].shape[1] :].tolist():
                 ends = [j for j, t in enumerate(seq) if t == tok.eos_token_id]
-                body = seq[:ends[0]] if ends else seq
+                body = seq[: ends[0]] if ends else seq
                 texts.append(tok.decode(body, skip_special_tokens=True))
                 finished.append(bool(ends))
                 lengths.append(len(body) + bool(ends))
     scores = score(texts, finished, [r["answer"] for r in rows])
     correct = [s is not None and s >= 1.0 for s in scores]
-    return {"pass_at_1": sum(correct) / len(rows), "n": len(rows), "mean_tokens": sum(lengths) / len(rows),
-            "eval_s": round(time.perf_counter() - t0, 1), "example": texts[0]}
+    return {
+        "pass_at_1": sum(correct) / len(rows),
+        "n": len(rows),
+        "mean_tokens": sum(lengths) / len(rows),
+        "eval_s": round(time.perf_counter() - t0, 1),
+        "example": texts[0],
+    }

@@ -50,17 +50,39 @@ def trl_config(spec: dict):
     if completions % micro:
         raise ValueError(f"{completions} completions per step do not split into micro-batches of {micro}")
     return GRPOConfig(
-        output_dir=str(Path(spec["out"]) / "trainer"), use_cpu=True, seed=spec["seed"], data_seed=spec["seed"],
-        max_steps=spec["steps"], per_device_train_batch_size=micro,
+        output_dir=str(Path(spec["out"]) / "trainer"),
+        use_cpu=True,
+        seed=spec["seed"],
+        data_seed=spec["seed"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=micro,
         gradient_accumulation_steps=completions // micro,  # one optimizer step per generation batch
-        num_generations=s["completions_per_prompt"], max_completion_length=s["max_tokens"],
-        temperature=s["temperature"], top_p=1.0, top_k=0,
-        learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=s["betas"][0], adam_beta2=s["betas"][1], adam_epsilon=s["adam_eps"], weight_decay=0.0,
+        num_generations=s["completions_per_prompt"],
+        max_completion_length=s["max_tokens"],
+        temperature=s["temperature"],
+        top_p=1.0,
+        top_k=0,
+        learning_rate=s["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=s["betas"][0],
+        adam_beta2=s["betas"][1],
+        adam_epsilon=s["adam_eps"],
+        weight_decay=0.0,
         max_grad_norm=s["grad_clip"],
-        beta=0.0, epsilon=s["clip_eps"], num_iterations=1, loss_type="dapo", scale_rewards="group",
-        bf16=spec["precision"] == "bf16", gradient_checkpointing=False,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        beta=0.0,
+        epsilon=s["clip_eps"],
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        bf16=spec["precision"] == "bf16",
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
 
 
@@ -83,8 +105,13 @@ def main(spec_path: str) -> int:
     rows = read_jsonl(Path(spec["train"]))
     data = Dataset.from_list([{"prompt": messages(r["question"]), "answer": r["answer"]} for r in rows])
     config = trl_config(spec)
-    trainer = GRPOTrainer(model=model, reward_funcs=_reward_function(tok.eos_token_id), args=config,
-                          train_dataset=data, processing_class=tok)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=_reward_function(tok.eos_token_id),
+        args=config,
+        train_dataset=data,
+        processing_class=tok,
+    )
 
     phase = {"gen_s": 0.0, "prepare_s": 0.0, "tokens": 0, "rewards": []}
     generate, prepare = trainer._generate, trainer._generate_and_score_completions
@@ -128,10 +155,22 @@ def main(spec_path: str) -> int:
             step = state.global_step
             saved = save(step) if step % spec["save_every"] == 0 or step == spec["steps"] else 0.0
             step_s = t1 - self.t0
-            log.write(json.dumps({"step": step, "t_start": self.t0, "t": t1, "step_s": step_s, "gen_s": phase["gen_s"],
-                                  "prepare_s": phase["prepare_s"],
-                                  "train_s": step_s - phase["gen_s"] - phase["prepare_s"],
-                                  "save_s": saved, "tokens": phase["tokens"]}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "t_start": self.t0,
+                        "t": t1,
+                        "step_s": step_s,
+                        "gen_s": phase["gen_s"],
+                        "prepare_s": phase["prepare_s"],
+                        "train_s": step_s - phase["gen_s"] - phase["prepare_s"],
+                        "save_s": saved,
+                        "tokens": phase["tokens"],
+                    }
+                )
+                + "\n"
+            )
             log.flush()
 
     trainer.add_callback(Record())
@@ -142,16 +181,51 @@ def main(spec_path: str) -> int:
     import trl
     import transformers
 
-    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
-            "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "learning_rate",
-            "lr_scheduler_type", "optim", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm",
-            "beta", "epsilon", "num_iterations", "loss_type", "scale_rewards", "bf16", "gradient_checkpointing",
-            "max_steps", "seed")
-    (out / "trl.json").write_text(json.dumps({
-        "config": {k: getattr(trainer.args, k) for k in keys}, "trl": trl.__version__,
-        "transformers": transformers.__version__, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "launch": t_launch, "train_start": t_train, "save0_s": save_s0,
-        "rewards": phase["rewards"]}, indent=1, default=str))
+    keys = (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "steps_per_generation",
+        "generation_batch_size",
+        "num_generations",
+        "max_completion_length",
+        "temperature",
+        "top_p",
+        "top_k",
+        "learning_rate",
+        "lr_scheduler_type",
+        "optim",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "weight_decay",
+        "max_grad_norm",
+        "beta",
+        "epsilon",
+        "num_iterations",
+        "loss_type",
+        "scale_rewards",
+        "bf16",
+        "gradient_checkpointing",
+        "max_steps",
+        "seed",
+    )
+    (out / "trl.json").write_text(
+        json.dumps(
+            {
+                "config": {k: getattr(trainer.args, k) for k in keys},
+                "trl": trl.__version__,
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "launch": t_launch,
+                "train_start": t_train,
+                "save0_s": save_s0,
+                "rewards": phase["rewards"],
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return 0
 
 

@@ -63,8 +63,13 @@ def over_http(batches: list[list[dict]], repeats: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp, "reward.json")
         cfg.write_text(json.dumps({"port": port}))
-        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "reward", "--config", str(cfg)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "reward", "--config", str(cfg)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
@@ -99,13 +104,23 @@ def over_http(batches: list[list[dict]], repeats: int) -> tuple[float, float]:
 def run(quick: bool) -> dict:
     batch, nbatches, repeats = (256, 4, 2) if quick else (1024, 16, 5)
     items = make_items(batch * nbatches)
-    batches = [items[i:i + batch] for i in range(0, len(items), batch)]
+    batches = [items[i : i + batch] for i in range(0, len(items), batch)]
     baseline = in_process(batches, repeats * (1 if quick else 20))
     value, ms = over_http(batches, repeats)
-    return {"name": "reward_http", "value": value, "baseline": baseline, "ratio": value / baseline,
-            "target": TARGET, "unit": "items/s",
-            "details": {"batch": batch, "batches": nbatches * repeats, "ms_per_batch_http": ms,
-                        "http_overhead_us_per_item": 1e6 / value - 1e6 / baseline}}
+    return {
+        "name": "reward_http",
+        "value": value,
+        "baseline": baseline,
+        "ratio": value / baseline,
+        "target": TARGET,
+        "unit": "items/s",
+        "details": {
+            "batch": batch,
+            "batches": nbatches * repeats,
+            "ms_per_batch_http": ms,
+            "http_overhead_us_per_item": 1e6 / value - 1e6 / baseline,
+        },
+    }
 
 
 def main() -> int:

@@ -27,19 +27,19 @@ BENCHMARKS = {
     "codec": "encode + decode of a group (8 × 1,024 tokens) vs numpy tobytes/frombuffer",
     "ingest": "2 producers -> ZeroMQ -> broker -> Redis stream -> consumer vs pipelined XADD/XREADGROUP",
     "ingest_scaling": "groups/s with 1, 2, 4, 8 producers through 1 and 2 broker ingest workers vs raw XADD "
-                      "with the same producers",
+    "with the same producers",
     "weight_sync": "publish -> applied on 2 generators per transport (Qwen2.5-0.5B's shape, bf16) vs its raw "
-                   "baseline; the learner's blocked time per publication",
+    "baseline; the learner's blocked time per publication",
     "overlap": "async over sync speed-up vs the ideal, learner idle fraction (simulated-latency generators)",
     "async_speedup": "wall time to a mean reward of 0.8 on the default task, asynchronous (η = 1, 2) vs synchronous "
-                     "(η = 0), 3 seeds each (torch generators with a latency per decode step)",
+    "(η = 0), 3 seeds each (torch generators with a latency per decode step)",
     "generator": "tokens/s of a generator service vs its raw engine (torch, vLLM)",
     "learner": "s per optimizer step of the learner vs a plain PyTorch loop",
     "learner_memory": "peak RSS of one learner step at 4N vs N tokens (SmolLM2-135M, fixed micro_batch_tokens); "
-                      "step time vs a plain PyTorch loop doing the same micro-batched work",
+    "step time vs a plain PyTorch loop doing the same micro-batched work",
     "peer": "Relay (torch and vLLM generators) against Hugging Face TRL's GRPOTrainer on the SmolLM2 word problems: "
-            "wall time to N steps and to pass@1 0.9, pass@1 at equal steps, trained tokens/s (needs the peer extra; "
-            "hours: run by name only)",
+    "wall time to N steps and to pass@1 0.9, pass@1 at equal steps, trained tokens/s (needs the peer extra; "
+    "hours: run by name only)",
 }
 WITH_VLLM = ("generator",)
 # run only when named: neither --quick nor a plain `relay bench` includes them
@@ -56,11 +56,15 @@ def _fmt(x) -> str:
 
 def markdown(report: dict) -> str:
     m = report["machine"]
-    lines = [f"Machine: {m['cpu']}, {m['cores_usable']} cores, {m['memory_gb']} GB; Python {m['python']}, "
-             f"torch {m['versions']['torch']}, redis-server {m['versions']['redis-server']}"
-             + (f", vLLM {m['versions']['vllm']}" if m["versions"].get("vllm") else "")
-             + f"; commit {m['commit']}; {'quick' if report['quick'] else 'full'} size, {report['wall_s']:.0f} s.", "",
-             "| benchmark | unit | value | raw baseline | ratio | target | met |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores_usable']} cores, {m['memory_gb']} GB; Python {m['python']}, "
+        f"torch {m['versions']['torch']}, redis-server {m['versions']['redis-server']}"
+        + (f", vLLM {m['versions']['vllm']}" if m["versions"].get("vllm") else "")
+        + f"; commit {m['commit']}; {'quick' if report['quick'] else 'full'} size, {report['wall_s']:.0f} s.",
+        "",
+        "| benchmark | unit | value | raw baseline | ratio | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in report["benchmarks"]:
         target = "–" if r["target"] is None else ("≥ " if r["better"] == "higher" else "≤ ") + _fmt(r["target"])
         if r.get("skipped") or r.get("error"):
@@ -68,8 +72,10 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['name']} | {r['unit']} | {why} | | | {target} | |")
             continue
         met = {True: "yes", False: "**no**", None: "–"}[r["met"]]
-        lines.append(f"| {r['name']} | {r['unit']} | {_fmt(r['value'])} | {_fmt(r['baseline'])} | "
-                     f"{_fmt(r['ratio'])} | {target} | {met} |")
+        lines.append(
+            f"| {r['name']} | {r['unit']} | {_fmt(r['value'])} | {_fmt(r['baseline'])} | "
+            f"{_fmt(r['ratio'])} | {target} | {met} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -78,13 +84,21 @@ def run(names: list[str], quick: bool, vllm: bool | None = None) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
+    )
     from benchmarks.common import machine, torch_threads
 
     include_vllm = (not quick) if vllm is None else vllm
     t0 = time.time()
-    report = {"schema": 1, "command": "relay bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
-              "quick": quick, "started_at": t0, "machine": machine(), "benchmarks": []}
+    report = {
+        "schema": 1,
+        "command": "relay bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+        "quick": quick,
+        "started_at": t0,
+        "machine": machine(),
+        "benchmarks": [],
+    }
     for name in names or [n for n in BENCHMARKS if n not in BY_NAME_ONLY]:
         print(f"relay bench: {name} ...", file=sys.stderr, flush=True)
         t = time.time()
@@ -93,13 +107,29 @@ def run(names: list[str], quick: bool, vllm: bool | None = None) -> dict:
             with torch_threads(1):
                 rows = mod.run(quick, include_vllm) if name in WITH_VLLM else mod.run(quick)
         except Exception as e:  # reported in the table and the JSON, and the command exits 1
-            rows = [{"name": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
-                     "value": None, "baseline": None, "ratio": None, "target": None, "better": None, "unit": "",
-                     "met": None, "details": {}}]
+            rows = [
+                {
+                    "name": name,
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc(),
+                    "value": None,
+                    "baseline": None,
+                    "ratio": None,
+                    "target": None,
+                    "better": None,
+                    "unit": "",
+                    "met": None,
+                    "details": {},
+                }
+            ]
         for r in rows:
             r["wall_s"] = round(time.time() - t, 2)
-            status = r.get("skipped") and f"skipped ({r['skipped']})" or r.get("error") or \
-                f"{_fmt(r['value'])} vs {_fmt(r['baseline'])} {r['unit']}: ratio {_fmt(r['ratio'])}"
+            status = (
+                r.get("skipped")
+                and f"skipped ({r['skipped']})"
+                or r.get("error")
+                or f"{_fmt(r['value'])} vs {_fmt(r['baseline'])} {r['unit']}: ratio {_fmt(r['ratio'])}"
+            )
             print(f"relay bench: {r['name']}: {status}", file=sys.stderr, flush=True)
         report["benchmarks"].extend(rows)
     report["wall_s"] = time.time() - t0
@@ -109,7 +139,9 @@ def run(names: list[str], quick: bool, vllm: bool | None = None) -> dict:
 def main(names: list[str], quick: bool, json_path: str | None, md_path: str | None, vllm: bool | None) -> int:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        print(f"relay bench: unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(BENCHMARKS)}", file=sys.stderr)
+        print(
+            f"relay bench: unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(BENCHMARKS)}", file=sys.stderr
+        )
         return 2
     report = run(names, quick, vllm)
     table = markdown(report)

@@ -43,30 +43,40 @@ def key_sizes(r, pattern: str = "*") -> dict[str, float]:
     out: dict[str, float] = {}
     for k in r.scan_iter(match=pattern, count=1000):
         name = k.decode(errors="replace")
-        name = name[:name.index(":payload:") + 9] + "*" if ":payload:" in name else name
+        name = name[: name.index(":payload:") + 9] + "*" if ":payload:" in name else name
         out[name] = out.get(name, 0.0) + (r.memory_usage(k, samples=0) or 0) / 1024
     return {k: round(v, 1) for k, v in out.items()}
 
 
 def queue_mb(r, keys) -> float:
     """The replay queue's memory: the trajectories stream and its entries' messages."""
-    return key_mb(r, keys.trajectories) + sum(key_mb(r, k) for k in r.scan_iter(match=keys.payload_prefix + "*",
-                                                                                 count=1000))
+    return key_mb(r, keys.trajectories) + sum(
+        key_mb(r, k) for k in r.scan_iter(match=keys.payload_prefix + "*", count=1000)
+    )
 
 
 def redis_overheads(r) -> dict[str, float]:
     """Redis's own memory beside the keys (INFO memory, in KiB): clients' buffers, scripts, the
     dataset: what ``used_memory`` holds that no key does."""
     info = r.info("memory")
-    names = ["used_memory_dataset", "used_memory_overhead", "used_memory_startup", "mem_clients_normal",
-             "used_memory_scripts", "used_memory_vm_eval", "mem_replication_backlog", "mem_aof_buffer"]
+    names = [
+        "used_memory_dataset",
+        "used_memory_overhead",
+        "used_memory_startup",
+        "mem_clients_normal",
+        "used_memory_scripts",
+        "used_memory_vm_eval",
+        "mem_replication_backlog",
+        "mem_aof_buffer",
+    ]
     return {n: round(info[n] / 1024, 1) for n in names if n in info}
 
 
 def growth(before: dict[str, float], after: dict[str, float], top: int = 12) -> list[dict]:
     """The keys whose memory changed most between two :func:`key_sizes` (KiB), largest change first."""
-    diffs = [{"key": k, "early_kib": before.get(k, 0.0), "end_kib": after.get(k, 0.0)}
-             for k in set(before) | set(after)]
+    diffs = [
+        {"key": k, "early_kib": before.get(k, 0.0), "end_kib": after.get(k, 0.0)} for k in set(before) | set(after)
+    ]
     diffs.sort(key=lambda d: -abs(d["end_kib"] - d["early_kib"]))
     return diffs[:top]
 
@@ -95,22 +105,52 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--every", type=float, default=10.0, help="seconds between samples")
-    p.add_argument("--record-window", type=int, default=None,
-                   help="broker.record_window and learner.record_window (default: theirs, 262,144 group ids)")
+    p.add_argument(
+        "--record-window",
+        type=int,
+        default=None,
+        help="broker.record_window and learner.record_window (default: theirs, 262,144 group ids)",
+    )
     p.add_argument("--out", default="runs/soak")
     a = p.parse_args()
     out = Path(a.out)
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--steps", "1000000", "--runs-dir", str(out), "--run-id", "soak",
-           "--dashboard-port", "0", "--no-progress", "--set", "learner.admission_eta=null",
-           "--set", "learner.minibatches=32", "--set", "learner.ppo_epochs=8", "--set", "learner.max_staleness=60",
-           "--set", "broker.max_queue_groups=256",
-           # commits every 10 steps (30 s here): the replay stream's read-but-uncommitted part saws with the
-           # checkpoint interval (50 steps: between 0.4 and 1.8 thousand groups), which would hide the rest
-           "--set", "learner.checkpoint_every=10",
-           # every record capped by count, with caps the run reaches within its first 5 minutes, so that
-           # what is measured after them is growth with the run's length (defaults: docs/config.md)
-           "--set", "learner.metrics_history=100", "--set", "learner.versions_kept=64",
-           "--set", "broker.events_kept=200"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--steps",
+        "1000000",
+        "--runs-dir",
+        str(out),
+        "--run-id",
+        "soak",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        "learner.admission_eta=null",
+        "--set",
+        "learner.minibatches=32",
+        "--set",
+        "learner.ppo_epochs=8",
+        "--set",
+        "learner.max_staleness=60",
+        "--set",
+        "broker.max_queue_groups=256",
+        # commits every 10 steps (30 s here): the replay stream's read-but-uncommitted part saws with the
+        # checkpoint interval (50 steps: between 0.4 and 1.8 thousand groups), which would hide the rest
+        "--set",
+        "learner.checkpoint_every=10",
+        # every record capped by count, with caps the run reaches within its first 5 minutes, so that
+        # what is measured after them is growth with the run's length (defaults: docs/config.md)
+        "--set",
+        "learner.metrics_history=100",
+        "--set",
+        "learner.versions_kept=64",
+        "--set",
+        "broker.events_kept=200",
+    ]
     if a.record_window is not None:
         cmd += ["--set", f"broker.record_window={a.record_window}", "--set", f"learner.record_window={a.record_window}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -133,13 +173,18 @@ def main() -> None:
             if not early_keys and time.monotonic() - t0 >= 300:  # where the verdict's early window begins
                 early_keys, early_overheads = key_sizes(r, "relay:soak:*"), redis_overheads(r)
             b, ln = read_stats(r, keys, "broker"), read_stats(r, keys, "learner")
-            row = {"t_s": round(time.monotonic() - t0), "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
-                   "replay_stream_mb": round(queue_mb(r, keys), 2),
-                   "records_mb": round(sum(key_mb(r, k) for k in records), 3),
-                   "ids_remembered": sum(int(r.scard(k)) for k in records[:4]),
-                   "stream_len": queues.queued_groups(r, keys), "accepted": int(b.get("accepted", 0)),
-                   "busy_answers": int(b.get("busy", 0)), "trained": int(ln.get("groups_trained", 0)),
-                   **{f"rss_{n}_mb": round(rss_mb(pid), 1) for n, pid in pids.items()}}
+            row = {
+                "t_s": round(time.monotonic() - t0),
+                "redis_used_mb": round(r.info("memory")["used_memory"] / 2**20, 2),
+                "replay_stream_mb": round(queue_mb(r, keys), 2),
+                "records_mb": round(sum(key_mb(r, k) for k in records), 3),
+                "ids_remembered": sum(int(r.scard(k)) for k in records[:4]),
+                "stream_len": queues.queued_groups(r, keys),
+                "accepted": int(b.get("accepted", 0)),
+                "busy_answers": int(b.get("busy", 0)),
+                "trained": int(ln.get("groups_trained", 0)),
+                **{f"rss_{n}_mb": round(rss_mb(pid), 1) for n, pid in pids.items()},
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
         end_keys, end_overheads = key_sizes(r, "relay:soak:*"), redis_overheads(r)
@@ -148,11 +193,16 @@ def main() -> None:
         proc.wait(180)
     summary = run / "summary.json"
     audit = json.loads(summary.read_text()).get("audit") if summary.is_file() else None
-    result = {"command": cmd, "minutes": a.minutes, "record_window": a.record_window, "rows": rows,
-              "verdict": verdict(rows, audit),
-              # what changed between the early window and the end: the keys, then Redis's own memory
-              "key_growth_kib": growth(early_keys, end_keys),
-              "overheads_kib": {"early": early_overheads, "end": end_overheads}}
+    result = {
+        "command": cmd,
+        "minutes": a.minutes,
+        "record_window": a.record_window,
+        "rows": rows,
+        "verdict": verdict(rows, audit),
+        # what changed between the early window and the end: the keys, then Redis's own memory
+        "key_growth_kib": growth(early_keys, end_keys),
+        "overheads_kib": {"early": early_overheads, "end": end_overheads},
+    }
     (out / "soak.json").write_text(json.dumps(result, indent=1))
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

@@ -44,9 +44,19 @@ WARMUP = 1  # versions per transport applied before the measured ones (first-tou
 GENERATORS = ("gen-0", "gen-1")
 
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random init
-QWEN05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-               intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-               rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu")
+QWEN05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+)
 
 
 def build_model(out: Path, quick: bool) -> Path:
@@ -59,8 +69,9 @@ def build_model(out: Path, quick: bool) -> Path:
     if quick:
         return tiny
     tok = AutoTokenizer.from_pretrained(tiny)
-    cfg = Qwen2Config(**QWEN05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        **QWEN05B, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of 2 GB on the way
     try:
@@ -107,8 +118,11 @@ class Bench:
         self.redis_url = self.stack.redis()  # the collective row starts a Redis of its own: not this one
         self.r = redis.Redis.from_url(self.redis_url)
         queues.ensure_groups(self.r, self.keys)  # no prompts: the generators idle
-        self.details.update(model_params=sum(p.numel() for p in self.model.parameters()), dtype="bfloat16",
-                            tie_word_embeddings=bool(self.model.config.tie_word_embeddings))
+        self.details.update(
+            model_params=sum(p.numel() for p in self.model.parameters()),
+            dtype="bfloat16",
+            tie_word_embeddings=bool(self.model.config.tie_word_embeddings),
+        )
 
     def new_weights(self) -> int:
         """Change the weights (as a step would); the next version's number."""
@@ -132,10 +146,23 @@ class Bench:
         """Start 2 generators (torch backend, bf16) with the ``weights`` section."""
         from deploy.launcher.procs import free_port
 
-        return [self.stack.service(f"{g}-{weights['transport']}", "generator", {
-            "id": g, "run_id": "bench", "redis_url": self.redis_url, "weight_store": store,
-            "broker_address": f"tcp://127.0.0.1:{free_port()}", "backend": {"type": "torch", "dtype": "bfloat16"},
-            "heartbeat_s": 0.05, "weights": weights}) for g in GENERATORS]
+        return [
+            self.stack.service(
+                f"{g}-{weights['transport']}",
+                "generator",
+                {
+                    "id": g,
+                    "run_id": "bench",
+                    "redis_url": self.redis_url,
+                    "weight_store": store,
+                    "broker_address": f"tcp://127.0.0.1:{free_port()}",
+                    "backend": {"type": "torch", "dtype": "bfloat16"},
+                    "heartbeat_s": 0.05,
+                    "weights": weights,
+                },
+            )
+            for g in GENERATORS
+        ]
 
     def served(self) -> list:
         from broker.client.telemetry import read_heartbeats
@@ -149,16 +176,22 @@ class Bench:
 
         for i, p in enumerate(procs):
             wait_until(lambda: (self.served()[i] or -1) >= version, timeout, f"{p.name} to apply version {version}", p)
-        applied = [e for _, e in read_events(self.r, self.keys, "0-0", 10**6)
-                   if e.kind == "applied" and e.data["version"] == version]
+        applied = [
+            e
+            for _, e in read_events(self.r, self.keys, "0-0", 10**6)
+            if e.kind == "applied" and e.data["version"] == version
+        ]
         return max(e.t for e in applied) - t0
 
     def event_time(self, kind: str, version: int) -> float:
         """When the first ``kind`` event of ``version`` was emitted."""
         from broker.client.telemetry import read_events
 
-        return min(e.t for _, e in read_events(self.r, self.keys, "0-0", 10**6)
-                   if e.kind == kind and e.data.get("version") == version)
+        return min(
+            e.t
+            for _, e in read_events(self.r, self.keys, "0-0", 10**6)
+            if e.kind == kind and e.data.get("version") == version
+        )
 
     def stop(self, procs: list) -> None:
         self.stack.procs.stop([p.name for p in procs], timeout=10)
@@ -194,8 +227,17 @@ def _bench_store(b: Bench) -> list[dict]:
 
     shard_mb = 0.25 if b.quick else WeightsConfig().shard_mb
     store = b.tmp / "weights-store"
-    pub = Publisher(b.r, b.keys, str(store), b.tokenizer, keep_versions=3, announce_key=b.stack.announce_key,
-                    dtype=torch.bfloat16, shard_mb=shard_mb, hash_threads=WeightsConfig().hash_threads)
+    pub = Publisher(
+        b.r,
+        b.keys,
+        str(store),
+        b.tokenizer,
+        keep_versions=3,
+        announce_key=b.stack.announce_key,
+        dtype=torch.bfloat16,
+        shard_mb=shard_mb,
+        hash_threads=WeightsConfig().hash_threads,
+    )
     tied = bool(b.model.config.tie_word_embeddings)
     bg = BackgroundPublisher(pub, b.model.config)
     v = b.new_weights()
@@ -232,18 +274,40 @@ def _bench_store(b: Bench) -> list[dict]:
     verify_s = time.perf_counter() - t1
     latency = b.full_store_s = statistics.median(ours)
     b.details["full_bytes"] = sum((Path(a.path) / f).stat().st_size for f in files if f.endswith(".safetensors"))
-    store_row = row("weight_sync/store", latency, statistics.median(raw), UNIT, TARGETS["store"], "lower", {
-        **b.details, "versions": b.versions, "per_version_s": ours, "raw_per_version_s": raw,
-        "announced_after_s": announced,
-        "safetensors_files": sorted(f for f in files if f.endswith(".safetensors")),
-        "safetensors_bytes": sum((Path(a.path) / f).stat().st_size for f in files if f.endswith(".safetensors")),
-        "shard_mb": shard_mb, "verify_hash_and_digest_s_one_reader": verify_s, "warmup_s": warmup,
-        "raw": "safetensors save_file + load_file of the same bf16 tensors, copied into tensors allocated once"})
-    blocked_row = row("weight_sync/learner_blocked", statistics.median(blocked), latency,
-                      "s learner blocked per publication", BLOCKED_TARGET, "lower", {
-                          "per_version_s": blocked, "baseline": "the store transport's publish -> applied latency",
-                          "what": "snapshot: a CPU copy in bf16; the finiteness check and the writing run in "
-                                  "the publisher thread"})
+    store_row = row(
+        "weight_sync/store",
+        latency,
+        statistics.median(raw),
+        UNIT,
+        TARGETS["store"],
+        "lower",
+        {
+            **b.details,
+            "versions": b.versions,
+            "per_version_s": ours,
+            "raw_per_version_s": raw,
+            "announced_after_s": announced,
+            "safetensors_files": sorted(f for f in files if f.endswith(".safetensors")),
+            "safetensors_bytes": sum((Path(a.path) / f).stat().st_size for f in files if f.endswith(".safetensors")),
+            "shard_mb": shard_mb,
+            "verify_hash_and_digest_s_one_reader": verify_s,
+            "warmup_s": warmup,
+            "raw": "safetensors save_file + load_file of the same bf16 tensors, copied into tensors allocated once",
+        },
+    )
+    blocked_row = row(
+        "weight_sync/learner_blocked",
+        statistics.median(blocked),
+        latency,
+        "s learner blocked per publication",
+        BLOCKED_TARGET,
+        "lower",
+        {
+            "per_version_s": blocked,
+            "baseline": "the store transport's publish -> applied latency",
+            "what": "snapshot: a CPU copy in bf16; the finiteness check and the writing run in the publisher thread",
+        },
+    )
     return [store_row, blocked_row]
 
 
@@ -284,16 +348,31 @@ def _bench_http(b: Bench) -> dict:
     threading.Thread(target=plain.serve_forever, daemon=True).start()
     procs: list = []
     try:
-        pub = Publisher(b.r, b.keys, str(store), b.tokenizer, keep_versions=3, announce_key=b.stack.announce_key,
-                        dtype=torch.bfloat16, shard_mb=shard_mb, hash_threads=WeightsConfig().hash_threads)
+        pub = Publisher(
+            b.r,
+            b.keys,
+            str(store),
+            b.tokenizer,
+            keep_versions=3,
+            announce_key=b.stack.announce_key,
+            dtype=torch.bfloat16,
+            shard_mb=shard_mb,
+            hash_threads=WeightsConfig().hash_threads,
+        )
         pub.url_for = server.url
         tied = bool(b.model.config.tie_word_embeddings)
         bg = BackgroundPublisher(pub, b.model.config)
         v = b.new_weights()
         bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied))
         bg.drain()
-        procs = b.generators({"transport": "http", "shard_mb": shard_mb,  # each its own private cache, fetching
-                              "http": {"advertise_url": server.base_url}}, "")  # from this server only
+        procs = b.generators(
+            {
+                "transport": "http",
+                "shard_mb": shard_mb,  # each its own private cache, fetching
+                "http": {"advertise_url": server.base_url},
+            },
+            "",
+        )  # from this server only
         b.wait_applied(v, 0.0, procs)  # the first fetch and load (the engine starts)
         ours, raw = [], []
         for _ in range(WARMUP + b.versions):
@@ -325,18 +404,43 @@ def _bench_http(b: Bench) -> dict:
         server.close()
         plain.shutdown()
         plain.server_close()
-    return row("weight_sync/http", statistics.median(ours), statistics.median(raw), UNIT, TARGETS["http"], "lower", {
-        **b.details, "versions": b.versions, "per_version_s": ours, "raw_per_version_s": raw,
-        "version_bytes": nbytes, "bytes_served": served, "shard_mb": shard_mb, "warmup_s": warmup,
-        "raw": f"safetensors save_file, then {len(procs)} concurrent plain HTTP GETs of the file (stdlib "
-               "http.server), each loaded with safetensors.torch.load"})
+    return row(
+        "weight_sync/http",
+        statistics.median(ours),
+        statistics.median(raw),
+        UNIT,
+        TARGETS["http"],
+        "lower",
+        {
+            **b.details,
+            "versions": b.versions,
+            "per_version_s": ours,
+            "raw_per_version_s": raw,
+            "version_bytes": nbytes,
+            "bytes_served": served,
+            "shard_mb": shard_mb,
+            "warmup_s": warmup,
+            "raw": f"safetensors save_file, then {len(procs)} concurrent plain HTTP GETs of the file (stdlib "
+            "http.server), each loaded with safetensors.torch.load",
+        },
+    )
 
 
 # -- the collective transport (weights.transport = "collective"; learner/broadcast.py) -----------------------
 
 
-def _collective_peer(redis_url: str, key_file: str, model: str, gid: str, raw_addr: str, rank: int,
-                     rounds: int, total: int, bucket_mb: float, weights_key_file: str) -> None:
+def _collective_peer(
+    redis_url: str,
+    key_file: str,
+    model: str,
+    gid: str,
+    raw_addr: str,
+    rank: int,
+    rounds: int,
+    total: int,
+    bucket_mb: float,
+    weights_key_file: str,
+) -> None:
     """A generator's side, in its own process: the torch backend, a WeightApplier with the real Receiver
     (generators/weight_receive.py), plus rank ``rank`` of a plain gloo group for the raw baseline. Each
     round: receive ``total`` bytes by ``torch.distributed.broadcast``, then apply what the collective
@@ -361,8 +465,9 @@ def _collective_peer(redis_url: str, key_file: str, model: str, gid: str, raw_ad
     weights_key = read_key_file(weights_key_file)
     backend = TorchBackendConfig(dtype="bfloat16").build()  # as the other rows' generators
     backend.load(model)
-    receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), gid, key,
-                        weights_key).start()
+    receiver = Receiver(
+        r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), gid, key, weights_key
+    ).start()
     w = WeightApplier(r, keys, backend, gid, announce_key=key, receiver=receiver)
     w.version = 0
 
@@ -413,10 +518,23 @@ def _bench_collective(b: Bench) -> dict:
     url = stack.redis()
     r = redis.Redis.from_url(url)
     queues.ensure_groups(r, keys)
-    bc = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), stack.announce_key,
-                     weights_key=stack.weights_key).start()
-    pub = Publisher(r, keys, str(Path(tmp) / "weights"), tokenizer, keep_versions=2,
-                    announce_key=stack.announce_key, dtype=torch.bfloat16, broadcaster=bc)
+    bc = Broadcaster(
+        r,
+        keys,
+        CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120),
+        stack.announce_key,
+        weights_key=stack.weights_key,
+    ).start()
+    pub = Publisher(
+        r,
+        keys,
+        str(Path(tmp) / "weights"),
+        tokenizer,
+        keep_versions=2,
+        announce_key=stack.announce_key,
+        dtype=torch.bfloat16,
+        broadcaster=bc,
+    )
     send_s: list[float] = []  # of each publication: the broadcast (Broadcaster.send), for the breakdown
     send = bc.send
 
@@ -429,28 +547,38 @@ def _bench_collective(b: Bench) -> dict:
 
     bc.send = timed_send
     state0 = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    total = wire.plan([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state0.items()],
-                      1 << 20).total
+    total = wire.plan(
+        [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state0.items()], 1 << 20
+    ).total
     raw_addr = f"127.0.0.1:{free_port()}"
     peers = []
     for i in range(2):
-        code = (f"from benchmarks.weight_sync import _collective_peer; _collective_peer({url!r}, "
-                f"{stack.announce_public_key_file!r}, {str(base)!r}, 'gen-{i}', {raw_addr!r}, {i + 1}, {rounds}, "
-                f"{total}, {bucket_mb}, {stack.weights_key_file!r})")
-        peers.append(subprocess.Popen([sys.executable, "-c", code], env=child_env(), cwd=ROOT,
-                                      stderr=open(Path(tmp) / f"gen-{i}.log", "w")))
+        code = (
+            f"from benchmarks.weight_sync import _collective_peer; _collective_peer({url!r}, "
+            f"{stack.announce_public_key_file!r}, {str(base)!r}, 'gen-{i}', {raw_addr!r}, {i + 1}, {rounds}, "
+            f"{total}, {bucket_mb}, {stack.weights_key_file!r})"
+        )
+        peers.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code], env=child_env(), cwd=ROOT, stderr=open(Path(tmp) / f"gen-{i}.log", "w")
+            )
+        )
 
     def alive() -> bool:
         for i, p in enumerate(peers):
             if p.poll() not in (None, 0):  # 0: it applied every round and left (the main may not have looked yet)
-                raise RuntimeError(f"generator gen-{i} exited ({p.returncode}):\n"
-                                   f"{(Path(tmp) / f'gen-{i}.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"generator gen-{i} exited ({p.returncode}):\n{(Path(tmp) / f'gen-{i}.log').read_text()[-2000:]}"
+                )
         return True
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{raw_addr}", rank=0, world_size=3,
-                                timeout=datetime.timedelta(seconds=600))
-        wait_until(lambda: alive() and bc.member_ids() == ["gen-0", "gen-1"], 600, "both generators to join the broadcast")
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{raw_addr}", rank=0, world_size=3, timeout=datetime.timedelta(seconds=600)
+        )
+        wait_until(
+            lambda: alive() and bc.member_ids() == ["gen-0", "gen-1"], 600, "both generators to join the broadcast"
+        )
         ours, raw, receive_s = [], [], []
         flat = torch.zeros(total, dtype=torch.uint8)
         for v in range(1, rounds + 1):
@@ -460,11 +588,22 @@ def _bench_collective(b: Bench) -> dict:
             raw.append(time.perf_counter() - t1)
             t0 = time.time()
             pub.publish(model, model.state_dict(), v)
-            wait_until(lambda: alive() and sorted(e.data["generator"] for _, e in read_events(r, keys, "0-0", 10**6)
-                                      if e.kind == "applied" and e.data["version"] == v) == ["gen-0", "gen-1"],
-                       300, f"both generators to apply version {v}")
-            applied = [e for _, e in read_events(r, keys, "0-0", 10**6) if e.kind == "applied"
-                       and e.data["version"] == v]
+            wait_until(
+                lambda: (
+                    alive()
+                    and sorted(
+                        e.data["generator"]
+                        for _, e in read_events(r, keys, "0-0", 10**6)
+                        if e.kind == "applied" and e.data["version"] == v
+                    )
+                    == ["gen-0", "gen-1"]
+                ),
+                300,
+                f"both generators to apply version {v}",
+            )
+            applied = [
+                e for _, e in read_events(r, keys, "0-0", 10**6) if e.kind == "applied" and e.data["version"] == v
+            ]
             assert all(e.data["via"] == "collective" for e in applied)
             ours.append(max(e.t for e in applied) - t0)
             receive_s.append(max(e.data["latency_s"] for e in applied))
@@ -480,17 +619,31 @@ def _bench_collective(b: Bench) -> dict:
             dist.destroy_process_group()
         bc.close()
     params = sum(p.numel() for p in model.parameters())
-    return row("weight_sync/collective", statistics.median(ours), statistics.median(raw),
-               UNIT, TARGETS["collective"], "lower", {
-                   **b.details, "model_params": params, "bytes": total, "bucket_mb": bucket_mb, "versions": rounds - WARMUP,
-                   "warmup_s": warmup,
-                   "per_version_s": ours, "raw_per_version_s": raw,
-                   # where the time goes: the learner's broadcast (copy, send, digest, trailer: the rest of
-                   # `publish` before it is the non-finite check), a generator's header -> applied
-                   "broadcast_s": send_s, "receive_to_applied_s": receive_s,
-                   "broadcast_s_median": statistics.median(send_s),
-                   "receive_to_applied_s_median": statistics.median(receive_s),
-                   "raw": "torch.distributed.broadcast of the same bytes over gloo, learner -> the same 2 processes"})
+    return row(
+        "weight_sync/collective",
+        statistics.median(ours),
+        statistics.median(raw),
+        UNIT,
+        TARGETS["collective"],
+        "lower",
+        {
+            **b.details,
+            "model_params": params,
+            "bytes": total,
+            "bucket_mb": bucket_mb,
+            "versions": rounds - WARMUP,
+            "warmup_s": warmup,
+            "per_version_s": ours,
+            "raw_per_version_s": raw,
+            # where the time goes: the learner's broadcast (copy, send, digest, trailer: the rest of
+            # `publish` before it is the non-finite check), a generator's header -> applied
+            "broadcast_s": send_s,
+            "receive_to_applied_s": receive_s,
+            "broadcast_s_median": statistics.median(send_s),
+            "receive_to_applied_s_median": statistics.median(receive_s),
+            "raw": "torch.distributed.broadcast of the same bytes over gloo, learner -> the same 2 processes",
+        },
+    )
 
 
 # -- LoRA adapters published alone (learner.lora.publish = adapter; docs/weights.md "LoRA adapters") -------------
@@ -514,8 +667,16 @@ def _bench_lora(b: Bench) -> dict:
         return skipped("weight_sync/lora", "the store row, its baseline, did not run", UNIT, TARGETS["lora"], "lower")
     model = apply_lora(b.model, LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)).to(torch.bfloat16)
     store = b.tmp / "weights-lora"
-    pub = Publisher(b.r, b.keys, str(store), b.tokenizer, keep_versions=3, announce_key=b.stack.announce_key,
-                    dtype=torch.bfloat16, shard_mb=0.25 if b.quick else 2048.0)
+    pub = Publisher(
+        b.r,
+        b.keys,
+        str(store),
+        b.tokenizer,
+        keep_versions=3,
+        announce_key=b.stack.announce_key,
+        dtype=torch.bfloat16,
+        shard_mb=0.25 if b.quick else 2048.0,
+    )
     pub.adapter_config = adapter_config(model)
     tied = bool(b.model.config.tie_word_embeddings)
     bg = BackgroundPublisher(pub, b.model.config)
@@ -550,12 +711,27 @@ def _bench_lora(b: Bench) -> dict:
     assert a.adapter_only, a
     files = weightstore.read_manifest(a.path)["files"]
     adapter_params = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
-    return row("weight_sync/lora", statistics.median(ours), b.full_store_s, UNIT, TARGETS["lora"], "lower", {
-        "rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": "all-linear", "adapter_params": adapter_params,
-        "adapter_bytes": sum((Path(a.path) / f).stat().st_size for f in files),
-        "full_bytes": b.details.get("full_bytes"), "versions": b.versions, "per_version_s": ours,
-        "learner_blocked_s": blocked, "warmup_s": warmup,
-        "baseline": "the store row: the same model's full weights, publish -> applied on 2, in this run"})
+    return row(
+        "weight_sync/lora",
+        statistics.median(ours),
+        b.full_store_s,
+        UNIT,
+        TARGETS["lora"],
+        "lower",
+        {
+            "rank": LORA_RANK,
+            "alpha": LORA_ALPHA,
+            "target_modules": "all-linear",
+            "adapter_params": adapter_params,
+            "adapter_bytes": sum((Path(a.path) / f).stat().st_size for f in files),
+            "full_bytes": b.details.get("full_bytes"),
+            "versions": b.versions,
+            "per_version_s": ours,
+            "learner_blocked_s": blocked,
+            "warmup_s": warmup,
+            "baseline": "the store row: the same model's full weights, publish -> applied on 2, in this run",
+        },
+    )
 
 
 TRANSPORTS = (_bench_store, _bench_http, _bench_collective, _bench_lora)

@@ -25,8 +25,14 @@ FEED_EVERY_S = 0.1
 
 
 class PromptFeeder:
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
-                 announce_key: AnnounceVerifier | None = None):
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        cfg: BrokerConfig,
+        registry: CollectorRegistry,
+        announce_key: AnnounceVerifier | None = None,
+    ):
         self.r, self.keys, self.cfg = r, keys, cfg
         self.announce_key = announce_key  # the tokenizer comes from a verified announcement's folder only
         self._next_feed = 0.0
@@ -41,8 +47,7 @@ class PromptFeeder:
         self.source = None if cfg.dataset else TaskSource(cfg.task)
         self.position = Position.from_fields(self.r.hgetall(self.keys.feeder))  # resume where the feeder was
         self.exhausted_logged = False
-        self.m_prompts = Counter("relay_broker_prompts_fed", "prompts added to the prompts stream",
-                                 registry=registry)
+        self.m_prompts = Counter("relay_broker_prompts_fed", "prompts added to the prompts stream", registry=registry)
 
     def _tokenizer(self, path: str):
         """The dataset's tokenizer: the configured folder, else the announced weights' (None until announced)."""
@@ -57,11 +62,14 @@ class PromptFeeder:
         """Where evaluation rounds take their held-out prompts (None until the tokenizer is known)."""
         cfg = self.cfg
         if cfg.eval.dataset is not None or cfg.dataset is not None:
-            ds = cfg.eval.dataset or cfg.dataset.model_copy(update={"start": 0, "stop": cfg.dataset.start or None,
-                                                                    "epochs": None})
+            ds = cfg.eval.dataset or cfg.dataset.model_copy(
+                update={"start": 0, "stop": cfg.dataset.start or None, "epochs": None}
+            )
             if cfg.eval.dataset is None and not cfg.dataset.start:
-                raise ValueError("evaluation needs a held-out set: set broker.eval.dataset, or broker.dataset.start "
-                                 "to leave the first rows out of training, or broker.eval.every_versions = 0")
+                raise ValueError(
+                    "evaluation needs a held-out set: set broker.eval.dataset, or broker.dataset.start "
+                    "to leave the first rows out of training, or broker.eval.every_versions = 0"
+                )
             tok = self._tokenizer(ds.tokenizer or (cfg.dataset.tokenizer if cfg.dataset else ""))
             return None if tok is None else DatasetSource(ds, tok)
         return TaskSource(cfg.task.model_copy(update={"seed": cfg.eval.seed}))
@@ -88,8 +96,12 @@ class PromptFeeder:
             if not self.exhausted_logged:
                 # the learner ends the run once the last of these prompts are trained (learner/intake.py)
                 self.r.hset(self.keys.stats("broker"), "dataset_exhausted", 1)
-                log.info("the dataset is exhausted after %d epoch(s): %d prompts fed, %d skipped as too long",
-                         self.position.epoch, self.position.fed, self.position.skipped)
+                log.info(
+                    "the dataset is exhausted after %d epoch(s): %d prompts fed, %d skipped as too long",
+                    self.position.epoch,
+                    self.position.fed,
+                    self.position.skipped,
+                )
                 self.exhausted_logged = True
             return
         got, pos = self.source.take(missing, self.position)
@@ -97,12 +109,21 @@ class PromptFeeder:
         for n, (epoch, row, rec) in enumerate(got, self.position.fed + 1):
             queues.add_prompt(pipe, self.keys.prompts, replace(rec, seq=n, epoch=epoch, row=row))
         pipe.hset(self.keys.feeder, mapping=pos.as_fields())
-        pipe.hset(self.keys.stats("broker"), mapping={"prompts_fed": pos.fed, "prompts_skipped_too_long": pos.skipped,
-                                                      "epoch": pos.epoch,
-                                                      "dataset_exhausted": int(self.source.exhausted(pos))})
+        pipe.hset(
+            self.keys.stats("broker"),
+            mapping={
+                "prompts_fed": pos.fed,
+                "prompts_skipped_too_long": pos.skipped,
+                "epoch": pos.epoch,
+                "dataset_exhausted": int(self.source.exhausted(pos)),
+            },
+        )
         pipe.execute()
         if pos.skipped > self.position.skipped:
-            log.warning("skipped %d prompt(s) longer than max_prompt_tokens (%d so far)",
-                        pos.skipped - self.position.skipped, pos.skipped)
+            log.warning(
+                "skipped %d prompt(s) longer than max_prompt_tokens (%d so far)",
+                pos.skipped - self.position.skipped,
+                pos.skipped,
+            )
         self.position = pos
         self.m_prompts.inc(len(got))

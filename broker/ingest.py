@@ -42,8 +42,15 @@ from broker.client.announcements import announced_hashes, latest_announcement
 from broker.client.overlap import OverlappedTransactions
 from broker.config import BrokerConfig
 from broker.protocol.codec import ProtocolError
-from broker.protocol.group import (Group, GroupHead, decode_group_fast, group_from_map, group_id_in_head, group_id_of,
-                                   unpack_group)
+from broker.protocol.group import (
+    Group,
+    GroupHead,
+    decode_group_fast,
+    group_from_map,
+    group_id_in_head,
+    group_id_of,
+    unpack_group,
+)
 from broker.protocol.ingest_auth import AllowList, load_allow_list, load_server_keys
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Ack, encode_ack
@@ -83,6 +90,7 @@ def socket_max_frame(max_message_bytes: int, curve: bool) -> int:
 class _Batch:
     """A validated batch: its pipeline (not yet sent), an ack per message (filled for the rejected ones
     now, for the valid ones from the pipeline's results), the valid groups and the rejection reasons."""
+
     pipe: redis.client.Pipeline
     acks: list[Ack | None]
     valid: list[tuple[int, Group | GroupHead, bytes | memoryview]] = field(default_factory=list)
@@ -92,8 +100,14 @@ class _Batch:
 class Ingest:
     """Validates and appends groups; counts every outcome (Redis ``stats:broker`` and Prometheus)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: BrokerConfig, registry: CollectorRegistry,
-                 announce_key: AnnounceVerifier | None = None):
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        cfg: BrokerConfig,
+        registry: CollectorRegistry,
+        announce_key: AnnounceVerifier | None = None,
+    ):
         self.r, self.keys, self.cfg = r, keys, cfg
         self.announce_key = announce_key  # a forged announcement's version never drives version_ahead
         self._latest_version: int | None = None  # cached; see _version_ahead
@@ -108,15 +122,21 @@ class Ingest:
         # the pipelined loop (serve): one batch's transaction runs in Redis while the next is validated
         self._writer = OverlappedTransactions(r)
         self._inflight: tuple[list, _Batch] | None = None
-        self.m_groups = Counter("relay_broker_groups", "groups received, by outcome", ["outcome", "reason"],
-                                registry=registry)
+        self.m_groups = Counter(
+            "relay_broker_groups", "groups received, by outcome", ["outcome", "reason"], registry=registry
+        )
         self.m_bytes = Counter("relay_broker_bytes", "bytes of accepted groups", registry=registry)
-        self.m_denied = Counter("relay_broker_ingest_denied", "CURVE handshakes refused: key not in the allow-list",
-                                registry=registry)
+        self.m_denied = Counter(
+            "relay_broker_ingest_denied", "CURVE handshakes refused: key not in the allow-list", registry=registry
+        )
         # anyone who knows the broker's public key can make it refuse handshakes at will: a few lines in full
         # per interval, then one summary line (the counter above counts every refusal)
-        self._denied_log = RateLimitedLog(log, "CURVE handshakes refused (keys not in the allow-list)",
-                                          interval_s=DENIED_LOG_INTERVAL_S, burst=DENIED_LOG_BURST)
+        self._denied_log = RateLimitedLog(
+            log,
+            "CURVE handshakes refused (keys not in the allow-list)",
+            interval_s=DENIED_LOG_INTERVAL_S,
+            burst=DENIED_LOG_BURST,
+        )
 
     def bind(self) -> zmq.Socket:
         ctx = zmq.Context.instance()
@@ -199,12 +219,18 @@ class Ingest:
         if self._hashes.get(v) != g.weight_hash:
             announced = announced_hashes(self.r, self.keys, [v], self.announce_key).get(v)
             if announced is None:  # or only by a forged (unsigned, wrongly signed) announcement
-                raise ProtocolError("weight_hash", f"weight_version {v} was never announced (signed), or is older "
-                                    "than the announcements kept (learner.versions_kept)")
+                raise ProtocolError(
+                    "weight_hash",
+                    f"weight_version {v} was never announced (signed), or is older "
+                    "than the announcements kept (learner.versions_kept)",
+                )
             self._hashes[v] = announced
             if announced != g.weight_hash:
-                raise ProtocolError("weight_hash", f"weight_hash {g.weight_hash[:16]!r} is not the hash announced "
-                                    f"for version {v} ({announced[:16]!r})")
+                raise ProtocolError(
+                    "weight_hash",
+                    f"weight_hash {g.weight_hash[:16]!r} is not the hash announced "
+                    f"for version {v} ({announced[:16]!r})",
+                )
 
     def _validate(self, g: Group | GroupHead, user_id: str | None) -> None:
         """The checks of a valid group message beyond the message itself, in order: the key's generator
@@ -252,8 +278,14 @@ class Ingest:
                 continue
             batch.valid.append((i, g, payload))
         if batch.valid:
-            queues.append_groups(batch.pipe, self.keys, self.cfg.max_queue_groups, self.cfg.max_queue_bytes,
-                                 [(g, payload) for _, g, payload in batch.valid], self.cfg.record_window)
+            queues.append_groups(
+                batch.pipe,
+                self.keys,
+                self.cfg.max_queue_groups,
+                self.cfg.max_queue_bytes,
+                [(g, payload) for _, g, payload in batch.valid],
+                self.cfg.record_window,
+            )
         return batch
 
     def _finish(self, batch: "_Batch", results: list) -> list[Ack]:
@@ -318,8 +350,9 @@ class Ingest:
         """One ack per drained message, in order: the batch's acks for the well-framed ones."""
         it = iter(acks)
         for ident, payload, _ in drained:
-            sock.send_multipart([ident, b"", encode_ack(next(it) if payload is not None else
-                                                        Ack("", "rejected", "bad_framing"))])
+            sock.send_multipart(
+                [ident, b"", encode_ack(next(it) if payload is not None else Ack("", "rejected", "bad_framing"))]
+            )
 
     def _drain(self, sock: zmq.Socket) -> list[tuple[bytes, memoryview | None, str | None]]:
         """Every message waiting on the socket, up to the batch limits: (identity, payload, the CURVE

@@ -46,7 +46,13 @@ def serve(cfg: BrokerConfig, stop: threading.Event, alive=lambda: True) -> None:
     """One ingest worker: bind ``cfg.ingest_bind`` and serve batches until ``stop`` is set or ``alive()``
     turns false. Redis unavailable: nothing is acknowledged; the producers resend once it is back."""
     r = connect_redis(cfg.redis_url)
-    ingest = Ingest(r, Keys(cfg.run_id), cfg, CollectorRegistry(), announce_verifier(cfg.announce_auth, cfg.announce_public_key_file))
+    ingest = Ingest(
+        r,
+        Keys(cfg.run_id),
+        cfg,
+        CollectorRegistry(),
+        announce_verifier(cfg.announce_auth, cfg.announce_public_key_file),
+    )
     sock = ingest.bind()
     freeze_startup_objects()  # broker/runtime/heap.py
     try:
@@ -105,8 +111,12 @@ class Workers:
                     backoff.reset()  # it had been serving: the shortest wait
                 delay = backoff.next()
                 self.retry_at[k] = now + delay
-                log.warning("ingest worker %d exited with %s; restarting it in %.1fs (its producers resend what it "
-                            "held)", k, code, delay)
+                log.warning(
+                    "ingest worker %d exited with %s; restarting it in %.1fs (its producers resend what it held)",
+                    k,
+                    code,
+                    delay,
+                )
             if now < self.retry_at[k]:
                 continue
             del self.retry_at[k]

@@ -42,14 +42,24 @@ class Broker:
         self.registry = CollectorRegistry()  # counters; gauges come from Redis at scrape time (dashboard/server.py)
         self.ingest = Ingest(self.r, self.keys, cfg, self.registry, self.announce_key)
         self.feeder = PromptFeeder(self.r, self.keys, cfg, self.registry, self.announce_key)
-        self.evals = EvalScheduler(self.r, self.keys, cfg.eval, self.feeder.eval_source,
-                                   announce_key=self.announce_key)
-        self.dashboard = dashboard.Dashboard(self.r, self.keys, self.stop_event, cfg.dead_after_s,
-                                             cfg.dashboard_push_s, announce_key=self.announce_key,
-                                             eval_history=self.evals.history)
+        self.evals = EvalScheduler(self.r, self.keys, cfg.eval, self.feeder.eval_source, announce_key=self.announce_key)
+        self.dashboard = dashboard.Dashboard(
+            self.r,
+            self.keys,
+            self.stop_event,
+            cfg.dead_after_s,
+            cfg.dashboard_push_s,
+            announce_key=self.announce_key,
+            eval_history=self.evals.history,
+        )
         queues.ensure_groups(self.r, self.keys)
-        advertise_run(self.r, self.keys, ingest_address=cfg.advertised_ingest(),  # how producers reach the ingest
-                      ingest_addresses=",".join(cfg.advertised_ingests()), ingest_auth=cfg.ingest_auth)
+        advertise_run(
+            self.r,
+            self.keys,
+            ingest_address=cfg.advertised_ingest(),  # how producers reach the ingest
+            ingest_addresses=",".join(cfg.advertised_ingests()),
+            ingest_auth=cfg.ingest_auth,
+        )
         # set up: what lives now lives as long as the broker (broker/runtime/heap.py); done before the HTTP
         # server answers /healthz, so the loop starts as soon as the broker says it is up
         freeze_startup_objects()

@@ -27,20 +27,36 @@ from broker.runtime.config import ConfigError, load_config, set_overrides
 
 
 # a valid ``--set`` of each service (tests/unit/deploy/test_config_docs.py loads each one)
-SET_EXAMPLES = {"broker": "eval.every_versions=10", "reward": "port=8091",
-                "generator": "sampling.temperature=0.7", "learner": "lr=0.001"}
+SET_EXAMPLES = {
+    "broker": "eval.every_versions=10",
+    "reward": "port=8091",
+    "generator": "sampling.temperature=0.7",
+    "learner": "lr=0.001",
+}
 CONFIG_DOC = "docs/config.md"
 
 
 def _service_parser(sub, name: str, help_: str) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help_, description=f"{help_}. Every field, its default and bounds: {CONFIG_DOC} "
-                       f"(or `relay config docs`); precedence: defaults < --config < RELAY_<FIELD> "
-                       f"environment variables < --set.")
-    p.add_argument("--config", help=f"JSON or TOML config file: this service's fields at the top level (the "
-                   f"{name} section of {CONFIG_DOC}), or a run file as `relay up --config` takes (sections "
-                   f"[broker], [reward], [generator], [learner], [weights]), of which it reads [{name}]")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help=f"override a config field (nested with dots), e.g. --set {SET_EXAMPLES[name]}")
+    p = sub.add_parser(
+        name,
+        help=help_,
+        description=f"{help_}. Every field, its default and bounds: {CONFIG_DOC} "
+        f"(or `relay config docs`); precedence: defaults < --config < RELAY_<FIELD> "
+        f"environment variables < --set.",
+    )
+    p.add_argument(
+        "--config",
+        help=f"JSON or TOML config file: this service's fields at the top level (the "
+        f"{name} section of {CONFIG_DOC}), or a run file as `relay up --config` takes (sections "
+        f"[broker], [reward], [generator], [learner], [weights]), of which it reads [{name}]",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help=f"override a config field (nested with dots), e.g. --set {SET_EXAMPLES[name]}",
+    )
     p.add_argument("--log-json", action="store_true", help="log as JSON lines")
     return p
 
@@ -101,8 +117,9 @@ def cmd_reward(args) -> int:
     if sock is None:
         uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
         return 0
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                                           access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    )
     server.run(sockets=[sock])
     return 0 if server.started else 3
 
@@ -188,60 +205,88 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="relay", description="Relay: asynchronous RL for language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    up = sub.add_parser("up", help="run the whole stack on this machine",
-                        description="Run Redis, the broker, the reward service, generators and the learner "
-                                    "as child processes; write runs/<run-id>/ and runs/latest.")
+    up = sub.add_parser(
+        "up",
+        help="run the whole stack on this machine",
+        description="Run Redis, the broker, the reward service, generators and the learner "
+        "as child processes; write runs/<run-id>/ and runs/latest.",
+    )
     add_up_arguments(up)
     up.set_defaults(fn=cmd_up)
-    _service_parser(sub, "broker", "ZeroMQ ingest -> Redis trajectories stream; prompt feeder; HTTP state").set_defaults(fn=cmd_broker)
+    _service_parser(
+        sub, "broker", "ZeroMQ ingest -> Redis trajectories stream; prompt feeder; HTTP state"
+    ).set_defaults(fn=cmd_broker)
     _service_parser(sub, "reward", "the HTTP reward service").set_defaults(fn=cmd_reward)
     _service_parser(sub, "generator", "one generator replica").set_defaults(fn=cmd_generator)
     _service_parser(sub, "learner", "the DeepSpeed learner").set_defaults(fn=cmd_learner)
-    bench = sub.add_parser("bench", help="benchmark every stage against its raw baseline",
-                           description="Run the benchmarks (all, or those named), each against a raw baseline "
-                                       "measured side by side; print a Markdown table (docs/benchmarks.md).")
-    bench.add_argument("names", nargs="*", metavar="NAME",
-                       help="codec, ingest, ingest_scaling, weight_sync, overlap, async_speedup, generator, learner, "
-                            "learner_memory (default: all)")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark every stage against its raw baseline",
+        description="Run the benchmarks (all, or those named), each against a raw baseline "
+        "measured side by side; print a Markdown table (docs/benchmarks.md).",
+    )
+    bench.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help="codec, ingest, ingest_scaling, weight_sync, overlap, async_speedup, generator, learner, "
+        "learner_memory (default: all)",
+    )
     bench.add_argument("--quick", action="store_true", help="tiny sizes, seconds (no vLLM rows unless --vllm)")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--md", metavar="PATH", help="write the Markdown table")
-    bench.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
-                       help="run the vLLM rows (default: yes, except with --quick)")
+    bench.add_argument(
+        "--vllm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the vLLM rows (default: yes, except with --quick)",
+    )
     bench.set_defaults(fn=cmd_bench)
     from deploy.status import add_status_arguments
 
-    status = sub.add_parser("status", help="print the run's state as a table",
-                            description="The dashboard's state as a table: learner version, every generator's "
-                                        "version, hash, lag and state, the queue, failures. With RUN (a run "
-                                        "folder, or a run id or 'latest' under --runs-dir): a finished run's "
-                                        "report from its summary.json, or the state of the run while it goes.")
+    status = sub.add_parser(
+        "status",
+        help="print the run's state as a table",
+        description="The dashboard's state as a table: learner version, every generator's "
+        "version, hash, lag and state, the queue, failures. With RUN (a run "
+        "folder, or a run id or 'latest' under --runs-dir): a finished run's "
+        "report from its summary.json, or the state of the run while it goes.",
+    )
     add_status_arguments(status)
     status.set_defaults(fn=cmd_status)
     from deploy.export import add_export_arguments
 
-    exp = sub.add_parser("export", help="write a run's trained model as a Hugging Face folder",
-                         description="Copy a published version of a run (default: the newest) into a standard "
-                                     "Hugging Face folder (config, tokenizer, safetensors), each file checked "
-                                     "against the snapshot's sha256 manifest.")
+    exp = sub.add_parser(
+        "export",
+        help="write a run's trained model as a Hugging Face folder",
+        description="Copy a published version of a run (default: the newest) into a standard "
+        "Hugging Face folder (config, tokenizer, safetensors), each file checked "
+        "against the snapshot's sha256 manifest.",
+    )
     add_export_arguments(exp)
     exp.set_defaults(fn=cmd_export)
     from deploy.configdoc import add_config_arguments
 
-    config = sub.add_parser("config", help="the config reference (docs/config.md) and a run's effective config",
-                            description="`relay config docs` prints docs/config.md (every field of every service, "
-                                        "generated from the models); `relay config show RUN` prints the effective "
-                                        "config a run's services ran with.")
+    config = sub.add_parser(
+        "config",
+        help="the config reference (docs/config.md) and a run's effective config",
+        description="`relay config docs` prints docs/config.md (every field of every service, "
+        "generated from the models); `relay config show RUN` prints the effective "
+        "config a run's services ran with.",
+    )
     add_config_arguments(config)
     config.set_defaults(fn=cmd_config)
 
     from deploy.provision import add_arguments as add_secrets_arguments
 
-    sec = sub.add_parser("secrets", help="make the secrets of a Compose or Kubernetes deployment",
-                         description="Keys and passwords for docker-compose.yml (deploy/secrets) and, with --k8s, "
-                                     "the Kubernetes Secrets of deploy/k8s: the announcement key pair, the weights "
-                                     "key, the ingest's CURVE certificates, Redis users, the reward token "
-                                     "(docs/deploy.md, docs/security.md).")
+    sec = sub.add_parser(
+        "secrets",
+        help="make the secrets of a Compose or Kubernetes deployment",
+        description="Keys and passwords for docker-compose.yml (deploy/secrets) and, with --k8s, "
+        "the Kubernetes Secrets of deploy/k8s: the announcement key pair, the weights "
+        "key, the ingest's CURVE certificates, Redis users, the reward token "
+        "(docs/deploy.md, docs/security.md).",
+    )
     add_secrets_arguments(sec)
     sec.set_defaults(fn=cmd_secrets)
     return parser

@@ -61,8 +61,12 @@ def services() -> list[tuple[str, type[BaseModel]]]:
     from learner.config import LearnerConfig
     from reward_service.config import RewardConfig
 
-    return [("broker", BrokerConfig), ("reward", RewardConfig), ("generator", GeneratorConfig),
-            ("learner", LearnerConfig)]
+    return [
+        ("broker", BrokerConfig),
+        ("reward", RewardConfig),
+        ("generator", GeneratorConfig),
+        ("learner", LearnerConfig),
+    ]
 
 
 def _models_in(ann) -> list[type[BaseModel]]:
@@ -131,8 +135,10 @@ def model_sections(path: str, model: type[BaseModel], title: str = "") -> list[s
     lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
     nested = []
     for name, f in model.model_fields.items():
-        lines.append(f"| `{path}.{name}` | {type_name(f.annotation)} | {default_text(f)} | {bounds_text(f)} | "
-                     f"{_cell(f.description)} |")
+        lines.append(
+            f"| `{path}.{name}` | {type_name(f.annotation)} | {default_text(f)} | {bounds_text(f)} | "
+            f"{_cell(f.description)} |"
+        )
         inner = _models_in(f.annotation)
         if len(inner) == 1:
             nested.append((f"{path}.{name}", inner[0], ""))
@@ -151,14 +157,20 @@ def plugin_sections() -> list[str]:
     """The options of every built-in reward plugin (``[reward.plugins.<name>]`` with ``type = ...``)."""
     from reward_service.plugins import REGISTRY, NoOptions
 
-    lines = ["## Reward plugin options", "",
-             "A plugin instance `[reward.plugins.<name>]` takes `type` and `options`; these are the options of "
-             "each built-in type (docs/rewards.md explains them).", ""]
+    lines = [
+        "## Reward plugin options",
+        "",
+        "A plugin instance `[reward.plugins.<name>]` takes `type` and `options`; these are the options of "
+        "each built-in type (docs/rewards.md explains them).",
+        "",
+    ]
     for name, cls in sorted(REGISTRY.items()):
         if not cls.__module__.startswith("reward_service.") or cls.Options is NoOptions:
             continue
-        lines += model_sections("reward.plugins.<name>.options", cls.Options, f"with `type = \"{name}\"`")
-    none = sorted(n for n, c in REGISTRY.items() if c.__module__.startswith("reward_service.") and c.Options is NoOptions)
+        lines += model_sections("reward.plugins.<name>.options", cls.Options, f'with `type = "{name}"`')
+    none = sorted(
+        n for n, c in REGISTRY.items() if c.__module__.startswith("reward_service.") and c.Options is NoOptions
+    )
     lines += [f"Types without options: {', '.join(f'`{n}`' for n in none)}.", ""]
     return lines
 
@@ -184,8 +196,10 @@ def show(run: str, runs_dir: str = "runs") -> str:
     folder = Path(run) if Path(run).is_dir() and (Path(run) / "config").is_dir() else Path(runs_dir) / run
     cfg_dir = folder / "config"
     if not cfg_dir.is_dir():
-        raise ShowError(f"{folder} has no config/ folder: not a run folder (give a run id under {runs_dir}/, "
-                        f"'latest', or a run folder)")
+        raise ShowError(
+            f"{folder} has no config/ folder: not a run folder (give a run id under {runs_dir}/, "
+            f"'latest', or a run folder)"
+        )
     models = dict(services())
     out = []
     for path in sorted(cfg_dir.glob("*.json")):
@@ -213,11 +227,17 @@ def _masked(d):
 
 def add_config_arguments(p) -> None:
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    sub.add_parser("docs", help="print docs/config.md (every field of every service) to stdout",
-                   description="Print the configuration reference (docs/config.md), generated from the models.")
-    s = sub.add_parser("show", help="print a run's effective config (every field, defaults filled in)",
-                       description="Print the effective config of a run: each runs/<RUN>/config/<service>.json "
-                                   "validated, with every default filled in.")
+    sub.add_parser(
+        "docs",
+        help="print docs/config.md (every field of every service) to stdout",
+        description="Print the configuration reference (docs/config.md), generated from the models.",
+    )
+    s = sub.add_parser(
+        "show",
+        help="print a run's effective config (every field, defaults filled in)",
+        description="Print the effective config of a run: each runs/<RUN>/config/<service>.json "
+        "validated, with every default filled in.",
+    )
     s.add_argument("run", metavar="RUN", help="a run id under --runs-dir, 'latest', or a run folder")
     s.add_argument("--runs-dir", default="runs", help="folder that holds the run folders (default: runs)")
 

@@ -38,8 +38,9 @@ def resolve_run(run: str, runs_dir: str | Path = "runs") -> Path:
     q = Path(runs_dir) / run
     if (q / "weights").is_dir():
         return q.resolve()
-    raise ExportError(f"{run!r} is not a run folder with a weight store (looked in {p} and {q}; a run folder holds "
-                      f"weights/)")
+    raise ExportError(
+        f"{run!r} is not a run folder with a weight store (looked in {p} and {q}; a run folder holds weights/)"
+    )
 
 
 def _verified(store: Path, version: int) -> dict:
@@ -89,8 +90,11 @@ def _merge(base: Path, adapter: Path, out: Path) -> None:
         tensors = load_file(str(base / shard))
         mine = {k: t for k, t in factors.items() if f"{_module(k)}.weight" in tensors}
         merged_modules.update(_module(k) for k in mine)
-        save_file({k: t.contiguous() for k, t in merged_state_dict({**tensors, **mine}, scale).items()},
-                  str(out / shard), metadata={"format": "pt"})
+        save_file(
+            {k: t.contiguous() for k, t in merged_state_dict({**tensors, **mine}, scale).items()},
+            str(out / shard),
+            metadata={"format": "pt"},
+        )
     every = {_module(k) for k in factors}
     if every - merged_modules:
         raise ExportError(f"the adapter has layers the base model lacks: {sorted(every - merged_modules)[:3]}")
@@ -99,8 +103,9 @@ def _merge(base: Path, adapter: Path, out: Path) -> None:
             shutil.copyfile(f, out / f.name)
 
 
-def export(run_dir: str | Path, out: str | Path, version: int | None = None, overwrite: bool = False,
-           merged: bool = False) -> dict:
+def export(
+    run_dir: str | Path, out: str | Path, version: int | None = None, overwrite: bool = False, merged: bool = False
+) -> dict:
     """Export ``version`` (default: the newest kept) of the run in ``run_dir`` to ``out``; return
     the export's record (also written to ``out/relay_export.json``). A LoRA adapter version: the adapter,
     or with ``merged`` the merged model (and the adapter in ``out/adapter``)."""
@@ -112,8 +117,10 @@ def export(run_dir: str | Path, out: str | Path, version: int | None = None, ove
     if version is None:
         version = versions[-1]
     if version not in versions:
-        raise ExportError(f"version {version} is not in {store} (kept: {', '.join(map(str, versions))}; older "
-                          "versions are pruned, see learner.keep_versions)")
+        raise ExportError(
+            f"version {version} is not in {store} (kept: {', '.join(map(str, versions))}; older "
+            "versions are pruned, see learner.keep_versions)"
+        )
     src = weightstore.version_dir(store, version)
     manifest = _verified(store, version)
     occupied = (out.is_dir() and any(out.iterdir())) or (out.exists() and not out.is_dir())
@@ -123,8 +130,13 @@ def export(run_dir: str | Path, out: str | Path, version: int | None = None, ove
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    record = {"run_id": run_dir.name, "version": version, "manifest_hash": weightstore.manifest_hash(manifest),
-              "source": str(src), "files": manifest["files"]}
+    record = {
+        "run_id": run_dir.name,
+        "version": version,
+        "manifest_hash": weightstore.manifest_hash(manifest),
+        "source": str(src),
+        "files": manifest["files"],
+    }
     try:
         lora = ADAPTER_CONFIG in manifest["files"]
         adapter_only = lora and INDEX not in manifest["files"]
@@ -134,8 +146,11 @@ def export(run_dir: str | Path, out: str | Path, version: int | None = None, ove
             adapter_files = {k: d for k, d in manifest["files"].items() if k in (ADAPTER_CONFIG, ADAPTER_FILE)}
             b = base_version(store, version) if adapter_only else version
             base_manifest = _verified(store, b) if b != version else manifest
-            record["lora"] = {"base_version": b, "base_manifest_hash": weightstore.manifest_hash(base_manifest),
-                              "merged": merged}
+            record["lora"] = {
+                "base_version": b,
+                "base_manifest_hash": weightstore.manifest_hash(base_manifest),
+                "merged": merged,
+            }
             _copy(src, tmp / "adapter" if merged else tmp, adapter_files)
             if merged:
                 _merge(weightstore.version_dir(store, b), src, tmp)
@@ -157,9 +172,13 @@ def add_export_arguments(p) -> None:
     p.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     p.add_argument("--runs-dir", default="runs", help="where run ids are looked up (default: runs)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--merged", action="store_true", help="a LoRA adapter version: write the base model with the "
-                   "adapter merged in (a plain Hugging Face folder), the adapter in OUT/adapter (default: the adapter "
-                   "alone, a PEFT folder)")
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="a LoRA adapter version: write the base model with the "
+        "adapter merged in (a plain Hugging Face folder), the adapter in OUT/adapter (default: the adapter "
+        "alone, a PEFT folder)",
+    )
 
 
 def run_export(args) -> int:
@@ -171,8 +190,17 @@ def run_export(args) -> int:
         print(f"relay export: error: {e}", file=sys.stderr)
         return 2
     lora = rec.get("lora")
-    what = "" if lora is None else (" merged with its LoRA adapter" if lora["merged"] else
-                                    f" (a LoRA adapter for the base model of version {lora['base_version']})")
-    print(f"relay export: version {rec['version']} of run {rec['run_id']} (manifest {rec['manifest_hash'][:12]}){what} "
-          f"-> {rec['path']}")
+    what = (
+        ""
+        if lora is None
+        else (
+            " merged with its LoRA adapter"
+            if lora["merged"]
+            else f" (a LoRA adapter for the base model of version {lora['base_version']})"
+        )
+    )
+    print(
+        f"relay export: version {rec['version']} of run {rec['run_id']} (manifest {rec['manifest_hash'][:12]}){what} "
+        f"-> {rec['path']}"
+    )
     return 0

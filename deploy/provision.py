@@ -61,14 +61,19 @@ def make(folder: Path, run_id: str, redis_host: str = REDIS_HOST, force: bool = 
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     private, public = write_key_pair(folder / "announce.key", folder / "announce.pub")
-    out = {"announce_key": private, "announce_public_key": public,
-           "weights_key": weightauth.write_key_file(folder / "weights.key")}
+    out = {
+        "announce_key": private,
+        "announce_public_key": public,
+        "weights_key": weightauth.write_key_file(folder / "weights.key"),
+    }
     if not (folder / "ingest" / "clients.json").exists():
         write_ingest_keys(folder / "ingest", [GENERATOR_KEY], patterns={GENERATOR_KEY: GENERATOR_IDS})
-    out.update(ingest_broker_secret=folder / "ingest" / "broker.key_secret",
-               ingest_broker_public=folder / "ingest" / "broker.key",
-               ingest_clients=folder / "ingest" / "clients.json",
-               ingest_generator_secret=folder / "ingest" / f"generator-{GENERATOR_KEY}.key_secret")
+    out.update(
+        ingest_broker_secret=folder / "ingest" / "broker.key_secret",
+        ingest_broker_public=folder / "ingest" / "broker.key",
+        ingest_clients=folder / "ingest" / "clients.json",
+        ingest_generator_secret=folder / "ingest" / f"generator-{GENERATOR_KEY}.key_secret",
+    )
     users = RedisUsers.read_from(folder, run_id) if (folder / "redis" / "users.acl").exists() else None
     users = users or RedisUsers.new(run_id)
     users.write_to(folder)  # the ACL file always from the current rights (deploy/launcher/redis_acl.py), passwords kept
@@ -98,26 +103,42 @@ def _env_value(path: Path, name: str) -> str:
 
 def k8s_secrets(files: dict[str, Path], namespace: str) -> str:
     """The Kubernetes Secrets the manifests in deploy/k8s/base mount or read, as one YAML stream."""
-    def secret(name: str, data: dict[str, bytes]) -> dict:
-        return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "relay"}},
-                "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
 
-    read = {k: p.read_bytes() for k, p in files.items() if k not in ("broker_env", "learner_env", "generator_env",
-                                                                      "reward_env")}
+    def secret(name: str, data: dict[str, bytes]) -> dict:
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "relay"}},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+
+    read = {
+        k: p.read_bytes()
+        for k, p in files.items()
+        if k not in ("broker_env", "learner_env", "generator_env", "reward_env")
+    }
     docs = [
         secret("relay-announce-key", {"key": read["announce_key"]}),  # the learner's alone
         secret("relay-announce-public", {"key": read["announce_public_key"]}),  # the broker's, the generators'
         secret("relay-weights-key", {"key": read["weights_key"]}),  # the learner's and the generators'
-        secret("relay-ingest-broker", {"broker.key_secret": read["ingest_broker_secret"],
-                                       "clients.json": read["ingest_clients"]}),
-        secret("relay-ingest-generator", {"generator.key_secret": read["ingest_generator_secret"],
-                                          "broker.key": read["ingest_broker_public"]}),
-        secret("relay-redis-acl", {"users.acl": read["redis_acl"], "launcher.password": read["redis_launcher_password"]}),
+        secret(
+            "relay-ingest-broker",
+            {"broker.key_secret": read["ingest_broker_secret"], "clients.json": read["ingest_clients"]},
+        ),
+        secret(
+            "relay-ingest-generator",
+            {"generator.key_secret": read["ingest_generator_secret"], "broker.key": read["ingest_broker_public"]},
+        ),
+        secret(
+            "relay-redis-acl", {"users.acl": read["redis_acl"], "launcher.password": read["redis_launcher_password"]}
+        ),
         secret("relay-reward-token", {"token": _env_value(files["reward_env"], "RELAY_AUTH_TOKEN").encode()}),
     ]
     for user in SERVICE_USERS:
-        docs.append(secret(f"relay-redis-{user}", {"url": _env_value(files[f"{user}_env"], "RELAY_REDIS_URL").encode()}))
+        docs.append(
+            secret(f"relay-redis-{user}", {"url": _env_value(files[f"{user}_env"], "RELAY_REDIS_URL").encode()})
+        )
     return "".join("---\n" + json.dumps(d, indent=1) + "\n" for d in docs)  # JSON is YAML
 
 

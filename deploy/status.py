@@ -17,20 +17,31 @@ import sys
 
 
 def add_status_arguments(p) -> None:
-    p.add_argument("run", nargs="?", default=None, metavar="RUN",
-                   help="a run folder, or a run id or 'latest' under --runs-dir: a finished run's report from its "
-                        "summary.json, or the state of a running one (default: latest, when there is one and "
-                        "neither --url nor --redis-url is given)")
+    p.add_argument(
+        "run",
+        nargs="?",
+        default=None,
+        metavar="RUN",
+        help="a run folder, or a run id or 'latest' under --runs-dir: a finished run's report from its "
+        "summary.json, or the state of a running one (default: latest, when there is one and "
+        "neither --url nor --redis-url is given)",
+    )
     p.add_argument("--runs-dir", default="runs", help="folder that holds the run folders (default: runs)")
-    p.add_argument("--url", default=None, help="the broker's HTTP address (default: the latest run's, else "
-                   "http://127.0.0.1:8080)")
+    p.add_argument(
+        "--url", default=None, help="the broker's HTTP address (default: the latest run's, else http://127.0.0.1:8080)"
+    )
     p.add_argument("--redis-url", default=None, help="read the state from this Redis instead of the broker")
     p.add_argument("--run-id", default=None, help="the run to show (with --redis-url)")
-    p.add_argument("--dead-after-s", type=float, default=10.0,
-                   help="with --redis-url: a generator is dead after this long without a heartbeat (default 10)")
+    p.add_argument(
+        "--dead-after-s",
+        type=float,
+        default=10.0,
+        help="with --redis-url: a generator is dead after this long without a heartbeat (default 10)",
+    )
     p.add_argument("--json", action="store_true", help="print the state as JSON instead of a table")
-    p.add_argument("--check", action="store_true",
-                   help="exit with code 3 when a generator serves a wrong hash or is dead")
+    p.add_argument(
+        "--check", action="store_true", help="exit with code 3 when a generator serves a wrong hash or is dead"
+    )
 
 
 class StatusError(Exception):
@@ -50,13 +61,16 @@ def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead
         try:
             if not run_id:
                 runs = announced_runs(r)
-                raise StatusError(f"--run-id is required with --redis-url; runs in this Redis: "
-                                  f"{', '.join(runs) or 'none'}")
+                raise StatusError(
+                    f"--run-id is required with --redis-url; runs in this Redis: {', '.join(runs) or 'none'}"
+                )
             st = build_state(r, Keys(run_id), dead_after_s)
         except redis.RedisError as e:
             raise StatusError(f"cannot read Redis at {redact_url(redis_url)}: {e}") from None
         if st["learner_version"] is None and not st["generators"]:
-            raise StatusError(f"run {run_id!r} has nothing in Redis at {redact_url(redis_url)} (no version, no generator)")
+            raise StatusError(
+                f"run {run_id!r} has nothing in Redis at {redact_url(redis_url)} (no version, no generator)"
+            )
         return st
     import httpx
 
@@ -66,8 +80,10 @@ def fetch_state(url: str | None, redis_url: str | None, run_id: str | None, dead
         resp.raise_for_status()
         return resp.json()
     except httpx.HTTPError as e:
-        raise StatusError(f"cannot read {base}/api/state: {e} (is the broker running? give a RUN folder, --url, "
-                          f"or --redis-url and --run-id)") from None
+        raise StatusError(
+            f"cannot read {base}/api/state: {e} (is the broker running? give a RUN folder, --url, "
+            f"or --redis-url and --run-id)"
+        ) from None
 
 
 def _f(x, digits: int = 3) -> str:
@@ -90,7 +106,8 @@ def format_state(st: dict) -> str:
     f = st.get("failures") or {}
     lh = (st.get("learner_hash") or "")[:12]
     lines = [
-        f"run {st['run_id']}   learner version {_f(st['learner_version'])}" + (f" ({lh})" if lh else "")
+        f"run {st['run_id']}   learner version {_f(st['learner_version'])}"
+        + (f" ({lh})" if lh else "")
         + f"   step {_f(ln.get('step'))}   reward {_f(ln.get('reward_mean'))}"
         + ("   DONE" if st.get("done") else ""),
         f"queue {st.get('queue_depth')} groups ({st.get('pending_groups')} pending)   prompts ready "
@@ -98,8 +115,11 @@ def format_state(st: dict) -> str:
         f"out {_f(rates.get('groups_out_per_s'), 1)}",
     ]
     fails = []
-    for title, key in (("rejected", "rejected"), ("dropped by learner", "learner_dropped"),
-                       ("reward failures", "reward_failures_by_plugin")):
+    for title, key in (
+        ("rejected", "rejected"),
+        ("dropped by learner", "learner_dropped"),
+        ("reward failures", "reward_failures_by_plugin"),
+    ):
         d = {k: v for k, v in (f.get(key) or {}).items() if v}
         if d:
             fails.append(f"{title}: " + ", ".join(f"{k}={v}" for k, v in d.items()))
@@ -110,17 +130,36 @@ def format_state(st: dict) -> str:
     rows = []
     for g in st.get("generators") or []:
         lat = g.get("last_update_latency_s")
-        rows.append([
-            g["id"], _f(g.get("backend")), g.get("state") or "-", _f(g.get("version")), _f(g.get("lag")),
-            (g.get("hash") or "-")[:12],
-            "ok" if g.get("hash_ok", True) else f"MISMATCH (announced {(g.get('announced_hash') or '')[:12]})",
-            f"{lat * 1000:.0f}" if isinstance(lat, (int, float)) else "-",
-            _f(g.get("tokens_per_s"), 1),
-            f"{g['age_s']:.1f}s ago" if isinstance(g.get("age_s"), (int, float)) else "-",
-            _f(g.get("groups_sent")), _f(g.get("refused_updates")),
-        ])
-    header = ["GENERATOR", "BACKEND", "STATE", "VERSION", "LAG", "HASH", "HASH CHECK", "APPLY MS", "TOK/S",
-              "HEARTBEAT", "SENT", "REFUSED"]
+        rows.append(
+            [
+                g["id"],
+                _f(g.get("backend")),
+                g.get("state") or "-",
+                _f(g.get("version")),
+                _f(g.get("lag")),
+                (g.get("hash") or "-")[:12],
+                "ok" if g.get("hash_ok", True) else f"MISMATCH (announced {(g.get('announced_hash') or '')[:12]})",
+                f"{lat * 1000:.0f}" if isinstance(lat, (int, float)) else "-",
+                _f(g.get("tokens_per_s"), 1),
+                f"{g['age_s']:.1f}s ago" if isinstance(g.get("age_s"), (int, float)) else "-",
+                _f(g.get("groups_sent")),
+                _f(g.get("refused_updates")),
+            ]
+        )
+    header = [
+        "GENERATOR",
+        "BACKEND",
+        "STATE",
+        "VERSION",
+        "LAG",
+        "HASH",
+        "HASH CHECK",
+        "APPLY MS",
+        "TOK/S",
+        "HEARTBEAT",
+        "SENT",
+        "REFUSED",
+    ]
     lines += _table(header, rows) if rows else ["no generator has sent a heartbeat yet"]
     return "\n".join(lines)
 
@@ -146,8 +185,10 @@ def show_run(run: str, runs_dir: str, as_json: bool, dead_after_s: float, check:
     if not path.is_file():
         from deploy.launcher.resume import relay_command
 
-        raise StatusError(f"run {run!r} is not running and has no summary.json: it was killed before it finished "
-                          f"(`{relay_command()} up --resume {run}` continues it)")
+        raise StatusError(
+            f"run {run!r} is not running and has no summary.json: it was killed before it finished "
+            f"(`{relay_command()} up --resume {run}` continues it)"
+        )
     text = path.read_text()
     summary = json.loads(text)
     print(text if as_json else format_report(summary, Path(folder)))

@@ -31,11 +31,17 @@ class TorchBackendConfig(StrictModel):
     supports_in_flight: ClassVar[bool] = True
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights dtype for sampling")
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the model: 'cpu', "
-                        "'cuda' or 'cuda:N'")
-    step_latency_s: float = Field(0.0, ge=0, le=10, description="seconds every decode step waits on top of its "
-                                  "compute: a stand-in for a slower engine that costs time but not this machine's "
-                                  "CPU, as a GPU would (relay bench async_speedup); 0 in real runs")
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the model: 'cpu', 'cuda' or 'cuda:N'"
+    )
+    step_latency_s: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="seconds every decode step waits on top of its "
+        "compute: a stand-in for a slower engine that costs time but not this machine's "
+        "CPU, as a GPU would (relay bench async_speedup); 0 in real runs",
+    )
 
     def build(self) -> Backend:
         from generators.backends.torch import TorchBackend
@@ -52,17 +58,21 @@ class VLLMBackendConfig(StrictModel):
 
     type: Literal["vllm"] = "vllm"
     supports_in_flight: ClassVar[bool] = True
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="model dtype; float32 "
-                                                                     "keeps the log-probs closest to the learner's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="model dtype; float32 keeps the log-probs closest to the learner's"
+    )
     max_model_len: int = Field(0, ge=0, description="longest prompt + completion in tokens (0: the model's own)")
-    enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile (fast start-up; turn off on GPUs "
-                                "for speed)")
+    enforce_eager: bool = Field(
+        True, description="no CUDA graphs / torch.compile (fast start-up; turn off on GPUs for speed)"
+    )
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU memory share for weights + KV cache")
     cpu_kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine")
     enable_prefix_caching: bool = Field(True, description="share the KV of a group's common prompt")
-    engine_kwargs: dict = Field(default_factory=dict, description="extra keyword arguments for vllm.LLM, passed as "
-                                "they are (see vLLM's EngineArgs)")
+    engine_kwargs: dict = Field(
+        default_factory=dict,
+        description="extra keyword arguments for vllm.LLM, passed as they are (see vLLM's EngineArgs)",
+    )
 
     def build(self) -> Backend:
         check_backend_installed(self)  # the same check relay up makes before anything starts
@@ -97,12 +107,18 @@ class SimulatedBackendConfig(StrictModel):
 
     type: Literal["simulated"] = "simulated"
     supports_in_flight: ClassVar[bool] = True  # generate() calls on_step between decode steps
-    per_token_latency_s: float = Field(0.001, ge=0, le=10, description="seconds per generated token: every "
-                                       "decode step sleeps this times the rows still running")
-    load_s: float = Field(0.0, ge=0, le=600, description="extra seconds a load or weight update takes, after "
-                          "reading the snapshot's files")
-    eos_prob: float = Field(0.0, ge=0, le=1, description="chance that each token is EOS (0: every completion runs "
-                            "to max_tokens)")
+    per_token_latency_s: float = Field(
+        0.001,
+        ge=0,
+        le=10,
+        description="seconds per generated token: every decode step sleeps this times the rows still running",
+    )
+    load_s: float = Field(
+        0.0, ge=0, le=600, description="extra seconds a load or weight update takes, after reading the snapshot's files"
+    )
+    eos_prob: float = Field(
+        0.0, ge=0, le=1, description="chance that each token is EOS (0: every completion runs to max_tokens)"
+    )
 
     def build(self) -> Backend:
         from generators.backends.simulated import SimulatedBackend
@@ -132,8 +148,10 @@ def check_backend_installed(backend) -> None:
     except (ImportError, ValueError):  # a broken or half-removed install
         found = False
     if not found:
-        raise BackendMissing(f"the {backend.type} backend needs the {module} package, which is not installed: {how}, "
-                             "or use --backend torch")
+        raise BackendMissing(
+            f"the {backend.type} backend needs the {module} package, which is not installed: {how}, "
+            "or use --backend torch"
+        )
 
 
 # every backend, chosen by ``backend.type``; each config builds its backend (heavy imports happen
@@ -150,28 +168,51 @@ class OpenAIConfig(StrictModel):
 
     enabled: bool = Field(False, description="serve /v1/chat/completions, /v1/completions and /v1/models")
     host: str = Field("127.0.0.1", description="bind address of the endpoint")
-    port: int = Field(0, ge=0, le=65535, description="port of the endpoint; 0 picks a free one (logged, and "
-                      "in the run's 'openai_endpoint' event with the URL)")
-    api_key: str = Field("", description="every request needs `Authorization: Bearer <api_key>`; give it as "
-                         "RELAY_OPENAI__API_KEY, never in a file (relay up makes one per run: "
-                         "runs/<id>/secrets/openai.key); required unless 'open'")
-    open: bool = Field(False, description="serve without api_key on a loopback host: anyone who can reach the port "
-                       "samples from the model and posts rewards that are trained (a warning at start); for a "
-                       "machine only you use")
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of the endpoint; 0 picks a free one (logged, and "
+        "in the run's 'openai_endpoint' event with the URL)",
+    )
+    api_key: str = Field(
+        "",
+        description="every request needs `Authorization: Bearer <api_key>`; give it as "
+        "RELAY_OPENAI__API_KEY, never in a file (relay up makes one per run: "
+        "runs/<id>/secrets/openai.key); required unless 'open'",
+    )
+    open: bool = Field(
+        False,
+        description="serve without api_key on a loopback host: anyone who can reach the port "
+        "samples from the model and posts rewards that are trained (a warning at start); for a "
+        "machine only you use",
+    )
     reward_source: Literal["caller", "reward_service"] = Field(
-        "caller", description="who scores a session: 'caller': the harness posts {\"reward\": x}, trained as given "
+        "caller",
+        description="who scores a session: 'caller': the harness posts {\"reward\": x}, trained as given "
         "(reward_details.source 'caller'), or asks the reward service; 'reward_service': only the reward service's "
-        "score ({\"task\", \"reference\"}), a posted number is refused (403)")
-    group_size: int = Field(4, ge=1, le=256, description="sessions per group (X-Relay-Group): a group is sent "
-                            "when this many of its sessions have a reward")
+        'score ({"task", "reference"}), a posted number is refused (403)',
+    )
+    group_size: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="sessions per group (X-Relay-Group): a group is sent when this many of its sessions have a reward",
+    )
     session_idle_s: float = Field(600.0, gt=0, description="a session unused this long is dropped (counted)")
     max_sessions: int = Field(1024, ge=1, description="sessions held at once; a new one beyond is refused (429)")
-    max_tokens: int = Field(0, ge=0, description="most new tokens one call may sample (a request's max_tokens is "
-                            "clamped to it); 0: the generator's sampling.max_tokens")
+    max_tokens: int = Field(
+        0,
+        ge=0,
+        description="most new tokens one call may sample (a request's max_tokens is "
+        "clamped to it); 0: the generator's sampling.max_tokens",
+    )
     sampling_mismatch: Literal["refuse", "override"] = Field(
-        "refuse", description="a request whose temperature/top_p/top_k differ from the generator's sampling: "
+        "refuse",
+        description="a request whose temperature/top_p/top_k differ from the generator's sampling: "
         "'refuse' it (400), or 'override' them with the generator's (said in the X-Relay-Sampling header); the "
-        "learner trains one sampling transform per run")
+        "learner trains one sampling transform per run",
+    )
     model_name: str = Field("relay", description="the model id listed by /v1/models (any model name is accepted)")
 
     @model_validator(mode="after")
@@ -182,84 +223,147 @@ class OpenAIConfig(StrictModel):
         if self.open and self.api_key:
             raise ValueError("openai.open = true and an api_key were both given: keep the key (and drop open)")
         if self.open and self.host not in LOOPBACK:
-            raise ValueError(f"openai.open = true serves without a key, so only on a loopback host "
-                             f"({', '.join(LOOPBACK)}), not {self.host!r}: set an api_key to bind {self.host}")
+            raise ValueError(
+                f"openai.open = true serves without a key, so only on a loopback host "
+                f"({', '.join(LOOPBACK)}), not {self.host!r}: set an api_key to bind {self.host}"
+            )
         if not self.open and not self.api_key:
-            raise ValueError("the OpenAI endpoint needs a key: give it as RELAY_OPENAI__API_KEY (relay up makes one "
-                             "per run, in runs/<id>/secrets/openai.key), or set openai.open = true to serve without "
-                             "one on 127.0.0.1 (anyone who reaches the port then trains the model)")
+            raise ValueError(
+                "the OpenAI endpoint needs a key: give it as RELAY_OPENAI__API_KEY (relay up makes one "
+                "per run, in runs/<id>/secrets/openai.key), or set openai.open = true to serve without "
+                "one on 127.0.0.1 (anyone who reaches the port then trains the model)"
+            )
         return self
 
 
 class GeneratorConfig(VerifyingConnection):
     """One generator replica."""
 
-    id: str = Field(default_factory=lambda: f"gen-{socket.gethostname()}-{os.getpid()}",
-                    description="replica id, unique in the run (default: from the host name and PID)")
-    weight_store: str = Field("", description="the weight store folder: an announced version that is not one "
-                              "of its folders is refused; empty: wherever the (signed) announcement says")
-    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions arrive: the "
-                                   "learner's weights section (relay up gives both the run's [weights])")
-    broker_address: str = Field("tcp://127.0.0.1:5555", description="broker ingest address (ZeroMQ); several "
-                                "comma-separated (one per broker ingest worker): groups are spread over them")
-    ingest_auth: Literal["curve", "insecure"] = Field("curve", description="the broker's ingest_auth (they must "
-                                                       "match): 'curve' needs the two key files below")
-    ingest_key_file: str = Field("", description="this generator's CURVE certificate (.key_secret), whose public "
-                                 "key the broker's allow-list binds to this generator's id")
+    id: str = Field(
+        default_factory=lambda: f"gen-{socket.gethostname()}-{os.getpid()}",
+        description="replica id, unique in the run (default: from the host name and PID)",
+    )
+    weight_store: str = Field(
+        "",
+        description="the weight store folder: an announced version that is not one "
+        "of its folders is refused; empty: wherever the (signed) announcement says",
+    )
+    weights: WeightsConfig = Field(
+        default_factory=WeightsConfig,
+        description="how versions arrive: the learner's weights section (relay up gives both the run's [weights])",
+    )
+    broker_address: str = Field(
+        "tcp://127.0.0.1:5555",
+        description="broker ingest address (ZeroMQ); several "
+        "comma-separated (one per broker ingest worker): groups are spread over them",
+    )
+    ingest_auth: Literal["curve", "insecure"] = Field(
+        "curve", description="the broker's ingest_auth (they must match): 'curve' needs the two key files below"
+    )
+    ingest_key_file: str = Field(
+        "",
+        description="this generator's CURVE certificate (.key_secret), whose public "
+        "key the broker's allow-list binds to this generator's id",
+    )
     broker_public_key_file: str = Field("", description="the broker's CURVE public key (its .key file)")
     reward_url: str = Field("http://127.0.0.1:8090", description="reward service base URL")
     backend: Annotated[Union[BACKEND_CONFIGS], Field(discriminator="type")] = Field(
-        default_factory=TorchBackendConfig, description="inference backend, chosen by its type")
+        default_factory=TorchBackendConfig, description="inference backend, chosen by its type"
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
     in_flight: Literal["finish", "continue"] = Field(
-        "finish", description="sequences being generated when a new version arrives: 'finish' them with the old "
+        "finish",
+        description="sequences being generated when a new version arrives: 'finish' them with the old "
         "weights (the update waits for the batch), or 'continue': pause, load, and go on (later tokens carry the new "
-        "version; the KV cache of earlier tokens stays as computed)")
+        "version; the KV cache of earlier tokens stays as computed)",
+    )
     prompts_per_batch: int = Field(8, ge=1, description="prompts claimed and generated together")
-    claim_idle_s: float = Field(30.0, gt=0, description="reclaim prompts another generator held this long "
-                                "without renewing them (a live one renews every claim_idle_s / 3)")
+    claim_idle_s: float = Field(
+        30.0,
+        gt=0,
+        description="reclaim prompts another generator held this long "
+        "without renewing them (a live one renews every claim_idle_s / 3)",
+    )
     reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward-service call")
     reward_retries: int = Field(5, ge=0, description="retries of a failed reward call before marking items failed")
-    reward_down_s: float = Field(60.0, ge=0, description="while the reward service refuses connections (down, or "
-                                 "being restarted), keep retrying this long before the failures count against "
-                                 "reward_retries; 0 = count them at once")
+    reward_down_s: float = Field(
+        60.0,
+        ge=0,
+        description="while the reward service refuses connections (down, or "
+        "being restarted), keep retrying this long before the failures count against "
+        "reward_retries; 0 = count them at once",
+    )
     reward_outage_hold_s: float = Field(
-        1800.0, ge=0, description="while every item of a batch fails for an outage (the reward service unreachable, "
+        1800.0,
+        ge=0,
+        description="while every item of a batch fails for an outage (the reward service unreachable, "
         "a remote plugin timing out, unreachable, answering 5xx/429 or its circuit open), hold the batch and score it "
         "again with back-off (state paused_reward: no new prompts claimed, none burnt) for up to this long, then send "
-        "it failed; 0 = send it failed at once")
-    reward_token: str = Field("", description="bearer token for the reward service (its auth_token); prefer "
-                              "RELAY_REWARD_TOKEN to a file")
+        "it failed; 0 = send it failed at once",
+    )
+    reward_token: str = Field(
+        "", description="bearer token for the reward service (its auth_token); prefer RELAY_REWARD_TOKEN to a file"
+    )
     seed: int = Field(0, description="sampling seed (combined with the replica id)")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     metrics_host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
-    metrics_port: int = Field(0, ge=0, le=65535, description="port of the /metrics and /healthz server; 0 picks a "
-                              "free one (reported as metrics_port in the heartbeat)")
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of the /metrics and /healthz server; 0 picks a "
+        "free one (reported as metrics_port in the heartbeat)",
+    )
     exit_when_done: bool = Field(True, description="exit when the learner marks the run done")
-    openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="the OpenAI-compatible endpoint for "
-                                 "external agent harnesses (docs/openai-endpoint.md)")
+    openai: OpenAIConfig = Field(
+        default_factory=OpenAIConfig,
+        description="the OpenAI-compatible endpoint for external agent harnesses (docs/openai-endpoint.md)",
+    )
     # multi-turn episodes (generators/episodes.py, docs/agents.md): with an env, each sample is an episode
-    env: str = Field("", description="the environment that runs each sample as a multi-turn episode (a name in "
-                     "generators.envs' registry, e.g. 'calc'); empty: single-turn completions")
-    env_options: dict = Field(default_factory=dict, description="the environment's options (validated by its "
-                              "Options model when the generator starts)")
-    max_turns: int = Field(4, ge=1, le=256, description="most model turns per episode (an episode that reaches it "
-                           "without the environment ending it ends with finish_reason 'length')")
-    max_episode_tokens: int = Field(48, ge=1, description="most tokens per episode after the prompt, model and "
-                                    "context tokens together (sampling.max_tokens bounds each turn)")
-    episode_timeout_s: float = Field(60.0, gt=0, description="an episode still running after this many seconds "
-                                     "ends as failed (reason 'timeout')")
-    env_threads: int = Field(16, ge=1, le=1024, description="worker threads running environment steps "
-                             "concurrently (a slow step blocks only its own episode)")
+    env: str = Field(
+        "",
+        description="the environment that runs each sample as a multi-turn episode (a name in "
+        "generators.envs' registry, e.g. 'calc'); empty: single-turn completions",
+    )
+    env_options: dict = Field(
+        default_factory=dict,
+        description="the environment's options (validated by its Options model when the generator starts)",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="most model turns per episode (an episode that reaches it "
+        "without the environment ending it ends with finish_reason 'length')",
+    )
+    max_episode_tokens: int = Field(
+        48,
+        ge=1,
+        description="most tokens per episode after the prompt, model and "
+        "context tokens together (sampling.max_tokens bounds each turn)",
+    )
+    episode_timeout_s: float = Field(
+        60.0, gt=0, description="an episode still running after this many seconds ends as failed (reason 'timeout')"
+    )
+    env_threads: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="worker threads running environment steps concurrently (a slow step blocks only its own episode)",
+    )
 
     @model_validator(mode="after")
     def _in_flight_supported(self):
         if self.in_flight == "continue" and not self.backend.supports_in_flight:
             able = [c.model_fields["type"].default for c in BACKEND_CONFIGS if c.supports_in_flight]
-            raise ValueError(f"in_flight='continue' needs a backend that reports where in a sequence the weights "
-                             f"changed ({' or '.join(able)}); the {self.backend.type} backend supports 'finish' only")
+            raise ValueError(
+                f"in_flight='continue' needs a backend that reports where in a sequence the weights "
+                f"changed ({' or '.join(able)}); the {self.backend.type} backend supports 'finish' only"
+            )
         if self.backend.type == "sglang" and (self.sampling.top_k or self.sampling.top_p < 1.0):
-            raise ValueError("the sglang backend supports temperature only (sampling.top_k=0, sampling.top_p=1.0): "
-                             "SGLang reports log-probs before top-k/top-p filtering, not those of the distribution "
-                             "sampled from")
+            raise ValueError(
+                "the sglang backend supports temperature only (sampling.top_k=0, sampling.top_p=1.0): "
+                "SGLang reports log-probs before top-k/top-p filtering, not those of the distribution "
+                "sampled from"
+            )
         return self

@@ -55,9 +55,9 @@ JOIN_WAIT_S = 0.02
 class EpisodeLimits:
     """The budgets of one episode."""
 
-    max_turns: int = 4          # most model turns
-    max_tokens: int = 48        # most tokens after the prompt, model and context together
-    timeout_s: float = 60.0     # wall-clock seconds from its start; then it ends as failed ("timeout")
+    max_turns: int = 4  # most model turns
+    max_tokens: int = 48  # most tokens after the prompt, model and context together
+    timeout_s: float = 60.0  # wall-clock seconds from its start; then it ends as failed ("timeout")
 
 
 class EpisodeStats:
@@ -65,16 +65,16 @@ class EpisodeStats:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.episodes = 0                       # episodes finished (any way)
-        self.turns = 0                          # model turns in them
-        self.tool_calls: dict[str, int] = {}    # tool -> calls
-        self.tool_failures: dict[str, int] = {} # tool -> failed calls
+        self.episodes = 0  # episodes finished (any way)
+        self.turns = 0  # model turns in them
+        self.tool_calls: dict[str, int] = {}  # tool -> calls
+        self.tool_failures: dict[str, int] = {}  # tool -> failed calls
         self.env_failures: dict[str, int] = {}  # reason -> episodes ended by an environment failure
-        self.env_steps = 0                      # reset + step calls that returned
-        self.env_seconds = 0.0                  # their total latency
-        self.truncated = 0                      # episodes ended by a budget (finish_reason "length")
-        self.template_drift = 0                 # episodes whose tokens differ from the chat template's rendering
-        self.unspellable = 0                    # environment replies whose text the tokenizer cannot spell
+        self.env_steps = 0  # reset + step calls that returned
+        self.env_seconds = 0.0  # their total latency
+        self.truncated = 0  # episodes ended by a budget (finish_reason "length")
+        self.template_drift = 0  # episodes whose tokens differ from the chat template's rendering
+        self.unspellable = 0  # environment replies whose text the tokenizer cannot spell
 
     def env_call(self, seconds: float) -> None:
         with self._lock:
@@ -104,13 +104,20 @@ class EpisodeStats:
     def snapshot(self) -> dict[str, Any]:
         """What the heartbeat reports (JSON values; docs/protocol.md's Heartbeat.episodes: totals, and the means)."""
         with self._lock:
-            return {"episodes": self.episodes, "turns": self.turns, "env_seconds": round(self.env_seconds, 6),
-                    "turns_mean": round(self.turns / self.episodes, 3) if self.episodes else 0.0,
-                    "tool_calls": dict(self.tool_calls), "tool_failures": dict(self.tool_failures),
-                    "env_failures": dict(self.env_failures), "env_steps": self.env_steps,
-                    "env_latency_s": round(self.env_seconds / self.env_steps, 6) if self.env_steps else 0.0,
-                    "truncated": self.truncated, "template_drift": self.template_drift,
-                    "unspellable_replies": self.unspellable}
+            return {
+                "episodes": self.episodes,
+                "turns": self.turns,
+                "env_seconds": round(self.env_seconds, 6),
+                "turns_mean": round(self.turns / self.episodes, 3) if self.episodes else 0.0,
+                "tool_calls": dict(self.tool_calls),
+                "tool_failures": dict(self.tool_failures),
+                "env_failures": dict(self.env_failures),
+                "env_steps": self.env_steps,
+                "env_latency_s": round(self.env_seconds / self.env_steps, 6) if self.env_steps else 0.0,
+                "truncated": self.truncated,
+                "template_drift": self.template_drift,
+                "unspellable_replies": self.unspellable,
+            }
 
 
 # -- rendering the environment's replies in the model's format -----------------------------------------
@@ -142,8 +149,12 @@ class PlainRenderer:
     ``<tool_response>REPLY</tool_response>``, a user's reply its text; no drift check (there is no
     template to drift from). The prompt is encoded as single-turn prompts are."""
 
-    def __init__(self, encode_prompt: Callable[[str], list[int]], encode_plain: Callable[[str], list[int]],
-                 decode_plain: Callable[[list[int]], str] | None = None):
+    def __init__(
+        self,
+        encode_prompt: Callable[[str], list[int]],
+        encode_plain: Callable[[str], list[int]],
+        decode_plain: Callable[[list[int]], str] | None = None,
+    ):
         self.encode_prompt, self.encode_plain, self.decode_plain = encode_prompt, encode_plain, decode_plain
 
     def prompt_ids(self, prompt: PromptEntry) -> list[int]:
@@ -190,9 +201,9 @@ class ChatTemplateRenderer:
         with_ = self.render(messages + [{"role": role, "content": reply}], True)
         turn = self.tok.decode(turn_ids, skip_special_tokens=False)
         at = without.rfind(turn) if turn else -1
-        gap = without[at + len(turn):] if at >= 0 else ""  # the template's close of the turn, past what was sampled
+        gap = without[at + len(turn) :] if at >= 0 else ""  # the template's close of the turn, past what was sampled
         if with_.startswith(without):
-            new = with_[len(without):]
+            new = with_[len(without) :]
         else:  # the template rewrites earlier turns once a message is added: counted at the episode's end
             k = 0
             while k < min(len(with_), len(without)) and with_[k] == without[k]:
@@ -209,7 +220,7 @@ class ChatTemplateRenderer:
         never re-tokenised, so only a template that renders other *text* (rewrites a turn) counts."""
         text = self.render(messages, False)
         ref = self.encode_plain(text)
-        if ref[:len(used_ids)] == list(used_ids):
+        if ref[: len(used_ids)] == list(used_ids):
             return False
         used = self.tok.decode(list(used_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         return not text.startswith(used)
@@ -221,8 +232,10 @@ def make_renderer(backend) -> PlainRenderer | ChatTemplateRenderer:
     if tok is not None and getattr(tok, "chat_template", None):
         return ChatTemplateRenderer(tok)
     if tok is None:
-        raise ValueError(f"the {backend.name} backend exposes no tokenizer: multi-turn episodes need one to render "
-                         "the environment's replies")
+        raise ValueError(
+            f"the {backend.name} backend exposes no tokenizer: multi-turn episodes need one to render "
+            "the environment's replies"
+        )
     return PlainRenderer(backend.encode, _plain_encoder(tok), _plain_decoder(tok))
 
 
@@ -233,8 +246,10 @@ def check_tool_vocabulary(renderer, backend) -> None:
         return
     ids = renderer.encode_plain("<tool_response></tool_response>")
     if len(ids) != 2 or backend.decode(ids) != "<tool_response></tool_response>":
-        raise ValueError("the model's tokenizer has no <tool_response> / </tool_response> tokens: with the built-in "
-                         "tiny model, set learner.tiny_tools = true (relay up --task calc does)")
+        raise ValueError(
+            "the model's tokenizer has no <tool_response> / </tool_response> tokens: with the built-in "
+            "tiny model, set learner.tiny_tools = true (relay up --task calc does)"
+        )
 
 
 # -- one episode --------------------------------------------------------------------------------------
@@ -252,7 +267,7 @@ class _TokenMarks:
 
 @dataclass
 class _Episode:
-    group: int                      # the prompt's index in the batch
+    group: int  # the prompt's index in the batch
     prompt: PromptEntry
     prompt_ids: list[int]
     env: Environment | None
@@ -265,13 +280,13 @@ class _Episode:
     tool_calls: int = 0
     tool_failures: dict[str, int] = field(default_factory=dict)
     env_seconds: float = 0.0
-    state: str = "pending"          # pending (an environment call runs) | ready (to sample) | done
+    state: str = "pending"  # pending (an environment call runs) | ready (to sample) | done
     future: cf.Future | None = None
     error: str = ""
     finish_reason: str = "stop"
     env_reward: float | None = None
     drift: bool = False
-    unspellable: int = 0            # replies the tokenizer could not spell
+    unspellable: int = 0  # replies the tokenizer could not spell
 
     def add(self, ids: list[int], lps: list[float], versions: list[int], trainable: int) -> None:
         self.tokens += ids
@@ -280,9 +295,12 @@ class _Episode:
         self.marks.trainable += [trainable] * len(ids)
 
     def completion(self) -> Completion:
-        info: dict[str, Any] = {"turns": self.turns, "tool_calls": self.tool_calls,
-                                "tool_failures_by_tool": dict(self.tool_failures),
-                                "env_seconds": round(self.env_seconds, 6)}
+        info: dict[str, Any] = {
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "tool_failures_by_tool": dict(self.tool_failures),
+            "env_seconds": round(self.env_seconds, 6),
+        }
         if self.error:
             info["error"] = self.error
         if self.drift:
@@ -290,9 +308,16 @@ class _Episode:
         if self.unspellable:
             info["unspellable_replies"] = self.unspellable
         m = self.marks
-        return Completion(list(self.tokens), list(m.logprobs), self.finish_reason, list(m.versions),
-                          trainable=list(m.trainable), env_reward=self.env_reward, answer_ids=list(self.answer),
-                          episode=info)
+        return Completion(
+            list(self.tokens),
+            list(m.logprobs),
+            self.finish_reason,
+            list(m.versions),
+            trainable=list(m.trainable),
+            env_reward=self.env_reward,
+            answer_ids=list(self.answer),
+            episode=info,
+        )
 
 
 def _timed(fn, *args) -> tuple[str, Any, float]:
@@ -317,17 +342,26 @@ class EpisodeRunner:
                    the generator applies a newer announced version (``WeightApplier.update``)
     """
 
-    def __init__(self, backend, env_factory: Callable[[], Environment], sampling: SamplingConfig,
-                 limits: EpisodeLimits, between_turns: Callable[[], int | None], renderer=None,
-                 threads: int = 16, stats: EpisodeStats | None = None, env_name: str = ""):
+    def __init__(
+        self,
+        backend,
+        env_factory: Callable[[], Environment],
+        sampling: SamplingConfig,
+        limits: EpisodeLimits,
+        between_turns: Callable[[], int | None],
+        renderer=None,
+        threads: int = 16,
+        stats: EpisodeStats | None = None,
+        env_name: str = "",
+    ):
         self.backend, self.env_factory, self.sampling, self.limits = backend, env_factory, sampling, limits
         self.between_turns = between_turns
         self.renderer = renderer if renderer is not None else make_renderer(backend)
         self.stats = stats if stats is not None else EpisodeStats()
         self.env_name = env_name
         self.pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
-        self.rounds = 0            # backend.generate calls made (one per round)
-        self.misspelled = 0        # replies the tokenizer could not spell (training and evaluation: for the log)
+        self.rounds = 0  # backend.generate calls made (one per round)
+        self.misspelled = 0  # replies the tokenizer could not spell (training and evaluation: for the log)
         self.version = -1
 
     def prompt_ids(self, prompt: PromptEntry) -> list[int]:
@@ -339,10 +373,16 @@ class EpisodeRunner:
 
     # -- the loop ------------------------------------------------------------------------------------
 
-    def run(self, prompts: list[PromptEntry], prompt_ids: list[list[int]], seed: int,
-            on_step: StepHook | None = None, sampling: SamplingConfig | None = None,
-            between_turns: Callable[[], int | None] | None = None,
-            stats: EpisodeStats | None = None) -> list[list[Completion]]:
+    def run(
+        self,
+        prompts: list[PromptEntry],
+        prompt_ids: list[list[int]],
+        seed: int,
+        on_step: StepHook | None = None,
+        sampling: SamplingConfig | None = None,
+        between_turns: Callable[[], int | None] | None = None,
+        stats: EpisodeStats | None = None,
+    ) -> list[list[Completion]]:
         """Each prompt's ``sampling.n`` episodes, as completions (same shape as ``backend.generate``).
         ``sampling``, ``between_turns`` and ``stats`` override the runner's for this call (evaluation
         rounds: greedy sampling, one version throughout, counted apart from training)."""
@@ -402,8 +442,12 @@ class EpisodeRunner:
         cap = max(1, min(self.sampling.max_tokens, max(room)))
         sampling = self.sampling.model_copy(update={"n": 1, "max_tokens": cap})
         self.rounds += 1
-        groups = self.backend.generate([e.prompt_ids + e.tokens for e in ready], sampling,
-                                       seed=zlib.crc32(f"{seed}:{self.rounds}".encode()), on_step=on_step)
+        groups = self.backend.generate(
+            [e.prompt_ids + e.tokens for e in ready],
+            sampling,
+            seed=zlib.crc32(f"{seed}:{self.rounds}".encode()),
+            on_step=on_step,
+        )
         for e, r, (c,) in zip(ready, room, groups):
             ids = c.token_ids[:r]  # an episode with less room than the round's cap: its turn is cut there
             versions = (c.versions if c.versions is not None else [self.version] * len(c.token_ids))[:r]
@@ -413,7 +457,9 @@ class EpisodeRunner:
             e.messages.append({"role": "assistant", "content": self.backend.decode(ids)})
             if e.error:  # the environment failed at reset: the episode ends after its first turn, failed
                 self._end(e)
-            elif len(ids) < len(c.token_ids) or (c.finish_reason == "length" and len(e.tokens) >= self.limits.max_tokens):
+            elif len(ids) < len(c.token_ids) or (
+                c.finish_reason == "length" and len(e.tokens) >= self.limits.max_tokens
+            ):
                 self._end(e, "length")  # the episode's token budget ran out within the turn
             else:
                 e.state, e.future = "pending", self.pool.submit(_timed, e.env.step, e.messages[-1]["content"])
@@ -480,10 +526,16 @@ class EpisodeRunner:
         self.misspelled += 1
         n = self.misspelled
         if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
-            log.warning("the %s environment replied %r, which the model's tokenizer cannot spell: the model reads %r "
-                        "(%d such replies so far, counted as unspellable_replies). Reply in text the tokenizer knows "
-                        "(the built-in tiny model spells digits, + = * and the tool markers) or use a model whose "
-                        "tokenizer spells it", self.env_name or "episode's", reply[:200], seen[:200], n)
+            log.warning(
+                "the %s environment replied %r, which the model's tokenizer cannot spell: the model reads %r "
+                "(%d such replies so far, counted as unspellable_replies). Reply in text the tokenizer knows "
+                "(the built-in tiny model spells digits, + = * and the tool markers) or use a model whose "
+                "tokenizer spells it",
+                self.env_name or "episode's",
+                reply[:200],
+                seen[:200],
+                n,
+            )
 
     def _end(self, e: _Episode, finish_reason: str = "stop") -> None:
         e.state, e.finish_reason = "done", finish_reason
@@ -491,8 +543,10 @@ class EpisodeRunner:
             d = self.renderer.drift(e.messages, e.prompt_ids + e.tokens)
             if d:
                 e.drift = True
-                log.warning("template drift: an episode's tokens differ from the chat template's rendering of its "
-                            "conversation (counted as template_drift)")
+                log.warning(
+                    "template drift: an episode's tokens differ from the chat template's rendering of its "
+                    "conversation (counted as template_drift)"
+                )
         self.stats.finished(e.turns, e.error, finish_reason == "length", e.drift)
         env, fut = e.env, e.future
         if env is None:

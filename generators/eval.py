@@ -80,20 +80,34 @@ class Evaluator:
         results = [EvalResult(version=version, generator=self.gen.cfg.id) for _ in prompts]
         runs = []
         if greedy:
-            runs.append(("greedy", base.model_copy(update={"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 1,
-                                                             "max_tokens": max_tokens})))
+            runs.append(
+                (
+                    "greedy",
+                    base.model_copy(
+                        update={"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 1, "max_tokens": max_tokens}
+                    ),
+                )
+            )
         if k:
             runs.append(("samples", base.model_copy(update={"n": k, "max_tokens": max_tokens})))
         for name, sampling in runs:
             if runner is not None:
-                groups = runner.run(prompts, ids, seed, sampling=sampling, between_turns=lambda: version,
-                                    stats=self.episode_stats)
+                groups = runner.run(
+                    prompts, ids, seed, sampling=sampling, between_turns=lambda: version, stats=self.episode_stats
+                )
             else:
                 groups = backend.generate(ids, sampling, seed=seed)
             scores = self.gen.rewards.score_groups(prompts, groups, backend.decode)
             for res, cs, rs in zip(results, groups, scores):
-                comps = [EvalCompletion(reward=r.score if r.status == "ok" else None, status=r.status,
-                                        length=len(c.token_ids), finish_reason=c.finish_reason) for c, r in zip(cs, rs)]
+                comps = [
+                    EvalCompletion(
+                        reward=r.score if r.status == "ok" else None,
+                        status=r.status,
+                        length=len(c.token_ids),
+                        finish_reason=c.finish_reason,
+                    )
+                    for c, r in zip(cs, rs)
+                ]
                 if name == "greedy":
                     res.greedy = comps[0]
                 else:
@@ -113,7 +127,10 @@ class Evaluator:
             return  # evaluation is off (no round was ever enqueued)
         self.gen.weights.update()
         deadline = time.monotonic() + self.final_wait_s
-        while time.monotonic() < deadline and not self.gen.stop.is_set() \
-                and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version)):
+        while (
+            time.monotonic() < deadline
+            and not self.gen.stop.is_set()
+            and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version))
+        ):
             time.sleep(0.1)
         self.serve(force=True)

@@ -73,9 +73,18 @@ class IpcReceiver(Staging):
 
     via = "ipc"
 
-    def __init__(self, r, keys: Keys, generator_id: str, announce_key: signing.AnnounceVerifier | None, device: str = "cpu",
-                 poll_s: float = 0.01, max_bytes: int = 1 << 40, tamper: Callable[[torch.Tensor], None] | None = None,
-                 after_copy: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        r,
+        keys: Keys,
+        generator_id: str,
+        announce_key: signing.AnnounceVerifier | None,
+        device: str = "cpu",
+        poll_s: float = 0.01,
+        max_bytes: int = 1 << 40,
+        tamper: Callable[[torch.Tensor], None] | None = None,
+        after_copy: Callable[[], None] | None = None,
+    ):
         super().__init__(device)
         self.r, self.keys, self.generator_id, self.key = r, keys, generator_id, announce_key
         self.poll_s, self.max_bytes, self.tamper, self.after_copy = poll_s, max_bytes, tamper, after_copy
@@ -107,8 +116,10 @@ class IpcReceiver(Staging):
             return False
         with self._handled:
             self._wake.set()
-            return self._handled.wait_for(lambda: self._newest >= version or self.stop.is_set(), timeout) \
+            return (
+                self._handled.wait_for(lambda: self._newest >= version or self.stop.is_set(), timeout)
                 and self._newest >= version
+            )
 
     def _run(self) -> None:
         while not self.stop.is_set():
@@ -127,10 +138,17 @@ class IpcReceiver(Staging):
                 else:
                     self._wake.wait(self.poll_s)
                     self._wake.clear()
-            except (redis.RedisError, OSError, RuntimeError, ValueError) as e:  # Redis away, slots gone or not mappable here
+            except (
+                redis.RedisError,
+                OSError,
+                RuntimeError,
+                ValueError,
+            ) as e:  # Redis away, slots gone or not mappable here
                 if self.joined.is_set():
-                    log.warning("stopped receiving over ipc (%s); following the store until the slots can be "
-                                "mapped again", str(e).splitlines()[0][:200])
+                    log.warning(
+                        "stopped receiving over ipc (%s); following the store until the slots can be mapped again",
+                        str(e).splitlines()[0][:200],
+                    )
                 self.joined.clear()
                 self.slots, self._pending = None, None
                 self.stop.wait(1.0)
@@ -149,13 +167,17 @@ class IpcReceiver(Staging):
             flat, k = ipc.open_buffer(raw)
             if flat.numel() < layout.total:
                 raise ipc.IpcError(f"a slot of {flat.numel()} bytes for a layout of {layout.total}")
-            mapped.append(flat[:layout.total])
+            mapped.append(flat[: layout.total])
             keep.append(k)
         self.slots = _Slots(epoch, layout, hashlib.sha256(fields[1]).hexdigest(), mapped, keep)
         self.joins += 1
         self.joined.set()
-        log.info("mapped the learner's ipc slots (epoch %d, %.1f MiB each, on %s)", epoch, layout.total / (1 << 20),
-                 mapped[0].device)
+        log.info(
+            "mapped the learner's ipc slots (epoch %d, %.1f MiB each, on %s)",
+            epoch,
+            layout.total / (1 << 20),
+            mapped[0].device,
+        )
 
     def _seq(self, slot: int) -> int:
         return int(self.r.hget(self.keys.ipc, f"seq{slot}") or -1)
@@ -186,13 +208,16 @@ class IpcReceiver(Staging):
         if self._seq(slot) != seq:  # the learner rewrote the slot during the copy: torn, discarded
             self.superseded += 1
             self._discard(flat)
-            log.info("version %d was rewritten in its slot while it was copied: discarded (a newer one follows)",
-                     version)
+            log.info(
+                "version %d was rewritten in its slot while it was copied: discarded (a newer one follows)", version
+            )
             return None
         if self.tamper is not None:
             self.tamper(flat)
-        state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
-                 for s in layout.slots}
+        state = {
+            s.name: flat[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            for s in layout.slots
+        }
         return _Copy(version, slot, seq, self.slots.epoch, flat, state, state_digest(state, layout.digest), t0)
 
     def _receive(self, cur: dict) -> None:
@@ -204,8 +229,12 @@ class IpcReceiver(Staging):
         if self.slots is None or cur["epoch"] != self.slots.epoch:
             self._map(cur["epoch"])
         ahead, self._pending = self._pending, None
-        if ahead is not None and (ahead.version, ahead.slot, ahead.seq, ahead.epoch) == \
-                (version, slot, cur["seq"], cur["epoch"]):
+        if ahead is not None and (ahead.version, ahead.slot, ahead.seq, ahead.epoch) == (
+            version,
+            slot,
+            cur["seq"],
+            cur["epoch"],
+        ):
             copied = ahead
         else:
             if ahead is not None and ahead.version > version:  # a newer one is copied already: this one is skipped
@@ -220,21 +249,32 @@ class IpcReceiver(Staging):
         self._newest = version
         problem = None
         if self.key is not None:
-            problem = signing.check_collective(self.key, self.keys.run_id, version, cur["digest"], cur["header_sha256"],
-                                               cur["sig"])
+            problem = signing.check_collective(
+                self.key, self.keys.run_id, version, cur["digest"], cur["header_sha256"], cur["sig"]
+            )
         if problem is None and cur["header_sha256"] != self.slots.header_sha:
             problem = "header_mismatch"
         if problem is None and cur["digest"] != copied.digest:
             problem = "digest_mismatch"
         seconds = time.perf_counter() - copied.started
-        self._deliver(Received(version, copied.digest, copied.state, problem, cur["digest"], time.time(), seconds,
-                               copied.flat))
-        log.debug("version %d (%.1f MiB) from slot %d ready %.3fs after its copy began%s", version,
-                  self.slots.layout.total / (1 << 20), slot, seconds, " (copied ahead)" if copied is ahead else "")
+        self._deliver(
+            Received(version, copied.digest, copied.state, problem, cur["digest"], time.time(), seconds, copied.flat)
+        )
+        log.debug(
+            "version %d (%.1f MiB) from slot %d ready %.3fs after its copy began%s",
+            version,
+            self.slots.layout.total / (1 << 20),
+            slot,
+            seconds,
+            " (copied ahead)" if copied is ahead else "",
+        )
 
 
 def receiving(ctx: ReceiverContext) -> Receiving:
     """``weights.transport = "ipc"``, generator side (generators/transports.py): an :class:`IpcReceiver` copying
     each version from the learner's shared slots onto this backend's device."""
-    return Receiving(tensors=IpcReceiver(ctx.r, ctx.keys, ctx.cfg.id, ctx.announce_key,
-                                         device=str(getattr(ctx.backend, "device", "cpu"))))
+    return Receiving(
+        tensors=IpcReceiver(
+            ctx.r, ctx.keys, ctx.cfg.id, ctx.announce_key, device=str(getattr(ctx.backend, "device", "cpu"))
+        )
+    )

@@ -62,8 +62,11 @@ class Leases:
                     self._held.get(stream, set()).difference_update(gone)
                 if gone:
                     self.lost += len(gone)
-                    log.warning("%d prompt(s) of %s were taken over by another generator (this one was stopped or "
-                                "hung for longer than claim_idle_s); its groups for them are duplicates", len(gone),
-                                stream)
+                    log.warning(
+                        "%d prompt(s) of %s were taken over by another generator (this one was stopped or "
+                        "hung for longer than claim_idle_s); its groups for them are duplicates",
+                        len(gone),
+                        stream,
+                    )
         finally:
             self._renewing.release()

@@ -31,6 +31,7 @@ from broker.runtime.procstat import stat_cpu_s
 
 log = logging.getLogger("relay.generator.liveness")
 
+
 def thread_cpu_s(native_id: int) -> float | None:
     """CPU seconds (user + system) the thread ``native_id`` of this process has used; None where
     ``/proc`` cannot say (not Linux, or the thread is gone)."""
@@ -41,8 +42,7 @@ class ComputeWatch(threading.Thread):
     """Calls ``beat()`` every ``every_s`` while ``thread`` keeps using CPU; stops when ``stop`` is set
     or the thread's CPU time cannot be read (the heartbeats between engine steps remain)."""
 
-    def __init__(self, thread: threading.Thread, beat: Callable[[], None], every_s: float,
-                 stop: threading.Event):
+    def __init__(self, thread: threading.Thread, beat: Callable[[], None], every_s: float, stop: threading.Event):
         super().__init__(name="compute-watch", daemon=True)
         self.tid, self.beat, self.every_s, self.stop = thread.native_id, beat, every_s, stop
 
@@ -85,5 +85,7 @@ class DecodeHook:
         now = time.monotonic()
         self.stopping_since = self.stopping_since or now
         if now - self.stopping_since > self.grace_s:
-            raise GenerationStopped(f"stopping: the batch still generating {self.grace_s:.0f}s after the stop is "
-                                    "abandoned; its prompts stay pending for another generator")
+            raise GenerationStopped(
+                f"stopping: the batch still generating {self.grace_s:.0f}s after the stop is "
+                "abandoned; its prompts stay pending for another generator"
+            )

@@ -15,8 +15,19 @@ from broker.runtime.metrics import MetricsServer, advertised_host, labelled_regi
 if TYPE_CHECKING:
     from generators.service import Generator
 
-STATES = ("starting", "waiting_for_weights", "updating", "sampling", "waiting_for_prompts", "sending",
-          "paused_staleness", "paused_backpressure", "paused_reward", "draining", "stopped")
+STATES = (
+    "starting",
+    "waiting_for_weights",
+    "updating",
+    "sampling",
+    "waiting_for_prompts",
+    "sending",
+    "paused_staleness",
+    "paused_backpressure",
+    "paused_reward",
+    "draining",
+    "stopped",
+)
 
 
 class GeneratorCollector(Collector):
@@ -42,7 +53,9 @@ class GeneratorCollector(Collector):
         tok = CounterMetricFamily("relay_generator_tokens", "completion tokens sampled")
         tok.add_metric([], g.tokens)
         yield tok
-        groups = CounterMetricFamily("relay_generator_groups", "groups sent, by the broker's answer", labels=["outcome"])
+        groups = CounterMetricFamily(
+            "relay_generator_groups", "groups sent, by the broker's answer", labels=["outcome"]
+        )
         groups.add_metric(["sent"], sink.groups_sent)
         groups.add_metric(["rejected"], sink.groups_rejected)
         yield groups
@@ -50,16 +63,21 @@ class GeneratorCollector(Collector):
         upd.add_metric(["applied"], w.updates)
         upd.add_metric(["refused"], w.refused_updates)
         yield upd
-        yield CounterMetricFamily("relay_generator_forged_announcements", "announcements ignored: their signature "
-                                  "is missing or wrong (written into Redis by someone without the run's key)",
-                                  value=w.forged_announcements)
-        lat = GaugeMetricFamily("relay_generator_last_update_latency_seconds",
-                                "publish -> apply latency of the last weight update")
+        yield CounterMetricFamily(
+            "relay_generator_forged_announcements",
+            "announcements ignored: their signature "
+            "is missing or wrong (written into Redis by someone without the run's key)",
+            value=w.forged_announcements,
+        )
+        lat = GaugeMetricFamily(
+            "relay_generator_last_update_latency_seconds", "publish -> apply latency of the last weight update"
+        )
         if w.last_update_latency_s is not None:
             lat.add_metric([], w.last_update_latency_s)
         yield lat
-        rf = CounterMetricFamily("relay_generator_reward_failures", "samples whose reward failed, by plugin",
-                                 labels=["plugin"])
+        rf = CounterMetricFamily(
+            "relay_generator_reward_failures", "samples whose reward failed, by plugin", labels=["plugin"]
+        )
         for plugin, n in sorted(sink.scored.failures_by_plugin.items()):
             rf.add_metric([plugin], n)
         yield rf
@@ -69,10 +87,16 @@ class GeneratorCollector(Collector):
         resends = CounterMetricFamily("relay_generator_resends", "groups resent after an ack timeout")
         resends.add_metric([], sink.sender.resends)
         yield resends
-        yield GaugeMetricFamily("relay_generator_prompts_held", "prompts claimed and not yet released (renewed "
-                                "every claim_idle_s / 3)", value=g.leases.held())
-        yield CounterMetricFamily("relay_generator_prompts_taken_over", "held prompts another generator took over "
-                                  "while this one was stopped or hung", value=g.leases.lost)
+        yield GaugeMetricFamily(
+            "relay_generator_prompts_held",
+            "prompts claimed and not yet released (renewed every claim_idle_s / 3)",
+            value=g.leases.held(),
+        )
+        yield CounterMetricFamily(
+            "relay_generator_prompts_taken_over",
+            "held prompts another generator took over while this one was stopped or hung",
+            value=g.leases.lost,
+        )
         if g.cfg.env:
             yield from episode_metrics(g.episode_stats.snapshot())
         if getattr(g, "openai", None) is not None:  # the OpenAI-compatible endpoint, when enabled
@@ -82,8 +106,9 @@ class GeneratorCollector(Collector):
 def episode_metrics(st: dict):
     """The multi-turn episodes' metrics (generators/episodes.py EpisodeStats.snapshot)."""
     yield CounterMetricFamily("relay_generator_episodes", "multi-turn episodes finished", value=st["episodes"])
-    yield GaugeMetricFamily("relay_generator_turns_per_episode", "mean model turns per finished episode",
-                            value=st["turns_mean"])
+    yield GaugeMetricFamily(
+        "relay_generator_turns_per_episode", "mean model turns per finished episode", value=st["turns_mean"]
+    )
     calls = CounterMetricFamily("relay_generator_tool_calls", "tool calls made in episodes, by tool", labels=["tool"])
     for tool, n in sorted(st["tool_calls"].items()):
         calls.add_metric([tool], n)
@@ -92,20 +117,34 @@ def episode_metrics(st: dict):
     for tool, n in sorted(st["tool_failures"].items()):
         fails.add_metric([tool], n)
     yield fails
-    envf = CounterMetricFamily("relay_generator_env_failures", "episodes ended by an environment failure (their "
-                               "reward is failed), by reason", labels=["reason"])
+    envf = CounterMetricFamily(
+        "relay_generator_env_failures",
+        "episodes ended by an environment failure (their reward is failed), by reason",
+        labels=["reason"],
+    )
     for reason, n in sorted(st["env_failures"].items()):
         envf.add_metric([reason], n)
     yield envf
-    yield GaugeMetricFamily("relay_generator_env_latency_seconds", "mean latency of an environment call (reset "
-                            "or step)", value=st["env_latency_s"])
-    yield CounterMetricFamily("relay_generator_episodes_truncated", "episodes ended by a budget (max_turns, "
-                              "max_episode_tokens)", value=st["truncated"])
-    yield CounterMetricFamily("relay_generator_template_drift", "episodes whose tokens differ from the chat "
-                              "template's rendering of their conversation", value=st["template_drift"])
-    yield CounterMetricFamily("relay_generator_env_replies_unspellable", "environment replies whose text the "
-                              "model's tokenizer cannot spell (the model reads other text)",
-                              value=st.get("unspellable_replies", 0))
+    yield GaugeMetricFamily(
+        "relay_generator_env_latency_seconds",
+        "mean latency of an environment call (reset or step)",
+        value=st["env_latency_s"],
+    )
+    yield CounterMetricFamily(
+        "relay_generator_episodes_truncated",
+        "episodes ended by a budget (max_turns, max_episode_tokens)",
+        value=st["truncated"],
+    )
+    yield CounterMetricFamily(
+        "relay_generator_template_drift",
+        "episodes whose tokens differ from the chat template's rendering of their conversation",
+        value=st["template_drift"],
+    )
+    yield CounterMetricFamily(
+        "relay_generator_env_replies_unspellable",
+        "environment replies whose text the model's tokenizer cannot spell (the model reads other text)",
+        value=st.get("unspellable_replies", 0),
+    )
 
 
 def serve_metrics(gen: Generator) -> MetricsServer:
@@ -119,7 +158,8 @@ def serve_metrics(gen: Generator) -> MetricsServer:
             return False, f"redis unavailable: {e}"
         return True, f"ok {gen.state}"
 
-    server = MetricsServer(cfg.metrics_host, cfg.metrics_port, labelled_registry("generator", cfg.id,
-                                                                                  GeneratorCollector(gen)), healthy)
+    server = MetricsServer(
+        cfg.metrics_host, cfg.metrics_port, labelled_registry("generator", cfg.id, GeneratorCollector(gen)), healthy
+    )
     register_service(gen.r, gen.keys, "generator", cfg.id, advertised_host(cfg.metrics_host), server.port)
     return server

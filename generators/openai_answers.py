@@ -15,8 +15,10 @@ def is_json(content_type: str) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
-NO_TOP_LOGPROBS = ("the generator records only the sampled token's log-prob (the behaviour log-prob the learner "
-                   "trains with), not the alternatives")
+NO_TOP_LOGPROBS = (
+    "the generator records only the sampled token's log-prob (the behaviour log-prob the learner "
+    "trains with), not the alternatives"
+)
 
 
 def chat_logprobs_asked(body: dict) -> bool:
@@ -29,8 +31,11 @@ def chat_logprobs_asked(body: dict) -> bool:
         if isinstance(top, bool) or not isinstance(top, int) or top < 0:
             raise SessionError(400, f"top_logprobs must be a non-negative integer, got {top!r}")
         if top > 0:
-            raise SessionError(400, f"top_logprobs = {top} is not available: {NO_TOP_LOGPROBS}; send "
-                                    "logprobs = true with top_logprobs 0 or none")
+            raise SessionError(
+                400,
+                f"top_logprobs = {top} is not available: {NO_TOP_LOGPROBS}; send "
+                "logprobs = true with top_logprobs 0 or none",
+            )
     return bool(want)
 
 
@@ -76,8 +81,12 @@ class Call:
 
 def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
     """OpenAI's chat ``logprobs``: each sampled token's text, log-prob and bytes, no alternatives."""
-    return {"content": [{"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
+    return {
+        "content": [
+            {"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs)
+        ]
+    }
 
 
 def completion_logprobs(prompt: str, tokens: list[str], logprobs: list[float]) -> dict:
@@ -86,5 +95,9 @@ def completion_logprobs(prompt: str, tokens: list[str], logprobs: list[float]) -
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [float(x) for x in logprobs], "top_logprobs": None,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [float(x) for x in logprobs],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }

@@ -49,8 +49,14 @@ from starlette.concurrency import run_in_threadpool
 from broker.client.telemetry import emit_event
 from broker.protocol.group import Group, Sample, versions_to_runs
 from broker.protocol.messages import ItemIn
-from generators.openai_answers import (Call, chat_logprobs, chat_logprobs_asked, completion_logprobs,
-                                       completion_logprobs_asked, is_json)
+from generators.openai_answers import (
+    Call,
+    chat_logprobs,
+    chat_logprobs_asked,
+    completion_logprobs,
+    completion_logprobs_asked,
+    is_json,
+)
 from generators.sessions import Session, SessionError, Sessions
 
 if TYPE_CHECKING:
@@ -64,7 +70,8 @@ HERMES_TOOLS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
 
 
 # -- the engine lock ----------------------------------------------------------------------------
@@ -128,8 +135,10 @@ class ChatRenderer:
         self.tok = tokenizer
         template = tokenizer.chat_template or ""
         if not template:
-            raise RuntimeError("the served tokenizer has no chat template: /v1/chat/completions needs one "
-                               "(/v1/completions works without)")
+            raise RuntimeError(
+                "the served tokenizer has no chat template: /v1/chat/completions needs one "
+                "(/v1/completions works without)"
+            )
         self.native_tools = "tools" in template
         self.native_tool_calls = "tool_calls" in template
 
@@ -144,12 +153,18 @@ class ChatRenderer:
             calls = m.get("tool_calls") or []
             if calls:
                 if self.native_tool_calls:
-                    msg["tool_calls"] = [{"type": "function", "id": c.get("id", ""), "function": {
-                        "name": (c.get("function") or {}).get("name", ""), "arguments": _arguments(c)}}
-                        for c in calls]
+                    msg["tool_calls"] = [
+                        {
+                            "type": "function",
+                            "id": c.get("id", ""),
+                            "function": {"name": (c.get("function") or {}).get("name", ""), "arguments": _arguments(c)},
+                        }
+                        for c in calls
+                    ]
                 else:
-                    blocks = "\n".join(tool_call_text((c.get("function") or {}).get("name", ""), _arguments(c))
-                                       for c in calls)
+                    blocks = "\n".join(
+                        tool_call_text((c.get("function") or {}).get("name", ""), _arguments(c)) for c in calls
+                    )
                     msg["content"] = f"{msg['content']}\n{blocks}" if msg["content"] else blocks
             for k in ("tool_call_id", "name"):
                 if isinstance(m.get(k), str):
@@ -165,8 +180,7 @@ class ChatRenderer:
 
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> list[int]:
         kw = {"tools": tools} if tools and self.native_tools else {}
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                            **kw)
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -191,8 +205,13 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(args)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args)},
+            }
+        )
         spans.append(m.span())
     content = text
     for a, b in reversed(spans):
@@ -232,9 +251,12 @@ class OpenAIEndpoint:
             if tok is None:
                 raise SessionError(501, f"the {self.gen.backend.name} backend has no Hugging Face tokenizer here")
             if not getattr(tok, "chat_template", None):
-                raise SessionError(400, "this model's tokenizer has no chat template, so /v1/chat/completions cannot "
-                                        "render messages: send the text to /v1/completions instead, or serve a model "
-                                        "whose tokenizer has a chat template")
+                raise SessionError(
+                    400,
+                    "this model's tokenizer has no chat template, so /v1/chat/completions cannot "
+                    "render messages: send the text to /v1/completions instead, or serve a model "
+                    "whose tokenizer has a chat template",
+                )
             self._renderer = ChatRenderer(tok)
         return self._renderer
 
@@ -250,9 +272,12 @@ class OpenAIEndpoint:
         if differ:
             run = {k: getattr(s, k) for k in differ}
             if self.cfg.sampling_mismatch == "refuse":
-                raise SessionError(400, f"sampling {differ} differs from this run's {run}: the learner trains one "
-                                        "sampling transform per run; send the run's values or none "
-                                        "(openai.sampling_mismatch = 'override' replaces them)")
+                raise SessionError(
+                    400,
+                    f"sampling {differ} differs from this run's {run}: the learner trains one "
+                    "sampling transform per run; send the run's values or none "
+                    "(openai.sampling_mismatch = 'override' replaces them)",
+                )
             note = "overridden: " + ", ".join(f"{k}={getattr(s, k)}" for k in differ)
         if body.get("n", 1) != 1:
             raise SessionError(400, "n must be 1: each call is one step of one session")
@@ -294,8 +319,9 @@ class OpenAIEndpoint:
             return self.gen.backend.encode(text)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
-    def _call(self, sid: str | None, group: str, messages: list[dict], context_of, sampling,
-              text: bool = False) -> Call:
+    def _call(
+        self, sid: str | None, group: str, messages: list[dict], context_of, sampling, text: bool = False
+    ) -> Call:
         """One sampled call, recorded in session ``sid`` (None: untracked)."""
         if sid is None:
             ids, _ = context_of(None)
@@ -316,8 +342,12 @@ class OpenAIEndpoint:
             self.tokens["context"] += len(context)
             self.tokens["sampled"] += len(c.token_ids)
             if drifted:
-                log.warning("template drift in session %s (call %d): the chat template's rendering does not extend "
-                            "the tokens sampled so far; they stay the truth (docs/openai-endpoint.md)", sid, s.calls)
+                log.warning(
+                    "template drift in session %s (call %d): the chat template's rendering does not extend "
+                    "the tokens sampled so far; they stay the truth (docs/openai-endpoint.md)",
+                    sid,
+                    s.calls,
+                )
         finally:
             self.sessions.end(s, drifted)
         return Call(c, s, version, fed)
@@ -348,11 +378,19 @@ class OpenAIEndpoint:
         if calls:
             msg["tool_calls"] = calls
         logprobs = chat_logprobs(self.token_texts(c.token_ids), c.logprobs) if want_logprobs else None
-        return 200, {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model") or self.cfg.model_name,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs}],
-            "usage": call.usage(), **call.relay()}, call.headers(note)
+        return (
+            200,
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model") or self.cfg.model_name,
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": logprobs}],
+                "usage": call.usage(),
+                **call.relay(),
+            },
+            call.headers(note),
+        )
 
     def completions(self, headers, body: dict):
         sampling, note = self.sampling(body)
@@ -379,16 +417,36 @@ class OpenAIEndpoint:
         call = self._call(sid, group, [{"text": prompt}], context_of, sampling, text=True)
         c = call.completion
         logprobs = completion_logprobs(prompt, self.token_texts(c.token_ids), c.logprobs) if want_logprobs else None
-        return 200, {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model") or self.cfg.model_name,
-            "choices": [{"index": 0, "text": self.gen.backend.decode(c.token_ids), "finish_reason": c.finish_reason,
-                         "logprobs": logprobs}],
-            "usage": call.usage(), **call.relay()}, call.headers(note)
+        return (
+            200,
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model") or self.cfg.model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": self.gen.backend.decode(c.token_ids),
+                        "finish_reason": c.finish_reason,
+                        "logprobs": logprobs,
+                    }
+                ],
+                "usage": call.usage(),
+                **call.relay(),
+            },
+            call.headers(note),
+        )
 
     def models(self):
-        return 200, {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model", "created": 0,
-                                                 "owned_by": "relay"}]}, {}
+        return (
+            200,
+            {
+                "object": "list",
+                "data": [{"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "relay"}],
+            },
+            {},
+        )
 
     def reward(self, sid: str, body: dict):
         """``{"reward": x}`` from the caller (trained as given, marked ``source: caller``; refused with
@@ -396,13 +454,17 @@ class OpenAIEndpoint:
         scores the session's last answer with that task's plugin (the first user message as the prompt)."""
         value, details = body.get("reward"), {"source": "caller"}
         if value is not None and self.cfg.reward_source == "reward_service":
-            raise SessionError(403, 'this endpoint takes rewards from the reward service only (openai.reward_source '
-                                    '= "reward_service"): post {"task": <reward plugin>, "reference": <answer>}')
+            raise SessionError(
+                403,
+                "this endpoint takes rewards from the reward service only (openai.reward_source "
+                '= "reward_service"): post {"task": <reward plugin>, "reference": <answer>}',
+            )
         if value is None and isinstance(body.get("task"), str) and body["task"]:
             value, details = self.score(sid, body["task"], str(body.get("reference", "")))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
-            raise SessionError(400, 'the body must be {"reward": <finite number>} or {"task": <reward plugin>, '
-                                    '"reference": <answer>}')
+            raise SessionError(
+                400, 'the body must be {"reward": <finite number>} or {"task": <reward plugin>, "reference": <answer>}'
+            )
         parts = self.sessions.reward(sid, float(value), details)
         source = details["source"].split(":", 1)[0]
         self.rewarded[source] = self.rewarded.get(source, 0) + 1
@@ -417,8 +479,17 @@ class OpenAIEndpoint:
             raise SessionError(503, f"the group could not be sent to the broker: {e}") from e
         outcome = "rejected" if ack.status == "rejected" else "sent"
         self.groups[outcome] += 1
-        return 200, {"session": sid, "group_complete": True, "group_id": g.group_id, "broker": ack.status,
-                     **({"reason": ack.reason} if ack.status == "rejected" else {})}, {}
+        return (
+            200,
+            {
+                "session": sid,
+                "group_complete": True,
+                "group_id": g.group_id,
+                "broker": ack.status,
+                **({"reason": ack.reason} if ack.status == "rejected" else {}),
+            },
+            {},
+        )
 
     def score(self, sid: str, task: str, reference: str) -> tuple[float, dict]:
         """The reward service's score of session ``sid``'s last answer (502 when it could not score it)."""
@@ -428,8 +499,13 @@ class OpenAIEndpoint:
         held = s.held_messages
         prompt = next((m.get("content", "") for m in held if m.get("role") == "user"), held[0].get("text", ""))
         answer = held[-1].get("content", held[-1].get("text", ""))
-        r = self.gen.rewards.score([ItemIn(prompt=prompt, completion=answer, reference=reference,
-                                           finished=s.finish_reason == "stop", task=task)])[0]
+        r = self.gen.rewards.score(
+            [
+                ItemIn(
+                    prompt=prompt, completion=answer, reference=reference, finished=s.finish_reason == "stop", task=task
+                )
+            ]
+        )[0]
         if not r.ok:
             raise SessionError(502, f"the reward service could not score session {sid!r}: {r.reason}")
         return float(r.score), {**r.details, "source": f"reward_service:{r.plugin or task}"}  # a plugin's own
@@ -439,9 +515,19 @@ class OpenAIEndpoint:
         s = self.sessions.by_id.get(sid)
         if s is None:
             raise SessionError(404, f"no session {sid!r}")
-        return 200, {"session": sid, "group": s.group, "calls": s.calls, "tokens": len(s.tokens),
-                     "trainable_tokens": sum(s.trainable), "template_drift": s.template_drift,
-                     "reward": s.reward}, {}
+        return (
+            200,
+            {
+                "session": sid,
+                "group": s.group,
+                "calls": s.calls,
+                "tokens": len(s.tokens),
+                "trainable_tokens": sum(s.trainable),
+                "template_drift": s.template_drift,
+                "reward": s.reward,
+            },
+            {},
+        )
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (special tokens, such as the EOS sampled, by their names)."""
@@ -458,21 +544,42 @@ class OpenAIEndpoint:
         first = min(parts.sessions, key=lambda s: s.weight_version)
         for s in parts.sessions:
             ids, trainable, lps, versions = parts.completion(s)
-            samples.append(Sample(
-                completion_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(lps, dtype=np.float32),
-                version_runs=versions_to_runs(versions), finish_reason=s.finish_reason, reward=s.reward,
-                reward_status="ok", trainable=np.asarray(trainable, dtype=np.uint8),
-                reward_details={**s.reward_details, "session": s.id, "calls": s.calls,
-                                "template_drift": s.template_drift}))
-        whash = first.weight_hash or (gen.weights.hash_for(first.weight_version)
-                                      if gen.weights.receiver is not None else "")
+            samples.append(
+                Sample(
+                    completion_ids=np.asarray(ids, dtype=np.int32),
+                    logprobs=np.asarray(lps, dtype=np.float32),
+                    version_runs=versions_to_runs(versions),
+                    finish_reason=s.finish_reason,
+                    reward=s.reward,
+                    reward_status="ok",
+                    trainable=np.asarray(trainable, dtype=np.uint8),
+                    reward_details={
+                        **s.reward_details,
+                        "session": s.id,
+                        "calls": s.calls,
+                        "template_drift": s.template_drift,
+                    },
+                )
+            )
+        whash = first.weight_hash or (
+            gen.weights.hash_for(first.weight_version) if gen.weights.receiver is not None else ""
+        )
         now = time.time()
-        return Group(group_id=Group.new_id(), run_id=gen.cfg.run_id, prompt_id=f"openai:{parts.group}",
-                     prompt_ids=np.asarray(parts.prompt_ids, dtype=np.int32), samples=samples,
-                     generator_id=gen.cfg.id, weight_version=first.weight_version, weight_hash=whash,
-                     sampling={**gen.cfg.sampling.model_dump(), "n": len(samples), "max_tokens": self.max_tokens},
-                     task="openai", created_at=min(s.created for s in parts.sessions) - time.monotonic() + now,
-                     scored_at=now, sent_at=now)
+        return Group(
+            group_id=Group.new_id(),
+            run_id=gen.cfg.run_id,
+            prompt_id=f"openai:{parts.group}",
+            prompt_ids=np.asarray(parts.prompt_ids, dtype=np.int32),
+            samples=samples,
+            generator_id=gen.cfg.id,
+            weight_version=first.weight_version,
+            weight_hash=whash,
+            sampling={**gen.cfg.sampling.model_dump(), "n": len(samples), "max_tokens": self.max_tokens},
+            task="openai",
+            created_at=min(s.created for s in parts.sessions) - time.monotonic() + now,
+            scored_at=now,
+            sent_at=now,
+        )
 
     def reap(self) -> None:
         """Drop idle sessions (every few seconds, on its own thread) until the generator stops."""
@@ -480,35 +587,50 @@ class OpenAIEndpoint:
             self.gen.stop.wait(min(5.0, self.cfg.session_idle_s / 4))
             dropped = self.sessions.drop_idle()
             if dropped:
-                log.warning("dropped %d idle session(s) (openai.session_idle_s = %.0f): %s", len(dropped),
-                            self.cfg.session_idle_s, ", ".join(s.id for s in dropped[:5]))
+                log.warning(
+                    "dropped %d idle session(s) (openai.session_idle_s = %.0f): %s",
+                    len(dropped),
+                    self.cfg.session_idle_s,
+                    ", ".join(s.id for s in dropped[:5]),
+                )
         if self.server is not None:  # the generator stops: so does the endpoint
             self.server.should_exit = True
 
     # -- metrics (yielded by the generator's /metrics: generators/metrics.py)
 
     def collect(self):
-        req = CounterMetricFamily("relay_generator_openai_requests", "requests to the OpenAI-compatible endpoint",
-                                  labels=["endpoint", "outcome"])
+        req = CounterMetricFamily(
+            "relay_generator_openai_requests",
+            "requests to the OpenAI-compatible endpoint",
+            labels=["endpoint", "outcome"],
+        )
         for (ep, outcome), n in sorted(self.requests.items()):
             req.add_metric([ep, outcome], n)
         yield req
         ss = self.sessions
-        sess = CounterMetricFamily("relay_generator_openai_sessions", "endpoint sessions started, and dropped idle",
-                                   labels=["outcome"])
+        sess = CounterMetricFamily(
+            "relay_generator_openai_sessions", "endpoint sessions started, and dropped idle", labels=["outcome"]
+        )
         sess.add_metric(["started"], ss.started)
         sess.add_metric(["dropped_idle"], ss.dropped_idle)
         yield sess
-        yield GaugeMetricFamily("relay_generator_openai_open_sessions", "endpoint sessions held now",
-                                value=len(ss.by_id))
-        yield CounterMetricFamily("relay_generator_openai_template_drift", "endpoint calls whose chat-template "
-                                  "rendering did not extend the session's sampled tokens", value=ss.template_drift)
+        yield GaugeMetricFamily(
+            "relay_generator_openai_open_sessions", "endpoint sessions held now", value=len(ss.by_id)
+        )
+        yield CounterMetricFamily(
+            "relay_generator_openai_template_drift",
+            "endpoint calls whose chat-template rendering did not extend the session's sampled tokens",
+            value=ss.template_drift,
+        )
         grp = CounterMetricFamily("relay_generator_openai_groups", "endpoint groups by outcome", labels=["outcome"])
         for k, n in {**self.groups, "unusable": ss.groups_unusable}.items():
             grp.add_metric([k], n)
         yield grp
-        rew = CounterMetricFamily("relay_generator_openai_rewards", "sessions' rewards by where they came from "
-                                  "(caller: a number the caller posted; reward_service)", labels=["source"])
+        rew = CounterMetricFamily(
+            "relay_generator_openai_rewards",
+            "sessions' rewards by where they came from (caller: a number the caller posted; reward_service)",
+            labels=["source"],
+        )
         for k, n in self.rewarded.items():
             rew.add_metric([k], n)
         yield rew
@@ -528,8 +650,16 @@ def create_app(ep: OpenAIEndpoint) -> FastAPI:
     key, open_ = ep.cfg.api_key.encode(), ep.cfg.open
 
     def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                       else "server_error", "code": status}}, status_code=status)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error" if status < 500 else "server_error",
+                    "code": status,
+                }
+            },
+            status_code=status,
+        )
 
     def authorized(request: Request) -> bool:
         if open_:
@@ -540,15 +670,21 @@ def create_app(ep: OpenAIEndpoint) -> FastAPI:
     async def handle(request: Request, name: str, fn, *args, body: bool = True):
         if not authorized(request):
             ep.count(name, "unauthorized")
-            return error(401, "a valid 'Authorization: Bearer <openai.api_key>' is required (relay up keeps the "
-                              "run's key in runs/<id>/secrets/openai.key)")
+            return error(
+                401,
+                "a valid 'Authorization: Bearer <openai.api_key>' is required (relay up keeps the "
+                "run's key in runs/<id>/secrets/openai.key)",
+            )
         data = None
         if body:
             ctype = request.headers.get("content-type", "")
             if not is_json(ctype):
                 ep.count(name, "unsupported_media_type")
-                return error(415, f"the body must be JSON sent with 'Content-Type: application/json', got "
-                                  f"{ctype[:100]!r}: other types are refused (a web page can post them from any site)")
+                return error(
+                    415,
+                    f"the body must be JSON sent with 'Content-Type: application/json', got "
+                    f"{ctype[:100]!r}: other types are refused (a web page can post them from any site)",
+                )
             try:
                 data = await request.json()
             except ValueError:
@@ -604,20 +740,37 @@ def start(gen: Generator) -> OpenAIEndpoint:
     try:
         sock.bind((cfg.host, cfg.port))
     except OSError as e:
-        raise OSError(f"cannot serve the OpenAI endpoint on {cfg.host}:{cfg.port}: {e.strerror} (set openai.port; "
-                      "0 picks a free one)") from None
+        raise OSError(
+            f"cannot serve the OpenAI endpoint on {cfg.host}:{cfg.port}: {e.strerror} (set openai.port; "
+            "0 picks a free one)"
+        ) from None
     ep.port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(ep), log_level="warning", access_log=False, log_config=None))
     ep.server = server
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="openai-http", daemon=True).start()
     threading.Thread(target=ep.reap, name="openai-reaper", daemon=True).start()
     url = f"http://{cfg.host}:{ep.port}/v1"
-    log.info("OpenAI-compatible endpoint on %s (sessions of %d per group; %s; rewards from %s)", url, cfg.group_size,
-             "open: no key" if cfg.open else "Authorization: Bearer <openai.api_key>", cfg.reward_source)
+    log.info(
+        "OpenAI-compatible endpoint on %s (sessions of %d per group; %s; rewards from %s)",
+        url,
+        cfg.group_size,
+        "open: no key" if cfg.open else "Authorization: Bearer <openai.api_key>",
+        cfg.reward_source,
+    )
     if cfg.open:
-        log.warning("the OpenAI endpoint on %s is OPEN (openai.open = true): anyone who reaches this port samples from "
-                    "the model and trains it with the rewards they post; give it a key (RELAY_OPENAI__API_KEY) "
-                    "unless this machine is yours alone", url)
-    emit_event(gen.r, gen.keys, "openai_endpoint", generator=gen.cfg.id, url=url,
-               auth="none" if cfg.open else "bearer", reward_source=cfg.reward_source)
+        log.warning(
+            "the OpenAI endpoint on %s is OPEN (openai.open = true): anyone who reaches this port samples from "
+            "the model and trains it with the rewards they post; give it a key (RELAY_OPENAI__API_KEY) "
+            "unless this machine is yours alone",
+            url,
+        )
+    emit_event(
+        gen.r,
+        gen.keys,
+        "openai_endpoint",
+        generator=gen.cfg.id,
+        url=url,
+        auth="none" if cfg.open else "bearer",
+        reward_source=cfg.reward_source,
+    )
     return ep

@@ -37,7 +37,6 @@ class ReceivedVersions:
         self.last_receive_s: float | None = None  # how long the receiver took to receive and check the last one
         self.applied_digests: dict[int, str] = {}  # version -> digest of what was applied in process
 
-
     def apply_newest(self) -> None:
         """Apply the newest version received over the collective, if newer than the one served; refuse
         and flag what arrived with a bad digest or signature; check applied versions against their
@@ -68,8 +67,16 @@ class ReceivedVersions:
                 latency = time.time() - got.received_at + got.seconds
                 self.last_receive_s = got.seconds
                 self.w.last_update_latency_s = round(latency, 4)
-                emit_event(self.w.r, self.w.keys, "applied", generator=self.w.generator_id, version=got.version,
-                           latency_s=latency, digest=got.digest, via=self.receiver.via)
+                emit_event(
+                    self.w.r,
+                    self.w.keys,
+                    "applied",
+                    generator=self.w.generator_id,
+                    version=got.version,
+                    latency_s=latency,
+                    digest=got.digest,
+                    via=self.receiver.via,
+                )
                 log.info("serving version %d (digest %s) via %s", got.version, got.digest[:12], self.receiver.via)
                 self.w.report("sampling", True)
         self.confirm()
@@ -108,8 +115,9 @@ class ReceivedVersions:
                 return a.hash if not (a.digest and applied and a.digest != applied) else ""
             if time.monotonic() >= deadline or self.w.stopped():
                 if wait_s > 0:
-                    log.error("version %d was applied via the collective but not announced within %.0fs", version,
-                              wait_s)
+                    log.error(
+                        "version %d was applied via the collective but not announced within %.0fs", version, wait_s
+                    )
                 return ""
             time.sleep(0.02)
 
@@ -119,7 +127,20 @@ class ReceivedVersions:
         reason = reason.splitlines()[0][:200]
         self.w.refused[f"{self.receiver.via}:v{version}:{digest[:12]}"] = reason
         self.w.refused_updates += 1
-        log.error("refused weight version %d received via %s (%s); still serving version %s",
-                  version, self.receiver.via, reason, self.w.version)
-        emit_event(self.w.r, self.w.keys, "refused", generator=self.w.generator_id, version=version, reason=reason,
-                   via=self.receiver.via, digest=digest)
+        log.error(
+            "refused weight version %d received via %s (%s); still serving version %s",
+            version,
+            self.receiver.via,
+            reason,
+            self.w.version,
+        )
+        emit_event(
+            self.w.r,
+            self.w.keys,
+            "refused",
+            generator=self.w.generator_id,
+            version=version,
+            reason=reason,
+            via=self.receiver.via,
+            digest=digest,
+        )

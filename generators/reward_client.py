@@ -53,10 +53,13 @@ def refusal(status: int, url: str, has_token: bool, body: str) -> RewardRefused:
         return RewardRefused(
             f"the reward service at {url} refused the generator's token (HTTP {status}{sent}): set "
             f"generator.reward_token to its reward.auth_token (RELAY_REWARD_TOKEN, RELAY_AUTH_TOKEN; relay up "
-            f"passes reward.auth_token on when generator.reward_token is unset)")
+            f"passes reward.auth_token on when generator.reward_token is unset)"
+        )
     said = f" ({' '.join(body.split())[:80]})" if body.strip() else ""
-    return RewardRefused(f"no reward service at {url}: POST /score answered HTTP {status}{said}; set "
-                         f"generator.reward_url to the reward service's base URL")
+    return RewardRefused(
+        f"no reward service at {url}: POST /score answered HTTP {status}{said}; set "
+        f"generator.reward_url to the reward service's base URL"
+    )
 
 
 class RewardClient:
@@ -64,11 +67,15 @@ class RewardClient:
         self.retries, self.down_s, self.stopped = cfg.reward_retries, cfg.reward_down_s, stopped
         self.env = getattr(cfg, "env", "")  # the generator's environment (multi-turn episodes), named in results
         self.url, self.has_token = redact_url(cfg.reward_url), bool(cfg.reward_token)
-        self.http = httpx.Client(base_url=cfg.reward_url, timeout=cfg.reward_timeout_s,
-                                 headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None)
+        self.http = httpx.Client(
+            base_url=cfg.reward_url,
+            timeout=cfg.reward_timeout_s,
+            headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None,
+        )
 
-    def score_groups(self, prompts: list[PromptEntry], groups: list[list[Completion]],
-                     decode: Callable[[list[int]], str]) -> list[list[ResultOut]]:
+    def score_groups(
+        self, prompts: list[PromptEntry], groups: list[list[Completion]], decode: Callable[[list[int]], str]
+    ) -> list[list[ResultOut]]:
         """One call for a whole batch: each prompt's completions -> their results, same shape.
 
         Multi-turn episodes (generators/episodes.py): an episode its environment scored keeps that
@@ -83,9 +90,17 @@ class RewardClient:
                 results.append(own)
                 if own is None:
                     ids = c.answer_ids if c.answer_ids is not None else c.token_ids
-                    items.append(ItemIn(prompt=p.text, completion=decode(ids), reference=p.reference,
-                                        finished=c.finish_reason == "stop", task=p.task, num_tokens=len(ids),
-                                        metadata=p.metadata))
+                    items.append(
+                        ItemIn(
+                            prompt=p.text,
+                            completion=decode(ids),
+                            reference=p.reference,
+                            finished=c.finish_reason == "stop",
+                            task=p.task,
+                            num_tokens=len(ids),
+                            metadata=p.metadata,
+                        )
+                    )
         scored = iter(self.score(items) if items else [])
         flat = iter([r if r is not None else next(scored) for r in results])
         out = [[next(flat) for _ in cs] for cs in groups]
@@ -145,10 +160,12 @@ class RewardClient:
 
 def episode_details(episode: dict) -> dict[str, float]:
     """An episode's numbers kept with its reward details (which hold floats only)."""
-    out = {"turns": float(episode.get("turns", 0)), "tool_calls": float(episode.get("tool_calls", 0)),
-           "tool_failures": float(sum(episode.get("tool_failures_by_tool", {}).values())),
-           "env_seconds": float(episode.get("env_seconds", 0.0))}
+    out = {
+        "turns": float(episode.get("turns", 0)),
+        "tool_calls": float(episode.get("tool_calls", 0)),
+        "tool_failures": float(sum(episode.get("tool_failures_by_tool", {}).values())),
+        "env_seconds": float(episode.get("env_seconds", 0.0)),
+    }
     if episode.get("template_drift"):
         out["template_drift"] = 1.0
     return out
-

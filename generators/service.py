@@ -77,12 +77,32 @@ class Generator:
         self._batch = 0
         # weights.transport: how versions arrive beside the store (generators/transports.py)
         receiving = build_receiving(ReceiverContext(cfg, self.r, self.keys, self.backend, key, wkey))
-        self.weights = WeightApplier(self.r, self.keys, self.backend, cfg.id, self._report, self.stop.is_set,
-                                     key, cfg.weight_store, receiving.fetcher, receiver=receiving.tensors,
-                                     hash_threads=cfg.weights.hash_threads)
+        self.weights = WeightApplier(
+            self.r,
+            self.keys,
+            self.backend,
+            cfg.id,
+            self._report,
+            self.stop.is_set,
+            key,
+            cfg.weight_store,
+            receiving.fetcher,
+            receiver=receiving.tensors,
+            hash_threads=cfg.weights.hash_threads,
+        )
         self.rewards = RewardClient(cfg, self.stop.is_set)
-        self.sink = Sink(cfg, self.r, self.keys, self.rewards, self.backend.decode, self.stop, self.send_heartbeat,
-                         curve, self.weights.hash_for if self.weights.receiver is not None else None, self.leases)
+        self.sink = Sink(
+            cfg,
+            self.r,
+            self.keys,
+            self.rewards,
+            self.backend.decode,
+            self.stop,
+            self.send_heartbeat,
+            curve,
+            self.weights.hash_for if self.weights.receiver is not None else None,
+            self.leases,
+        )
         self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
         self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
         # -- issue 20 hook: the OpenAI-compatible endpoint for external agent harnesses (off by default;
@@ -93,12 +113,16 @@ class Generator:
 
             self.openai = start_openai(self)
         # the run's advertisement: the first generator's reward URL and sampling are the run's
-        run = advertise_run(self.r, self.keys, first_writer_wins=True, reward_url=cfg.reward_url,
-                            sampling=cfg.sampling.model_dump())
+        run = advertise_run(
+            self.r, self.keys, first_writer_wins=True, reward_url=cfg.reward_url, sampling=cfg.sampling.model_dump()
+        )
         if "sampling" in run:
-            log.error("this generator samples with %s but the run advertises %s: the learner drops groups whose "
-                      "sampling differs from its batch's (docs/protocol.md 3.4)", cfg.sampling.model_dump(),
-                      run["sampling"])
+            log.error(
+                "this generator samples with %s but the run advertises %s: the learner drops groups whose "
+                "sampling differs from its batch's (docs/protocol.md 3.4)",
+                cfg.sampling.model_dump(),
+                run["sampling"],
+            )
 
     def _check_ingest_key(self, timeout_s: float = 5.0) -> None:
         """With CURVE, learn at once whether the broker admits this generator's key (GroupSender.wait_connected)
@@ -129,25 +153,39 @@ class Generator:
             return
         self._last_hb = now
         w, sink = self.weights, self.sink
-        heartbeat(self.r, self.keys, Heartbeat(
-            id=self.cfg.id, backend=self.backend.name, version=w.version,
-            # a version applied via the collective: its announced hash as soon as it is announced
-            hash=w.hash or (w.hash_for(w.version, wait_s=0) if w.receiver is not None and w.version is not None
-                            else ""),
-            # back-pressure on the sink shows even while the engine is busy generating
-            state=sink.state if sink.state in ("paused_backpressure", "paused_reward") else self.state,
-            sink_state=sink.state, in_flight=self.cfg.in_flight,
-            engine=self.backend.engine_info() if w.version is not None and hasattr(self.backend, "engine_info")
-            else {},
-            tokens_per_s=round(self.tokens_per_s, 1), refused=dict(list(w.refused.items())[-3:]),
-            metrics_port=self.metrics.port, groups_sent=sink.groups_sent, groups_rejected=sink.groups_rejected,
-            tokens=self.tokens, updates=w.updates, refused_updates=w.refused_updates,
-            forged_announcements=w.forged_announcements,
-            **sink.scored.fields(),
-            last_update_latency_s=w.last_update_latency_s,
-            # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
-            # where the heartbeat's schema has the field
-            **({"episodes": self.episode_stats.snapshot()} if self.cfg.env else {})))
+        heartbeat(
+            self.r,
+            self.keys,
+            Heartbeat(
+                id=self.cfg.id,
+                backend=self.backend.name,
+                version=w.version,
+                # a version applied via the collective: its announced hash as soon as it is announced
+                hash=w.hash
+                or (w.hash_for(w.version, wait_s=0) if w.receiver is not None and w.version is not None else ""),
+                # back-pressure on the sink shows even while the engine is busy generating
+                state=sink.state if sink.state in ("paused_backpressure", "paused_reward") else self.state,
+                sink_state=sink.state,
+                in_flight=self.cfg.in_flight,
+                engine=self.backend.engine_info()
+                if w.version is not None and hasattr(self.backend, "engine_info")
+                else {},
+                tokens_per_s=round(self.tokens_per_s, 1),
+                refused=dict(list(w.refused.items())[-3:]),
+                metrics_port=self.metrics.port,
+                groups_sent=sink.groups_sent,
+                groups_rejected=sink.groups_rejected,
+                tokens=self.tokens,
+                updates=w.updates,
+                refused_updates=w.refused_updates,
+                forged_announcements=w.forged_announcements,
+                **sink.scored.fields(),
+                last_update_latency_s=w.last_update_latency_s,
+                # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
+                # where the heartbeat's schema has the field
+                **({"episodes": self.episode_stats.snapshot()} if self.cfg.env else {}),
+            ),
+        )
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -195,10 +233,17 @@ class Generator:
             renderer = make_renderer(self.backend)
             check_tool_vocabulary(renderer, self.backend)
             c = self.cfg
-            self.runner = EpisodeRunner(self.backend, self.env_factory, c.sampling,
-                                        EpisodeLimits(c.max_turns, c.max_episode_tokens, c.episode_timeout_s),
-                                        self._between_turns, renderer, threads=c.env_threads,
-                                        stats=self.episode_stats, env_name=c.env)
+            self.runner = EpisodeRunner(
+                self.backend,
+                self.env_factory,
+                c.sampling,
+                EpisodeLimits(c.max_turns, c.max_episode_tokens, c.episode_timeout_s),
+                self._between_turns,
+                renderer,
+                threads=c.env_threads,
+                stats=self.episode_stats,
+                env_name=c.env,
+            )
         return self.runner
 
     def step(self) -> bool:

@@ -54,12 +54,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Session:
     id: str
     group: str
-    tokens: list[int] = field(default_factory=list)     # everything the model saw and sampled, in order
+    tokens: list[int] = field(default_factory=list)  # everything the model saw and sampled, in order
     trainable: list[int] = field(default_factory=list)  # 1: sampled by the model, 0: context
     logprobs: list[float] = field(default_factory=list)  # behaviour log-prob (0.0 on context)
-    versions: list[int] = field(default_factory=list)   # weight version of each token's call
-    prompt_len: int = 0      # the first call's prompt tokens
-    held: int = 0            # messages the tokens hold: the last request's messages and the answer to it
+    versions: list[int] = field(default_factory=list)  # weight version of each token's call
+    prompt_len: int = 0  # the first call's prompt tokens
+    held: int = 0  # messages the tokens hold: the last request's messages and the answer to it
     held_messages: list[dict] = field(default_factory=list)
     template_drift: int = 0  # calls whose rendering did not extend the session's tokens
     calls: int = 0
@@ -78,23 +78,31 @@ class Session:
         rendered = render(messages, True)
         if not self.tokens:
             return rendered, False
-        if rendered[:len(self.tokens)] == self.tokens:
-            return rendered[len(self.tokens):], False
+        if rendered[: len(self.tokens)] == self.tokens:
+            return rendered[len(self.tokens) :], False
         self.template_drift += 1
-        held = render(messages[:self.held], False) if 0 < self.held <= len(messages) else []
-        start = len(held) if rendered[:len(held)] == held else common_prefix(rendered, held)
+        held = render(messages[: self.held], False) if 0 < self.held <= len(messages) else []
+        start = len(held) if rendered[: len(held)] == held else common_prefix(rendered, held)
         # the template's end of the last assistant turn: what follows the model's EOS in its rendering
         last_eos = max((i for i, t in enumerate(held) if t == eos), default=None)
         if last_eos is None:
             bridge = []
         elif self.tokens[-1] == eos:
-            bridge = held[last_eos + 1:start]
+            bridge = held[last_eos + 1 : start]
         else:  # the model stopped on max_tokens: the template closes the turn
             bridge = held[last_eos:start]
         return bridge + rendered[start:], True
 
-    def record(self, context: list[int], sampled: list[int], logprobs: list[float], version: int,
-               finish_reason: str, messages: list[dict], answer: dict) -> None:
+    def record(
+        self,
+        context: list[int],
+        sampled: list[int],
+        logprobs: list[float],
+        version: int,
+        finish_reason: str,
+        messages: list[dict],
+        answer: dict,
+    ) -> None:
         """Append one call: its context (trainable 0) and what it sampled (trainable 1)."""
         if not self.tokens:
             self.prompt_len = len(context)
@@ -127,13 +135,13 @@ def group_parts(group: str, sessions: list[Session]) -> GroupParts:
     """The group's prompt is its sessions' common first-call prompt: the first call's prompt tokens when
     they all began alike, else their longest common prefix (the rest of each one's prompt is context in
     its completion). ``SessionError`` when they share no token or a session sampled nothing."""
-    prompt = sessions[0].tokens[:sessions[0].prompt_len]
+    prompt = sessions[0].tokens[: sessions[0].prompt_len]
     for s in sessions[1:]:
-        prompt = prompt[:common_prefix(prompt, s.tokens[:s.prompt_len])]
+        prompt = prompt[: common_prefix(prompt, s.tokens[: s.prompt_len])]
     if not prompt:
         raise SessionError(409, f"the sessions of group {group!r} share no prompt token")
     for s in sessions:
-        if not any(s.trainable[len(prompt):]):
+        if not any(s.trainable[len(prompt) :]):
             raise SessionError(409, f"session {s.id!r} of group {group!r} sampled nothing")
     return GroupParts(group, prompt, sessions)
 
@@ -165,11 +173,15 @@ class Sessions:
             if s is None:
                 members = self.groups.setdefault(group, [])
                 if len(members) >= self.group_size:
-                    raise SessionError(409, f"group {group!r} already has its {self.group_size} sessions "
-                                            f"(openai.group_size); use another X-Relay-Group")
+                    raise SessionError(
+                        409,
+                        f"group {group!r} already has its {self.group_size} sessions "
+                        f"(openai.group_size); use another X-Relay-Group",
+                    )
                 if len(self.by_id) >= self.max_sessions:
-                    raise SessionError(429, f"{len(self.by_id)} sessions held (openai.max_sessions); finish some "
-                                            "with a reward first")
+                    raise SessionError(
+                        429, f"{len(self.by_id)} sessions held (openai.max_sessions); finish some with a reward first"
+                    )
                 s = self.by_id[sid] = Session(sid, group, created=self.clock(), last_used=self.clock())
                 members.append(sid)
                 self.started += 1

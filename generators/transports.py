@@ -66,8 +66,12 @@ def build_receiving(ctx: ReceiverContext) -> Receiving:
     if spec is None:
         return Receiving()
     if transport in IN_PROCESS_TRANSPORTS and not hasattr(ctx.backend, "update_weights_from_tensors"):
-        log.warning("weights.transport = %s: the %s backend cannot apply tensors in process; this generator "
-                    "loads each version from the store copy instead", transport, ctx.backend.name)
+        log.warning(
+            "weights.transport = %s: the %s backend cannot apply tensors in process; this generator "
+            "loads each version from the store copy instead",
+            transport,
+            ctx.backend.name,
+        )
         return Receiving()
     module, name = spec.split(":")
     return getattr(importlib.import_module(module), name)(ctx)

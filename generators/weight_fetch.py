@@ -62,14 +62,22 @@ class WeightFetcher:
     only (the configured server): an announcement's ``url`` says a version is served, never where from. ``timeout_s``: per connection and per read; ``attempts``: the
     tries per file (a drop resumes where it stopped; back-off 0.2 s doubling, at most 5 s)."""
 
-    def __init__(self, cfg: HttpWeightsConfig, token: str | None = None, keep: int = 3, timeout_s: float = 30.0,
-                 attempts: int = 5):
+    def __init__(
+        self,
+        cfg: HttpWeightsConfig,
+        token: str | None = None,
+        keep: int = 3,
+        timeout_s: float = 30.0,
+        attempts: int = 5,
+    ):
         self.base_url = cfg.base_url()
         if not self.base_url:
-            raise ConfigError("weights.transport = 'http': a generator fetches only from the learner's configured "
-                              "weight server, never from whatever URL an announcement names: set weights.http."
-                              "advertise_url (or weights.http.host and a fixed weights.http.port) to the learner's "
-                              "(relay up sets it)")
+            raise ConfigError(
+                "weights.transport = 'http': a generator fetches only from the learner's configured "
+                "weight server, never from whatever URL an announcement names: set weights.http."
+                "advertise_url (or weights.http.host and a fixed weights.http.port) to the learner's "
+                "(relay up sets it)"
+            )
         if cfg.cache_dir:
             self.cache = Path(cfg.cache_dir).resolve()
             self.cache.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -89,14 +97,17 @@ class WeightFetcher:
         pruned to the newest ``keep`` versions plus ``serving``. Raises WeightStoreError."""
         return self.fetch_kept(a, serving)[0]
 
-    def fetch_kept(self, a: Announcement, serving: int | None = None, keep: bool = False
-                   ) -> tuple[Path, weightstore.Verified | None]:
+    def fetch_kept(
+        self, a: Announcement, serving: int | None = None, keep: bool = False
+    ) -> tuple[Path, weightstore.Verified | None]:
         """:meth:`fetch`, and with ``keep`` what was hashed, for the engine to load (weightstore.Verified,
         closed by the caller): each safetensors file mapped from the very open file it was written and hashed
         through, the other files' bytes as they were hashed. No second read of the weights."""
         if not a.url:
-            raise weightstore.WeightStoreError("no_url", f"version {a.version} was announced without a URL (the "
-                                               "learner's weights.transport is not http)")
+            raise weightstore.WeightStoreError(
+                "no_url",
+                f"version {a.version} was announced without a URL (the learner's weights.transport is not http)",
+            )
         url = self.url(a.version)  # the configured server's, never the announced one: the URL only says it is served
         final = weightstore.version_dir(self.cache, a.version)
         if final.is_dir():
@@ -122,12 +133,15 @@ class WeightFetcher:
             if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
                 raise weightstore.WeightStoreError("bad_manifest", f"{url}{weightstore.MANIFEST} has no 'files' map")
             if weightstore.manifest_hash(manifest) != a.hash:
-                raise weightstore.WeightStoreError("hash_mismatch", f"{url}{weightstore.MANIFEST}: manifest hash "
-                                                   f"differs from the announced {a.hash[:12]}")
+                raise weightstore.WeightStoreError(
+                    "hash_mismatch",
+                    f"{url}{weightstore.MANIFEST}: manifest hash differs from the announced {a.hash[:12]}",
+                )
             for name in manifest["files"]:
                 if not weightstore.plain_name(name):
-                    raise weightstore.WeightStoreError("bad_name", f"{url}{weightstore.MANIFEST} lists {name!r}: "
-                                                       "not a plain file name")
+                    raise weightstore.WeightStoreError(
+                        "bad_name", f"{url}{weightstore.MANIFEST} lists {name!r}: not a plain file name"
+                    )
             (staging / weightstore.MANIFEST).write_bytes(raw)
             entries: list[tuple[str, bytes]] = []
             algorithm = tensordigest.algorithm_of(a.digest) if a.digest else None  # the one the announcement used
@@ -164,7 +178,7 @@ class WeightFetcher:
     def prune(self, keep_also: set[int]) -> list[int]:
         """Delete cached versions older than the newest ``keep`` that are not in ``keep_also``."""
         versions = weightstore.list_versions(self.cache)
-        doomed = [v for v in versions[:-self.keep] if v not in keep_also]
+        doomed = [v for v in versions[: -self.keep] if v not in keep_also]
         for v in doomed:
             shutil.rmtree(weightstore.version_dir(self.cache, v), ignore_errors=True)
         for v in [v for v in self.digests if v not in versions or v in doomed]:
@@ -194,8 +208,11 @@ class WeightFetcher:
         if resp.status == 404:
             raise weightstore.WeightStoreError("not_found", f"{where}: 404 (pruned, or never published)")
         if resp.status in (401, 403):
-            raise weightstore.WeightStoreError("unauthorized", f"{where}: {resp.status} (the run's bearer token is "
-                                               "derived from its weights key, weights.key_file: is it the same key?)")
+            raise weightstore.WeightStoreError(
+                "unauthorized",
+                f"{where}: {resp.status} (the run's bearer token is "
+                "derived from its weights key, weights.key_file: is it the same key?)",
+            )
         if resp.status == 416:
             raise _Dropped(f"{where}: 416 for a resume at byte {start}: {body[:200]!r}")
         raise _Dropped(f"{where}: HTTP {resp.status} {body[:200]!r}")
@@ -211,8 +228,9 @@ class WeightFetcher:
                 if i + 1 < self.attempts:
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)
-        raise weightstore.WeightStoreError("fetch_failed", f"{what}: {self.attempts} attempts failed, the last: "
-                                           f"{type(last).__name__}: {last}")
+        raise weightstore.WeightStoreError(
+            "fetch_failed", f"{what}: {self.attempts} attempts failed, the last: {type(last).__name__}: {last}"
+        )
 
     def _get_small(self, url: str, name: str) -> bytes:
         def attempt(_):
@@ -229,8 +247,15 @@ class WeightFetcher:
 
         return self._retrying(f"{url}{name}", attempt)
 
-    def _get_file(self, url: str, name: str, dest: Path, digest: str, tensors: str | None,
-                  kept: weightstore.Verified | None = None) -> tuple[int, list[tuple[str, bytes]]]:
+    def _get_file(
+        self,
+        url: str,
+        name: str,
+        dest: Path,
+        digest: str,
+        tensors: str | None,
+        kept: weightstore.Verified | None = None,
+    ) -> tuple[int, list[tuple[str, bytes]]]:
         """Stream ``name`` into ``dest`` hashing as it comes (the file's sha256 and, with ``tensors`` (a
         tensor digest algorithm) for a ``.safetensors`` file, its tensors' digest entries); resume from the
         last byte after a drop. Returns (bytes, entries). With ``kept``: the file, once its sha256 checks,
@@ -238,6 +263,7 @@ class WeightFetcher:
         safetensors = name.endswith(".safetensors")
         dl = _Download(dest, tensors if safetensors else None, keep_bytes=kept is not None and not safetensors)
         try:
+
             def attempt(i: int) -> None:
                 if i and dl.got:
                     self.resumed += 1
@@ -262,8 +288,9 @@ class WeightFetcher:
             self._retrying(f"{url}{name}", attempt)
             actual = dl.hash.hexdigest()
             if actual != digest:
-                raise weightstore.WeightStoreError("corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest "
-                                                   f"{digest[:12]}")
+                raise weightstore.WeightStoreError(
+                    "corrupt_file", f"{url}{name}: sha256 {actual[:12]} != manifest {digest[:12]}"
+                )
             if kept is not None and safetensors:
                 kept.files[name] = weightstore.map_written(dl.out, name)
             elif kept is not None:

@@ -59,12 +59,12 @@ class Received:
     else why it must be refused (``digest_mismatch``, ``bad_signature``, ``unsigned``)."""
 
     version: int
-    digest: str                  # the digest of the bytes received
+    digest: str  # the digest of the bytes received
     state: dict[str, torch.Tensor] = field(repr=False)
     problem: str | None = None
-    signed_digest: str = ""      # the digest the learner signed
+    signed_digest: str = ""  # the digest the learner signed
     received_at: float = 0.0
-    seconds: float = 0.0         # from the header to the trailer
+    seconds: float = 0.0  # from the header to the trailer
     flat: torch.Tensor | None = field(default=None, repr=False)  # the staging buffer the state views
 
 
@@ -134,7 +134,9 @@ class Staging:
             if free is not None:
                 self._spare = free
             elif self._spare is None:  # the first adoption: the engine's own tensors were freed, not handed back
-                threading.Thread(target=self._prefault, args=(size,), name="relay-staging-prefault", daemon=True).start()
+                threading.Thread(
+                    target=self._prefault, args=(size,), name="relay-staging-prefault", daemon=True
+                ).start()
 
     def _prefault(self, size: int) -> None:
         """Allocate the next version's staging buffer now, while idle, and touch every page (the kernel maps
@@ -148,8 +150,11 @@ class Staging:
     def _buffer(self, size: int) -> torch.Tensor:
         with self.lock:
             spare, self._spare = self._spare, None
-        return spare if spare is not None and spare.numel() == size else \
-            torch.empty(size, dtype=torch.uint8, device=self.device)
+        return (
+            spare
+            if spare is not None and spare.numel() == size
+            else torch.empty(size, dtype=torch.uint8, device=self.device)
+        )
 
     def _discard(self, flat: torch.Tensor) -> None:
         """A staging buffer whose version will never be applied: it takes the next one."""
@@ -191,9 +196,17 @@ class Receiver(Staging):
 
     via = "collective"
 
-    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, generator_id: str,
-                 announce_key: signing.AnnounceVerifier | None, weights_key: bytes | None = None,
-                 max_bytes: int = 1 << 40, tamper: Callable[[int, torch.Tensor], None] | None = None):
+    def __init__(
+        self,
+        r,
+        keys: Keys,
+        cfg: CollectiveWeightsConfig,
+        generator_id: str,
+        announce_key: signing.AnnounceVerifier | None,
+        weights_key: bytes | None = None,
+        max_bytes: int = 1 << 40,
+        tamper: Callable[[int, torch.Tensor], None] | None = None,
+    ):
         super().__init__("cpu")  # gloo receives into host memory
         self.r, self.keys, self.cfg, self.generator_id, self.key = r, keys, cfg, generator_id, announce_key
         self.weights_key = weights_key  # proves this generator may join (None: weights.auth insecure)
@@ -237,8 +250,9 @@ class Receiver(Staging):
                 if self.joined.is_set():
                     log.warning("left the weight broadcast (%s); following the store until it joins again", why)
                 elif why != self._not_joined and "not opened its rendezvous" not in why:
-                    log.warning("cannot join the weight broadcast (%s); following the store, trying again every "
-                                "second", why)  # once per reason: a refused key or id is seen, not repeated
+                    log.warning(
+                        "cannot join the weight broadcast (%s); following the store, trying again every second", why
+                    )  # once per reason: a refused key or id is seen, not repeated
                 self._not_joined = why
                 self.joined.clear()
                 if self.pg is not None:
@@ -265,20 +279,29 @@ class Receiver(Staging):
         try:
             answer = wire.read_frame(conn, wire.MAX_JOIN_FRAME)
         except ConnectionError:
-            raise ConnectionError("the learner closed the rendezvous connection without an answer: it does not take "
-                                  "this generator's weights key (weights.key_file) for the run's") from None
+            raise ConnectionError(
+                "the learner closed the rendezvous connection without an answer: it does not take "
+                "this generator's weights key (weights.key_file) for the run's"
+            ) from None
         if answer.get("kind") == "refused":
             raise RuntimeError(f"the learner refused the join: {answer.get('reason')}")
-        if answer.get("kind") != "accepted" or (key is not None and not weightauth.same(
-                str(answer.get("proof", "")), weightauth.accept_proof(key, run, challenge, nonce, gid, session))):
+        if answer.get("kind") != "accepted" or (
+            key is not None
+            and not weightauth.same(
+                str(answer.get("proof", "")), weightauth.accept_proof(key, run, challenge, nonce, gid, session)
+            )
+        ):
             raise ValueError(f"{host}:{port} did not prove the run's weights key: not the learner")
         ticket = int(answer["ticket"])
         self.pg = wire.gloo_group(RemoteStore(conn), "m", 1, host, self.cfg.timeout_s)
         conn.sendall(wire.frame({"op": "ready"}))
         pair = torch.zeros(32, dtype=torch.uint8)  # the learner's nonce, over the group itself
         self.pg.broadcast(pair, 0, datetime.timedelta(seconds=self.cfg.timeout_s)).wait()
-        mac = weightauth.join_proof(key, run, "pair", pair.numpy().tobytes().hex(), gid, session) \
-            if key is not None else ""
+        mac = (
+            weightauth.join_proof(key, run, "pair", pair.numpy().tobytes().hex(), gid, session)
+            if key is not None
+            else ""
+        )
         conn.sendall(wire.frame({"op": "pair", "mac": mac}))
         if wire.read_frame(conn).get("kind") != "member":
             raise RuntimeError("the learner did not admit this generator once its group was built")
@@ -319,21 +342,33 @@ class Receiver(Staging):
         digest = combine(hashes.entries(), layout.digest)
         problem = None
         if self.key is not None:
-            problem = signing.check_collective(self.key, self.keys.run_id, trailer["version"], trailer["digest"],
-                                               trailer["header_sha256"], trailer["sig"])
-        if problem is None and (trailer["version"] != version
-                                or trailer["header_sha256"] != hashlib.sha256(header).hexdigest()):
+            problem = signing.check_collective(
+                self.key,
+                self.keys.run_id,
+                trailer["version"],
+                trailer["digest"],
+                trailer["header_sha256"],
+                trailer["sig"],
+            )
+        if problem is None and (
+            trailer["version"] != version or trailer["header_sha256"] != hashlib.sha256(header).hexdigest()
+        ):
             problem = "header_mismatch"
         if problem is None and trailer["abort"] and not trailer["digest"]:  # refused by the learner on the way
             self.aborted += 1
-            log.warning("version %d received over the collective was aborted by the learner (%s): discarded",
-                        version, trailer["abort"][:200])
+            log.warning(
+                "version %d received over the collective was aborted by the learner (%s): discarded",
+                version,
+                trailer["abort"][:200],
+            )
             self._discard(flat)
             return
         if problem is None and trailer["digest"] != digest:
             problem = "digest_mismatch"
-        state = {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape)
-                 for s in layout.slots}
+        state = {
+            s.name: flat[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape)
+            for s in layout.slots
+        }
         got = Received(version, digest, state, problem, trailer["digest"], time.time(), time.perf_counter() - t0, flat)
         self._deliver(got)
         log.debug("received version %d (%.1f MiB) in %.3fs", version, layout.total / (1 << 20), got.seconds)
@@ -364,8 +399,11 @@ class RemoteStore(dist.Store):
         return bytes(self._call(op="get", key=str(key)))
 
     def wait(self, keys, timeout=None) -> None:
-        self._call(op="wait", keys=[str(k) for k in keys],
-                   timeout_s=timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None)
+        self._call(
+            op="wait",
+            keys=[str(k) for k in keys],
+            timeout_s=timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None,
+        )
 
     def check(self, keys) -> bool:
         return bool(self._call(op="check", keys=[str(k) for k in keys]))
@@ -378,5 +416,6 @@ def receiving(ctx: ReceiverContext) -> Receiving:
     """``weights.transport = "collective"``, generator side (generators/transports.py): a :class:`Receiver`
     that joins the learner's broadcast with the weights key."""
     cfg = ctx.cfg
-    return Receiving(tensors=Receiver(ctx.r, ctx.keys, cfg.weights.collective, cfg.id, ctx.announce_key,
-                                      ctx.weights_key))
+    return Receiving(
+        tensors=Receiver(ctx.r, ctx.keys, cfg.weights.collective, cfg.id, ctx.announce_key, ctx.weights_key)
+    )

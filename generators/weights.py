@@ -74,16 +74,19 @@ class VersionFiles:
         hashed, mapped through the same open files). The engine loads the bytes that were hashed (a file
         renamed into the folder after the check is not loaded), and the files are read once."""
         if self.fetcher is None:
-            v = weightstore.check(a.path, a.hash, self.store, expected_digest=a.digest or None,
-                                  threads=self.hash_threads, keep=keep)
+            v = weightstore.check(
+                a.path, a.hash, self.store, expected_digest=a.digest or None, threads=self.hash_threads, keep=keep
+            )
             return a.path, v.digest, (v if keep else None)
         path, v = self.fetcher.fetch_kept(a, serving, keep)
         digest = self.fetcher.digests.get(a.version)
         if a.digest and digest != a.digest:
             if v is not None:
                 v.close()
-            raise weightstore.WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {(digest or '')[:12]} "
-                                               f"differs from the announced {a.digest[:12]}")
+            raise weightstore.WeightStoreError(
+                "digest_mismatch",
+                f"{path}: the tensors' digest {(digest or '')[:12]} differs from the announced {a.digest[:12]}",
+            )
         return path, digest, v
 
 
@@ -93,10 +96,20 @@ class WeightApplier:
     ``report(state, heartbeat)`` tells the generator what it is doing (``waiting_for_weights``,
     ``updating``, ``sampling``) and whether to send a heartbeat now."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, backend: Backend, generator_id: str,
-                 report: Callable[[str, bool], None] = lambda state, heartbeat: None,
-                 stopped: Callable[[], bool] = lambda: False, announce_key: AnnounceVerifier | None = None,
-                 store: str = "", fetcher=None, receiver=None, hash_threads: int = 1):
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        backend: Backend,
+        generator_id: str,
+        report: Callable[[str, bool], None] = lambda state, heartbeat: None,
+        stopped: Callable[[], bool] = lambda: False,
+        announce_key: AnnounceVerifier | None = None,
+        store: str = "",
+        fetcher=None,
+        receiver=None,
+        hash_threads: int = 1,
+    ):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
         self.files = VersionFiles(store or None, fetcher, hash_threads)  # where a version's files come from, checked
@@ -151,8 +164,13 @@ class WeightApplier:
                 break
             self.report("waiting_for_weights", True)
             time.sleep(0.2)
-        if (a is not None and self.receiver is not None and self.version is not None and a.version > self.version
-                and self.receiver.catch_up(a.version)):  # announced just before the receiver delivered it
+        if (
+            a is not None
+            and self.receiver is not None
+            and self.version is not None
+            and a.version > self.version
+            and self.receiver.catch_up(a.version)
+        ):  # announced just before the receiver delivered it
             self.received.apply_newest()
         while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
             self.report("updating", False)
@@ -164,9 +182,11 @@ class WeightApplier:
                             self._load_base(a)
                         elif self.base_digest != a.base_digest:
                             raise weightstore.WeightStoreError(
-                                "base_mismatch", f"version {a.version} is an adapter for the base model "
+                                "base_mismatch",
+                                f"version {a.version} is an adapter for the base model "
                                 f"{a.base_digest[:12] or '?'} (version {a.base}); this generator serves the base "
-                                f"{self.base_digest[:12] or 'of a model without adapters'}")
+                                f"{self.base_digest[:12] or 'of a model without adapters'}",
+                            )
                         self._engine("update_weights", path, verified)
                     else:
                         self._engine("load" if self.version is None else "update_weights", path, verified)
@@ -178,8 +198,12 @@ class WeightApplier:
                 newer = self._latest()
                 if newer is not None and newer.version > a.version:
                     # superseded while we read it (and perhaps pruned): not a bad snapshot
-                    log.warning("version %d was superseded while loading (%s); loading version %d instead",
-                                a.version, e, newer.version)
+                    log.warning(
+                        "version %d was superseded while loading (%s); loading version %d instead",
+                        a.version,
+                        e,
+                        newer.version,
+                    )
                     a = newer
                     continue
                 self._refuse(a, e)
@@ -192,8 +216,16 @@ class WeightApplier:
         self.via = "http" if self.files.fetcher else "store"
         self.updates += 1
         self.last_update_latency_s = round(latency, 4)
-        emit_event(self.r, self.keys, "applied", generator=self.generator_id, version=a.version, latency_s=latency,
-                   digest=self.digest, via=self.via)
+        emit_event(
+            self.r,
+            self.keys,
+            "applied",
+            generator=self.generator_id,
+            version=a.version,
+            latency_s=latency,
+            digest=self.digest,
+            via=self.via,
+        )
         log.info("serving version %d (%s) %.3fs after publication", a.version, a.hash[:12], latency)
         self.report("sampling", True)  # the update is done; sampling resumes right after (the heartbeat says so)
         if self.receiver is not None:
@@ -218,8 +250,11 @@ class WeightApplier:
         b = signed_announcement(self.r, self.keys, a.base, self.announce_key)
         if b is None or b.base != b.version or b.base_digest != a.base_digest:
             found = "not announced" if b is None else f"announced with base {b.base} ({b.base_digest[:12]})"
-            raise weightstore.WeightStoreError("missing_base", f"version {a.version} is an adapter for the base model "
-                                               f"of version {a.base} ({a.base_digest[:12]}), which is {found}")
+            raise weightstore.WeightStoreError(
+                "missing_base",
+                f"version {a.version} is an adapter for the base model "
+                f"of version {a.base} ({a.base_digest[:12]}), which is {found}",
+            )
         path, _, verified = self.files.obtain(b, self.version, self._keeps())
         log.info("loading the base model from version %d for the adapter of version %d", b.version, a.version)
         try:
@@ -238,10 +273,17 @@ class WeightApplier:
             if (a.hash, a.sig) not in self._forged_seen:
                 self._forged_seen.add((a.hash, a.sig))
                 self.refused[a.hash] = e.reason  # shown only: a signed announcement of that hash still loads
-                log.error("ignored a forged weight announcement (%s): version %d, hash %s, path %s; still serving "
-                          "version %s", e.reason, a.version, a.hash[:12], a.path, self.version)
-                emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=a.version,
-                           reason=e.reason)
+                log.error(
+                    "ignored a forged weight announcement (%s): version %d, hash %s, path %s; still serving version %s",
+                    e.reason,
+                    a.version,
+                    a.hash[:12],
+                    a.path,
+                    self.version,
+                )
+                emit_event(
+                    self.r, self.keys, "refused", generator=self.generator_id, version=a.version, reason=e.reason
+                )
             return newest_signed(self.r, self.keys, self.announce_key)
 
     def _refuse(self, a, e: Exception) -> None:

@@ -52,8 +52,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return (x - mean) * torch.rsqrt(var + eps)
 
 
-def reinforce_pp(rewards: torch.Tensor, tokens: torch.Tensor, group_index: torch.Tensor | None = None,
-                 eps: float = 1e-8) -> torch.Tensor:
+def reinforce_pp(
+    rewards: torch.Tensor, tokens: torch.Tensor, group_index: torch.Tensor | None = None, eps: float = 1e-8
+) -> torch.Tensor:
     """REINFORCE++ for outcome rewards, per sample [B]. The outcome reward sits on the last token, so
     with γ = 1 every token of sample i has the return r_i; those returns are whitened over the batch's
     tokens (``tokens[i]`` completion tokens of sample i): (r_i − μ) / sqrt(σ² + eps), μ and the
@@ -84,7 +85,9 @@ def reinforce_pp_baseline(rewards: torch.Tensor, tokens: torch.Tensor, group_ind
 
 # ``learner.advantage`` -> an estimator of the whole batch: (rewards [B], completion tokens [B], group index [B])
 BATCH_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "reinforce_pp": lambda r, n, _index: reinforce_pp(r, n), "reinforce_pp_baseline": reinforce_pp_baseline}
+    "reinforce_pp": lambda r, n, _index: reinforce_pp(r, n),
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+}
 
 
 def batch_advantages(estimator: str, rewards: list[torch.Tensor], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -102,8 +105,9 @@ def batch_advantages(estimator: str, rewards: list[torch.Tensor], tokens: list[t
     raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {valid}")
 
 
-def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over tokens [B, T]; returns (advantages, returns), the
     advantages not yet whitened (verl ``compute_gae_advantage_return`` before ``masked_whiten``)."""
     B, T = token_rewards.shape
@@ -120,8 +124,15 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     return adv, adv + values
 
 
-def vtrace(token_rewards: torch.Tensor, values: torch.Tensor, log_rho: torch.Tensor, mask: torch.Tensor,
-           gamma: float = 1.0, rho_bar: float = 1.0, c_bar: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def vtrace(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_rho: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """V-trace targets (Espeholt et al. 2018, IMPALA) over tokens [B, T], bootstrap value 0 after
     the last token: v_s = V(x_s) + Σ_t γ^{t-s} (Π_{i=s}^{t-1} c_i) ρ_t δ_t with
     ρ_t = min(ρ̄, π/μ), c_i = min(c̄, π/μ), δ_t = r_t + γV(x_{t+1}) − V(x_t).

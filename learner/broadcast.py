@@ -61,12 +61,22 @@ class Broadcaster:
     """The leader's side of the collective transport. ``start`` opens the rendezvous; ``send`` (from
     the publisher's thread) broadcasts one version to the members present; ``close`` stops."""
 
-    def __init__(self, r, keys: Keys, cfg: CollectiveWeightsConfig, announce_key: signing.AnnounceSigner | None,
-                 digest: str = DEFAULT_DIGEST, weights_key: bytes | None = None):
+    def __init__(
+        self,
+        r,
+        keys: Keys,
+        cfg: CollectiveWeightsConfig,
+        announce_key: signing.AnnounceSigner | None,
+        digest: str = DEFAULT_DIGEST,
+        weights_key: bytes | None = None,
+    ):
         if cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()):
             # the buckets are CPU tensors (the publication snapshot); NCCL groups would need them on a device
-            log.warning("weights.collective.backend=%s: this build sends CPU snapshots over gloo "
-                        "(docs/weights.md, 'NCCL on GPUs')", cfg.backend)
+            log.warning(
+                "weights.collective.backend=%s: this build sends CPU snapshots over gloo "
+                "(docs/weights.md, 'NCCL on GPUs')",
+                cfg.backend,
+            )
         self.r, self.keys, self.cfg, self.key = r, keys, cfg, announce_key
         self.weights_key = weights_key  # who may join (None: weights.auth insecure, anyone who reaches the port)
         self.digest = digest  # the tensor digest's algorithm (weights.digest), named in each header
@@ -76,17 +86,31 @@ class Broadcaster:
         self.dropped = 0
         self.rendezvous: Rendezvous | None = None
         self.port = 0
-        self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest")  # hashing releases the GIL
-                         for _ in range(max(1, min(4, (os.cpu_count() or 1) - 1)))]
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="relay-publish-check")  # send(check=) beside the buckets
+        self._hashers = [
+            ThreadPoolExecutor(1, thread_name_prefix="relay-digest")  # hashing releases the GIL
+            for _ in range(max(1, min(4, (os.cpu_count() or 1) - 1)))
+        ]
+        self._checker = ThreadPoolExecutor(
+            1, thread_name_prefix="relay-publish-check"
+        )  # send(check=) beside the buckets
         self._flat: torch.Tensor | None = None  # the previous version's buffer, reused (sent by the time send returns)
 
     def start(self) -> "Broadcaster":
-        self.rendezvous = Rendezvous(self.cfg.host, self.cfg.port, self.weights_key, self.keys.run_id,
-                                     self.cfg.timeout_s, self.cfg.max_members, self._joined, self._left).start()
+        self.rendezvous = Rendezvous(
+            self.cfg.host,
+            self.cfg.port,
+            self.weights_key,
+            self.keys.run_id,
+            self.cfg.timeout_s,
+            self.cfg.max_members,
+            self._joined,
+            self._left,
+        ).start()
         self.port = self.rendezvous.port
-        self.r.hset(self.keys.collective, mapping={"host": self.cfg.host, "port": self.port, "pid": os.getpid(),
-                                                   "started_at": time.time()})
+        self.r.hset(
+            self.keys.collective,
+            mapping={"host": self.cfg.host, "port": self.port, "pid": os.getpid(), "started_at": time.time()},
+        )
         return self
 
     def close(self) -> None:
@@ -135,8 +159,10 @@ class Broadcaster:
         layout = self._layout([(k, str(want[k]).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
         # alignment gaps stay zero; page-locked for weights on a GPU (publish.py fill: copies queued together)
         flat = torch.zeros(layout.total, dtype=torch.uint8, pin_memory=any(v.is_cuda for v in state.values()))
-        return {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
-                for s in layout.slots}
+        return {
+            s.name: flat[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            for s in layout.slots
+        }
 
     @staticmethod
     def _lies_in_buffer(state: dict[str, torch.Tensor], layout: wire.Layout) -> torch.Tensor | None:
@@ -150,13 +176,15 @@ class Broadcaster:
         storage = views[0].untyped_storage()
         base = storage.data_ptr()
         if storage.nbytes() < layout.total or any(
-                t.untyped_storage().data_ptr() != base or t.data_ptr() != base + s.offset or not t.is_contiguous()
-                for s, t in zip((s for s in layout.slots if s.nbytes), views)):
+            t.untyped_storage().data_ptr() != base or t.data_ptr() != base + s.offset or not t.is_contiguous()
+            for s, t in zip((s for s in layout.slots if s.nbytes), views)
+        ):
             return None
         return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (layout.total,))
 
-    def send(self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None,
-             progress=None) -> str:
+    def send(
+        self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None, progress=None
+    ) -> str:
         """Broadcast ``state`` (CPU tensors in the publication dtype) as ``version`` to every member;
         return its tensor digest (computed from the bytes sent). Members that fail are dropped.
         ``check`` (the finiteness check) runs beside the buckets; when it raises a ValueError the version
@@ -187,8 +215,11 @@ class Broadcaster:
         flat = self._lies_in_buffer(state, layout)  # a snapshot taken into buffers(): sent as it lies
         in_place = flat is not None
         if not in_place:
-            flat = self._flat if self._flat is not None and self._flat.numel() == layout.total else \
-                torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero: the layout never changes them
+            flat = (
+                self._flat
+                if self._flat is not None and self._flat.numel() == layout.total
+                else torch.zeros(layout.total, dtype=torch.uint8)
+            )  # alignment gaps stay zero: the layout never changes them
             self._flat = flat
         hashes = wire.BucketHasher(layout, flat, self._hashers)
         filled = 0  # slots[:filled] are in the buffer
@@ -204,8 +235,9 @@ class Broadcaster:
                     refused = ValueError(str(e))
             for s in layout.slots[first:filled]:
                 if s.nbytes and not in_place and refused is None:
-                    flat[s.offset:s.offset + s.nbytes].copy_(state[s.name].detach().contiguous().reshape(-1)
-                                                             .view(torch.uint8))
+                    flat[s.offset : s.offset + s.nbytes].copy_(
+                        state[s.name].detach().contiguous().reshape(-1).view(torch.uint8)
+                    )
             if end > start:
                 bucket = flat[start:end]
                 for m in members:
@@ -221,9 +253,16 @@ class Broadcaster:
         for m in members:
             issue(m, lambda pg: wire.send_blob(pg, trailer, timeout))
         self._complete(members, works, failed, version)
-        log.info("broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs", version,
-                 layout.total / (1 << 20), len(layout.buckets), "from the snapshot" if in_place else "copied",
-                 len(members) - len(failed), len(members), time.perf_counter() - t0)
+        log.info(
+            "broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs",
+            version,
+            layout.total / (1 << 20),
+            len(layout.buckets),
+            "from the snapshot" if in_place else "copied",
+            len(members) - len(failed),
+            len(members),
+            time.perf_counter() - t0,
+        )
         if refused is not None:
             raise refused
         return digest
@@ -232,11 +271,18 @@ class Broadcaster:
         """The version's last blob: its digest (empty, with ``abort``, for a refused version), the header's
         hash, and the announcement key's signature of the three."""
         header_sha = hashlib.sha256(header).hexdigest()
-        return json.dumps({"version": version, "digest": digest, "header_sha256": header_sha,
-                           "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest,
-                                                               header_sha) if self.key is not None else "",
-                           **({"abort": str(refused)[:200]} if refused is not None else {})},
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "version": version,
+                "digest": digest,
+                "header_sha256": header_sha,
+                "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest, header_sha)
+                if self.key is not None
+                else "",
+                **({"abort": str(refused)[:200]} if refused is not None else {}),
+            },
+            separators=(",", ":"),
+        ).encode()
 
     def _complete(self, members: list[Member], works: dict[int, list], failed: dict[int, str], version: int) -> None:
         """Wait for every member's sends (one deadline of ``timeout_s`` for all); drop the members that failed."""
@@ -261,11 +307,21 @@ class Broadcaster:
         self.dropped += 1
         wire.abort_group(m.pg)
         m.close()  # its id is free again: it rejoins once it notices
-        log.warning("dropped generator %s from the weight broadcast at version %d (%s); it catches up from the "
-                    "store and joins again", m.generator, version, why.splitlines()[0][:200])
-        emit_event(self.r, self.keys, "collective_dropped", generator=m.generator, version=version,
-                   reason=why.splitlines()[0][:200])
-
+        log.warning(
+            "dropped generator %s from the weight broadcast at version %d (%s); it catches up from the "
+            "store and joins again",
+            m.generator,
+            version,
+            why.splitlines()[0][:200],
+        )
+        emit_event(
+            self.r,
+            self.keys,
+            "collective_dropped",
+            generator=m.generator,
+            version=version,
+            reason=why.splitlines()[0][:200],
+        )
 
 
 class CollectiveSender(Sender):
@@ -277,5 +333,6 @@ class CollectiveSender(Sender):
     def __init__(self, ctx: SenderContext):
         super().__init__(ctx)
         cfg = ctx.cfg.weights
-        self.handoff = Broadcaster(ctx.r, ctx.keys, cfg.collective, ctx.announce_key, cfg.digest,
-                                   ctx.weights_key).start()
+        self.handoff = Broadcaster(
+            ctx.r, ctx.keys, cfg.collective, ctx.announce_key, cfg.digest, ctx.weights_key
+        ).start()

@@ -78,8 +78,12 @@ def _write_json(path: Path, obj) -> None:
 
 def _engine_settings(engine, world: int) -> dict:
     # adapters_only: LoRA (learner/lora.py), whose checkpoints hold the adapters and not the frozen base
-    return {"ranks": world, "zero_stage": int(engine.zero_optimization_stage()), "bf16": bool(engine.bfloat16_enabled()),
-            **({"adapters_only": True} if _frozen(engine.module) else {})}
+    return {
+        "ranks": world,
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "bf16": bool(engine.bfloat16_enabled()),
+        **({"adapters_only": True} if _frozen(engine.module) else {}),
+    }
 
 
 def _module_weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -122,16 +126,23 @@ def _load_module(module: torch.nn.Module, path: Path) -> None:
     frozen |= {name for name, same in tied.items() if same in frozen}  # a tied head of a frozen embedding
     missing = [k for k in missing if k not in frozen]
     if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
-                              f"unexpected {sorted(unexpected)[:3]})")
+        raise CheckpointError(
+            f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
 
 
 def _rank_part(engine) -> dict:
     """What this rank alone holds: its optimizer state (partition), the engine's counters, its RNG."""
-    part = {"optimizer": engine.optimizer.state_dict(),
-            "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                       "skipped_steps": engine.skipped_steps},
-            "rng": {"cpu": torch.get_rng_state()}}
+    part = {
+        "optimizer": engine.optimizer.state_dict(),
+        "engine": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+        },
+        "rng": {"cpu": torch.get_rng_state()},
+    }
     if torch.cuda.is_available():
         part["rng"]["cuda"] = torch.cuda.get_rng_state()
     return part
@@ -191,8 +202,10 @@ def save(root: str | Path, step: int, engine, state: dict, keep: int = 2, critic
         _save_engine(tmp / "critic", critic, rank)
     if rank == 0:
         crit = _engine_settings(critic, world) if critic is not None else None
-        _write_json(tmp / "state.json", {"format": FORMAT, "step": step, **_engine_settings(engine, world),
-                                         "critic": crit, **state})
+        _write_json(
+            tmp / "state.json",
+            {"format": FORMAT, "step": step, **_engine_settings(engine, world), "critic": crit, **state},
+        )
         if critic is not None:
             _fsync_dir(tmp / "critic")
     _barrier()  # every rank's part is on disk
@@ -225,15 +238,24 @@ def load(root: str | Path, engine, critic=None) -> dict | None:
         raise CheckpointError(f"{pointer} names {path.name}, which is incomplete")
     meta = json.loads((path / "state.json").read_text())
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} was written by an older Relay (format {meta.get('format', 1)}, this one reads "
-                              f"{FORMAT}); start the run in a new run_dir")
+        raise CheckpointError(
+            f"{path} was written by an older Relay (format {meta.get('format', 1)}, this one reads "
+            f"{FORMAT}); start the run in a new run_dir"
+        )
     saved_critic = meta.pop("critic", None)
     if (saved_critic is None) != (critic is None):
-        raise CheckpointError(f"{path} was written {'with' if saved_critic else 'without'} a critic, this learner "
-                              f"runs {'with' if critic is not None else 'without'} one (learner.critic.enabled): "
-                              "resume with the setting that wrote it, or start the run in a new run_dir")
-    _load_engine(path, engine, {k: meta.pop(k) for k in ("ranks", "zero_stage", "bf16", "adapters_only") if k in meta},
-                 rank, world)
+        raise CheckpointError(
+            f"{path} was written {'with' if saved_critic else 'without'} a critic, this learner "
+            f"runs {'with' if critic is not None else 'without'} one (learner.critic.enabled): "
+            "resume with the setting that wrote it, or start the run in a new run_dir"
+        )
+    _load_engine(
+        path,
+        engine,
+        {k: meta.pop(k) for k in ("ranks", "zero_stage", "bf16", "adapters_only") if k in meta},
+        rank,
+        world,
+    )
     if critic is not None:
         _load_engine(path / "critic", critic, saved_critic, rank, world)
     return meta
@@ -246,9 +268,11 @@ def _load_engine(path: Path, engine, saved: dict, rank: int, world: int) -> None
     if settings["zero_stage"] == 0 and saved["zero_stage"] == 0:
         saved["ranks"] = settings["ranks"]  # the same state on every rank: any number of ranks may load it
     if saved != settings:
-        raise CheckpointError(f"{path} was written with {saved}, this learner runs {settings}; ZeRO partitions "
-                              "are per rank and per precision: resume with the settings that wrote it, or start "
-                              "the run in a new run_dir")
+        raise CheckpointError(
+            f"{path} was written with {saved}, this learner runs {settings}; ZeRO partitions "
+            "are per rank and per precision: resume with the settings that wrote it, or start "
+            "the run in a new run_dir"
+        )
     zero = settings["zero_stage"]
     part = _load_part(path, rank if zero > 0 else 0)
     if hasattr(engine.optimizer, "checkpoint_event_prologue"):
@@ -258,8 +282,7 @@ def _load_engine(path: Path, engine, saved: dict, rank: int, world: int) -> None
     if zero > 0:  # as DeepSpeed's _load_zero_checkpoint: one entry per rank, each rank reads its own
         parts = [None] * world
         parts[rank] = part["optimizer"]
-        engine.optimizer.load_state_dict(state_dict_list=parts, load_optimizer_states=True,
-                                         load_from_fp32_weights=True)
+        engine.optimizer.load_state_dict(state_dict_list=parts, load_optimizer_states=True, load_from_fp32_weights=True)
     elif engine.bfloat16_enabled() or engine.fp16_enabled():  # DeepSpeed's wrapper: its fp32 master weights too
         engine.optimizer.load_state_dict(part["optimizer"], load_optimizer_states=True)
     else:  # torch's AdamW itself

@@ -19,7 +19,7 @@ KLEstimator = Literal["k1", "k2", "k3", "abs"]
 AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "vtrace"]
 NEEDS_CRITIC = ("gae", "vtrace")  # per-token estimators over the critic's values (learner/critic.py)
 
-TINY_LR = 2e-3        # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
+TINY_LR = 2e-3  # the built-in tiny model learns the copy task at this rate (docs/off-policy.md)
 # ... and with gae / vtrace, whose whitened per-token advantages keep unit scale (docs/learner.md)
 TINY_LR_PER_TOKEN = 5e-4
 PRETRAINED_LR = 1e-6  # a pretrained LM: the usual RL fine-tuning rate (verl's and OpenRLHF's GRPO examples)
@@ -39,22 +39,27 @@ def lr_problems(cfg: "LearnerConfig") -> tuple[str | None, list[str]]:
     usual = (TINY_LR_PER_TOKEN if cfg.advantage in NEEDS_CRITIC else TINY_LR) if cfg.model == "tiny" else PRETRAINED_LR
     warnings = []
     critic = cfg.critic.lr if cfg.critic.enabled else None
-    for name, lr, scale, what in (("learner.lr", cfg.lr, LORA_LR_SCALE if cfg.lora.rank else 1.0,
-                                   " with LoRA" if cfg.lora.rank else ""),
-                                  ("learner.critic.lr", critic, 1.0, "'s critic")):
+    for name, lr, scale, what in (
+        ("learner.lr", cfg.lr, LORA_LR_SCALE if cfg.lora.rank else 1.0, " with LoRA" if cfg.lora.rank else ""),
+        ("learner.critic.lr", critic, 1.0, "'s critic"),
+    ):
         if lr is None:
             continue
         if lr >= 1:
-            return (f"{name} = {lr:g} is no learning rate: AdamW would move every weight by about {lr:g} at each step "
-                    f"(the weights are ~0.02); models train at {PRETRAINED_LR:g} (pretrained) to {TINY_LR:g} (the "
-                    f"tiny model): set {name} below 1, or leave it unset for the model's default (docs/learner.md)"), []
+            return (
+                f"{name} = {lr:g} is no learning rate: AdamW would move every weight by about {lr:g} at each step "
+                f"(the weights are ~0.02); models train at {PRETRAINED_LR:g} (pretrained) to {TINY_LR:g} (the "
+                f"tiny model): set {name} below 1, or leave it unset for the model's default (docs/learner.md)"
+            ), []
         rate = usual * scale
         lo, hi = rate / LR_BELOW, rate * LR_ABOVE
         if not lo <= lr <= hi:
             how = f"{lr / rate:.0f}x above" if lr > hi else f"{rate / lr:.0f}x below"
             fate = "training usually diverges (the policy dies)" if lr > hi else "hardly anything will be learnt"
-            warnings.append(f"{name} = {lr:g} is {how} the {rate:g} that {kind}{what} trains at: {fate}; a rate "
-                            f"from {lo:g} to {hi:g} suits it (docs/learner.md)")
+            warnings.append(
+                f"{name} = {lr:g} is {how} the {rate:g} that {kind}{what} trains at: {fate}; a rate "
+                f"from {lo:g} to {hi:g} suits it (docs/learner.md)"
+            )
     return None, warnings
 
 
@@ -62,13 +67,18 @@ class CorrectionConfig(StrictModel):
     """Off-policy correction against the behaviour log-probs μ (see docs/off-policy.md)."""
 
     mode: CorrectionMode = Field(
-        "tis", description="none: plain PPO-clip; tis: truncated IS per token; mis: mask tokens whose π_old/μ "
+        "tis",
+        description="none: plain PPO-clip; tis: truncated IS per token; mis: mask tokens whose π_old/μ "
         "is above mask_hi; token_mis: mask tokens whose π_old/μ is outside [mask_lo, mask_hi]; icepop: weight "
         "π_old/μ inside [mask_lo, mask_hi], 0 outside, nothing masked; seq_tis/seq_mis/geo_mis: sequence-level "
-        "weights or masks; decoupled: AReaL's π_prox/μ weight")
-    tis_cap: float | None = Field(2.0, gt=0, description="truncation C of the weight (tis, seq_tis, decoupled); null = none")
-    mask_lo: float = Field(0.5, ge=0, description="lower bound of the kept ratio interval (token_mis, icepop, seq_mis, "
-                          "geo_mis)")
+        "weights or masks; decoupled: AReaL's π_prox/μ weight",
+    )
+    tis_cap: float | None = Field(
+        2.0, gt=0, description="truncation C of the weight (tis, seq_tis, decoupled); null = none"
+    )
+    mask_lo: float = Field(
+        0.5, ge=0, description="lower bound of the kept ratio interval (token_mis, icepop, seq_mis, geo_mis)"
+    )
     mask_hi: float = Field(5.0, gt=0, description="upper bound of the kept ratio interval (masking modes)")
 
 
@@ -79,8 +89,11 @@ class DeepSpeedConfig(StrictModel):
     bf16: bool = Field(False, description="train in bf16 (fp32 master weights)")
     gradient_clipping: float = Field(1.0, ge=0, description="global gradient-norm clip (0 = off)")
     zero3_persistence_threshold: int = Field(
-        100_000, ge=0, description="ZeRO stage 3: parameters with fewer elements than this stay whole on every "
-        "rank instead of being partitioned (DeepSpeed's stage3_param_persistence_threshold); 0 partitions all")
+        100_000,
+        ge=0,
+        description="ZeRO stage 3: parameters with fewer elements than this stay whole on every "
+        "rank instead of being partitioned (DeepSpeed's stage3_param_persistence_threshold); 0 partitions all",
+    )
 
 
 class CriticConfig(StrictModel):
@@ -88,13 +101,22 @@ class CriticConfig(StrictModel):
     its own DeepSpeed engine with verl's clipped value loss (docs/learner.md)."""
 
     enabled: bool = Field(False, description="train a critic; gae and vtrace need it")
-    model: str | None = Field(None, description="the critic's trunk: null = a copy of the policy's initial weights; "
-                              "or a local Hugging Face folder (a causal LM: its trunk is used, its LM head dropped)")
+    model: str | None = Field(
+        None,
+        description="the critic's trunk: null = a copy of the policy's initial weights; "
+        "or a local Hugging Face folder (a causal LM: its trunk is used, its LM head dropped)",
+    )
     lr: float | None = Field(None, gt=0, description="the critic's AdamW learning rate; null = the policy's")
-    cliprange_value: float = Field(0.5, gt=0, description="verl's cliprange_value: the new value is clipped to "
-                                   "the old one ± this in the clipped value loss")
-    deepspeed: DeepSpeedConfig | None = Field(None, description="the critic's DeepSpeed engine (ZeRO stage, bf16, "
-                                              "gradient clipping); null = the same settings as learner.deepspeed")
+    cliprange_value: float = Field(
+        0.5,
+        gt=0,
+        description="verl's cliprange_value: the new value is clipped to the old one ± this in the clipped value loss",
+    )
+    deepspeed: DeepSpeedConfig | None = Field(
+        None,
+        description="the critic's DeepSpeed engine (ZeRO stage, bf16, "
+        "gradient clipping); null = the same settings as learner.deepspeed",
+    )
 
 
 class LoraConfig(StrictModel):
@@ -102,15 +124,24 @@ class LoraConfig(StrictModel):
 
     rank: int = Field(0, ge=0, le=1024, description="LoRA rank r; 0 = off (every weight is trained)")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training (0 keeps "
-                           "the learner's log-probs deterministic, as the off-policy ratio assumes)")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the adapter's input while training (0 keeps "
+        "the learner's log-probs deterministic, as the off-policy ratio assumes)",
+    )
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="the modules that get adapters: 'all-linear' (every linear layer but the output "
-        "head) or a list of module names (q_proj, v_proj, ...)")
+        "all-linear",
+        description="the modules that get adapters: 'all-linear' (every linear layer but the output "
+        "head) or a list of module names (q_proj, v_proj, ...)",
+    )
     publish: Literal["auto", "adapter", "merged"] = Field(
-        "auto", description="what each version holds: 'adapter' (the adapter alone, a few MB, the base model "
+        "auto",
+        description="what each version holds: 'adapter' (the adapter alone, a few MB, the base model "
         "sent once), 'merged' (the whole model with the adapters merged in); 'auto': adapter, except merged with "
-        "weights.transport = collective (which broadcasts whole models)")
+        "weights.transport = collective (which broadcasts whole models)",
+    )
 
 
 class PolicyLossConfig(StrictModel):
@@ -118,7 +149,9 @@ class PolicyLossConfig(StrictModel):
 
     policy_loss: PolicyLoss = Field("ppo", description="policy loss")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip ε (the lower bound 1-ε)")
-    clip_eps_high: float | None = Field(None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps")
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="upper clip ε (asymmetric, 'clip-higher'); null = clip_eps"
+    )
     dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
     aggregation: Aggregation = Field("token-mean", description="how per-token losses are reduced to one number")
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
@@ -127,124 +160,215 @@ class PolicyLossConfig(StrictModel):
 class LearnerConfig(RunConnection, PolicyLossConfig):
     """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
 
-    announce_key_file: str = Field("", description="file holding the run's private announcement key (Ed25519, "
-                                   "PKCS#8 PEM, mode 0600; relay up writes runs/<id>/secrets/announce.key): the "
-                                   "learner alone signs; needed by announce_auth = ed25519")
+    announce_key_file: str = Field(
+        "",
+        description="file holding the run's private announcement key (Ed25519, "
+        "PKCS#8 PEM, mode 0600; relay up writes runs/<id>/secrets/announce.key): the "
+        "learner alone signs; needed by announce_auth = ed25519",
+    )
     run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
     weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
-    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="how versions reach the generators "
-                                   "(relay up: the run's [weights] section, given to the generators too)")
-    allow_unauthenticated_bind: bool = Field(False, description=ALLOW_DESCRIPTION + ": here, the http weight "
-                                             "server or the collective rendezvous on a host that is not loopback with "
-                                             "weights.auth = 'insecure' (which leaves it without the weights key)")
+    weights: WeightsConfig = Field(
+        default_factory=WeightsConfig,
+        description="how versions reach the generators "
+        "(relay up: the run's [weights] section, given to the generators too)",
+    )
+    allow_unauthenticated_bind: bool = Field(
+        False,
+        description=ALLOW_DESCRIPTION + ": here, the http weight "
+        "server or the collective rendezvous on a host that is not loopback with "
+        "weights.auth = 'insecure' (which leaves it without the weights key)",
+    )
     model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
-    tiny_vllm_compatible: bool = Field(False, description="with model 'tiny': build it as a Llama with attention heads "
-                                       "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)")
-    tiny_tools: bool = Field(False, description="with model 'tiny': append the tool symbols (* <tool_call> "
-                             "</tool_call> <tool_response> </tool_response>) to its vocabulary, for tasks whose "
-                             "environment calls tools (relay up --task calc sets it)")
+    tiny_vllm_compatible: bool = Field(
+        False,
+        description="with model 'tiny': build it as a Llama with attention heads "
+        "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)",
+    )
+    tiny_tools: bool = Field(
+        False,
+        description="with model 'tiny': append the tool symbols (* <tool_call> "
+        "</tool_call> <tool_response> </tool_response>) to its vocabulary, for tasks whose "
+        "environment calls tools (relay up --task calc sets it)",
+    )
     seed: int = Field(0, description="seed for model init and training")
     steps: int = Field(600, ge=1, description="optimizer steps to train")
-    target_reward: float | None = Field(None, description="end the run early, completed, once the mean reward of "
-                                        "the last target_window trained groups reaches this (a checkpoint, the last "
-                                        "version published, summary.json's ended says so); null = train every step")
-    target_window: int = Field(256, ge=1, description="groups in target_reward's moving mean (the first "
-                               "target_window groups never end a run)")
+    target_reward: float | None = Field(
+        None,
+        description="end the run early, completed, once the mean reward of "
+        "the last target_window trained groups reaches this (a checkpoint, the last "
+        "version published, summary.json's ended says so); null = train every step",
+    )
+    target_window: int = Field(
+        256, ge=1, description="groups in target_reward's moving mean (the first target_window groups never end a run)"
+    )
     batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
-    lr: float | None = Field(None, gt=0, description="AdamW learning rate; null = the default for the model: "
-                             f"{TINY_LR} for 'tiny' ({TINY_LR_PER_TOKEN} with gae or vtrace), {PRETRAINED_LR} for a "
-                             "model given by path (docs/learner.md)")
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="AdamW learning rate; null = the default for the model: "
+        f"{TINY_LR} for 'tiny' ({TINY_LR_PER_TOKEN} with gae or vtrace), {PRETRAINED_LR} for a "
+        "model given by path (docs/learner.md)",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    kl_coef: float = Field(0.0, ge=0, description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
-                           "model (the initial weights); 0 = no reference model")
-    kl_in_reward: bool = Field(False, description="put the KL term in the reward instead of the loss (verl's "
-                               "use_kl_in_reward with a fixed coefficient): each sample's reward minus kl_coef × "
-                               "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs "
-                               "kl_coef > 0")
-    kl_estimator: KLEstimator = Field("k3", description="per-token KL estimator of that term: k1 = log π − log π_ref, "
-                                      "k2 = ½(log π − log π_ref)², k3 = verl's low_var_kl (clamped to ±10), "
-                                      "abs = |log π − log π_ref|")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
+        "model (the initial weights); 0 = no reference model",
+    )
+    kl_in_reward: bool = Field(
+        False,
+        description="put the KL term in the reward instead of the loss (verl's "
+        "use_kl_in_reward with a fixed coefficient): each sample's reward minus kl_coef × "
+        "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs "
+        "kl_coef > 0",
+    )
+    kl_estimator: KLEstimator = Field(
+        "k3",
+        description="per-token KL estimator of that term: k1 = log π − log π_ref, "
+        "k2 = ½(log π − log π_ref)², k3 = verl's low_var_kl (clamped to ±10), "
+        "abs = |log π − log π_ref|",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
-    advantage: AdvantageEstimator = Field("grpo", description="advantage estimator: grpo, drgrpo, rloo (over each "
-                                          "group); reinforce_pp, reinforce_pp_baseline (whitened over the batch); gae, "
-                                          "vtrace (per token, over the critic's values; need critic.enabled)")
+    advantage: AdvantageEstimator = Field(
+        "grpo",
+        description="advantage estimator: grpo, drgrpo, rloo (over each "
+        "group); reinforce_pp, reinforce_pp_baseline (whitened over the batch); gae, "
+        "vtrace (per token, over the critic's values; need critic.enabled)",
+    )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model (gae, vtrace)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount γ of gae and vtrace")
     lam: float = Field(1.0, ge=0, le=1, description="GAE λ")
-    rho_bar: float = Field(1.0, gt=0, description="vtrace: truncation ρ̄ of the importance ratio π_old/μ in the "
-                           "temporal differences")
+    rho_bar: float = Field(
+        1.0, gt=0, description="vtrace: truncation ρ̄ of the importance ratio π_old/μ in the temporal differences"
+    )
     c_bar: float = Field(1.0, gt=0, description="vtrace: truncation c̄ of the ratio in the traces")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
-    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one forward/backward: samples of "
-                                    "similar length, (samples × the longest one's prompt + completion tokens) at most "
-                                    "this; the gradients of a (mini)batch's micro-batches accumulate into one "
-                                    "optimizer step. Bounds the learner's memory, whatever the batch size")
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="positions whose full-vocabulary logits exist at once "
-                                      "when computing log-probs and entropy (recomputed in the backward)")
-    gradient_checkpointing: bool = Field(False, description="activation checkpointing: recompute each layer's "
-                                         "activations in the backward instead of keeping them (less memory, "
-                                         "about a third more compute)")
+    micro_batch_tokens: int = Field(
+        8192,
+        ge=16,
+        description="token budget of one forward/backward: samples of "
+        "similar length, (samples × the longest one's prompt + completion tokens) at most "
+        "this; the gradients of a (mini)batch's micro-batches accumulate into one "
+        "optimizer step. Bounds the learner's memory, whatever the batch size",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="positions whose full-vocabulary logits exist at once "
+        "when computing log-probs and entropy (recomputed in the backward)",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="activation checkpointing: recompute each layer's "
+        "activations in the backward instead of keeping them (less memory, "
+        "about a third more compute)",
+    )
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     publish_every: int = Field(1, ge=1, description="publish a new version every k steps")
     max_staleness: int = Field(4, ge=0, description="drop (and count) groups more than this many versions old")
-    admission_eta: int | None = Field(0, ge=0, description="η: generators admit prompts only while admitted < "
-                                      "(η + learner version + 1) × batch_groups; null disables admission control")
+    admission_eta: int | None = Field(
+        0,
+        ge=0,
+        description="η: generators admit prompts only while admitted < "
+        "(η + learner version + 1) × batch_groups; null disables admission control",
+    )
     keep_versions: int = Field(4, ge=1, description="newest versions kept in the weight store (plus those served)")
-    versions_kept: int = Field(4096, ge=0, description="announcements kept in Redis (the versions hash the broker "
-                               "checks each group's weight hash against): the newest N, and always max_staleness + 1 at least; "
-                               "a group of an older version is rejected (weight_hash); 0 keeps every one")
-    record_window: int = Field(RECORD_WINDOW, ge=0, description="group ids remembered as committed (exactly-once "
-                               "commits after a restart) and entries kept in the commit and drop logs: the last "
-                               "record_window to 2x as many; 0 keeps the whole run's (Redis memory grows with it)")
+    versions_kept: int = Field(
+        4096,
+        ge=0,
+        description="announcements kept in Redis (the versions hash the broker "
+        "checks each group's weight hash against): the newest N, and always max_staleness + 1 at least; "
+        "a group of an older version is rejected (weight_hash); 0 keeps every one",
+    )
+    record_window: int = Field(
+        RECORD_WINDOW,
+        ge=0,
+        description="group ids remembered as committed (exactly-once "
+        "commits after a restart) and entries kept in the commit and drop logs: the last "
+        "record_window to 2x as many; 0 keeps the whole run's (Redis memory grows with it)",
+    )
     failed_reward: Literal["skip", "fallback"] = Field(
-        "skip", description="samples whose reward failed: skip (leave them out; a group with none left is dropped "
-        "and counted) or fallback (train on them with fallback_score as their reward)")
-    fallback_score: float = Field(0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when "
-                                  "failed_reward = 'fallback'")
+        "skip",
+        description="samples whose reward failed: skip (leave them out; a group with none left is dropped "
+        "and counted) or fallback (train on them with fallback_score as their reward)",
+    )
+    fallback_score: float = Field(
+        0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when failed_reward = 'fallback'"
+    )
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (off by default; "
-                             "learner.lora.rank=8 turns them on)")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters (off by default; learner.lora.rank=8 turns them on)"
+    )
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
-    rank_checksums: bool = Field(False, description="every rank appends a checksum of its weights after each step "
-                                 "to run_dir/rank-<r>.checksums (checks that data-parallel ranks stay identical)")
-    checkpoint_every: int = Field(50, ge=0, description="steps between checkpoints (weights, optimizer, what was "
-                                  "trained); groups are acknowledged when a checkpoint holds them; 0 = no "
-                                  "checkpoints, acknowledge after every step")
+    rank_checksums: bool = Field(
+        False,
+        description="every rank appends a checksum of its weights after each step "
+        "to run_dir/rank-<r>.checksums (checks that data-parallel ranks stay identical)",
+    )
+    checkpoint_every: int = Field(
+        50,
+        ge=0,
+        description="steps between checkpoints (weights, optimizer, what was "
+        "trained); groups are acknowledged when a checkpoint holds them; 0 = no "
+        "checkpoints, acknowledge after every step",
+    )
     metrics_host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
-    metrics_port: int = Field(0, ge=0, le=65535, description="port of the /metrics and /healthz server; 0 picks a "
-                              "free one (reported as metrics_port in stats:learner)")
-    metrics_history: int = Field(10_000, ge=100, description="per-step metrics kept in the learner_metrics stream "
-                                 "(the dashboard's charts)")
-    tensorboard: bool = Field(True, description="write every step's scalars as TensorBoard event files to "
-                              "run_dir/tensorboard")
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of the /metrics and /healthz server; 0 picks a "
+        "free one (reported as metrics_port in stats:learner)",
+    )
+    metrics_history: int = Field(
+        10_000, ge=100, description="per-step metrics kept in the learner_metrics stream (the dashboard's charts)"
+    )
+    tensorboard: bool = Field(
+        True, description="write every step's scalars as TensorBoard event files to run_dir/tensorboard"
+    )
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
 
     @model_validator(mode="after")
     def _estimator_needs_a_critic(self) -> LearnerConfig:
         if self.advantage in NEEDS_CRITIC and not self.critic.enabled:
             valid = ", ".join(a for a in get_args(AdvantageEstimator) if a not in NEEDS_CRITIC)
-            raise ValueError(f"advantage {self.advantage!r} needs a critic (a value model): set "
-                             f"learner.critic.enabled=true; without one, valid: {valid}")
+            raise ValueError(
+                f"advantage {self.advantage!r} needs a critic (a value model): set "
+                f"learner.critic.enabled=true; without one, valid: {valid}"
+            )
         return self
 
     @model_validator(mode="after")
     def _no_open_weight_listener_without_key(self) -> LearnerConfig:
         w = self.weights
         if w.auth == "insecure" and w.transport in ("http", "collective"):
-            setting, host = (("weights.http.host", w.http.host) if w.transport == "http"
-                             else ("weights.collective.host", w.collective.host))
-            refuse_open_bind(setting, host, host, f"weights.auth = 'insecure' leaves the {w.transport} transport's "
-                             "listener without the weights key, so anyone who reaches it receives every version",
-                             "use weights.auth = 'key' with weights.key_file", self.allow_unauthenticated_bind)
+            setting, host = (
+                ("weights.http.host", w.http.host)
+                if w.transport == "http"
+                else ("weights.collective.host", w.collective.host)
+            )
+            refuse_open_bind(
+                setting,
+                host,
+                host,
+                f"weights.auth = 'insecure' leaves the {w.transport} transport's "
+                "listener without the weights key, so anyone who reaches it receives every version",
+                "use weights.auth = 'key' with weights.key_file",
+                self.allow_unauthenticated_bind,
+            )
         return self
 
     @model_validator(mode="after")
     def _lora_publication(self) -> LearnerConfig:
         if self.lora.publish == "adapter" and self.weights.transport in IN_PROCESS_TRANSPORTS:
-            raise ValueError(f"learner.lora.publish = adapter needs weights.transport store or http (the "
-                             f"{self.weights.transport} transport hands over whole models); use learner.lora.publish "
-                             "= merged or auto")
+            raise ValueError(
+                f"learner.lora.publish = adapter needs weights.transport store or http (the "
+                f"{self.weights.transport} transport hands over whole models); use learner.lora.publish "
+                "= merged or auto"
+            )
         return self
 
     @property
@@ -252,8 +376,9 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         """LoRA on and each version published as its adapter alone (learner.lora.publish, ``auto`` resolved)."""
         if not self.lora.rank:
             return False
-        return self.lora.publish == "adapter" or (self.lora.publish == "auto"
-                                                  and self.weights.transport not in IN_PROCESS_TRANSPORTS)
+        return self.lora.publish == "adapter" or (
+            self.lora.publish == "auto" and self.weights.transport not in IN_PROCESS_TRANSPORTS
+        )
 
     @model_validator(mode="after")
     def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:
@@ -264,7 +389,11 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:
         # a rate that fits the model: the toy's would make a pretrained LM diverge
-        full = (TINY_LR_PER_TOKEN if self.advantage in NEEDS_CRITIC else TINY_LR) if self.model == "tiny" else PRETRAINED_LR
+        full = (
+            (TINY_LR_PER_TOKEN if self.advantage in NEEDS_CRITIC else TINY_LR)
+            if self.model == "tiny"
+            else PRETRAINED_LR
+        )
         if self.lr is None:
             self.lr = full * (LORA_LR_SCALE if self.lora.rank else 1.0)
         if self.critic.lr is None:  # the critic trains every weight (no adapters)

@@ -18,8 +18,9 @@ CORRECTIONS = get_args(CorrectionMode)
 REJECTING = ("mis", "token_mis", "seq_mis", "geo_mis")  # the modes whose ``keep`` can drop a whole sequence
 
 
-def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
-                       cfg: CorrectionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (weight [B, T], keep [B, T]); both detached. ``keep`` masks tokens (or whole
     sequences) out of the loss; ``weight`` multiplies the policy loss of kept tokens.
 
@@ -63,4 +64,3 @@ def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mas
     else:
         raise ValueError(f"unknown correction mode {mode!r}; valid: {', '.join(CORRECTIONS)}")
     return w.detach(), keep.detach()
-

@@ -58,9 +58,15 @@ def build_value_model(policy: torch.nn.Module, cfg: LearnerConfig) -> ValueModel
     return ValueModel(trunk, lm.config.hidden_size)
 
 
-def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float, mode: str = "token-mean", norm: Normalisers | None = None
-               ) -> tuple[torch.Tensor, dict[str, float]]:
+def value_loss(
+    vpreds: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+    mode: str = "token-mean",
+    norm: Normalisers | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """verl ``compute_value_loss``: ½ · aggregate(max((V − R)², (clip(V, V_old ± ε) − R)²)) over ``mask``,
     in every aggregation mode (with ``norm``'s denominators, learner/losses.py). Returns the loss and the
     sums for the diagnostics: ``clipped`` (tokens whose clipped error is the larger: verl's vf_clipfrac

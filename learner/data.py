@@ -12,18 +12,19 @@ import torch
 
 from broker.protocol.group import Group
 
+
 @dataclass
 class Batch:
-    input_ids: torch.Tensor        # [B, L] prompt + completion, right-padded
-    attention_mask: torch.Tensor   # [B, L]
-    loss_mask: torch.Tensor        # [B, L-1] 1 where position t+1 is a completion token to train on (a token
-                                   # the model sampled: not the context between a multi-turn sample's turns)
-    behaviour_logp: torch.Tensor   # [B, L-1] μ of the token at t+1
-    advantages: torch.Tensor       # [B, 1] one per sample, or [B, L-1] per token (gae, vtrace)
-    staleness: list[int]           # per sample
-    lengths: torch.Tensor          # [B] prompt + completion tokens of each sample (the rest is padding)
-    groups: torch.Tensor           # [B] the index of each sample's group in the batch
-    values: torch.Tensor | None = None   # [B, L-1] the critic's values before the update (with a critic)
+    input_ids: torch.Tensor  # [B, L] prompt + completion, right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L-1] 1 where position t+1 is a completion token to train on (a token
+    # the model sampled: not the context between a multi-turn sample's turns)
+    behaviour_logp: torch.Tensor  # [B, L-1] μ of the token at t+1
+    advantages: torch.Tensor  # [B, 1] one per sample, or [B, L-1] per token (gae, vtrace)
+    staleness: list[int]  # per sample
+    lengths: torch.Tensor  # [B] prompt + completion tokens of each sample (the rest is padding)
+    groups: torch.Tensor  # [B] the index of each sample's group in the batch
+    values: torch.Tensor | None = None  # [B, L-1] the critic's values before the update (with a critic)
     returns: torch.Tensor | None = None  # [B, L-1] the critic's targets (with a critic)
 
     def select(self, rows: torch.Tensor) -> Batch:
@@ -31,20 +32,37 @@ class Batch:
         width = int(self.lengths[rows].max()) if len(rows) else 1
 
         def tokens(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[rows, :width - 1] if t.shape[1] > 1 else t[rows]
+            return None if t is None else t[rows, : width - 1] if t.shape[1] > 1 else t[rows]
 
-        return Batch(self.input_ids[rows, :width], self.attention_mask[rows, :width], self.loss_mask[rows, :width - 1],
-                     self.behaviour_logp[rows, :width - 1], tokens(self.advantages),
-                     [self.staleness[i] for i in rows.tolist()], self.lengths[rows], self.groups[rows],
-                     tokens(self.values), tokens(self.returns))
+        return Batch(
+            self.input_ids[rows, :width],
+            self.attention_mask[rows, :width],
+            self.loss_mask[rows, : width - 1],
+            self.behaviour_logp[rows, : width - 1],
+            tokens(self.advantages),
+            [self.staleness[i] for i in rows.tolist()],
+            self.lengths[rows],
+            self.groups[rows],
+            tokens(self.values),
+            tokens(self.returns),
+        )
 
     def to(self, device) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
-                     self.behaviour_logp.to(device), self.advantages.to(device), self.staleness, self.lengths,
-                     self.groups, move(self.values), move(self.returns))
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            self.behaviour_logp.to(device),
+            self.advantages.to(device),
+            self.staleness,
+            self.lengths,
+            self.groups,
+            move(self.values),
+            move(self.returns),
+        )
 
 
 def micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget: int) -> list[torch.Tensor]:
@@ -102,8 +120,11 @@ def completion_stats(groups: list[Group]) -> dict[str, float]:
     lengths = [len(s.completion_ids) for g in groups for s in g.samples]
     truncated = sum(s.finish_reason == "length" for g in groups for s in g.samples)
     n = max(1, len(lengths))
-    return {"completion_len_mean": sum(lengths) / n, "completion_len_max": max(lengths, default=0),
-            "completion_truncated_frac": truncated / n}
+    return {
+        "completion_len_mean": sum(lengths) / n,
+        "completion_len_max": max(lengths, default=0),
+        "completion_truncated_frac": truncated / n,
+    }
 
 
 def _scatter(out: np.ndarray, parts: list[np.ndarray], starts: np.ndarray) -> None:
@@ -116,8 +137,14 @@ def _scatter(out: np.ndarray, parts: list[np.ndarray], starts: np.ndarray) -> No
     out[rows, cols] = np.concatenate(parts)
 
 
-def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version: int, pad_id: int,
-            failed_reward: str = "skip", fallback_score: float = 0.0) -> Batch:
+def collate(
+    groups: list[Group],
+    advantages: list[torch.Tensor],
+    learner_version: int,
+    pad_id: int,
+    failed_reward: str = "skip",
+    fallback_score: float = 0.0,
+) -> Batch:
     """Samples left out by :func:`trained_rewards` (a failed reward under ``skip``) are not trained on
     (their advantage is not defined); ``advantages[i]`` has one entry per kept sample of group i.
     Vectorised: the token arrays are copied once each, by indexed assignment (no per-token Python)."""
@@ -126,7 +153,7 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
         rewards = trained_rewards(g, failed_reward, fallback_score)
         mine = [s for s, reward in zip(g.samples, rewards) if reward is not None]
         kept += [(gi, g, s) for s in mine]
-        advs.append(torch.as_tensor(adv, dtype=torch.float32).reshape(-1)[:len(mine)])
+        advs.append(torch.as_tensor(adv, dtype=torch.float32).reshape(-1)[: len(mine)])
     B = len(kept)
     plen = np.fromiter((len(g.prompt_ids) for _, g, _ in kept), dtype=np.int64, count=B)
     clen = np.fromiter((len(s.completion_ids) for _, _, s in kept), dtype=np.int64, count=B)
@@ -140,9 +167,20 @@ def collate(groups: list[Group], advantages: list[torch.Tensor], learner_version
     _scatter(mu, [s.logprobs for _, _, s in kept], plen - 1)
     lmask = np.zeros((B, L - 1), dtype=np.float32)
     # a multi-turn sample trains only the tokens its model sampled, never the context between its turns
-    _scatter(lmask, [np.ones(len(s.completion_ids), np.float32) if s.trainable is None else s.trainable
-                     for _, _, s in kept], plen - 1)
+    _scatter(
+        lmask,
+        [np.ones(len(s.completion_ids), np.float32) if s.trainable is None else s.trainable for _, _, s in kept],
+        plen - 1,
+    )
     attn = torch.from_numpy((np.arange(L)[None, :] < lengths[:, None]).astype(np.int64))
     stale = [learner_version - s.min_version for _, _, s in kept]
-    return Batch(torch.from_numpy(ids), attn, torch.from_numpy(lmask), torch.from_numpy(mu), torch.cat(advs)[:, None],
-                 stale, torch.from_numpy(lengths), torch.tensor([gi for gi, _, _ in kept]))
+    return Batch(
+        torch.from_numpy(ids),
+        attn,
+        torch.from_numpy(lmask),
+        torch.from_numpy(mu),
+        torch.cat(advs)[:, None],
+        stale,
+        torch.from_numpy(lengths),
+        torch.tensor([gi for gi, _, _ in kept]),
+    )

@@ -22,7 +22,7 @@ EXTREMES = {"rho_min": min, "rho_max": max}
 
 def effective_sample_size(w_sum: float, w_sq_sum: float, n: float) -> float:
     """(Σw)² / (n·Σw²) over n weights: 1 for equal weights, 1/n for a one-hot."""
-    return 1.0 if n == 0 or w_sq_sum == 0 else w_sum ** 2 / (n * w_sq_sum)
+    return 1.0 if n == 0 or w_sq_sum == 0 else w_sum**2 / (n * w_sq_sum)
 
 
 def merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

@@ -66,8 +66,13 @@ def stale_extension_locks_removed(root: str | Path | None = None, stale_s: float
                     age = time.time() - lock.stat().st_mtime
                     if age > stale_s:
                         lock.unlink()
-                        log.warning("removed %s, left %.0f s ago by a process killed while loading or building "
-                                    "that op (RELAY_STALE_EXTENSION_LOCK_S=%g)", lock, age, stale_s)
+                        log.warning(
+                            "removed %s, left %.0f s ago by a process killed while loading or building "
+                            "that op (RELAY_STALE_EXTENSION_LOCK_S=%g)",
+                            lock,
+                            age,
+                            stale_s,
+                        )
                 except FileNotFoundError:
                     pass  # its owner finished meanwhile
 
@@ -155,8 +160,9 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.optim.Optimizer | None = None,
-                 critic: bool = False):
+def build_engine(
+    model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.optim.Optimizer | None = None, critic: bool = False
+):
     """Wrap ``model`` in a DeepSpeed engine with a torch AdamW (avoids compiling DeepSpeed's fused Adam),
     or ``optimizer``; with ``critic``, the critic's (its learning rate and DeepSpeed settings,
     ``learner.critic``; learner/critic.py enables its activation checkpointing). Gradient
@@ -172,16 +178,19 @@ def build_engine(model: torch.nn.Module, cfg: LearnerConfig, optimizer: torch.op
     ds, lr = (cfg.critic.deepspeed, cfg.critic.lr) if critic else (cfg.deepspeed, cfg.lr)
     if optimizer is None:
         # the trained parameters only: with LoRA (learner/lora.py) the frozen base has no optimizer state
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                      weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.weight_decay
+        )
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "gradient_clipping": ds.gradient_clipping,
         "bf16": {"enabled": ds.bf16},
-        "zero_optimization": {"stage": ds.zero_stage,
-                              "stage3_param_persistence_threshold": ds.zero3_persistence_threshold},
+        "zero_optimization": {
+            "stage": ds.zero_stage,
+            "stage3_param_persistence_threshold": ds.zero3_persistence_threshold,
+        },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # a torch optimizer (AdamW, or the tests' SGD) under ZeRO

@@ -32,9 +32,12 @@ class GroupIntake:
         """The dataset is used up (the feeder fed its last epoch), every prompt fed has been answered
         and released (the prompts stream is empty), and every group they gave has been read: no
         further group can come."""
-        return (self.reader.past_pending  # a restarted learner re-read its pending groups first
-                and self.r.hget(self.keys.stats("broker"), "dataset_exhausted") == b"1"
-                and queues.prompts_ready(self.r, self.keys) == 0 and queues.waiting_groups(self.r, self.keys) == 0)
+        return (
+            self.reader.past_pending  # a restarted learner re-read its pending groups first
+            and self.r.hget(self.keys.stats("broker"), "dataset_exhausted") == b"1"
+            and queues.prompts_ready(self.r, self.keys) == 0
+            and queues.waiting_groups(self.r, self.keys) == 0
+        )
 
     def next_batch(self, version: int, stop: threading.Event):
         """``batch_groups`` trainable groups as (stream id, group) pairs for a learner at ``version``;
@@ -66,8 +69,9 @@ class GroupIntake:
                     why = "groups_dropped_reward_failed"
                 elif max(int(g.prompt_ids.max()), *(int(s.completion_ids.max()) for s in g.samples)) >= self.vocab:
                     why = "groups_dropped_bad_token"
-                elif (bad := nonfinite_reason(g, self.advantage_fn, self.cfg.failed_reward,
-                                              self.cfg.fallback_score)) is not None:
+                elif (
+                    bad := nonfinite_reason(g, self.advantage_fn, self.cfg.failed_reward, self.cfg.fallback_score)
+                ) is not None:
                     # the broker refuses these at ingest; a group that got past it is not trained
                     why = "groups_dropped_nonfinite"
                     log.warning("dropped group %s from %s: %s", g.group_id, g.generator_id, bad)

@@ -71,8 +71,9 @@ class IpcSharer:
     def _plan(self, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> wire.Layout:
         """The slots' layout for ``state`` with its floating-point tensors in ``dtype`` (None: as they are)."""
         want = {k: dtype if dtype is not None and v.is_floating_point() else v.dtype for k, v in state.items()}
-        return wire.plan([(k, str(want[k]).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()],
-                         1 << 30, self.digest)
+        return wire.plan(
+            [(k, str(want[k]).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()], 1 << 30, self.digest
+        )
 
     def _slots_for(self, layout: wire.Layout, device: torch.device) -> bool:
         """Allocate and advertise the slots for ``layout`` on ``device`` the first time; afterwards False
@@ -85,18 +86,30 @@ class IpcSharer:
         for s in self.slots:
             s.zero_()  # alignment gaps stay zero (the digest never reads them; a copy of the slot is clean)
         self.layout, self.device, self.header = layout, device, layout.header(0)
-        self.r.hset(self.keys.ipc, mapping={"header": self.header, "slot0": ipc.export_buffer(self.slots[0]),
-                                            "slot1": ipc.export_buffer(self.slots[1]), "seq0": 0, "seq1": 0,
-                                            "pid": os.getpid(), "started_at": time.time()})
+        self.r.hset(
+            self.keys.ipc,
+            mapping={
+                "header": self.header,
+                "slot0": ipc.export_buffer(self.slots[0]),
+                "slot1": ipc.export_buffer(self.slots[1]),
+                "seq0": 0,
+                "seq1": 0,
+                "pid": os.getpid(),
+                "started_at": time.time(),
+            },
+        )
         self.r.hdel(self.keys.ipc, "current", "staged")  # a predecessor's, for slots that are gone
-        log.info("ipc weight transport: two slots of %.1f MiB on %s (epoch %d)", layout.total / (1 << 20), device,
-                 self.epoch)
+        log.info(
+            "ipc weight transport: two slots of %.1f MiB on %s (epoch %d)", layout.total / (1 << 20), device, self.epoch
+        )
         return True
 
     def _views(self, slot: int) -> dict[str, torch.Tensor]:
         flat = self.slots[slot]
-        return {s.name: flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
-                for s in self.layout.slots}
+        return {
+            s.name: flat[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+            for s in self.layout.slots
+        }
 
     def _write(self, state: dict[str, torch.Tensor]) -> tuple[int, int]:
         """Copy ``state`` into the free slot under its seqlock; (slot, seq) once it has landed. The free
@@ -135,8 +148,9 @@ class IpcSharer:
                 self._staged = {version: self._write(state)}
                 self._mark_staged(version, *self._staged[version])
 
-    def send(self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None,
-             progress=None) -> str:
+    def send(
+        self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None, progress=None
+    ) -> str:
         """In the publisher's thread: make ``version`` (``state``, its host snapshot) the ``current`` one and
         return its tensor digest. ``check`` (the finiteness check of the snapshot; it waits for ``progress``,
         the snapshot's copy) raises for a version that must not be published: nothing is announced then.
@@ -159,15 +173,21 @@ class IpcSharer:
             progress.wait()
         if staged is None:  # weights on the CPU: from the snapshot, here
             with self.lock:
-                shareable = bool(state) and self._slots_for(self._plan(state), next(iter(state.values())).device) \
+                shareable = (
+                    bool(state)
+                    and self._slots_for(self._plan(state), next(iter(state.values())).device)
                     and self.device.type != "cuda"
+                )
                 staged = self._write(state) if shareable else None
                 if staged is not None:
                     self._mark_staged(version, *staged)
             if staged is None:
                 self.not_shared += 1
-                log.info("version %d is not shared over ipc (its tensors are not the slots'); the generators load "
-                         "it from the store", version)
+                log.info(
+                    "version %d is not shared over ipc (its tensors are not the slots'); the generators load "
+                    "it from the store",
+                    version,
+                )
                 return state_digest(state, self.digest)
         digest = self._announce(version, *staged, state)
         if progress is not None:
@@ -184,10 +204,14 @@ class IpcSharer:
             log.info("version %d was superseded in its slot before it was announced there", version)
             return state_digest(state, self.digest)
         header_sha = hashlib.sha256(self.header).hexdigest()
-        sig = signing.collective_signature(self.key, self.keys.run_id, version, digest, header_sha) \
-            if self.key is not None else ""
-        self.r.hset(self.keys.ipc, "current", ipc.encode_current(version, slot, seq, self.epoch, digest, header_sha,
-                                                                 sig))
+        sig = (
+            signing.collective_signature(self.key, self.keys.run_id, version, digest, header_sha)
+            if self.key is not None
+            else ""
+        )
+        self.r.hset(
+            self.keys.ipc, "current", ipc.encode_current(version, slot, seq, self.epoch, digest, header_sha, sig)
+        )
         self.shared += 1
         log.debug("version %d shared in slot %d (sequence %d)", version, slot, seq)
         return digest

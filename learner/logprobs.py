@@ -26,9 +26,9 @@ NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: the forward comp
 
 @dataclass
 class TokenLogprobs:
-    logp: torch.Tensor               # [B, L-1] log-prob of the token at t+1 (0 off ``positions`` and where outside)
-    outside: torch.Tensor            # [B, L-1] bool: the taken token is outside the transform's kept set
-    entropy: torch.Tensor | None     # [B, L-1] entropy of the sampling distribution at t (0 off ``positions``)
+    logp: torch.Tensor  # [B, L-1] log-prob of the token at t+1 (0 off ``positions`` and where outside)
+    outside: torch.Tensor  # [B, L-1] bool: the taken token is outside the transform's kept set
+    entropy: torch.Tensor | None  # [B, L-1] entropy of the sampling distribution at t (0 off ``positions``)
 
 
 def _truncates(transform: tuple, vocab: int) -> bool:
@@ -118,22 +118,35 @@ class _ChunkLogprobs(torch.autograd.Function):
         return (grad / ctx.temperature).to(ctx.dtype), None, None, None, None, None
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                   transform: tuple[float, int, float], chunk_tokens: int, entropy: bool = False) -> TokenLogprobs:
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    transform: tuple[float, int, float],
+    chunk_tokens: int,
+    entropy: bool = False,
+) -> TokenLogprobs:
     """Log-probs of each next token at ``positions`` ([B, L-1], 1 where the token at t+1 is trained on)
     under the sampling ``transform`` (temperature, top_k, top_p), for ``model`` (a DeepSpeed engine or a
     Hugging Face causal LM). With ``entropy`` also the sampling distribution's entropy there."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=NO_LOGITS,
-                output_hidden_states=True, use_cache=False)
-    hidden = out.hidden_states[-1][:, :-1]                          # [B, L-1, H] after the final norm
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        logits_to_keep=NO_LOGITS,
+        output_hidden_states=True,
+        use_cache=False,
+    )
+    hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H] after the final norm
     head = (model.module if hasattr(model, "module") else model).get_output_embeddings()
     where = positions.bool().nonzero(as_tuple=True)
-    h, targets = hidden[where], input_ids[:, 1:][where]               # [N, H], [N]
+    h, targets = hidden[where], input_ids[:, 1:][where]  # [N, H], [N]
     parts = []
     for s in range(0, h.shape[0], chunk_tokens):
-        hs = h[s:s + chunk_tokens]
-        lp, ent, outside = _ChunkLogprobs.apply(head(hs), hs.detach(), targets[s:s + chunk_tokens], head, transform,
-                                                entropy)
+        hs = h[s : s + chunk_tokens]
+        lp, ent, outside = _ChunkLogprobs.apply(
+            head(hs), hs.detach(), targets[s : s + chunk_tokens], head, transform, entropy
+        )
         parts.append((lp, outside, ent))
     shape = positions.shape
 
@@ -141,7 +154,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         values = torch.cat([p[i] for p in parts]) if parts else torch.zeros(0, dtype=dtype, device=input_ids.device)
         return torch.zeros(shape, dtype=dtype, device=input_ids.device).index_put(where, values.to(dtype))
 
-    return TokenLogprobs(scatter(0, torch.float32), scatter(1, torch.bool), scatter(2, torch.float32) if entropy else None)
+    return TokenLogprobs(
+        scatter(0, torch.float32), scatter(1, torch.bool), scatter(2, torch.float32) if entropy else None
+    )
 
 
 def check_output_head(model) -> None:
@@ -153,5 +168,7 @@ def check_output_head(model) -> None:
         hidden = model(input_ids=ids, logits_to_keep=NO_LOGITS, output_hidden_states=True).hidden_states[-1]
         mine = model.get_output_embeddings()(hidden).float()
     if mine.shape != full.shape or not torch.allclose(mine, full, rtol=1e-4, atol=1e-4):
-        raise ValueError(f"{type(model).__name__}: its logits are not lm_head(last hidden state) (a soft-cap or "
-                         "logit scale?); the learner's chunked log-probs do not support this model yet")
+        raise ValueError(
+            f"{type(model).__name__}: its logits are not lm_head(last hidden state) (a soft-cap or "
+            "logit scale?); the learner's chunked log-probs do not support this model yet"
+        )

@@ -39,8 +39,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig):
     from peft import get_peft_model
 
     targets = cfg.target_modules
-    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
-                            target_modules=targets, task_type="CAUSAL_LM")
+    config = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        bias="none",
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
     try:
         wrapped = get_peft_model(model, config)
     except ValueError as e:
@@ -86,8 +92,11 @@ def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapters of a PeftModel's state dict in PEFT's file layout (what ``save_pretrained`` writes into
     ``adapter_model.safetensors``, what vLLM and peft load): ``base_model.model.<module>.lora_A.weight``."""
-    return {f"{PEFT_PREFIX}{module}.{part}.weight": t
-            for module, ab in split_state(state)[1].items() for part, t in ab.items()}
+    return {
+        f"{PEFT_PREFIX}{module}.{part}.weight": t
+        for module, ab in split_state(state)[1].items()
+        for part, t in ab.items()
+    }
 
 
 def adapter_publication(state: dict[str, torch.Tensor], with_base: bool) -> dict[str, torch.Tensor]:
@@ -104,10 +113,21 @@ def adapter_config(peft_model) -> dict:
     d = peft_model.peft_config["default"].to_dict()
     targets = d["target_modules"]
     leaves = sorted({t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets)})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": d["r"], "lora_alpha": d["lora_alpha"],
-            "lora_dropout": d["lora_dropout"], "target_modules": leaves, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None, "base_model_name_or_path": "",
-            "inference_mode": True}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": d["r"],
+        "lora_alpha": d["lora_alpha"],
+        "lora_dropout": d["lora_dropout"],
+        "target_modules": leaves,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": "",
+        "inference_mode": True,
+    }
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -121,7 +141,9 @@ def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str,
             raise ValueError(f"{module}: an adapter without its base weight")
         delta = ab["lora_B"].float() @ ab["lora_A"].float()
         if delta.shape != w.shape:
-            raise ValueError(f"{module}: adapter product {tuple(delta.shape)} does not match the weight {tuple(w.shape)}")
+            raise ValueError(
+                f"{module}: adapter product {tuple(delta.shape)} does not match the weight {tuple(w.shape)}"
+            )
         out[f"{module}.weight"] = (w.float() + scale * delta).to(w.dtype)
     return out
 

@@ -48,10 +48,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class Normalisers:
     """The denominators of :func:`aggregate` for a whole (mini)batch across all ranks."""
 
-    tokens: float     # loss tokens (token-mean)
+    tokens: float  # loss tokens (token-mean)
     sequences: float  # samples with at least one kept token (the seq-mean modes)
-    length: float     # T of seq-mean-token-sum-norm: the padded length, L − 1 of the longest sample
-    ranks: int = 1    # DeepSpeed averages gradients over ranks: each rank's share is multiplied by this
+    length: float  # T of seq-mean-token-sum-norm: the padded length, L − 1 of the longest sample
+    ranks: int = 1  # DeepSpeed averages gradients over ranks: each rank's share is multiplied by this
 
     @classmethod
     def of(cls, mask: torch.Tensor, kept: torch.Tensor | None = None) -> Normalisers:
@@ -65,8 +65,9 @@ class Normalisers:
         return replace(self, ranks=1)
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-              norm: Normalisers | None = None) -> torch.Tensor:
+def aggregate(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm: Normalisers | None = None
+) -> torch.Tensor:
     """token-mean: Σ ℓ / Σ mask; seq-mean-token-sum: mean over sequences of Σ_t ℓ;
     seq-mean-token-mean: mean over sequences of mean_t ℓ; seq-mean-token-sum-norm: mean over
     sequences of Σ_t ℓ / T (T = the padded length, Dr.GRPO's constant normaliser). "Sequences" are
@@ -102,7 +103,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
     if kind == "abs":
         return d.abs()
     if kind == "k2":
-        return 0.5 * d ** 2
+        return 0.5 * d**2
     if kind == "k3":
         log_ratio = (-d).clamp(-20.0, 20.0)
         return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
@@ -113,8 +114,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
 # policy losses: per-token loss matrices
 
 
-def ppo_loss_mat(logp, old_logp, adv, clip_low: float = 0.2, clip_high: float = 0.2,
-                 dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_loss_mat(
+    logp, old_logp, adv, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip with asymmetric bounds and optional dual-clip (verl ``compute_policy_loss_vanilla``):
     ℓ = max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A); with dual-clip c, for A < 0: min(ℓ, −c·A).
     Returns (ℓ, clipped indicator)."""
@@ -132,8 +134,9 @@ def ppo_loss_mat(logp, old_logp, adv, clip_low: float = 0.2, clip_high: float = 
     return loss, clipped
 
 
-def cispo_loss_mat(logp, old_logp, adv, clip_high: float = 0.2, clip_low: float | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def cispo_loss_mat(
+    logp, old_logp, adv, clip_high: float = 0.2, clip_low: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1): ℓ = −sg(clip(r, 1−ε_low, 1+ε_high)) · A · log π_θ. The weight is clipped
     and detached; every token keeps its gradient (no token is zeroed by the clip)."""
     ratio = torch.exp((logp - old_logp).clamp(-20.0, 20.0))
@@ -164,9 +167,17 @@ def policy_loss_mat(logp, old_logp, adv, cfg: PolicyLossConfig) -> tuple[torch.T
 # the whole policy loss
 
 
-def policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLossConfig,
-                      norm: Normalisers | None = None, valid: torch.Tensor | None = None,
-                      fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss_terms(
+    logp,
+    old_logp,
+    behaviour_logp,
+    adv,
+    mask,
+    cfg: PolicyLossConfig,
+    norm: Normalisers | None = None,
+    valid: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """aggregate(w · ℓ) over kept tokens, and the sums its diagnostics are made of (learner/diagnostics.py),
     so that pieces of a batch add up. ``valid`` (default: ``mask``) leaves out tokens whose log-probs
     are not defined (outside the sampling transform's kept set): they are masked, and counted.
@@ -183,11 +194,14 @@ def policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLoss
         wk = (w * keep)[keep.bool()]
         any_tok = bool(m.any())
         sums = {
-            "tokens": float(mask.sum()), "valid": float(m.sum()), "kept": float(keep.sum()),
+            "tokens": float(mask.sum()),
+            "valid": float(m.sum()),
+            "kept": float(keep.sum()),
             "rho_sum": float(rho[m].sum()),
             "rho_min": float(rho[m].min()) if any_tok else float("inf"),
             "rho_max": float(rho[m].max()) if any_tok else float("-inf"),
-            "w_sum": float(wk.sum()), "w_sq_sum": float((wk ** 2).sum()),
+            "w_sum": float(wk.sum()),
+            "w_sq_sum": float((wk**2).sum()),
             "truncated": float(((w < rho - 1e-12) & m).sum()) if cfg.correction.mode in ("tis", "decoupled") else 0.0,
             "clipped": float((clipped * valid).sum()),
             "mismatch_sum": float(((behaviour_logp - old_logp) * valid).sum()),
@@ -197,8 +211,9 @@ def policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLoss
     return loss, sums
 
 
-def compute_policy_loss(logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLossConfig
-                        ) -> tuple[torch.Tensor, dict[str, float]]:
+def compute_policy_loss(
+    logp, old_logp, behaviour_logp, adv, mask, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
     """aggregate(w · ℓ) over kept tokens of one whole batch, with diagnostics."""
     loss, sums = policy_loss_terms(logp, old_logp, behaviour_logp, adv, mask, cfg)
     return loss, summarise(sums)

@@ -27,12 +27,16 @@ def check_model_folder(model: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelFolderError(f"model folder {model!r} has no config.json: not a Hugging Face model folder")
     if not any(any(path.glob(g)) for g in WEIGHT_GLOBS):
-        raise ModelFolderError(f"model folder {model!r} has a config.json but no weights (model.safetensors, "
-                               "model-*-of-*.safetensors or pytorch_model.bin): download the whole model, e.g. "
-                               f"`huggingface-cli download NAME --local-dir {model}`")
+        raise ModelFolderError(
+            f"model folder {model!r} has a config.json but no weights (model.safetensors, "
+            "model-*-of-*.safetensors or pytorch_model.bin): download the whole model, e.g. "
+            f"`huggingface-cli download NAME --local-dir {model}`"
+        )
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelFolderError(f"model folder {model!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the "
-                               "tokenizer into it (tokenizer.save_pretrained) or download the whole model")
+        raise ModelFolderError(
+            f"model folder {model!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save the "
+            "tokenizer into it (tokenizer.save_pretrained) or download the whole model"
+        )
     return path.resolve()
 
 

@@ -102,13 +102,15 @@ class _StepCollector(Collector):
             if isinstance(last.get(key), (int, float)):
                 g.add_metric([], last[key])
             yield g
-        groups = CounterMetricFamily("relay_learner_groups", "groups consumed, by outcome (trained or why dropped)",
-                                     labels=["outcome"])
+        groups = CounterMetricFamily(
+            "relay_learner_groups", "groups consumed, by outcome (trained or why dropped)", labels=["outcome"]
+        )
         for k, n in sorted(self.obs.counts.items()):
             groups.add_metric([k], n)
         yield groups
-        stale = CounterMetricFamily("relay_learner_samples_trained", "samples trained on, by staleness in versions",
-                                    labels=["staleness"])
+        stale = CounterMetricFamily(
+            "relay_learner_samples_trained", "samples trained on, by staleness in versions", labels=["staleness"]
+        )
         for k, n in sorted(self.obs.staleness.items()):
             stale.add_metric([str(k)], n)
         yield stale
@@ -131,9 +133,13 @@ class LearnerObserver:
         self.staleness: Counter = Counter()
         self.tokens = 0
         registry = CollectorRegistry()
-        self.phase = Histogram("relay_learner_step_phase_seconds", "time per step waiting for groups, computing, "
-                               "blocked by publication", ["phase"], registry=registry,
-                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.phase = Histogram(
+            "relay_learner_step_phase_seconds",
+            "time per step waiting for groups, computing, blocked by publication",
+            ["phase"],
+            registry=registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
 
         def healthy() -> tuple[bool, str]:
             try:
@@ -142,8 +148,12 @@ class LearnerObserver:
                 return False, f"redis unavailable: {e}"
             return True, f"ok step {self.last.get('step', 0)}"
 
-        self.server = MetricsServer(cfg.metrics_host, cfg.metrics_port,
-                                    labelled_registry("learner", "0", registry, _StepCollector(self)), healthy)
+        self.server = MetricsServer(
+            cfg.metrics_host,
+            cfg.metrics_port,
+            labelled_registry("learner", "0", registry, _StepCollector(self)),
+            healthy,
+        )
         self.r.hset(keys.stats("learner"), "metrics_port", self.server.port)
         register_service(r, keys, "learner", "0", advertised_host(cfg.metrics_host), self.server.port)
 
@@ -155,7 +165,7 @@ class LearnerObserver:
         self.last = entry
         for k, v in entry.items():
             if k.startswith("groups_") and isinstance(v, int):
-                self.counts[k[len("groups_"):]] = v
+                self.counts[k[len("groups_") :]] = v
         for k, n in (entry.get("staleness") or {}).items():
             self.staleness[int(k)] += int(n)
         self.tokens += int(entry.get("tokens", 0))

@@ -55,8 +55,14 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
         if leader:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             total = sum(p.numel() for p in model.parameters())
-            log.info("LoRA rank %d on %s: %d of %d parameters trained (%.2f%%)", cfg.lora.rank,
-                     cfg.lora.target_modules, trainable, total, 100 * trainable / total)
+            log.info(
+                "LoRA rank %d on %s: %d of %d parameters trained (%.2f%%)",
+                cfg.lora.rank,
+                cfg.lora.target_modules,
+                trainable,
+                total,
+                100 * trainable / total,
+            )
         if cfg.kl_coef > 0:
             reference = AdapterDisabled(model)  # the base: the same weights, adapters off (no copy)
     elif cfg.kl_coef > 0:

@@ -77,8 +77,10 @@ def refuse_nonfinite(state: dict[str, torch.Tensor], version: int) -> None:
     """NonFiniteWeights naming the tensors of ``state`` that are not all finite, if any."""
     bad = nonfinite_tensors(state)
     if bad:
-        raise NonFiniteWeights(f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
-                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+        raise NonFiniteWeights(
+            f"version {version} not published: {len(bad)} weight(s) hold NaN or inf "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+        )
 
 
 class SnapshotFailed(RuntimeError):
@@ -116,8 +118,12 @@ class Progress:
                 raise SnapshotFailed(f"the snapshot's copy failed: {self._error}") from self._error
 
 
-def snapshot_buffers(state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, tied: bool = False,
-                     into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def snapshot_buffers(
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    tied: bool = False,
+    into: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """Where a snapshot of ``state_dict`` goes (:func:`fill`): CPU tensors of the same shapes, floating-point
     ones in ``dtype``, without ``lm_head.weight`` when the embeddings are ``tied``. ``into`` (a previous
     snapshot done with, ``BackgroundPublisher.spare``, or the broadcaster's views into its flat buffer) is
@@ -155,12 +161,15 @@ def host_buffers(shapes: dict[str, tuple], pinned: bool = False) -> dict[str, to
         offsets[k] = total
         total += -(-math.prod(shape) * dt.itemsize // ALIGN) * ALIGN
     block = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    return {k: block[offsets[k]:offsets[k] + math.prod(shape) * dt.itemsize].view(dt).view(shape)
-            for k, (shape, dt) in shapes.items()}
+    return {
+        k: block[offsets[k] : offsets[k] + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+        for k, (shape, dt) in shapes.items()
+    }
 
 
-def fill(buffers: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor],
-         progress: Progress | None = None) -> dict[str, torch.Tensor]:
+def fill(
+    buffers: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor], progress: Progress | None = None
+) -> dict[str, torch.Tensor]:
     """Copy ``state_dict`` into ``buffers`` (:func:`snapshot_buffers`), in the buffers' order, telling
     ``progress`` each tensor filled (and the end, or the error). From a GPU into pinned buffers the
     copies are queued together, each reported filled when its own has landed."""
@@ -189,8 +198,14 @@ def fill(buffers: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor],
     return buffers
 
 
-def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: torch.dtype = torch.float32,
-             tied: bool = False, into: dict[str, torch.Tensor] | None = None, check: bool = True) -> dict[str, torch.Tensor]:
+def snapshot(
+    state_dict: dict[str, torch.Tensor],
+    version: int,
+    dtype: torch.dtype = torch.float32,
+    tied: bool = False,
+    into: dict[str, torch.Tensor] | None = None,
+    check: bool = True,
+) -> dict[str, torch.Tensor]:
     """The tensors to publish: a CPU copy of ``state_dict`` (:func:`snapshot_buffers`, :func:`fill`).
     NonFiniteWeights when one is not finite. The copy is what the learner waits for; its own weights
     change at the next step. ``check=False`` leaves the finiteness check to :meth:`Publisher.write` (off
@@ -217,9 +232,18 @@ def plan_shards(state: dict[str, torch.Tensor], shard_bytes: int) -> list[list[s
 
 
 # torch dtype -> safetensors' name for it
-SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float64: "F64",
-                     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                     torch.bool: "BOOL"}
+SAFETENSORS_DTYPE = {
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -259,8 +283,14 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
         return digest.result()
 
 
-def write_safetensors(folder: Path, state: dict[str, torch.Tensor], shard_bytes: int,
-                      metadata: dict[str, str] | None = None, index: bool = False, threads: int = 1) -> dict[str, str]:
+def write_safetensors(
+    folder: Path,
+    state: dict[str, torch.Tensor],
+    shard_bytes: int,
+    metadata: dict[str, str] | None = None,
+    index: bool = False,
+    threads: int = 1,
+) -> dict[str, str]:
     """Write ``state`` into ``folder``: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
     and the Hugging Face index when it exceeds ``shard_bytes`` (or always, with ``index``: a folder that
     also holds a LoRA adapter, whose file loaders that take every ``*.safetensors`` must leave out: vLLM
@@ -269,17 +299,33 @@ def write_safetensors(folder: Path, state: dict[str, torch.Tensor], shard_bytes:
     never read back. ``threads``: shards written (and hashed) side by side (weights.hash_threads): one
     file's sha256 is sequential, so shards are what lets a large version's hashing use several cores."""
     shards = plan_shards(state, shard_bytes)
-    names = [SINGLE_FILE] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     meta = {"format": "pt", **(metadata or {})}
     with ThreadPoolExecutor(max(1, min(threads, len(shards))), thread_name_prefix="relay-shard") as pool:
-        digests = dict(zip(names, pool.map(lambda keys, name: write_shard(folder / name, {k: state[k] for k in keys},
-                                                                          meta), shards, names)))
+        digests = dict(
+            zip(
+                names,
+                pool.map(
+                    lambda keys, name: write_shard(folder / name, {k: state[k] for k in keys}, meta), shards, names
+                ),
+            )
+        )
     if len(shards) > 1 or index:
         weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
-        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(t.numel() * t.element_size()
-                                                                               for t in state.values())},
-                                                "weight_map": weight_map}, indent=2, sort_keys=True))
+        (folder / INDEX).write_text(
+            json.dumps(
+                {
+                    "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                    "weight_map": weight_map,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
     return digests
 
 
@@ -318,13 +364,26 @@ class Publisher:
     """Writes a snapshot into the weight store, seals it and announces it (:meth:`write`); :meth:`publish`
     is the synchronous whole (snapshot, then write), for tools and tests."""
 
-    def __init__(self, r, keys: Keys, store: str, tokenizer, keep_versions: int, announce_key: AnnounceSigner | None = None,
-                 dtype: torch.dtype = torch.float32,
-                 shard_mb: float = WeightsConfig.model_fields["shard_mb"].default, broadcaster=None,
-                 digest: str = tensordigest.DEFAULT, versions_kept: int = 0, hash_threads: int = 1):
+    def __init__(
+        self,
+        r,
+        keys: Keys,
+        store: str,
+        tokenizer,
+        keep_versions: int,
+        announce_key: AnnounceSigner | None = None,
+        dtype: torch.dtype = torch.float32,
+        shard_mb: float = WeightsConfig.model_fields["shard_mb"].default,
+        broadcaster=None,
+        digest: str = tensordigest.DEFAULT,
+        versions_kept: int = 0,
+        hash_threads: int = 1,
+    ):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
         self.versions_kept = versions_kept  # announcements kept in Redis (learner.versions_kept; 0: all)
-        self.broadcaster = broadcaster  # the collective transport (learner/broadcast.py): broadcast before the store copy
+        self.broadcaster = (
+            broadcaster  # the collective transport (learner/broadcast.py): broadcast before the store copy
+        )
         self.announce_key = announce_key  # signs each announcement (None: unsigned, announce_auth insecure)
         self.store = Path(store).resolve()
         self.store.mkdir(parents=True, exist_ok=True)
@@ -353,10 +412,18 @@ class Publisher:
             base = signed_announcement(self.r, self.keys, latest.base, self.announce_key)
             if base is not None:
                 record(self.r, self.keys, dataclasses.replace(base, url=self.url_for(base.version)), self.announce_key)
-        announce(self.r, self.keys, dataclasses.replace(latest, url=self.url_for(latest.version)), self.announce_key,
-                 self.versions_kept)
-        log.info("version %d announced again with this learner's weight server (%s)", latest.version,
-                 self.url_for(latest.version))
+        announce(
+            self.r,
+            self.keys,
+            dataclasses.replace(latest, url=self.url_for(latest.version)),
+            self.announce_key,
+            self.versions_kept,
+        )
+        log.info(
+            "version %d announced again with this learner's weight server (%s)",
+            latest.version,
+            self.url_for(latest.version),
+        )
 
     @property
     def needs_base(self) -> bool:
@@ -370,8 +437,9 @@ class Publisher:
         between the snapshot and the wire); else None (the snapshot allocates its own)."""
         if self.broadcaster is None:
             return None
-        return self.broadcaster.buffers({k: v for k, v in state_dict.items()
-                                         if not (tied and k == "lm_head.weight")}, self.dtype)
+        return self.broadcaster.buffers(
+            {k: v for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}, self.dtype
+        )
 
     def publish(self, model, state_dict: dict[str, torch.Tensor], version: int) -> Announcement:
         """Seal and announce ``state_dict`` as ``version``; NonFiniteWeights (nothing written) when a
@@ -392,7 +460,9 @@ class Publisher:
         finally:
             self._spare = state  # written and announced (or refused): the next publish() reuses its buffers
 
-    def write(self, config, state: dict[str, torch.Tensor], version: int, progress: Progress | None = None) -> Announcement:
+    def write(
+        self, config, state: dict[str, torch.Tensor], version: int, progress: Progress | None = None
+    ) -> Announcement:
         """Write ``state`` (a :func:`snapshot`) as ``version`` with the model's ``config`` and the tokenizer,
         seal it, announce it (with the digest of its tensors), prune old versions. NonFiniteWeights, with
         nothing written or announced, when a weight is NaN or inf (checked here, in the publisher's thread,
@@ -427,8 +497,11 @@ class Publisher:
             if model:
                 config.save_pretrained(staging)
                 self.tokenizer.save_pretrained(staging)
-                known.update(write_safetensors(staging, model, self.shard_bytes, meta, index=bool(adapter),
-                                               threads=self.hash_threads))
+                known.update(
+                    write_safetensors(
+                        staging, model, self.shard_bytes, meta, index=bool(adapter), threads=self.hash_threads
+                    )
+                )
             if adapter:
                 (staging / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=1, sort_keys=True))
                 known[ADAPTER_FILE] = write_shard(staging / ADAPTER_FILE, adapter, {"format": "pt", **meta})
@@ -439,21 +512,32 @@ class Publisher:
             if base_digest is not None:
                 base = (version, base_digest)
             elif self.base_pin is None:
-                raise ValueError(f"version {version} holds an adapter alone but no version with its base model "
-                                 "was announced before it")
+                raise ValueError(
+                    f"version {version} holds an adapter alone but no version with its base model "
+                    "was announced before it"
+                )
             else:
                 base = self.base_pin
         path, manifest_hash = weightstore.seal(self.store, version, staging, known)
-        a = Announcement(version=version, hash=manifest_hash, path=str(path), digest=digest,
-                         url=self.url_for(version) if self.url_for else "",
-                         base=base[0] if base else None, base_digest=base[1] if base else "")
+        a = Announcement(
+            version=version,
+            hash=manifest_hash,
+            path=str(path),
+            digest=digest,
+            url=self.url_for(version) if self.url_for else "",
+            base=base[0] if base else None,
+            base_digest=base[1] if base else "",
+        )
         announce(self.r, self.keys, a, self.announce_key, self.versions_kept)
         advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
         emit_event(self.r, self.keys, "published", version=version, hash=manifest_hash, digest=digest)
         # versions served by generators seen recently (a dead generator's heartbeat does not pin)
         now = time.time()
-        in_use = {hb.version for hb in read_heartbeats(self.r, self.keys).values()
-                  if hb.last_seen is not None and now - hb.last_seen < self.heartbeat_ttl_s}
+        in_use = {
+            hb.version
+            for hb in read_heartbeats(self.r, self.keys).values()
+            if hb.last_seen is not None and now - hb.last_seen < self.heartbeat_ttl_s
+        }
         if base is not None:  # the adapters that follow apply to this base: a (re)starting generator loads it
             self.base_pin = base
             in_use.add(base[0])
@@ -520,8 +604,9 @@ class BackgroundPublisher:
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every version handed over is announced (or skipped). TimeoutError after ``timeout``."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self._error is not None or (self._waiting is None and self._writing is None),
-                                     timeout):
+            if not self._cv.wait_for(
+                lambda: self._error is not None or (self._waiting is None and self._writing is None), timeout
+            ):
                 raise TimeoutError(f"publication of version {self._writing} still running after {timeout}s")
             self._raise()
 

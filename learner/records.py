@@ -75,10 +75,17 @@ class RunRecords:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError("learner.wandb.enabled is true but the wandb package is not installed "
-                                   "(pip install wandb), or set learner.wandb.enabled = false") from None
-            self.wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity or None, name=run_id,
-                                    mode=wandb_cfg.mode, config=config)
+                raise RuntimeError(
+                    "learner.wandb.enabled is true but the wandb package is not installed "
+                    "(pip install wandb), or set learner.wandb.enabled = false"
+                ) from None
+            self.wandb = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity or None,
+                name=run_id,
+                mode=wandb_cfg.mode,
+                config=config,
+            )
 
     def log(self, diag: dict) -> None:
         values = scalars(diag)
@@ -105,5 +112,7 @@ def write_eval(logdir: str | Path, rounds: list[dict]) -> None:
         return
     w = TensorBoardWriter(logdir)
     for rnd in rounds:
-        w.add_scalars(rnd["version"], {f"eval/{k}": rnd[k] for k in EVAL_SCALARS if isinstance(rnd.get(k), (int, float))})
+        w.add_scalars(
+            rnd["version"], {f"eval/{k}": rnd[k] for k in EVAL_SCALARS if isinstance(rnd.get(k), (int, float))}
+        )
     w.close()

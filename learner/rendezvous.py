@@ -93,11 +93,16 @@ class Membership:
         """``(ticket, None)``, the join queued for a builder; or ``(None, (counter, reason))``, refused."""
         with self.lock:
             if generator in self.ids:
-                return None, ("refused_duplicate", f"generator {generator!r} is already connected (a generator "
-                              f"that restarted is admitted once its old connection has ended)")
+                return None, (
+                    "refused_duplicate",
+                    f"generator {generator!r} is already connected (a generator "
+                    f"that restarted is admitted once its old connection has ended)",
+                )
             if len(self.ids) >= self.max_members:
-                return None, ("refused_full", f"the broadcast has {self.max_members} members "
-                              f"(weights.collective.max_members)")
+                return None, (
+                    "refused_full",
+                    f"the broadcast has {self.max_members} members (weights.collective.max_members)",
+                )
             if self.queued >= MAX_QUEUED + BUILDERS:
                 return None, ("refused_busy", "too many joins at once; try again")
             self.tickets += 1
@@ -122,8 +127,15 @@ class Tally:
     number since the last line (a flood of joins writes a few lines, not one per join)."""
 
     def __init__(self):
-        self.counts = {"joined": 0, "refused_unauthenticated": 0, "refused_duplicate": 0, "refused_full": 0,
-                       "refused_busy": 0, "failed": 0, "left": 0}
+        self.counts = {
+            "joined": 0,
+            "refused_unauthenticated": 0,
+            "refused_duplicate": 0,
+            "refused_full": 0,
+            "refused_busy": 0,
+            "failed": 0,
+            "left": 0,
+        }
         self._since_log, self._logged_at = 0, 0.0
 
     def refused(self, what: str, why: str = "") -> None:
@@ -131,8 +143,13 @@ class Tally:
         self._since_log += 1
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY_S:
-            log.warning("rendezvous: refused %d join(s) in the last %.0f s (the last: %s%s)", self._since_log,
-                        min(now - self._logged_at, 1e9) if self._logged_at else 0, what, f", {why}" if why else "")
+            log.warning(
+                "rendezvous: refused %d join(s) in the last %.0f s (the last: %s%s)",
+                self._since_log,
+                min(now - self._logged_at, 1e9) if self._logged_at else 0,
+                what,
+                f", {why}" if why else "",
+            )
             self._logged_at, self._since_log = now, 0
 
 
@@ -142,13 +159,23 @@ class Rendezvous:
     is shut, ``on_leave`` follows); ``on_leave(ticket, generator, why)`` when a member's connection ended.
     ``key``: the run's weights key (None: ``weights.auth = "insecure"``, any join is admitted)."""
 
-    def __init__(self, host: str, port: int, key: bytes | None, run_id: str, timeout_s: float, max_members: int,
-                 on_join: Callable, on_leave: Callable[[int, str, str], None]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        key: bytes | None,
+        run_id: str,
+        timeout_s: float,
+        max_members: int,
+        on_join: Callable,
+        on_leave: Callable[[int, str, str], None],
+    ):
         self.key, self.run_id, self.timeout_s = key, run_id, timeout_s
         self.on_join, self.on_leave = on_join, on_leave
         self.host = host
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         backlog=128)
+        self.sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
+        )
         self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
         self.sel = selectors.DefaultSelector()
@@ -175,9 +202,14 @@ class Rendezvous:
 
     def start(self) -> "Rendezvous":
         self._thread.start()
-        log.info("collective rendezvous on %s:%d (%s)", self.host, self.port,
-                 "joins prove the run's weights key" if self.key is not None else
-                 "no authentication: weights.auth insecure, whoever reaches the port receives the weights")
+        log.info(
+            "collective rendezvous on %s:%d (%s)",
+            self.host,
+            self.port,
+            "joins prove the run's weights key"
+            if self.key is not None
+            else "no authentication: weights.auth insecure, whoever reaches the port receives the weights",
+        )
         return self
 
     def close(self) -> None:
@@ -305,8 +337,9 @@ class Rendezvous:
             return None
         if not (0 < len(req.generator) <= 128 and 0 < len(req.session) <= 64 and len(req.nonce) <= 128):
             return None
-        if self.key is not None and not weightauth.same(proof, weightauth.join_proof(
-                self.key, self.run_id, challenge, req.nonce, req.generator, req.session)):
+        if self.key is not None and not weightauth.same(
+            proof, weightauth.join_proof(self.key, self.run_id, challenge, req.nonce, req.generator, req.session)
+        ):
             return None
         return req
 
@@ -335,8 +368,11 @@ class Rendezvous:
             pg = build_group(conn, ticket, req, self.host, self.key, self.run_id, self.timeout_s)
         except (OSError, RuntimeError, ValueError, wire.FrameError) as e:
             self.counts["failed"] += 1
-            log.warning("generator %s could not join the weight broadcast: %s", req.generator,
-                        str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            log.warning(
+                "generator %s could not join the weight broadcast: %s",
+                req.generator,
+                str(e).splitlines()[0][:200] if str(e) else type(e).__name__,
+            )
             conn.close()
             self.members.release(req.generator, ticket)
             return
@@ -353,8 +389,9 @@ class Rendezvous:
         self._wake()
 
 
-def build_group(conn: socket.socket, ticket: int, req: JoinRequest, host: str, key: bytes | None, run_id: str,
-                timeout_s: float):
+def build_group(
+    conn: socket.socket, ticket: int, req: JoinRequest, host: str, key: bytes | None, run_id: str, timeout_s: float
+):
     """Accept ``req`` (a builder's thread), build its 2-rank gloo group on ``host`` (serving the group's store
     on ``conn``), check that the peer of the group holds the weights ``key``; returns the group."""
     import torch
@@ -363,8 +400,11 @@ def build_group(conn: socket.socket, ticket: int, req: JoinRequest, host: str, k
     timeout = datetime.timedelta(seconds=timeout_s)
     conn.settimeout(timeout_s)
     wire.keepalive(conn)
-    accept = weightauth.accept_proof(key, run_id, req.challenge, req.nonce, req.generator,
-                                     req.session) if key is not None else ""
+    accept = (
+        weightauth.accept_proof(key, run_id, req.challenge, req.nonce, req.generator, req.session)
+        if key is not None
+        else ""
+    )
     conn.sendall(wire.frame({"kind": "accepted", "ticket": ticket, "proof": accept}))
     store = dist.HashStore()
     store.set_timeout(timeout)
@@ -389,12 +429,17 @@ def build_group(conn: socket.socket, ticket: int, req: JoinRequest, host: str, k
         nonce = torch.frombuffer(bytearray(os.urandom(32)), dtype=torch.uint8)
         pg.broadcast(nonce, 0, timeout).wait()
         answer = wire.read_frame(conn)
-        if key is not None and not (answer.get("op") == "pair" and weightauth.same(
-                str(answer.get("mac", "")), weightauth.join_proof(key, run_id, "pair",
-                                                                  bytes(nonce.numpy()).hex(), req.generator,
-                                                                  req.session))):
-            raise ValueError("the peer of its group did not prove the weights key (another process connected "
-                             "to the group's port first?)")
+        if key is not None and not (
+            answer.get("op") == "pair"
+            and weightauth.same(
+                str(answer.get("mac", "")),
+                weightauth.join_proof(key, run_id, "pair", bytes(nonce.numpy()).hex(), req.generator, req.session),
+            )
+        ):
+            raise ValueError(
+                "the peer of its group did not prove the weights key (another process connected "
+                "to the group's port first?)"
+            )
         conn.sendall(wire.frame({"kind": "member"}))
     except BaseException:
         wire.abort_group(pg)

@@ -40,17 +40,23 @@ def _known_types() -> dict[str, type]:
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return {"ZeroStageEnum": ZeroStageEnum, "LossScaler": LossScaler, "DynamicLossScaler": DynamicLossScaler,
-            "fragment_address": fragment_address}
+    return {
+        "ZeroStageEnum": ZeroStageEnum,
+        "LossScaler": LossScaler,
+        "DynamicLossScaler": DynamicLossScaler,
+        "fragment_address": fragment_address,
+    }
 
 
 def _type_name(obj: Any, where: str) -> str:
     for name, cls in _known_types().items():
         if type(obj) is cls:
             return name
-    raise StateCodecError(f"cannot store {where} in a checkpoint: a {type(obj).__module__}.{type(obj).__qualname__} "
-                          f"(checkpoints hold tensors, numbers, strings, lists, tuples, dicts, dtypes and the "
-                          f"DeepSpeed types {sorted(_known_types())}; no pickle)")
+    raise StateCodecError(
+        f"cannot store {where} in a checkpoint: a {type(obj).__module__}.{type(obj).__qualname__} "
+        f"(checkpoints hold tensors, numbers, strings, lists, tuples, dicts, dtypes and the "
+        f"DeepSpeed types {sorted(_known_types())}; no pickle)"
+    )
 
 
 def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -81,8 +87,10 @@ def encode(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(o, dict):
             if all(isinstance(k, str) for k in o):
                 if any(k.startswith(TAG) for k in o):
-                    raise StateCodecError(f"cannot store {where} in a checkpoint: its key "
-                                          f"{next(k for k in o if k.startswith(TAG))!r} starts with {TAG!r}")
+                    raise StateCodecError(
+                        f"cannot store {where} in a checkpoint: its key "
+                        f"{next(k for k in o if k.startswith(TAG))!r} starts with {TAG!r}"
+                    )
                 return {k: enc(v, f"{where}.{k}") for k, v in o.items()}
             return {f"{TAG}dict": [[enc(k, f"{where}.<key>"), enc(v, f"{where}.{k}")] for k, v in o.items()]}
         if isinstance(o, enum.Enum):

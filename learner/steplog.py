@@ -45,8 +45,11 @@ class StepLog:
         """A resumed learner's log: the lines of the steps after its checkpoint are dropped (those steps are
         trained again), and the checkpoint's own line put back when the learner was killed after writing the
         checkpoint and before that line (metrics.jsonl keeps one line per step, whatever the crash)."""
-        kept = [ln for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= step] if self.path.is_file() else []
+        kept = (
+            [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+            if self.path.is_file()
+            else []
+        )
         last = json.loads(kept[-1]).get("step", 0) if kept else 0
         if saved_line and last < step:
             kept.append(json.dumps(saved_line, allow_nan=False))
@@ -63,9 +66,15 @@ class StepLog:
         self.file.flush()
         self.observer.record(diag)
         self.records.log(diag)
-        self.r.hset(self.keys.stats("learner"), mapping={
-            "step": diag["step"], "version": diag["version"], **counts,
-            **{k: diag[k] for k in ("reward_mean", "loss", *LENGTH_STATS) if diag[k] is not None}})
+        self.r.hset(
+            self.keys.stats("learner"),
+            mapping={
+                "step": diag["step"],
+                "version": diag["version"],
+                **counts,
+                **{k: diag[k] for k in ("reward_mean", "loss", *LENGTH_STATS) if diag[k] is not None},
+            },
+        )
         return diag
 
     def close(self) -> None:
@@ -85,6 +94,11 @@ class StepLog:
             return
         self.warned_truncated = True
         self.r.hset(self.keys.stats("learner"), "truncated_warning_frac", frac)
-        log.warning("%.0f%% of the completions of the last %d steps stopped at max_tokens (mean length %.1f tokens "
-                    "at step %d): their answers are cut off; raise generator.sampling.max_tokens (docs/datasets.md)",
-                    100 * frac, TRUNCATED_WARN_STEPS, diag["completion_len_mean"], diag["step"])
+        log.warning(
+            "%.0f%% of the completions of the last %d steps stopped at max_tokens (mean length %.1f tokens "
+            "at step %d): their answers are cut off; raise generator.sampling.max_tokens (docs/datasets.md)",
+            100 * frac,
+            TRUNCATED_WARN_STEPS,
+            diag["completion_len_mean"],
+            diag["step"],
+        )

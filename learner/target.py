@@ -23,5 +23,7 @@ class TargetReward:
             return
         mean = sum(self.recent) / len(self.recent)
         if mean >= self.target:
-            self.reached = (f"reached the target reward {self.target:g} (mean {mean:.3f} of the last "
-                            f"{len(self.recent)} groups) at step {step} of {self.steps}")
+            self.reached = (
+                f"reached the target reward {self.target:g} (mean {mean:.3f} of the last "
+                f"{len(self.recent)} groups) at step {step} of {self.steps}"
+            )

@@ -39,12 +39,20 @@ def build_tokenizer(tools: bool = False):
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_SYMBOLS[1:]])
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", padding_side="left"
+    )
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     vllm_compatible: bool = False, tools: bool = False) -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    vllm_compatible: bool = False,
+    tools: bool = False,
+) -> Path:
     """Write a random-init tiny model and its tokenizer to ``out_dir``; return the path.
 
     Default: a Qwen2 with heads of ``hidden // heads`` (133k parameters). vLLM's CPU attention
@@ -60,9 +68,18 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layer
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(tools)
     common = dict(
-        vocab_size=len(symbols(tools)), hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
+        vocab_size=len(symbols(tools)),
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
     )
     if vllm_compatible:
         config, cls = LlamaConfig(head_dim=max(32, hidden // heads), **common), LlamaForCausalLM

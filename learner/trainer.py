@@ -51,7 +51,9 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.keys = Keys(cfg.run_id)
         announce_key = announce_signer(cfg.announce_auth, cfg.announce_key_file)  # signs every announcement
-        weights_key = read_weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # http, collective
+        weights_key = read_weights_key(
+            cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport
+        )  # http, collective
         self.rank, self.world = init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
         if cfg.batch_groups % self.world:
             raise ValueError(f"learner.batch_groups ({cfg.batch_groups}) must be a multiple of the {self.world} ranks")
@@ -61,14 +63,25 @@ class Learner:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         policy = build_policy(cfg, self.leader)
         self.engine, self.critic = policy.engine, policy.critic
-        self.update = PolicyUpdate(self.engine, cfg, policy.pad_id, policy.reference, self.rank, self.world,
-                                   self.critic)
+        self.update = PolicyUpdate(
+            self.engine, cfg, policy.pad_id, policy.reference, self.rank, self.world, self.critic
+        )
         # skipped_steps: optimizer steps skipped for a non-finite loss or gradient (learner/update.py);
         # publish_refused_nonfinite: publications refused for non-finite weights; publish_skipped: versions
         # replaced by a newer one while waiting for the publisher (skip to the newest). All in every metrics line.
         self.counts = Counter(skipped_steps=0, publish_refused_nonfinite=0, publish_skipped=0)
-        self.versions = Versions(cfg, self.r, self.keys, announce_key, weights_key, policy.model, policy.tokenizer,
-                                 policy.lora_scale, self.leader, self.counts)
+        self.versions = Versions(
+            cfg,
+            self.r,
+            self.keys,
+            announce_key,
+            weights_key,
+            policy.model,
+            policy.tokenizer,
+            policy.lora_scale,
+            self.leader,
+            self.counts,
+        )
         self.step = 0
         self.saved_step = 0  # the step of the newest checkpoint
         self.step_metrics: dict | None = None  # the leader's metrics line of the step just trained
@@ -109,7 +122,9 @@ class Learner:
             return
         self.commit([tuple(x) for x in state["uncommitted"]], self.step)
         self.log.keep_through(self.step, state.get("metrics"))  # steps after the checkpoint are redone
-        log.info("resumed from checkpoint at step %d (%d groups committed with it)", self.step, len(state["uncommitted"]))
+        log.info(
+            "resumed from checkpoint at step %d (%d groups committed with it)", self.step, len(state["uncommitted"])
+        )
 
     def commit(self, entries: list[tuple[str, str]], step: int) -> None:
         """Acknowledge trained groups and record them once each in the audit log."""
@@ -144,9 +159,13 @@ class Learner:
             if "version" not in line:  # the checkpoint comes before this step's publication
                 line["version"] = where["version"] + int(where["pending"])
             line = finite_metrics(line)
-        checkpoint.save(self.ckpt_dir, self.step, self.engine,
-                        {**where, "counts": dict(self.counts), "uncommitted": self.uncommitted, "metrics": line},
-                        critic=self.critic)
+        checkpoint.save(
+            self.ckpt_dir,
+            self.step,
+            self.engine,
+            {**where, "counts": dict(self.counts), "uncommitted": self.uncommitted, "metrics": line},
+            critic=self.critic,
+        )
         self.saved_step = self.step
         if self.leader:
             self.commit(self.uncommitted, self.step)
@@ -160,15 +179,23 @@ class Learner:
         if self.leader:
             self.r.delete(self.keys.done)
             if self.cfg.admission_eta is not None:
-                self.r.hset(self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups,
-                                                          "eta": self.cfg.admission_eta})
+                self.r.hset(
+                    self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups, "eta": self.cfg.admission_eta}
+                )
         first = self.versions.publish_first
         self.versions.start(self.engine)  # resumed where the announced versions stand: the generators load the latest
         if self.leader:
-            log.info("%s version %d; training %d steps of %d groups on %d rank(s); lr %g, micro-batches of at most %d "
-                     "tokens", "published initial" if first else "continuing from announced",
-                     self.versions.version, self.cfg.steps, self.cfg.batch_groups, self.world, self.cfg.lr,
-                     self.cfg.micro_batch_tokens)
+            log.info(
+                "%s version %d; training %d steps of %d groups on %d rank(s); lr %g, micro-batches of at most %d "
+                "tokens",
+                "published initial" if first else "continuing from announced",
+                self.versions.version,
+                self.cfg.steps,
+                self.cfg.batch_groups,
+                self.world,
+                self.cfg.lr,
+                self.cfg.micro_batch_tokens,
+            )
             self.log.open()
 
     def _train_one(self) -> bool:
@@ -191,9 +218,13 @@ class Learner:
         self.versions.unpublished |= diag["updates_skipped"] < diag["optimizer_steps"]
         if diag["updates_skipped"] and self.leader:
             self.counts["skipped_steps"] += diag["updates_skipped"]
-            log.warning("step %d: %d of %d optimizer step(s) skipped (%s): the weights and the optimizer "
-                        "state are unchanged", step, diag["updates_skipped"], diag["optimizer_steps"],
-                        diag["skip_reason"])
+            log.warning(
+                "step %d: %d of %d optimizer step(s) skipped (%s): the weights and the optimizer state are unchanged",
+                step,
+                diag["updates_skipped"],
+                diag["optimizer_steps"],
+                diag["skip_reason"],
+            )
         if self.cfg.rank_checksums:
             write_checksum(self.engine.module, Path(self.cfg.run_dir) / f"rank-{self.rank}.checksums", step)
         if self.leader:
@@ -204,13 +235,24 @@ class Learner:
             self.versions.publish_next(self.engine)
         if self.leader:
             self.versions.take_counts()
-            diag.update(version=self.versions.version, publish_blocked_s=self.versions.blocked_s, t=time.time(),
-                        publish_skipped=self.counts["publish_skipped"])
+            diag.update(
+                version=self.versions.version,
+                publish_blocked_s=self.versions.blocked_s,
+                t=time.time(),
+                publish_skipped=self.counts["publish_skipped"],
+            )
             diag = self.log.write(diag, self.counts)
             if step % 10 == 0 or step == 1:
-                log.info("step %d v%d reward %.3f loss %s wait %.2fs compute %.2fs stale %s", step,
-                         self.versions.version, diag["reward_mean"], diag["loss"], wait_s, diag["compute_s"],
-                         diag["staleness"])
+                log.info(
+                    "step %d v%d reward %.3f loss %s wait %.2fs compute %.2fs stale %s",
+                    step,
+                    self.versions.version,
+                    diag["reward_mean"],
+                    diag["loss"],
+                    wait_s,
+                    diag["compute_s"],
+                    diag["staleness"],
+                )
         return True
 
     def _account(self, groups, diag: dict, wait_s: float) -> None:
@@ -222,8 +264,15 @@ class Learner:
         self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0
         queues.count_trained(self.r, self.keys, [g.group_id for g in groups])  # before the commit
         rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
-        diag.update(step=self.step, wait_s=wait_s, group_rewards=rewards, reward_mean=sum(rewards) / len(rewards),
-                    ranks=self.world, **completion_stats(groups), **self.counts)
+        diag.update(
+            step=self.step,
+            wait_s=wait_s,
+            group_rewards=rewards,
+            reward_mean=sum(rewards) / len(rewards),
+            ranks=self.world,
+            **completion_stats(groups),
+            **self.counts,
+        )
         self.target.check(rewards, self.step)
         self.step_metrics = diag  # a checkpoint of this step carries its metrics line (resume)
 
@@ -270,10 +319,11 @@ class Learner:
         why = self.target.reached
         if why is None:
             broker = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.stats("broker")).items()}
-            why = (f"the dataset ran out after {broker.get('epoch', '?')} epoch(s) ({broker.get('prompts_fed', '?')} "
-                   f"prompts): trained {self.step} of {self.cfg.steps} steps")
+            why = (
+                f"the dataset ran out after {broker.get('epoch', '?')} epoch(s) ({broker.get('prompts_fed', '?')} "
+                f"prompts): trained {self.step} of {self.cfg.steps} steps"
+            )
         self.r.hset(self.keys.stats("learner"), "version", self.versions.version)
         self.versions.finish()
         self.r.set(self.keys.done, why)
-        (log.info if self.target.reached else log.warning)("%s; the run ends at version %d", why,
-                                                           self.versions.version)
+        (log.info if self.target.reached else log.warning)("%s; the run ends at version %d", why, self.versions.version)

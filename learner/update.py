@@ -40,9 +40,21 @@ from learner.diagnostics import EXTREMES, merge, summarise
 from learner.logprobs import TokenLogprobs, token_logprobs
 from learner.losses import Normalisers, aggregate, kl_estimate, policy_loss_terms
 
-NO_TOKENS = {"tokens": 0.0, "valid": 0.0, "kept": 0.0, "rho_sum": 0.0, "rho_min": float("inf"),
-             "rho_max": float("-inf"), "w_sum": 0.0, "w_sq_sum": 0.0, "truncated": 0.0, "clipped": 0.0,
-             "mismatch_sum": 0.0, "fresh_valid": 0.0, "fresh_mismatch_sum": 0.0}
+NO_TOKENS = {
+    "tokens": 0.0,
+    "valid": 0.0,
+    "kept": 0.0,
+    "rho_sum": 0.0,
+    "rho_min": float("inf"),
+    "rho_max": float("-inf"),
+    "w_sum": 0.0,
+    "w_sq_sum": 0.0,
+    "truncated": 0.0,
+    "clipped": 0.0,
+    "mismatch_sum": 0.0,
+    "fresh_valid": 0.0,
+    "fresh_mismatch_sum": 0.0,
+}
 
 
 class PolicyUpdate:
@@ -50,8 +62,9 @@ class PolicyUpdate:
     ``learner.critic`` the ``critic`` (a DeepSpeed engine of a learner/critic.py ValueModel), trained on
     the same micro-batches; this process is rank ``rank`` of ``world`` data-parallel ranks."""
 
-    def __init__(self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1,
-                 critic=None):
+    def __init__(
+        self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1, critic=None
+    ):
         self.engine, self.cfg, self.pad_id, self.reference, self.critic = engine, cfg, pad_id, reference, critic
         self.rank, self.world = rank, world
         self.device = engine.device
@@ -68,8 +81,9 @@ class PolicyUpdate:
     # -- forwards --------------------------------------------------------------------------------
 
     def _logprobs(self, model, mb: Batch, transform, entropy: bool = False) -> TokenLogprobs:
-        return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform,
-                              self.cfg.logprob_chunk_tokens, entropy)
+        return token_logprobs(
+            model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, self.cfg.logprob_chunk_tokens, entropy
+        )
 
     def _old_logprobs(self, b: Batch, rows: torch.Tensor, transform) -> tuple[torch.Tensor, torch.Tensor]:
         """π_old of ``rows`` (this rank's) and where its token is outside the kept set, before any update."""
@@ -104,11 +118,13 @@ class PolicyUpdate:
             return float(norm)
         return local if self.world == 1 else None
 
-    def _skip_reason(self, loss_finite: bool, value_loss_finite: bool = True,
-                     norms: tuple[float | None, float | None] = (None, None)) -> str | None:
+    def _skip_reason(
+        self, loss_finite: bool, value_loss_finite: bool = True, norms: tuple[float | None, float | None] = (None, None)
+    ) -> str | None:
         """Why every rank skips this optimizer step, of the policy and of the critic (None: take it): a
         non-finite loss or gradient norm (``norms``: this rank's, :meth:`_local_gradient_norm`) of either on
         any rank."""
+
         def bad(norm: float | None) -> float:
             return float(norm is not None and not math.isfinite(norm))
 
@@ -153,8 +169,14 @@ class PolicyUpdate:
         """A backward of a loss of 0 through every parameter: keeps this rank's ZeRO collectives in step
         with ranks that have more micro-batches."""
         ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
-        lp = token_logprobs(self.engine, ids, torch.ones_like(ids), torch.ones((1, 1), device=self.device), transform,
-                            self.cfg.logprob_chunk_tokens)
+        lp = token_logprobs(
+            self.engine,
+            ids,
+            torch.ones_like(ids),
+            torch.ones((1, 1), device=self.device),
+            transform,
+            self.cfg.logprob_chunk_tokens,
+        )
         self.engine.backward(lp.logp.sum() * 0.0)
         if self.critic is not None:
             self.critic.backward(self.critic(ids, torch.ones_like(ids)).sum() * 0.0)
@@ -180,10 +202,16 @@ class PolicyUpdate:
         """One optimizer step on the (mini)batch ``rows`` (of every rank): this rank's micro-batches of it."""
         cfg = self.cfg
         owner = b.groups[rows] % self.world
-        plans = [micro_batches(b.lengths, rows[owner == r], cfg.micro_batch_tokens) if bool((owner == r).any())
-                 else [] for r in range(self.world)]
-        norm = Normalisers(float(b.loss_mask[rows].sum()), self._sequences(b, rows, old),
-                           float(b.lengths[rows].max() - 1), ranks=self.world)
+        plans = [
+            micro_batches(b.lengths, rows[owner == r], cfg.micro_batch_tokens) if bool((owner == r).any()) else []
+            for r in range(self.world)
+        ]
+        norm = Normalisers(
+            float(b.loss_mask[rows].sum()),
+            self._sequences(b, rows, old),
+            float(b.lengths[rows].max() - 1),
+            ranks=self.world,
+        )
         # the entropy bonus and the KL term count every sample with a loss token, rejected or not
         every = replace(norm, sequences=float((b.loss_mask[rows].sum(-1) > 0).sum()))
         sums, totals = NO_TOKENS, Counter()
@@ -200,8 +228,9 @@ class PolicyUpdate:
                 outside = lp.outside | old[1][part, :width].to(self.device)
             valid = mask * ~outside
             fresh = torch.tensor([st == 0 for st in mb.staleness], device=mask.device)
-            loss, s = policy_loss_terms(lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid,
-                                        fresh)
+            loss, s = policy_loss_terms(
+                lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid, fresh
+            )
             ent = aggregate(lp.entropy, mask, cfg.aggregation, every)
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * ent
@@ -209,15 +238,26 @@ class PolicyUpdate:
                 with torch.no_grad():
                     ref = self._logprobs(self.reference, mb, transform)
                 both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
-                kl = aggregate(kl_estimate(torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0),
-                                           cfg.kl_estimator), both.float(), cfg.aggregation, every)
+                kl = aggregate(
+                    kl_estimate(torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0), cfg.kl_estimator),
+                    both.float(),
+                    cfg.aggregation,
+                    every,
+                )
                 loss = loss + cfg.kl_coef * kl
                 totals["kl_ref"] += float(kl.detach()) / self.world
             loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
             self.engine.backward(loss)
             if self.critic is not None:  # the same micro-batch, every sample with a loss token counted
-                vloss, v = value_loss(self.critic(mb.input_ids, mb.attention_mask), mb.values, mb.returns, mask,
-                                      cfg.critic.cliprange_value, cfg.aggregation, every)
+                vloss, v = value_loss(
+                    self.critic(mb.input_ids, mb.attention_mask),
+                    mb.values,
+                    mb.returns,
+                    mask,
+                    cfg.critic.cliprange_value,
+                    cfg.aggregation,
+                    every,
+                )
                 value_finite = value_finite and bool(torch.isfinite(vloss.detach()))
                 self.critic.backward(vloss)
                 totals["value_loss"] += float(vloss.detach()) / self.world
@@ -241,21 +281,41 @@ class PolicyUpdate:
             grad_norm = self._grad_norm(self.engine, local)
             if self.critic is not None:
                 self.critic.step()
-        sums = {**self._reduce({k: v for k, v in sums.items() if k not in EXTREMES}),
-                **self._reduce({"rho_min": sums["rho_min"]}, dist.ReduceOp.MIN),
-                **self._reduce({"rho_max": sums["rho_max"]}, dist.ReduceOp.MAX)}
-        totals = self._reduce({k: totals[k] for k in ("loss", "entropy", "kl_ref", "tokens_outside_kept_set",
-                                                         "padded_tokens", "forward_tokens", "value_loss",
-                                                         "value_clipped")})
+        sums = {
+            **self._reduce({k: v for k, v in sums.items() if k not in EXTREMES}),
+            **self._reduce({"rho_min": sums["rho_min"]}, dist.ReduceOp.MIN),
+            **self._reduce({"rho_max": sums["rho_max"]}, dist.ReduceOp.MAX),
+        }
+        totals = self._reduce(
+            {
+                k: totals[k]
+                for k in (
+                    "loss",
+                    "entropy",
+                    "kl_ref",
+                    "tokens_outside_kept_set",
+                    "padded_tokens",
+                    "forward_tokens",
+                    "value_loss",
+                    "value_clipped",
+                )
+            }
+        )
         diag = summarise(sums)
-        diag.update(loss=totals["loss"], entropy=totals["entropy"], micro_batches=sum(len(p) for p in plans),
-                    tokens_outside_kept_set=int(totals["tokens_outside_kept_set"]),
-                    padded_tokens=totals["padded_tokens"], forward_tokens=totals["forward_tokens"])
+        diag.update(
+            loss=totals["loss"],
+            entropy=totals["entropy"],
+            micro_batches=sum(len(p) for p in plans),
+            tokens_outside_kept_set=int(totals["tokens_outside_kept_set"]),
+            padded_tokens=totals["padded_tokens"],
+            forward_tokens=totals["forward_tokens"],
+        )
         if self.reference is not None and not cfg.kl_in_reward:
             diag["kl_ref"] = totals["kl_ref"]
         if self.critic is not None:  # verl's critic/vf_loss and critic/vf_clipfrac
-            diag.update(value_loss=totals["value_loss"],
-                        value_clip_frac=totals["value_clipped"] / max(norm.tokens, 1.0))
+            diag.update(
+                value_loss=totals["value_loss"], value_clip_frac=totals["value_clipped"] / max(norm.tokens, 1.0)
+            )
         diag["skipped"] = skipped
         diag["grad_norm"] = grad_norm  # None: a skipped step, or not known (_grad_norm)
         return diag
@@ -308,7 +368,7 @@ class PolicyUpdate:
             for part in micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens):
                 mb = b.select(part)
                 v = self.critic(mb.input_ids.to(self.device), mb.attention_mask.to(self.device)).cpu()
-                values[part, :mb.loss_mask.shape[1]] = v * mb.loss_mask
+                values[part, : mb.loss_mask.shape[1]] = v * mb.loss_mask
         return values
 
     def _critic_targets(self, b: Batch, rewards: torch.Tensor, old) -> None:
@@ -320,7 +380,7 @@ class PolicyUpdate:
         whitened the same way. Other estimators: the returns are the reward (γ = λ = 1 Monte-Carlo).
         Each rank computes its own samples; a sum over ranks gives every rank all of them."""
         cfg, mask = self.cfg, b.loss_mask
-        mine = (b.groups % self.world == self.rank)
+        mine = b.groups % self.world == self.rank
         values = self._values(b, torch.arange(len(b.lengths))[mine])
         token_rewards = torch.zeros_like(values)
         has = mask.sum(-1) > 0
@@ -330,8 +390,9 @@ class PolicyUpdate:
         token_rewards[has, last[has]] = rewards[has].to(values.dtype)
         if cfg.advantage == "vtrace":
             valid = mask * ~old[1]
-            returns, adv = vtrace(token_rewards, values, (old[0] - b.behaviour_logp) * valid, mask, cfg.gamma,
-                                  cfg.rho_bar, cfg.c_bar)
+            returns, adv = vtrace(
+                token_rewards, values, (old[0] - b.behaviour_logp) * valid, mask, cfg.gamma, cfg.rho_bar, cfg.c_bar
+            )
         else:
             gamma, lam = (cfg.gamma, cfg.lam) if cfg.advantage == "gae" else (1.0, 1.0)
             adv, returns = gae(token_rewards, values, mask, gamma, lam)
@@ -343,24 +404,33 @@ class PolicyUpdate:
             values, adv, returns = t.cpu().unbind(0)
         b.values, b.returns = values, returns
         if cfg.advantage in NEEDS_CRITIC:
-            b.advantages = (masked_whiten(adv, mask) * mask).to(b.behaviour_logp.dtype) if mask.any() \
-                else torch.zeros_like(mask)
+            b.advantages = (
+                (masked_whiten(adv, mask) * mask).to(b.behaviour_logp.dtype) if mask.any() else torch.zeros_like(mask)
+            )
 
     def train_step(self, groups, sampling: dict, version: int) -> dict:
         """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch (every rank gets all of it and
         trains its share). π_old is the policy at the start of the step (recomputed once when there is
         more than one update)."""
         rewards, tokens = self._rewards(groups)
-        b = collate(groups, [torch.zeros(len(r)) for r in rewards], version, self.pad_id, self.cfg.failed_reward,
-                    self.cfg.fallback_score)  # its advantages are set below, once π_old is known
+        b = collate(
+            groups,
+            [torch.zeros(len(r)) for r in rewards],
+            version,
+            self.pad_id,
+            self.cfg.failed_reward,
+            self.cfg.fallback_score,
+        )  # its advantages are set below, once π_old is known
         transform = sampling_transform(sampling)
         t0 = time.perf_counter()
         self.engine.train()
         n = len(b.lengths)
         multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
-        old = self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform) \
-            if multi or self._counts_rejected_sequences() or self._kl_in_reward() or self.cfg.advantage == "vtrace" \
+        old = (
+            self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform)
+            if multi or self._counts_rejected_sequences() or self._kl_in_reward() or self.cfg.advantage == "vtrace"
             else None
+        )
         kl_ref = None
         if self._kl_in_reward():  # verl's use_kl_in_reward: r − β Σ_t kl(π_old, π_ref), then the estimator
             kl, kl_tokens = self._sequence_kl(b, old, transform)
@@ -373,8 +443,11 @@ class PolicyUpdate:
             b.advantages = adv[:, None].to(b.advantages.dtype)
         steps = []
         for _ in range(self.cfg.ppo_epochs):
-            split = torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches) if multi \
+            split = (
+                torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches)
+                if multi
                 else [torch.arange(n)]
+            )
             for rows in split:
                 if len(rows):
                     steps.append(self._optimizer_step(b, rows, transform, old))
@@ -387,12 +460,17 @@ class PolicyUpdate:
         diag["grad_norm"] = max(norms) if norms else None
         diag["lr"] = float(self.engine.get_lr()[0])
         padded, forward = sum(d.pop("padded_tokens") for d in steps), sum(d.pop("forward_tokens") for d in steps)
-        diag.update(ratio_min=min(d["ratio_min"] for d in steps), ratio_max=max(d["ratio_max"] for d in steps),
-                    micro_batches=sum(d["micro_batches"] for d in steps),
-                    tokens_outside_kept_set=sum(d["tokens_outside_kept_set"] for d in steps),
-                    padding_fraction=padded / forward if forward else 0.0,
-                    compute_s=time.perf_counter() - t0, samples=n, tokens=int(b.loss_mask.sum()),
-                    staleness={str(k): v for k, v in sorted(Counter(b.staleness).items())})
+        diag.update(
+            ratio_min=min(d["ratio_min"] for d in steps),
+            ratio_max=max(d["ratio_max"] for d in steps),
+            micro_batches=sum(d["micro_batches"] for d in steps),
+            tokens_outside_kept_set=sum(d["tokens_outside_kept_set"] for d in steps),
+            padding_fraction=padded / forward if forward else 0.0,
+            compute_s=time.perf_counter() - t0,
+            samples=n,
+            tokens=int(b.loss_mask.sum()),
+            staleness={str(k): v for k, v in sorted(Counter(b.staleness).items())},
+        )
         diag.pop("padded_tokens"), diag.pop("forward_tokens")
         # optimizer steps of this batch skipped for a non-finite loss or gradient (and the first reason, when any)
         diag.update(updates_skipped=sum(s is not None for s in skipped), optimizer_steps=len(steps))
@@ -402,7 +480,9 @@ class PolicyUpdate:
             diag["kl_ref"] = kl_ref  # the mean per-token estimate of KL(π_old || π_ref) that went into the rewards
         if self.critic is not None:  # of the values before this step's update (verl's critic/* metrics)
             m = b.loss_mask.bool()
-            diag.update(explained_variance=explained_variance(b.returns, b.values, b.loss_mask),
-                        values_mean=float(b.values[m].mean()) if m.any() else 0.0,
-                        returns_mean=float(b.returns[m].mean()) if m.any() else 0.0)
+            diag.update(
+                explained_variance=explained_variance(b.returns, b.values, b.loss_mask),
+                values_mean=float(b.values[m].mean()) if m.any() else 0.0,
+                returns_mean=float(b.returns[m].mean()) if m.any() else 0.0,
+            )
         return diag

@@ -19,8 +19,16 @@ from broker.protocol.signing import AnnounceSigner
 from learner.config import LearnerConfig
 from learner.engine import full_state_dict
 from learner.lora import adapter_config, adapter_publication, merged_state_dict
-from learner.publish import (BackgroundPublisher, Progress, Publisher, fill, first_version, publication_dtype,
-                             resumed_versions, snapshot_buffers)
+from learner.publish import (
+    BackgroundPublisher,
+    Progress,
+    Publisher,
+    fill,
+    first_version,
+    publication_dtype,
+    resumed_versions,
+    snapshot_buffers,
+)
 from learner.transports import SenderContext, build_sender
 
 
@@ -31,18 +39,38 @@ class Versions:
     ``publish_refused_nonfinite`` (versions refused for non-finite weights) and ``publish_skipped``
     (versions replaced by a newer one while the publisher was busy)."""
 
-    def __init__(self, cfg: LearnerConfig, r, keys: Keys, announce_key: AnnounceSigner | None,
-                 weights_key: bytes | None, model, tokenizer, lora_scale: float | None, leader: bool, counts: Counter):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        r,
+        keys: Keys,
+        announce_key: AnnounceSigner | None,
+        weights_key: bytes | None,
+        model,
+        tokenizer,
+        lora_scale: float | None,
+        leader: bool,
+        counts: Counter,
+    ):
         self.cfg, self.r, self.keys, self.announce_key = cfg, r, keys, announce_key
         self.leader, self.lora_scale, self.counts = leader, lora_scale, counts
         # weights.transport: how each version reaches the generators beside its store copy (learner/transports.py)
         self.sender = build_sender(SenderContext(cfg, r, keys, announce_key, weights_key)) if leader else None
-        self.publisher = Publisher(r, keys, cfg.weight_store, tokenizer, cfg.keep_versions, announce_key,
-                                   publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16), cfg.weights.shard_mb,
-                                   self.sender.handoff if self.sender else None, cfg.weights.digest,
-                                   # never fewer than the staleness bound accepts
-                                   max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0,
-                                   hash_threads=cfg.weights.hash_threads)
+        self.publisher = Publisher(
+            r,
+            keys,
+            cfg.weight_store,
+            tokenizer,
+            cfg.keep_versions,
+            announce_key,
+            publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
+            cfg.weights.shard_mb,
+            self.sender.handoff if self.sender else None,
+            cfg.weights.digest,
+            # never fewer than the staleness bound accepts
+            max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0,
+            hash_threads=cfg.weights.hash_threads,
+        )
         if cfg.lora_adapters_published:
             self.publisher.adapter_config = adapter_config(model)
         # writes, seals and announces each version while the next steps train (the leader only)
@@ -96,8 +124,12 @@ class Versions:
         if self.leader:
             self.sender.stage(self.version, weights, self.publisher.dtype, self.tied)  # ipc: into a shared slot, now
             try:  # handed over before it is copied: the collective broadcast streams it as it fills
-                state = snapshot_buffers(weights, self.publisher.dtype, self.tied,
-                                         self.background.spare() or self.publisher.buffers(weights, self.tied))
+                state = snapshot_buffers(
+                    weights,
+                    self.publisher.dtype,
+                    self.tied,
+                    self.background.spare() or self.publisher.buffers(weights, self.tied),
+                )
                 progress = Progress()
                 self.background.submit(self.version, state, progress)
                 fill(state, weights, progress)

@@ -76,22 +76,40 @@ class WeightServer:
     :meth:`url` for an announcement, :meth:`close`. ``token``: the bearer token every request must
     carry (None: none asked). Counts requests by status and bytes sent (``counts``)."""
 
-    def __init__(self, store: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 advertise_url: str = "", workers: int = 8, max_connections: int = 64):
+    def __init__(
+        self,
+        store: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        advertise_url: str = "",
+        workers: int = 8,
+        max_connections: int = 64,
+    ):
         self.store = Path(store).resolve()
         self.token = token
         self.counts: Counter = Counter()
         self._lock = threading.Lock()
         self._manifests: dict[str, dict] = {}  # version folder name -> its manifest (sealed folders never change)
-        self.http = BoundedHTTPServer((host, port), _handler(self), workers=workers, max_connections=max_connections,
-                                      head_timeout_s=10.0, write_timeout_s=60.0)
+        self.http = BoundedHTTPServer(
+            (host, port),
+            _handler(self),
+            workers=workers,
+            max_connections=max_connections,
+            head_timeout_s=10.0,
+            write_timeout_s=60.0,
+        )
         bound_host, bound_port = self.http.server_address
         self.base_url = (advertise_url or f"http://{_url_host(bound_host)}:{bound_port}").rstrip("/")
 
     def start(self) -> "WeightServer":
         self.http.start(name="weight-server")
-        log.info("serving the weight store %s at %s%s", self.store, self.base_url,
-                 " (bearer token required)" if self.token else " (no authentication: weights.auth insecure)")
+        log.info(
+            "serving the weight store %s at %s%s",
+            self.store,
+            self.base_url,
+            " (bearer token required)" if self.token else " (no authentication: weights.auth insecure)",
+        )
         return self
 
     def url(self, version: int) -> str:
@@ -165,14 +183,22 @@ def wait_until_served(r, keys, version: int, timeout_s: float, fresh_s: float = 
     deadline = time.monotonic() + timeout_s
     while True:
         now = time.time()
-        behind = sorted(gid for gid, hb in read_heartbeats(r, keys).items()
-                        if hb.last_seen is not None and now - hb.last_seen < fresh_s
-                        and (hb.version is None or hb.version < version))
+        behind = sorted(
+            gid
+            for gid, hb in read_heartbeats(r, keys).items()
+            if hb.last_seen is not None
+            and now - hb.last_seen < fresh_s
+            and (hb.version is None or hb.version < version)
+        )
         if not behind:
             return True
         if time.monotonic() >= deadline:
-            log.warning("stopped serving the weights with generator(s) %s still short of version %d after %.0fs",
-                        ", ".join(behind), version, timeout_s)
+            log.warning(
+                "stopped serving the weights with generator(s) %s still short of version %d after %.0fs",
+                ", ".join(behind),
+                version,
+                timeout_s,
+            )
             return False
         time.sleep(0.2)
 
@@ -231,8 +257,12 @@ def _handler(server: WeightServer) -> type[BaseHTTPRequestHandler]:
             if server.token is not None:
                 given = self.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {server.token}".encode()):
-                    self._reply(401, "a bearer token is required (derived from the run's weights key)",
-                                {"WWW-Authenticate": "Bearer"}, body)
+                    self._reply(
+                        401,
+                        "a bearer token is required (derived from the run's weights key)",
+                        {"WWW-Authenticate": "Bearer"},
+                        body,
+                    )
                     return
             found = server.open(self.path.split("?", 1)[0])
             if found is None:

@@ -49,13 +49,26 @@ class AuthFirst:
         self.app, self.token, self.paths = app, token, paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.token or scope["path"] not in self.paths \
-                or token_ok(scope.get("headers") or [], self.token):
+        if (
+            scope["type"] != "http"
+            or not self.token
+            or scope["path"] not in self.paths
+            or token_ok(scope.get("headers") or [], self.token)
+        ):
             return await self.app(scope, receive, send)
         body = b'{"detail":"missing or wrong bearer token"}'
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer"), (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -150,16 +163,25 @@ class BodyLimit:
 
     async def _reject(self, send):
         body = f'{{"detail":"request body exceeds max_request_bytes ({self.limit})"}}'.encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
 def create_app(cfg: RewardConfig) -> FastAPI:
     scorer = Scorer(cfg)
     if not cfg.auth_token:  # allowed on loopback only (RewardConfig), where other local users still reach it
-        log.warning("no auth_token: any process that reaches %s:%s can call POST /score (relay up sets one per "
-                    "run; docs/rewards.md, Security)", cfg.host, cfg.port)
+        log.warning(
+            "no auth_token: any process that reaches %s:%s can call POST /score (relay up sets one per "
+            "run; docs/rewards.md, Security)",
+            cfg.host,
+            cfg.port,
+        )
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -167,8 +189,12 @@ def create_app(cfg: RewardConfig) -> FastAPI:
         yield
         await scorer.close()
 
-    app = FastAPI(title="Relay reward service", version="2", lifespan=lifespan,
-                  description="Batch scoring through reward plugins; a failure is a failed item, never a silent 0.")
+    app = FastAPI(
+        title="Relay reward service",
+        version="2",
+        lifespan=lifespan,
+        description="Batch scoring through reward plugins; a failure is a failed item, never a silent 0.",
+    )
     app.state.scorer = scorer
     # the last added runs first: the token before the body limit before anything reads the body
     app.add_middleware(CancelOnDisconnect, abandoned=scorer.metrics.abandoned.inc)
@@ -182,21 +208,32 @@ def create_app(cfg: RewardConfig) -> FastAPI:
         if cred is None or not hmac.compare_digest(cred.credentials.encode(), cfg.auth_token.encode()):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.post("/score", response_model=ScoreResponse, dependencies=[Depends(authorize)],
-              responses={401: {"description": "missing or wrong bearer token"},
-                         413: {"description": "request body or batch too large"}})
+    @app.post(
+        "/score",
+        response_model=ScoreResponse,
+        dependencies=[Depends(authorize)],
+        responses={
+            401: {"description": "missing or wrong bearer token"},
+            413: {"description": "request body or batch too large"},
+        },
+    )
     async def score(req: ScoreRequest) -> ScoreResponse:
         if len(req.items) > cfg.max_batch:
             raise HTTPException(413, f"batch of {len(req.items)} items exceeds max_batch {cfg.max_batch}")
-        items = [P.Item(it.prompt, it.completion, it.reference, it.finished, it.task, it.metadata, it.num_tokens)
-                 for it in req.items]
+        items = [
+            P.Item(it.prompt, it.completion, it.reference, it.finished, it.task, it.metadata, it.num_tokens)
+            for it in req.items
+        ]
         return ScoreResponse(results=await scorer.score(items))
 
     @app.get("/plugins")
     async def plugins() -> dict:
-        return {"plugins": sorted(scorer.known),
-                "instances": {n: i.name for n, i in sorted(scorer.instances.items())},
-                "task_plugins": cfg.task_plugins, "route_field": cfg.route_field}
+        return {
+            "plugins": sorted(scorer.known),
+            "instances": {n: i.name for n, i in sorted(scorer.instances.items())},
+            "task_plugins": cfg.task_plugins,
+            "route_field": cfg.route_field,
+        }
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> str:

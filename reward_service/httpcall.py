@@ -50,29 +50,48 @@ class HttpOptions(StrictModel):
     """How a plugin calls a remote server (shared by ``remote`` and ``judge``, and the ``remote`` environment)."""
 
     timeout_s: float = Field(5.0, gt=0, le=3600, description="timeout of one attempt (connect + read)")
-    retries: int = Field(2, ge=0, le=20, description="retries after a failed attempt (timeouts, connection "
-                         "errors, 5xx, 429)")
+    retries: int = Field(
+        2, ge=0, le=20, description="retries after a failed attempt (timeouts, connection errors, 5xx, 429)"
+    )
     backoff_s: float = Field(0.2, ge=0, le=60, description="first retry delay; doubles each retry (with jitter)")
     backoff_max_s: float = Field(5.0, ge=0, le=600, description="longest retry delay")
     max_concurrency: int = Field(4, ge=1, le=1024, description="requests in flight to this server at most")
-    breaker_failures: int = Field(5, ge=1, description="consecutive failed attempts that open the circuit breaker "
-                                  "(timeouts, connection errors, 5xx, 429; a 4xx or a reply that is not JSON does "
-                                  "not count)")
-    breaker_reset_s: float = Field(10.0, gt=0, description="seconds the breaker stays open before one trial "
-                                   "request (half-open)")
-    token_env: str = Field("", description="name of an environment variable holding a bearer token for the "
-                           "remote (preferred over `token`: keeps the secret out of config files)")
+    breaker_failures: int = Field(
+        5,
+        ge=1,
+        description="consecutive failed attempts that open the circuit breaker "
+        "(timeouts, connection errors, 5xx, 429; a 4xx or a reply that is not JSON does "
+        "not count)",
+    )
+    breaker_reset_s: float = Field(
+        10.0, gt=0, description="seconds the breaker stays open before one trial request (half-open)"
+    )
+    token_env: str = Field(
+        "",
+        description="name of an environment variable holding a bearer token for the "
+        "remote (preferred over `token`: keeps the secret out of config files)",
+    )
     token: str = Field("", description="bearer token for the remote, inline")
     headers: dict[str, str] = Field(default_factory=dict, description="extra request headers")
-    ca_file: str = Field("", description="https: PEM file of the certificates to verify the server against "
-                         "(a private CA, or the server's own self-signed certificate) instead of the system's CAs")
-    pin_sha256: str = Field("", pattern=r"^([0-9a-f]{64})?$", description="https: SHA-256 of the server "
-                            "certificate's DER bytes (64 lowercase hex digits); any other certificate is refused "
-                            "before the request is sent, on top of the CA check (`openssl x509 -in cert.pem "
-                            "-outform der | sha256sum`)")
-    allow_plain_http: bool = Field(False, description="accept an http:// url to a host that is not loopback (the "
-                                   "token, prompts and reference answers then travel unencrypted to whoever holds "
-                                   "that address); refused otherwise")
+    ca_file: str = Field(
+        "",
+        description="https: PEM file of the certificates to verify the server against "
+        "(a private CA, or the server's own self-signed certificate) instead of the system's CAs",
+    )
+    pin_sha256: str = Field(
+        "",
+        pattern=r"^([0-9a-f]{64})?$",
+        description="https: SHA-256 of the server "
+        "certificate's DER bytes (64 lowercase hex digits); any other certificate is refused "
+        "before the request is sent, on top of the CA check (`openssl x509 -in cert.pem "
+        "-outform der | sha256sum`)",
+    )
+    allow_plain_http: bool = Field(
+        False,
+        description="accept an http:// url to a host that is not loopback (the "
+        "token, prompts and reference answers then travel unencrypted to whoever holds "
+        "that address); refused otherwise",
+    )
 
     @model_validator(mode="after")
     def _transport(self) -> "HttpOptions":
@@ -88,8 +107,10 @@ def resolve_token(opts: HttpOptions) -> str:
     if opts.token_env:
         token = os.environ.get(opts.token_env, "")
         if not token:
-            raise ValueError(f"token_env names {opts.token_env!r}, which is not set in the environment: "
-                             f"export {opts.token_env}=<token> before starting")
+            raise ValueError(
+                f"token_env names {opts.token_env!r}, which is not set in the environment: "
+                f"export {opts.token_env}=<token> before starting"
+            )
         return token
     return opts.token
 
@@ -156,9 +177,12 @@ class HttpCaller:
     def _ensure(self) -> None:
         if self.client is None:  # created in the event loop that uses it
             self.sem = asyncio.Semaphore(self.opts.max_concurrency)
-            self.client = httpx.AsyncClient(timeout=self.opts.timeout_s, headers=self.headers,
-                                            limits=httpx.Limits(max_connections=self.opts.max_concurrency),
-                                            verify=tls_context(self.opts.ca_file, self.opts.pin_sha256))
+            self.client = httpx.AsyncClient(
+                timeout=self.opts.timeout_s,
+                headers=self.headers,
+                limits=httpx.Limits(max_connections=self.opts.max_concurrency),
+                verify=tls_context(self.opts.ca_file, self.opts.pin_sha256),
+            )
 
     async def close(self) -> None:
         if self.client is not None:
@@ -179,12 +203,15 @@ class HttpCaller:
                 self.observer.request("circuit_open")
                 if last is not None:  # this call did reach the server: report what actually went wrong
                     raise last
-                raise CallFailed("circuit_open", f"{self.breaker.consecutive} consecutive failures; "
-                                 f"retrying after {self.opts.breaker_reset_s}s")
+                raise CallFailed(
+                    "circuit_open",
+                    f"{self.breaker.consecutive} consecutive failures; retrying after {self.opts.breaker_reset_s}s",
+                )
             try:
                 async with self.sem:
-                    resp = await self.client.post(self.url + path, content=body,
-                                                  headers={"Content-Type": "application/json"})
+                    resp = await self.client.post(
+                        self.url + path, content=body, headers={"Content-Type": "application/json"}
+                    )
             except httpx.TimeoutException as e:
                 last = CallFailed("timeout", f"no reply within {self.opts.timeout_s}s ({type(e).__name__})")
             except httpx.TransportError as e:
@@ -201,7 +228,9 @@ class HttpCaller:
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
                         self.breaker.record(True)  # it answered: not an outage (the module's docstring)
                         self.observer.request("malformed")
-                        raise CallFailed("malformed", f"reply is not JSON: {e}; body starts {resp.text[:80]!r}") from None
+                        raise CallFailed(
+                            "malformed", f"reply is not JSON: {e}; body starts {resp.text[:80]!r}"
+                        ) from None
                     self.breaker.record(True)
                     self.observer.request("ok")
                     return data

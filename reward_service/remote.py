@@ -31,8 +31,7 @@ from reward_service.plugins import Item, Result, RewardPlugin, register
 class RemoteOptions(HttpOptions):
     """A remote reward server."""
 
-    url: str = Field(description="the server's scoring URL, e.g. http://127.0.0.1:9000/score",
-                     pattern=r"^https?://")
+    url: str = Field(description="the server's scoring URL, e.g. http://127.0.0.1:9000/score", pattern=r"^https?://")
     max_batch_items: int = Field(256, ge=1, le=65536, description="items per request at most")
 
 
@@ -50,8 +49,9 @@ def parse_result(r, where: str) -> Result:
         return Result.failed(f"remote_malformed: {where} score {str(score)[:40]!r} is not a finite number")
     details = r.get("details", {})
     if not isinstance(details, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            for k, v in details.items()):
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for k, v in details.items()
+    ):
         return Result.failed(f"remote_malformed: {where} details must map names to finite numbers")
     return Result(float(score), details={k: float(v) for k, v in details.items()})
 
@@ -69,7 +69,7 @@ class RemotePlugin(RewardPlugin):
 
     async def score(self, items: list[Item]) -> list[Result]:
         n = self.options.max_batch_items
-        chunks = [items[i:i + n] for i in range(0, len(items), n)]
+        chunks = [items[i : i + n] for i in range(0, len(items), n)]
         parts = await asyncio.gather(*(self._score_chunk(c) for c in chunks))
         return [r for part in parts for r in part]
 

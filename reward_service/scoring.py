@@ -32,25 +32,50 @@ def reason_code(reason: str) -> str:
 
 
 def content_key(plugin: str, it: P.Item) -> bytes:
-    return hashlib.sha256(json.dumps([plugin, it.prompt, it.completion, it.reference, it.finished, it.task,
-                                      it.metadata, it.num_tokens], sort_keys=True, default=str).encode()).digest()
+    return hashlib.sha256(
+        json.dumps(
+            [plugin, it.prompt, it.completion, it.reference, it.finished, it.task, it.metadata, it.num_tokens],
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).digest()
 
 
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.items = Counter("relay_reward_items", "items scored, by plugin, status and failure reason",
-                             ["plugin", "status", "reason"], registry=r)
-        self.latency = Histogram("relay_reward_batch_seconds", "time to score one batch, per plugin", ["plugin"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("relay_reward_remote_requests", "outbound requests of remote/judge plugins, by "
-                                "outcome", ["plugin", "outcome"], registry=r)
-        self.circuit = Gauge("relay_reward_circuit_open", "1 while the plugin's circuit breaker is open or "
-                             "half-open", ["plugin"], registry=r)
+        self.items = Counter(
+            "relay_reward_items",
+            "items scored, by plugin, status and failure reason",
+            ["plugin", "status", "reason"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "relay_reward_batch_seconds",
+            "time to score one batch, per plugin",
+            ["plugin"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "relay_reward_remote_requests",
+            "outbound requests of remote/judge plugins, by outcome",
+            ["plugin", "outcome"],
+            registry=r,
+        )
+        self.circuit = Gauge(
+            "relay_reward_circuit_open",
+            "1 while the plugin's circuit breaker is open or half-open",
+            ["plugin"],
+            registry=r,
+        )
         self.cache = Counter("relay_reward_cache", "content-hash cache lookups", ["plugin", "result"], registry=r)
-        self.abandoned = Counter("relay_reward_abandoned_requests", "requests whose client went away before the "
-                                 "reply: their scoring was cancelled", registry=r)
+        self.abandoned = Counter(
+            "relay_reward_abandoned_requests",
+            "requests whose client went away before the reply: their scoring was cancelled",
+            registry=r,
+        )
 
 
 class _Observer(P.Observer):
@@ -76,7 +101,7 @@ class Scorer:
         for name, pc in cfg.plugins.items():
             self._build(name, pc)
         for route in cfg.task_plugins.values():
-            for name in ([route] if isinstance(route, str) else route):
+            for name in [route] if isinstance(route, str) else route:
                 if name not in self.instances:
                     self._build(name, PluginConfig(type=name))
 
@@ -158,8 +183,10 @@ class Scorer:
             try:
                 out = await inst.score(batch)
                 if not isinstance(out, list) or len(out) != len(batch):
-                    raise ValueError(f"plugin returned {len(out) if isinstance(out, list) else type(out).__name__} "
-                                     f"results for {len(batch)} items")
+                    raise ValueError(
+                        f"plugin returned {len(out) if isinstance(out, list) else type(out).__name__} "
+                        f"results for {len(batch)} items"
+                    )
             except Exception as e:  # a plugin bug fails its items visibly; the service keeps serving
                 log.exception("plugin %s failed on a batch of %d", name, len(batch))
                 out = [P.Result.failed(f"plugin_error: {type(e).__name__}: {e}"[:300])] * len(batch)
@@ -184,7 +211,7 @@ class Scorer:
         routes = [self.route(it) for it in items]
         need: dict[str, list[int]] = {}
         for i, (label, weights) in enumerate(routes):
-            for name in (weights or [label]):
+            for name in weights or [label]:
                 need.setdefault(name, []).append(i)
         names = list(need)
         outs = await asyncio.gather(*(self._run_plugin(n, [items[i] for i in need[n]]) for n in names))
@@ -193,7 +220,9 @@ class Scorer:
         for i, (label, weights) in enumerate(routes):
             if weights is None:
                 r = per[label][i]
-                scored.append(ResultOut(score=r.score, status=r.status, reason=r.reason, plugin=label, details=r.details))
+                scored.append(
+                    ResultOut(score=r.score, status=r.status, reason=r.reason, plugin=label, details=r.details)
+                )
                 continue
             total, details, failed = 0.0, {}, None
             for name, w in weights.items():
@@ -218,7 +247,9 @@ def _checked(r) -> P.Result:
     if not isinstance(r, P.Result):
         return P.Result.failed(f"plugin_error: returned {type(r).__name__}, not a Result")
     if r.status == "failed":
-        return r if r.score is None and r.reason else P.Result.failed(r.reason or "plugin_error: failed without a reason")
+        return (
+            r if r.score is None and r.reason else P.Result.failed(r.reason or "plugin_error: failed without a reason")
+        )
     if r.status != "ok":
         return P.Result.failed(f"plugin_error: unknown status {r.status!r}")
     if isinstance(r.score, bool) or not isinstance(r.score, (int, float)) or not math.isfinite(r.score):

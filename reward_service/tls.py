@@ -78,10 +78,12 @@ def check_transport(url: str, ca_file: str, pin_sha256: str, allow_plain_http: b
         if ca_file or pin_sha256:
             raise ValueError(f"ca_file and pin_sha256 need an https:// url, not {url!r}")
         if not allow_plain_http and not is_loopback(parts.hostname or ""):
-            raise ValueError(f"url {url!r} is plain http to a host other than loopback: its bearer token, prompts "
-                             "and reference answers would go to whoever holds that address. Use https:// (with "
-                             "ca_file and/or pin_sha256 for a private server), or set allow_plain_http = true on "
-                             "a network you trust")
+            raise ValueError(
+                f"url {url!r} is plain http to a host other than loopback: its bearer token, prompts "
+                "and reference answers would go to whoever holds that address. Use https:// (with "
+                "ca_file and/or pin_sha256 for a private server), or set allow_plain_http = true on "
+                "a network you trust"
+            )
     if ca_file:
         try:
             ssl.create_default_context(cafile=ca_file)

@@ -82,7 +82,9 @@ def pytest_terminal_summary(terminalreporter):
     if not slow or slow[0][0] < 10:
         return
     total_wall, total_cpu = sum(t[0] for t in _TIMES), sum(t[1] for t in _TIMES)
-    terminalreporter.section(f"wall vs CPU seconds (pytest and its child processes), {len(_TIMES)} tests: "
-                             f"{total_wall:.0f} s wall, {total_cpu:.0f} s CPU")
+    terminalreporter.section(
+        f"wall vs CPU seconds (pytest and its child processes), {len(_TIMES)} tests: "
+        f"{total_wall:.0f} s wall, {total_cpu:.0f} s CPU"
+    )
     for wall, cpu, nodeid in slow:
         terminalreporter.write_line(f"{wall:8.1f}s wall {cpu:8.1f}s cpu  {cpu / wall:4.2f} cores  {nodeid}")

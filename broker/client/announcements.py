@@ -17,8 +17,14 @@ import redis
 from broker.protocol import signing
 from broker.protocol.codec import ProtocolError
 from broker.protocol.keys import Keys
-from broker.protocol.messages import (Announcement, RunInfo, decode_announcement, decode_run_info,
-                                      encode_announcement, encode_run_fields)
+from broker.protocol.messages import (
+    Announcement,
+    RunInfo,
+    decode_announcement,
+    decode_run_info,
+    encode_announcement,
+    encode_run_fields,
+)
 
 
 class ForgedAnnouncement(Exception):
@@ -30,7 +36,9 @@ class ForgedAnnouncement(Exception):
         self.announcement, self.reason = announcement, reason
 
 
-def announce(r: redis.Redis, keys: Keys, a: Announcement, key: signing.AnnounceSigner | None = None, versions_kept: int = 0) -> None:
+def announce(
+    r: redis.Redis, keys: Keys, a: Announcement, key: signing.AnnounceSigner | None = None, versions_kept: int = 0
+) -> None:
     """Make version ``a.version`` the latest (a key), record it in ``versions`` (so anyone can
     check the hash a generator serves for a recent version), and tell subscribers (pub/sub); signed
     with ``key`` (the run's announcement key) when given. ``versions_kept`` > 0: the record of version
@@ -87,14 +95,18 @@ def newest_signed(r: redis.Redis, keys: Keys, key: signing.AnnounceVerifier) -> 
             a = decode_announcement(raw)
         except ProtocolError:
             continue  # a bare hash (a run from before signing) or garbage: not signed
-        if str(a.version).encode() == field and signing.check(key, keys.run_id, a) is None \
-                and (best is None or a.version > best.version):
+        if (
+            str(a.version).encode() == field
+            and signing.check(key, keys.run_id, a) is None
+            and (best is None or a.version > best.version)
+        ):
             best = a
     return best
 
 
-def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int],
-                     key: signing.AnnounceVerifier | None = None) -> dict[int, str | None]:
+def announced_hashes(
+    r: redis.Redis, keys: Keys, versions: list[int], key: signing.AnnounceVerifier | None = None
+) -> dict[int, str | None]:
     """The hash announced for each of ``versions`` (None when that version was never announced,
     or, with ``key``, when its entry is not signed by that key or cannot be read)."""
     versions = sorted(set(versions))
@@ -104,7 +116,9 @@ def announced_hashes(r: redis.Redis, keys: Keys, versions: list[int],
     return {v: _entry_hash(keys, v, raw, key) for v, raw in zip(versions, got)}
 
 
-def signed_announcement(r: redis.Redis, keys: Keys, version: int, key: signing.AnnounceVerifier | None = None) -> Announcement | None:
+def signed_announcement(
+    r: redis.Redis, keys: Keys, version: int, key: signing.AnnounceVerifier | None = None
+) -> Announcement | None:
     """The announcement of ``version`` (None when it was never announced, or, with ``key``, when its
     entry is not signed by that key or cannot be read)."""
     return _entry(keys, version, r.hget(keys.versions, str(version)), key)

@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 def ensure_groups(r: redis.Redis, keys: Keys) -> None:
     """Create the streams and their consumer groups (idempotent): prompts and eval prompts for the
     generators, trajectories for the learner."""
-    for stream, group in ((keys.prompts, PROMPTS_GROUP), (keys.trajectories, TRAJECTORIES_GROUP),
-                          (keys.eval_prompts, PROMPTS_GROUP)):
+    for stream, group in (
+        (keys.prompts, PROMPTS_GROUP),
+        (keys.trajectories, TRAJECTORIES_GROUP),
+        (keys.eval_prompts, PROMPTS_GROUP),
+    ):
         try:
             r.xgroup_create(stream, group, id="0", mkstream=True)
         except redis.ResponseError as e:
@@ -53,8 +56,9 @@ def _prompts(entries) -> list[tuple[bytes, PromptEntry]]:
 # prompts and eval prompts: claimed by generators, released once their work is safe
 
 
-def claim_abandoned(r: redis.Redis, stream: str, consumer: str, idle_s: float, count: int
-                    ) -> list[tuple[bytes, PromptEntry]]:
+def claim_abandoned(
+    r: redis.Redis, stream: str, consumer: str, idle_s: float, count: int
+) -> list[tuple[bytes, PromptEntry]]:
     """Up to ``count`` entries of ``stream`` that another consumer has held for ``idle_s`` (a dead
     generator's), now ``consumer``'s."""
     _, claimed, _ = r.xautoclaim(stream, PROMPTS_GROUP, consumer, int(idle_s * 1000), count=count)
@@ -69,8 +73,9 @@ def renew_claims(r: redis.Redis, stream: str, consumer: str, eids: list[bytes]) 
     return set(r.register_script(scripts.RENEW_CLAIMS)(keys=[stream], args=[PROMPTS_GROUP, consumer, *eids]))
 
 
-def claim_new(r: redis.Redis, stream: str, consumer: str, count: int, block_ms: int | None = None
-              ) -> list[tuple[bytes, PromptEntry]]:
+def claim_new(
+    r: redis.Redis, stream: str, consumer: str, count: int, block_ms: int | None = None
+) -> list[tuple[bytes, PromptEntry]]:
     """Up to ``count`` entries of ``stream`` no generator has read yet, waiting up to ``block_ms``."""
     resp = r.xreadgroup(PROMPTS_GROUP, consumer, {stream: ">"}, count=count, block=block_ms)
     return [e for _, entries in resp or [] for e in _prompts(entries)]
@@ -111,11 +116,23 @@ def read_eval_results(r: redis.Redis, keys: Keys, after: str = "-", count: int =
 # admission control (AReaL's rule, with drops and rejections given back)
 
 
-def admit_and_claim(r: redis.Redis, keys: Keys, consumer: str, want: int) -> tuple[int, list[tuple[bytes, PromptEntry]]]:
+def admit_and_claim(
+    r: redis.Redis, keys: Keys, consumer: str, want: int
+) -> tuple[int, list[tuple[bytes, PromptEntry]]]:
     """Admission and the claim of up to ``want`` new prompts in one atomic step: (grant, prompts claimed),
     ``issued`` raised by exactly the prompts claimed. Grant 0: the producer is at the staleness bound."""
-    grant, entries = r.eval(scripts.ADMIT_CLAIM, 5, keys.admission, keys.stats("learner"), keys.stats("broker"),
-                            keys.issued, keys.prompts, want, PROMPTS_GROUP, consumer)
+    grant, entries = r.eval(
+        scripts.ADMIT_CLAIM,
+        5,
+        keys.admission,
+        keys.stats("learner"),
+        keys.stats("broker"),
+        keys.issued,
+        keys.prompts,
+        want,
+        PROMPTS_GROUP,
+        consumer,
+    )
     # a script's reply is raw: each entry [id, [field, value, ...]]
     return int(grant), _prompts((eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries)
 
@@ -131,8 +148,14 @@ _stage_count = itertools.count()
 STAGED_TTL_MS = 60_000
 
 
-def append_groups(pipe, keys: Keys, max_queue_groups: int, max_queue_bytes: int,
-                  groups: list[tuple[Group | GroupHead, bytes | memoryview]], window: int = RECORD_WINDOW) -> None:
+def append_groups(
+    pipe,
+    keys: Keys,
+    max_queue_groups: int,
+    max_queue_bytes: int,
+    groups: list[tuple[Group | GroupHead, bytes | memoryview]],
+    window: int = RECORD_WINDOW,
+) -> None:
     """Queue on ``pipe`` the atomic append of a batch of valid groups (the bounds in groups and in bytes,
     de-dup over the last ``window`` to 2 x ``window`` group ids, XADD, counters). ``pipe`` must be a
     transaction (``r.pipeline()``): each message is SET under a staged key that the script renames to
@@ -147,14 +170,28 @@ def append_groups(pipe, keys: Keys, max_queue_groups: int, max_queue_bytes: int,
         args += [g.group_id, len(payload), g.min_version, g.generator_id]
     # EVAL, not EVALSHA: a pipeline's registered script costs a SCRIPT EXISTS round trip per
     # execute, and Redis caches the compiled body anyway
-    pipe.eval(scripts.APPEND_BATCH, 6 + len(staged), keys.seen, keys.trajectories, keys.stats("broker"),
-              keys.queue_bytes, keys.queue_sizes, keys.seen_prev, *staged, *args)
+    pipe.eval(
+        scripts.APPEND_BATCH,
+        6 + len(staged),
+        keys.seen,
+        keys.trajectories,
+        keys.stats("broker"),
+        keys.queue_bytes,
+        keys.queue_sizes,
+        keys.seen_prev,
+        *staged,
+        *args,
+    )
 
 
 def dead_letter(pipe, keys: Keys, reason: str, detail: str, payload: bytes, keep: int) -> None:
     """Keep a rejected message (its first 64 KiB) for inspection, capped at about ``keep`` entries."""
-    pipe.xadd(keys.dead_letter, {"reason": reason, "detail": detail[:500], "data": payload[:65536]},
-              maxlen=keep, approximate=True)
+    pipe.xadd(
+        keys.dead_letter,
+        {"reason": reason, "detail": detail[:500], "data": payload[:65536]},
+        maxlen=keep,
+        approximate=True,
+    )
 
 
 def queued_bytes(r: redis.Redis, keys: Keys) -> int:
@@ -202,8 +239,13 @@ class TrajectoryReader:
         after a restart), each once, then new ones. Undecodable entries come back as (id, None) so
         they are dropped and counted."""
         start = self._pending_cursor or ">"
-        resp = self.r.xreadgroup(TRAJECTORIES_GROUP, self.consumer, {self.keys.trajectories: start},
-                                 count=want, block=None if start != ">" else block_ms)
+        resp = self.r.xreadgroup(
+            TRAJECTORIES_GROUP,
+            self.consumer,
+            {self.keys.trajectories: start},
+            count=want,
+            block=None if start != ">" else block_ms,
+        )
         entries = resp[0][1] if resp else []
         if start != ">":
             # the pending list keeps what we read until it is acknowledged: continue after the last id
@@ -254,8 +296,9 @@ def decode_entries(r: redis.Redis, keys: Keys, entries: list) -> list[tuple[byte
     return out
 
 
-def read_groups(r: redis.Redis, keys: Keys, after: bytes | str = "-", count: int | None = None
-                ) -> list[tuple[bytes, Group | None]]:
+def read_groups(
+    r: redis.Redis, keys: Keys, after: bytes | str = "-", count: int | None = None
+) -> list[tuple[bytes, Group | None]]:
     """The trajectories entries after stream id ``after`` (exclusive; "-" from the start), decoded, without
     reading them for the learner (no consumer group): for tools, benchmarks and tests."""
     after = after.decode() if isinstance(after, bytes) else after
@@ -274,20 +317,40 @@ def commit(r: redis.Redis, keys: Keys, entries: list[tuple[str, str]], step: int
     over the last ``window`` to 2 x ``window`` ids, the log, the ``committed`` counter); the number recorded."""
     if not entries:
         return 0
-    return int(r.register_script(scripts.COMMIT)(
-        keys=[keys.trained, keys.trained_log, keys.trajectories, keys.counted, keys.queue_bytes, keys.queue_sizes,
-              keys.trained_prev, keys.stats("learner"), *[keys.payload(eid) for eid, _ in entries]],
-        args=[step, TRAJECTORIES_GROUP, window, *[x for e in entries for x in e]]))
+    return int(
+        r.register_script(scripts.COMMIT)(
+            keys=[
+                keys.trained,
+                keys.trained_log,
+                keys.trajectories,
+                keys.counted,
+                keys.queue_bytes,
+                keys.queue_sizes,
+                keys.trained_prev,
+                keys.stats("learner"),
+                *[keys.payload(eid) for eid, _ in entries],
+            ],
+            args=[step, TRAJECTORIES_GROUP, window, *[x for e in entries for x in e]],
+        )
+    )
 
 
 def drop(r: redis.Redis, keys: Keys, drops: list[tuple[bytes | str, str, str]], window: int = RECORD_WINDOW) -> None:
     """Record (the log keeps about ``window`` entries), acknowledge, delete and count dropped groups
     ``(stream id, group id, reason)`` in one step."""
     if drops:
-        r.register_script(scripts.DROP)(keys=[keys.dropped_log, keys.trajectories, keys.counted,
-                                              keys.stats("learner"), keys.queue_bytes, keys.queue_sizes,
-                                              *[keys.payload(d[0]) for d in drops]],
-                                        args=[TRAJECTORIES_GROUP, window, *[x for d in drops for x in d]])
+        r.register_script(scripts.DROP)(
+            keys=[
+                keys.dropped_log,
+                keys.trajectories,
+                keys.counted,
+                keys.stats("learner"),
+                keys.queue_bytes,
+                keys.queue_sizes,
+                *[keys.payload(d[0]) for d in drops],
+            ],
+            args=[TRAJECTORIES_GROUP, window, *[x for d in drops for x in d]],
+        )
 
 
 def audit_counts(r: redis.Redis, keys: Keys) -> dict[str, int]:
@@ -298,9 +361,11 @@ def audit_counts(r: redis.Redis, keys: Keys) -> dict[str, int]:
     log = [f[b"gid"] for _, f in r.xrange(keys.trained_log)]
     committed = learner.get(b"committed")
     dropped = learner.get(b"dropped")
-    return {"accepted": int(broker.get(b"accepted", 0)),
-            # a run whose Redis predates the counters: its logs are whole (nothing was ever trimmed)
-            "committed": int(committed) if committed is not None else len(set(log)),
-            "dropped": int(dropped) if dropped is not None else len({f[b"gid"] for _, f in r.xrange(keys.dropped_log)}),
-            "queued": int(r.xlen(keys.trajectories)),
-            "committed_again": len(log) - len(set(log))}
+    return {
+        "accepted": int(broker.get(b"accepted", 0)),
+        # a run whose Redis predates the counters: its logs are whole (nothing was ever trimmed)
+        "committed": int(committed) if committed is not None else len(set(log)),
+        "dropped": int(dropped) if dropped is not None else len({f[b"gid"] for _, f in r.xrange(keys.dropped_log)}),
+        "queued": int(r.xlen(keys.trajectories)),
+        "committed_again": len(log) - len(set(log)),
+    }

@@ -21,8 +21,12 @@ from broker.protocol.messages import Ack, decode_ack
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class GroupSender:
@@ -36,8 +40,9 @@ class GroupSender:
     ``RunInfo.ingest_addresses``): the socket connects to each and ZeroMQ spreads the groups over them.
     """
 
-    def __init__(self, address: str, timeout_s: float = 10.0, busy_wait_s: float = 0.05,
-                 curve: CurveClientKeys | None = None):
+    def __init__(
+        self, address: str, timeout_s: float = 10.0, busy_wait_s: float = 0.05, curve: CurveClientKeys | None = None
+    ):
         self.address = address
         self.curve = curve  # None: plain ZMTP (a broker with ingest_auth = "insecure")
         self.timeout_s = timeout_s
@@ -78,32 +83,46 @@ class GroupSender:
             while waiting:
                 left = deadline - time.monotonic()
                 if left <= 0 or not events.poll(int(left * 1000)):
-                    raise TimeoutError(f"no handshake with {', '.join(sorted(waiting))} in {timeout_s}s (is the broker "
-                                       "up, and does ingest_auth match?)")
+                    raise TimeoutError(
+                        f"no handshake with {', '.join(sorted(waiting))} in {timeout_s}s (is the broker "
+                        "up, and does ingest_auth match?)"
+                    )
                 event = recv_monitor_message(events)
                 endpoint = event["endpoint"].decode() if isinstance(event["endpoint"], bytes) else event["endpoint"]
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     waiting.discard(endpoint)
                 elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    raise PermissionError(f"broker {endpoint} refused this producer's key (status {event['value']}): "
-                                          "is it in the broker's allow-list (docs/security.md)?")
+                    raise PermissionError(
+                        f"broker {endpoint} refused this producer's key (status {event['value']}): "
+                        "is it in the broker's allow-list (docs/security.md)?"
+                    )
                 else:  # a protocol error, or no detail: most often one side with CURVE and the other without
-                    raise ConnectionError(f"handshake with {endpoint} failed (ZeroMQ event {event['event']}): does "
-                                          "ingest_auth match the broker's?")
+                    raise ConnectionError(
+                        f"handshake with {endpoint} failed (ZeroMQ event {event['event']}): does "
+                        "ingest_auth match the broker's?"
+                    )
         finally:
             self.sock.disable_monitor()
             events.close(linger=0)
 
-    def send(self, group_id: str, payload: bytes, give_up_s: float = 3600.0,
-             should_stop=lambda: False, on_busy=lambda: None) -> Ack:
+    def send(
+        self, group_id: str, payload: bytes, give_up_s: float = 3600.0, should_stop=lambda: False, on_busy=lambda: None
+    ) -> Ack:
         """Send one group and return its final Ack (``ok``/``duplicate``/``rejected``): ``send_many``
         with a window of one, so the retry, back-off and resend rules are the same. ``group_id`` may
         be empty for a payload that carries none (the broker answers ``rejected`` with no id)."""
-        return self.send_many([(group_id, payload)], window=1, give_up_s=give_up_s, should_stop=should_stop,
-                              on_busy=on_busy)[group_id]
+        return self.send_many(
+            [(group_id, payload)], window=1, give_up_s=give_up_s, should_stop=should_stop, on_busy=on_busy
+        )[group_id]
 
-    def send_many(self, items: list[tuple[str, bytes]], window: int = 64, give_up_s: float = 3600.0,
-                  should_stop=lambda: False, on_busy=lambda: None) -> dict[str, Ack]:
+    def send_many(
+        self,
+        items: list[tuple[str, bytes]],
+        window: int = 64,
+        give_up_s: float = 3600.0,
+        should_stop=lambda: False,
+        on_busy=lambda: None,
+    ) -> dict[str, Ack]:
         """Send several groups keeping up to ``window`` of them in flight; return each one's final Ack
         by group id (``ok``/``duplicate``/``rejected``, as ``send``).
 
@@ -129,8 +148,9 @@ class GroupSender:
         while todo or inflight:
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(f"broker {self.address} did not accept {len(todo) + len(inflight)} groups "
-                                   f"in {give_up_s}s")
+                raise TimeoutError(
+                    f"broker {self.address} did not accept {len(todo) + len(inflight)} groups in {give_up_s}s"
+                )
             if now >= pause_until:
                 while todo and len(inflight) < window:
                     gid, payload = todo.popleft()
@@ -146,12 +166,16 @@ class GroupSender:
             except zmq.Again:
                 if not self.sock.poll(int(self.timeout_s * 1000)):
                     if should_stop():
-                        raise TimeoutError(f"stopping before broker {self.address} acknowledged {len(inflight)} "
-                                           "groups") from None
-                    log.warning("no ack from broker %s in %.1fs; resending group(s) %s (if this goes on: does "
-                                "ingest_auth match the broker's, and is this producer's key in its allow-list?)",
-                                self.address, self.timeout_s, ", ".join(list(inflight)[:4])
-                                + (f" and {len(inflight) - 4} more" if len(inflight) > 4 else ""))
+                        raise TimeoutError(
+                            f"stopping before broker {self.address} acknowledged {len(inflight)} groups"
+                        ) from None
+                    log.warning(
+                        "no ack from broker %s in %.1fs; resending group(s) %s (if this goes on: does "
+                        "ingest_auth match the broker's, and is this producer's key in its allow-list?)",
+                        self.address,
+                        self.timeout_s,
+                        ", ".join(list(inflight)[:4]) + (f" and {len(inflight) - 4} more" if len(inflight) > 4 else ""),
+                    )
                     self.resends += len(inflight)
                     self._connect()
                     todo.extendleft(reversed(list(inflight.items())))
@@ -168,8 +192,10 @@ class GroupSender:
                 gid = next(iter(inflight))  # the only group in flight: the unreadable one is ours
             if gid not in inflight:
                 if ack.status == "rejected" and not gid:
-                    raise ValueError(f"the broker rejected a message whose group id it could not read "
-                                     f"({ack.reason}); send it alone with send()")
+                    raise ValueError(
+                        f"the broker rejected a message whose group id it could not read "
+                        f"({ack.reason}); send it alone with send()"
+                    )
                 log.warning("ack for a group not in flight %s (stale reply); ignored", gid)
                 continue
             payload = inflight.pop(gid)

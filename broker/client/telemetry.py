@@ -59,12 +59,15 @@ def read_heartbeats(r: redis.Redis, keys: Keys) -> Heartbeats:
 
 def register_service(r: redis.Redis, keys: Keys, service: str, replica: str, host: str, port: int) -> None:
     """Record where a service's ``/metrics`` is (read by ``/api/prometheus/targets``)."""
-    r.hset(keys.services, f"{service}:{replica}",
-           ServiceEndpoint(service, replica, host, port, started_at=time.time()).encode())
+    r.hset(
+        keys.services,
+        f"{service}:{replica}",
+        ServiceEndpoint(service, replica, host, port, started_at=time.time()).encode(),
+    )
 
 
 def read_services(r: redis.Redis, keys: Keys) -> dict[str, ServiceEndpoint]:
-    """"service:replica" -> where its /metrics is; an unreadable entry is skipped and logged."""
+    """ "service:replica" -> where its /metrics is; an unreadable entry is skipped and logged."""
     out = {}
     for k, v in r.hgetall(keys.services).items():
         try:
@@ -131,8 +134,10 @@ def read_after(r: redis.Redis, stream: str, after: str | None, limit: int) -> li
         entries = r.xrange(stream, min=f"({after}", max="+", count=limit)
     else:
         entries = list(reversed(r.xrevrange(stream, max="+", min="-", count=limit)))
-    return [(eid.decode(), {k.decode(errors="replace"): v.decode(errors="replace") for k, v in f.items()})
-            for eid, f in entries]
+    return [
+        (eid.decode(), {k.decode(errors="replace"): v.decode(errors="replace") for k, v in f.items()})
+        for eid, f in entries
+    ]
 
 
 def newest_id(r: redis.Redis, stream: str) -> str:

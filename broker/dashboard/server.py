@@ -41,16 +41,29 @@ log = logging.getLogger("relay.broker.dashboard")
 
 STATIC = Path(__file__).with_name("static")
 WORKERS, STREAMS = 16, 8  # the HTTP server's worker threads; of them, the most that event streams may hold
-_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-          ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
 
 
 class Dashboard:
     """State, histories and the event stream of one run, for the broker's HTTP server."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, stop: threading.Event, dead_after_s: float = 10.0,
-                 push_s: float = 1.0, sample_s: float = 1.0, announce_key: AnnounceVerifier | None = None,
-                 eval_history: EvalHistory | None = None):
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        stop: threading.Event,
+        dead_after_s: float = 10.0,
+        push_s: float = 1.0,
+        sample_s: float = 1.0,
+        announce_key: AnnounceVerifier | None = None,
+        eval_history: EvalHistory | None = None,
+    ):
         self.r, self.keys, self.stop = r, keys, stop
         self.announce_key = announce_key
         self.dead_after_s, self.push_s = dead_after_s, push_s
@@ -146,50 +159,93 @@ class BrokerGauges(Collector):
                 g.add_metric([], value)
             return g
 
-        yield gauge("relay_broker_queue_groups", "groups in the trajectories stream (waiting or being trained on)",
-                    st["queue_depth"])
-        yield gauge("relay_broker_pending_groups", "groups read by the learner and not yet acknowledged",
-                    st["pending_groups"])
+        yield gauge(
+            "relay_broker_queue_groups",
+            "groups in the trajectories stream (waiting or being trained on)",
+            st["queue_depth"],
+        )
+        yield gauge(
+            "relay_broker_pending_groups", "groups read by the learner and not yet acknowledged", st["pending_groups"]
+        )
         yield gauge("relay_broker_prompts_ready", "prompts waiting in the prompts stream", st["prompts_ready"])
-        yield gauge("relay_broker_queue_bytes", "bytes of the group messages in the trajectories stream",
-                    st["queue_bytes"])
-        yield gauge("relay_broker_ingest_insecure", "1 when ingest_auth = insecure: anyone who reaches the ingest "
-                    "can send groups", None if st["ingest_auth"] is None else int(st["ingest_auth"] == "insecure"))
+        yield gauge(
+            "relay_broker_queue_bytes", "bytes of the group messages in the trajectories stream", st["queue_bytes"]
+        )
+        yield gauge(
+            "relay_broker_ingest_insecure",
+            "1 when ingest_auth = insecure: anyone who reaches the ingest can send groups",
+            None if st["ingest_auth"] is None else int(st["ingest_auth"] == "insecure"),
+        )
         yield gauge("relay_broker_learner_version", "the latest announced weight version", st["learner_version"])
         rates = st["rates"]
-        yield gauge("relay_broker_groups_in_per_second", "groups accepted per second (10 s window)",
-                    rates.get("groups_in_per_s"))
-        yield gauge("relay_broker_groups_out_per_second", "groups consumed by the learner per second (10 s window)",
-                    rates.get("groups_out_per_s"))
+        yield gauge(
+            "relay_broker_groups_in_per_second",
+            "groups accepted per second (10 s window)",
+            rates.get("groups_in_per_s"),
+        )
+        yield gauge(
+            "relay_broker_groups_out_per_second",
+            "groups consumed by the learner per second (10 s window)",
+            rates.get("groups_out_per_s"),
+        )
         gens = st["generators"]
         counts: dict[str, int] = {}
         for g in gens:
             counts[g["state"]] = counts.get(g["state"], 0) + 1
-        yield gauge("relay_broker_generators", "generators by shown state (dead = heartbeat too old)",
-                    sorted(counts.items()), "state")
-        yield gauge("relay_broker_generator_lag_versions", "learner version minus the version a generator serves",
-                    [(g["id"], g["lag"]) for g in gens if g["lag"] is not None], "generator")
-        yield gauge("relay_broker_generator_hash_mismatch",
-                    "1 when a generator serves a hash other than the one announced for its version",
-                    [(g["id"], 0 if g["hash_ok"] else 1) for g in gens], "generator")
+        yield gauge(
+            "relay_broker_generators",
+            "generators by shown state (dead = heartbeat too old)",
+            sorted(counts.items()),
+            "state",
+        )
+        yield gauge(
+            "relay_broker_generator_lag_versions",
+            "learner version minus the version a generator serves",
+            [(g["id"], g["lag"]) for g in gens if g["lag"] is not None],
+            "generator",
+        )
+        yield gauge(
+            "relay_broker_generator_hash_mismatch",
+            "1 when a generator serves a hash other than the one announced for its version",
+            [(g["id"], 0 if g["hash_ok"] else 1) for g in gens],
+            "generator",
+        )
         done = [e for e in st.get("eval", []) if e["complete"]]
         last = done[-1] if done else {}
         yield gauge("relay_eval_rounds", "evaluation rounds completed", len(done))
         yield gauge("relay_eval_version", "weight version of the last completed evaluation round", last.get("version"))
-        for key, name, doc in (("pass@1", "pass_at_1", "pass@1"), ("pass@k", "pass_at_k", "pass@k (k = eval.samples)"),
-                               ("mean_reward", "mean_reward", "mean reward"),
-                               ("mean_length", "mean_length", "mean response length in tokens")):
+        for key, name, doc in (
+            ("pass@1", "pass_at_1", "pass@1"),
+            ("pass@k", "pass_at_k", "pass@k (k = eval.samples)"),
+            ("mean_reward", "mean_reward", "mean reward"),
+            ("mean_length", "mean_length", "mean response length in tokens"),
+        ):
             yield gauge(f"relay_eval_{name}", f"{doc} of the last completed evaluation round", last.get(key))
-        yield gauge("relay_broker_generator_heartbeat_age_seconds", "seconds since a generator's last heartbeat",
-                    [(g["id"], g["age_s"]) for g in gens if g["age_s"] is not None], "generator")
-        yield gauge("relay_broker_malformed_heartbeats", "heartbeat entries that cannot be read (skipped; the broker "
-                    "logs why)", len(st["failures"]["malformed_heartbeats"]))
-        yield gauge("relay_broker_malformed_records", "records in Redis that cannot be read, skipped: heartbeats, "
-                    "stats fields and evaluation rounds now, evaluation results since the broker started (it logs why)",
-                    sorted(st["failures"]["malformed_records"].items()), "kind")
-        yield gauge("relay_broker_http_refused", "HTTP connections closed unserved since the broker started, by "
-                    "reason (head_timeout, head_too_large, body, evicted, busy)",
-                    sorted(st.get("http_refused", {}).items()), "reason")
+        yield gauge(
+            "relay_broker_generator_heartbeat_age_seconds",
+            "seconds since a generator's last heartbeat",
+            [(g["id"], g["age_s"]) for g in gens if g["age_s"] is not None],
+            "generator",
+        )
+        yield gauge(
+            "relay_broker_malformed_heartbeats",
+            "heartbeat entries that cannot be read (skipped; the broker logs why)",
+            len(st["failures"]["malformed_heartbeats"]),
+        )
+        yield gauge(
+            "relay_broker_malformed_records",
+            "records in Redis that cannot be read, skipped: heartbeats, "
+            "stats fields and evaluation rounds now, evaluation results since the broker started (it logs why)",
+            sorted(st["failures"]["malformed_records"].items()),
+            "kind",
+        )
+        yield gauge(
+            "relay_broker_http_refused",
+            "HTTP connections closed unserved since the broker started, by "
+            "reason (head_timeout, head_too_large, body, evicted, busy)",
+            sorted(st.get("http_refused", {}).items()),
+            "reason",
+        )
 
 
 def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistry) -> BoundedHTTPServer:
@@ -240,7 +296,7 @@ def serve(host: str, port: int, dashboard: Dashboard, counters: CollectorRegistr
                 elif path in ("/", "/index.html"):
                     self._static("index.html")
                 elif path.startswith("/static/"):
-                    self._static(path[len("/static/"):])
+                    self._static(path[len("/static/") :])
                 else:
                     self._send(404, b"not found (see docs/dashboard.md for the routes)\n", "text/plain")
             except ValueError as e:

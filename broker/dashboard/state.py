@@ -30,6 +30,7 @@ from broker.protocol.signing import AnnounceVerifier
 
 log = logging.getLogger("relay.broker.state")
 
+
 def shown_state(hb: Heartbeat, now: float, dead_after_s: float) -> str:
     """The state to display for one heartbeat: the reported one, or ``dead`` when it is too old."""
     if hb.state != "stopped" and (hb.last_seen is None or now - hb.last_seen > dead_after_s):
@@ -38,11 +39,17 @@ def shown_state(hb: Heartbeat, now: float, dead_after_s: float) -> str:
 
 
 def _prefixed(stats: dict[str, float], prefix: str) -> dict[str, int]:
-    return {k[len(prefix):]: int(v) for k, v in sorted(stats.items()) if k.startswith(prefix)}
+    return {k[len(prefix) :]: int(v) for k, v in sorted(stats.items()) if k.startswith(prefix)}
 
 
-def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: dict | None = None,
-                now: float | None = None, announce_key: AnnounceVerifier | None = None) -> dict:
+def build_state(
+    r: redis.Redis,
+    keys: Keys,
+    dead_after_s: float = 10.0,
+    rates: dict | None = None,
+    now: float | None = None,
+    announce_key: AnnounceVerifier | None = None,
+) -> dict:
     """The whole state (see docs/dashboard.md for every field). ``rates`` is the broker's
     throughput estimate (``groups_in_per_s``, ``groups_out_per_s``); None outside the broker.
     With ``announce_key``, only announcements it signed count: a forged ``latest`` is shown in
@@ -66,37 +73,39 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
     for gid, hb in sorted(heartbeats.items()):
         v = hb.version
         expected = announced.get(v) if v is not None else None
-        gens.append({
-            "id": gid,
-            "backend": hb.backend,
-            "version": v,
-            "hash": hb.hash,
-            "announced_hash": expected,
-            # a version served whose announced hash is known and differs: flagged red
-            "hash_ok": v is None or expected is None or hb.hash == expected,
-            "lag": (lv - v) if lv is not None and v is not None else None,
-            "last_seen": hb.last_seen,
-            "age_s": round(now - hb.last_seen, 3) if hb.last_seen is not None else None,
-            "state": shown_state(hb, now, dead_after_s),
-            "reported_state": hb.state,
-            "last_update_latency_s": hb.last_update_latency_s,
-            "tokens_per_s": hb.tokens_per_s,
-            "tokens": hb.tokens,
-            "groups_sent": hb.groups_sent,
-            "groups_rejected": hb.groups_rejected,
-            "updates": hb.updates,
-            "refused_updates": hb.refused_updates,
-            "forged_announcements": hb.forged_announcements,
-            "refused": hb.refused,
-            "reward_ok": hb.reward_ok,
-            "reward_failures": hb.reward_failures,
-            "reward_failures_by_plugin": hb.reward_failures_by_plugin,
-            "reward_last_failure": hb.reward_last_failure,
-            "reward_pauses": hb.reward_pauses,
-            "reward_paused_s": hb.reward_paused_s,
-            "metrics_port": hb.metrics_port,
-            "episodes": hb.episodes,
-        })
+        gens.append(
+            {
+                "id": gid,
+                "backend": hb.backend,
+                "version": v,
+                "hash": hb.hash,
+                "announced_hash": expected,
+                # a version served whose announced hash is known and differs: flagged red
+                "hash_ok": v is None or expected is None or hb.hash == expected,
+                "lag": (lv - v) if lv is not None and v is not None else None,
+                "last_seen": hb.last_seen,
+                "age_s": round(now - hb.last_seen, 3) if hb.last_seen is not None else None,
+                "state": shown_state(hb, now, dead_after_s),
+                "reported_state": hb.state,
+                "last_update_latency_s": hb.last_update_latency_s,
+                "tokens_per_s": hb.tokens_per_s,
+                "tokens": hb.tokens,
+                "groups_sent": hb.groups_sent,
+                "groups_rejected": hb.groups_rejected,
+                "updates": hb.updates,
+                "refused_updates": hb.refused_updates,
+                "forged_announcements": hb.forged_announcements,
+                "refused": hb.refused,
+                "reward_ok": hb.reward_ok,
+                "reward_failures": hb.reward_failures,
+                "reward_failures_by_plugin": hb.reward_failures_by_plugin,
+                "reward_last_failure": hb.reward_last_failure,
+                "reward_pauses": hb.reward_pauses,
+                "reward_paused_s": hb.reward_paused_s,
+                "metrics_port": hb.metrics_port,
+                "episodes": hb.episodes,
+            }
+        )
     learner = read_stats(r, keys, "learner")
     broker = read_stats(r, keys, "broker")
     reward_failures: dict[str, int] = {}
@@ -127,11 +136,15 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
         "episodes": episode_totals([g["episodes"] for g in gens]),
         "failures": {
             "rejected": _prefixed(broker, "rejected:"),
-            "learner_dropped": {k: int(v) for k, v in sorted(learner.items())
-                                if k.startswith("groups_dropped_") or k == "groups_undecodable"},
+            "learner_dropped": {
+                k: int(v)
+                for k, v in sorted(learner.items())
+                if k.startswith("groups_dropped_") or k == "groups_undecodable"
+            },
             # optimizer steps skipped and publications refused for NaN/inf (docs/learner.md)
-            "learner_nonfinite": {k: int(learner[k]) for k in ("skipped_steps", "publish_refused_nonfinite")
-                                  if k in learner},
+            "learner_nonfinite": {
+                k: int(learner[k]) for k in ("skipped_steps", "publish_refused_nonfinite") if k in learner
+            },
             "reward_failures_by_plugin": dict(sorted(reward_failures.items())),
             "reward_failures": sum(int(g["reward_failures"] or 0) for g in gens),
             "reward_last_failure": dict(sorted(last_failure.items())),
@@ -142,11 +155,16 @@ def build_state(r: redis.Redis, keys: Keys, dead_after_s: float = 10.0, rates: d
             # heartbeat entries that could not be read (skipped above; the reader logs why)
             "malformed_heartbeats": dict(sorted(heartbeats.malformed.items())),
             # stats fields whose value is not a finite number ("service:field" -> why; skipped above)
-            "malformed_stats": {f"{svc}:{k}": why for svc, st in (("broker", broker), ("learner", learner))
-                                for k, why in sorted(st.malformed.items())},
+            "malformed_stats": {
+                f"{svc}:{k}": why
+                for svc, st in (("broker", broker), ("learner", learner))
+                for k, why in sorted(st.malformed.items())
+            },
             # records skipped at this read, by kind (the broker adds eval_results and eval_rounds)
-            "malformed_records": {"heartbeats": len(heartbeats.malformed),
-                                  "stats": len(broker.malformed) + len(learner.malformed)},
+            "malformed_records": {
+                "heartbeats": len(heartbeats.malformed),
+                "stats": len(broker.malformed) + len(learner.malformed),
+            },
         },
         "flags": {
             "hash_mismatch": [g["id"] for g in gens if not g["hash_ok"]],
@@ -203,8 +221,13 @@ class Throughput:
         accepted, consumed = pipe.execute()
         depth = queues.queued_groups(self.r, self.keys)
         pending = queues.pending_groups(self.r, self.keys)
-        s = {"t": round(time.time(), 3), "accepted": int(accepted or 0), "consumed": int(consumed or 0),
-             "queue_depth": max(0, int(depth) - pending), "pending": pending}
+        s = {
+            "t": round(time.time(), 3),
+            "accepted": int(accepted or 0),
+            "consumed": int(consumed or 0),
+            "queue_depth": max(0, int(depth) - pending),
+            "pending": pending,
+        }
         with self.lock:
             old = next((o for o in reversed(self.samples) if s["t"] - o["t"] >= self.window_s), None)
             if old is None and self.samples:
@@ -244,8 +267,16 @@ def episode_totals(per_generator: list[dict]) -> dict:
     counts summed, tool calls and failures by tool and environment failures by reason merged, and the
     means a user reads (turns per episode, environment seconds per episode). Empty when no generator
     runs episodes (a single-turn task)."""
-    out: dict = {"episodes": 0, "turns": 0, "env_seconds": 0.0, "template_drift": 0, "unspellable_replies": 0,
-                 "tool_calls": {}, "tool_failures": {}, "env_failures": {}}
+    out: dict = {
+        "episodes": 0,
+        "turns": 0,
+        "env_seconds": 0.0,
+        "template_drift": 0,
+        "unspellable_replies": 0,
+        "tool_calls": {},
+        "tool_failures": {},
+        "env_failures": {},
+    }
     for e in per_generator:
         if not e:
             continue

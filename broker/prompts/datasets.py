@@ -43,29 +43,44 @@ class DatasetError(ValueError):
 class DatasetConfig(StrictModel):
     """A prompt dataset and how its rows become prompts."""
 
-    path: str = Field(description="a .jsonl/.json, .parquet or .csv file, a folder of such files (read in name "
-                      "order), or a Hugging Face dataset saved with save_to_disk")
+    path: str = Field(
+        description="a .jsonl/.json, .parquet or .csv file, a folder of such files (read in name "
+        "order), or a Hugging Face dataset saved with save_to_disk"
+    )
     format: Literal["auto", "jsonl", "parquet", "csv", "hf_disk"] = Field(
-        "auto", description="file format; auto: from the suffix, or hf_disk for a save_to_disk folder")
+        "auto", description="file format; auto: from the suffix, or hf_disk for a save_to_disk folder"
+    )
     split: str = Field("train", description="the split of a saved DatasetDict (ignored for a single Dataset or files)")
     prompt_field: str = Field("prompt", description="field holding the prompt text (used when messages_field is empty)")
-    messages_field: str = Field("", description="field holding chat messages [{role, content}, ...] instead of a "
-                                "prompt text")
-    reference_field: str = Field("answer", description="field holding the reference answer given to the reward; "
-                                 "empty = none")
-    metadata_fields: list[str] = Field(default_factory=list, description="fields passed through to the reward "
-                                       "plugins as the item's metadata")
-    task: str = Field("math_verify", description="task name sent to the reward service with every prompt (it picks "
-                      "the plugin: reward.task_plugins, or the plugin of that name)")
+    messages_field: str = Field(
+        "", description="field holding chat messages [{role, content}, ...] instead of a prompt text"
+    )
+    reference_field: str = Field(
+        "answer", description="field holding the reference answer given to the reward; empty = none"
+    )
+    metadata_fields: list[str] = Field(
+        default_factory=list, description="fields passed through to the reward plugins as the item's metadata"
+    )
+    task: str = Field(
+        "math_verify",
+        description="task name sent to the reward service with every prompt (it picks "
+        "the plugin: reward.task_plugins, or the plugin of that name)",
+    )
     task_field: str = Field("", description="field holding a per-row task name (overrides task when present)")
     system_prompt: str = Field("", description="system message put before every prompt (empty = none)")
     chat_template: Literal["auto", "always", "never"] = Field(
-        "auto", description="apply the tokenizer's chat template: auto = when the tokenizer has one; always = fail "
-        "at start if it has none; never = raw text")
-    tokenizer: str = Field("", description="tokenizer folder; empty = the tokenizer of the announced weights "
-                           "(the model being trained)")
-    max_prompt_tokens: int = Field(1024, ge=1, description="prompts with more tokens are skipped and counted "
-                                   "(prompts_skipped_too_long), never truncated")
+        "auto",
+        description="apply the tokenizer's chat template: auto = when the tokenizer has one; always = fail "
+        "at start if it has none; never = raw text",
+    )
+    tokenizer: str = Field(
+        "", description="tokenizer folder; empty = the tokenizer of the announced weights (the model being trained)"
+    )
+    max_prompt_tokens: int = Field(
+        1024,
+        ge=1,
+        description="prompts with more tokens are skipped and counted (prompts_skipped_too_long), never truncated",
+    )
     shuffle: bool = Field(True, description="a fresh seeded permutation of the rows every epoch")
     seed: int = Field(0, description="seed of the permutation")
     epochs: int | None = Field(None, ge=1, description="passes over the dataset; null = repeat forever")
@@ -79,13 +94,20 @@ class DatasetConfig(StrictModel):
 
 def _detect(path: Path) -> str:
     if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() \
-                or (path / "state.json").is_file():
+        if (
+            (path / "dataset_info.json").is_file()
+            or (path / "dataset_dict.json").is_file()
+            or (path / "state.json").is_file()
+        ):
             return "hf_disk"
-        kinds = {_detect(p) for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".json", ".parquet", ".csv")}
+        kinds = {
+            _detect(p) for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".json", ".parquet", ".csv")
+        }
         if len(kinds) != 1:
-            raise DatasetError(f"{path}: a folder must hold .jsonl, .parquet or .csv files of one kind, or a dataset "
-                               f"saved with save_to_disk (found {sorted(kinds) or 'none'})")
+            raise DatasetError(
+                f"{path}: a folder must hold .jsonl, .parquet or .csv files of one kind, or a dataset "
+                f"saved with save_to_disk (found {sorted(kinds) or 'none'})"
+            )
         return kinds.pop()
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
@@ -94,7 +116,9 @@ def _detect(path: Path) -> str:
         return "parquet"
     if suffix == ".csv":
         return "csv"
-    raise DatasetError(f"{path}: cannot tell the format from the suffix {suffix!r}; set format to one of {', '.join(FORMATS)}")
+    raise DatasetError(
+        f"{path}: cannot tell the format from the suffix {suffix!r}; set format to one of {', '.join(FORMATS)}"
+    )
 
 
 def _files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -140,8 +164,9 @@ def _read_hf_disk(path: Path, split: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise DatasetError(f"{path} is a Hugging Face dataset folder; reading it needs the `datasets` package "
-                           "(pip install datasets)") from None
+        raise DatasetError(
+            f"{path} is a Hugging Face dataset folder; reading it needs the `datasets` package (pip install datasets)"
+        ) from None
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
@@ -154,27 +179,36 @@ def read_rows(cfg: DatasetConfig) -> list[dict]:
     """Every row of the dataset (after ``start``/``stop``), as dicts."""
     path = Path(cfg.path)
     if not path.exists():
-        raise DatasetError(f"dataset {path} does not exist: fix dataset.path (a relative path is read from "
-                           f"{Path.cwd()})")
+        raise DatasetError(
+            f"dataset {path} does not exist: fix dataset.path (a relative path is read from {Path.cwd()})"
+        )
     fmt = _detect(path) if cfg.format == "auto" else cfg.format
-    readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv,
-               "hf_disk": lambda p: _read_hf_disk(p, cfg.split)}
+    readers = {
+        "jsonl": _read_jsonl,
+        "parquet": _read_parquet,
+        "csv": _read_csv,
+        "hf_disk": lambda p: _read_hf_disk(p, cfg.split),
+    }
     every = readers[fmt](path)
-    rows = every[cfg.start:cfg.stop]
+    rows = every[cfg.start : cfg.stop]
     if not rows:
         if not every:
             raise DatasetError(f"dataset {path} has no rows")
         which = f"dataset.start = {cfg.start}" + (f" with dataset.stop = {cfg.stop}" if cfg.stop is not None else "")
-        raise DatasetError(f"dataset {path} has {len(every)} rows, so {which} leaves none: use a start below "
-                           f"{len(every)}" + (" and a stop above it" if cfg.stop is not None else ""))
+        raise DatasetError(
+            f"dataset {path} has {len(every)} rows, so {which} leaves none: use a start below "
+            f"{len(every)}" + (" and a stop above it" if cfg.stop is not None else "")
+        )
     needed = [cfg.messages_field or cfg.prompt_field] + ([cfg.reference_field] if cfg.reference_field else [])
     needed += cfg.metadata_fields
     for i, row in enumerate(rows):
         missing = [f for f in needed if f not in row]
         if missing:
-            raise DatasetError(f"dataset {path}, row {cfg.start + i}: no field {missing[0]!r} (fields: "
-                               f"{', '.join(sorted(row))}); set the field mapping (prompt_field, messages_field, "
-                               "reference_field, metadata_fields)")
+            raise DatasetError(
+                f"dataset {path}, row {cfg.start + i}: no field {missing[0]!r} (fields: "
+                f"{', '.join(sorted(row))}); set the field mapping (prompt_field, messages_field, "
+                "reference_field, metadata_fields)"
+            )
     return rows
 
 
@@ -204,17 +238,20 @@ class PromptBuilder:
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if cfg.chat_template == "always" and not has_template:
             name = getattr(tokenizer, "name_or_path", "") or "the built-in tiny model's"
-            raise DatasetError(f"dataset.chat_template = 'always' but the tokenizer ({name}) has no chat template; "
-                               "use 'never' (or 'auto') for a base model, or set dataset.tokenizer to a folder "
-                               "with one")
+            raise DatasetError(
+                f"dataset.chat_template = 'always' but the tokenizer ({name}) has no chat template; "
+                "use 'never' (or 'auto') for a base model, or set dataset.tokenizer to a folder "
+                "with one"
+            )
         self.use_template = cfg.chat_template == "always" or (cfg.chat_template == "auto" and has_template)
 
     def messages(self, row: dict) -> list[dict]:
         cfg = self.cfg
         if cfg.messages_field:
             msgs = row[cfg.messages_field]
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                     for m in msgs):
+            if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in msgs
+            ):
                 raise DatasetError(f"field {cfg.messages_field!r} must be a list of {{role, content}} messages")
             msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
         else:
@@ -237,9 +274,14 @@ class PromptBuilder:
             return None
         task = str(row.get(cfg.task_field) or cfg.task) if cfg.task_field else cfg.task
         reference = "" if not cfg.reference_field or row[cfg.reference_field] is None else str(row[cfg.reference_field])
-        return PromptEntry(text=text, reference=reference, task=task, prompt_ids=ids,
-                            metadata={k: row[k] for k in cfg.metadata_fields},
-                            messages=msgs if self.use_template else None)
+        return PromptEntry(
+            text=text,
+            reference=reference,
+            task=task,
+            prompt_ids=ids,
+            metadata={k: row[k] for k in cfg.metadata_fields},
+            messages=msgs if self.use_template else None,
+        )
 
 
 def sample_rows(n: int, first: int = 8, spread: int = 24) -> list[int]:
@@ -270,8 +312,13 @@ def check_dataset(cfg: DatasetConfig, tokenizer, rows: list[dict] | None = None,
             if m["content"] != cfg.system_prompt:
                 check_encodes(tokenizer, str(m["content"]), entry.prompt_ids, f"{where}'s prompt", fix)
         if entry.reference:
-            check_encodes(tokenizer, entry.reference, encode_text(tokenizer, entry.reference),
-                          f"{where}'s reference {entry.reference[:40]!r}", fix)
+            check_encodes(
+                tokenizer,
+                entry.reference,
+                encode_text(tokenizer, entry.reference),
+                f"{where}'s reference {entry.reference[:40]!r}",
+                fix,
+            )
     return rows
 
 
@@ -293,9 +340,11 @@ def check_encodes(tokenizer, text: str, ids: list[int], what: str, fix: str = "o
     decoded = "".join(tokenizer.decode(ids, skip_special_tokens=True).split())
     if "".join(text.split()) not in decoded:
         name = getattr(tokenizer, "name_or_path", "") or "the built-in tiny model's"
-        raise DatasetError(f"{what} does not survive the tokenizer ({name}): decoding its token ids gives "
-                           f"{decoded[:80]!r} without {' '.join(text.split())[:60]!r}; use a model whose tokenizer "
-                           f"can spell it (the built-in tiny model knows only digits, '+' and '='), {fix}")
+        raise DatasetError(
+            f"{what} does not survive the tokenizer ({name}): decoding its token ids gives "
+            f"{decoded[:80]!r} without {' '.join(text.split())[:60]!r}; use a model whose tokenizer "
+            f"can spell it (the built-in tiny model knows only digits, '+' and '='), {fix}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,8 +411,10 @@ class DatasetSource:
                 skipped += 1
                 in_a_row += 1
                 if in_a_row > len(self.rows):
-                    raise DatasetError(f"every prompt of {self.cfg.path} is longer than max_prompt_tokens "
-                                       f"({self.cfg.max_prompt_tokens})")
+                    raise DatasetError(
+                        f"every prompt of {self.cfg.path} is longer than max_prompt_tokens "
+                        f"({self.cfg.max_prompt_tokens})"
+                    )
                 continue
             fed += 1
             in_a_row = 0

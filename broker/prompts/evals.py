@@ -46,25 +46,43 @@ log = logging.getLogger("relay.broker.eval")
 class EvalConfig(StrictModel):
     """Evaluation on a held-out set during training."""
 
-    every_versions: int = Field(100, ge=0, description="evaluate when the announced version reaches a new multiple "
-                                "of this (version 0 included); 0 = no evaluation")
+    every_versions: int = Field(
+        100,
+        ge=0,
+        description="evaluate when the announced version reaches a new multiple "
+        "of this (version 0 included); 0 = no evaluation",
+    )
     final: bool = Field(True, description="also evaluate the last version when the learner finishes")
-    final_timeout_s: float = Field(600.0, gt=0, le=86400, description="relay up waits at most this long after the "
-                                   "learner is done for the generators to answer the final round and exit")
+    final_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="relay up waits at most this long after the "
+        "learner is done for the generators to answer the final round and exit",
+    )
     prompts: int = Field(32, ge=1, le=100_000, description="held-out prompts per round")
-    greedy: bool = Field(True, description="one greedy completion per prompt (top_k = 1); pass@1 is its "
-                         "correctness")
-    samples: int = Field(0, ge=0, le=256, description="k completions per prompt at the training temperature, for "
-                         "pass@k (0 = none; without greedy, pass@1 is estimated from them)")
-    max_tokens: int | None = Field(None, ge=1, description="most new tokens per completion; null = the "
-                                   "generators' sampling.max_tokens")
+    greedy: bool = Field(True, description="one greedy completion per prompt (top_k = 1); pass@1 is its correctness")
+    samples: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="k completions per prompt at the training temperature, for "
+        "pass@k (0 = none; without greedy, pass@1 is estimated from them)",
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="most new tokens per completion; null = the generators' sampling.max_tokens"
+    )
     threshold: float = Field(1.0, description="a completion is correct when its reward is at least this")
-    dataset: DatasetConfig | None = Field(None, description="the held-out set (same fields as broker.dataset; "
-                                          "its first `prompts` records in its order); null = prompts of the "
-                                          "built-in task drawn with `seed`, or broker.dataset's rows before its "
-                                          "`start` when it has one")
-    seed: int = Field(1_000_003, description="seed of the built-in task's held-out prompts (differs from the "
-                      "training seed)")
+    dataset: DatasetConfig | None = Field(
+        None,
+        description="the held-out set (same fields as broker.dataset; "
+        "its first `prompts` records in its order); null = prompts of the "
+        "built-in task drawn with `seed`, or broker.dataset's rows before its "
+        "`start` when it has one",
+    )
+    seed: int = Field(
+        1_000_003, description="seed of the built-in task's held-out prompts (differs from the training seed)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,8 +92,15 @@ class EvalConfig(StrictModel):
 class EvalScheduler:
     """Appends a round of held-out prompts when one is due (call :meth:`tick` from the broker loop)."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, cfg: EvalConfig, make_source, check_every_s: float = 0.2,
-                 announce_key: AnnounceVerifier | None = None):
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        cfg: EvalConfig,
+        make_source,
+        check_every_s: float = 0.2,
+        announce_key: AnnounceVerifier | None = None,
+    ):
         self.r, self.keys, self.cfg = r, keys, cfg
         self.announce_key = announce_key
         self.make_source = make_source  # () -> a source with take(k, Position), or None while not ready
@@ -96,8 +121,9 @@ class EvalScheduler:
                 raise ValueError("the evaluation set yielded no prompts")
             self._records = [rec for _, _, rec in got]
             if len(self._records) < self.cfg.prompts:
-                log.warning("the evaluation set has only %d prompts (eval.prompts = %d)", len(self._records),
-                            self.cfg.prompts)
+                log.warning(
+                    "the evaluation set has only %d prompts (eval.prompts = %d)", len(self._records), self.cfg.prompts
+                )
         return self._records
 
     def settle(self, every_s: float = 2.0) -> list[int]:
@@ -129,13 +155,29 @@ class EvalScheduler:
         records = self._held_out()
         if records is None:
             return None
-        meta = EvalRound(version=v, prompts=len(records), greedy=self.cfg.greedy, samples=self.cfg.samples,
-                         threshold=self.cfg.threshold, final=final, enqueued_at=time.time())
+        meta = EvalRound(
+            version=v,
+            prompts=len(records),
+            greedy=self.cfg.greedy,
+            samples=self.cfg.samples,
+            threshold=self.cfg.threshold,
+            final=final,
+            enqueued_at=time.time(),
+        )
         pipe = self.r.pipeline(transaction=True)  # the round's prompts and its record together
         for i, rec in enumerate(records):
-            queues.add_prompt(pipe, self.keys.eval_prompts, replace(rec, round=v, idx=i, greedy=self.cfg.greedy,
-                                                                    samples=self.cfg.samples,
-                                                                    max_tokens=self.cfg.max_tokens or 0))
+            queues.add_prompt(
+                pipe,
+                self.keys.eval_prompts,
+                replace(
+                    rec,
+                    round=v,
+                    idx=i,
+                    greedy=self.cfg.greedy,
+                    samples=self.cfg.samples,
+                    max_tokens=self.cfg.max_tokens or 0,
+                ),
+            )
         pipe.hset(self.keys.eval_rounds, str(v), meta.encode())
         pipe.execute()
         self.rounds[v] = meta
@@ -311,8 +353,10 @@ class EvalHistory:
             for v in self._settled:
                 self._results.pop(v, None)
         self.malformed["eval_rounds"] = rounds_bad["eval_rounds"] + self._summaries_bad
-        return [self._settled[v] if v in self._settled else summarize_round(meta[v], self._results.get(v, {}))
-                for v in sorted(meta)]
+        return [
+            self._settled[v] if v in self._settled else summarize_round(meta[v], self._results.get(v, {}))
+            for v in sorted(meta)
+        ]
 
     def settle(self) -> list[int]:
         """Store each complete round's summary in ``eval_summaries`` and delete its results from

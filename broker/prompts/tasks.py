@@ -32,8 +32,13 @@ class TaskConfig(StrictModel):
 
     name: str = Field("copy", description="built-in task: " + ", ".join(("copy", "reverse", "add", "calc")))
     min_digits: int = Field(3, ge=1, le=20, description="shortest digit string in a prompt")
-    max_digits: int = Field(3, ge=1, le=20, description="longest digit string in a prompt (variable lengths are "
-                            "much harder for the built-in tiny model: see docs/off-policy.md)")
+    max_digits: int = Field(
+        3,
+        ge=1,
+        le=20,
+        description="longest digit string in a prompt (variable lengths are "
+        "much harder for the built-in tiny model: see docs/off-policy.md)",
+    )
     seed: int = Field(0, description="seed of the prompt generator")
 
 

@@ -71,8 +71,13 @@ MAX_MAP_LEN = 1024
 def unpack_limits(nbytes: int) -> dict:
     """msgpack's per-object limits for a message of ``nbytes``: a string or bin at most the message,
     arrays and maps at most MAX_ARRAY_LEN and MAX_MAP_LEN elements, no extension types."""
-    return {"max_bin_len": nbytes, "max_str_len": nbytes, "max_ext_len": 0,
-            "max_array_len": MAX_ARRAY_LEN, "max_map_len": MAX_MAP_LEN}
+    return {
+        "max_bin_len": nbytes,
+        "max_str_len": nbytes,
+        "max_ext_len": 0,
+        "max_array_len": MAX_ARRAY_LEN,
+        "max_map_len": MAX_MAP_LEN,
+    }
 
 
 def object_budget(nbytes: int) -> int:
@@ -112,8 +117,14 @@ def unpack_map(data: bytes | memoryview) -> dict:
     objects made, the strings and bins copied out), whatever its shape."""
     budget = _Budget(len(data))
     try:
-        m = msgpack.unpackb(data, raw=False, strict_map_key=True, list_hook=budget.list_hook,
-                            object_hook=budget.object_hook, **unpack_limits(len(data)))
+        m = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            list_hook=budget.list_hook,
+            object_hook=budget.object_hook,
+            **unpack_limits(len(data)),
+        )
     except ProtocolError:
         raise
     except Exception as e:  # msgpack raises several unrelated exception types on garbage

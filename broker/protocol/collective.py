@@ -55,8 +55,18 @@ import msgpack
 
 ALIGN = 64  # every tensor starts at a multiple of this many bytes of the flat buffer (any dtype can view it)
 MAX_BLOB = 64 << 20  # a header or trailer longer than this is refused (a peer that is not the learner)
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
-               "int8": 1, "uint8": 1, "bool": 1}
+DTYPE_SIZES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 class CollectiveError(ValueError):
@@ -70,9 +80,9 @@ class CollectiveError(ValueError):
 @dataclass(frozen=True)
 class Slot:
     name: str
-    dtype: str           # torch's name without "torch." (tensordigest.py)
+    dtype: str  # torch's name without "torch." (tensordigest.py)
     shape: tuple[int, ...]
-    offset: int          # first byte in the flat buffer
+    offset: int  # first byte in the flat buffer
     nbytes: int
 
 
@@ -93,13 +103,22 @@ class Layout:
     def completed_by(self, start: int, end: int) -> list[Slot]:
         """The tensors complete once the bucket [start, end) has landed (buckets land in order): those
         whose end lies in (start, end]; an empty tensor at offset 0 goes with the first bucket."""
-        return [s for s in self.slots if start < s.offset + s.nbytes <= end or (start == 0 and s.offset + s.nbytes == 0)]
+        return [
+            s for s in self.slots if start < s.offset + s.nbytes <= end or (start == 0 and s.offset + s.nbytes == 0)
+        ]
 
     def header(self, version: int) -> bytes:
-        return json.dumps({"kind": "weights", "version": version, "total": self.total,
-                           "bucket_bytes": self.bucket_bytes, "digest": self.digest,
-                           "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.slots]},
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "kind": "weights",
+                "version": version,
+                "total": self.total,
+                "bucket_bytes": self.bucket_bytes,
+                "digest": self.digest,
+                "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.slots],
+            },
+            separators=(",", ":"),
+        ).encode()
 
 
 def plan(tensors: list[tuple[str, str, tuple[int, ...]]], bucket_bytes: int, digest: str = "sha256") -> Layout:
@@ -157,8 +176,13 @@ def parse_header(raw: bytes, max_total: int) -> tuple[int, Layout]:
 def parse_trailer(raw: bytes) -> dict:
     try:
         t = json.loads(raw)
-        out = {"version": int(t["version"]), "digest": str(t["digest"]), "header_sha256": str(t["header_sha256"]),
-               "sig": str(t.get("sig", "")), "abort": str(t.get("abort", ""))}
+        out = {
+            "version": int(t["version"]),
+            "digest": str(t["digest"]),
+            "header_sha256": str(t["header_sha256"]),
+            "sig": str(t.get("sig", "")),
+            "abort": str(t.get("abort", "")),
+        }
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CollectiveError(f"malformed trailer: {e}", "bad_collective_trailer") from None
     return out
@@ -211,8 +235,8 @@ class FrameReader:
             raise FrameError(f"a frame of {n} bytes (at most {self.max_bytes})")
         if len(self.buf) < _LENGTH.size + n:
             return None
-        body = bytes(self.buf[_LENGTH.size:_LENGTH.size + n])
-        del self.buf[:_LENGTH.size + n]
+        body = bytes(self.buf[_LENGTH.size : _LENGTH.size + n])
+        del self.buf[: _LENGTH.size + n]
         return _decode(body)
 
 
@@ -247,6 +271,7 @@ def keepalive(sock, idle_s: int = 10, interval_s: int = 5, count: int = 3) -> No
 
 # -- the torch side (imported lazily: this module stays importable without torch) ----------------
 
+
 def gloo_group(store, prefix: str, rank: int, host: str, timeout_s: float):
     """A 2-rank gloo group under ``prefix`` of ``store`` (blocks until the other rank builds its side)."""
     import torch.distributed
@@ -254,8 +279,11 @@ def gloo_group(store, prefix: str, rank: int, host: str, timeout_s: float):
     opts = torch.distributed.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     loopback = host in ("127.0.0.1", "localhost", "::1")
-    opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback
-                     else torch.distributed.ProcessGroupGloo.create_default_device()]
+    opts._devices = [
+        torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+        if loopback
+        else torch.distributed.ProcessGroupGloo.create_default_device()
+    ]
     return torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, 2, opts)
 
 

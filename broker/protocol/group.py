@@ -15,8 +15,18 @@ import msgpack
 import msgspec
 import numpy as np
 
-from broker.protocol.codec import (MAX_ARRAY_LEN, MAX_MAP_LEN, SCHEMA_VERSION, WIRE_DTYPES, ProtocolError,
-                                   decode_array, get_field, object_budget, optional_field, unpack_map)
+from broker.protocol.codec import (
+    MAX_ARRAY_LEN,
+    MAX_MAP_LEN,
+    SCHEMA_VERSION,
+    WIRE_DTYPES,
+    ProtocolError,
+    decode_array,
+    get_field,
+    object_budget,
+    optional_field,
+    unpack_map,
+)
 
 FINISH_REASONS = ("stop", "length")
 REWARD_STATUSES = ("ok", "failed")
@@ -239,20 +249,43 @@ def encode_group(g: Group) -> bytes:
     # the arrays' own memory when they already are the wire dtype and contiguous (as _wire_data, inline:
     # two calls a sample cost ~1 µs a group)
     samples = [
-        _OutSample(completion_ids=_OutArray("int32", d if (a := s.completion_ids).dtype is _I32
-                                            and (d := a.data).c_contiguous else _wire_data(a, _I32)),
-                   logprobs=_OutArray("float32", d if (a := s.logprobs).dtype is _F32
-                                      and (d := a.data).c_contiguous else _wire_data(a, _F32)),
-                   version_runs=s.version_runs,
-                   trainable_runs=None if s.trainable is None else trainable_to_runs(s.trainable),
-                   finish_reason=s.finish_reason, reward=s.reward, reward_status=s.reward_status,
-                   reward_details=s.reward_details)
+        _OutSample(
+            completion_ids=_OutArray(
+                "int32",
+                d if (a := s.completion_ids).dtype is _I32 and (d := a.data).c_contiguous else _wire_data(a, _I32),
+            ),
+            logprobs=_OutArray(
+                "float32", d if (a := s.logprobs).dtype is _F32 and (d := a.data).c_contiguous else _wire_data(a, _F32)
+            ),
+            version_runs=s.version_runs,
+            trainable_runs=None if s.trainable is None else trainable_to_runs(s.trainable),
+            finish_reason=s.finish_reason,
+            reward=s.reward,
+            reward_status=s.reward_status,
+            reward_details=s.reward_details,
+        )
         for s in g.samples
     ]
-    return _ENCODER.encode(_OutGroup(SCHEMA_VERSION, "group", g.group_id, g.run_id, g.prompt_id,
-                                     _OutArray("int32", _wire_data(g.prompt_ids, _I32)), samples, g.generator_id,
-                                     g.weight_version, g.weight_hash, g.sampling, g.task, g.reference,
-                                     g.created_at, g.scored_at, g.sent_at))
+    return _ENCODER.encode(
+        _OutGroup(
+            SCHEMA_VERSION,
+            "group",
+            g.group_id,
+            g.run_id,
+            g.prompt_id,
+            _OutArray("int32", _wire_data(g.prompt_ids, _I32)),
+            samples,
+            g.generator_id,
+            g.weight_version,
+            g.weight_hash,
+            g.sampling,
+            g.task,
+            g.reference,
+            g.created_at,
+            g.scored_at,
+            g.sent_at,
+        )
+    )
 
 
 def decode_group(data: bytes | memoryview, max_bytes: int | None = None) -> Group:
@@ -354,13 +387,18 @@ def _validate_group(m: dict, in_order: bool) -> Group:
             raise ProtocolError("bad_token", f"{where}: negative token id")
         runs = get_field(s, "version_runs", list, where)
         if not all(
-            isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
-            and r[0] >= 0 and r[1] > 0
+            isinstance(r, list)
+            and len(r) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+            and r[0] >= 0
+            and r[1] > 0
             for r in runs
         ):
             raise ProtocolError("bad_versions", f"{where}.version_runs must be [[version>=0, count>0], ...]")
         if sum(r[1] for r in runs) != len(ids):
-            raise ProtocolError("length_mismatch", f"{where}: version runs cover {sum(r[1] for r in runs)} of {len(ids)} tokens")
+            raise ProtocolError(
+                "length_mismatch", f"{where}: version runs cover {sum(r[1] for r in runs)} of {len(ids)} tokens"
+            )
         trainable = _trainable(s, len(ids), where)
         finish = get_field(s, "finish_reason", str, where)
         if finish not in FINISH_REASONS:
@@ -374,8 +412,11 @@ def _validate_group(m: dict, in_order: bool) -> Group:
             if not finite32(reward):
                 raise ProtocolError("non_finite", f"{where}.reward = {reward!r} is not finite as float32")
             if abs(reward) > REWARD_LIMIT:
-                raise ProtocolError("reward_range", f"{where}.reward = {reward!r} is outside "
-                                    f"[-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}] (docs/protocol.md 3.2)")
+                raise ProtocolError(
+                    "reward_range",
+                    f"{where}.reward = {reward!r} is outside "
+                    f"[-{REWARD_LIMIT:g}, {REWARD_LIMIT:g}] (docs/protocol.md 3.2)",
+                )
         elif reward is not None:
             raise ProtocolError("bad_reward", f"{where}.reward must be nil when status is failed")
         details = s.get("reward_details", {})
@@ -443,13 +484,16 @@ _FlatMap = Annotated[dict[str, _Scalar], msgspec.Meta(max_length=MAX_MAP_LEN)]
 # larger groups, valid or not, go to the field-by-field validation. Version runs are decoded as the lists Sample
 # holds, [version >= 0, count >= 0] (a count of 0 is refused after decoding).
 FAST_SAMPLES, FAST_RUNS = 256, 64
-_Runs = Annotated[list[Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=2, max_length=2)]],
-                  msgspec.Meta(max_length=FAST_RUNS)]
+_Runs = Annotated[
+    list[Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=2, max_length=2)]],
+    msgspec.Meta(max_length=FAST_RUNS),
+]
 # finite as float32 (finite32): msgspec refuses NaN, the infinities and anything beyond float32's range
 _Float32 = Annotated[float, msgspec.Meta(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 _Reward = Annotated[float, msgspec.Meta(ge=-REWARD_LIMIT, le=REWARD_LIMIT)]
-_Flags = Annotated[list[tuple[Literal[0, 1], Annotated[int, msgspec.Meta(gt=0)]]],
-                   msgspec.Meta(max_length=MAX_ARRAY_LEN)]
+_Flags = Annotated[
+    list[tuple[Literal[0, 1], Annotated[int, msgspec.Meta(gt=0)]]], msgspec.Meta(max_length=MAX_ARRAY_LEN)
+]
 _NIL, _EMPTY_MAP = msgspec.Raw(b"\xc0"), msgspec.Raw(b"\x80")
 
 
@@ -501,8 +545,11 @@ _FAST_ERRORS = (msgspec.ValidationError, msgspec.DecodeError)
 
 
 def _array_header(n: int) -> bytes:
-    return bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else
-                                             b"\xdd" + n.to_bytes(4, "big"))
+    return (
+        bytes([0x90 | n])
+        if n < 16
+        else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big"))
+    )
 
 
 def _decode_all(decoder: msgspec.msgpack.Decoder, raws: list[msgspec.Raw]):
@@ -515,6 +562,7 @@ class GroupHead:
     """What the broker needs of a group it has validated to append it (:func:`decode_group_fast` with
     ``head_only=True``): the same names as :class:`Group`'s, ``min_version``/``max_version`` over every
     token. The broker writes the message's own bytes; it never needs the samples built."""
+
     group_id: str
     run_id: str
     generator_id: str
@@ -547,8 +595,9 @@ def decode_group_fast(data: bytes | memoryview, head_only: bool = False) -> Grou
     for s in ws:
         ids_b, lps_b = s.completion_ids.data, s.logprobs.data
         nbytes = len(ids_b)
-        if (nbytes != len(lps_b) or not nbytes or nbytes & 3
-                or (s.reward is None) is not (s.reward_status == "failed")):  # a reward with each "ok" only
+        if (
+            nbytes != len(lps_b) or not nbytes or nbytes & 3 or (s.reward is None) is not (s.reward_status == "failed")
+        ):  # a reward with each "ok" only
             return None
         ids_data.append(ids_b)
         lps_data.append(lps_b)
@@ -607,13 +656,26 @@ def decode_group_fast(data: bytes | memoryview, head_only: bool = False) -> Grou
         if covered != n:
             return None
         end = start + n
-        samples.append(Sample(ids[start:end], lps[start:end], runs, s.finish_reason, s.reward, s.reward_status,
-                              det, flag))
+        samples.append(
+            Sample(ids[start:end], lps[start:end], runs, s.finish_reason, s.reward, s.reward_status, det, flag)
+        )
         start = end
-    return Group(w.group_id, w.run_id, w.prompt_id, ids[start:], samples, w.generator_id, w.weight_version,
-                 w.weight_hash, w.sampling, "" if w.task is None else w.task,
-                 "" if w.reference is None else w.reference, w.created_at,
-                 0.0 if w.scored_at is None else w.scored_at, 0.0 if w.sent_at is None else w.sent_at)
+    return Group(
+        w.group_id,
+        w.run_id,
+        w.prompt_id,
+        ids[start:],
+        samples,
+        w.generator_id,
+        w.weight_version,
+        w.weight_hash,
+        w.sampling,
+        "" if w.task is None else w.task,
+        "" if w.reference is None else w.reference,
+        w.created_at,
+        0.0 if w.scored_at is None else w.scored_at,
+        0.0 if w.sent_at is None else w.sent_at,
+    )
 
 
 def _head(w: _WireGroup, tokens: list[int]) -> GroupHead | None:
@@ -632,8 +694,7 @@ def _head(w: _WireGroup, tokens: list[int]) -> GroupHead | None:
                 hi = v
         if covered != n:
             return None
-    return GroupHead(w.group_id, w.run_id, w.generator_id, w.weight_version, w.weight_hash,
-                     0 if lo is None else lo, hi)
+    return GroupHead(w.group_id, w.run_id, w.generator_id, w.weight_version, w.weight_hash, 0 if lo is None else lo, hi)
 
 
 def _trainable(s: dict, n: int, where: str) -> np.ndarray | None:
@@ -643,8 +704,13 @@ def _trainable(s: dict, n: int, where: str) -> np.ndarray | None:
     if runs is None:
         return None
     if not isinstance(runs, list) or not all(
-            isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
-            and r[0] in (0, 1) and r[1] > 0 for r in runs):
+        isinstance(r, list)
+        and len(r) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        and r[0] in (0, 1)
+        and r[1] > 0
+        for r in runs
+    ):
         raise ProtocolError("bad_trainable", f"{where}.trainable_runs must be [[0 or 1, count>0], ...]")
     if sum(r[1] for r in runs) != n:
         raise ProtocolError("length_mismatch", f"{where}: trainable runs cover {sum(r[1] for r in runs)} of {n} tokens")
@@ -673,8 +739,7 @@ def _sampling_ok(sampling: dict) -> bool:
     """_check_sampling's checks as one expression, for the fast path's flat map of scalars: a float field
     takes an int (not a bool), top_k an int; NaN and the infinities fail the range comparisons."""
     t, p, k = sampling.get("temperature", 1.0), sampling.get("top_p", 1.0), sampling.get("top_k", 0)
-    return (type(t) in _NUMBER and 0 < t <= 100 and type(p) in _NUMBER and 0 < p <= 1
-            and type(k) is int and k >= 0)
+    return type(t) in _NUMBER and 0 < t <= 100 and type(p) in _NUMBER and 0 < p <= 1 and type(k) is int and k >= 0
 
 
 _NUMBER = (int, float)
@@ -683,5 +748,8 @@ _NUMBER = (int, float)
 def sampling_transform(sampling: dict) -> tuple[float, int, float]:
     """(temperature, top_k, top_p) of a group: what the learner must apply to recompute μ.
     Floats are rounded to 6 decimals, so 0.7 sent as float32 or float64 is the same transform."""
-    return (round(float(sampling.get("temperature", 1.0)), 6), int(sampling.get("top_k", 0)),
-            round(float(sampling.get("top_p", 1.0)), 6))
+    return (
+        round(float(sampling.get("temperature", 1.0)), 6),
+        int(sampling.get("top_k", 0)),
+        round(float(sampling.get("top_p", 1.0)), 6),
+    )

@@ -26,9 +26,11 @@ import zmq.utils.z85
 
 from broker.runtime.config import ConfigError
 
-HOW_TO_MAKE_KEYS = ("make keys with `python -c \"from broker.protocol.ingest_auth import write_ingest_keys; "
-                    "write_ingest_keys('keys', ['gen-0'])\"` (relay up does this per run), or set "
-                    "ingest_auth = \"insecure\" to accept unauthenticated producers")
+HOW_TO_MAKE_KEYS = (
+    'make keys with `python -c "from broker.protocol.ingest_auth import write_ingest_keys; '
+    "write_ingest_keys('keys', ['gen-0'])\"` (relay up does this per run), or set "
+    'ingest_auth = "insecure" to accept unauthenticated producers'
+)
 
 
 class IngestAuthError(ConfigError):
@@ -68,11 +70,11 @@ def _load(path: str, field: str, secret: bool) -> tuple[bytes, bytes | None]:
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
-        raise IngestAuthError(f"{field} = {path!r} is not a readable ZeroMQ certificate ({e}); "
-                              f"{HOW_TO_MAKE_KEYS}") from None
+        raise IngestAuthError(
+            f"{field} = {path!r} is not a readable ZeroMQ certificate ({e}); {HOW_TO_MAKE_KEYS}"
+        ) from None
     if secret and secret_key is None:
-        raise IngestAuthError(f"{field} = {path!r} holds no secret key (give the .key_secret file); "
-                              f"{HOW_TO_MAKE_KEYS}")
+        raise IngestAuthError(f"{field} = {path!r} holds no secret key (give the .key_secret file); {HOW_TO_MAKE_KEYS}")
     return public, secret_key
 
 
@@ -96,7 +98,9 @@ def load_allow_list(path: str, field: str = "ingest_clients_file") -> AllowList:
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise IngestAuthError(f"{field} = {path!r} is not a readable JSON allow-list ({e}); {HOW_TO_MAKE_KEYS}") from None
+        raise IngestAuthError(
+            f"{field} = {path!r} is not a readable JSON allow-list ({e}); {HOW_TO_MAKE_KEYS}"
+        ) from None
     entries = doc.get("clients") if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise IngestAuthError(f'{field} = {path!r} must be {{"clients": [{{"public_key": ..., "generator_id": ...}}]}}')
@@ -105,8 +109,10 @@ def load_allow_list(path: str, field: str = "ingest_clients_file") -> AllowList:
         key = e.get("public_key") if isinstance(e, dict) else None
         pattern = e.get("generator_id") if isinstance(e, dict) else None
         if not isinstance(key, str) or len(key) != 40 or not isinstance(pattern, str) or not pattern:
-            raise IngestAuthError(f"{field} = {path!r}: clients[{i}] needs public_key (40 z85 characters) and a "
-                                  f"non-empty generator_id pattern")
+            raise IngestAuthError(
+                f"{field} = {path!r}: clients[{i}] needs public_key (40 z85 characters) and a "
+                f"non-empty generator_id pattern"
+            )
         try:
             zmq.utils.z85.decode(key)
         except ValueError:

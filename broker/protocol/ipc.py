@@ -50,8 +50,9 @@ def export_buffer(flat) -> bytes:
     msgpack-encoded."""
     if flat.device.type == "cuda":
         fields = flat.untyped_storage()._share_cuda_()
-        return msgpack.packb({"kind": "cuda", "numel": flat.numel(), **dict(zip(CUDA_FIELDS, fields))},
-                             use_bin_type=True)
+        return msgpack.packb(
+            {"kind": "cuda", "numel": flat.numel(), **dict(zip(CUDA_FIELDS, fields))}, use_bin_type=True
+        )
     return msgpack.packb({"kind": "shm", "name": flat._relay_shm.name, "numel": flat.numel()}, use_bin_type=True)
 
 
@@ -86,7 +87,9 @@ def open_buffer(raw: bytes):
     if shm.size < numel:
         shm.close()
         raise IpcError(f"segment {h['name']} of {shm.size} bytes, {numel} announced")
-    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=numel) if numel else torch.empty(0, dtype=torch.uint8), shm
+    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=numel) if numel else torch.empty(
+        0, dtype=torch.uint8
+    ), shm
 
 
 def shared_buffer(nbytes: int, device, name: str):
@@ -105,8 +108,18 @@ def shared_buffer(nbytes: int, device, name: str):
 
 
 def encode_current(version: int, slot: int, seq: int, epoch: int, digest: str, header_sha256: str, sig: str) -> bytes:
-    return json.dumps({"version": version, "slot": slot, "seq": seq, "epoch": epoch, "digest": digest,
-                       "header_sha256": header_sha256, "sig": sig}, separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "version": version,
+            "slot": slot,
+            "seq": seq,
+            "epoch": epoch,
+            "digest": digest,
+            "header_sha256": header_sha256,
+            "sig": sig,
+        },
+        separators=(",", ":"),
+    ).encode()
 
 
 def encode_staged(version: int, slot: int, seq: int, epoch: int) -> bytes:

@@ -53,8 +53,14 @@ class Ack:
 
 def encode_ack(a: Ack) -> bytes:
     return msgpack.packb(
-        {"schema": SCHEMA_VERSION, "kind": "ack", "group_id": a.group_id, "status": a.status,
-         "reason": a.reason, "stream_id": a.stream_id},
+        {
+            "schema": SCHEMA_VERSION,
+            "kind": "ack",
+            "group_id": a.group_id,
+            "status": a.status,
+            "reason": a.reason,
+            "stream_id": a.stream_id,
+        },
         use_bin_type=True,
     )
 
@@ -110,8 +116,15 @@ class Announcement:
 
 
 def encode_announcement(a: Announcement) -> bytes:
-    m = {"schema": SCHEMA_VERSION, "kind": "announce", "version": a.version, "hash": a.hash,
-         "path": a.path, "url": a.url, "published_at": a.published_at}
+    m = {
+        "schema": SCHEMA_VERSION,
+        "kind": "announce",
+        "version": a.version,
+        "hash": a.hash,
+        "path": a.path,
+        "url": a.url,
+        "published_at": a.published_at,
+    }
     if a.digest:
         m["digest"] = a.digest
     if a.base is not None:
@@ -147,22 +160,22 @@ class PromptEntry:
     """One prompt to sample (docs/protocol.md 7.1). Training prompts carry ``seq``/``epoch``/``row``;
     held-out prompts of an evaluation round carry ``round`` ... ``max_tokens`` (docs/eval.md)."""
 
-    text: str                            # the prompt text (tokenized with the snapshot's tokenizer)
-    reference: str = ""                  # the reference answer, for the reward
-    task: str = ""                       # the task: picks the reward plugin
+    text: str  # the prompt text (tokenized with the snapshot's tokenizer)
+    reference: str = ""  # the reference answer, for the reward
+    task: str = ""  # the task: picks the reward plugin
     prompt_ids: list[int] | None = None  # JSON list of token ids to feed exactly (dataset prompts, template applied)
     metadata: dict[str, Any] = field(default_factory=dict)  # JSON object: dataset fields for the reward
     # JSON list of chat messages [{role, content}, ...] that prompt_ids render through the chat template
     # (dataset prompts with chat_template): a multi-turn episode continues this conversation (docs/agents.md)
     messages: list[dict] | None = None
-    seq: int | None = None               # training: the broker's sequence number (1, 2, ...)
-    epoch: int | None = None             # training: which pass over the source
-    row: int | None = None               # training: which row (or built-in prompt number) of the source
-    round: int | None = None             # evaluation: the round (the weight version it evaluates)
-    idx: int | None = None               # evaluation: the prompt's index in the round
-    greedy: bool = False                 # evaluation: one greedy completion ("1" / "0")
-    samples: int = 0                     # evaluation: completions sampled at the training temperature
-    max_tokens: int = 0                  # evaluation: most new tokens (0: the generator's own)
+    seq: int | None = None  # training: the broker's sequence number (1, 2, ...)
+    epoch: int | None = None  # training: which pass over the source
+    row: int | None = None  # training: which row (or built-in prompt number) of the source
+    round: int | None = None  # evaluation: the round (the weight version it evaluates)
+    idx: int | None = None  # evaluation: the prompt's index in the round
+    greedy: bool = False  # evaluation: one greedy completion ("1" / "0")
+    samples: int = 0  # evaluation: completions sampled at the training temperature
+    max_tokens: int = 0  # evaluation: most new tokens (0: the generator's own)
 
     _INTS = ("seq", "epoch", "row", "round", "idx")
 
@@ -185,17 +198,30 @@ class PromptEntry:
         """An entry read from the stream, or ProtocolError ``bad_prompt`` naming the field."""
         try:
             ids = json.loads(f["prompt_ids"]) if f.get("prompt_ids") else None
-            if ids is not None and (not isinstance(ids, list) or not ids
-                                    or not all(isinstance(i, int) and i >= 0 for i in ids)):
+            if ids is not None and (
+                not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids)
+            ):
                 raise ValueError(f"prompt_ids must be a non-empty JSON list of token ids, got {f['prompt_ids'][:80]!r}")
             msgs = json.loads(f["messages"]) if f.get("messages") else None
-            if msgs is not None and (not isinstance(msgs, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)):
-                raise ValueError(f"messages must be a JSON list of {{role, content}} objects, got {f['messages'][:80]!r}")
-            return cls(text=f.get("text", ""), reference=f.get("reference", ""), task=f.get("task", ""),
-                       prompt_ids=ids, metadata=json.loads(f.get("metadata") or "{}"), messages=msgs,
-                       **{k: int(f[k]) for k in cls._INTS if f.get(k)}, greedy=f.get("greedy") == "1",
-                       samples=int(f.get("samples") or 0), max_tokens=int(f.get("max_tokens") or 0))
+            if msgs is not None and (
+                not isinstance(msgs, list)
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)
+            ):
+                raise ValueError(
+                    f"messages must be a JSON list of {{role, content}} objects, got {f['messages'][:80]!r}"
+                )
+            return cls(
+                text=f.get("text", ""),
+                reference=f.get("reference", ""),
+                task=f.get("task", ""),
+                prompt_ids=ids,
+                metadata=json.loads(f.get("metadata") or "{}"),
+                messages=msgs,
+                **{k: int(f[k]) for k in cls._INTS if f.get(k)},
+                greedy=f.get("greedy") == "1",
+                samples=int(f.get("samples") or 0),
+                max_tokens=int(f.get("max_tokens") or 0),
+            )
         except (KeyError, ValueError, TypeError) as e:
             raise ProtocolError("bad_prompt", str(e)) from None
 
@@ -227,12 +253,12 @@ class EvalRound(JsonRecord):
     """One evaluation round as the broker enqueued it: JSON in the hash ``eval_rounds`` under its
     version (docs/eval.md)."""
 
-    version: int              # the weight version the round evaluates
-    prompts: int              # held-out prompts in the round
-    greedy: bool = True       # one greedy completion per prompt
-    samples: int = 0          # completions per prompt at the training temperature (pass@k)
-    threshold: float = 1.0    # a reward at or above it is a correct answer
-    final: bool = False       # the round after the learner finished
+    version: int  # the weight version the round evaluates
+    prompts: int  # held-out prompts in the round
+    greedy: bool = True  # one greedy completion per prompt
+    samples: int = 0  # completions per prompt at the training temperature (pass@k)
+    threshold: float = 1.0  # a reward at or above it is a correct answer
+    final: bool = False  # the round after the learner finished
     enqueued_at: float = 0.0  # unix time
 
     bad = "bad_eval_round"
@@ -242,9 +268,9 @@ class EvalRound(JsonRecord):
 class EvalCompletion:
     """One evaluated completion."""
 
-    reward: float | None     # the reward; None when it failed
-    status: str = "ok"       # "ok" | "failed"
-    length: int = 0          # completion tokens
+    reward: float | None  # the reward; None when it failed
+    status: str = "ok"  # "ok" | "failed"
+    length: int = 0  # completion tokens
     finish_reason: str = ""  # "stop" | "length"
 
     @property
@@ -257,9 +283,9 @@ class EvalResult:
     """One evaluated prompt: the ``data`` of an ``eval_results`` entry (its ``round`` and ``idx`` are
     the entry's other fields). ``greedy`` and/or ``samples``, as the round asked."""
 
-    version: int | None = None              # the weight version that generated it
-    generator: str = ""                     # the generator id
-    greedy: EvalCompletion | None = None    # the greedy completion (top_k = 1)
+    version: int | None = None  # the weight version that generated it
+    generator: str = ""  # the generator id
+    greedy: EvalCompletion | None = None  # the greedy completion (top_k = 1)
     samples: list[EvalCompletion] = field(default_factory=list)  # completions at the training temperature
 
 
@@ -277,8 +303,12 @@ def decode_eval_result(data: bytes | str) -> EvalResult:
     try:
         m = json.loads(data)
         greedy = EvalCompletion(**m["greedy"]) if m.get("greedy") else None
-        return EvalResult(version=m.get("version"), generator=m.get("generator", ""), greedy=greedy,
-                          samples=[EvalCompletion(**c) for c in m.get("samples") or []])
+        return EvalResult(
+            version=m.get("version"),
+            generator=m.get("generator", ""),
+            greedy=greedy,
+            samples=[EvalCompletion(**c) for c in m.get("samples") or []],
+        )
     except (ValueError, TypeError, AttributeError) as e:
         raise ProtocolError("bad_eval_result", str(e)) from None
 
@@ -298,46 +328,66 @@ class Heartbeat(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     id: str = Field("", description="str: the producer id (also the hash field and its consumer name)")
-    version: int | None = Field(None, description="int or null: the weight version served (null before the first "
-                                "load); keeps that snapshot from being pruned while the heartbeat is recent")
+    version: int | None = Field(
+        None,
+        description="int or null: the weight version served (null before the first "
+        "load); keeps that snapshot from being pruned while the heartbeat is recent",
+    )
     hash: str = Field("", description="str: the manifest hash of the version served")
-    last_seen: float | None = Field(None, description="float: unix time of this heartbeat (null/absent: shown dead, "
-                                    "pins nothing)")
-    state: str = Field("unknown", description="str: starting, waiting_for_weights, updating, sampling, "
-                       "waiting_for_prompts, sending, paused_staleness, paused_backpressure, paused_reward, draining, "
-                       "stopped")
+    last_seen: float | None = Field(
+        None, description="float: unix time of this heartbeat (null/absent: shown dead, pins nothing)"
+    )
+    state: str = Field(
+        "unknown",
+        description="str: starting, waiting_for_weights, updating, sampling, "
+        "waiting_for_prompts, sending, paused_staleness, paused_backpressure, paused_reward, draining, "
+        "stopped",
+    )
     backend: str = Field("", description="str: the inference backend (torch, vllm, sglang, simulated)")
-    sink_state: str = Field("", description="str: what the thread that scores and sends is doing: idle, scoring, "
-                            "sending, paused_backpressure, paused_reward")
+    sink_state: str = Field(
+        "",
+        description="str: what the thread that scores and sends is doing: idle, scoring, "
+        "sending, paused_backpressure, paused_reward",
+    )
     in_flight: str = Field("", description="str: the in-flight policy, finish or continue")
-    engine: dict[str, Any] = Field(default_factory=dict, description="object: the inference engine's identity "
-                                   "(pid, ...); the same across updates = weights applied in place")
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="object: the inference engine's identity "
+        "(pid, ...); the same across updates = weights applied in place",
+    )
     tokens_per_s: float = Field(0.0, description="float: completion tokens per second of the last batch")
-    refused: dict[str, str] = Field(default_factory=dict, description="object: manifest hash -> reason, the last 3 "
-                                    "versions refused")
+    refused: dict[str, str] = Field(
+        default_factory=dict, description="object: manifest hash -> reason, the last 3 versions refused"
+    )
     metrics_port: int | None = Field(None, description="int: the port of its /metrics")
     groups_sent: int = Field(0, description="int: groups acknowledged ok or duplicate")
     groups_rejected: int = Field(0, description="int: groups the broker rejected")
     tokens: int = Field(0, description="int: completion tokens sampled")
     updates: int = Field(0, description="int: weight versions applied")
     refused_updates: int = Field(0, description="int: weight versions refused (failed verification)")
-    forged_announcements: int = Field(0, description="int: announcements ignored because their signature is missing "
-                                      "or wrong (not the learner's)")
+    forged_announcements: int = Field(
+        0, description="int: announcements ignored because their signature is missing or wrong (not the learner's)"
+    )
     reward_failures: int = Field(0, description="int: samples whose reward failed")
-    reward_failures_by_plugin: dict[str, int] = Field(default_factory=dict, description="object: plugin -> samples "
-                                                      "whose reward failed")
+    reward_failures_by_plugin: dict[str, int] = Field(
+        default_factory=dict, description="object: plugin -> samples whose reward failed"
+    )
     reward_ok: int = Field(0, description="int: samples whose reward was scored")
-    reward_last_failure: dict[str, str] = Field(default_factory=dict, description="object: plugin -> the reason of "
-                                                "its latest failed sample (at most 200 characters)")
+    reward_last_failure: dict[str, str] = Field(
+        default_factory=dict,
+        description="object: plugin -> the reason of its latest failed sample (at most 200 characters)",
+    )
     reward_pauses: int = Field(0, description="int: reward outages that held a batch (state paused_reward)")
     reward_paused_s: float = Field(0.0, description="float: seconds batches were held through reward outages")
-    last_update_latency_s: float | None = Field(None, description="float: publish -> apply seconds of the last "
-                                                "update")
-    episodes: dict[str, Any] = Field(default_factory=dict, description="object: multi-turn episodes (docs/agents.md), "
-                                     "empty for single-turn tasks: episodes, turns (totals), tool_calls and "
-                                     "tool_failures (objects: tool -> count), env_failures (object: reason -> count), "
-                                     "env_seconds (total), template_drift (count), unspellable_replies (count: "
-                                     "environment replies the tokenizer cannot spell)")
+    last_update_latency_s: float | None = Field(None, description="float: publish -> apply seconds of the last update")
+    episodes: dict[str, Any] = Field(
+        default_factory=dict,
+        description="object: multi-turn episodes (docs/agents.md), "
+        "empty for single-turn tasks: episodes, turns (totals), tool_calls and "
+        "tool_failures (objects: tool -> count), env_failures (object: reason -> count), "
+        "env_seconds (total), template_drift (count), unspellable_replies (count: "
+        "environment replies the tokenizer cannot spell)",
+    )
 
 
 def encode_heartbeat(hb: Heartbeat) -> str:
@@ -363,10 +413,10 @@ class ServiceEndpoint(JsonRecord):
     """Where one service's ``/metrics`` listens: JSON in the hash ``services`` under
     ``"<service>:<replica>"`` (the broker's Prometheus service discovery reads it)."""
 
-    service: str             # broker, generator, learner, ...
-    replica: str             # its replica id ("0", a generator id)
-    host: str                # the host to scrape
-    port: int                # the port of its /metrics
+    service: str  # broker, generator, learner, ...
+    replica: str  # its replica id ("0", a generator id)
+    host: str  # the host to scrape
+    port: int  # the port of its /metrics
     started_at: float = 0.0  # unix time of the registration
 
     bad = "bad_service"
@@ -384,9 +434,9 @@ class Event:
     """One entry of the capped ``events`` stream: what happened to weights (and evaluation rounds),
     for dashboards (docs/protocol.md 7.7)."""
 
-    kind: str                # published | applied | refused | eval_round
-    t: float                 # unix time
-    data: dict[str, Any]     # per kind: version, hash, generator, latency_s, reason, prompts, final
+    kind: str  # published | applied | refused | eval_round
+    t: float  # unix time
+    data: dict[str, Any]  # per kind: version, hash, generator, latency_s, reason, prompts, final
 
     def fields(self) -> dict[str, str]:
         return {"kind": self.kind, "t": repr(self.t), "data": json.dumps(self.data)}
@@ -436,18 +486,20 @@ def encode_run_fields(**values: Any) -> dict[str, str]:
     unknown = set(values) - set(known)
     if unknown:
         raise ValueError(f"not RunInfo fields: {sorted(unknown)}")
-    return {k: json.dumps(v, sort_keys=True) if k == "sampling" else str(v) for k, v in values.items()
-            if v is not None}
+    return {k: json.dumps(v, sort_keys=True) if k == "sampling" else str(v) for k, v in values.items() if v is not None}
 
 
 def decode_run_info(fields: dict[bytes, bytes]) -> RunInfo:
     f = {k.decode(): v.decode() for k, v in fields.items()}
     try:
-        return RunInfo(ingest_address=f.get("ingest_address", ""), ingest_auth=f.get("ingest_auth", ""),
-                       ingest_addresses=f.get("ingest_addresses", f.get("ingest_address", "")),
-                       reward_url=f.get("reward_url", ""),
-                       sampling=json.loads(f["sampling"]) if "sampling" in f else {},
-                       eos_token_id=int(f["eos_token_id"]) if "eos_token_id" in f else None)
+        return RunInfo(
+            ingest_address=f.get("ingest_address", ""),
+            ingest_auth=f.get("ingest_auth", ""),
+            ingest_addresses=f.get("ingest_addresses", f.get("ingest_address", "")),
+            reward_url=f.get("reward_url", ""),
+            sampling=json.loads(f["sampling"]) if "sampling" in f else {},
+            eos_token_id=int(f["eos_token_id"]) if "eos_token_id" in f else None,
+        )
     except ValueError as e:  # json.JSONDecodeError is a ValueError
         raise ProtocolError("bad_run_info", str(e)) from None
 

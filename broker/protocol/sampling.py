@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """log-softmax of the sampling distribution over the last dimension (-inf outside the kept set)."""
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:

@@ -80,20 +80,26 @@ local grant = math.max(0, math.min(tonumber(ARGV[1]), room))
 
 # Admission alone: the grant, counted as issued (a producer taking prompts from elsewhere gives back
 # what it did not use). KEYS, ARGV as above.
-ADMIT = _ROOM + """if grant > 0 then redis.call('INCRBY', KEYS[4], grant) end
+ADMIT = (
+    _ROOM
+    + """if grant > 0 then redis.call('INCRBY', KEYS[4], grant) end
 return grant
 """
+)
 
 # Admission and the read of new prompts in one step, so that ``issued`` counts exactly the prompts read:
 # a producer killed at any moment holds no grant it did not use. KEYS as above, then the prompts stream;
 # ARGV[2]: the consumer group, ARGV[3]: the consumer. Reply: {grant, entries as XREADGROUP gives them}
 # (grant 0: at the bound; grant > 0 and no entries: the stream is empty).
-ADMIT_CLAIM = _ROOM + """if grant == 0 then return {0, {}} end
+ADMIT_CLAIM = (
+    _ROOM
+    + """if grant == 0 then return {0, {}} end
 local r = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', grant, 'STREAMS', KEYS[5], '>')
 local entries = r and r[1][2] or {}
 if #entries > 0 then redis.call('INCRBY', KEYS[4], #entries) end
 return {grant, entries}
 """
+)
 
 # A producer's claims renewed while it holds them (docs/protocol.md 7.2): each entry still pending for
 # this consumer has its idle time reset (XCLAIM JUSTID: no delivery counted), so ``claim_abandoned`` never

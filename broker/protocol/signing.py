@@ -108,8 +108,9 @@ def write_key_pair(private_path: str | Path, public_path: str | Path) -> tuple[P
         signer = read_signer(private_path)
     else:
         signer = AnnounceSigner.generate()
-        pem = signer._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                            serialization.NoEncryption())
+        pem = signer._private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         _write_new(private_path, pem, 0o600)
     if not public_path.exists() or public_path.read_text().strip() != signer.public_hex:
         _write_new(public_path, (signer.public_hex + "\n").encode(), 0o644)
@@ -120,8 +121,9 @@ def _read(path: Path, what: str) -> str:
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise AnnounceKeyError(f"cannot read the announcement {what} {path}: "
-                               f"{getattr(e, 'strerror', None) or e}") from None
+        raise AnnounceKeyError(
+            f"cannot read the announcement {what} {path}: {getattr(e, 'strerror', None) or e}"
+        ) from None
 
 
 def _pre_ed25519(path: Path) -> AnnounceKeyError:
@@ -129,7 +131,8 @@ def _pre_ed25519(path: Path) -> AnnounceKeyError:
         f"{path} holds 64 hex digits: an HMAC announcement key of a run made before announcements were signed with "
         f"Ed25519 (every generator held that key, so any of them could sign). Such a run cannot be continued; "
         f"make a new key pair (relay up does for a new run; relay secrets --force for Compose/Kubernetes) "
-        f"(docs/security.md, 'Runs from before Ed25519')")
+        f"(docs/security.md, 'Runs from before Ed25519')"
+    )
 
 
 def read_signer(path: str | Path) -> AnnounceSigner:
@@ -152,16 +155,20 @@ def read_verifier(path: str | Path) -> AnnounceVerifier:
     path = Path(path)
     text = _read(path, "public key").strip()
     if text.startswith("-----BEGIN PRIVATE KEY"):
-        raise AnnounceKeyError(f"{path} is the run's PRIVATE announcement key: a broker or a generator needs only "
-                               f"the public key (announce.pub); whoever holds the private key can sign versions")
+        raise AnnounceKeyError(
+            f"{path} is the run's PRIVATE announcement key: a broker or a generator needs only "
+            f"the public key (announce.pub); whoever holds the private key can sign versions"
+        )
     if not _HEX64.match(text):
         raise AnnounceKeyError(f"{path} must hold the Ed25519 public key as {2 * PUBLIC_BYTES} hex digits (one line)")
     return AnnounceVerifier(Ed25519PublicKey.from_public_bytes(bytes.fromhex(text)))
 
 
 def _insecure() -> None:
-    log.warning("announce_auth = insecure: weight announcements are neither signed nor checked; anyone who can "
-                "write to Redis can make the generators load weights of their choosing")
+    log.warning(
+        "announce_auth = insecure: weight announcements are neither signed nor checked; anyone who can "
+        "write to Redis can make the generators load weights of their choosing"
+    )
 
 
 def announce_signer(auth: str, key_file: str) -> AnnounceSigner | None:
@@ -171,9 +178,11 @@ def announce_signer(auth: str, key_file: str) -> AnnounceSigner | None:
         _insecure()
         return None
     if not key_file:
-        raise AnnounceKeyError("announce_auth = 'ed25519' needs announce_key_file (the run's private announcement key, "
-                               "PEM; `relay up` writes runs/<id>/secrets/announce.key), or announce_auth = 'insecure' "
-                               "to turn signatures off")
+        raise AnnounceKeyError(
+            "announce_auth = 'ed25519' needs announce_key_file (the run's private announcement key, "
+            "PEM; `relay up` writes runs/<id>/secrets/announce.key), or announce_auth = 'insecure' "
+            "to turn signatures off"
+        )
     return read_signer(key_file)
 
 
@@ -184,9 +193,11 @@ def announce_verifier(auth: str, public_key_file: str) -> AnnounceVerifier | Non
         _insecure()
         return None
     if not public_key_file:
-        raise AnnounceKeyError("announce_auth = 'ed25519' needs announce_public_key_file (the run's public "
-                               "announcement key, 64 hex digits; `relay up` writes runs/<id>/secrets/announce.pub), "
-                               "or announce_auth = 'insecure' to turn the check off")
+        raise AnnounceKeyError(
+            "announce_auth = 'ed25519' needs announce_public_key_file (the run's public "
+            "announcement key, 64 hex digits; `relay up` writes runs/<id>/secrets/announce.pub), "
+            "or announce_auth = 'insecure' to turn the check off"
+        )
     return read_verifier(public_key_file)
 
 
@@ -200,8 +211,16 @@ def canonical_bytes(run_id: str, a: Announcement) -> bytes:
     version (decimal), the hash, the path, the url, published_at (``%.6f``), each a netstring; then
     the tensor digest, only when the announcement has one; then, for a LoRA version only,
     ``base:<base>:<base_digest>``."""
-    fields = [CONTEXT, str(SCHEMA_VERSION), run_id, str(int(a.version)), a.hash, a.path, a.url,
-              f"{float(a.published_at):.6f}"] + ([a.digest] if a.digest else [])
+    fields = [
+        CONTEXT,
+        str(SCHEMA_VERSION),
+        run_id,
+        str(int(a.version)),
+        a.hash,
+        a.path,
+        a.url,
+        f"{float(a.published_at):.6f}",
+    ] + ([a.digest] if a.digest else [])
     if a.base is not None:
         fields.append(f"base:{int(a.base)}:{a.base_digest}")
     return b"".join(_netstring(f) for f in fields)
@@ -237,8 +256,9 @@ def collective_signature(key: AnnounceSigner, run_id: str, version: int, digest:
     return key.sign(_collective_bytes(run_id, version, digest, header_sha256))
 
 
-def check_collective(key: AnnounceVerifier, run_id: str, version: int, digest: str, header_sha256: str,
-                     sig: str) -> str | None:
+def check_collective(
+    key: AnnounceVerifier, run_id: str, version: int, digest: str, header_sha256: str, sig: str
+) -> str | None:
     """Why a collective trailer is not the learner's (``unsigned`` or ``bad_signature``), or None."""
     if not sig:
         return "unsigned"

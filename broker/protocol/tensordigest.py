@@ -111,8 +111,9 @@ CHUNK_BYTES = 16 << 20
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))  # XXH3 and sha256 release the GIL on large inputs
 
 
-def device_entries(state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHUNK_BYTES,
-                   threads: int = HASH_THREADS) -> list[tuple[str, bytes]]:
+def device_entries(
+    state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHUNK_BYTES, threads: int = HASH_THREADS
+) -> list[tuple[str, bytes]]:
     """:func:`torch_entry` of each tensor of ``state``, all on one accelerator, with its bytes copied to
     the host in chunks through a ring of ``2 * threads`` pinned buffers and hashed by ``threads`` hashing
     threads: the copies of the next chunks (on a side stream) run while earlier ones are hashed, and the
@@ -158,11 +159,11 @@ def device_entries(state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHU
             buf, done = bufs[j][:n], None
             if cuda:
                 with torch.cuda.stream(stream):
-                    buf.copy_(flats[name][s:s + n], non_blocking=True)
+                    buf.copy_(flats[name][s : s + n], non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(stream)
             else:
-                buf.copy_(flats[name][s:s + n])
+                buf.copy_(flats[name][s : s + n])
             in_use[j] = pools[owner[name]].submit(hash_piece, done, name, buf)
         for f in in_use:
             if f is not None:
@@ -170,5 +171,7 @@ def device_entries(state: dict, algorithm: str = DEFAULT, chunk_bytes: int = CHU
     finally:
         for pool in pools:
             pool.shutdown(wait=True)
-    return [tensor_entry_from_hash(name, str(t.dtype).removeprefix("torch."), t.shape, hashes[name].digest())
-            for name, t in state.items()]
+    return [
+        tensor_entry_from_hash(name, str(t.dtype).removeprefix("torch."), t.shape, hashes[name].digest())
+        for name, t in state.items()
+    ]

@@ -72,9 +72,11 @@ def weights_key(auth: str, key_file: str, transport: str) -> bytes | None:
     if transport not in KEYED_TRANSPORTS or auth == "insecure":
         return None
     if not key_file:
-        raise WeightsKeyError(f"weights.transport = {transport!r} with weights.auth = 'key' needs weights.key_file (the "
-                              f"run's weights key, 64 hex digits; `relay up` writes runs/<id>/secrets/weights.key), or "
-                              f"weights.auth = 'insecure' to let whoever reaches the port receive the weights")
+        raise WeightsKeyError(
+            f"weights.transport = {transport!r} with weights.auth = 'key' needs weights.key_file (the "
+            f"run's weights key, 64 hex digits; `relay up` writes runs/<id>/secrets/weights.key), or "
+            f"weights.auth = 'insecure' to let whoever reaches the port receive the weights"
+        )
     return read_key_file(key_file)
 
 

@@ -53,14 +53,28 @@ ADAPTER_SETTINGS = ("r", "lora_alpha", "target_modules")  # fix the adapters' sh
 def is_adapter_tensor(name: str) -> bool:
     """A LoRA factor (``...lora_A...`` or ``...lora_B...``), in peft's in-memory or file naming."""
     return ".lora_A." in name or ".lora_B." in name
+
+
 CHUNK = 1 << 22  # bytes read at a time while hashing (memory stays bounded whatever the file size)
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused (safetensors' own bound)
 MAX_KEPT_FILE = 256 << 20  # a file other than .safetensors kept in memory by check(keep=True): configs, tokenizers
 # safetensors' dtype names -> torch's (the names in the tensor digest)
 SAFETENSORS_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64", "I64": "int64",
-    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
@@ -105,7 +119,8 @@ def seal(root: str | Path, version: int, staging: Path, known: dict[str, str] | 
     known = known or {}
     files = {
         p.name: known.get(p.name) or sha256_file(p)
-        for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST
+        for p in sorted(staging.iterdir())
+        if p.is_file() and p.name != MANIFEST
     }
     stray = set(known) - set(files)
     if stray:
@@ -165,8 +180,10 @@ def _check_names(path: Path, files: dict) -> None:
         if entry.is_symlink():
             raise WeightStoreError("symlink", f"{entry} is a symbolic link; a snapshot holds only plain files")
         if entry.name != MANIFEST and entry.name not in files:
-            raise WeightStoreError("unlisted_file", f"{entry} is not listed in the manifest; a snapshot holds "
-                                   f"only the files its manifest lists")
+            raise WeightStoreError(
+                "unlisted_file",
+                f"{entry} is not listed in the manifest; a snapshot holds only the files its manifest lists",
+            )
 
 
 class TensorHasher:
@@ -187,7 +204,7 @@ class TensorHasher:
 
     def _parse(self) -> None:
         (n,) = struct.unpack("<Q", self.head[:8])
-        header = json.loads(self.head[8:8 + n])
+        header = json.loads(self.head[8 : 8 + n])
         if not isinstance(header, dict):
             raise self._bad("the header is not a JSON object")
         tensors = []
@@ -229,8 +246,12 @@ class TensorHasher:
                         raise self._bad(f"the header is not JSON ({e})") from None
                 continue
             off = self.pos - self.data_start  # offset in the data section of view[0]
-            while self._i < len(self.tensors) and self.tensors[self._i][1] <= off and self._h is None \
-                    and self.tensors[self._i][0] == self.tensors[self._i][1]:
+            while (
+                self._i < len(self.tensors)
+                and self.tensors[self._i][1] <= off
+                and self._h is None
+                and self.tensors[self._i][0] == self.tensors[self._i][1]
+            ):
                 self._finish_empty()
             if self._i >= len(self.tensors):
                 return  # trailing bytes: not part of any tensor (the file's sha256 still covers them)
@@ -259,16 +280,20 @@ class TensorHasher:
     def finish(self) -> list[tuple[str, bytes]]:
         if self.tensors is None:
             raise self._bad("the file ends inside its header")
-        while self._i < len(self.tensors) and self.tensors[self._i][0] == self.tensors[self._i][1] \
-                and self.pos - self.data_start >= self.tensors[self._i][1]:
+        while (
+            self._i < len(self.tensors)
+            and self.tensors[self._i][0] == self.tensors[self._i][1]
+            and self.pos - self.data_start >= self.tensors[self._i][1]
+        ):
             self._finish_empty()
         if self._i < len(self.tensors):
             raise self._bad(f"the file ends inside tensor {self.tensors[self._i][2]!r}")
         return self.entries
 
 
-def safetensors_entries(data: bytes, name: str = "<bytes>",
-                        algorithm: str = tensordigest.DEFAULT) -> list[tuple[str, bytes]]:
+def safetensors_entries(
+    data: bytes, name: str = "<bytes>", algorithm: str = tensordigest.DEFAULT
+) -> list[tuple[str, bytes]]:
     """The tensor-digest entries of a whole safetensors file held in memory (see :class:`TensorHasher`)."""
     h = TensorHasher(name, algorithm)
     h.update(data)
@@ -300,13 +325,17 @@ def _keep_bytes(f: Path) -> tuple[str, list, None, bytes | None, WeightStoreErro
     with open(f, "rb") as fh:
         data = fh.read(MAX_KEPT_FILE + 1)
     if len(data) > MAX_KEPT_FILE:
-        raise WeightStoreError("file_too_large", f"{f}: more than {MAX_KEPT_FILE >> 20} MiB in a file other than "
-                               ".safetensors (kept in memory between its check and its load)")
+        raise WeightStoreError(
+            "file_too_large",
+            f"{f}: more than {MAX_KEPT_FILE >> 20} MiB in a file other than "
+            ".safetensors (kept in memory between its check and its load)",
+        )
     return hashlib.sha256(data).hexdigest(), [], None, data, None
 
 
-def _hash_file(f: Path, tensors: str | None, keep: bool = False
-               ) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, bytes | None, WeightStoreError | None]:
+def _hash_file(
+    f: Path, tensors: str | None, keep: bool = False
+) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, bytes | None, WeightStoreError | None]:
     """(sha256 hex of the file, its tensor-digest entries with the algorithm ``tensors`` when one is
     given, with ``keep`` the file mapped (:class:`MappedFile`; a file other than safetensors: its bytes),
     and the file's safetensors problem if its tensors were asked for and it has one) from one read. With
@@ -323,7 +352,7 @@ def _hash_file(f: Path, tensors: str | None, keep: bool = False
         if keep and size:
             mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             view = memoryview(mapping)
-            chunks = (view[i:i + CHUNK] for i in range(0, size, CHUNK))
+            chunks = (view[i : i + CHUNK] for i in range(0, size, CHUNK))
         else:
             mapping = None
             chunks = iter(lambda: fh.read(CHUNK), b"")
@@ -348,8 +377,11 @@ def _hash_file(f: Path, tensors: str | None, keep: bool = False
         if mapping is None:  # an empty file: nothing to map, and no tensor to load from it
             problem = WeightStoreError("bad_safetensors", f"{f}: the file is empty")
         else:
-            mapped = MappedFile(f.name, mapping, [(b + th.data_start, e + th.data_start, n, d, shape)
-                                                  for b, e, n, d, shape in th.tensors])
+            mapped = MappedFile(
+                f.name,
+                mapping,
+                [(b + th.data_start, e + th.data_start, n, d, shape) for b, e, n, d, shape in th.tensors],
+            )
     if mapped is None and mapping is not None:
         _unmap(mapping)
     return h.hexdigest(), (entries if tensors else []), mapped, None, problem
@@ -371,14 +403,15 @@ def map_written(fh, name: str) -> MappedFile:
         if n > MAX_HEADER or 8 + n > size:
             raise WeightStoreError("bad_safetensors", f"{name}: a header of {n} bytes in a {size}-byte file")
         try:
-            th.head = bytes(mapping[:8 + n])
+            th.head = bytes(mapping[: 8 + n])
             th._parse()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise WeightStoreError("bad_safetensors", f"{name}: the header is not JSON ({e})") from None
         if th.tensors and th.data_start + th.tensors[-1][1] > size:
             raise WeightStoreError("bad_safetensors", f"{name}: its tensors end past the file's {size} bytes")
-        return MappedFile(name, mapping, [(b + th.data_start, e + th.data_start, n_, d, shape)
-                                          for b, e, n_, d, shape in th.tensors])
+        return MappedFile(
+            name, mapping, [(b + th.data_start, e + th.data_start, n_, d, shape) for b, e, n_, d, shape in th.tensors]
+        )
     except BaseException:
         _unmap(mapping)
         raise
@@ -407,9 +440,15 @@ def verify(path: str | Path, expected_hash: str | None = None, root: str | Path 
     return check(path, expected_hash, root).manifest
 
 
-def check(path: str | Path, expected_hash: str | None = None, root: str | Path | None = None,
-          expected_digest: str | None = None, tensor_digest: bool = False, threads: int = 1,
-          keep: bool = False) -> Verified:
+def check(
+    path: str | Path,
+    expected_hash: str | None = None,
+    root: str | Path | None = None,
+    expected_digest: str | None = None,
+    tensor_digest: bool = False,
+    threads: int = 1,
+    keep: bool = False,
+) -> Verified:
     """:func:`verify`, and with ``tensor_digest`` (or an ``expected_digest``) the digest of the tensors
     of the version's ``.safetensors`` files, computed from the same single read of each file (with the
     algorithm ``expected_digest`` names; the default one without it); a digest other than
@@ -425,14 +464,15 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
         raise WeightStoreError("symlink", f"{path} is a symbolic link; a version folder is a plain folder")
     manifest = read_manifest(path)
     if expected_hash is not None and manifest_hash(manifest) != expected_hash:
-        raise WeightStoreError("hash_mismatch", f"{path}: manifest hash differs from the announced {expected_hash[:12]}")
+        raise WeightStoreError(
+            "hash_mismatch", f"{path}: manifest hash differs from the announced {expected_hash[:12]}"
+        )
     _check_names(path, manifest["files"])
     for name in manifest["files"]:
         if not (path / name).is_file():
             raise WeightStoreError("missing_file", f"{path / name} is listed in the manifest but missing")
 
-    def one(name: str) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, bytes | None,
-                                WeightStoreError | None]:
+    def one(name: str) -> tuple[str, list[tuple[str, bytes]], MappedFile | None, bytes | None, WeightStoreError | None]:
         st = name.endswith(".safetensors")
         return _hash_file(path / name, algorithm if tensor_digest and st else None, keep)
 
@@ -447,8 +487,12 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
             found[name] = futures[name].result()
         except (WeightStoreError, OSError, ValueError) as e:
             problem = problem or e
-    verified = Verified(manifest, None, {n: m for n, (_, _, m, _, _) in found.items() if m is not None},
-                        {n: b for n, (_, _, _, b, _) in found.items() if b is not None})
+    verified = Verified(
+        manifest,
+        None,
+        {n: m for n, (_, _, m, _, _) in found.items() if m is not None},
+        {n: b for n, (_, _, _, b, _) in found.items() if b is not None},
+    )
     try:
         if problem is not None:  # a file that could not be read
             raise problem
@@ -467,8 +511,10 @@ def check(path: str | Path, expected_hash: str | None = None, root: str | Path |
         except ValueError as e:
             raise WeightStoreError("bad_safetensors", f"{path}: {e}") from None
         if expected_digest and verified.digest != expected_digest:
-            raise WeightStoreError("digest_mismatch", f"{path}: the tensors' digest {verified.digest[:12]} differs "
-                                   f"from the announced {expected_digest[:12]}")
+            raise WeightStoreError(
+                "digest_mismatch",
+                f"{path}: the tensors' digest {verified.digest[:12]} differs from the announced {expected_digest[:12]}",
+            )
         return verified
     except BaseException:
         verified.close()  # nothing stays mapped for a version refused

@@ -12,8 +12,10 @@ from __future__ import annotations
 import ipaddress
 
 ALLOW_FIELD = "allow_unauthenticated_bind"
-ALLOW_DESCRIPTION = ("accept binding an address other hosts can reach while this service's listener has its "
-                     "authentication off (otherwise refused at start-up, naming the setting; docs/security.md)")
+ALLOW_DESCRIPTION = (
+    "accept binding an address other hosts can reach while this service's listener has its "
+    "authentication off (otherwise refused at start-up, naming the setting; docs/security.md)"
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -41,5 +43,7 @@ def refuse_open_bind(setting: str, address: str, host: str | None, why: str, fix
     """ValueError when ``host`` is reachable from other hosts (not loopback, not None) and not ``allowed``."""
     if allowed or host is None or is_loopback(host):
         return
-    raise ValueError(f"{setting} = {address!r} is reachable from other hosts, but {why}: {fix}, bind 127.0.0.1, or "
-                     f"set {ALLOW_FIELD} = true to accept it (docs/security.md, \"Listeners\")")
+    raise ValueError(
+        f"{setting} = {address!r} is reachable from other hosts, but {why}: {fix}, bind 127.0.0.1, or "
+        f'set {ALLOW_FIELD} = true to accept it (docs/security.md, "Listeners")'
+    )

@@ -37,20 +37,27 @@ class RunConnection(StrictModel):
     key, :class:`VerifyingConnection`'s services check with its public key)."""
 
     run_id: str = Field("default", description="run id; namespaces every Redis key")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server URL: redis://[user:password@]"
-                           "host:port/db, rediss:// for TLS, or unix://; the password is a secret (give it as "
-                           "RELAY_REDIS_URL; relay up never writes it to the run folder, shows it redacted)")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis server URL: redis://[user:password@]"
+        "host:port/db, rediss:// for TLS, or unix://; the password is a secret (give it as "
+        "RELAY_REDIS_URL; relay up never writes it to the run folder, shows it redacted)",
+    )
     announce_auth: Literal["ed25519", "insecure"] = Field(
-        "ed25519", description="ed25519: weight announcements signed by the learner with the run's private key and "
+        "ed25519",
+        description="ed25519: weight announcements signed by the learner with the run's private key and "
         "checked by the broker and the generators with its public key (docs/security.md); insecure: neither signed "
-        "nor checked (anyone who can write to Redis chooses the weights the generators load)")
+        "nor checked (anyone who can write to Redis chooses the weights the generators load)",
+    )
 
     @field_validator("announce_auth", mode="before")
     @classmethod
     def _no_hmac(cls, v):
         if v == "hmac":
-            raise ValueError("'hmac' was removed: every generator held the HMAC key, so any of them could sign a "
-                             "version; use 'ed25519' (the learner alone holds the private key; docs/security.md)")
+            raise ValueError(
+                "'hmac' was removed: every generator held the HMAC key, so any of them could sign a "
+                "version; use 'ed25519' (the learner alone holds the private key; docs/security.md)"
+            )
         return v
 
 
@@ -58,8 +65,10 @@ class VerifyingConnection(RunConnection):
     """A service that checks the learner's announcements (the broker, the generators)."""
 
     announce_public_key_file: str = Field(
-        "", description="file holding the run's public announcement key (64 hex digits; relay up writes "
-        "runs/<id>/secrets/announce.pub); needed by announce_auth = ed25519")
+        "",
+        description="file holding the run's public announcement key (64 hex digits; relay up writes "
+        "runs/<id>/secrets/announce.pub); needed by announce_auth = ed25519",
+    )
 
 
 class HttpWeightsConfig(StrictModel):
@@ -67,14 +76,23 @@ class HttpWeightsConfig(StrictModel):
 
     host: str = Field("127.0.0.1", description="address the learner's weight server binds")
     port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the URL is announced)")
-    advertise_url: str = Field("", description="base URL the generators fetch from (default: http://host:port; "
-                               "set it when the generators reach the learner under another name). A generator "
-                               "fetches only from this URL (or http://host:port with a fixed port), whatever URL an "
-                               "announcement names; relay up sets it")
-    cache_dir: str = Field("", description="generators: folder the fetched versions are kept in (default: a "
-                           "private temporary folder)")
-    linger_s: float = Field(60.0, ge=0, le=3600, description="learner: at the end of the run, keep serving until "
-                            "every live generator serves the last version, at most this long")
+    advertise_url: str = Field(
+        "",
+        description="base URL the generators fetch from (default: http://host:port; "
+        "set it when the generators reach the learner under another name). A generator "
+        "fetches only from this URL (or http://host:port with a fixed port), whatever URL an "
+        "announcement names; relay up sets it",
+    )
+    cache_dir: str = Field(
+        "", description="generators: folder the fetched versions are kept in (default: a private temporary folder)"
+    )
+    linger_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="learner: at the end of the run, keep serving until "
+        "every live generator serves the last version, at most this long",
+    )
 
     def base_url(self) -> str:
         """The learner's weight server as configured: ``advertise_url``, else ``http://host:port`` when the
@@ -90,16 +108,29 @@ class HttpWeightsConfig(StrictModel):
 class CollectiveWeightsConfig(StrictModel):
     """``weights.transport = "collective"``: versions broadcast over torch.distributed (docs/weights.md)."""
 
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process-group backend: auto = nccl on "
-                                                     "GPUs, gloo on CPU")
-    host: str = Field("127.0.0.1", description="address the learner's rendezvous binds (that address only); joins "
-                      "prove the run's weights key (weights.auth)")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="process-group backend: auto = nccl on GPUs, gloo on CPU"
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="address the learner's rendezvous binds (that address only); joins "
+        "prove the run's weights key (weights.auth)",
+    )
     port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the address is advertised in Redis)")
-    max_members: int = Field(256, ge=1, le=4096, description="generators the learner broadcasts to at most; a join "
-                             "beyond is refused (each member is a gloo group with its own threads)")
+    max_members: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="generators the learner broadcasts to at most; a join "
+        "beyond is refused (each member is a gloo group with its own threads)",
+    )
     bucket_mb: float = Field(64.0, gt=0, description="tensors are broadcast in buckets of about this many MiB")
-    timeout_s: float = Field(60.0, gt=0, description="a broadcast (or a join) that takes longer drops the "
-                             "generator from the group; it catches up from the store and joins again")
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a broadcast (or a join) that takes longer drops the "
+        "generator from the group; it catches up from the store and joins again",
+    )
 
 
 # the transports that hand each version to the generators' engines in process (learner/broadcast.py,
@@ -112,32 +143,53 @@ class WeightsConfig(StrictModel):
     (``--set weights.transport=http``); a service on its own takes it as ``weights.*`` (docs/weights.md)."""
 
     transport: Literal["store", "http", "collective", "ipc"] = Field(
-        "store", description="store: immutable folders on a shared volume; http: the learner serves them, no "
+        "store",
+        description="store: immutable folders on a shared volume; http: the learner serves them, no "
         "shared volume; collective: broadcast straight into the generators' engines (store copy written behind); "
         "ipc: generators on the learner's host copy each version from its shared memory (CUDA IPC on a GPU; "
-        "store copy written behind)")
+        "store copy written behind)",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="dtype of the published weights: auto = the training dtype (bf16 when "
-        "learner.deepspeed.bf16), else as given")
-    shard_mb: float = Field(512.0, gt=0, description="safetensors shard size in MiB (several shards: the Hugging "
-                            "Face index is written too; shards are what lets hash_threads hash one version on "
-                            "several cores)")
-    hash_threads: int = Field(8, ge=1, le=64, description="shards written and hashed side by side by the learner, "
-                              "and read and verified side by side by each generator (one file's sha256 is "
-                              "sequential: ~1.5 GB/s per core)")
+        "auto",
+        description="dtype of the published weights: auto = the training dtype (bf16 when "
+        "learner.deepspeed.bf16), else as given",
+    )
+    shard_mb: float = Field(
+        512.0,
+        gt=0,
+        description="safetensors shard size in MiB (several shards: the Hugging "
+        "Face index is written too; shards are what lets hash_threads hash one version on "
+        "several cores)",
+    )
+    hash_threads: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="shards written and hashed side by side by the learner, "
+        "and read and verified side by side by each generator (one file's sha256 is "
+        "sequential: ~1.5 GB/s per core)",
+    )
     digest: Literal["xxh3", "sha256"] = Field(
-        "xxh3", description="per-tensor hash of the tensor digest every generator checks against what it applied: "
-        "xxh3 (XXH3-128, ~5x faster) or sha256 (cryptographic; the files' own hashes are sha256 either way)")
+        "xxh3",
+        description="per-tensor hash of the tensor digest every generator checks against what it applied: "
+        "xxh3 (XXH3-128, ~5x faster) or sha256 (cryptographic; the files' own hashes are sha256 either way)",
+    )
     auth: Literal["key", "insecure"] = Field(
-        "key", description="key: the learner's weight listeners (the http server, the collective rendezvous) admit "
+        "key",
+        description="key: the learner's weight listeners (the http server, the collective rendezvous) admit "
         "only holders of the run's weights key (key_file): the learner and the generators; insecure: whoever reaches "
-        "the port receives the weights (docs/security.md)")
-    key_file: str = Field("", description="file holding the run's weights key (64 hex digits, mode 0600; relay up "
-                          "writes runs/<id>/secrets/weights.key); read by the learner and the generators with the "
-                          "http and collective transports")
+        "the port receives the weights (docs/security.md)",
+    )
+    key_file: str = Field(
+        "",
+        description="file holding the run's weights key (64 hex digits, mode 0600; relay up "
+        "writes runs/<id>/secrets/weights.key); read by the learner and the generators with the "
+        "http and collective transports",
+    )
     http: HttpWeightsConfig = Field(default_factory=HttpWeightsConfig, description="the http transport")
-    collective: CollectiveWeightsConfig = Field(default_factory=CollectiveWeightsConfig,
-                                                description="the collective transport")
+    collective: CollectiveWeightsConfig = Field(
+        default_factory=CollectiveWeightsConfig, description="the collective transport"
+    )
 
 
 class ConfigError(Exception):
@@ -190,7 +242,7 @@ def env_overrides(model: type[BaseModel], prefix: str = "RELAY_", environ: dict 
     for key, raw in environ.items():
         if not key.startswith(prefix):
             continue
-        path = key[len(prefix):].lower().split("__")
+        path = key[len(prefix) :].lower().split("__")
         if path[0] in fields:
             _set_nested(out, path, _parse_value(raw))
     return out
@@ -216,8 +268,13 @@ def format_validation_error(e: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
-def load_config(model: type[T], path: str | Path | None = None, overrides: dict | None = None,
-                environ: dict | None = None, pick: Callable[[dict], dict] | None = None) -> T:
+def load_config(
+    model: type[T],
+    path: str | Path | None = None,
+    overrides: dict | None = None,
+    environ: dict | None = None,
+    pick: Callable[[dict], dict] | None = None,
+) -> T:
     """defaults < the file at ``path`` (``pick`` may select the part of it that is this model's) <
     ``RELAY_*`` variables < ``overrides``."""
     data: dict = read_file(path) if path else {}

@@ -53,14 +53,24 @@ class BoundedHTTPServer:
     body is refused) on ``address``; ``port`` 0 picks a free one (``server_address``). Call
     :meth:`start`, then :meth:`shutdown` and :meth:`server_close`."""
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], workers: int = 8,
-                 max_connections: int = 256, head_timeout_s: float = 5.0, max_head_bytes: int = 16384,
-                 write_timeout_s: float = 30.0, stream_slots: int | None = None):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        workers: int = 8,
+        max_connections: int = 256,
+        head_timeout_s: float = 5.0,
+        max_head_bytes: int = 16384,
+        write_timeout_s: float = 30.0,
+        stream_slots: int | None = None,
+    ):
         self.handler = handler
         self.workers, self.max_connections = workers, max_connections
         self.head_timeout_s, self.max_head_bytes, self.write_timeout_s = head_timeout_s, max_head_bytes, write_timeout_s
         # long-lived responses (the dashboard's event stream) may hold at most this many workers
-        self.stream_slots = threading.BoundedSemaphore(stream_slots if stream_slots is not None else max(1, workers // 2))
+        self.stream_slots = threading.BoundedSemaphore(
+            stream_slots if stream_slots is not None else max(1, workers // 2)
+        )
         self.refused: Counter = Counter()
         # the socket its launcher bound for it (relay up holds every port it hands out: broker/runtime/ports.py)
         self.socket = handed_over(*address[:2]) or socket.create_server(address, backlog=128)
@@ -123,7 +133,7 @@ class BoundedHTTPServer:
         if end > self.max_head_bytes:
             self._drop(conn, "head_too_large")
             return
-        head = bytes(conn.buf[:end + 4])
+        head = bytes(conn.buf[: end + 4])
         if _has_body(head) or len(conn.buf) > end + 4:
             self._drop(conn, "body")
             return
@@ -198,7 +208,9 @@ def _has_body(head: bytes) -> bool:
     """Whether the request announces a body (the servers here take none)."""
     for line in head.lower().split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
-        if name.strip() == b"transfer-encoding" or (name.strip() == b"content-length" and value.strip() not in (b"", b"0")):
+        if name.strip() == b"transfer-encoding" or (
+            name.strip() == b"content-length" and value.strip() not in (b"", b"0")
+        ):
             return True
     return False
 

@@ -14,8 +14,14 @@ class _JsonFormatter(logging.Formatter):
         self.service, self.replica = service, replica
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"t": round(record.created, 3), "level": record.levelname, "service": self.service,
-               "replica": self.replica, "logger": record.name, "msg": record.getMessage()}
+        out = {
+            "t": round(record.created, 3),
+            "level": record.levelname,
+            "service": self.service,
+            "replica": self.replica,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)

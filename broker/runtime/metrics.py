@@ -39,8 +39,9 @@ class _WithServiceLabels(Collector):
 
     def collect(self):
         base = {"service": self.service, "replica": self.replica}
-        info = GaugeMetricFamily("relay_service_info", "one sample per Relay process: its service and replica id",
-                                 labels=list(base))
+        info = GaugeMetricFamily(
+            "relay_service_info", "one sample per Relay process: its service and replica id", labels=list(base)
+        )
         info.add_metric(list(base.values()), 1)
         yield info
         for collector in self.inner:
@@ -79,8 +80,13 @@ class MetricsServer:
     check answers 503 with the detail. A bind failure raises ``OSError`` naming the address.
     """
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 healthy: Callable[[], tuple[bool, str]] = lambda: (True, "ok")):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        healthy: Callable[[], tuple[bool, str]] = lambda: (True, "ok"),
+    ):
         reg, check = registry, healthy
 
         class Handler(BaseHTTPRequestHandler):
@@ -107,8 +113,9 @@ class MetricsServer:
         try:
             self.server = BoundedHTTPServer((host, port), Handler, workers=4, max_connections=64)
         except OSError as e:
-            raise OSError(f"cannot serve metrics on {host}:{port}: {e.strerror} (set metrics_port; 0 picks a free one)"
-                          ) from None
+            raise OSError(
+                f"cannot serve metrics on {host}:{port}: {e.strerror} (set metrics_port; 0 picks a free one)"
+            ) from None
         self.host = host
         self.port: int = self.server.server_address[1]
         self.server.start("metrics-http")

@@ -167,7 +167,7 @@ def tcp_host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of a ZeroMQ ``tcp://HOST:PORT`` address (``*`` is every interface), else None."""
     if not address.startswith("tcp://"):
         return None
-    host, _, port = address[len("tcp://"):].rstrip("/").rpartition(":")
+    host, _, port = address[len("tcp://") :].rstrip("/").rpartition(":")
     if not port.isdigit():
         return None
     return host.strip("[]"), int(port)

@@ -18,7 +18,7 @@ def stat_cpu_s(path: str) -> float | None:
     except OSError:
         return None
     # fields after the command name (which may hold spaces, inside parentheses): utime, stime are 14, 15
-    fields = stat[stat.rfind(b")") + 2:].split()
+    fields = stat[stat.rfind(b")") + 2 :].split()
     try:
         return (int(fields[11]) + int(fields[12])) * _TICK_S
     except (IndexError, ValueError):

@@ -22,8 +22,15 @@ DISTINCT_MAX = 1024  # subjects remembered per interval for the summary's count 
 
 
 class RateLimitedLog:
-    def __init__(self, logger: logging.Logger, what: str, interval_s: float = 10.0, burst: int = 5,
-                 level: int = logging.WARNING, clock=time.monotonic):
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        interval_s: float = 10.0,
+        burst: int = 5,
+        level: int = logging.WARNING,
+        clock=time.monotonic,
+    ):
         self.logger, self.what, self.level = logger, what, level
         self.interval_s, self.burst, self.clock = interval_s, burst, clock
         self._lock = threading.Lock()
@@ -75,6 +82,13 @@ class RateLimitedLog:
             return
         n = len(self._subjects)
         distinct = f"at least {n}" if n >= DISTINCT_MAX else str(n)
-        self.logger.log(self.level, "%d more %s in the last %g s, not logged one by one (from %s distinct, the "
-                        "last %s)", self._held, self.what, self.interval_s, distinct, self._last)
+        self.logger.log(
+            self.level,
+            "%d more %s in the last %g s, not logged one by one (from %s distinct, the last %s)",
+            self._held,
+            self.what,
+            self.interval_s,
+            distinct,
+            self._last,
+        )
         self._held, self._subjects, self._last = 0, set(), ""

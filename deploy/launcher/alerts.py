@@ -122,10 +122,15 @@ class RewardWatch:
         if half is None or self.failed == half[2]:
             return None  # nothing failed lately: held by an outage, or the run is idle
         worst = max(self.by_plugin, key=self.by_plugin.get) if self.by_plugin else ""
-        who = describe_failures(worst, self.by_plugin.get(worst, 0), self.reasons.get(worst, ""), self.logs) \
-            if worst else "failed rewards"
-        return (f"no reward was scored for {now - t0:.0f}s while {self.failed - failed0} failed; {who}. Fix that, "
-                f"or give --fail-after 0 to let a run go on without rewards")
+        who = (
+            describe_failures(worst, self.by_plugin.get(worst, 0), self.reasons.get(worst, ""), self.logs)
+            if worst
+            else "failed rewards"
+        )
+        return (
+            f"no reward was scored for {now - t0:.0f}s while {self.failed - failed0} failed; {who}. Fix that, "
+            f"or give --fail-after 0 to let a run go on without rewards"
+        )
 
 
 def _num(x) -> float | None:
@@ -189,13 +194,17 @@ class PolicyWatch:
         otherwise blame something else (the truncation warning blames max_tokens)."""
         last = self.recent[-1] if self.recent else {}
         if self.dead >= 2:
-            return (f"its gradient has been 0 for the last {self.dead} steps while its loss is not (entropy "
-                    f"{_fmt(last.get('entropy'))}): the model no longer responds to its weights")
+            return (
+                f"its gradient has been 0 for the last {self.dead} steps while its loss is not (entropy "
+                f"{_fmt(last.get('entropy'))}): the model no longer responds to its weights"
+            )
         if self.skipped:
             return f"{self.skipped} optimizer step(s) were skipped for a non-finite loss or gradient"
         if self.diverging:
-            return (f"its gradient norm is {statistics.median(self.norms):.3g}, {EXPLODE_FACTOR:.0f}x its norm at "
-                    f"the start or more")
+            return (
+                f"its gradient norm is {statistics.median(self.norms):.3g}, {EXPLODE_FACTOR:.0f}x its norm at "
+                f"the start or more"
+            )
         return None
 
     def _stalled(self, e: dict) -> list[str]:
@@ -218,28 +227,39 @@ class PolicyWatch:
         half = len(rewards) // 2
         rising = half and statistics.fmean(rewards[half:]) > statistics.fmean(rewards[:half]) + REWARD_RISING
         low = ent is not None and ent < COLLAPSE_ENTROPY
-        if low and rewards and flat >= n * COLLAPSE_FLAT and self.best > 0 \
-                and statistics.fmean(rewards) >= CONVERGED_SHARE * self.best:
+        if (
+            low
+            and rewards
+            and flat >= n * COLLAPSE_FLAT
+            and self.best > 0
+            and statistics.fmean(rewards) >= CONVERGED_SHARE * self.best
+        ):
             self.stalled = self.converged = True  # at the best reward a step of the run had: solved, not stuck
-            self.notes.append(f"the policy converged: over the last {n} steps (to step {step}) its entropy was "
-                              f"{ent:.3g} and {flat} steps had no gradient, at a mean reward of "
-                              f"{statistics.fmean(rewards):.3f}, the best of the run: more steps change little "
-                              f"(learner.target_reward ends a run there)")
+            self.notes.append(
+                f"the policy converged: over the last {n} steps (to step {step}) its entropy was "
+                f"{ent:.3g} and {flat} steps had no gradient, at a mean reward of "
+                f"{statistics.fmean(rewards):.3f}, the best of the run: more steps change little "
+                f"(learner.target_reward ends a run there)"
+            )
             return []
         reward = f"{statistics.fmean(rewards):.3f}" if rewards else "-"
         if low and flat >= n * COLLAPSE_FLAT and not rising:
             self.stalled = self.collapsed = True
-            return [f"the policy has collapsed: over the last {n} steps (to step {step}) its entropy was {ent:.3g} "
-                    f"and {flat} steps had no gradient at all (every sample of each group got the same reward), and "
-                    f"the mean reward stays at {reward}: it gives one answer per prompt and learns nothing more. "
-                    f"If {reward} is the task's best score the run has converged (learner.target_reward ends a run "
-                    f"there); otherwise raise learner.entropy_coef or generator.sampling.temperature, or lower "
-                    f"learner.lr (docs/learner.md)"]
+            return [
+                f"the policy has collapsed: over the last {n} steps (to step {step}) its entropy was {ent:.3g} "
+                f"and {flat} steps had no gradient at all (every sample of each group got the same reward), and "
+                f"the mean reward stays at {reward}: it gives one answer per prompt and learns nothing more. "
+                f"If {reward} is the task's best score the run has converged (learner.target_reward ends a run "
+                f"there); otherwise raise learner.entropy_coef or generator.sampling.temperature, or lower "
+                f"learner.lr (docs/learner.md)"
+            ]
         if not low and flat >= n * STALL_FLAT:
             self.stalled = True
-            return [f"no learning signal: over the last {n} steps (to step {step}) {flat} had no gradient at all "
-                    f"(every sample of each group got the same reward; mean {reward}); check that the reward can "
-                    f"tell answers apart (its plugin, the dataset's references)"]
+            return [
+                f"no learning signal: over the last {n} steps (to step {step}) {flat} had no gradient at all "
+                f"(every sample of each group got the same reward; mean {reward}); check that the reward can "
+                f"tell answers apart (its plugin, the dataset's references)"
+            ]
         return []
 
     def _dead(self, e: dict) -> list[str]:
@@ -249,20 +269,24 @@ class PolicyWatch:
         if self.killed or self.dead < DEAD_STEPS:
             return []
         self.killed = True
-        return [f"the policy is dead: its gradient has been 0 for the last {self.dead} steps (to step "
-                f"{int(_num(e.get('step')) or 0)}) while its loss is {_fmt(e.get('loss'))} and its entropy "
-                f"{_fmt(e.get('entropy'))}, so its outputs no longer depend on its weights and nothing more is "
-                f"learnt; a learning rate far too high does this (learner.lr = {_fmt(e.get('lr'))}): lower it and "
-                f"start again"]
+        return [
+            f"the policy is dead: its gradient has been 0 for the last {self.dead} steps (to step "
+            f"{int(_num(e.get('step')) or 0)}) while its loss is {_fmt(e.get('loss'))} and its entropy "
+            f"{_fmt(e.get('entropy'))}, so its outputs no longer depend on its weights and nothing more is "
+            f"learnt; a learning rate far too high does this (learner.lr = {_fmt(e.get('lr'))}): lower it and "
+            f"start again"
+        ]
 
     def _diverging(self, e: dict) -> list[str]:
         out = []
         skipped = int(_num(e.get("skipped_steps")) or 0)
         if skipped > self.skipped:
             if not self.skipped:
-                out.append(f"{skipped} optimizer step(s) skipped by step {int(_num(e.get('step')) or 0)} for a "
-                           f"non-finite loss or gradient (the weights were left as they were; the learner's log "
-                           f"says which): the policy is diverging, lower learner.lr ({_fmt(e.get('lr'))})")
+                out.append(
+                    f"{skipped} optimizer step(s) skipped by step {int(_num(e.get('step')) or 0)} for a "
+                    f"non-finite loss or gradient (the weights were left as they were; the learner's log "
+                    f"says which): the policy is diverging, lower learner.lr ({_fmt(e.get('lr'))})"
+                )
             self.skipped = skipped
         if len(self.baseline) < EXPLODE_BASELINE or len(self.norms) < EXPLODE_RECENT:
             return out
@@ -272,10 +296,12 @@ class PolicyWatch:
             return out
         if not self.diverging:
             self.diverging = True
-            out.append(f"the policy may be diverging: its gradient norm is {now:.3g} (median of the last "
-                       f"{len(self.norms)} steps, to step {int(_num(e.get('step')) or 0)}), {now / base:.0f}x its "
-                       f"{base:.3g} at the start (entropy {_fmt(e.get('entropy'))}): lower learner.lr "
-                       f"({_fmt(e.get('lr'))})")
+            out.append(
+                f"the policy may be diverging: its gradient norm is {now:.3g} (median of the last "
+                f"{len(self.norms)} steps, to step {int(_num(e.get('step')) or 0)}), {now / base:.0f}x its "
+                f"{base:.3g} at the start (entropy {_fmt(e.get('entropy'))}): lower learner.lr "
+                f"({_fmt(e.get('lr'))})"
+            )
         return out
 
 
@@ -302,8 +328,14 @@ class LearnerEntries:
 class ConsoleAlerts:
     """The warnings ``relay up`` prints while a run goes (the module's docstring), and the stop."""
 
-    def __init__(self, before_print: Callable[[], None], fail_after_s: float, logs: Path | None = None,
-                 entries: Callable[[], list[dict]] = lambda: [], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        before_print: Callable[[], None],
+        fail_after_s: float,
+        logs: Path | None = None,
+        entries: Callable[[], list[dict]] = lambda: [],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.before_print, self.entries, self.clock = before_print, entries, clock
         self.reward = RewardWatch(fail_after_s, logs)
         self.policy = PolicyWatch()
@@ -332,8 +364,13 @@ class ConsoleAlerts:
         if self.policy.killed:
             out.append("POLICY DEAD")
         if self.policy.stalled:
-            out.append("POLICY COLLAPSED" if self.policy.collapsed else
-                       "CONVERGED" if self.policy.converged else "NO LEARNING SIGNAL")
+            out.append(
+                "POLICY COLLAPSED"
+                if self.policy.collapsed
+                else "CONVERGED"
+                if self.policy.converged
+                else "NO LEARNING SIGNAL"
+            )
         if self.policy.diverging:
             out.append("POLICY DIVERGING")
         return out

@@ -35,18 +35,27 @@ NOT_CONFIG = {
     "RELAY_FUZZ_EXAMPLES": "tests: the ingest fuzz test's examples",
     "RELAY_UPDATE_SNAPSHOTS": "tests: rewrite the pinned snapshots",
     "RELAY_CHROMIUM": "tests: the browser of the dashboard tests",
-    "RELAY_LISTEN_FDS": ("a service started by relay up: the listening sockets relay up bound for it "
-                         "(broker/runtime/ports.py)"),
-    "RELAY_STALE_EXTENSION_LOCK_S": ("learner: age after which a torch extension lock is taken as stale "
-                                     "(ops but the CPU communication op, whose dead holders are seen at once)"),
+    "RELAY_LISTEN_FDS": (
+        "a service started by relay up: the listening sockets relay up bound for it (broker/runtime/ports.py)"
+    ),
+    "RELAY_STALE_EXTENSION_LOCK_S": (
+        "learner: age after which a torch extension lock is taken as stale "
+        "(ops but the CPU communication op, whose dead holders are seen at once)"
+    ),
 }
 
 # variables that stand for a `relay up` flag (as in Docker Compose): the flag, when given, wins. Those
 # that are also a field name (RELAY_SEED, RELAY_STEPS, RELAY_MODEL) act as the flag: RELAY_SEED seeds
 # the broker's task too, RELAY_MODEL's folder is checked like --model's
-LAUNCHER_FLAGS = {"RELAY_RUN_ID": ("run_id", str), "RELAY_REDIS_URL": ("redis_url", str), "RELAY_TASK": ("task", str),
-                  "RELAY_DASHBOARD_PORT": ("dashboard_port", int), "RELAY_SEED": ("seed", int),
-                  "RELAY_STEPS": ("steps", int), "RELAY_MODEL": ("model", str)}
+LAUNCHER_FLAGS = {
+    "RELAY_RUN_ID": ("run_id", str),
+    "RELAY_REDIS_URL": ("redis_url", str),
+    "RELAY_TASK": ("task", str),
+    "RELAY_DASHBOARD_PORT": ("dashboard_port", int),
+    "RELAY_SEED": ("seed", int),
+    "RELAY_STEPS": ("steps", int),
+    "RELAY_MODEL": ("model", str),
+}
 
 
 def flag_layer(args, environ: typing.Mapping[str, str]) -> dict[str, dict]:
@@ -102,23 +111,29 @@ def resolve(models: dict[str, type[BaseModel]], environ: typing.Mapping[str, str
     for key in sorted(environ):
         if not key.startswith(PREFIX) or key in NOT_CONFIG or key in LAUNCHER_FLAGS:
             continue
-        path = key[len(PREFIX):].lower().split("__")
+        path = key[len(PREFIX) :].lower().split("__")
         targets = [name for name, model in models.items() if _names_a_field(model, path)]
         if not targets:
             unknown.append(key)
         for name in targets:
             _set_nested(out[name], path, _parse_value(environ[key]))
     if unknown:
-        raise ConfigError(f"environment variable{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: no config "
-                          f"field of any service has that name (check the spelling: RELAY_<FIELD>, nested with "
-                          f"__, e.g. RELAY_SAMPLING__TEMPERATURE; docs/config.md lists the fields), or unset it")
+        raise ConfigError(
+            f"environment variable{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: no config "
+            f"field of any service has that name (check the spelling: RELAY_<FIELD>, nested with "
+            f"__, e.g. RELAY_SAMPLING__TEMPERATURE; docs/config.md lists the fields), or unset it"
+        )
     return out
 
 
 # config fields that hold secrets: kept out of the run's config files, given to the service as these
-SECRETS = {("auth_token",): "RELAY_AUTH_TOKEN", ("reward_token",): "RELAY_REWARD_TOKEN",
-           ("backend", "api_key"): "RELAY_BACKEND__API_KEY", ("redis_url",): "RELAY_REDIS_URL",
-           ("openai", "api_key"): "RELAY_OPENAI__API_KEY"}
+SECRETS = {
+    ("auth_token",): "RELAY_AUTH_TOKEN",
+    ("reward_token",): "RELAY_REWARD_TOKEN",
+    ("backend", "api_key"): "RELAY_BACKEND__API_KEY",
+    ("redis_url",): "RELAY_REDIS_URL",
+    ("openai", "api_key"): "RELAY_OPENAI__API_KEY",
+}
 # secrets of which the file keeps a redacted copy (the URL, its password replaced by ***)
 REDACTED = {("redis_url",)}
 

@@ -33,11 +33,18 @@ def episode_defaults(needs: dict, max_digits, batch_groups, generators: int) -> 
         return {}
     # the values as configured; one that is not a positive int is left to the config's validation to report
     max_digits = max_digits if isinstance(max_digits, int) and max_digits >= 1 else 1
-    batch_groups = batch_groups if isinstance(batch_groups, int) and batch_groups >= 1 \
+    batch_groups = (
+        batch_groups
+        if isinstance(batch_groups, int) and batch_groups >= 1
         else EPISODE_LEARNER_DEFAULTS["batch_groups"]
+    )
     share = -(-batch_groups // max(generators, 1))
-    return {"env": needs["env"], **EPISODE_DEFAULTS, "prompts_per_batch": max(share, 1),
-            "sampling": {**EPISODE_DEFAULTS["sampling"], "max_tokens": call_tokens(max_digits)}}
+    return {
+        "env": needs["env"],
+        **EPISODE_DEFAULTS,
+        "prompts_per_batch": max(share, 1),
+        "sampling": {**EPISODE_DEFAULTS["sampling"], "max_tokens": call_tokens(max_digits)},
+    }
 
 
 def task_reward_defaults(task: str) -> dict:

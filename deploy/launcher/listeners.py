@@ -23,6 +23,7 @@ import socket
 
 from broker.runtime.ports import LISTEN_FDS, hold_port, hold_port_run, tcp_host_port
 
+
 class PortTaken(Exception):
     """A port the user set is taken; the message names the setting."""
 
@@ -64,8 +65,10 @@ def _hold(host: str, port: int, movable: bool, setting: str) -> socket.socket:
         return hold_port(_bind_host(host), port)
     except OSError as e:
         if not movable:
-            raise PortTaken(f"cannot listen on {host}:{port} ({setting}): {_why(e)}; pick another port, "
-                            f"or leave it out and relay up picks a free one") from None
+            raise PortTaken(
+                f"cannot listen on {host}:{port} ({setting}): {_why(e)}; pick another port, "
+                f"or leave it out and relay up picks a free one"
+            ) from None
         return hold_port(_bind_host(host))
 
 
@@ -81,8 +84,9 @@ def hold_service_ports(cfgs: dict, movable: set[str]) -> Listeners:
         broker, reward, gen = cfgs["broker"], cfgs["reward"], cfgs["generator"]
         port = int(broker.get("http_port", 8080))
         if port:
-            s = _hold(broker.get("http_host", "127.0.0.1"), port, "http" in movable,
-                      "--dashboard-port or broker.http_port")
+            s = _hold(
+                broker.get("http_host", "127.0.0.1"), port, "http" in movable, "--dashboard-port or broker.http_port"
+            )
             held.add("broker", s)
             broker["http_port"] = s.getsockname()[1]
             if "http_port" in cfgs:
@@ -96,9 +100,11 @@ def hold_service_ports(cfgs: dict, movable: set[str]) -> Listeners:
             except OSError as e:
                 if "ingest" not in movable:
                     what = f"{host}:{first}-{first + workers - 1}" if workers > 1 else f"{host}:{first}"
-                    raise PortTaken(f"cannot listen on {what} (broker.ingest_bind; worker k binds its port + k): "
-                                    f"{_why(e)}; pick another port, or leave it out and relay up picks "
-                                    f"a free one") from None
+                    raise PortTaken(
+                        f"cannot listen on {what} (broker.ingest_bind; worker k binds its port + k): "
+                        f"{_why(e)}; pick another port, or leave it out and relay up picks "
+                        f"a free one"
+                    ) from None
                 socks = hold_port_run(workers, _bind_host(host))
             held.add("broker", *socks)
             new = socks[0].getsockname()[1]

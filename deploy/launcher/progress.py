@@ -64,14 +64,23 @@ def failure_parts(st: dict) -> list[str]:
     return parts
 
 
-def progress_line(st: dict, total: int, elapsed: float, steps_per_s: float | None, tokens_per_s: float | None,
-                  latest_eval: dict | None = None, restarts: int = 0, tty: bool = False,
-                  flags: list[str] | tuple = ()) -> str:
+def progress_line(
+    st: dict,
+    total: int,
+    elapsed: float,
+    steps_per_s: float | None,
+    tokens_per_s: float | None,
+    latest_eval: dict | None = None,
+    restarts: int = 0,
+    tty: bool = False,
+    flags: list[str] | tuple = (),
+) -> str:
     """One line of the run's state (``st``: the dashboard's ``/api/state``, broker/dashboard/state.py)."""
     ln = st.get("learner", {})
     step = int(ln.get("step", 0))
-    gens = " ".join(f"{g['id']}:v{g['version'] if g.get('version') is not None else '-'}"
-                    for g in st.get("generators", []))
+    gens = " ".join(
+        f"{g['id']}:v{g['version'] if g.get('version') is not None else '-'}" for g in st.get("generators", [])
+    )
     parts = [f"step {step}/{total}"]
     if tty:
         parts.append(f"{step / total:.0%} {bar(step, total)}" if total else "")
@@ -81,8 +90,11 @@ def progress_line(st: dict, total: int, elapsed: float, steps_per_s: float | Non
     elif step == 0:
         scored = sum(int(g.get("reward_ok") or 0) for g in st.get("generators", []))
         failed = int((st.get("failures") or {}).get("reward_failures") or 0)
-        parts.append("waiting for the first batch: every reward so far failed" if failed and not scored
-                     else "waiting for the first batch (generation, rewards)")
+        parts.append(
+            "waiting for the first batch: every reward so far failed"
+            if failed and not scored
+            else "waiting for the first batch (generation, rewards)"
+        )
     else:
         if steps_per_s:
             rate = f"{steps_per_s:.1f} steps/s" if steps_per_s >= 1 else f"{steps_per_s * 60:.2f} steps/min"
@@ -92,8 +104,10 @@ def progress_line(st: dict, total: int, elapsed: float, steps_per_s: float | Non
         parts.append(f"reward {ln['reward_mean']:.3f}" if "reward_mean" in ln else "")
         parts.append(f"loss {ln['loss']:.4g}" if "loss" in ln else "")
         if "completion_truncated_frac" in ln:
-            parts.append(f"len {ln['completion_len_mean']:.0f}/{ln['completion_len_max']:.0f} "
-                         f"cut {ln['completion_truncated_frac']:.0%}")
+            parts.append(
+                f"len {ln['completion_len_mean']:.0f}/{ln['completion_len_max']:.0f} "
+                f"cut {ln['completion_truncated_frac']:.0%}"
+            )
     if latest_eval and latest_eval.get("pass@1") is not None:
         parts.append(f"eval pass@1 {latest_eval['pass@1']:.2f} (v{latest_eval['version']})")
     parts.append(f"queue {st.get('queue_depth', 0)}")
@@ -164,14 +178,22 @@ class TruncationWarning:
         self.shown = True
         self.progress.done()  # off the progress line
         setting = f" = {self.max_tokens}" if self.max_tokens else f" (default {_default_max_tokens()})"
-        cut = (f"{frac:.0%} of the completions of the last steps stopped at max_tokens (mean length "
-               f"{learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))})")
+        cut = (
+            f"{frac:.0%} of the completions of the last steps stopped at max_tokens (mean length "
+            f"{learner.get('completion_len_mean', 0):.1f} tokens at step {int(learner.get('step', 0))})"
+        )
         if policy:
-            print(f"relay up: warning: {cut}, but the budget is not what is wrong: the policy is broken ({policy}); "
-                  f"fix that rather than raising generator.sampling.max_tokens{setting}", flush=True)
+            print(
+                f"relay up: warning: {cut}, but the budget is not what is wrong: the policy is broken ({policy}); "
+                f"fix that rather than raising generator.sampling.max_tokens{setting}",
+                flush=True,
+            )
             return
-        print(f"relay up: warning: {cut}: answers are cut off; raise generator.sampling.max_tokens{setting} "
-              f"(docs/datasets.md)", flush=True)
+        print(
+            f"relay up: warning: {cut}: answers are cut off; raise generator.sampling.max_tokens{setting} "
+            f"(docs/datasets.md)",
+            flush=True,
+        )
 
 
 def _default_max_tokens() -> int:

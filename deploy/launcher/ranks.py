@@ -41,10 +41,21 @@ def rank_env(environ: dict, rank: int, world: int, port: int) -> dict:
     unless ``GLOO_SOCKET_IFNAME`` says otherwise."""
     if "GLOO_SOCKET_IFNAME" not in environ and os.path.isdir("/sys/class/net/lo"):
         environ = {**environ, "GLOO_SOCKET_IFNAME": "lo"}
-    return {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
-            "MASTER_ADDR": HOST, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    return {
+        **environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
 
 
 def host_store(world: int):
@@ -71,15 +82,21 @@ def run(world: int, command: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     for rank in range(world):
-        ranks.append(subprocess.Popen(command, env=rank_env(dict(os.environ), rank, world, store.port),
-                                      preexec_fn=_die_with_parent))
+        ranks.append(
+            subprocess.Popen(
+                command, env=rank_env(dict(os.environ), rank, world, store.port), preexec_fn=_die_with_parent
+            )
+        )
     failed = None
     while None in [p.poll() for p in ranks]:  # every rank polled (any() would stop at the first running one)
         bad = [(i, p.returncode) for i, p in enumerate(ranks) if p.returncode not in (None, 0)]
         if bad and failed is None:
             failed = bad[0]
-            print(f"relay learner ranks: rank {failed[0]} exited with code {failed[1]}; stopping the other ranks",
-                  file=sys.stderr, flush=True)
+            print(
+                f"relay learner ranks: rank {failed[0]} exited with code {failed[1]}; stopping the other ranks",
+                file=sys.stderr,
+                flush=True,
+            )
             for p in ranks:
                 if p.poll() is None:
                     p.terminate()

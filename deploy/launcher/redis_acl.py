@@ -58,45 +58,108 @@ def rights(keys: Keys) -> dict[str, tuple[str, tuple[str, ...], list[Right]]]:
     everything = (_prefix(k.prefix),)
     payloads, staged = _prefix(k.payload_prefix), _prefix(k.staged(""))
     p = _pattern
-    queue = tuple(p(x) for x in (k.seen, k.seen_prev, k.trajectories, k.queue_bytes, k.queue_sizes,
-                                 k.stats("broker"))) + (payloads, staged)
-    trained = tuple(p(x) for x in (k.trained, k.trained_prev, k.trained_log, k.counted, k.dropped_log,
-                                   k.queue_bytes, k.queue_sizes, k.stats("learner"))) + (payloads,)
+    queue = tuple(
+        p(x) for x in (k.seen, k.seen_prev, k.trajectories, k.queue_bytes, k.queue_sizes, k.stats("broker"))
+    ) + (payloads, staged)
+    trained = tuple(
+        p(x)
+        for x in (
+            k.trained,
+            k.trained_prev,
+            k.trained_log,
+            k.counted,
+            k.dropped_log,
+            k.queue_bytes,
+            k.queue_sizes,
+            k.stats("learner"),
+        )
+    ) + (payloads,)
     prompts = (p(k.prompts), p(k.eval_prompts))
     admission = tuple(p(x) for x in (k.admission, k.stats("learner"), k.stats("broker"), k.issued))
     return {
-        "broker": ("+@read", everything, [
-            # the append script (queues.append_groups): EVAL names these keys; SET stages each message
-            (("+eval",), queue),
-            (("+set", "+get", "+del", "+rename", "+persist", "+sismember", "+sadd", "+scard", "+hset",
-              "+hincrby", "+xadd", "+xlen", "+xpending", "+xgroup|create"), queue),
-            (("+xadd", "+xtrim", "+xdel", "+xgroup|create"),
-             prompts + (p(k.dead_letter), p(k.events), p(k.eval_results))),
-            (("+hset", "+hincrby"), tuple(p(x) for x in (k.stats("broker"), k.feeder, k.eval_rounds,
-                                                         k.eval_summaries, k.run, k.services))),
-        ]),
-        "learner": ("+@read +publish", everything, [
-            (("+set", "+hset", "+hdel"), (p(k.latest), p(k.versions))),
-            (("+set", "+del", "+hset", "+hdel", "+hincrby"),
-             tuple(p(x) for x in (k.stats("learner"), k.admission, k.done, k.collective, k.ipc, k.run,
-                                  k.services))),
-            (("+xadd",), (p(k.events), p(k.learner_metrics))),
-            (("+xreadgroup", "+xack", "+xdel"), (p(k.trajectories),)),  # consumes: never adds a group
-            # the commit, drop and count scripts (queues.commit, drop, count_trained)
-            (("+evalsha", "+script|load"), trained + (p(k.trajectories),)),
-            (("+sismember", "+sadd", "+srem", "+scard", "+rename", "+xadd", "+hget", "+hdel", "+decrby",
-              "+hincrby", "+del"), trained),
-        ]),
-        "generator": (" ".join(GENERATOR_READS), tuple(p(x) for x in (
-            k.latest, k.versions, k.done, k.eval_rounds, k.ipc, k.collective, k.run, *admission)), [
-            (("+xreadgroup", "+xautoclaim", "+xclaim", "+xpending", "+xack", "+xdel"), prompts),  # never XADD
-            # the admission and claim renewal scripts (queues.admit_and_claim, renew_claims)
-            (("+eval", "+evalsha", "+script|load"), admission + prompts),
-            (("+incrby",), (p(k.issued),)),
-            (("+hset",), (p(k.generators), p(k.services))),
-            (("+hsetnx",), (p(k.run),)),  # the reward URL and sampling, when no generator wrote them first
-            (("+xadd",), (p(k.events), p(k.eval_results))),
-        ]),
+        "broker": (
+            "+@read",
+            everything,
+            [
+                # the append script (queues.append_groups): EVAL names these keys; SET stages each message
+                (("+eval",), queue),
+                (
+                    (
+                        "+set",
+                        "+get",
+                        "+del",
+                        "+rename",
+                        "+persist",
+                        "+sismember",
+                        "+sadd",
+                        "+scard",
+                        "+hset",
+                        "+hincrby",
+                        "+xadd",
+                        "+xlen",
+                        "+xpending",
+                        "+xgroup|create",
+                    ),
+                    queue,
+                ),
+                (
+                    ("+xadd", "+xtrim", "+xdel", "+xgroup|create"),
+                    prompts + (p(k.dead_letter), p(k.events), p(k.eval_results)),
+                ),
+                (
+                    ("+hset", "+hincrby"),
+                    tuple(
+                        p(x) for x in (k.stats("broker"), k.feeder, k.eval_rounds, k.eval_summaries, k.run, k.services)
+                    ),
+                ),
+            ],
+        ),
+        "learner": (
+            "+@read +publish",
+            everything,
+            [
+                (("+set", "+hset", "+hdel"), (p(k.latest), p(k.versions))),
+                (
+                    ("+set", "+del", "+hset", "+hdel", "+hincrby"),
+                    tuple(
+                        p(x) for x in (k.stats("learner"), k.admission, k.done, k.collective, k.ipc, k.run, k.services)
+                    ),
+                ),
+                (("+xadd",), (p(k.events), p(k.learner_metrics))),
+                (("+xreadgroup", "+xack", "+xdel"), (p(k.trajectories),)),  # consumes: never adds a group
+                # the commit, drop and count scripts (queues.commit, drop, count_trained)
+                (("+evalsha", "+script|load"), trained + (p(k.trajectories),)),
+                (
+                    (
+                        "+sismember",
+                        "+sadd",
+                        "+srem",
+                        "+scard",
+                        "+rename",
+                        "+xadd",
+                        "+hget",
+                        "+hdel",
+                        "+decrby",
+                        "+hincrby",
+                        "+del",
+                    ),
+                    trained,
+                ),
+            ],
+        ),
+        "generator": (
+            " ".join(GENERATOR_READS),
+            tuple(p(x) for x in (k.latest, k.versions, k.done, k.eval_rounds, k.ipc, k.collective, k.run, *admission)),
+            [
+                (("+xreadgroup", "+xautoclaim", "+xclaim", "+xpending", "+xack", "+xdel"), prompts),  # never XADD
+                # the admission and claim renewal scripts (queues.admit_and_claim, renew_claims)
+                (("+eval", "+evalsha", "+script|load"), admission + prompts),
+                (("+incrby",), (p(k.issued),)),
+                (("+hset",), (p(k.generators), p(k.services))),
+                (("+hsetnx",), (p(k.run),)),  # the reward URL and sampling, when no generator wrote them first
+                (("+xadd",), (p(k.events), p(k.eval_results))),
+            ],
+        ),
         "launcher": ("+@read", everything, []),
     }
 
@@ -122,5 +185,6 @@ def acl_permissions(run_id: str, user: str) -> str:
     root_keys = " ".join(f"%R~{r}" for r in reads)
     selectors = " ".join(f"({' '.join(cmds)} {' '.join(f'%RW~{x}' for x in ks)})" for cmds, ks in grants)
     after = f" {AFTER[user]}" if user in AFTER else ""
-    return (f"resetkeys resetchannels{channel} -@all {BASE} {root} {root_keys} -@dangerous{after}"
-            + (f" {selectors}" if selectors else ""))
+    return f"resetkeys resetchannels{channel} -@all {BASE} {root} {root_keys} -@dangerous{after}" + (
+        f" {selectors}" if selectors else ""
+    )

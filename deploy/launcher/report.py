@@ -31,8 +31,12 @@ def _path(p: Path | str) -> str:
 
 
 # the learner's reasons for dropping a group (summary.json's groups_dropped), as the report says them
-DROPPED = {"reward_failed": "every reward failed", "bad_token": "a token outside the vocabulary",
-           "sampling_mismatch": "sampled with other settings", "nonfinite": "a non-finite number"}
+DROPPED = {
+    "reward_failed": "every reward failed",
+    "bad_token": "a token outside the vocabulary",
+    "sampling_mismatch": "sampled with other settings",
+    "nonfinite": "a non-finite number",
+}
 
 
 def _reward_failures(rf: dict) -> list[str]:
@@ -40,11 +44,15 @@ def _reward_failures(rf: dict) -> list[str]:
     if not rf.get("samples"):
         return []
     reasons = rf.get("last_reason") or {}
-    parts = [f"{p} {n}" + (f" ({reasons[p]})" if reasons.get(p) else "")
-             for p, n in (rf.get("by_plugin") or {}).items()]
+    parts = [
+        f"{p} {n}" + (f" ({reasons[p]})" if reasons.get(p) else "") for p, n in (rf.get("by_plugin") or {}).items()
+    ]
     scored = f" of {rf['samples'] + rf['samples_scored']}" if rf.get("samples_scored") is not None else ""
-    fallback = f"; {rf['samples_trained_on_fallback']} trained on the fallback score" \
-        if rf.get("samples_trained_on_fallback") else ""
+    fallback = (
+        f"; {rf['samples_trained_on_fallback']} trained on the fallback score"
+        if rf.get("samples_trained_on_fallback")
+        else ""
+    )
     return [f"  rewards      {rf['samples']}{scored} samples failed: " + "; ".join(parts) + fallback]
 
 
@@ -55,39 +63,54 @@ def format_report(s: dict, run_dir: Path) -> str:
     resumed = f", resumed {s['resumes']}x" if s.get("resumes") else ""
     lines = [f"relay up: run {s.get('run_id')} {status}: {steps} steps in {_duration(s.get('wall_seconds'))}{resumed}"]
     if "reward_first" in s:
-        lines.append(f"  reward       {_num(s.get('reward_first'))} -> {_num(s.get('reward_last'))}"
-                     f"   (mean of the first and last 10% of trained groups)")
+        lines.append(
+            f"  reward       {_num(s.get('reward_first'))} -> {_num(s.get('reward_last'))}"
+            f"   (mean of the first and last 10% of trained groups)"
+        )
     rounds = [e for e in s.get("eval") or [] if e.get("pass@1") is not None]
     if rounds:
         a, b = rounds[0], rounds[-1]
-        lines.append(f"  eval pass@1  {_num(a['pass@1'])} (v{a.get('version')}) -> {_num(b['pass@1'])} "
-                     f"(v{b.get('version')})   {len(rounds)} round{'s' if len(rounds) > 1 else ''}")
+        lines.append(
+            f"  eval pass@1  {_num(a['pass@1'])} (v{a.get('version')}) -> {_num(b['pass@1'])} "
+            f"(v{b.get('version')})   {len(rounds)} round{'s' if len(rounds) > 1 else ''}"
+        )
     if "groups_trained" in s:
         au = s.get("audit") or {}
         other = {k: v for k, v in (s.get("groups_dropped") or {}).items() if v and k != "stale"}
         dropped = "".join(f", {v} dropped ({DROPPED.get(k, k)})" for k, v in sorted(other.items()))
-        lines.append(f"  groups       {s['groups_trained']} trained, {s.get('groups_dropped_stale', 0)} dropped stale"
-                     f"{dropped}, {s.get('groups_rejected', 0)} rejected; audit: lost {au.get('lost', '-')}, trained "
-                     f"twice {au.get('trained_twice', '-')}")
+        lines.append(
+            f"  groups       {s['groups_trained']} trained, {s.get('groups_dropped_stale', 0)} dropped stale"
+            f"{dropped}, {s.get('groups_rejected', 0)} rejected; audit: lost {au.get('lost', '-')}, trained "
+            f"twice {au.get('trained_twice', '-')}"
+        )
         lines += _reward_failures(s.get("reward_failures") or {})
         restarts = {k: v for k, v in (s.get("restarts") or {}).items() if v}
         if restarts:
             errors = s.get("restart_errors") or {}
-            lines.append("  restarts     " + ", ".join(
-                f"{k} {v}" + (f" (last error: {errors[k]})" if errors.get(k) else "") for k, v in restarts.items()))
+            lines.append(
+                "  restarts     "
+                + ", ".join(
+                    f"{k} {v}" + (f" (last error: {errors[k]})" if errors.get(k) else "") for k, v in restarts.items()
+                )
+            )
     for w in s.get("warnings") or []:
         lines.append(f"  warning      {w}")
     refused = s.get("redis_refused")
     if refused:
-        lines.append("  redis        refused " + "; ".join(f"{e['user']}: {e['reason']} {e['object']} ({e['count']}x)"
-                                                     for e in refused[:3]) + " (summary.json: redis_refused)")
+        lines.append(
+            "  redis        refused "
+            + "; ".join(f"{e['user']}: {e['reason']} {e['object']} ({e['count']}x)" for e in refused[:3])
+            + " (summary.json: redis_refused)"
+        )
     exp = s.get("export")
     if exp:
         lines.append(f"  export       {_path(exp['path'])} (version {exp['version']}; loads with transformers)")
     lines.append(f"  summary      {_path(run_dir / 'summary.json')}")
     lines.append(f"  logs         {_path(run_dir / 'logs')}/")
-    lines.append(f"  metrics      {_path(run_dir / 'learner' / 'metrics.jsonl')}, TensorBoard "
-                 f"{_path(run_dir / 'learner' / 'tensorboard')}/")
+    lines.append(
+        f"  metrics      {_path(run_dir / 'learner' / 'metrics.jsonl')}, TensorBoard "
+        f"{_path(run_dir / 'learner' / 'tensorboard')}/"
+    )
     if s.get("error"):
         lines.append(f"  error        {s['error']}")
     return "\n".join(lines)
@@ -100,8 +123,15 @@ def report_run(p: dict, watch, wall_s: float, resume_command: str) -> None:
     import json
 
     from broker.client.telemetry import read_heartbeats, read_stats
-    from deploy.launcher.summary import (audit, build_summary, eval_records, export_final, outcome, read_metrics,
-                                         redis_refusals)
+    from deploy.launcher.summary import (
+        audit,
+        build_summary,
+        eval_records,
+        export_final,
+        outcome,
+        read_metrics,
+        redis_refusals,
+    )
     from deploy.launcher.watch import point_latest
 
     r, keys, run_dir, rc = watch.r, watch.keys, p["run_dir"], watch.rc
@@ -112,10 +142,18 @@ def report_run(p: dict, watch, wall_s: float, resume_command: str) -> None:
     if not watch.started and published is not None:
         watch.started = point_latest(p["runs_dir"], run_dir)
     wall = wall_s + ((resumed or {}).get("wall_seconds") or 0)  # both parts of a resumed run
-    summary = {**outcome(rc, watch.error),
-               **build_summary(p["run_id"], read_metrics(run_dir / "learner" / "metrics.jsonl"), published,
-                               read_stats(r, keys, "broker"), read_heartbeats(r, keys), wall,
-                               read_stats(r, keys, "learner"))}
+    summary = {
+        **outcome(rc, watch.error),
+        **build_summary(
+            p["run_id"],
+            read_metrics(run_dir / "learner" / "metrics.jsonl"),
+            published,
+            read_stats(r, keys, "broker"),
+            read_heartbeats(r, keys),
+            wall,
+            read_stats(r, keys, "learner"),
+        ),
+    }
     summary["steps_total"] = watch.total
     summary["resumes"] = resumed.get("resumes", 0) + 1 if resumed is not None else 0
     summary["audit"] = audit(r, keys)

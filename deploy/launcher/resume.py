@@ -20,13 +20,29 @@ from pathlib import Path
 
 LAUNCH = "launch.json"  # how relay up started the run (what resume needs beyond config/*.json)
 # flags that would change a run: a resumed run keeps its recorded config
-_FIXED = ("task", "model", "backend", "steps", "config", "seed", "run_id", "redis_url", "generators",
-          "learner_ranks", "producers")
+_FIXED = (
+    "task",
+    "model",
+    "backend",
+    "steps",
+    "config",
+    "seed",
+    "run_id",
+    "redis_url",
+    "generators",
+    "learner_ranks",
+    "producers",
+)
 
 
 def launch_record(args, embedded_redis: bool) -> dict:
-    return {"generators": args.generators, "learner_ranks": args.learner_ranks, "embedded_redis": embedded_redis,
-            "redis_aof": args.redis_aof, "producers": args.producers or 0}
+    return {
+        "generators": args.generators,
+        "learner_ranks": args.learner_ranks,
+        "embedded_redis": embedded_redis,
+        "redis_aof": args.redis_aof,
+        "producers": args.producers or 0,
+    }
 
 
 def run_folder(run: str, runs_dir: str | Path) -> Path:
@@ -34,8 +50,9 @@ def run_folder(run: str, runs_dir: str | Path) -> Path:
     for p in (Path(run), Path(runs_dir) / run):
         if (p / "config").is_dir():
             return p.resolve()
-    raise FileNotFoundError(f"{run!r} is not a run folder (looked in {Path(run)} and {Path(runs_dir) / run}; "
-                            f"a run folder holds config/)")
+    raise FileNotFoundError(
+        f"{run!r} is not a run folder (looked in {Path(run)} and {Path(runs_dir) / run}; a run folder holds config/)"
+    )
 
 
 def _resumable(args, environ, usage_error) -> Path:
@@ -45,17 +62,24 @@ def _resumable(args, environ, usage_error) -> Path:
     from deploy.launcher import environment
     from deploy.launcher.run_secrets import made_before_ed25519
 
-    given = [f"--{name.replace('_', '-')}" for name in _FIXED if getattr(args, name) is not None] + \
-        (["--set"] if args.set else [])
+    given = [f"--{name.replace('_', '-')}" for name in _FIXED if getattr(args, name) is not None] + (
+        ["--set"] if args.set else []
+    )
     if given:
-        raise usage_error(f"--resume continues a run with its recorded config (config/*.json); leave out "
-                          f"{', '.join(given)}")
+        raise usage_error(
+            f"--resume continues a run with its recorded config (config/*.json); leave out {', '.join(given)}"
+        )
     environment.resolve(environment.config_models(), environ)  # refuses unknown RELAY_* variables
     secret_vars = set(environment.SECRETS.values())
-    setting = sorted(k for k in environ if k.startswith(environment.PREFIX) and k not in environment.NOT_CONFIG
-                     and k not in secret_vars)
+    setting = sorted(
+        k
+        for k in environ
+        if k.startswith(environment.PREFIX) and k not in environment.NOT_CONFIG and k not in secret_vars
+    )
     if setting:
-        raise usage_error(f"--resume continues a run with its recorded config (config/*.json); unset {', '.join(setting)}")
+        raise usage_error(
+            f"--resume continues a run with its recorded config (config/*.json); unset {', '.join(setting)}"
+        )
     try:
         run_dir = run_folder(args.resume, args.runs_dir)
     except FileNotFoundError as e:
@@ -66,11 +90,13 @@ def _resumable(args, environ, usage_error) -> Path:
     if not (run_dir / LAUNCH).is_file():
         raise usage_error(f"{run_dir} has no {LAUNCH}: it was not started by a `relay up` that can resume it")
     if made_before_ed25519(run_dir):
-        raise usage_error(f"run {run_dir.name} was made before weight announcements were signed with Ed25519: its "
-                          f"announcement key is the HMAC key every generator held, so its announcements cannot be "
-                          f"trusted by this version and it cannot be resumed. Continue from its weights in a new run: "
-                          f"relay export {run_dir} --out {run_dir.name}-model, then relay up --model "
-                          f"{run_dir.name}-model (docs/security.md, 'Runs from before Ed25519')")
+        raise usage_error(
+            f"run {run_dir.name} was made before weight announcements were signed with Ed25519: its "
+            f"announcement key is the HMAC key every generator held, so its announcements cannot be "
+            f"trusted by this version and it cannot be resumed. Continue from its weights in a new run: "
+            f"relay export {run_dir} --out {run_dir.name}-model, then relay up --model "
+            f"{run_dir.name}-model (docs/security.md, 'Runs from before Ed25519')"
+        )
     return run_dir
 
 
@@ -87,8 +113,10 @@ def _resumed_redis(run_dir: Path, cfgs: dict, launch: dict, environ, usage_error
     launcher_url = cfgs["learner"]["redis_url"]
     if launch["embedded_redis"]:
         if launch["redis_aof"] == "off" or not (run_dir / "appendonlydir").is_dir():
-            raise usage_error(f"run {run_dir.name} kept no Redis data (--redis-aof off): its queue and commit log "
-                              f"are gone, it cannot be resumed")
+            raise usage_error(
+                f"run {run_dir.name} kept no Redis data (--redis-aof off): its queue and commit log "
+                f"are gone, it cannot be resumed"
+            )
         find_redis_server()
         redis_port = _port_of(cfgs["learner"]["redis_url"])
         if port_in_use(redis_port):
@@ -100,8 +128,10 @@ def _resumed_redis(run_dir: Path, cfgs: dict, launch: dict, environ, usage_error
         launcher_url = users.url(LAUNCHER_USER, redis_port) if users else cfgs["learner"]["redis_url"]
     elif "***" in launcher_url:  # an external Redis with a password: the file has it redacted
         if "RELAY_REDIS_URL" not in environ:
-            raise usage_error(f"run {run_dir.name} used the Redis at {launcher_url}: give its URL with the password "
-                              f"again as RELAY_REDIS_URL (it is never written to the run folder)")
+            raise usage_error(
+                f"run {run_dir.name} used the Redis at {launcher_url}: give its URL with the password "
+                f"again as RELAY_REDIS_URL (it is never written to the run folder)"
+            )
         launcher_url = environ["RELAY_REDIS_URL"]
         for c in cfgs.values():
             if "redis_url" in c:
@@ -180,11 +210,21 @@ def plan_resume(args, environ, usage_error) -> dict:
         del cfgs["generator"]["ingest_key_file"]
     args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
     args.redis_aof = launch["redis_aof"]
-    p = {"run_id": cfgs["learner"]["run_id"], "run_dir": run_dir, "runs_dir": run_dir.parent,
-         "http_port": http_port, "redis_url": launcher_url, "redis_port": redis_port, "redis_users": users,
-         "resumed": summary, "openai_key": openai_key, **cfgs, "learner_config": learner,
-         "generator_ids": [f"gen-{i}" for i in range(args.generators)],
-         "producer_ids": producer_ids(launch.get("producers", 0))}  # their keys and Redis users are kept
+    p = {
+        "run_id": cfgs["learner"]["run_id"],
+        "run_dir": run_dir,
+        "runs_dir": run_dir.parent,
+        "http_port": http_port,
+        "redis_url": launcher_url,
+        "redis_port": redis_port,
+        "redis_users": users,
+        "resumed": summary,
+        "openai_key": openai_key,
+        **cfgs,
+        "learner_config": learner,
+        "generator_ids": [f"gen-{i}" for i in range(args.generators)],
+        "producer_ids": producer_ids(launch.get("producers", 0)),
+    }  # their keys and Redis users are kept
     return hold_ports(p, {"ingest", "reward"} | ({"http"} if not args.dashboard_port else set()))
 
 

@@ -79,9 +79,11 @@ def run_key_fields(run_dir: Path) -> dict[str, dict]:
     the public one for the broker and the generators, the weights key for the learner and the generators."""
     public = str(announce_public_key_path(run_dir))
     weights = {"weights": {"key_file": str(weights_key_path(run_dir))}}
-    return {"learner": {"announce_key_file": str(announce_key_path(run_dir)), **weights},
-            "broker": {"announce_public_key_file": public},
-            "generator": {"announce_public_key_file": public, **weights}}
+    return {
+        "learner": {"announce_key_file": str(announce_key_path(run_dir)), **weights},
+        "broker": {"announce_public_key_file": public},
+        "generator": {"announce_public_key_file": public, **weights},
+    }
 
 
 def pin_weight_port(learner: dict, generator: dict, free_port) -> None:

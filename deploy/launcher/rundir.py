@@ -37,8 +37,9 @@ def check_writable(runs_dir: Path) -> None:
         os.unlink(probe)
     except OSError as e:
         why = "it is on a read-only file system" if e.errno == errno.EROFS else e.strerror or str(e)
-        raise RunsFolderError(f"cannot write the run into {runs_dir}: {why}; give a writable folder with "
-                              f"--runs-dir DIR") from None
+        raise RunsFolderError(
+            f"cannot write the run into {runs_dir}: {why}; give a writable folder with --runs-dir DIR"
+        ) from None
 
 
 class RunsLock:
@@ -77,11 +78,16 @@ class RunsLock:
             holder = f.read().split()
             f.close()
             who = f"run {holder[1]}, pid {holder[0]}" if len(holder) >= 2 else "another run"
-            fix = ("wait for it to end (or stop it with Ctrl-C), then resume this run" if resuming else
-                   "wait for it to end (or stop it with Ctrl-C), or give this run a runs folder of its own with "
-                   "--runs-dir DIR (its runs/latest is its own)")
-            raise RunsFolderError(f"another relay up ({who}) is running in {self.path.parent}: two runs in one runs "
-                                  f"folder share runs/latest and slow each other down; {fix}") from None
+            fix = (
+                "wait for it to end (or stop it with Ctrl-C), then resume this run"
+                if resuming
+                else "wait for it to end (or stop it with Ctrl-C), or give this run a runs folder of its own with "
+                "--runs-dir DIR (its runs/latest is its own)"
+            )
+            raise RunsFolderError(
+                f"another relay up ({who}) is running in {self.path.parent}: two runs in one runs "
+                f"folder share runs/latest and slow each other down; {fix}"
+            ) from None
         return f
 
     def release(self) -> None:

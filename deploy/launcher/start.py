@@ -41,24 +41,46 @@ def start_services(args, p: dict, procs) -> Started:
     cfgs = {name: p[name] for name in SERVICES}
     if note := endpoint_note(run_dir, cfgs["generator"], p.get("openai_key", False)):
         print(f"relay up: {note}", flush=True)
-    gen_keys = write_run_ingest_keys(run_dir, cfgs["broker"], cfgs["generator"], p["generator_ids"],
-                                     p["producer_ids"])  # and each producer's of --producers N
-    if write_connection_files(run_dir, p["run_id"], p["producer_ids"], cfgs["broker"], cfgs["generator"],
-                              cfgs["generator"]["reward_url"], p.get("redis_users"), redis_url):
+    gen_keys = write_run_ingest_keys(
+        run_dir, cfgs["broker"], cfgs["generator"], p["generator_ids"], p["producer_ids"]
+    )  # and each producer's of --producers N
+    if write_connection_files(
+        run_dir,
+        p["run_id"],
+        p["producer_ids"],
+        cfgs["broker"],
+        cfgs["generator"],
+        cfgs["generator"]["reward_url"],
+        p.get("redis_users"),
+        redis_url,
+    ):
         print(f"relay up: {producers_note(run_dir, p['producer_ids'])}", flush=True)
     env = _child_env()
     held = p["listeners"]  # the broker's and the reward service's ports, bound by plan() and handed over
-    envs = {name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], {**env, **held.env(name)})
-            for name in ("broker", "reward", "learner")}
+    envs = {
+        name: _write_config(run_dir / "config" / f"{name}.json", cfgs[name], {**env, **held.env(name)})
+        for name in ("broker", "reward", "learner")
+    }
     relay = [sys.executable, "-m", "deploy.cli"]
-    procs.start("broker", relay + ["broker", "--config", str(run_dir / "config/broker.json")], envs["broker"],
-                pass_fds=held.fds("broker"))
-    procs.start("reward", relay + ["reward", "--config", str(run_dir / "config/reward.json")], envs["reward"],
-                pass_fds=held.fds("reward"))
+    procs.start(
+        "broker",
+        relay + ["broker", "--config", str(run_dir / "config/broker.json")],
+        envs["broker"],
+        pass_fds=held.fds("broker"),
+    )
+    procs.start(
+        "reward",
+        relay + ["reward", "--config", str(run_dir / "config/reward.json")],
+        envs["reward"],
+        pass_fds=held.fds("reward"),
+    )
     learner_cmd = ["learner", "--config", str(run_dir / "config/learner.json")]
     if args.learner_ranks > 1:  # one process per rank, their store on 127.0.0.1 (deploy/launcher/ranks.py)
-        procs.start("learner", [sys.executable, "-m", "deploy.launcher.ranks", str(args.learner_ranks),
-                                *relay, *learner_cmd], envs["learner"])
+        procs.start(
+            "learner",
+            [sys.executable, "-m", "deploy.launcher.ranks", str(args.learner_ranks), *relay, *learner_cmd],
+            envs["learner"],
+        )
     else:
         procs.start("learner", relay + learner_cmd, envs["learner"])
     for i, gcfg in enumerate(generator_configs(cfgs["generator"], gen_keys, args.generators)):

@@ -41,8 +41,15 @@ def dropped_counts(lastm: dict, learner_stats: dict) -> dict[str, int]:
     return {k: int(max(float(learner_stats.get(k, 0) or 0), float(lastm.get(k, 0) or 0))) for k in sorted(keys)}
 
 
-def build_summary(run_id: str, metrics: list[dict], learner_version: int | None, broker_stats: dict,
-                  generators: dict[str, Heartbeat], wall_seconds: float, learner_stats: dict | None = None) -> dict:
+def build_summary(
+    run_id: str,
+    metrics: list[dict],
+    learner_version: int | None,
+    broker_stats: dict,
+    generators: dict[str, Heartbeat],
+    wall_seconds: float,
+    learner_stats: dict | None = None,
+) -> dict:
     first, last = reward_first_last(metrics)
     lastm = metrics[-1] if metrics else {}
     dropped = dropped_counts(lastm, learner_stats or {})
@@ -56,14 +63,20 @@ def build_summary(run_id: str, metrics: list[dict], learner_version: int | None,
         "groups_dropped_stale": dropped.get("groups_dropped_stale", 0),
         "groups_dropped_nonfinite": dropped.get("groups_dropped_nonfinite", 0),
         # every reason: stale, reward_failed, bad_token, sampling_mismatch, nonfinite (docs/learner.md)
-        "groups_dropped": {k[len("groups_dropped_"):]: v for k, v in dropped.items() if v},
+        "groups_dropped": {k[len("groups_dropped_") :]: v for k, v in dropped.items() if v},
         "skipped_steps": lastm.get("skipped_steps", 0),  # optimizer steps skipped for a NaN/inf loss or gradient
         "groups_rejected": int(sum(v for k, v in broker_stats.items() if k.startswith("rejected:"))),
         "reward_failures": reward_failures({**lastm, **dropped}, generators),
         "episodes": episode_totals([hb.episodes for hb in generators.values()]),  # {} for single-turn tasks
         "generators": {
-            gid: {"backend": hb.backend, "version_applied": hb.version, "groups_sent": hb.groups_sent,
-                  "updates": hb.updates, "refused_updates": hb.refused_updates, "engine": hb.engine}
+            gid: {
+                "backend": hb.backend,
+                "version_applied": hb.version,
+                "groups_sent": hb.groups_sent,
+                "updates": hb.updates,
+                "refused_updates": hb.refused_updates,
+                "engine": hb.engine,
+            }
             for gid, hb in sorted(generators.items())
         },
         "wall_seconds": round(wall_seconds, 1),
@@ -82,12 +95,15 @@ def reward_failures(lastm: dict, generators: dict[str, Heartbeat]) -> dict:
             by_plugin[plugin] = by_plugin.get(plugin, 0) + int(n)
         reasons.update(hb.reward_last_failure)
     fallback = int(lastm.get("samples_reward_fallback", 0) or 0)
-    return {"samples": sum(int(hb.reward_failures) for hb in generators.values()),
-            "samples_scored": sum(int(hb.reward_ok) for hb in generators.values()),
-            "by_plugin": dict(sorted(by_plugin.items())),
-            "last_reason": dict(sorted(reasons.items())),
-            "groups_dropped": int(lastm.get("groups_dropped_reward_failed", 0) or 0),
-            "samples_trained_on_fallback": fallback, "fallback_used": fallback > 0}
+    return {
+        "samples": sum(int(hb.reward_failures) for hb in generators.values()),
+        "samples_scored": sum(int(hb.reward_ok) for hb in generators.values()),
+        "by_plugin": dict(sorted(by_plugin.items())),
+        "last_reason": dict(sorted(reasons.items())),
+        "groups_dropped": int(lastm.get("groups_dropped_reward_failed", 0) or 0),
+        "samples_trained_on_fallback": fallback,
+        "fallback_used": fallback > 0,
+    }
 
 
 def redis_refusals(r) -> list[dict] | None:
@@ -100,8 +116,16 @@ def redis_refusals(r) -> list[dict] | None:
         entries = r.acl_log(count=100)
     except redis.RedisError:
         return None
-    return [{"user": e.get("username"), "reason": e.get("reason"), "object": e.get("object"),
-             "context": e.get("context"), "count": e.get("count")} for e in entries]
+    return [
+        {
+            "user": e.get("username"),
+            "reason": e.get("reason"),
+            "object": e.get("object"),
+            "context": e.get("context"),
+            "count": e.get("count"),
+        }
+        for e in entries
+    ]
 
 
 def audit(r, keys) -> dict:

@@ -86,10 +86,17 @@ def last_error(child: Child) -> str:
 
 
 class Supervisor:
-    def __init__(self, procs: ProcessGroup, policy: RestartPolicy, pids_path: Path,
-                 services: list[str], not_restartable: dict[str, str] | None = None,
-                 healthy: Callable[[str], bool] | None = None, before_print: Callable[[], None] | None = None,
-                 alive_at: Callable[[str], float | None] | None = None):
+    def __init__(
+        self,
+        procs: ProcessGroup,
+        policy: RestartPolicy,
+        pids_path: Path,
+        services: list[str],
+        not_restartable: dict[str, str] | None = None,
+        healthy: Callable[[str], bool] | None = None,
+        before_print: Callable[[], None] | None = None,
+        alive_at: Callable[[str], float | None] | None = None,
+    ):
         """``services``: the names of the children to watch (the rest, e.g. redis, are left alone).
         ``not_restartable``: name -> why a restart would be wrong (it fails the run instead).
         ``healthy(name)``: has that service come up (asked until it first says yes)? None: every
@@ -133,7 +140,7 @@ class Supervisor:
         for name in self.services:
             c = self.child(name)
             if name not in self.came_up and self.healthy(name):  # asked once more after a death: it may
-                self.came_up.add(name)                           # have come up since the last poll
+                self.came_up.add(name)  # have come up since the last poll
             if c.alive():
                 if name in self.came_up and not finished():
                     self._watch(c, now)
@@ -142,8 +149,9 @@ class Supervisor:
             if (rc == 0 and name == "learner") or finished():
                 continue  # the run is over: exits are expected, nothing is restarted
             if name not in self.came_up:
-                raise GiveUp(c, "it failed at start-up, before it first became healthy, so it is not restarted",
-                             at_start=True)
+                raise GiveUp(
+                    c, "it failed at start-up, before it first became healthy, so it is not restarted", at_start=True
+                )
             if rc == 0:
                 raise GiveUp(c, "a clean exit before the run finished is not restarted")
             if name in self.not_restartable:
@@ -152,8 +160,9 @@ class Supervisor:
                 raise GiveUp(c, "it stopped on a configuration error (exit code 2), which a restart would not fix")
             if name not in self._due:
                 if self.restarts[name] >= self.policy.max_restarts:
-                    raise GiveUp(c, f"restart budget spent ({self.restarts[name]} of --max-restarts "
-                                    f"{self.policy.max_restarts})")
+                    raise GiveUp(
+                        c, f"restart budget spent ({self.restarts[name]} of --max-restarts {self.policy.max_restarts})"
+                    )
                 error = last_error(c)
                 self._same_error(c, now, error)
                 uptime = now - c.started_at
@@ -162,9 +171,13 @@ class Supervisor:
                 self._due[name] = now + delay
                 how = f"signal {-rc}" if rc < 0 else f"code {rc}"
                 self.before_print()
-                print(f"relay up: {name} (pid {c.pid}) died ({how}) after {uptime:.1f}s"
-                      f"{f': {error}' if error and rc > 0 else ''}; restart {self.restarts[name] + 1}/"
-                      f"{self.policy.max_restarts} in {delay:.1f}s", file=sys.stderr, flush=True)
+                print(
+                    f"relay up: {name} (pid {c.pid}) died ({how}) after {uptime:.1f}s"
+                    f"{f': {error}' if error and rc > 0 else ''}; restart {self.restarts[name] + 1}/"
+                    f"{self.policy.max_restarts} in {delay:.1f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             elif now >= self._due[name]:
                 del self._due[name]
                 new = self.procs.restart(c)
@@ -188,13 +201,19 @@ class Supervisor:
         self._deaths[c.name] = deaths
         n = self.policy.same_error_deaths
         if n and len(deaths) >= n:
-            raise GiveUp(c, f"it failed {len(deaths)} times in a row with the same error within "
-                            f"{now - deaths[0][0]:.0f}s, which restarting does not fix")
+            raise GiveUp(
+                c,
+                f"it failed {len(deaths)} times in a row with the same error within "
+                f"{now - deaths[0][0]:.0f}s, which restarting does not fix",
+            )
 
     def _watch(self, c: Child, now: float) -> None:
         """Kill ``c`` when it has shown no sign of life for ``policy.hang_s`` (it is then restarted as dead)."""
-        if not self.policy.hang_s or self.alive_at is None or now - self._probed.get(c.name, 0.0) < \
-                self.policy.probe_every_s:
+        if (
+            not self.policy.hang_s
+            or self.alive_at is None
+            or now - self._probed.get(c.name, 0.0) < self.policy.probe_every_s
+        ):
             return
         self._probed[c.name] = now
         started = time.time() - (now - c.started_at)  # this process's start, in unix time
@@ -209,8 +228,12 @@ class Supervisor:
             return
         self.hangs[c.name] += 1
         self.before_print()
-        print(f"relay up: {c.name} (pid {c.pid}) hung: no sign of life for {silent:.0f}s (--hang-after "
-              f"{self.policy.hang_s:g}); killing it", file=sys.stderr, flush=True)
+        print(
+            f"relay up: {c.name} (pid {c.pid}) hung: no sign of life for {silent:.0f}s (--hang-after "
+            f"{self.policy.hang_s:g}); killing it",
+            file=sys.stderr,
+            flush=True,
+        )
         self.procs.kill(c)
 
     def sleep_hint(self, idle_s: float) -> float:

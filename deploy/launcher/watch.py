@@ -34,28 +34,42 @@ class Watch:
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts, hang_s=args.hang_after)
         no_resume = {}
         if not p["learner_config"].checkpoint_every:
-            no_resume["learner"] = ("learner.checkpoint_every = 0, so a new learner would start over from the "
-                                    "initial weights")
+            no_resume["learner"] = (
+                "learner.checkpoint_every = 0, so a new learner would start over from the initial weights"
+            )
         self.r = r = connect_redis(started.redis_url)
         self.keys = keys = Keys(p["run_id"])
-        self.key = announce_verifier(cfgs["broker"].get("announce_auth", "ed25519"),
-                                     cfgs["broker"].get("announce_public_key_file", ""))
+        self.key = announce_verifier(
+            cfgs["broker"].get("announce_auth", "ed25519"), cfgs["broker"].get("announce_public_key_file", "")
+        )
         self.total = p["learner_config"].steps
         self.progress = Progress(not args.no_progress, self.total)
         reward_url = cfgs["generator"]["reward_url"]
-        self.supervisor = Supervisor(procs, policy, p["run_dir"] / "pids.json",  # rewritten on restarts
-                                     [c.name for c in procs.children if c.name != "redis"], no_resume,
-                                     healthy=_health_probe(r, keys, reward_url, self.key),
-                                     before_print=self.progress.done,
-                                     alive_at=_liveness_probe(r, keys, reward_url, p["http_port"]))
-        print(f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
-              f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {p['run_dir'] / 'logs'}",
-              flush=True)
-        print(f"relay up: reward service at {reward_url} (/healthz, /metrics, /score"
-              f"{' with the token in secrets/reward.token' if cfgs['reward'].get('auth_token') else ''})", flush=True)
+        self.supervisor = Supervisor(
+            procs,
+            policy,
+            p["run_dir"] / "pids.json",  # rewritten on restarts
+            [c.name for c in procs.children if c.name != "redis"],
+            no_resume,
+            healthy=_health_probe(r, keys, reward_url, self.key),
+            before_print=self.progress.done,
+            alive_at=_liveness_probe(r, keys, reward_url, p["http_port"]),
+        )
+        print(
+            f"relay up: dashboard at http://127.0.0.1:{p['http_port']}/ (state: /api/state, "
+            f"or `relay status --url http://127.0.0.1:{p['http_port']}`); logs in {p['run_dir'] / 'logs'}",
+            flush=True,
+        )
+        print(
+            f"relay up: reward service at {reward_url} (/healthz, /metrics, /score"
+            f"{' with the token in secrets/reward.token' if cfgs['reward'].get('auth_token') else ''})",
+            flush=True,
+        )
         self.evals = EvalHistory(r, keys)  # read incrementally: the latest round's pass@1 on the progress line
         self.truncation = TruncationWarning(self.progress, cfgs["generator"].get("sampling", {}).get("max_tokens"))
-        self.alerts = ConsoleAlerts(self.progress.done, args.fail_after, p["run_dir"] / "logs", LearnerEntries(r, keys).new)
+        self.alerts = ConsoleAlerts(
+            self.progress.done, args.fail_after, p["run_dir"] / "logs", LearnerEntries(r, keys).new
+        )
         self.rc, self.error, self.failure, self.cut_short, self.started = 0, None, None, "", False
 
     def run(self, stopping: dict) -> None:
@@ -63,8 +77,10 @@ class Watch:
         self._supervise(stopping)
         if stopping["why"]:
             self.progress.done()
-            print(f"relay up: {stopping['why']} received; stopping every service (the learner writes a checkpoint)",
-                  flush=True)
+            print(
+                f"relay up: {stopping['why']} received; stopping every service (the learner writes a checkpoint)",
+                flush=True,
+            )
             self.rc = 130
         elif self.rc == 0:
             self._final_round(stopping)
@@ -88,8 +104,10 @@ class Watch:
             if not learner.alive() and (learner.proc.returncode == 0 or r.exists(keys.done)):
                 progress.done()  # the run is over: the learner finished its steps, or the data ran out
                 if learner.proc.returncode != 0:
-                    print(f"relay up: the learner exited with code {learner.proc.returncode} after finishing the "
-                          f"run", file=sys.stderr)
+                    print(
+                        f"relay up: the learner exited with code {learner.proc.returncode} after finishing the run",
+                        file=sys.stderr,
+                    )
                 return
             try:
                 self.supervisor.poll(lambda: bool(r.exists(keys.done)))
@@ -117,8 +135,11 @@ class Watch:
         gens = [c for c in self.procs.children if c.name.startswith("gen-")]
         wait_s = final_eval_wait_s(self.cfgs["broker"])
         if wait_s > 15 and any(c.alive() for c in gens):
-            print(f"relay up: the learner is done; waiting for the generators to answer the final evaluation "
-                  f"round (at most {wait_s:.0f} s)", flush=True)
+            print(
+                f"relay up: the learner is done; waiting for the generators to answer the final evaluation "
+                f"round (at most {wait_s:.0f} s)",
+                flush=True,
+            )
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and any(c.alive() for c in gens) and stopping["why"] is None:
             time.sleep(0.2)
@@ -153,8 +174,11 @@ def final_eval_cut_short(signal_name: str | None) -> str:
     ``summary.json``'s ``ended`` adds ("" without a signal)."""
     if signal_name is None:
         return ""
-    print(f"relay up: {signal_name} received while the generators answered the final evaluation round; the learner "
-          f"has finished its steps: stopping every service without that round", flush=True)
+    print(
+        f"relay up: {signal_name} received while the generators answered the final evaluation round; the learner "
+        f"has finished its steps: stopping every service without that round",
+        flush=True,
+    )
     return f" (the final evaluation round cut short by {signal_name})"
 
 

@@ -15,16 +15,16 @@ from generators.config import SamplingConfig
 
 @dataclass
 class Completion:
-    token_ids: list[int]     # sampled tokens, EOS included when finished
-    logprobs: list[float]    # behaviour log-prob of each sampled token
-    finish_reason: str       # "stop" | "length"
+    token_ids: list[int]  # sampled tokens, EOS included when finished
+    logprobs: list[float]  # behaviour log-prob of each sampled token
+    finish_reason: str  # "stop" | "length"
     versions: list[int] | None = None  # weight version that sampled each token (None: the batch's version)
     # multi-turn episodes (generators/episodes.py): 1 for a token the model sampled, 0 for a context token
     # (a tool's output, the chat template's turn markers) inserted between turns; None: all sampled
     trainable: list[int] | None = None
-    env_reward: float | None = None    # the episode's reward when its environment scored it (None: the reward service)
+    env_reward: float | None = None  # the episode's reward when its environment scored it (None: the reward service)
     answer_ids: list[int] | None = None  # the final model turn's tokens, scored by the reward service (None: all)
-    episode: dict | None = None        # what the episode did (turns, tool calls, failures), kept with the reward details
+    episode: dict | None = None  # what the episode did (turns, tool calls, failures), kept with the reward details
 
 
 # Called by a backend between decode steps when the generator's in-flight policy is "continue": the
@@ -70,7 +70,8 @@ class Backend(Protocol):
     def decode(self, ids: list[int]) -> str:
         """Completion token ids -> text without special tokens."""
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 on_step: StepHook | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
+    ) -> list[list[Completion]]:
         """For each prompt, ``sampling.n`` completions. With ``on_step``, call it between decode
         steps and fill ``Completion.versions``."""

@@ -42,7 +42,9 @@ class SGLangError(RuntimeError):
 
 class SGLangBackend(HFText):
     name = "sglang"
-    supports_in_flight = SGLangBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
+    supports_in_flight = (
+        SGLangBackendConfig.supports_in_flight
+    )  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: SGLangBackendConfig):
         self.cfg = cfg
@@ -84,19 +86,25 @@ class SGLangBackend(HFText):
 
     # -- sampling -------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 on_step: StepHook | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
+    ) -> list[list[Completion]]:
         greedy = sampling.top_k == 1  # e.g. evaluation: SGLang's temperature 0; the chosen token has log-prob 0
         if not greedy and (sampling.top_k or sampling.top_p < 1.0):
-            raise ValueError("the sglang backend supports temperature only (or greedy, top_k=1): SGLang reports "
-                             "log-probs before top-k/top-p filtering, which would not be the behaviour policy's")
+            raise ValueError(
+                "the sglang backend supports temperature only (or greedy, top_k=1): SGLang reports "
+                "log-probs before top-k/top-p filtering, which would not be the behaviour policy's"
+            )
         n = sampling.n
         rows = [list(p) for p in prompts for _ in range(n)]
         body = {
             "input_ids": rows,
-            "sampling_params": {"temperature": 0.0 if greedy else sampling.temperature,
-                                "max_new_tokens": sampling.max_tokens,
-                                "stop_token_ids": [self.eos_token_id], "skip_special_tokens": False},
+            "sampling_params": {
+                "temperature": 0.0 if greedy else sampling.temperature,
+                "max_new_tokens": sampling.max_tokens,
+                "stop_token_ids": [self.eos_token_id],
+                "skip_special_tokens": False,
+            },
             "return_logprob": True,
         }
         answers = self._post("/generate", body).json()
@@ -115,8 +123,10 @@ class SGLangBackend(HFText):
             finish = (meta.get("finish_reason") or {}).get("type", "length")
             served = meta.get("weight_version")
             if served is not None and str(served) != self.version_label:
-                raise SGLangError(f"SGLang served weight version {served}, expected {self.version_label}: was the "
-                                  "server updated by someone else?")
+                raise SGLangError(
+                    f"SGLang served weight version {served}, expected {self.version_label}: was the "
+                    "server updated by someone else?"
+                )
             if k % n == 0:
                 result.append([])
             result[-1].append(Completion(toks, lps, "stop" if finish == "stop" else "length"))

@@ -26,7 +26,9 @@ from generators.config import SamplingConfig, SimulatedBackendConfig
 
 class SimulatedBackend:
     name = "simulated"
-    supports_in_flight = SimulatedBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
+    supports_in_flight = (
+        SimulatedBackendConfig.supports_in_flight
+    )  # declared with its config (the validator reads it there)
 
     def __init__(self, cfg: SimulatedBackendConfig):
         self.cfg = cfg
@@ -58,7 +60,9 @@ class SimulatedBackend:
     def update_weights(self, path: str) -> None:
         cfg = self._read(path)
         if int(cfg["vocab_size"]) != self._vocab_size:
-            raise ValueError(f"the snapshot's vocab_size {cfg['vocab_size']} differs from the served {self._vocab_size}")
+            raise ValueError(
+                f"the snapshot's vocab_size {cfg['vocab_size']} differs from the served {self._vocab_size}"
+            )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -66,8 +70,9 @@ class SimulatedBackend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 on_step: StepHook | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
+    ) -> list[list[Completion]]:
         rng = np.random.default_rng(seed)
         rows = len(prompts) * sampling.n
         k = len(self._allowed)
@@ -100,6 +105,9 @@ class SimulatedBackend:
             done = tokens[i][-1] == self.eos_token_id
             if i % sampling.n == 0:
                 out.append([])
-            out[-1].append(Completion(tokens[i], logps[i], "stop" if done else "length",
-                                      versions[i] if on_step is not None else None))
+            out[-1].append(
+                Completion(
+                    tokens[i], logps[i], "stop" if done else "length", versions[i] if on_step is not None else None
+                )
+            )
         return out

@@ -20,13 +20,19 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from broker.protocol.sampling import sampling_logprobs
-from broker.protocol.weightstore import (ADAPTER_CONFIG, ADAPTER_FILE, ADAPTER_SETTINGS, PEFT_PREFIX, MappedFile,
-                                         Verified, is_adapter_tensor)
+from broker.protocol.weightstore import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    ADAPTER_SETTINGS,
+    PEFT_PREFIX,
+    MappedFile,
+    Verified,
+    is_adapter_tensor,
+)
 from generators.backends.base import Completion, HFText, StepHook
 from generators.config import SamplingConfig, TorchBackendConfig
 
 log = logging.getLogger("relay.generator.torch")
-
 
 
 def _adapter_param(file_name: str) -> str:
@@ -48,6 +54,8 @@ def cache_kwarg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _no_init_weights():
     """transformers' context that skips the random initialisation of a model built from its config."""
     try:
@@ -76,7 +84,9 @@ def mapped_tensors(m: MappedFile) -> dict[str, torch.Tensor]:
 
 class TorchBackend(HFText):
     name = "torch"
-    supports_in_flight = TorchBackendConfig.supports_in_flight  # declared with its config (the validator reads it there)
+    supports_in_flight = (
+        TorchBackendConfig.supports_in_flight
+    )  # declared with its config (the validator reads it there)
     loads_mapped_files = True  # load/update_weights(path, verified=...): loads the bytes weightstore.check hashed
 
     def __init__(self, cfg: TorchBackendConfig):
@@ -104,7 +114,9 @@ class TorchBackend(HFText):
         else:
             self._load_verified(verified)
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        self.pad_token_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        )
         if (ADAPTER_CONFIG in verified.blobs) if verified is not None else (Path(path) / ADAPTER_CONFIG).is_file():
             self._load_adapter(path, verified)
 
@@ -120,16 +132,18 @@ class TorchBackend(HFText):
             self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
         self.model.tie_weights()
         self._config = json.loads(v.blobs["config.json"])
-        self._load_state({k: t for name in sorted(v.files) if name != ADAPTER_FILE
-                          for k, t in mapped_tensors(v.files[name]).items()})
+        self._load_state(
+            {k: t for name in sorted(v.files) if name != ADAPTER_FILE for k, t in mapped_tensors(v.files[name]).items()}
+        )
         self.model.eval()
 
     def engine_info(self) -> dict:
         """Identity of the running engine: the same PID and module across updates means no restart."""
         return {"pid": os.getpid(), "engine_id": id(self.model)}
 
-    def update_weights(self, path: str, files: dict[str, MappedFile] | None = None,
-                       verified: Verified | None = None) -> None:
+    def update_weights(
+        self, path: str, files: dict[str, MappedFile] | None = None, verified: Verified | None = None
+    ) -> None:
         """Load version ``path`` in place: a whole model (its tensors into the same parameters; with a LoRA
         adapter beside it, the adapter too), or a LoRA adapter alone (:meth:`_load_adapter`). ``verified``
         (``weightstore.check(keep=True)``; ``files``: its mapped safetensors files alone): the bytes that check
@@ -144,7 +158,8 @@ class TorchBackend(HFText):
         raw = blobs["config.json"] if blobs is not None else (Path(path) / "config.json").read_bytes()
         cfg = json.loads(raw)
         if {k: v for k, v in cfg.items() if k != "transformers_version"} != {
-                k: v for k, v in self._config.items() if k != "transformers_version"}:
+            k: v for k, v in self._config.items() if k != "transformers_version"
+        }:
             raise ValueError("the snapshot's config.json differs from the served model's architecture")
         state = {}
         if files is not None:
@@ -171,10 +186,15 @@ class TorchBackend(HFText):
         state = {k if k in own else _base_layer_name(k): v for k, v in state.items()}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         # tied embeddings: lm_head.weight may be absent from the file; the adapters come from their own file
-        missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)
-                   and not is_adapter_tensor(k)]
+        missing = [
+            k
+            for k in missing
+            if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings) and not is_adapter_tensor(k)
+        ]
         if missing or unexpected:
-            raise ValueError(f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+            raise ValueError(
+                f"snapshot tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
 
     def _load_adapter(self, path: str, verified: Verified | None = None) -> None:
         """Load the LoRA adapter of version ``path`` (PEFT's layout: adapter_config.json and
@@ -183,22 +203,35 @@ class TorchBackend(HFText):
         adapters the model has, or the tensors are not exactly one A and one B per adapted layer."""
         from peft import LoraConfig, inject_adapter_in_model
 
-        settings = json.loads(verified.blobs[ADAPTER_CONFIG] if verified is not None
-                              else (Path(path) / ADAPTER_CONFIG).read_bytes())
+        settings = json.loads(
+            verified.blobs[ADAPTER_CONFIG] if verified is not None else (Path(path) / ADAPTER_CONFIG).read_bytes()
+        )
         wanted = {k: settings.get(k) for k in ADAPTER_SETTINGS}
         if settings.get("use_dora") or settings.get("modules_to_save") or settings.get("bias", "none") != "none":
             raise ValueError(f"{path}: DoRA, modules_to_save and adapter biases are not supported")
         if self.adapter is not None and wanted != self.adapter:
-            raise ValueError(f"{path}: adapter settings {wanted} differ from those of the adapter served "
-                             f"{self.adapter}")
-        tensors = mapped_tensors(verified.files[ADAPTER_FILE]) if verified is not None \
+            raise ValueError(
+                f"{path}: adapter settings {wanted} differ from those of the adapter served {self.adapter}"
+            )
+        tensors = (
+            mapped_tensors(verified.files[ADAPTER_FILE])
+            if verified is not None
             else load_file(Path(path) / ADAPTER_FILE, device=str(self.device))
+        )
         # from_pretrained of a folder with an adapter_config.json (load) attached its adapter already (transformers
         # does so by itself): injecting a second time would stack peft's layers; the copy below fills them either way
         if self.adapter is None and not getattr(self.model, "_hf_peft_config_loaded", False):
             try:
-                inject_adapter_in_model(LoraConfig(r=wanted["r"], lora_alpha=wanted["lora_alpha"], lora_dropout=0.0,
-                                                   target_modules=wanted["target_modules"], bias="none"), self.model)
+                inject_adapter_in_model(
+                    LoraConfig(
+                        r=wanted["r"],
+                        lora_alpha=wanted["lora_alpha"],
+                        lora_dropout=0.0,
+                        target_modules=wanted["target_modules"],
+                        bias="none",
+                    ),
+                    self.model,
+                )
             except ValueError as e:
                 raise ValueError(f"{path}: the adapter does not fit the model: {e}") from e
         if self.adapter is None:
@@ -210,8 +243,10 @@ class TorchBackend(HFText):
         unexpected = sorted(set(renamed) - set(own))
         wrong = [k for k in renamed if k in own and tuple(renamed[k].shape) != tuple(own[k].shape)]
         if missing or unexpected or wrong:
-            raise ValueError(f"{path}: adapter tensors do not match the model's adapters: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}")
+            raise ValueError(
+                f"{path}: adapter tensors do not match the model's adapters: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
+            )
         with torch.no_grad():
             for k, t in renamed.items():
                 own[k].copy_(t)
@@ -231,11 +266,16 @@ class TorchBackend(HFText):
         unexpected = [k for k in state if k not in own]
         wrong = [k for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
         if missing or unexpected or wrong:
-            raise ValueError(f"received tensors do not match the model: missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]}, wrong shape {wrong[:3]}")
+            raise ValueError(
+                f"received tensors do not match the model: missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]}, wrong shape {wrong[:3]}"
+            )
         params = dict(self.model.named_parameters())  # a tied head appears once, under the embedding's name
-        if adopt and set(params) == set(state) and all(
-                state[k].dtype == p.dtype and state[k].device == p.device for k, p in params.items()):
+        if (
+            adopt
+            and set(params) == set(state)
+            and all(state[k].dtype == p.dtype and state[k].device == p.device for k, p in params.items())
+        ):
             with torch.no_grad():
                 for k, p in params.items():
                     p.data = state[k]
@@ -246,15 +286,16 @@ class TorchBackend(HFText):
         return False
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 on_step: StepHook | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
+    ) -> list[list[Completion]]:
         n = sampling.n
         P = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), P), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding
-            ids[i, P - len(p):] = torch.tensor(p)
-            attn[i, P - len(p):] = 1
+            ids[i, P - len(p) :] = torch.tensor(p)
+            attn[i, P - len(p) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -294,17 +335,22 @@ class TorchBackend(HFText):
             attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
             if on_step is not None:  # a new version may load here: the next token's logits use it (the KV
                 version = on_step()  # cache of earlier tokens stays as the old weights computed it)
-                versions[t + 1:] = [version] * (sampling.max_tokens - t - 1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                             use_cache=True, **kv)
+                versions[t + 1 :] = [version] * (sampling.max_tokens - t - 1)
+            out = self.model(
+                input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], use_cache=True, **kv
+            )
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         tokens, lps, done, lengths = tokens.cpu(), lps.cpu(), done.cpu(), lengths.cpu()
         result: list[list[Completion]] = []
         for i in range(B):
             L = int(lengths[i])
-            c = Completion(tokens[i, :L].tolist(), lps[i, :L].tolist(), "stop" if bool(done[i]) else "length",
-                           versions[:L] if on_step is not None else None)
+            c = Completion(
+                tokens[i, :L].tolist(),
+                lps[i, :L].tolist(),
+                "stop" if bool(done[i]) else "length",
+                versions[:L] if on_step is not None else None,
+            )
             if i % n == 0:
                 result.append([])
             result[-1].append(c)

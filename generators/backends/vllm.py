@@ -101,9 +101,16 @@ class VLLMBackend(HFText):
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_token_id = self.tokenizer.eos_token_id
-        kwargs = dict(model=path, tokenizer=path, dtype=self.cfg.dtype, enforce_eager=self.cfg.enforce_eager,
-                      logprobs_mode="processed_logprobs", enable_prefix_caching=self.cfg.enable_prefix_caching,
-                      tensor_parallel_size=self.cfg.tensor_parallel_size, seed=0)
+        kwargs = dict(
+            model=path,
+            tokenizer=path,
+            dtype=self.cfg.dtype,
+            enforce_eager=self.cfg.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            seed=0,
+        )
         if self.cfg.max_model_len:
             kwargs["max_model_len"] = self.cfg.max_model_len
         if torch.cuda.is_available():
@@ -116,8 +123,12 @@ class VLLMBackend(HFText):
         adapter = _adapter_settings(Path(path))
         if adapter is not None:  # LoRA adapters published alone: an engine that serves them
             rank = int(adapter["r"])
-            kwargs.update(enable_lora=True, max_lora_rank=next((r for r in LORA_RANKS if r >= rank), rank),
-                          max_loras=2, max_cpu_loras=2)  # the old and the new version side by side
+            kwargs.update(
+                enable_lora=True,
+                max_lora_rank=next((r for r in LORA_RANKS if r >= rank), rank),
+                max_loras=2,
+                max_cpu_loras=2,
+            )  # the old and the new version side by side
         kwargs.update(self.cfg.engine_kwargs)
         t0 = time.monotonic()
         self.llm = LLM(**kwargs)
@@ -125,9 +136,11 @@ class VLLMBackend(HFText):
         self._arch = _arch(Path(path) / "config.json")
         self._tied = bool(self._arch.get("tie_word_embeddings"))
         if self._tied and self.cfg.tensor_parallel_size > 1:
-            raise ValueError("in-place weight updates of a model with tied embeddings need tensor_parallel_size = 1 "
-                             "with vLLM 0.32 (its in-place reload restores the old tied lm_head; see "
-                             "docs/generators.md)")
+            raise ValueError(
+                "in-place weight updates of a model with tied embeddings need tensor_parallel_size = 1 "
+                "with vLLM 0.32 (its in-place reload restores the old tied lm_head; see "
+                "docs/generators.md)"
+            )
         log.info("vLLM engine ready in %.1fs (pid %d)", time.monotonic() - t0, os.getpid())
         if adapter is not None:
             self._set_adapter(path)
@@ -167,8 +180,10 @@ class VLLMBackend(HFText):
         if (Path(path) / ADAPTER_CONFIG).is_file():
             self._set_adapter(path)
         elif self._lora is not None:
-            raise ValueError("this engine serves LoRA adapters; a version without an adapter would be served with "
-                             "the last one (restart the generator to serve whole models)")
+            raise ValueError(
+                "this engine serves LoRA adapters; a version without an adapter would be served with "
+                "the last one (restart the generator to serve whole models)"
+            )
 
     def _set_adapter(self, path: str) -> None:
         """Serve the LoRA adapter in folder ``path`` to every request from now on: a new adapter id and name
@@ -178,10 +193,13 @@ class VLLMBackend(HFText):
 
         settings = _adapter_settings(Path(path))
         if not self.llm.llm_engine.vllm_config.lora_config:
-            raise ValueError(f"{path} is a LoRA adapter, but this engine was started without LoRA (its first version "
-                             "was a whole model): restart the generator")
-        if self._adapter is not None and {k: settings.get(k) for k in ADAPTER_SETTINGS} != \
-                {k: self._adapter.get(k) for k in ADAPTER_SETTINGS}:
+            raise ValueError(
+                f"{path} is a LoRA adapter, but this engine was started without LoRA (its first version "
+                "was a whole model): restart the generator"
+            )
+        if self._adapter is not None and {k: settings.get(k) for k in ADAPTER_SETTINGS} != {
+            k: self._adapter.get(k) for k in ADAPTER_SETTINGS
+        }:
             raise ValueError(f"{path}: adapter settings differ from those of the adapter served")
         self._lora_ids += 1
         request = LoRARequest(f"relay-{self._lora_ids}", self._lora_ids, str(Path(path).resolve()))
@@ -202,8 +220,9 @@ class VLLMBackend(HFText):
 
     # -- sampling -------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 on_step: StepHook | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
+    ) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -222,12 +241,17 @@ class VLLMBackend(HFText):
             for j in range(n if per_sample else 1):
                 self._requests += 1
                 rid = f"r{self._requests}"
-                params = SamplingParams(n=1 if per_sample else n, temperature=sampling.temperature,
-                                        top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
-                                        logprobs=0, seed=(seed * 1_000_003 + i * n + j) % (2**31),
-                                        # per sample: each step's running length; per prompt: the n outputs at the end
-                                        output_kind=RequestOutputKind.CUMULATIVE if per_sample
-                                        else RequestOutputKind.FINAL_ONLY)
+                params = SamplingParams(
+                    n=1 if per_sample else n,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_tokens=sampling.max_tokens,
+                    logprobs=0,
+                    seed=(seed * 1_000_003 + i * n + j) % (2**31),
+                    # per sample: each step's running length; per prompt: the n outputs at the end
+                    output_kind=RequestOutputKind.CUMULATIVE if per_sample else RequestOutputKind.FINAL_ONLY,
+                )
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), params, lora_request=self._lora)
                 ids.append(rid)
         version = initial = on_step() if on_step is not None else -1

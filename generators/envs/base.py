@@ -43,7 +43,7 @@ class ToolCall:
     name: str
     ok: bool
     seconds: float = 0.0
-    error: str = ""          # why it failed ("unknown_tool", "bad_arguments", "timeout", "error: ...")
+    error: str = ""  # why it failed ("unknown_tool", "bad_arguments", "timeout", "error: ...")
 
 
 @dataclass

@@ -57,8 +57,12 @@ BINARY = re.compile(r"\s*(?P<a>\d+)\s*(?P<op>[-+*/%])\s*(?P<b>\d+)\s*")  # one o
 class CalcOptions(StrictModel):
     """The calc task's environment."""
 
-    max_turns: int = Field(3, ge=2, le=32, description="model turns per episode at most; the episode ends (and "
-                           "is scored) at this turn whatever it says")
+    max_turns: int = Field(
+        3,
+        ge=2,
+        le=32,
+        description="model turns per episode at most; the episode ends (and is scored) at this turn whatever it says",
+    )
     timeout_s: float = Field(1.0, gt=0, le=60, description="seconds one calculator call may take")
 
 
@@ -87,8 +91,9 @@ def operands_match(expr: str, expression: str) -> float:
     return position_match(call["a"] + call["b"], want["a"] + want["b"])
 
 
-def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool: bool, answer: str | None,
-                tool_result: str | None) -> tuple[float, dict[str, float]]:
+def calc_reward(
+    expression: str, first_turn_calls: list[ParsedCall], called_tool: bool, answer: str | None, tool_result: str | None
+) -> tuple[float, dict[str, float]]:
     """The episode's reward and its parts (see the module docstring). ``tool_result``: what the tool
     returned for turn 1's call (None when it returned no number)."""
     if not called_tool:
@@ -101,15 +106,22 @@ def calc_reward(expression: str, first_turn_calls: list[ParsedCall], called_tool
     ans = position_match(answer.strip(), tool_result) if answer is not None and tool_result is not None else 0.0
     # o squared: a call with one operand right and a second that makes the answer trivial (7*0 answered 0, 7*1
     # answered 7) must score below the exact call answered wrongly, or it is where the policy settles
-    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * operands ** 2 * ans
-    return round(reward, 6), {"tool": tool, "expression": round(expr_match, 6), "operands": round(operands, 6),
-                              "answer": round(ans, 6)}
+    reward = W_TOOL * tool + W_EXPRESSION * expr_match + W_ANSWER * operands**2 * ans
+    return round(reward, 6), {
+        "tool": tool,
+        "expression": round(expr_match, 6),
+        "operands": round(operands, 6),
+        "answer": round(ans, 6),
+    }
 
 
 class CalcShared(ToolShared):
     def __init__(self, options: CalcOptions):
-        super().__init__(ToolEnvOptions(tools=["calculator"], max_calls_per_turn=1,
-                                        timeout_s={"calculator": options.timeout_s}, threads=4))
+        super().__init__(
+            ToolEnvOptions(
+                tools=["calculator"], max_calls_per_turn=1, timeout_s={"calculator": options.timeout_s}, threads=4
+            )
+        )
 
 
 @register_env("calc")
@@ -123,8 +135,9 @@ class CalcEnv(ToolEnv):
         try:  # the answer is scored against the tool's result, so the prompt must be one the tool computes
             calculate(self.expression)
         except ToolFailure as e:
-            raise EnvError("bad_prompt", f"calc prompt {prompt.text[:40]!r} is not an expression the calculator "
-                           f"computes: {e}") from None
+            raise EnvError(
+                "bad_prompt", f"calc prompt {prompt.text[:40]!r} is not an expression the calculator computes: {e}"
+            ) from None
         self.turns = 0
         self.first_calls: list[ParsedCall] = []
         self.first_result: str | None = None  # what the tool returned for turn 1's call, when a number

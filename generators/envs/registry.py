@@ -87,12 +87,13 @@ def build_env(name: str, options: dict[str, Any] | None = None) -> EnvFactory:
     UnknownEnvError listing the valid names)."""
     envs = known_envs()
     if name not in envs:
-        raise UnknownEnvError(f"unknown environment {name!r}; valid: {', '.join(sorted(envs))} (third-party "
-                              f"environments register through the 'relay.envs' entry-point group)")
+        raise UnknownEnvError(
+            f"unknown environment {name!r}; valid: {', '.join(sorted(envs))} (third-party "
+            f"environments register through the 'relay.envs' entry-point group)"
+        )
     cls = envs[name]
     try:
         opts = cls.Options.model_validate(options or {})
     except ValidationError as e:
         raise ValueError(f"environment {name!r}: invalid options: {_describe(e)}") from None
     return EnvFactory(cls, opts)
-

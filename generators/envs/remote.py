@@ -49,11 +49,14 @@ log = logging.getLogger("relay.generator")
 class RemoteEnvOptions(HttpOptions):
     """An environment server speaking the contract of docs/agents.md."""
 
-    url: str = Field(description="the server's base URL; /reset, /step and /close are appended "
-                     "(e.g. http://127.0.0.1:9100)", pattern=r"^https?://")
+    url: str = Field(
+        description="the server's base URL; /reset, /step and /close are appended (e.g. http://127.0.0.1:9100)",
+        pattern=r"^https?://",
+    )
     timeout_s: float = Field(10.0, gt=0, le=3600, description="timeout of one attempt (connect + read)")
-    max_concurrency: int = Field(16, ge=1, le=1024, description="requests in flight to the server at most, all "
-                                 "episodes together")
+    max_concurrency: int = Field(
+        16, ge=1, le=1024, description="requests in flight to the server at most, all episodes together"
+    )
 
 
 class RemoteStats(Observer):
@@ -82,8 +85,12 @@ class RemoteStats(Observer):
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
-            return {"requests": dict(self.requests), "errors": dict(self.errors), "circuit": self.circuit_state,
-                    "episodes": self.episodes}
+            return {
+                "requests": dict(self.requests),
+                "errors": dict(self.errors),
+                "circuit": self.circuit_state,
+                "episodes": self.episodes,
+            }
 
 
 class RemoteShared:
@@ -186,13 +193,22 @@ def parse_step_reply(data: Any) -> StepResult:
         raise ValueError("'tool_calls' must be a list")
     records = []
     for i, c in enumerate(calls):
-        if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("ok"), bool)
-                and isinstance(c.get("error", ""), str)):
-            raise ValueError(f"tool_calls[{i}] must be {{\"name\": str, \"ok\": bool, \"error\": str}}")
-        records.append(ToolCall(c["name"][:64], c["ok"], float(_finite_or_none(c.get("seconds"), "seconds") or 0.0),
-                                c.get("error", "")[:300]))
-    return StepResult(reply=reply, done=done, role=role, reward=reward if done else None,
-                      tool_calls=records, info=info)
+        if not (
+            isinstance(c, dict)
+            and isinstance(c.get("name"), str)
+            and isinstance(c.get("ok"), bool)
+            and isinstance(c.get("error", ""), str)
+        ):
+            raise ValueError(f'tool_calls[{i}] must be {{"name": str, "ok": bool, "error": str}}')
+        records.append(
+            ToolCall(
+                c["name"][:64],
+                c["ok"],
+                float(_finite_or_none(c.get("seconds"), "seconds") or 0.0),
+                c.get("error", "")[:300],
+            )
+        )
+    return StepResult(reply=reply, done=done, role=role, reward=reward if done else None, tool_calls=records, info=info)
 
 
 @register_env("remote")
@@ -211,10 +227,20 @@ class RemoteEnv(Environment):
         self.index = 0
         with self.shared.counters.lock:
             self.shared.counters.episodes += 1
-        reply = self.shared.post("/reset", {"episode_id": self.episode_id, "prompt": {
-            "text": prompt.text, "reference": prompt.reference, "task": prompt.task, "metadata": prompt.metadata}})
+        reply = self.shared.post(
+            "/reset",
+            {
+                "episode_id": self.episode_id,
+                "prompt": {
+                    "text": prompt.text,
+                    "reference": prompt.reference,
+                    "task": prompt.task,
+                    "metadata": prompt.metadata,
+                },
+            },
+        )
         if not (isinstance(reply, dict) and reply.get("ok") is True):
-            raise self.shared.fail("bad_reply", f"/reset answered {str(reply)[:100]!r}, not {{\"ok\": true}}")
+            raise self.shared.fail("bad_reply", f'/reset answered {str(reply)[:100]!r}, not {{"ok": true}}')
 
     def step(self, turn: str) -> StepResult:
         data = self.shared.post("/step", {"episode_id": self.episode_id, "index": self.index, "turn": turn})

@@ -38,18 +38,27 @@ GRACE_S = 0.5  # waited past a tool's timeout, so a tool that enforces its own (
 class ToolEnvOptions(StrictModel):
     """The tool-calling environment."""
 
-    tools: list[str] = Field(default_factory=lambda: ["calculator", "python"],
-                             description=f"the tools offered, among {sorted(BUILTIN_TOOLS)}", min_length=1)
-    default_tool: str = Field("", description="the tool a compact call (<tool_call>EXPR</tool_call>) means; "
-                              "default: the first of `tools`")
-    max_calls_per_turn: int = Field(4, ge=1, le=64, description="tool calls run per turn; more are answered "
-                                    "too_many_calls")
-    timeout_s: dict[str, float] = Field(default_factory=dict, description="seconds one call of a tool may take, "
-                                        "by tool name (default: calculator 1, python 10)")
+    tools: list[str] = Field(
+        default_factory=lambda: ["calculator", "python"],
+        description=f"the tools offered, among {sorted(BUILTIN_TOOLS)}",
+        min_length=1,
+    )
+    default_tool: str = Field(
+        "", description="the tool a compact call (<tool_call>EXPR</tool_call>) means; default: the first of `tools`"
+    )
+    max_calls_per_turn: int = Field(
+        4, ge=1, le=64, description="tool calls run per turn; more are answered too_many_calls"
+    )
+    timeout_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="seconds one call of a tool may take, by tool name (default: calculator 1, python 10)",
+    )
     python_memory_mb: int = Field(256, ge=32, le=65536, description="memory of one python call's program")
     python_isolation: Literal["cgroup", "rlimits"] = Field(
-        "cgroup", description="the python tool's sandbox limits, as code_exec's `isolation`: \"cgroup\" (one "
-        "cgroup per call) or \"rlimits\" (per-process limits only, weaker)")
+        "cgroup",
+        description="the python tool's sandbox limits, as code_exec's `isolation`: \"cgroup\" (one "
+        'cgroup per call) or "rlimits" (per-process limits only, weaker)',
+    )
     threads: int = Field(16, ge=1, le=1024, description="tool calls running at once, all episodes together")
 
     @model_validator(mode="after")
@@ -86,9 +95,9 @@ class ToolShared:
         self.default_tool = options.default_tool or options.tools[0]
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="relay-tool")
         self.lock = threading.Lock()
-        self.calls: Counter = Counter()       # tool -> calls
-        self.failures: Counter = Counter()    # (tool, code) -> failed calls
-        self.seconds: Counter = Counter()     # tool -> seconds spent
+        self.calls: Counter = Counter()  # tool -> calls
+        self.failures: Counter = Counter()  # (tool, code) -> failed calls
+        self.seconds: Counter = Counter()  # tool -> seconds spent
 
     def count(self, calls: list[ToolCall]) -> None:
         with self.lock:
@@ -100,8 +109,11 @@ class ToolShared:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            return {"tool_calls": dict(self.calls), "tool_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
-                    "tool_failures": {f"{t}:{code}": n for (t, code), n in self.failures.items()}}
+            return {
+                "tool_calls": dict(self.calls),
+                "tool_seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+                "tool_failures": {f"{t}:{code}": n for (t, code), n in self.failures.items()},
+            }
 
     def tool_specs(self) -> list[dict[str, Any]]:
         return [t.spec() for t in self.tools.values()]
@@ -142,13 +154,23 @@ class ToolEnv(Environment):
             tool = sh.tools.get(name)
             label = name if tool is not None else "unknown"  # a made-up tool name is not a metrics label
             if call.error:
-                jobs.append((f"error: {call.error}: could not read the tool call", ToolCall(label, False, 0.0, call.error)))
+                jobs.append(
+                    (f"error: {call.error}: could not read the tool call", ToolCall(label, False, 0.0, call.error))
+                )
             elif i >= sh.options.max_calls_per_turn:
-                jobs.append((f"error: too_many_calls: at most {sh.options.max_calls_per_turn} calls a turn",
-                             ToolCall(label, False, 0.0, "too_many_calls")))
+                jobs.append(
+                    (
+                        f"error: too_many_calls: at most {sh.options.max_calls_per_turn} calls a turn",
+                        ToolCall(label, False, 0.0, "too_many_calls"),
+                    )
+                )
             elif tool is None:
-                jobs.append((f"error: unknown_tool: {name!r}; tools: {sorted(sh.tools)}",
-                             ToolCall(label, False, 0.0, f"unknown_tool: {name[:40]}")))
+                jobs.append(
+                    (
+                        f"error: unknown_tool: {name!r}; tools: {sorted(sh.tools)}",
+                        ToolCall(label, False, 0.0, f"unknown_tool: {name[:40]}"),
+                    )
+                )
             else:
                 jobs.append((sh.pool.submit(run_tool, tool, call.arguments), tool, time.monotonic()))
         outputs, records = [], []

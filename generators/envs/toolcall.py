@@ -73,9 +73,9 @@ def _parse_one(raw: str) -> ParsedCall:
 def parse_tool_calls(text: str) -> list[ParsedCall]:
     """Every tool call in ``text``, in order; [] when the turn has none (it is a final answer)."""
     calls = [_parse_one(m.group(1)) for m in CALL.finditer(text)]
-    tail = text[text.rfind(CLOSE) + len(CLOSE):] if CLOSE in text else text
+    tail = text[text.rfind(CLOSE) + len(CLOSE) :] if CLOSE in text else text
     if OPEN in tail:  # the turn ended inside a call
-        calls.append(ParsedCall("", raw=tail[tail.index(OPEN) + len(OPEN):], error="unclosed"))
+        calls.append(ParsedCall("", raw=tail[tail.index(OPEN) + len(OPEN) :], error="unclosed"))
     return calls
 
 
@@ -83,7 +83,7 @@ def strip_tool_calls(text: str) -> str:
     """The turn's text outside its tool calls (what it says besides calling tools), stripped."""
     text = CALL.sub("", text)
     if OPEN in text:
-        text = text[:text.index(OPEN)]
+        text = text[: text.index(OPEN)]
     return text.strip()
 
 

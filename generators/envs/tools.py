@@ -30,10 +30,10 @@ from typing import Any, Callable
 from generators.envs.base import ToolCall
 from generators.envs.toolcall import COMPACT_ARG
 
-MAX_EXPRESSION = 200     # characters of a calculator expression
-MAX_NODES = 100          # operators and numbers in it
-MAX_INT_BITS = 4096      # size of any intermediate integer (2**4096 is ~1e1233)
-MAX_OUTPUT = 4000        # characters of a tool's output the model reads
+MAX_EXPRESSION = 200  # characters of a calculator expression
+MAX_NODES = 100  # operators and numbers in it
+MAX_INT_BITS = 4096  # size of any intermediate integer (2**4096 is ~1e1233)
+MAX_OUTPUT = 4000  # characters of a tool's output the model reads
 
 
 class ToolFailure(Exception):
@@ -57,8 +57,10 @@ class Tool:
 
     def spec(self) -> dict[str, Any]:
         """The OpenAI ``tools`` list entry."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
     def compact_arguments(self, content: str) -> dict[str, Any]:
         """A compact call's content as this tool's arguments (its single required parameter)."""
@@ -72,8 +74,9 @@ class Tool:
         missing = [k for k in self.parameters.get("required", []) if k not in args]
         unknown = [k for k in args if k not in props]
         if missing or unknown:
-            raise ToolFailure("bad_arguments", f"{self.name} needs {sorted(props)}; missing {missing}, "
-                              f"unknown {unknown}")
+            raise ToolFailure(
+                "bad_arguments", f"{self.name} needs {sorted(props)}; missing {missing}, unknown {unknown}"
+            )
         for k, v in args.items():
             if props[k].get("type") == "string" and not isinstance(v, str):
                 raise ToolFailure("bad_arguments", f"{k} must be a string")
@@ -94,8 +97,15 @@ def run_tool(tool: Tool, args: dict[str, Any]) -> tuple[str, ToolCall]:
 
 # ---- calculator -------------------------------------------------------------------------------
 
-BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-          ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -112,7 +122,7 @@ def _power(a, b):
     if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and b * a.bit_length() > MAX_INT_BITS:
         raise ToolFailure("too_large", f"a power over {MAX_INT_BITS} bits (exponent {b})")
     try:
-        v = a ** b
+        v = a**b
     except OverflowError:
         raise ToolFailure("too_large", "the result overflows") from None
     except ZeroDivisionError:
@@ -154,7 +164,9 @@ def calculate(expression: str) -> int | float:
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError) as e:
-        raise ToolFailure("bad_expression", f"cannot read {expression.strip()[:40]!r}: {getattr(e, 'msg', e)}") from None
+        raise ToolFailure(
+            "bad_expression", f"cannot read {expression.strip()[:40]!r}: {getattr(e, 'msg', e)}"
+        ) from None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         raise ToolFailure("bad_expression", f"more than {MAX_NODES} terms")
     return _eval(tree)
@@ -162,19 +174,27 @@ def calculate(expression: str) -> int | float:
 
 def format_number(v: int | float) -> str:
     """Ints as written; floats without a trailing ``.0`` when integral (``8/4`` -> ``2``)."""
-    if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 53:
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
         return str(int(v))
     return repr(v)
 
 
 def calculator_tool(timeout_s: float = 1.0) -> Tool:
-    return Tool("calculator", "Evaluate an arithmetic expression: + - * / // % ** and parentheses on numbers.",
-                {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 7*8"}},
-                 "required": ["expression"]},
-                lambda args: format_number(calculate(args["expression"])), timeout_s)
+    return Tool(
+        "calculator",
+        "Evaluate an arithmetic expression: + - * / // % ** and parentheses on numbers.",
+        {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 7*8"}},
+            "required": ["expression"],
+        },
+        lambda args: format_number(calculate(args["expression"])),
+        timeout_s,
+    )
 
 
 # ---- python (the code sandbox) ----------------------------------------------------------------
+
 
 def python_tool(timeout_s: float = 10.0, memory_mb: int = 256, isolation: str = "cgroup") -> Tool:
     """Run Python in the reward service's sandbox. ``isolation`` as for ``code_exec``: "cgroup" (one
@@ -182,16 +202,23 @@ def python_tool(timeout_s: float = 10.0, memory_mb: int = 256, isolation: str = 
     from reward_service.builtin import sandbox
     from reward_service.builtin.cgroups import CgroupError, Cgroups
 
-    limits = sandbox.Limits(wall_s=timeout_s, cpu_s=max(1, math.ceil(timeout_s)), memory_mb=memory_mb,
-                            disk_mb=16, max_procs=16, max_output=MAX_OUTPUT)
+    limits = sandbox.Limits(
+        wall_s=timeout_s,
+        cpu_s=max(1, math.ceil(timeout_s)),
+        memory_mb=memory_mb,
+        disk_mb=16,
+        max_procs=16,
+        max_output=MAX_OUTPUT,
+    )
     cgroups: list[Cgroups] = []  # made on first use (a call that fails to make it says why)
 
     def run(args: dict[str, Any]) -> str:
         try:
             if isolation == "cgroup" and not cgroups:
                 cgroups.append(Cgroups(None))
-            o = asyncio.run(sandbox.run({"main.py": args["code"]}, ["main.py"], b"", limits,
-                                        cgroups[0] if cgroups else None))
+            o = asyncio.run(
+                sandbox.run({"main.py": args["code"]}, ["main.py"], b"", limits, cgroups[0] if cgroups else None)
+            )
         except (sandbox.SandboxError, CgroupError, OSError) as e:
             raise ToolFailure("sandbox_unavailable", str(e)[:200]) from None
         if o.timed_out:
@@ -200,9 +227,17 @@ def python_tool(timeout_s: float = 10.0, memory_mb: int = 256, isolation: str = 
             raise ToolFailure("exit_status", f"{o.returncode}; stderr: {o.stderr.strip()[-1000:]}")
         return o.stdout
 
-    return Tool("python", "Run a Python program (no network, no files of the host) and return what it printed.",
-                {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
-                 "required": ["code"]}, run, timeout_s)
+    return Tool(
+        "python",
+        "Run a Python program (no network, no files of the host) and return what it printed.",
+        {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the program"}},
+            "required": ["code"],
+        },
+        run,
+        timeout_s,
+    )
 
 
 BUILTIN_TOOLS = {"calculator": calculator_tool, "python": python_tool}

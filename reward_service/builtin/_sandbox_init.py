@@ -33,8 +33,16 @@ libc = ctypes.CDLL(None, use_errno=True)
 
 
 def mount(src, target, fstype, flags, data=None):
-    if libc.mount(src.encode() if src else None, target.encode(), fstype.encode() if fstype else None,
-                  ctypes.c_ulong(flags), data.encode() if data else None) != 0:
+    if (
+        libc.mount(
+            src.encode() if src else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        )
+        != 0
+    ):
         err = ctypes.get_errno()
         raise OSError(err, f"mount {src} -> {target}: {os.strerror(err)}")
 
@@ -76,12 +84,14 @@ def setup(spec):
 
 
 def limit(spec):
-    mem = spec["memory_mb"] * 2 ** 20
-    for res, val in ((resource.RLIMIT_CPU, (spec["cpu_s"], spec["cpu_s"] + 1)),
-                     (resource.RLIMIT_AS, (mem, mem)),
-                     (resource.RLIMIT_FSIZE, (spec["disk_mb"] * 2 ** 20,) * 2),
-                     (resource.RLIMIT_NOFILE, (64, 64)),
-                     (resource.RLIMIT_CORE, (0, 0))):
+    mem = spec["memory_mb"] * 2**20
+    for res, val in (
+        (resource.RLIMIT_CPU, (spec["cpu_s"], spec["cpu_s"] + 1)),
+        (resource.RLIMIT_AS, (mem, mem)),
+        (resource.RLIMIT_FSIZE, (spec["disk_mb"] * 2**20,) * 2),
+        (resource.RLIMIT_NOFILE, (64, 64)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ):
         resource.setrlimit(res, val)
     if spec["max_procs"] is not None:  # no cgroup: a per-user count, this run's alone (its own uid)
         resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_procs"],) * 2)

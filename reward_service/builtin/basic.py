@@ -44,16 +44,24 @@ class DigitPositions(RewardPlugin):
 class FinalNumberOptions(StrictModel):
     """The last tagged number of the completion against the reference number."""
 
-    pattern: str = Field(r"answer\s*(?:is)?\s*[:=]?\s*\**\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)",
-                         description="Python regular expression with one group, the number; the LAST match in the "
-                         "completion is the answer (case-insensitive). The default takes 'Answer: 12', 'answer is "
-                         "12', '**Answer:** $1,200'")
+    pattern: str = Field(
+        r"answer\s*(?:is)?\s*[:=]?\s*\**\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)",
+        description="Python regular expression with one group, the number; the LAST match in the "
+        "completion is the answer (case-insensitive). The default takes 'Answer: 12', 'answer is "
+        "12', '**Answer:** $1,200'",
+    )
     correct_score: float = Field(1.0, description="score when the number equals the reference")
-    format_score: float = Field(0.0, description="score when a tagged number is found but is wrong (a small "
-                                "reward for the format helps a model that does not yet tag its answers)")
+    format_score: float = Field(
+        0.0,
+        description="score when a tagged number is found but is wrong (a small "
+        "reward for the format helps a model that does not yet tag its answers)",
+    )
     miss_score: float = Field(0.0, description="score when no tagged number is found")
-    require_finished: bool = Field(True, description="a completion cut at max_tokens gets at most miss_score "
-                                   "for a wrong answer (no format credit for rambling)")
+    require_finished: bool = Field(
+        True,
+        description="a completion cut at max_tokens gets at most miss_score "
+        "for a wrong answer (no format credit for rambling)",
+    )
 
     @field_validator("pattern")
     @classmethod
@@ -111,8 +119,9 @@ class RegexOptions(StrictModel):
     """A format check on the completion."""
 
     pattern: str = Field(description="Python regular expression")
-    mode: Literal["search", "fullmatch"] = Field("search", description="search: anywhere; fullmatch: the whole "
-                                                 "(stripped) completion")
+    mode: Literal["search", "fullmatch"] = Field(
+        "search", description="search: anywhere; fullmatch: the whole (stripped) completion"
+    )
     ignore_case: bool = Field(False, description="re.IGNORECASE")
     dotall: bool = Field(True, description="re.DOTALL: '.' also matches newlines")
     multiline: bool = Field(False, description="re.MULTILINE")
@@ -138,16 +147,20 @@ class RegexFormat(RewardPlugin):
     def __init__(self, options=None, observer=None):
         super().__init__(options, observer)
         o = self.options
-        flags = (re.IGNORECASE if o.ignore_case else 0) | (re.DOTALL if o.dotall else 0) | \
-                (re.MULTILINE if o.multiline else 0)
+        flags = (
+            (re.IGNORECASE if o.ignore_case else 0)
+            | (re.DOTALL if o.dotall else 0)
+            | (re.MULTILINE if o.multiline else 0)
+        )
         self.rx = re.compile(o.pattern, flags)
 
     async def score(self, items: list[Item]) -> list[Result]:
         o = self.options
         out = []
         for it in items:
-            hit = (self.rx.fullmatch(it.completion.strip()) if o.mode == "fullmatch" else
-                   self.rx.search(it.completion)) is not None
+            hit = (
+                self.rx.fullmatch(it.completion.strip()) if o.mode == "fullmatch" else self.rx.search(it.completion)
+            ) is not None
             out.append(Result(o.match_score if hit else o.miss_score, details={"matched": float(hit)}))
         return out
 
@@ -156,10 +169,13 @@ class LengthOptions(StrictModel):
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13)."""
 
     max_length: int = Field(ge=1, description="L_max: at or beyond this length the penalty is -1")
-    cache: int = Field(ge=0, description="L_cache: the penalty ramps linearly from 0 to -1 over the last "
-                       "`cache` units before max_length")
-    unit: Literal["tokens", "chars"] = Field("tokens", description="tokens (the item's num_tokens, sent by the "
-                                             "generators) or characters of the completion")
+    cache: int = Field(
+        ge=0,
+        description="L_cache: the penalty ramps linearly from 0 to -1 over the last `cache` units before max_length",
+    )
+    unit: Literal["tokens", "chars"] = Field(
+        "tokens", description="tokens (the item's num_tokens, sent by the generators) or characters of the completion"
+    )
 
     @model_validator(mode="after")
     def _cache_fits(self) -> "LengthOptions":

@@ -57,14 +57,15 @@ def _write(path: Path, value: str) -> None:
 @dataclass
 class ItemCgroup:
     """The cgroup(s) of one item: the launcher writes its own pid into ``procs``."""
+
     dirs: list[Path]
-    procs: list[str]        # cgroup.procs files to join
+    procs: list[str]  # cgroup.procs files to join
     peak_file: Path | None  # the item's peak memory, bytes
     events_file: Path | None
 
     def peak_mb(self) -> float | None:
         try:
-            return round(int(self.peak_file.read_text()) / 2 ** 20, 1) if self.peak_file else None
+            return round(int(self.peak_file.read_text()) / 2**20, 1) if self.peak_file else None
         except (OSError, ValueError):
             return None
 
@@ -136,8 +137,10 @@ class Cgroups:
                 return 2, {"": base}
         if "memory" in own and "pids" in own and (MOUNTS / "memory").is_dir() and (MOUNTS / "pids").is_dir():
             return 1, {c: MOUNTS / c / (self.parent or own[c]).lstrip("/") for c in ("memory", "pids")}
-        raise CgroupError("no cgroup hierarchy with the memory and pids controllers is mounted at "
-                          f"{MOUNTS} (cgroup v2 with both enabled, or v1 memory and pids)")
+        raise CgroupError(
+            "no cgroup hierarchy with the memory and pids controllers is mounted at "
+            f"{MOUNTS} (cgroup v2 with both enabled, or v1 memory and pids)"
+        )
 
     def _enable_v2(self) -> None:
         """Let the base's children have memory.max and pids.max (moving our processes to a leaf)."""
@@ -146,12 +149,15 @@ class Cgroups:
             self._enabled = True
             return
         if not {"memory", "pids"} <= set((base / "cgroup.controllers").read_text().split()):
-            raise CgroupError(f"{base} does not have the memory and pids controllers (the parent cgroup "
-                              "must delegate them)")
+            raise CgroupError(
+                f"{base} does not have the memory and pids controllers (the parent cgroup must delegate them)"
+            )
         procs = (base / "cgroup.procs").read_text().split()
         if procs and not self.parent and _own_paths()[""] != "/":
-            raise CgroupError(f"{base} has processes and is not the root of a private cgroup namespace: "
-                              "code_exec reorganises only a cgroup of its own (a container's, or cgroup_parent)")
+            raise CgroupError(
+                f"{base} has processes and is not the root of a private cgroup namespace: "
+                "code_exec reorganises only a cgroup of its own (a container's, or cgroup_parent)"
+            )
         if procs:
             leaf = base / "service"
             leaf.mkdir(exist_ok=True)
@@ -167,22 +173,30 @@ class Cgroups:
 
     def make(self, memory_mb: int, max_procs: int) -> ItemCgroup:
         name = "relay-item-" + secrets.token_hex(6)
-        mem = str(memory_mb * 2 ** 20)
+        mem = str(memory_mb * 2**20)
         try:
             if self.version == 2:
                 if not self._enabled:
                     self._enable_v2()
                 d = self.bases[""] / name
                 d.mkdir()
-                cg = ItemCgroup([d], [str(d / "cgroup.procs")], d / "memory.peak" if (d / "memory.peak").exists()
-                                else None, d / "memory.events")
+                cg = ItemCgroup(
+                    [d],
+                    [str(d / "cgroup.procs")],
+                    d / "memory.peak" if (d / "memory.peak").exists() else None,
+                    d / "memory.events",
+                )
                 writes = [(d / "memory.max", mem), (d / "pids.max", str(max_procs))]
                 if (d / "memory.swap.max").exists():
                     writes.append((d / "memory.swap.max", "0"))
             else:
                 m, p = self.bases["memory"] / name, self.bases["pids"] / name
-                cg = ItemCgroup([m, p], [str(m / "cgroup.procs"), str(p / "cgroup.procs")],
-                                m / "memory.max_usage_in_bytes", m / "memory.oom_control")
+                cg = ItemCgroup(
+                    [m, p],
+                    [str(m / "cgroup.procs"), str(p / "cgroup.procs")],
+                    m / "memory.max_usage_in_bytes",
+                    m / "memory.oom_control",
+                )
                 m.mkdir()
                 try:
                     p.mkdir()
@@ -193,8 +207,9 @@ class Cgroups:
                 if (m / "memory.memsw.limit_in_bytes").exists():  # after the memory limit: it must stay >= it
                     writes.append((m / "memory.memsw.limit_in_bytes", mem))
         except OSError as e:
-            raise CgroupError(f"cannot make an item cgroup under {', '.join(map(str, self.bases.values()))}: "
-                              f"{e.strerror}") from e
+            raise CgroupError(
+                f"cannot make an item cgroup under {', '.join(map(str, self.bases.values()))}: {e.strerror}"
+            ) from e
         try:
             for path, value in writes:
                 _write(path, value)

@@ -48,33 +48,55 @@ def extract_code(completion: str) -> str:
 class CodeOptions(StrictModel):
     """Sandboxed code execution."""
 
-    timeout_s: float = Field(5.0, gt=0, le=300, description="wall-clock limit per item; CPU limit is the same, "
-                             "rounded up")
-    memory_mb: int = Field(512, ge=64, le=65536, description="memory of the program, all its processes together "
-                           "(the item's cgroup); also each process's address-space limit")
-    max_processes: int = Field(32, ge=2, le=4096, description="processes and threads of one item at once (pids.max "
-                               "of its cgroup; with isolation = \"rlimits\", RLIMIT_NPROC of the item's own uid)")
+    timeout_s: float = Field(
+        5.0, gt=0, le=300, description="wall-clock limit per item; CPU limit is the same, rounded up"
+    )
+    memory_mb: int = Field(
+        512,
+        ge=64,
+        le=65536,
+        description="memory of the program, all its processes together "
+        "(the item's cgroup); also each process's address-space limit",
+    )
+    max_processes: int = Field(
+        32,
+        ge=2,
+        le=4096,
+        description="processes and threads of one item at once (pids.max "
+        'of its cgroup; with isolation = "rlimits", RLIMIT_NPROC of the item\'s own uid)',
+    )
     isolation: Literal["cgroup", "rlimits"] = Field(
-        "cgroup", description="\"cgroup\": one cgroup per item, limits for the whole process tree (refuses to start "
-        "where cgroups cannot be made); \"rlimits\": per-process limits only, forked children multiply memory and "
-        "one item's fork bomb can starve the others (weaker, opt-in)")
-    cgroup_parent: str | None = Field(None, description="cgroup to make item cgroups under (v2: a directory of the "
-                                      "cgroup2 file system; v1: a path under each controller); default: the "
-                                      "service's own cgroup")
+        "cgroup",
+        description='"cgroup": one cgroup per item, limits for the whole process tree (refuses to start '
+        'where cgroups cannot be made); "rlimits": per-process limits only, forked children multiply memory and '
+        "one item's fork bomb can starve the others (weaker, opt-in)",
+    )
+    cgroup_parent: str | None = Field(
+        None,
+        description="cgroup to make item cgroups under (v2: a directory of the "
+        "cgroup2 file system; v1: a path under each controller); default: the "
+        "service's own cgroup",
+    )
     disk_mb: int = Field(32, ge=1, le=4096, description="size of the program's writable file system")
     max_concurrency: int = Field(2, ge=1, le=256, description="sandboxes running at once")
     extract_code: bool = Field(True, description="take the last ```python block of the completion")
     tests_field: str = Field("tests", description="metadata field holding the list of test snippets")
     check_sandbox: bool = Field(True, description="at start-up, refuse to start unless the sandbox works here")
-    uid_first: int = Field(FIRST_UID, ge=1000, le=2 ** 31 - 2, description="first uid (and gid) of the range the "
-                           "items run as: each item gets one of its own that no user or process of the host has "
-                           "(docs/rewards.md, Security); keep the range for the sandbox alone")
-    uid_count: int = Field(UID_COUNT, ge=1, le=2 ** 24, description="uids in that range: at least the items that "
-                           "may run at once on the host")
+    uid_first: int = Field(
+        FIRST_UID,
+        ge=1000,
+        le=2**31 - 2,
+        description="first uid (and gid) of the range the "
+        "items run as: each item gets one of its own that no user or process of the host has "
+        "(docs/rewards.md, Security); keep the range for the sandbox alone",
+    )
+    uid_count: int = Field(
+        UID_COUNT, ge=1, le=2**24, description="uids in that range: at least the items that may run at once on the host"
+    )
 
     @model_validator(mode="after")
     def _uid_range(self) -> "CodeOptions":
-        if self.uid_first + self.uid_count > 2 ** 31 - 1:
+        if self.uid_first + self.uid_count > 2**31 - 1:
             raise ValueError(f"uid_first + uid_count must stay below 2^31 - 1 ({self.uid_first} + {self.uid_count})")
         return self
 
@@ -86,9 +108,14 @@ class CodeExec(RewardPlugin):
     def __init__(self, options=None, observer=None):
         super().__init__(options, observer)
         o = self.options
-        self.limits = sandbox.Limits(wall_s=o.timeout_s, cpu_s=max(1, int(o.timeout_s + 0.999)),
-                                     memory_mb=o.memory_mb, disk_mb=o.disk_mb, max_procs=o.max_processes,
-                                     max_output=2 ** 20)
+        self.limits = sandbox.Limits(
+            wall_s=o.timeout_s,
+            cpu_s=max(1, int(o.timeout_s + 0.999)),
+            memory_mb=o.memory_mb,
+            disk_mb=o.disk_mb,
+            max_procs=o.max_processes,
+            max_output=2**20,
+        )
         self.sem: asyncio.Semaphore | None = None
         self.cgroups: Cgroups | None = None
         self.uids = UidPool(o.uid_first, o.uid_count)
@@ -99,8 +126,10 @@ class CodeExec(RewardPlugin):
                 self.cgroups = Cgroups(self.options.cgroup_parent)
                 self.cgroups.check()
             except (CgroupError, OSError) as e:
-                raise sandbox.SandboxError(f"{e}; code_exec needs a cgroup per item (see docs/deploy.md), or "
-                                           "isolation = \"rlimits\" to accept per-process limits only") from e
+                raise sandbox.SandboxError(
+                    f"{e}; code_exec needs a cgroup per item (see docs/deploy.md), or "
+                    'isolation = "rlimits" to accept per-process limits only'
+                ) from e
         if self.options.check_sandbox:
             await sandbox.probe(self.cgroups, self.uids)
 
@@ -132,13 +161,25 @@ class CodeExec(RewardPlugin):
         probes = json.dumps([t.steps for t in parsed])
         async with self.sem:
             try:
-                o = await sandbox.run({"solution.py": code, "probes.json": probes, "_runner.py": grader.RUNNER},
-                                      ["_runner.py"], b"", self.limits, self.cgroups, self.uids)
+                o = await sandbox.run(
+                    {"solution.py": code, "probes.json": probes, "_runner.py": grader.RUNNER},
+                    ["_runner.py"],
+                    b"",
+                    self.limits,
+                    self.cgroups,
+                    self.uids,
+                )
             except sandbox.SandboxError as e:
                 return Result.failed(f"sandbox_error: {e}"[:300])
         v = grader.grade(parsed, o.stdout)
-        details = {"passed": float(v.passed), "total": float(v.total), "timeout": float(o.timed_out),
-                   "completed": float(v.finished), "seconds": round(o.seconds, 3), "oom_kills": float(o.oom_kills)}
+        details = {
+            "passed": float(v.passed),
+            "total": float(v.total),
+            "timeout": float(o.timed_out),
+            "completed": float(v.finished),
+            "seconds": round(o.seconds, 3),
+            "oom_kills": float(o.oom_kills),
+        }
         if o.memory_peak_mb is not None:
             details["memory_peak_mb"] = o.memory_peak_mb
         return Result(v.passed / v.total, details=details)

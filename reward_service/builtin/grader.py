@@ -42,10 +42,18 @@ from pathlib import Path
 
 RUNNER = Path(__file__).with_name("_code_runner.py").read_text()
 
-OPS = {ast.Eq: ("==", operator.eq), ast.NotEq: ("!=", operator.ne), ast.Lt: ("<", operator.lt),
-       ast.LtE: ("<=", operator.le), ast.Gt: (">", operator.gt), ast.GtE: (">=", operator.ge),
-       ast.In: ("in", lambda a, b: a in b), ast.NotIn: ("not in", lambda a, b: a not in b),
-       ast.Is: ("is", operator.is_), ast.IsNot: ("is not", operator.is_not)}
+OPS = {
+    ast.Eq: ("==", operator.eq),
+    ast.NotEq: ("!=", operator.ne),
+    ast.Lt: ("<", operator.lt),
+    ast.LtE: ("<=", operator.le),
+    ast.Gt: (">", operator.gt),
+    ast.GtE: (">=", operator.ge),
+    ast.In: ("in", lambda a, b: a in b),
+    ast.NotIn: ("not in", lambda a, b: a not in b),
+    ast.Is: ("is", operator.is_),
+    ast.IsNot: ("is not", operator.is_not),
+}
 BY_NAME = {name: fn for name, fn in OPS.values()}
 FLIPPED = {ast.Eq: ast.Eq, ast.NotEq: ast.NotEq, ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE}
 MAX_DEPTH = 64
@@ -57,8 +65,8 @@ class BadTest(ValueError):
 
 @dataclass(frozen=True)
 class Check:
-    op: str            # one of OPS' names, or "truthy" / "falsy"
-    expected: object   # a literal (never sent to the sandbox)
+    op: str  # one of OPS' names, or "truthy" / "falsy"
+    expected: object  # a literal (never sent to the sandbox)
 
     def passes(self, value: object) -> bool:
         if self.op == "truthy":
@@ -73,7 +81,7 @@ class Check:
 
 @dataclass
 class Test:
-    steps: list[dict] = field(default_factory=list)   # what the child runs: {"exec": src} or {"eval": src, "bool": b}
+    steps: list[dict] = field(default_factory=list)  # what the child runs: {"exec": src} or {"eval": src, "bool": b}
     checks: list[Check] = field(default_factory=list)  # one per eval step, in order
 
 
@@ -147,7 +155,7 @@ def decode(v: object, depth: int = 0) -> object:
         return [decode(x, depth + 1) for x in v]
     if not isinstance(v, dict) or len(v) != 1:
         raise Unsupported("malformed value")
-    (tag, body), = v.items()
+    ((tag, body),) = v.items()
     try:
         if tag == "tuple":
             return tuple(decode(x, depth + 1) for x in body)
@@ -172,7 +180,7 @@ def decode(v: object, depth: int = 0) -> object:
 class Verdict:
     passed: int
     total: int
-    finished: bool     # the child said it reached the end (information only: it cannot make a test pass)
+    finished: bool  # the child said it reached the end (information only: it cannot make a test pass)
     errors: list[str]  # why tests failed, for details/logs
 
 

@@ -23,20 +23,24 @@ from reward_service.plugins import Item, Result, RewardPlugin, register
 DEFAULT_PROMPT = (
     "Grade the response to the question against the reference answer.\n\n"
     "Question:\n{prompt}\n\nReference answer:\n{reference}\n\nResponse:\n{completion}\n\n"
-    "Reply with one line: `Score: N` where N is an integer from 0 (wrong) to 10 (fully correct).")
+    "Reply with one line: `Score: N` where N is an integer from 0 (wrong) to 10 (fully correct)."
+)
 
 
 class JudgeOptions(HttpOptions):
     """An LLM judge."""
 
-    base_url: str = Field(description="OpenAI-compatible API base, e.g. http://127.0.0.1:8000/v1",
-                          pattern=r"^https?://")
+    base_url: str = Field(
+        description="OpenAI-compatible API base, e.g. http://127.0.0.1:8000/v1", pattern=r"^https?://"
+    )
     model: str = Field(description="model name sent in the request")
     system: str = Field("You are a strict, fair grader.", description="system message")
-    prompt_template: str = Field(DEFAULT_PROMPT, description="user message; {prompt}, {completion}, {reference} "
-                                 "are filled in")
-    score_regex: str = Field(r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", description="finds the score in the reply "
-                             "(first group)")
+    prompt_template: str = Field(
+        DEFAULT_PROMPT, description="user message; {prompt}, {completion}, {reference} are filled in"
+    )
+    score_regex: str = Field(
+        r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)", description="finds the score in the reply (first group)"
+    )
     max_score: float = Field(10.0, gt=0, description="the judge's scale; the reward is value / max_score")
     temperature: float = Field(0.0, ge=0, le=2, description="judge sampling temperature")
     max_tokens: int = Field(64, ge=1, le=32768, description="longest judge reply")
@@ -72,10 +76,20 @@ class Judge(RewardPlugin):
 
     async def _one(self, it: Item) -> Result:
         o = self.options
-        body = {"model": o.model, "temperature": o.temperature, "max_tokens": o.max_tokens,
-                "messages": [{"role": "system", "content": o.system},
-                             {"role": "user", "content": o.prompt_template.format(
-                                 prompt=it.prompt, completion=it.completion, reference=it.reference)}]}
+        body = {
+            "model": o.model,
+            "temperature": o.temperature,
+            "max_tokens": o.max_tokens,
+            "messages": [
+                {"role": "system", "content": o.system},
+                {
+                    "role": "user",
+                    "content": o.prompt_template.format(
+                        prompt=it.prompt, completion=it.completion, reference=it.reference
+                    ),
+                },
+            ],
+        }
         try:
             reply = await self.http.post_json(body)
         except CallFailed as e:

@@ -28,8 +28,13 @@ class MathOptions(StrictModel):
     """math-verify answer equivalence."""
 
     workers: int = Field(1, ge=1, le=64, description="worker processes")
-    timeout_s: int = Field(5, ge=1, le=600, description="math-verify's own limit for parsing and for comparing "
-                           "one item (each); the worker is killed at 2 × timeout_s + 5 s")
+    timeout_s: int = Field(
+        5,
+        ge=1,
+        le=600,
+        description="math-verify's own limit for parsing and for comparing "
+        "one item (each); the worker is killed at 2 × timeout_s + 5 s",
+    )
     float_rounding: int = Field(6, ge=0, le=20, description="decimal places compared for floats")
 
 
@@ -90,8 +95,10 @@ class MathVerify(RewardPlugin):
         o = self.options
         loop = asyncio.get_running_loop()
         pool = self._pool()
-        futs = [loop.run_in_executor(pool, verify_one, it.completion, it.reference, o.timeout_s, o.float_rounding)
-                for it in items]
+        futs = [
+            loop.run_in_executor(pool, verify_one, it.completion, it.reference, o.timeout_s, o.float_rounding)
+            for it in items
+        ]
         # every item may take up to 2 * timeout_s; the pool works through them `workers` at a time
         budget = (2 * o.timeout_s + 5) * (len(items) / o.workers + 1)
         done, pending = await asyncio.wait(futs, timeout=budget)

@@ -104,8 +104,10 @@ class UidPool:
                 if _unassigned(uid):
                     return UidLease(uid, fd)
                 os.close(fd)
-        raise NoFreeUid(f"no free uid in {self.first}..{self.first + self.count - 1} (all leased or used by "
-                        f"processes of the host); raise uid_count or choose another uid_first")
+        raise NoFreeUid(
+            f"no free uid in {self.first}..{self.first + self.count - 1} (all leased or used by "
+            f"processes of the host); raise uid_count or choose another uid_first"
+        )
 
 
 DEFAULT_POOL = UidPool()

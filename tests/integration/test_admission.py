@@ -20,13 +20,26 @@ from tests.support.services import generator_cfg, start_broker_and_reward, start
 def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, redis_url, tmp_path):
     run, batch, eta = "adm", 4, 1
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)
-    learner_cfg = {"run_id": run, "redis_url": redis_url, "run_dir": str(tmp_path / "learner"),
-                   "weight_store": str(tmp_path / "weights"), "steps": 1000, "batch_groups": batch,
-                   "admission_eta": eta, "checkpoint_every": 2, "keep_versions": 20}
+    learner_cfg = {
+        "run_id": run,
+        "redis_url": redis_url,
+        "run_dir": str(tmp_path / "learner"),
+        "weight_store": str(tmp_path / "weights"),
+        "steps": 1000,
+        "batch_groups": batch,
+        "admission_eta": eta,
+        "checkpoint_every": 2,
+        "keep_versions": 20,
+    }
     learner = start_service(procs, "learner", "learner", learner_cfg, tmp_path)
     for i in range(2):
-        start_service(procs, f"gen-{i}", "generator",
-                      generator_cfg(svc, redis_url, run, f"gen-{i}", prompts_per_batch=2, claim_idle_s=5), tmp_path)
+        start_service(
+            procs,
+            f"gen-{i}",
+            "generator",
+            generator_cfg(svc, redis_url, run, f"gen-{i}", prompts_per_batch=2, claim_idle_s=5),
+            tmp_path,
+        )
     r, keys = redis.Redis.from_url(redis_url), Keys(run)
 
     def step() -> int:
@@ -40,9 +53,16 @@ def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, r
     learner.proc.wait(60)
 
     # learner stopped: both generators pause on staleness; what was issued respects the bound
-    hbs = wait_until(lambda: (g := read_heartbeats(r, keys)) and len(g) == 2
-                     and all(h.state == "paused_staleness" for h in g.values()) and g, 120,
-                     "both generators paused on staleness")
+    hbs = wait_until(
+        lambda: (
+            (g := read_heartbeats(r, keys))
+            and len(g) == 2
+            and all(h.state == "paused_staleness" for h in g.values())
+            and g
+        ),
+        120,
+        "both generators paused on staleness",
+    )
     issued = int(r.get(keys.issued))
     assert issued <= consumed() + (eta + 1) * batch, (issued, consumed())
     appended = r.scard(keys.seen)
@@ -57,7 +77,7 @@ def test_generators_pause_while_the_learner_is_stopped_and_resume_after(procs, r
     wait_until(lambda: step() >= stopped_at + 4, 240, "the restarted learner's progress")
     assert r.scard(keys.seen) > appended and int(r.get(keys.issued)) > issued
     assert int(r.get(keys.issued)) <= consumed() + (eta + 1) * batch + batch  # the bound still holds (one step of slack
-                                                                               # for reads in flight)
+    # for reads in flight)
 
 
 def test_admission_and_claim_are_one_step_so_issued_counts_exactly_the_prompts_read(redis_url):

@@ -41,17 +41,55 @@ def test_the_documented_package_installs_and_relay_up_trains_with_it(tmp_path):
     assert pip == ".venv/bin/pip install ./my_envs" and up.startswith(".venv/bin/relay up ")
 
     site = tmp_path / "site"
-    res = subprocess.run([sys.executable, "-m", "pip", "install", *pip.split()[2:], "--no-deps", "--no-build-isolation",
-                          "--target", str(site), "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            *pip.split()[2:],
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     (dist,) = site.glob("my_envs-*.dist-info")
-    assert 'guess = my_envs.guess:Guess' in (dist / "entry_points.txt").read_text()
+    assert "guess = my_envs.guess:Guess" in (dist / "entry_points.txt").read_text()
 
     env = {**child_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
-    res = subprocess.run([sys.executable, "-m", "deploy.cli", *up.split()[1:], "--steps", "2", "--generators", "1",
-                          "--runs-dir", str(tmp_path / "runs"), "--run-id", "guess", "--dashboard-port", "0",
-                          "--no-progress", "--set", "broker.eval.every_versions=0"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            *up.split()[1:],
+            "--steps",
+            "2",
+            "--generators",
+            "1",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--run-id",
+            "guess",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+            "--set",
+            "broker.eval.every_versions=0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "runs" / "guess"
     s = json.loads((run / "summary.json").read_text())

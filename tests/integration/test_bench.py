@@ -8,10 +8,23 @@ import pytest
 
 from tests.support.services import relay
 
-NAMES = {"codec", "ingest", "weight_sync/store", "weight_sync/learner_blocked", "weight_sync/http",
-         "weight_sync/collective", "weight_sync/lora", "overlap", "async_speedup/eta1", "generator/torch", "generator/vllm",
-         "learner", "learner_memory", "learner_memory/step_time",
-         *(f"ingest_scaling/{p}p/{w}w" for p in (1, 4) for w in (1, 2))}  # --quick: 1 and 4 producers
+NAMES = {
+    "codec",
+    "ingest",
+    "weight_sync/store",
+    "weight_sync/learner_blocked",
+    "weight_sync/http",
+    "weight_sync/collective",
+    "weight_sync/lora",
+    "overlap",
+    "async_speedup/eta1",
+    "generator/torch",
+    "generator/vllm",
+    "learner",
+    "learner_memory",
+    "learner_memory/step_time",
+    *(f"ingest_scaling/{p}p/{w}w" for p in (1, 4) for w in (1, 2)),
+}  # --quick: 1 and 4 producers
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
@@ -31,8 +44,9 @@ def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
         assert "error" not in r, (name, r.get("error"))
         if r.get("skipped"):
             # vLLM missing, or a weight transport not built yet (issue 18)
-            assert name.endswith(("/vllm", "/http", "/collective")) and isinstance(r["skipped"], str) \
-                and r["skipped"], name
+            assert (
+                name.endswith(("/vllm", "/http", "/collective")) and isinstance(r["skipped"], str) and r["skipped"]
+            ), name
             continue
         assert r["value"] > 0 and r["baseline"] > 0 and r["unit"], name
         assert math.isclose(r["ratio"], r["value"] / r["baseline"]), name

@@ -26,8 +26,17 @@ def result(tmp_path_factory):
     from benchmarks.peer import QUICK, compare_all
 
     work = tmp_path_factory.mktemp("peer")
-    res = compare_all(steps=2, seeds=(0,), systems=("relay-torch", "trl"), precisions=("fp32",), eval_every=2,
-                      settings=QUICK, work=work, png=work / "peer.png", held_out=4)
+    res = compare_all(
+        steps=2,
+        seeds=(0,),
+        systems=("relay-torch", "trl"),
+        precisions=("fp32",),
+        eval_every=2,
+        settings=QUICK,
+        work=work,
+        png=work / "peer.png",
+        held_out=4,
+    )
     return work, res
 
 
@@ -48,8 +57,11 @@ def test_both_systems_train_the_same_steps_and_are_scored_by_one_evaluator(resul
     assert set(runs["trl"]["summary"]["breakdown"]) == {"gen_s", "prepare_s", "train_s"}
     assert runs["trl"]["summary"]["breakdown"]["gen_s"] > 0 and runs["trl"]["summary"]["breakdown"]["train_s"] > 0
     names = {r["name"] for r in res["rows"]}
-    assert {"peer/relay-torch/fp32/wall_to_2_steps", "peer/relay-torch/fp32/pass_at_1_step_2",
-            "peer/relay-torch/fp32/wall_to_pass_0.9"} <= names
+    assert {
+        "peer/relay-torch/fp32/wall_to_2_steps",
+        "peer/relay-torch/fp32/pass_at_1_step_2",
+        "peer/relay-torch/fp32/wall_to_pass_0.9",
+    } <= names
     assert (work / "peer.png").stat().st_size > 0
 
 

@@ -18,6 +18,7 @@ from tests.support.services import metric_value, start_broker
 
 def _strict(text: str):
     """JSON as a browser parses it: NaN and Infinity are errors."""
+
     def refuse(constant):
         raise ValueError(f"bare {constant}: not JSON")
 
@@ -31,8 +32,12 @@ def test_malformed_records_are_skipped_and_counted_and_state_and_metrics_keep_wo
     r.hset(keys.eval_rounds, "7", '{"version": "seven", "prompts": 2}')  # a wrong type
     good = EvalResult(version=0, generator="gen-0", greedy=EvalCompletion(reward=1.0, length=3))
     queues.add_eval_result(r, keys, 0, 0, encode_eval_result(good))
-    for data in (b"\xff\xfe garbage", '{"version": 0, "greedy": {"reward": "high"}}', '{"greedy": [1, 2]}',
-                 '{"version": 0, "greedy": {"reward": 1e999, "length": 3}}'):  # 1e999: Infinity once parsed
+    for data in (
+        b"\xff\xfe garbage",
+        '{"version": 0, "greedy": {"reward": "high"}}',
+        '{"greedy": [1, 2]}',
+        '{"version": 0, "greedy": {"reward": 1e999, "length": 3}}',
+    ):  # 1e999: Infinity once parsed
         queues.add_eval_result(r, keys, 0, 1, data)
     r.xadd(keys.eval_results, {"round": "zero", "data": encode_eval_result(good)})  # a field of the wrong type
     r.hset(keys.generators, "gen-junk", b"\x00\x01 not json")

@@ -20,8 +20,15 @@ def test_only_the_newest_versions_are_kept_and_a_group_of_a_forgotten_one_is_ref
     for v in range(10):
         announce(r, keys, Announcement(version=v, hash=MAKE_GROUP_HASH, path=f"/weights/v{v}"), key, versions_kept=3)
     assert sorted(int(v) for v in r.hkeys(keys.versions)) == [7, 8, 9]
-    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
-                            announce_public_key_file=str(announce_public_key_file(tmp_path))))
+    b = Broker(
+        BrokerConfig(
+            run_id="r",
+            redis_url=redis_url,
+            http_port=0,
+            ingest_auth="insecure",
+            announce_public_key_file=str(announce_public_key_file(tmp_path)),
+        )
+    )
     ack = b.ingest.handle(encode_group(make_group(group_id="old")))  # weight_version 3: no longer kept
     assert ack.status == "rejected" and ack.reason == "weight_hash"
     assert "versions_kept" in r.xrange(keys.dead_letter)[-1][1][b"detail"].decode()
@@ -33,8 +40,16 @@ def test_only_the_newest_versions_are_kept_and_a_group_of_a_forgotten_one_is_ref
 
 def test_the_broker_trims_the_events_stream_to_events_kept(redis_url, tmp_path):
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
-    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure", events_kept=100,
-                            announce_public_key_file=str(announce_public_key_file(tmp_path))))
+    b = Broker(
+        BrokerConfig(
+            run_id="r",
+            redis_url=redis_url,
+            http_port=0,
+            ingest_auth="insecure",
+            events_kept=100,
+            announce_public_key_file=str(announce_public_key_file(tmp_path)),
+        )
+    )
     for i in range(1000):
         emit_event(r, keys, "applied", generator="g", version=i)
     b._trim_events()

@@ -48,8 +48,10 @@ def _schedule(rng: random.Random) -> list[tuple[int, str, str, float, str]]:
     actions = [(s, "SIGKILL") for s in TARGETS for _ in range(KILLS_EACH)] + [(s, "SIGSTOP") for s in FREEZES]
     rng.shuffle(actions)
     steps = sorted(rng.sample(range(int(STEPS * 0.08), int(STEPS * 0.75)), len(actions)))
-    return [(st, svc, f"gen-{rng.randrange(GENERATORS)}" if svc == "generator" else svc, round(rng.uniform(0, 2.0), 2),
-             sig) for st, (svc, sig) in zip(steps, actions)]
+    return [
+        (st, svc, f"gen-{rng.randrange(GENERATORS)}" if svc == "generator" else svc, round(rng.uniform(0, 2.0), 2), sig)
+        for st, (svc, sig) in zip(steps, actions)
+    ]
 
 
 def _cmdline(pid: int) -> str:
@@ -132,8 +134,16 @@ class Killer(threading.Thread):
                     pid = self._victim(name, step)
                     if pid is not None:  # else it is being restarted: kill the next incarnation
                         os.kill(pid, getattr(signal, sig))
-                        self.done.append({"service": service, "name": name, "pid": pid, "step": step,
-                                          "t": round(now - t0, 1), "signal": sig})
+                        self.done.append(
+                            {
+                                "service": service,
+                                "name": name,
+                                "pid": pid,
+                                "step": step,
+                                "t": round(now - t0, 1),
+                                "signal": sig,
+                            }
+                        )
                         pending.pop(0)
                         # let the system notice before the next (a frozen one is taken for hung after HANG_AFTER)
                         kill_at, quiet_until = None, now + (3.0 if sig == "SIGKILL" else HANG_AFTER + 5.0)
@@ -148,14 +158,34 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
     rng = random.Random(seed)
     schedule = _schedule(rng)
     run = tmp_path / "chaos"
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", "chaos",
-           "--steps", str(STEPS), "--generators", str(GENERATORS), "--dashboard-port", "0", "--no-progress",
-           "--max-restarts", "5", "--hang-after", str(HANG_AFTER),
-           "--set", "learner.checkpoint_every=10", "--set", "generator.claim_idle_s=10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        "chaos",
+        "--steps",
+        str(STEPS),
+        "--generators",
+        str(GENERATORS),
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--max-restarts",
+        "5",
+        "--hang-after",
+        str(HANG_AFTER),
+        "--set",
+        "learner.checkpoint_every=10",
+        "--set",
+        "generator.claim_idle_s=10",
+    ]
     killer = Killer(run, schedule)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killer.start()
     try:
         out, _ = proc.communicate(timeout=840)
@@ -172,9 +202,11 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
     killer.join(10)
     wall = time.monotonic() - t0
     supervision = "\n".join(ln for ln in out.splitlines() if ln.startswith("relay up:") and "summary" not in ln)
-    report = (f"seed {seed}; schedule (step, service, process, jitter s): {schedule}\nkills: {killer.done}\n"
-              f"wall {wall:.0f}s\n--- relay up's own lines ---\n{supervision}\n"
-              f"--- relay up output (tail) ---\n{out[-4000:]}")
+    report = (
+        f"seed {seed}; schedule (step, service, process, jitter s): {schedule}\nkills: {killer.done}\n"
+        f"wall {wall:.0f}s\n--- relay up's own lines ---\n{supervision}\n"
+        f"--- relay up output (tail) ---\n{out[-4000:]}"
+    )
     print(report)
     assert killer.error is None, f"the killer failed: {killer.error}\n{report}"
     assert proc.returncode == 0, report
@@ -185,8 +217,24 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
 
     s = json.loads((run / "summary.json").read_text())
     a = s["audit"]
-    print("summary:", json.dumps({k: s[k] for k in ("steps", "versions_published", "reward_first", "reward_last",
-                                                      "wall_seconds", "audit", "restarts", "hangs")}))
+    print(
+        "summary:",
+        json.dumps(
+            {
+                k: s[k]
+                for k in (
+                    "steps",
+                    "versions_published",
+                    "reward_first",
+                    "reward_last",
+                    "wall_seconds",
+                    "audit",
+                    "restarts",
+                    "hangs",
+                )
+            }
+        ),
+    )
     assert a["lost"] == 0 and a["trained_twice"] == 0, (a, report)
     assert a["trained_once"] == STEPS * 32, (a, report)  # 32 groups a step, each counted once
     assert a["produced"] == a["trained_once"] + a["dropped"] + a["queued"], (a, report)
@@ -203,8 +251,9 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
         assert s["hangs"].get(k["name"], 0) >= 1, (s["hangs"], report)
 
     # versions: strictly increasing across every learner restart, as announced and as trained
-    assert killer.published and all(b > a_ for a_, b in zip(killer.published, killer.published[1:])), \
+    assert killer.published and all(b > a_ for a_, b in zip(killer.published, killer.published[1:])), (
         f"published versions not strictly increasing: {killer.published}"
+    )
     assert killer.published[-1] == s["versions_published"]
     metrics = [json.loads(ln) for ln in (run / "learner" / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), report  # rolled-back steps not reported twice

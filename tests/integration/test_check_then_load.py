@@ -41,8 +41,9 @@ def _swap_after_check(monkeypatch, swapped: list):
 
 
 def _engine_digest(backend) -> str:
-    return state_digest({k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight"
-                         and ".lora_" not in k})
+    return state_digest(
+        {k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight" and ".lora_" not in k}
+    )
 
 
 def test_a_restarted_generators_first_load_is_the_bytes_its_check_hashed(redis_url, tmp_path, monkeypatch):

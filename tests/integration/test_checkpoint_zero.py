@@ -15,10 +15,19 @@ ALL = ["0:fp32", "0:bf16", "1:fp32", "1:bf16", "2:fp32", "2:bf16", "3:fp32", "3:
 
 
 def _roundtrip(tmp_path, settings, ranks=1) -> list[dict]:
-    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  "--nproc_per_node", str(ranks)]
-    res = subprocess.run([*launch, "-m", "tests.support.checkpoint_roundtrip", "--out", str(tmp_path), *settings],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_env())
+    launch = (
+        [sys.executable]
+        if ranks == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    )
+    res = subprocess.run(
+        [*launch, "-m", "tests.support.checkpoint_roundtrip", "--out", str(tmp_path), *settings],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=child_env(),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(ranks)]
 
@@ -28,8 +37,11 @@ def _check_resumed_as_if_not_stopped(results: dict, settings, ranks: int, rank: 
         r = results[s]
         assert r["latest"] == "step-000002" and r["state"]["step"] == 2 and r["state"]["version"] == 7, s
         assert r["state"]["uncommitted"] == [["1-0", "g"]], s  # what was trained comes back with the weights
-        parts = [f"rank-{i:05d}.{ext}" for i in range(ranks if not s.startswith("0:") else 1)
-                 for ext in ("json", "safetensors")]
+        parts = [
+            f"rank-{i:05d}.{ext}"
+            for i in range(ranks if not s.startswith("0:") else 1)
+            for ext in ("json", "safetensors")
+        ]
         assert r["files"] == sorted(parts + ["state.json"] + ([] if s.startswith("3:") else ["model.safetensors"])), s
         assert r["optimizer_equal_after_load"], f"{s} rank {rank}: optimizer state (partition) differs after load"
         assert r["loss_resumed"] == r["loss_continued"], s
@@ -43,8 +55,10 @@ def _check_resumed_as_if_not_stopped(results: dict, settings, ranks: int, rank: 
 def test_checkpoint_roundtrip_every_zero_stage_bf16_and_fp32(tmp_path):
     [results] = _roundtrip(tmp_path, ALL)
     _check_resumed_as_if_not_stopped(results, ALL, ranks=1, rank=0)
-    assert "was written with {'ranks': 1, 'zero_stage': 3, 'bf16': True}, this learner runs {'ranks': 1, " \
-           "'zero_stage': 1, 'bf16': True}" in results["mismatch_error"]
+    assert (
+        "was written with {'ranks': 1, 'zero_stage': 3, 'bf16': True}, this learner runs {'ranks': 1, "
+        "'zero_stage': 1, 'bf16': True}" in results["mismatch_error"]
+    )
 
 
 @pytest.mark.slow

@@ -33,8 +33,7 @@ def test_unknown_task(tmp_path):
 
 
 def test_missing_model_folder(tmp_path):
-    _assert_clear_error(relay("up", "--model", str(tmp_path / "nope"), "--runs-dir", str(tmp_path)),
-                        "does not exist")
+    _assert_clear_error(relay("up", "--model", str(tmp_path / "nope"), "--runs-dir", str(tmp_path)), "does not exist")
 
 
 def test_model_folder_without_config(tmp_path):
@@ -47,8 +46,9 @@ def test_port_in_use(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        _assert_clear_error(relay("up", "--dashboard-port", str(port), "--runs-dir", str(tmp_path)),
-                            f"port {port} is in use")
+        _assert_clear_error(
+            relay("up", "--dashboard-port", str(port), "--runs-dir", str(tmp_path)), f"port {port} is in use"
+        )
 
 
 def test_redis_not_installed(tmp_path):
@@ -101,8 +101,9 @@ def test_a_service_reads_its_section_of_a_run_file(procs, tmp_path):
     port = free_port()
     run = tmp_path / "run.toml"
     run.write_text(f'[reward]\nport = {port}\nmax_batch = 7\n\n[learner]\nsteps = 3\n\n[weights]\ndtype = "float32"\n')
-    child = procs.start("reward", [sys.executable, "-m", "deploy.cli", "reward", "--config", str(run)],
-                        env=child_env(), cwd=str(ROOT))
+    child = procs.start(
+        "reward", [sys.executable, "-m", "deploy.cli", "reward", "--config", str(run)], env=child_env(), cwd=str(ROOT)
+    )
     wait_http(f"http://127.0.0.1:{port}/healthz", child)
     assert httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200
     # a file of the service's own fields still works, and a wrong section is still a clear error

@@ -18,7 +18,6 @@ from reward_service.plugins import REGISTRY, Item
 from tests.support.services import ROOT
 
 
-
 def _no_cgroups() -> str:
     """Why no item cgroup can be made here ('' when one can)."""
     from reward_service.builtin.cgroups import Cgroups, CgroupError
@@ -31,9 +30,13 @@ def _no_cgroups() -> str:
 
 
 NO_CGROUPS = _no_cgroups() if os.geteuid() == 0 else ""
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                 reason="the code sandbox needs root and unshare (util-linux) for its namespaces"),
-              pytest.mark.skipif(bool(NO_CGROUPS), reason=f"the code sandbox needs a cgroup per item: {NO_CGROUPS}")]
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("unshare") is None,
+        reason="the code sandbox needs root and unshare (util-linux) for its namespaces",
+    ),
+    pytest.mark.skipif(bool(NO_CGROUPS), reason=f"the code sandbox needs a cgroup per item: {NO_CGROUPS}"),
+]
 
 
 def score(items, **options):
@@ -50,9 +53,15 @@ def test_solutions_are_scored_by_the_tests_they_pass():
     half = "def add(a, b):\n    return a + b if a else 0"
     early_exit = "import os\nos._exit(0)"
     tests = ["assert add(1, 2) == 3", "assert add(0, 5) == 5"]
-    out = score([Item("", good, metadata={"tests": tests}), Item("", half, metadata={"tests": tests}),
-                 Item("", good, reference="assert add(2, 2) == 4"), Item("", early_exit, metadata={"tests": tests}),
-                 Item("", good)])
+    out = score(
+        [
+            Item("", good, metadata={"tests": tests}),
+            Item("", half, metadata={"tests": tests}),
+            Item("", good, reference="assert add(2, 2) == 4"),
+            Item("", early_exit, metadata={"tests": tests}),
+            Item("", good),
+        ]
+    )
     assert [r.score for r in out[:4]] == [1.0, 0.5, 1.0, 0.0]
     assert out[3].details["completed"] == 0.0  # exiting early does not pass
     assert out[4].status == "failed" and out[4].reason.startswith("no_tests")
@@ -84,12 +93,15 @@ def test_a_network_connection_is_refused():
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
         # control: outside the sandbox the same code reaches the listener
-        outside = subprocess.run([sys.executable, "-c", PROBE + f"\nprint(probe({port}))"], capture_output=True,
-                                 text=True, timeout=30)
+        outside = subprocess.run(
+            [sys.executable, "-c", PROBE + f"\nprint(probe({port}))"], capture_output=True, text=True, timeout=30
+        )
         assert outside.stdout.strip() == "connected"
         listener.accept()[0].close()
-        tests = [f"assert probe({port}).startswith('blocked'), probe({port})",
-                 "assert probe(53, '1.1.1.1').startswith('blocked')"]
+        tests = [
+            f"assert probe({port}).startswith('blocked'), probe({port})",
+            "assert probe(53, '1.1.1.1').startswith('blocked')",
+        ]
         (r,) = score([Item("", PROBE, metadata={"tests": tests})])
         assert r.score == 1.0 and r.details["passed"] == 2.0, r  # the host's listener and the outside world
         with pytest.raises(socket.timeout):
@@ -103,7 +115,9 @@ def test_files_outside_the_sandbox_cannot_be_read(tmp_path):
     assert all(open(t).read() for t in targets[:3])  # control: they exist and are readable here
     code = "def read(p):\n    try:\n        return open(p).read()\n    except OSError as e:\n        return 'denied: ' + type(e).__name__"
     tests = [f"assert read({t!r}).startswith('denied'), read({t!r})[:40]" for t in targets]
-    tests.append("open('/sandbox/mine.txt', 'w').write('x'); assert open('mine.txt').read() == 'x'")  # its own dir works
+    tests.append(
+        "open('/sandbox/mine.txt', 'w').write('x'); assert open('mine.txt').read() == 'x'"
+    )  # its own dir works
     (r,) = score([Item("", code, metadata={"tests": tests})])
     assert r.details["passed"] == r.details["total"] == len(tests), r
 
@@ -120,7 +134,7 @@ def test_the_probe_fails_clearly_when_namespaces_are_unavailable(monkeypatch):
 SECRET_TESTS = ["assert solve(3) == 918273645", "assert solve(4) == 'zebra-4471'"]
 HONEST = "def solve(x):\n    return 918273645 if x == 3 else 'zebra-4471'"
 
-STACK_READER = r'''
+STACK_READER = r"""
 import gc, json, os, sys
 # everything the runner holds: its frames' locals (the nonce, the output stream) and all live objects
 frames, f = [], sys._getframe()
@@ -145,9 +159,9 @@ for i in range(2):  # forge result records on every stream it can find, and on f
 found = [s for s in strings if "918273645" in s or "zebra" in s]  # an expected value anywhere in memory?
 def solve(x):
     return found[0] if found else None
-'''
+"""
 
-PATCHER = r'''
+PATCHER = r"""
 import builtins, json
 class Yes:
     def __eq__(self, other): return True
@@ -161,9 +175,9 @@ builtins.AssertionError = type("AssertionError", (Exception,), {})
 json.dumps = lambda rec, *a, **k: '{"test": %d, "step": 0, "value": true}' % rec.get("test", 0)
 def solve(x):
     return Yes()
-'''
+"""
 
-FILE_READER = r'''
+FILE_READER = r"""
 import os, re
 texts = []
 for d in (".", "/sandbox", "/tmp", "/"):
@@ -180,7 +194,7 @@ for t in texts:  # the old tests.json held the whole asserts
         answers[int(arg)] = eval(want)
 def solve(x):
     return answers.get(x)
-'''
+"""
 
 CUSTOM_EQ = "class Yes:\n    def __eq__(self, other):\n        return True\n\ndef solve(x):\n    return Yes()"
 
@@ -241,8 +255,10 @@ def hog(children, mb):
 
 
 def test_forked_children_share_one_memory_limit():
-    items = [Item("", HOG, metadata={"tests": ["assert hog(6, 100) == 6"]}),   # 600 MiB in all: over
-             Item("", HOG, metadata={"tests": ["assert hog(6, 25) == 6"]})]    # 150 MiB in all: fits
+    items = [
+        Item("", HOG, metadata={"tests": ["assert hog(6, 100) == 6"]}),  # 600 MiB in all: over
+        Item("", HOG, metadata={"tests": ["assert hog(6, 25) == 6"]}),
+    ]  # 150 MiB in all: fits
     over, fits = score(items, memory_mb=256, timeout_s=15, max_concurrency=1)
     assert fits.score == 1.0, fits  # control: forking and holding memory works under the limit
     assert over.score == 0.0, over
@@ -250,7 +266,7 @@ def test_forked_children_share_one_memory_limit():
     assert fits.details["memory_peak_mb"] >= 150, fits
 
 
-BOMB = r'''
+BOMB = r"""
 import os, time
 def bomb():
     n = 0
@@ -265,9 +281,9 @@ def bomb():
         n += 1
     time.sleep(2)  # hold every process while the other item runs
     return n
-'''
+"""
 
-FORKS_ONCE = r'''
+FORKS_ONCE = r"""
 import os, time
 def add(a, b):
     time.sleep(1)  # the bomb beside it holds all it could get by now
@@ -276,12 +292,14 @@ def add(a, b):
         os._exit(0)
     os.waitpid(pid, 0)
     return a + b
-'''
+"""
 
 
 def test_a_fork_bomb_is_capped_per_item_and_does_not_starve_another_item():
-    items = [Item("", BOMB, metadata={"tests": ["assert bomb() < 8"]}),
-             Item("", FORKS_ONCE, metadata={"tests": ["assert add(2, 3) == 5"]})]
+    items = [
+        Item("", BOMB, metadata={"tests": ["assert bomb() < 8"]}),
+        Item("", FORKS_ONCE, metadata={"tests": ["assert add(2, 3) == 5"]}),
+    ]
     bomb, honest = score(items, max_processes=8, max_concurrency=2, timeout_s=10)
     assert bomb.score == 1.0, bomb  # it could make at most 7 processes besides itself...
     # ...and the other item, running beside it as the same user, can still fork (with a per-user

@@ -17,8 +17,10 @@ from reward_service.builtin.sandbox_uids import FIRST_UID, UID_COUNT, UidPool, u
 from reward_service.plugins import REGISTRY, Item
 
 NOBODY = 65534
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                reason="the code sandbox needs root and unshare (util-linux) for its namespaces")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="the code sandbox needs root and unshare (util-linux) for its namespaces",
+)
 
 PTRACE_ATTACH, PTRACE_DETACH = 16, 17
 
@@ -85,14 +87,16 @@ def test_a_process_of_nobody_can_neither_signal_nor_ptrace_a_running_item():
         other = "item_uid_probe_2.py"
         sleeper = "import time\nprint('up', flush=True)\ntime.sleep(30)\n"
         limits = sandbox.Limits(wall_s=25)
-        runs = [asyncio.create_task(sandbox.run({marker: sleeper}, [marker], b"", limits)),
-                asyncio.create_task(sandbox.run({other: sleeper}, [other], b"", limits))]
+        runs = [
+            asyncio.create_task(sandbox.run({marker: sleeper}, [marker], b"", limits)),
+            asyncio.create_task(sandbox.run({other: sleeper}, [other], b"", limits)),
+        ]
         try:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not (_items_running(marker) and _items_running(other)):
                 await asyncio.sleep(0.1)
-            (pid, uid), = _items_running(marker).items()
-            (_, uid2), = _items_running(other).items()
+            ((pid, uid),) = _items_running(marker).items()
+            ((_, uid2),) = _items_running(other).items()
             assert uid != NOBODY and FIRST_UID <= uid < FIRST_UID + UID_COUNT, uid
             assert uid2 != uid  # two items at once: two uids
             with pytest.raises(KeyError):
@@ -113,16 +117,27 @@ def test_a_process_of_nobody_can_neither_signal_nor_ptrace_a_running_item():
 
 
 def test_code_exec_items_are_non_dumpable_and_run_as_the_configured_range(tmp_path):
-    code = ("def me():\n    import os\n    return os.getuid()\n"
-            "def dumpable():\n    import ctypes\n    return ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)\n")  # PR_GET_DUMPABLE
+    code = (
+        "def me():\n    import os\n    return os.getuid()\n"
+        "def dumpable():\n    import ctypes\n    return ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)\n"
+    )  # PR_GET_DUMPABLE
     first = 1_950_000_000
 
     async def go():
-        plug = REGISTRY["code_exec"]({"uid_first": first, "uid_count": 16, "isolation": "rlimits",
-                                      "check_sandbox": False})
-        return await plug.score([Item("", code, metadata={"tests": [f"assert me() >= {first}",
-                                                                    f"assert me() < {first + 16}",
-                                                                    "assert dumpable() == 0"]})])
+        plug = REGISTRY["code_exec"](
+            {"uid_first": first, "uid_count": 16, "isolation": "rlimits", "check_sandbox": False}
+        )
+        return await plug.score(
+            [
+                Item(
+                    "",
+                    code,
+                    metadata={
+                        "tests": [f"assert me() >= {first}", f"assert me() < {first + 16}", "assert dumpable() == 0"]
+                    },
+                )
+            ]
+        )
 
     (r,) = asyncio.run(go())
     assert r.status == "ok" and r.details["passed"] == 3.0, r

@@ -2,7 +2,6 @@
 generators/weight_receive.py): the learner's broadcaster in this process, generators' receivers in
 subprocesses (tests/support/collective_peer.py), real Redis, the learner's rendezvous on a free port."""
 
-
 import pytest
 import torch
 
@@ -25,21 +24,36 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
     # buckets of 64 KiB: the tiny model (~0.5 MiB in fp32) travels in several
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path),
-                    weights_key=weights_key(tmp_path)).start()
+    b = Broadcaster(
+        r,
+        keys,
+        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        announce_key(tmp_path),
+        weights_key=weights_key(tmp_path),
+    ).start()
     try:
         good = _peer(peers, redis_url, tmp_path, model, "g-good", "--until", "2")
-        bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "2", "--until-refused", "1",
-                    "--flip-bucket", "2")
+        bad = _peer(
+            peers, redis_url, tmp_path, model, "g-bad", "--until", "2", "--until-refused", "1", "--flip-bucket", "2"
+        )
         wait_until(lambda: b.member_ids() == ["g-bad", "g-good"], timeout=60, what="both generators joined")
         initial = state_digest(moved_version(model, 0.0))
         v1, v2 = moved_version(model, 0.01), moved_version(model, 0.02)
         assert b.send(1, v1) == state_digest(v1)
         # version 1 applied (and refused) before version 2 is sent: else a loaded machine may deliver both
         # before the generators look, and they apply only the newest
-        wait_until(lambda: {(e.data["generator"], e.kind) for _, e in read_events(r, keys, None, 100)
-                            if e.data.get("version") == 1} >= {("g-good", "applied"), ("g-bad", "refused")},
-                   timeout=60, what="version 1 applied by g-good, refused by g-bad")
+        wait_until(
+            lambda: (
+                {
+                    (e.data["generator"], e.kind)
+                    for _, e in read_events(r, keys, None, 100)
+                    if e.data.get("version") == 1
+                }
+                >= {("g-good", "applied"), ("g-bad", "refused")}
+            ),
+            timeout=60,
+            what="version 1 applied by g-good, refused by g-bad",
+        )
         assert b.send(2, v2) == state_digest(v2)
         ok, flipped = peer_result(good, tmp_path, "g-good"), peer_result(bad, tmp_path, "g-bad")
     finally:
@@ -56,14 +70,24 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
     assert flipped["version"] == 2 and flipped["engine_digest"] == state_digest(v2)
     events = [e for _, e in read_events(r, keys, None, 100)]
     refused = [e.data for e in events if e.kind == "refused"]
-    assert refused == [{"generator": "g-bad", "version": 1, "reason": "digest_mismatch", "via": "collective",
-                        "digest": refused[0]["digest"]}]
+    assert refused == [
+        {
+            "generator": "g-bad",
+            "version": 1,
+            "reason": "digest_mismatch",
+            "via": "collective",
+            "digest": refused[0]["digest"],
+        }
+    ]
     assert refused[0]["digest"] != state_digest(v1)
-    applied = [(e.data["generator"], e.data["version"], e.data["digest"], e.data["via"]) for e in events
-               if e.kind == "applied"]
-    assert sorted(applied) == [("g-bad", 2, state_digest(v2), "collective"),
-                               ("g-good", 1, state_digest(v1), "collective"),
-                               ("g-good", 2, state_digest(v2), "collective")]
+    applied = [
+        (e.data["generator"], e.data["version"], e.data["digest"], e.data["via"]) for e in events if e.kind == "applied"
+    ]
+    assert sorted(applied) == [
+        ("g-bad", 2, state_digest(v2), "collective"),
+        ("g-good", 1, state_digest(v1), "collective"),
+        ("g-good", 2, state_digest(v2), "collective"),
+    ]
     assert initial != state_digest(v1)
 
 
@@ -79,8 +103,13 @@ def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url
 
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path),
-                    weights_key=weights_key(tmp_path)).start()
+    b = Broadcaster(
+        r,
+        keys,
+        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        announce_key(tmp_path),
+        weights_key=weights_key(tmp_path),
+    ).start()
 
     def streamed(version: int, source: dict, missing: str = "") -> tuple[str, list[str]]:
         """Send ``version`` while another thread fills it tensor by tensor (as the learner's snapshot does),
@@ -95,6 +124,7 @@ def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url
                     time.sleep(0.01)
                     seen.append(k)
                     return dict.__getitem__(self, k)
+
             try:
                 fill(buffers, Slow(source), progress)
             except KeyError:
@@ -103,8 +133,9 @@ def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url
         t = threading.Thread(target=copy)
         t.start()
         try:
-            return b.send(version, buffers, check=lambda: (progress.wait(), refuse_nonfinite(buffers, version)),
-                          progress=progress), seen
+            return b.send(
+                version, buffers, check=lambda: (progress.wait(), refuse_nonfinite(buffers, version)), progress=progress
+            ), seen
         finally:
             t.join()
 
@@ -133,11 +164,17 @@ def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_pa
     """Only the corrupted version is sent: the generator must still serve its initial weights, bit for bit."""
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path),
-                    weights_key=weights_key(tmp_path)).start()
+    b = Broadcaster(
+        r,
+        keys,
+        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        announce_key(tmp_path),
+        weights_key=weights_key(tmp_path),
+    ).start()
     try:
-        bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "0", "--until-refused", "1",
-                    "--flip-bucket", "0")
+        bad = _peer(
+            peers, redis_url, tmp_path, model, "g-bad", "--until", "0", "--until-refused", "1", "--flip-bucket", "0"
+        )
         wait_until(lambda: b.member_ids() == ["g-bad"], timeout=60, what="the generator joined")
         b.send(1, moved_version(model, 0.01))
         res = peer_result(bad, tmp_path, "g-bad")
@@ -152,8 +189,13 @@ def test_a_dead_generator_leaves_at_once_and_the_others_still_receive(redis_url,
     drops it before the next broadcast (no wait of timeout_s for it), and frees its id."""
     model = build_tiny_model(tmp_path / "model")
     r, keys = connect_redis(redis_url), Keys("coll")
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=10), announce_key(tmp_path),
-                    weights_key=weights_key(tmp_path)).start()
+    b = Broadcaster(
+        r,
+        keys,
+        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=10),
+        announce_key(tmp_path),
+        weights_key=weights_key(tmp_path),
+    ).start()
     try:
         alive = _peer(peers, redis_url, tmp_path, model, "g-alive", "--until", "2")
         dead = _peer(peers, redis_url, tmp_path, model, "g-dead", "--until", "99")

@@ -75,13 +75,33 @@ class Watcher(threading.Thread):
 @pytest.mark.parametrize("transport", ["collective", "ipc"])
 def test_a_generator_killed_under_an_in_process_transport_restarts_catches_up_and_rejoins(tmp_path, transport):
     run = tmp_path / f"{transport}kill"
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", run.name,
-           "--steps", str(STEPS), "--generators", "2", "--dashboard-port", "0", "--no-progress", "--max-restarts", "3",
-           "--set", f"weights.transport={transport}", "--set", "weights.collective.timeout_s=10",
-           "--set", "generator.claim_idle_s=10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        run.name,
+        "--steps",
+        str(STEPS),
+        "--generators",
+        "2",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--max-restarts",
+        "3",
+        "--set",
+        f"weights.transport={transport}",
+        "--set",
+        "weights.collective.timeout_s=10",
+        "--set",
+        "generator.claim_idle_s=10",
+    ]
     w = Watcher(run)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     w.start()
     try:
         out, _ = proc.communicate(timeout=600)
@@ -102,15 +122,21 @@ def test_a_generator_killed_under_an_in_process_transport_restarts_catches_up_an
     applied = [d for k, d in w.events if k == "applied"]
     by_gen = {g: [d for d in applied if d["generator"] == g] for g in ("gen-0", "gen-1")}
     via = {g: sum(d["via"] == transport for d in ds) for g, ds in by_gen.items()}
-    print(f"versions applied via {transport}:", via, "via the store:",
-          {g: sum(d["via"] == "store" for d in ds) for g, ds in by_gen.items()}, "killed:", w.killed)
+    print(
+        f"versions applied via {transport}:",
+        via,
+        "via the store:",
+        {g: sum(d["via"] == "store" for d in ds) for g, ds in by_gen.items()},
+        "killed:",
+        w.killed,
+    )
     # both applied versions through the transport; the killed one again after its restart
     assert via["gen-0"] >= 3 and via["gen-1"] >= 10, via
     if transport == "collective":
         joins = [d for k, d in w.events if k == "collective_joined" and d["generator"] == "gen-0"]
         assert len(joins) >= 2, joins  # its first session, and the one after the restart
     # the restarted process loads the newest stored version first, then joins (maps the slots) again
-    after = [d for (k, d) in w.events[w.killed["index"]:] if k == "applied" and d["generator"] == "gen-0"]
+    after = [d for (k, d) in w.events[w.killed["index"] :] if k == "applied" and d["generator"] == "gen-0"]
     assert after and after[0]["via"] in ("store", transport)
     assert any(d["via"] == transport for d in after), after  # it rejoined: later versions came by the transport
     # provenance: every applied version has the digest that was announced for it

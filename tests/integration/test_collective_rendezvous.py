@@ -37,8 +37,9 @@ def _store_join(host: str, port: int, generator: str, ticket_count: int = 1) -> 
     ``join/<ticket>`` naming ``generator``, then rank 1 of the group ``member/<ticket>``. Returns what the
     attacker got: "group" (a member: it receives every version), or the error that stopped it."""
     try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=5))
+        store = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+        )
         tickets = [store.add("joins", 1) for _ in range(ticket_count)]
         for t in tickets:
             store.set(f"join/{t}", json.dumps({"generator": generator, "session": "attacker"}))
@@ -58,14 +59,20 @@ def _address(r, keys) -> tuple[str, int]:
 @pytest.fixture
 def learner(redis_url, tmp_path):
     r, keys = connect_redis(redis_url), Keys(RUN)
-    b = Broadcaster(r, keys, CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30), announce_key(tmp_path),
-                    weights_key=weights_key(tmp_path)).start()
+    b = Broadcaster(
+        r,
+        keys,
+        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        announce_key(tmp_path),
+        weights_key=weights_key(tmp_path),
+    ).start()
     yield b, r, keys
     b.close()
 
 
 def test_a_join_without_the_weights_key_gets_nothing_and_does_not_evict_the_generator_of_that_id(
-        learner, redis_url, tmp_path, peers):
+    learner, redis_url, tmp_path, peers
+):
     b, r, keys = learner
     model = build_tiny_model(tmp_path / "model")
     real = start_peer(peers, redis_url, tmp_path, model, "gen-0", RUN, "--until", "1")
@@ -74,8 +81,11 @@ def test_a_join_without_the_weights_key_gets_nothing_and_does_not_evict_the_gene
     # it listens on the configured host only (the TCPStore it replaced listened on every interface)
     import psutil
 
-    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    listening = {
+        c.laddr.ip
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
     assert listening == {"127.0.0.1"}, listening
     # the attack that worked before: join as gen-0 through the rendezvous store
     got = _store_join(host, port, "gen-0")
@@ -100,8 +110,9 @@ def test_a_join_without_the_weights_key_gets_nothing_and_does_not_evict_the_gene
     assert b.rendezvous.counts["refused_unauthenticated"] >= 3
 
 
-def test_a_thousand_joins_without_the_key_cost_the_learner_no_thread_and_no_broadcast_time(learner, redis_url,
-                                                                                           tmp_path, peers):
+def test_a_thousand_joins_without_the_key_cost_the_learner_no_thread_and_no_broadcast_time(
+    learner, redis_url, tmp_path, peers
+):
     b, r, keys = learner
     model = build_tiny_model(tmp_path / "model")
     real = start_peer(peers, redis_url, tmp_path, model, "gen-0", RUN, "--until", "1")
@@ -148,8 +159,7 @@ def test_a_thousand_joins_without_the_key_cost_the_learner_no_thread_and_no_broa
     assert b.rendezvous.counts["refused_unauthenticated"] + b.rendezvous.counts["refused_busy"] > 100
 
 
-def test_with_the_key_a_duplicate_id_is_refused_and_a_restarted_generator_rejoins(learner, redis_url, tmp_path,
-                                                                                  peers):
+def test_with_the_key_a_duplicate_id_is_refused_and_a_restarted_generator_rejoins(learner, redis_url, tmp_path, peers):
     """A generator's stolen files hold the weights key: they may receive versions (documented), but joining
     under a live generator's id does not evict it; once that generator's process is gone, its id is free."""
     from generators.weight_receive import Receiver

@@ -32,8 +32,14 @@ class Console:
     """`relay up` as a child whose output lines are read as they come, each with the time it arrived."""
 
     def __init__(self, args: list[str], env: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", *args], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "up", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -61,8 +67,20 @@ class Console:
 def test_a_raising_reward_plugin_is_named_on_the_console_within_30s_and_in_the_report(tmp_path):
     env = {**child_env(), "PYTHONPATH": os.pathsep.join([install(tmp_path / "plugins"), str(ROOT)])}
     runs = tmp_path / "runs"
-    up = Console([*COMMON, "--runs-dir", str(runs), "--run-id", "boom", "--fail-after", "30",
-                  "--set", "reward.task_plugins.copy=raises"], env)
+    up = Console(
+        [
+            *COMMON,
+            "--runs-dir",
+            str(runs),
+            "--run-id",
+            "boom",
+            "--fail-after",
+            "30",
+            "--set",
+            "reward.task_plugins.copy=raises",
+        ],
+        env,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (runs / "latest").exists():  # the learner published its first version: generation starts
@@ -92,22 +110,39 @@ def test_a_raising_reward_plugin_is_named_on_the_console_within_30s_and_in_the_r
     assert rf["groups_dropped"] == summary["groups_dropped"]["reward_failed"] > 0  # counted though no step ran
     assert summary["warnings"] and "reward plugin 'raises'" in summary["warnings"][0]
     # the final report says it too, not "0 dropped stale" alone
-    assert re.search(rf"  rewards      {rf['samples']} of {rf['samples']} samples failed: raises {rf['samples']} "
-                     rf"\(plugin_error: ValueError: {MESSAGE}\)", out), out
+    assert re.search(
+        rf"  rewards      {rf['samples']} of {rf['samples']} samples failed: raises {rf['samples']} "
+        rf"\(plugin_error: ValueError: {MESSAGE}\)",
+        out,
+    ), out
     assert re.search(r"  groups       0 trained, 0 dropped stale, \d+ dropped \(every reward failed\)", out), out
 
 
 def test_a_wrong_reward_token_stops_the_run_with_the_setting_to_fix(tmp_path):
     runs = tmp_path / "runs"
-    up = Console([*COMMON, "--runs-dir", str(runs), "--run-id", "token", "--set", "reward.auth_token=the-right-one",
-                  "--set", "generator.reward_token=a-wrong-one"], child_env())
+    up = Console(
+        [
+            *COMMON,
+            "--runs-dir",
+            str(runs),
+            "--run-id",
+            "token",
+            "--set",
+            "reward.auth_token=the-right-one",
+            "--set",
+            "generator.reward_token=a-wrong-one",
+        ],
+        child_env(),
+    )
     t0 = time.monotonic()
     rc = up.wait(300)
     out = up.text()
     assert rc == 1, out
     last = out.splitlines()[-1]
-    assert last.startswith("relay up: error: gen-0 failed during the run: ") and \
-        "refused the generator's token (HTTP 401): set generator.reward_token to its reward.auth_token" in last, last
+    assert (
+        last.startswith("relay up: error: gen-0 failed during the run: ")
+        and "refused the generator's token (HTTP 401): set generator.reward_token to its reward.auth_token" in last
+    ), last
     assert "restart" not in out.split("relay up: run token failed")[0]  # not restarted: a restart cannot fix it
     summary = json.loads((runs / "token" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["steps"] == 0 and "exit code 2" in summary["error"]
@@ -119,9 +154,24 @@ def test_an_environment_that_fails_every_episode_is_named_and_stops_the_run(tmp_
     console with its error, and the run stops once no reward has been scored for --fail-after seconds."""
     env = {**child_env(), "PYTHONPATH": os.pathsep.join([install(tmp_path / "plugins"), str(ROOT)])}
     runs = tmp_path / "runs"
-    up = Console([*COMMON, "--runs-dir", str(runs), "--run-id", "env", "--fail-after", "30", "--set",
-                  "generator.env=fails_at_start", "--set", "learner.tiny_tools=true", "--set",
-                  "generator.max_episode_tokens=32"], env)
+    up = Console(
+        [
+            *COMMON,
+            "--runs-dir",
+            str(runs),
+            "--run-id",
+            "env",
+            "--fail-after",
+            "30",
+            "--set",
+            "generator.env=fails_at_start",
+            "--set",
+            "learner.tiny_tools=true",
+            "--set",
+            "generator.max_episode_tokens=32",
+        ],
+        env,
+    )
     rc = up.wait(300)
     out = up.text()
     assert rc == 1, out

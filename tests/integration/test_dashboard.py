@@ -61,17 +61,50 @@ def loop(tmp_path_factory):
     Ctrl-C stops it (and the fixture checks that every process went away cleanly)."""
     runs = tmp_path_factory.mktemp("runs")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "up", "--steps", "5000", "--dashboard-port", "0", "--runs-dir", str(runs),
-         "--run-id", "dash", "--no-progress", "--set", "learner.batch_groups=4", "--set", "generator.prompts_per_batch=2",
-         "--set", "generator.sampling.n=4"],
-        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--steps",
+            "5000",
+            "--dashboard-port",
+            "0",
+            "--runs-dir",
+            str(runs),
+            "--run-id",
+            "dash",
+            "--no-progress",
+            "--set",
+            "learner.batch_groups=4",
+            "--set",
+            "generator.prompts_per_batch=2",
+            "--set",
+            "generator.sampling.n=4",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lp = Loop(proc, runs / "dash")
     threading.Thread(target=lambda: [lp.lines.append(x) for x in proc.stdout], daemon=True).start()
     try:
-        m = _wait(lambda: re.search(r"dashboard at (http://127\.0\.0\.1:\d+/)", lp.output()), 60, "the dashboard URL", lp)
+        m = _wait(
+            lambda: re.search(r"dashboard at (http://127\.0\.0\.1:\d+/)", lp.output()), 60, "the dashboard URL", lp
+        )
         lp.url = m.group(1)
-        _wait(lambda: (st := lp.state()) and len([g for g in st["generators"] if g["version"] is not None]) >= 2
-              and st["learner"].get("step", 0) >= 2, 240, "two generators serving and two learner steps", lp)
+        _wait(
+            lambda: (
+                (st := lp.state())
+                and len([g for g in st["generators"] if g["version"] is not None]) >= 2
+                and st["learner"].get("step", 0) >= 2
+            ),
+            240,
+            "two generators serving and two learner steps",
+            lp,
+        )
         yield lp
     finally:
         if proc.poll() is None:
@@ -98,8 +131,9 @@ def test_browser_lists_generators_and_shows_the_version_rising_live(loop, browse
     page.wait_for_function("/^\\d+$/.test(document.getElementById('learner-version').textContent)")
     v1 = int(page.inner_text("#learner-version"))
     updates1 = int(page.evaluate("document.body.dataset.updates || 0"))
-    page.wait_for_function(f"Number(document.getElementById('learner-version').textContent) >= {v1 + 3}",
-                           timeout=120_000)
+    page.wait_for_function(
+        f"Number(document.getElementById('learner-version').textContent) >= {v1 + 3}", timeout=120_000
+    )
     v2 = int(page.inner_text("#learner-version"))
     assert v2 >= v1 + 3
     assert page.evaluate("window.__sameDocument") is True and len(navigations) == 1, navigations
@@ -153,18 +187,37 @@ def test_every_service_serves_parseable_labelled_and_documented_metrics(loop):
     reward_url = re.search(r"reward service at (http://127\.0\.0\.1:\d+) ", loop.output()).group(1)
     reward_port = json.loads((loop.run_dir / "config" / "reward.json").read_text())["port"]
     assert reward_url == f"http://127.0.0.1:{reward_port}"
-    endpoints = {("broker", "0"): loop.url.rstrip("/"), ("reward", "0"): reward_url,
-                 ("learner", "0"): f"http://127.0.0.1:{int(st['learner']['metrics_port'])}"}
+    endpoints = {
+        ("broker", "0"): loop.url.rstrip("/"),
+        ("reward", "0"): reward_url,
+        ("learner", "0"): f"http://127.0.0.1:{int(st['learner']['metrics_port'])}",
+    }
     for g in st["generators"]:
         endpoints[("generator", g["id"])] = f"http://127.0.0.1:{g['metrics_port']}"
     assert len(endpoints) == 5
-    expected = {"broker": {"relay_broker_groups_total", "relay_broker_learner_version", "relay_broker_queue_groups",
-                           "relay_broker_generator_lag_versions", "relay_broker_generator_hash_mismatch"},
-                "reward": {"relay_reward_items_total"},
-                "learner": {"relay_learner_step", "relay_learner_version", "relay_learner_ess",
-                            "relay_learner_samples_trained_total", "relay_learner_step_phase_seconds"},
-                "generator": {"relay_generator_version", "relay_generator_tokens_total",
-                              "relay_generator_last_update_latency_seconds", "relay_generator_state"}}
+    expected = {
+        "broker": {
+            "relay_broker_groups_total",
+            "relay_broker_learner_version",
+            "relay_broker_queue_groups",
+            "relay_broker_generator_lag_versions",
+            "relay_broker_generator_hash_mismatch",
+        },
+        "reward": {"relay_reward_items_total"},
+        "learner": {
+            "relay_learner_step",
+            "relay_learner_version",
+            "relay_learner_ess",
+            "relay_learner_samples_trained_total",
+            "relay_learner_step_phase_seconds",
+        },
+        "generator": {
+            "relay_generator_version",
+            "relay_generator_tokens_total",
+            "relay_generator_last_update_latency_seconds",
+            "relay_generator_state",
+        },
+    }
     undocumented = set()
     for (service, replica), base in endpoints.items():
         assert httpx.get(base + "/healthz", timeout=10).status_code == 200, base
@@ -213,9 +266,9 @@ def test_history_endpoints_and_event_stream(loop):
         kind = None
         for line in resp.iter_lines():
             if line.startswith("event: "):
-                kind = line[len("event: "):]
+                kind = line[len("event: ") :]
             elif line.startswith("data: ") and kind:
-                got.setdefault(kind, []).append(json.loads(line[len("data: "):]))
+                got.setdefault(kind, []).append(json.loads(line[len("data: ") :]))
             if ("learner" in got and "events" in got and len(got.get("state", [])) >= 2) or time.monotonic() > deadline:
                 break
     assert got["state"][0]["run_id"] == "dash" and len(got["state"][0]["generators"]) == 2
@@ -234,7 +287,7 @@ def test_relay_status_prints_the_state_as_a_table(loop):
     head = res.stdout.splitlines()
     m = re.match(r"run dash\s+learner version (\d+) \(([0-9a-f]{12})\)", head[0])
     assert m, res.stdout
-    table = head[head.index("") + 1:]
+    table = head[head.index("") + 1 :]
     assert table[0].split()[:5] == ["GENERATOR", "BACKEND", "STATE", "VERSION", "LAG"]
     rows = {ln.split()[0]: ln.split() for ln in table[1:]}
     assert set(rows) == {"gen-0", "gen-1"}

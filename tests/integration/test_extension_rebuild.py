@@ -19,14 +19,33 @@ def test_a_lock_left_by_a_killed_loader_is_removed_at_once_and_the_op_built(tmp_
     op.mkdir()
     env = {**child_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path), "RELAY_STALE_EXTENSION_LOCK_S": "3600"}
     # a learner loading the op: it holds Relay's lock and has taken torch's, no library yet
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); open(sys.argv[2], 'w'); print('held', flush=True); "
-                               "time.sleep(600)", str(tmp_path / "deepspeed_shm_comm.relay-lock"), str(op / "lock")],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); open(sys.argv[2], 'w'); print('held', flush=True); "
+            "time.sleep(600)",
+            str(tmp_path / "deepspeed_shm_comm.relay-lock"),
+            str(op / "lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
-    proc = subprocess.Popen([sys.executable, "-c", "import logging; logging.basicConfig(); "
-                             "from learner.engine import _shm_comm_op_built; _shm_comm_op_built(); print('loaded')"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import logging; logging.basicConfig(); "
+            "from learner.engine import _shm_comm_op_built; _shm_comm_op_built(); print('loaded')",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(5)
         # while its holder lives, the lock is respected: nothing removed, nothing loaded

@@ -19,8 +19,15 @@ from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
 from tests.support.browser import browser  # noqa: F401  (a fixture)
 from tests.support.data import make_group
-from tests.support.services import (RecordingBackend, announce_key, announce_public_key_file, generator_cfg,
-                                    start_broker_and_reward, start_service, wait_until)
+from tests.support.services import (
+    RecordingBackend,
+    announce_key,
+    announce_public_key_file,
+    generator_cfg,
+    start_broker_and_reward,
+    start_service,
+    wait_until,
+)
 
 
 def _forge(r, keys, a: Announcement) -> None:
@@ -32,20 +39,34 @@ def _forge(r, keys, a: Announcement) -> None:
 
 
 @pytest.mark.slow  # a generator process with a model: like the other generator tests, left to `make test`
-def test_a_running_generator_never_loads_a_forged_announcement_and_the_dashboard_flags_it(procs, redis_url, tmp_path,
-                                                                                        request):
+def test_a_running_generator_never_loads_a_forged_announcement_and_the_dashboard_flags_it(
+    procs, redis_url, tmp_path, request
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    svc = start_broker_and_reward(procs, redis_url, tmp_path, "forge", prompt_backlog=8, max_queue_groups=100_000,
-                                  eval={"every_versions": 0})
+    svc = start_broker_and_reward(
+        procs, redis_url, tmp_path, "forge", prompt_backlog=8, max_queue_groups=100_000, eval={"every_versions": 0}
+    )
     r, keys = redis.Redis.from_url(redis_url), Keys("forge")
     path = build_tiny_model(tmp_path / "model")
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     learner = Publisher(r, keys, str(tmp_path / "weights"), tok, keep_versions=10, announce_key=announce_key(tmp_path))
     a0 = learner.publish(model, model.state_dict(), 0)
-    gen = start_service(procs, "gen", "generator", generator_cfg(
-        svc, redis_url, "forge", "g0", prompts_per_batch=2, sampling={"n": 2, "max_tokens": 4},
-        weight_store=str(tmp_path / "weights")), tmp_path)
+    gen = start_service(
+        procs,
+        "gen",
+        "generator",
+        generator_cfg(
+            svc,
+            redis_url,
+            "forge",
+            "g0",
+            prompts_per_batch=2,
+            sampling={"n": 2, "max_tokens": 4},
+            weight_store=str(tmp_path / "weights"),
+        ),
+        tmp_path,
+    )
 
     def heartbeat():
         return read_heartbeats(r, keys).get("g0")
@@ -60,13 +81,19 @@ def test_a_running_generator_never_loads_a_forged_announcement_and_the_dashboard
     evil = Publisher(r, keys, str(tmp_path / "attacker"), tok, keep_versions=10)  # no key: unsigned
     forged = evil.publish(model, model.state_dict(), 99)
     _forge(r, keys, forged)
-    hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 1 and h, timeout=60,
-                    what=f"the forged announcement noticed:\n{gen.tail()}")
+    hb = wait_until(
+        lambda: (h := heartbeat()) and h.forged_announcements >= 1 and h,
+        timeout=60,
+        what=f"the forged announcement noticed:\n{gen.tail()}",
+    )
     # and one signed with a key that is not the run's
     other = signing.signed(signing.AnnounceSigner.generate(), "forge", Announcement(100, forged.hash, forged.path))
     _forge(r, keys, other)
-    hb = wait_until(lambda: (h := heartbeat()) and h.forged_announcements >= 2 and h, timeout=60,
-                    what=f"the second forgery noticed:\n{gen.tail()}")
+    hb = wait_until(
+        lambda: (h := heartbeat()) and h.forged_announcements >= 2 and h,
+        timeout=60,
+        what=f"the second forgery noticed:\n{gen.tail()}",
+    )
     assert hb.version == 0 and hb.hash == a0.hash and hb.updates == 1 and gen.alive()
     assert hb.refused.get(forged.hash) in ("unsigned", "bad_signature")
     assert "ignored a forged weight announcement" in gen.tail(200)
@@ -81,10 +108,14 @@ def test_a_running_generator_never_loads_a_forged_announcement_and_the_dashboard
     page_checked = _check_page(request, svc.http)
 
     # the learner's next version is loaded as usual
-    a1 = learner.publish(AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-                         .state_dict(), 1)
-    wait_until(lambda: (h := heartbeat()) and h.version == 1 and h.hash == a1.hash, timeout=60,
-               what=f"version 1 served:\n{gen.tail()}")
+    a1 = learner.publish(
+        AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 1
+    )
+    wait_until(
+        lambda: (h := heartbeat()) and h.version == 1 and h.hash == a1.hash,
+        timeout=60,
+        what=f"version 1 served:\n{gen.tail()}",
+    )
     assert httpx.get(f"{svc.http}/api/state", timeout=10).json()["flags"]["forged_announcement"] is None
     if not page_checked:
         pytest.skip("the API flags were checked; the page was not (no browser, see the reason above)")
@@ -101,8 +132,9 @@ def _check_page(request, url: str) -> bool:
         return False
     page = request.getfixturevalue("browser").new_page(viewport={"width": 1400, "height": 900})
     page.goto(url + "/")
-    page.wait_for_function("document.querySelector('#alerts')?.innerText.includes('forged weight announcement')",
-                           timeout=30_000)
+    page.wait_for_function(
+        "document.querySelector('#alerts')?.innerText.includes('forged weight announcement')", timeout=30_000
+    )
     assert "bad_signature" in page.inner_text("#alerts") and "g0 ignored 2 forged" in page.inner_text("#alerts")
     assert "hash-mismatch" in page.locator('#generators tr[data-id="g0"]').get_attribute("class")
     page.close()
@@ -110,8 +142,15 @@ def _check_page(request, url: str) -> bool:
 
 
 def test_a_forged_version_does_not_drive_the_brokers_version_checks(redis_url, tmp_path):
-    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
-                            announce_public_key_file=str(announce_public_key_file(tmp_path))))
+    b = Broker(
+        BrokerConfig(
+            run_id="r",
+            redis_url=redis_url,
+            http_port=0,
+            ingest_auth="insecure",
+            announce_public_key_file=str(announce_public_key_file(tmp_path)),
+        )
+    )
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
     announce(r, keys, Announcement(version=2, hash="ab" * 32, path="/x"), announce_key(tmp_path))
     _forge(r, keys, Announcement(version=10**9, hash="cd" * 32, path="/attacker"))
@@ -122,8 +161,13 @@ def test_a_forged_version_does_not_drive_the_brokers_version_checks(redis_url, t
 
 
 def test_a_service_without_its_key_file_does_not_start(procs, redis_url, tmp_path):
-    gen = start_service(procs, "gen", "generator", {"run_id": "nokey", "redis_url": redis_url,
-                                                    "announce_public_key_file": str(tmp_path / "missing.pub")}, tmp_path)
+    gen = start_service(
+        procs,
+        "gen",
+        "generator",
+        {"run_id": "nokey", "redis_url": redis_url, "announce_public_key_file": str(tmp_path / "missing.pub")},
+        tmp_path,
+    )
     assert gen.proc.wait(60) == 2
     assert "cannot read the announcement public key" in gen.tail()
 
@@ -168,10 +212,17 @@ def _what_a_generator_holds(tmp_path):
     write_run_keys(run)
     mine = run_key_fields(run)["generator"]
     ingest = write_ingest_keys(run / "secrets" / "ingest", ["gen-0"])
-    files = [mine["announce_public_key_file"], mine["weights"]["key_file"], ingest["generators"]["gen-0"],
-             ingest["broker_public_key_file"]]
-    return {Path(f).name: Path(f).read_bytes() for f in files}, signing.read_signer(announce_key_path(run)), \
-        mine["announce_public_key_file"]
+    files = [
+        mine["announce_public_key_file"],
+        mine["weights"]["key_file"],
+        ingest["generators"]["gen-0"],
+        ingest["broker_public_key_file"],
+    ]
+    return (
+        {Path(f).name: Path(f).read_bytes() for f in files},
+        signing.read_signer(announce_key_path(run)),
+        mine["announce_public_key_file"],
+    )
 
 
 def _signatures_from(secret: bytes, run_id: str, a: Announcement) -> list[str]:
@@ -196,8 +247,9 @@ def _signatures_from(secret: bytes, run_id: str, a: Announcement) -> list[str]:
     return sigs
 
 
-def test_an_announcement_signed_with_a_generators_secrets_is_refused_by_the_generators_and_the_broker(redis_url,
-                                                                                                       tmp_path):
+def test_an_announcement_signed_with_a_generators_secrets_is_refused_by_the_generators_and_the_broker(
+    redis_url, tmp_path
+):
     """The theft the HMAC key allowed: every secret one generator holds, used to sign a version of the thief's
     (a huge version naming a folder of theirs). A generator does not load it, the broker does not take it for the
     latest version (groups claiming it are refused) and keeps accepting the learner's."""
@@ -215,8 +267,11 @@ def test_an_announcement_signed_with_a_generators_secrets_is_refused_by_the_gene
     w = WeightApplier(r, keys, backend, "gen-0", announce_key=public, store=str(store))
     w.update(block=True)
     assert w.version == 4
-    b = Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
-                            announce_public_key_file=public_file))
+    b = Broker(
+        BrokerConfig(
+            run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure", announce_public_key_file=public_file
+        )
+    )
     evil_path, evil_hash = snapshot(store, 10**9, b"the thief's weights")  # even inside the store
     forged, sigs = 0, set()
     for name, secret in held.items():

@@ -23,19 +23,52 @@ N = int(os.environ.get("RELAY_FUZZ_EXAMPLES", "40000"))
 BATCH = 100
 
 VALID = msgpack.unpackb(encode_group(make_group(group_id="seed")), raw=False)
-PATHS = [("schema",), ("kind",), ("group_id",), ("run_id",), ("prompt_id",), ("prompt_ids",), ("samples",),
-         ("generator_id",), ("weight_version",), ("weight_hash",), ("sampling",), ("task",), ("reference",),
-         ("created_at",), ("scored_at",), ("sent_at",), ("samples", 0, "completion_ids"), ("samples", 0, "logprobs"),
-         ("samples", 0, "version_runs"), ("samples", 0, "finish_reason"), ("samples", 0, "reward"),
-         ("samples", 0, "reward_status"), ("samples", 0, "reward_details"), ("samples", 1, "reward"),
-         ("prompt_ids", "data"), ("prompt_ids", "dtype"), ("samples", 0, "logprobs", "data"),
-         ("sampling", "temperature"), ("sampling", "top_p"), ("sampling", "top_k")]
+PATHS = [
+    ("schema",),
+    ("kind",),
+    ("group_id",),
+    ("run_id",),
+    ("prompt_id",),
+    ("prompt_ids",),
+    ("samples",),
+    ("generator_id",),
+    ("weight_version",),
+    ("weight_hash",),
+    ("sampling",),
+    ("task",),
+    ("reference",),
+    ("created_at",),
+    ("scored_at",),
+    ("sent_at",),
+    ("samples", 0, "completion_ids"),
+    ("samples", 0, "logprobs"),
+    ("samples", 0, "version_runs"),
+    ("samples", 0, "finish_reason"),
+    ("samples", 0, "reward"),
+    ("samples", 0, "reward_status"),
+    ("samples", 0, "reward_details"),
+    ("samples", 1, "reward"),
+    ("prompt_ids", "data"),
+    ("prompt_ids", "dtype"),
+    ("samples", 0, "logprobs", "data"),
+    ("sampling", "temperature"),
+    ("sampling", "top_p"),
+    ("sampling", "top_k"),
+]
 
-leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
-                 st.text(max_size=20), st.binary(max_size=40))
-values = st.recursive(leaf, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                    st.dictionaries(st.text(max_size=8), kids, max_size=4)),
-                      max_leaves=12)
+leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=40),
+)
+values = st.recursive(
+    leaf,
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+    max_leaves=12,
+)
 
 
 def _mutate(path, value, delete, gid):
@@ -78,8 +111,13 @@ def test_ingest_survives_and_accounts_for_every_message(procs, redis_url, tmp_pa
     announce_make_group_versions(redis.Redis.from_url(redis_url), Keys("r"), announce_key(tmp_path))
     outcomes = {"ok": 0, "duplicate": 0, "rejected": 0}
 
-    @settings(max_examples=N // BATCH, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=N // BATCH,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.lists(messages(), min_size=BATCH, max_size=BATCH))
     def batch(payloads):
         for p in payloads:  # pipelined: the broker answers in order, one ack per message

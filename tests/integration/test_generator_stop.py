@@ -27,12 +27,23 @@ def test_sigterm_with_a_dead_broker_exits_and_keeps_prompts_pending(procs, redis
     for i in range(4):
         r.xadd(keys.prompts, {"text": "123=", "reference": "123", "task": "copy", "seq": i})
     path = build_tiny_model(tmp_path / "model")
-    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4,
-              announce_key(tmp_path)).publish(
-        AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
-    gen = start_service(procs, "gen", "generator", {
-        "id": "g", "run_id": "stop", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{free_port()}",
-        "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 4}, tmp_path)
+    Publisher(
+        r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4, announce_key(tmp_path)
+    ).publish(AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
+    gen = start_service(
+        procs,
+        "gen",
+        "generator",
+        {
+            "id": "g",
+            "run_id": "stop",
+            "redis_url": redis_url,
+            "broker_address": f"tcp://127.0.0.1:{free_port()}",
+            "reward_url": f"http://127.0.0.1:{reward}",
+            "prompts_per_batch": 4,
+        },
+        tmp_path,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "resending group" not in gen.log_path.read_text():
         assert gen.alive(), gen.tail()
@@ -54,11 +65,16 @@ def test_sigterm_drains_what_the_generator_holds(procs, redis_url, tmp_path):
     svc = start_broker_and_reward(procs, redis_url, tmp_path, "drain", prompt_backlog=64, eval={"every_versions": 0})
     r, keys = redis.Redis.from_url(redis_url), Keys("drain")
     path = build_tiny_model(tmp_path / "model")
-    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4,
-              announce_key(tmp_path)).publish(
-        AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
-    gen = start_service(procs, "gen", "generator", generator_cfg(
-        svc, redis_url, "drain", "g", prompts_per_batch=8, sampling={"n": 16, "max_tokens": 32}), tmp_path)
+    Publisher(
+        r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4, announce_key(tmp_path)
+    ).publish(AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
+    gen = start_service(
+        procs,
+        "gen",
+        "generator",
+        generator_cfg(svc, redis_url, "drain", "g", prompts_per_batch=8, sampling={"n": 16, "max_tokens": 32}),
+        tmp_path,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and r.xlen(keys.trajectories) < 8:
         assert gen.alive(), gen.tail()
@@ -79,12 +95,24 @@ def test_sigterm_abandons_a_batch_still_generating_after_the_grace(procs, redis_
     svc = start_broker_and_reward(procs, redis_url, tmp_path, "long", prompt_backlog=8, eval={"every_versions": 0})
     r, keys = redis.Redis.from_url(redis_url), Keys("long")
     path = build_tiny_model(tmp_path / "model")
-    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4,
-              announce_key(tmp_path)).publish(
-        AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
-    gen = start_service(procs, "gen", "generator", generator_cfg(
-        svc, redis_url, "long", "g", prompts_per_batch=2, backend={"type": "torch", "step_latency_s": 1.0},
-        sampling={"n": 4, "max_tokens": 50}), tmp_path)
+    Publisher(
+        r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), 4, announce_key(tmp_path)
+    ).publish(AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).state_dict(), 0)
+    gen = start_service(
+        procs,
+        "gen",
+        "generator",
+        generator_cfg(
+            svc,
+            redis_url,
+            "long",
+            "g",
+            prompts_per_batch=2,
+            backend={"type": "torch", "step_latency_s": 1.0},
+            sampling={"n": 4, "max_tokens": 50},
+        ),
+        tmp_path,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and r.xpending(keys.prompts, PROMPTS_GROUP)["pending"] == 0:
         assert gen.alive(), gen.tail()

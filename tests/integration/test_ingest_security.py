@@ -31,24 +31,33 @@ def _keys(tmp_path: Path, *generator_ids: str) -> dict:
 
 
 def _broker(procs, redis_url, tmp_path, keys: dict, **cfg):
-    address, http = start_broker(procs, redis_url, tmp_path, ingest_key_file=keys["broker_key_file"],
-                                 ingest_clients_file=keys["clients_file"], **cfg)
+    address, http = start_broker(
+        procs,
+        redis_url,
+        tmp_path,
+        ingest_key_file=keys["broker_key_file"],
+        ingest_clients_file=keys["clients_file"],
+        **cfg,
+    )
     r, k = redis.Redis.from_url(redis_url), Keys("r")
     announce_make_group_versions(r, k, announce_key(tmp_path))
     return address, http, r, k
 
 
 def _sender(address: str, keys: dict, gid: str, **kw) -> GroupSender:
-    return GroupSender(address, timeout_s=kw.pop("timeout_s", 5),
-                       curve=load_client_keys(keys["generators"][gid], keys["broker_public_key_file"]), **kw)
+    return GroupSender(
+        address,
+        timeout_s=kw.pop("timeout_s", 5),
+        curve=load_client_keys(keys["generators"][gid], keys["broker_public_key_file"]),
+        **kw,
+    )
 
 
 def test_a_producer_without_a_listed_key_is_never_heard(procs, redis_url, tmp_path):
     keys = _keys(tmp_path, "gen-0")
     address, http, r, k = _broker(procs, redis_url, tmp_path, keys)
     stranger = write_ingest_keys(tmp_path / "stranger", ["gen-0"])  # a valid key pair, not in the allow-list
-    forged = [(f"forged-{i}", encode_group(make_group(group_id=f"forged-{i}", generator_id="gen-0")))
-              for i in range(3)]
+    forged = [(f"forged-{i}", encode_group(make_group(group_id=f"forged-{i}", generator_id="gen-0"))) for i in range(3)]
     for curve in (None, load_client_keys(stranger["generators"]["gen-0"], keys["broker_public_key_file"])):
         attacker = GroupSender(address, timeout_s=1.0, curve=curve)  # plain ZMTP, then an unlisted key
         with pytest.raises(TimeoutError):
@@ -67,8 +76,9 @@ def test_a_producer_learns_at_once_whether_the_broker_admits_its_key(procs, redi
     keys = _keys(tmp_path, "gen-0")
     address, _, _, _ = _broker(procs, redis_url, tmp_path, keys)
     stranger = write_ingest_keys(tmp_path / "stranger", ["gen-0"])
-    refused = GroupSender(address, curve=load_client_keys(stranger["generators"]["gen-0"],
-                                                          keys["broker_public_key_file"]))
+    refused = GroupSender(
+        address, curve=load_client_keys(stranger["generators"]["gen-0"], keys["broker_public_key_file"])
+    )
     with pytest.raises(PermissionError, match="refused this producer's key"):
         refused.wait_connected(timeout_s=10)
     refused.close()
@@ -88,11 +98,22 @@ def test_a_generator_whose_key_the_broker_refuses_stops_at_once_with_the_reason(
     keys = _keys(tmp_path, "gen-0")
     address, _, _, _ = _broker(procs, redis_url, tmp_path, keys)
     stranger = write_ingest_keys(tmp_path / "stranger", ["gen-0"])  # a valid key pair, not in the allow-list
-    gen = start_service(procs, "gen", "generator", {
-        "id": "gen-0", "run_id": "r", "redis_url": redis_url, "broker_address": address,
-        "reward_url": "http://127.0.0.1:9/score", "backend": {"type": "simulated"},
-        "ingest_key_file": stranger["generators"]["gen-0"], "broker_public_key_file": keys["broker_public_key_file"],
-    }, tmp_path)
+    gen = start_service(
+        procs,
+        "gen",
+        "generator",
+        {
+            "id": "gen-0",
+            "run_id": "r",
+            "redis_url": redis_url,
+            "broker_address": address,
+            "reward_url": "http://127.0.0.1:9/score",
+            "backend": {"type": "simulated"},
+            "ingest_key_file": stranger["generators"]["gen-0"],
+            "broker_public_key_file": keys["broker_public_key_file"],
+        },
+        tmp_path,
+    )
     assert gen.proc.wait(60) == 2, gen.tail()
     assert "the broker's ingest refuses this generator" in gen.log_path.read_text()
     assert "refused this producer's key" in gen.log_path.read_text()
@@ -117,7 +138,9 @@ def test_forged_hashes_and_numbers_that_are_not_finite_as_float32_are_rejected(p
     sender = GroupSender(address, timeout_s=5, curve=producer_keys(tmp_path))
     forged = sender.send("h", encode_group(make_group(group_id="h", weight_hash="cd" * 32)))
     assert (forged.status, forged.reason) == ("rejected", "weight_hash")
-    unannounced = sender.send("u", encode_group(make_group(group_id="u", weight_version=2, weight_hash=MAKE_GROUP_HASH)))
+    unannounced = sender.send(
+        "u", encode_group(make_group(group_id="u", weight_version=2, weight_hash=MAKE_GROUP_HASH))
+    )
     assert (unannounced.status, unannounced.reason) == ("rejected", "weight_hash")
     g = make_group(group_id="big")
     g.samples[0].reward = 1e300  # finite as float64, inf as float32: NaN advantages for the whole batch
@@ -146,8 +169,10 @@ def _vm(pid: int, field: str) -> int:
 def _message_of(nbytes: int, group_id: str = "huge") -> bytes:
     """A valid group of one sample whose token arrays make it just under ``nbytes``."""
     tokens = (nbytes - 4096) // 8
-    g = make_group(group_id=group_id, samples=[Sample(np.zeros(tokens, np.int32), np.full(tokens, -0.5, np.float32),
-                                                    [[3, tokens]], "stop", 1.0)])
+    g = make_group(
+        group_id=group_id,
+        samples=[Sample(np.zeros(tokens, np.int32), np.full(tokens, -0.5, np.float32), [[3, tokens]], "stop", 1.0)],
+    )
     return encode_group(g)
 
 
@@ -171,7 +196,9 @@ def test_a_16_mib_message_grows_the_broker_by_less_than_4x_its_size(procs, redis
         ack = sender.send(gid, payload, give_up_s=60)
         assert (ack.status, ack.reason) == expect
         growth = _vm(pid, "VmHWM") - before
-        assert growth < 4 * len(payload), f"{gid}: peak grew {growth / 2**20:.0f} MiB for {len(payload) / 2**20:.0f} MiB"
+        assert growth < 4 * len(payload), (
+            f"{gid}: peak grew {growth / 2**20:.0f} MiB for {len(payload) / 2**20:.0f} MiB"
+        )
 
 
 def test_the_queue_bound_in_bytes_answers_busy(procs, redis_url, tmp_path):
@@ -194,9 +221,15 @@ def test_the_queue_bound_in_bytes_answers_busy(procs, redis_url, tmp_path):
 
 
 def test_a_broker_without_its_keys_refuses_to_start_and_says_how_to_fix_it(procs, redis_url, tmp_path):
-    cfg = {"run_id": "r", "redis_url": redis_url, "ingest_bind": f"tcp://127.0.0.1:{free_port()}",
-           "http_port": free_port(), "ingest_auth": "curve", "ingest_key_file": str(tmp_path / "nope.key_secret"),
-           "ingest_clients_file": str(tmp_path / "clients.json")}
+    cfg = {
+        "run_id": "r",
+        "redis_url": redis_url,
+        "ingest_bind": f"tcp://127.0.0.1:{free_port()}",
+        "http_port": free_port(),
+        "ingest_auth": "curve",
+        "ingest_key_file": str(tmp_path / "nope.key_secret"),
+        "ingest_clients_file": str(tmp_path / "clients.json"),
+    }
     child = start_service(procs, "broker", "broker", cfg, tmp_path)
     assert child.proc.wait(timeout=60) != 0
     log = child.tail(20)
@@ -220,16 +253,33 @@ def test_an_insecure_ingest_is_shown_on_the_dashboard(procs, redis_url, tmp_path
 
 @pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
 def test_relay_up_runs_with_per_run_keys_and_private_config_files(tmp_path):
-    res = relay("up", "--steps", "3", "--generators", "2", "--runs-dir", str(tmp_path), "--run-id", "k",
-                "--dashboard-port", "0", "--no-progress", timeout=300)
+    res = relay(
+        "up",
+        "--steps",
+        "3",
+        "--generators",
+        "2",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        "k",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "k"
     s = json.loads((run / "summary.json").read_text())
     assert s["steps"] == 3 and s["groups_rejected"] == 0 and set(s["generators"]) == {"gen-0", "gen-1"}
     keydir = run / "secrets" / "ingest"
     assert stat.S_IMODE(keydir.stat().st_mode) == 0o700
-    assert {p.name for p in keydir.iterdir()} >= {"broker.key_secret", "clients.json", "generator-gen-0.key_secret",
-                                                  "generator-gen-1.key_secret"}
+    assert {p.name for p in keydir.iterdir()} >= {
+        "broker.key_secret",
+        "clients.json",
+        "generator-gen-0.key_secret",
+        "generator-gen-1.key_secret",
+    }
     files = [*keydir.iterdir(), *(run / "config").iterdir()]
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), files
     broker = json.loads((run / "config" / "broker.json").read_text())

@@ -34,7 +34,8 @@ def test_the_socket_limit_leaves_room_for_curve_and_for_an_answer():
 
 
 def test_under_curve_a_message_at_the_limit_is_accepted_and_one_above_it_is_answered_too_large(
-        procs, redis_url, tmp_path):
+    procs, redis_url, tmp_path
+):
     address, _ = start_broker(procs, redis_url, tmp_path, max_message_bytes=LIMIT)  # CURVE: the tests' default
     r, k = redis.Redis.from_url(redis_url), Keys("r")
     announce_make_group_versions(r, k, announce_key(tmp_path))
@@ -55,5 +56,6 @@ def test_under_curve_a_message_at_the_limit_is_accepted_and_one_above_it_is_answ
     assert sender.send("after", encode_group(make_group(group_id="after"))).status == "ok"
     stats = read_stats(r, k, "broker")
     assert stats["accepted"] == 4 and stats["rejected:too_large"] == 2
-    assert [f[b"gid"] for _, f in r.xrange(k.trajectories)] == [f"at-{n}".encode() for n in (LIMIT - 33, LIMIT - 32,
-                                                                                           LIMIT)] + [b"after"]
+    assert [f[b"gid"] for _, f in r.xrange(k.trajectories)] == [
+        f"at-{n}".encode() for n in (LIMIT - 33, LIMIT - 32, LIMIT)
+    ] + [b"after"]

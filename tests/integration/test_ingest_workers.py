@@ -32,8 +32,9 @@ def _items(prefix: str, n: int) -> list[tuple[str, bytes]]:
 
 def test_two_ingest_workers_share_the_run_exactly_and_one_killed_is_restarted(procs, redis_url, tmp_path):
     base = free_port_run(2)
-    start_broker(procs, redis_url, tmp_path, ingest_workers=2, ingest_bind=f"tcp://127.0.0.1:{base}",
-                 max_queue_groups=50)
+    start_broker(
+        procs, redis_url, tmp_path, ingest_workers=2, ingest_bind=f"tcp://127.0.0.1:{base}", max_queue_groups=50
+    )
     broker = procs.children[-1]
     w0, w1 = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
     r, keys = redis.Redis.from_url(redis_url), Keys("r")
@@ -88,5 +89,10 @@ def test_two_ingest_workers_share_the_run_exactly_and_one_killed_is_restarted(pr
     (restarted,) = _children(broker.pid)
     broker.proc.send_signal(signal.SIGTERM)
     assert broker.proc.wait(30) == 0
-    wait_until(lambda: not Path(f"/proc/{restarted}").exists() or
-               Path(f"/proc/{restarted}/stat").read_text().split()[2] == "Z", 30, "the worker to stop")
+    wait_until(
+        lambda: (
+            not Path(f"/proc/{restarted}").exists() or Path(f"/proc/{restarted}/stat").read_text().split()[2] == "Z"
+        ),
+        30,
+        "the worker to stop",
+    )

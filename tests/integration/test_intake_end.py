@@ -20,8 +20,13 @@ def test_the_intake_ends_only_when_no_group_can_come(redis_url):
     r, keys = redis.Redis.from_url(redis_url), Keys("e")
     queues.ensure_groups(r, keys)
     pipe = r.pipeline()
-    queues.append_groups(pipe, keys, 100, 1 << 30, [(g, encode_group(g)) for g in
-                                           (make_group(group_id=f"g{i}", run_id="e") for i in range(3))])
+    queues.append_groups(
+        pipe,
+        keys,
+        100,
+        1 << 30,
+        [(g, encode_group(g)) for g in (make_group(group_id=f"g{i}", run_id="e") for i in range(3))],
+    )
     pipe.execute()
     queues.add_prompt(r, keys.prompts, PromptEntry(text="1=", reference="1", task="copy"))  # still being answered
     r.hset(keys.stats("broker"), "dataset_exhausted", 1)

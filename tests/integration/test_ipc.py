@@ -47,13 +47,24 @@ def test_versions_reach_two_generators_and_a_corrupted_copy_is_refused_not_serve
         v1, v2 = moved_version(model, 0.01), moved_version(model, 0.02)
         # the slots exist (and are advertised) from the first version on: the peers map them when it appears
         good = _peer(peers, redis_url, tmp_path, model, "g-good", "--until", "2")
-        bad = _peer(peers, redis_url, tmp_path, model, "g-bad", "--until", "2", "--until-refused", "1",
-                    "--flip-bucket", "0")
+        bad = _peer(
+            peers, redis_url, tmp_path, model, "g-bad", "--until", "2", "--until-refused", "1", "--flip-bucket", "0"
+        )
         assert sharer.send(1, v1) == state_digest(v1)
         assert len(_segments() - before) == 2  # two slots, as POSIX shared memory on the CPU
-        wait_until(lambda: {(e["generator"], k) for k in ("applied", "refused") for e in _events(r, keys, k)
-                            if e.get("version") == 1} >= {("g-good", "applied"), ("g-bad", "refused")},
-                   timeout=90, what="version 1 applied by g-good, refused by g-bad")
+        wait_until(
+            lambda: (
+                {
+                    (e["generator"], k)
+                    for k in ("applied", "refused")
+                    for e in _events(r, keys, k)
+                    if e.get("version") == 1
+                }
+                >= {("g-good", "applied"), ("g-bad", "refused")}
+            ),
+            timeout=90,
+            what="version 1 applied by g-good, refused by g-bad",
+        )
         assert sharer.send(2, v2) == state_digest(v2)
         ok, flipped = peer_result(good, tmp_path, "g-good"), peer_result(bad, tmp_path, "g-bad")
     finally:
@@ -68,11 +79,15 @@ def test_versions_reach_two_generators_and_a_corrupted_copy_is_refused_not_serve
     assert list(flipped["refused"].values()) == ["digest_mismatch"]
     assert flipped["version"] == 2 and flipped["engine_digest"] == state_digest(v2)
     refused = _events(r, keys, "refused")
-    assert [(e["generator"], e["version"], e["reason"], e["via"]) for e in refused] == \
-        [("g-bad", 1, "digest_mismatch", "ipc")]
+    assert [(e["generator"], e["version"], e["reason"], e["via"]) for e in refused] == [
+        ("g-bad", 1, "digest_mismatch", "ipc")
+    ]
     applied = sorted((e["generator"], e["version"], e["digest"], e["via"]) for e in _events(r, keys, "applied"))
-    assert applied == [("g-bad", 2, state_digest(v2), "ipc"), ("g-good", 1, state_digest(v1), "ipc"),
-                       ("g-good", 2, state_digest(v2), "ipc")]
+    assert applied == [
+        ("g-bad", 2, state_digest(v2), "ipc"),
+        ("g-good", 1, state_digest(v1), "ipc"),
+        ("g-good", 2, state_digest(v2), "ipc"),
+    ]
 
 
 def _in_process(r, keys, model, key, device="cpu", **hooks):
@@ -123,7 +138,8 @@ def test_a_slot_rewritten_during_the_copy_is_discarded_not_refused_and_the_newes
 
 
 def test_a_version_is_copied_while_the_learner_digests_it_and_applied_only_once_current_confirms_it(
-        redis_url, tmp_path, monkeypatch):
+    redis_url, tmp_path, monkeypatch
+):
     """``staged`` lets a generator copy and digest a version beside the learner's own digest: while the
     learner is still digesting (held here until the generator's copy is made), nothing is applied; once
     ``current`` is signed, the copy made ahead is the one applied (one copy, not two)."""
@@ -175,8 +191,11 @@ def test_forged_current_entry_is_refused_and_a_nan_version_never_shared(redis_ur
         receiver.start()
         _serve_until(w, 1)
         cur = ipc.parse_current(r.hget(keys.ipc, "current"))
-        r.hset(keys.ipc, "current", ipc.encode_current(2, cur["slot"], cur["seq"], cur["epoch"], cur["digest"],
-                                                       cur["header_sha256"], "0" * 64))
+        r.hset(
+            keys.ipc,
+            "current",
+            ipc.encode_current(2, cur["slot"], cur["seq"], cur["epoch"], cur["digest"], cur["header_sha256"], "0" * 64),
+        )
         wait_until(lambda: (w.update(), w.refused_updates)[1] == 1, timeout=30, what="the forged entry refused")
         bad = moved_version(model, 0.03)
         bad["model.norm.weight"][0] = float("nan")
@@ -204,8 +223,11 @@ def test_cuda_ipc_hands_bf16_weights_to_a_torch_generator_process(redis_url, tmp
             sharer.stage(v, weights, torch.bfloat16, tied=False)
             snapshot = {k: t.to("cpu", torch.bfloat16) for k, t in weights.items()}
             assert sharer.send(v, snapshot) == state_digest(snapshot)
-            wait_until(lambda: any(e["version"] == v for e in _events(r, keys, "applied")), timeout=120,
-                       what=f"version {v} applied")
+            wait_until(
+                lambda: any(e["version"] == v for e in _events(r, keys, "applied")),
+                timeout=120,
+                what=f"version {v} applied",
+            )
         out = peer_result(g, tmp_path, "g-cuda")
     finally:
         sharer.close()
@@ -213,15 +235,31 @@ def test_cuda_ipc_hands_bf16_weights_to_a_torch_generator_process(redis_url, tmp
     assert out["digest"] == state_digest(snapshot)
 
 
-
 def test_relay_up_with_ipc_on_a_gpu_applies_every_version_through_cuda_ipc(tmp_path, redis_url):
     """The whole run on a GPU: the DeepSpeed learner on the device stages each version into its slots,
     two torch-backend generators on the same device copy them through CUDA IPC; every version applied
     via ipc has the announced digest, nothing is refused or lost."""
     env = {k: v for k, v in child_env().items() if k != "DS_ACCELERATOR"}  # the learner on the GPU too
-    res = relay("up", "--steps", "40", "--runs-dir", str(tmp_path), "--run-id", RUN, "--dashboard-port", "0",
-                "--no-progress", "--redis-url", redis_url, "--set", "weights.transport=ipc",
-                "--set", "generator.backend.device=cuda", timeout=900, env=env)
+    res = relay(
+        "up",
+        "--steps",
+        "40",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        RUN,
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--redis-url",
+        redis_url,
+        "--set",
+        "weights.transport=ipc",
+        "--set",
+        "generator.backend.device=cuda",
+        timeout=900,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r, keys = connect_redis(redis_url), Keys(RUN)
     events = [e for _, e in read_events(r, keys, None, 100_000)]
@@ -240,7 +278,9 @@ def test_relay_up_with_ipc_on_a_gpu_applies_every_version_through_cuda_ipc(tmp_p
 
 
 for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
-    test_cuda_ipc_hands_bf16_weights_to_a_torch_generator_process = \
-        _mark(test_cuda_ipc_hands_bf16_weights_to_a_torch_generator_process)
-    test_relay_up_with_ipc_on_a_gpu_applies_every_version_through_cuda_ipc = \
-        _mark(test_relay_up_with_ipc_on_a_gpu_applies_every_version_through_cuda_ipc)
+    test_cuda_ipc_hands_bf16_weights_to_a_torch_generator_process = _mark(
+        test_cuda_ipc_hands_bf16_weights_to_a_torch_generator_process
+    )
+    test_relay_up_with_ipc_on_a_gpu_applies_every_version_through_cuda_ipc = _mark(
+        test_relay_up_with_ipc_on_a_gpu_applies_every_version_through_cuda_ipc
+    )

@@ -16,8 +16,14 @@ pytestmark = pytest.mark.slow  # a training loop (~30 s): left to `make test` (d
 
 def test_gae_with_the_critic_learns_the_values(redis_url, tmp_path):
     steps = 16
-    res = subprocess.run([sys.executable, "-m", "tests.support.learner_critic", redis_url, str(tmp_path), str(steps)],
-                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.support.learner_critic", redis_url, str(tmp_path), str(steps)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, steps + 1))

@@ -32,8 +32,19 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grads")
     module = ["-m", "tests.support.learner_grads", str(out)]
     _run([sys.executable, *module, "one=100000", "k=48", "k_checkpointing=48/0/checkpointing"])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *module,
-          "ranks=48/0", "ranks_zero2=48/2"])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            *module,
+            "ranks=48/0",
+            "ranks_zero2=48/2",
+        ]
+    )
     return out
 
 
@@ -54,8 +65,12 @@ def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
             # summed, which can be far larger than an element of the result: the absolute tolerance scales
             # with the tensor's largest gradient (1e-5 of it), the relative one stays 1e-5
             scale = max(1.0, float(gw[name].abs().max()))
-            assert torch.allclose(gg[name], gw[name], rtol=1e-5, atol=1e-5 * scale), \
-                (case, name, float((gg[name] - gw[name]).abs().max()), scale)
+            assert torch.allclose(gg[name], gw[name], rtol=1e-5, atol=1e-5 * scale), (
+                case,
+                name,
+                float((gg[name] - gw[name]).abs().max()),
+                scale,
+            )
         assert max(float(g.abs().max()) for g in gw.values()) > 1e-3, case  # a real gradient, not zeros
         # the global gradient norm before clipping: DeepSpeed's own at ZeRO 2 (over both ranks' partitions),
         # the learner's at ZeRO 0 on one rank; at ZeRO 0 in fp32 with two ranks DeepSpeed keeps none (null)

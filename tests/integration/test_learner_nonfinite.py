@@ -40,8 +40,13 @@ def test_groups_with_nonfinite_float32_numbers_are_dropped_and_counted(redis_url
     queues.append_groups(pipe, keys, 100, 1 << 30, [(g, encode_group(g)) for g in (huge, nan_logprob, good)])
     pipe.execute()
     counts = Counter()
-    intake = GroupIntake(r, keys, LearnerConfig(run_id="nf", redis_url=redis_url, batch_groups=1, wait_timeout_s=30),
-                         vocab=15, counts=counts)
+    intake = GroupIntake(
+        r,
+        keys,
+        LearnerConfig(run_id="nf", redis_url=redis_url, batch_groups=1, wait_timeout_s=30),
+        vocab=15,
+        counts=counts,
+    )
     assert [g.group_id for _, g in intake.next_batch(3, threading.Event())] == ["good"]
     # the queue's decoder (the broker's, shared) already refuses both as non-finite float32: the reward of
     # 1e300 and the NaN log-prob; the learner's own check of the batch stays behind it for advantages
@@ -60,8 +65,14 @@ def test_nonfinite_weights_are_never_published(tmp_path):
 
 @pytest.mark.slow  # a real learner with DeepSpeed (~1 min, minutes the first time: shm_comm compiles)
 def test_a_nonfinite_loss_skips_the_step_and_publishes_nothing(redis_url, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "tests.support.learner_nonfinite", redis_url, str(tmp_path)],
-                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.support.learner_nonfinite", redis_url, str(tmp_path)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "step 2: 1 of 1 optimizer step(s) skipped (non-finite loss" in res.stderr
     out = json.loads((tmp_path / "out.json").read_text())
@@ -80,8 +91,14 @@ def test_a_nonfinite_loss_skips_the_step_and_publishes_nothing(redis_url, tmp_pa
 
 @pytest.mark.slow  # six DeepSpeed engines (~1 min)
 def test_a_skipped_step_leaves_nothing_behind_at_every_zero_stage(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "tests.support.learner_skip_zero", str(tmp_path), "1", "2", "3"],
-                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.support.learner_skip_zero", str(tmp_path), "1", "2", "3"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     result = json.loads((tmp_path / "skip.json").read_text())
     for stage in ("1", "2", "3"):

@@ -14,16 +14,31 @@ from tests.support.services import relay
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_two_learner_ranks_stay_identical(tmp_path):
     steps = 8
-    res = relay("up", "--learner-ranks", "2", "--steps", str(steps), "--runs-dir", str(tmp_path), "--run-id", "r2",
-                "--dashboard-port", "0", "--no-progress", "--set", "learner.rank_checksums=true",
-                "--set", "learner.batch_groups=8", timeout=600)
+    res = relay(
+        "up",
+        "--learner-ranks",
+        "2",
+        "--steps",
+        str(steps),
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        "r2",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        "learner.rank_checksums=true",
+        "--set",
+        "learner.batch_groups=8",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "r2"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["groups_trained"] == steps * 8
     assert summary["audit"]["trained_once"] == steps * 8 and summary["audit"]["lost"] == 0
-    sums = [[json.loads(x) for x in (run / "learner" / f"rank-{r}.checksums").read_text().splitlines()]
-            for r in (0, 1)]
+    sums = [[json.loads(x) for x in (run / "learner" / f"rank-{r}.checksums").read_text().splitlines()] for r in (0, 1)]
     assert [c["step"] for c in sums[0]] == [c["step"] for c in sums[1]] == list(range(1, steps + 1))
     for a, b in zip(*sums):
         assert a["sha256"] == b["sha256"], f"ranks diverged at step {a['step']}"
@@ -39,11 +54,31 @@ def test_batch_must_split_evenly_across_ranks(tmp_path):
 @pytest.mark.slow
 def test_two_learner_ranks_zero3_bf16_publish_the_whole_model_and_checkpoint(tmp_path):
     steps = 4
-    res = relay("up", "--learner-ranks", "2", "--steps", str(steps), "--runs-dir", str(tmp_path), "--run-id", "z3",
-                "--dashboard-port", "0", "--no-progress", "--set", "learner.batch_groups=8",
-                "--set", "learner.deepspeed.zero_stage=3", "--set", "learner.deepspeed.bf16=true",
-                "--set", "learner.checkpoint_every=2", "--set", "learner.deepspeed.zero3_persistence_threshold=0",
-                timeout=600)
+    res = relay(
+        "up",
+        "--learner-ranks",
+        "2",
+        "--steps",
+        str(steps),
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        "z3",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        "learner.batch_groups=8",
+        "--set",
+        "learner.deepspeed.zero_stage=3",
+        "--set",
+        "learner.deepspeed.bf16=true",
+        "--set",
+        "learner.checkpoint_every=2",
+        "--set",
+        "learner.deepspeed.zero3_persistence_threshold=0",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "z3"
     summary = json.loads((run / "summary.json").read_text())
@@ -54,7 +89,9 @@ def test_two_learner_ranks_zero3_bf16_publish_the_whole_model_and_checkpoint(tmp
     store = run / "weights"
     versions = weightstore.list_versions(store)
     assert versions[-1] == steps
-    first, last = (load_file(str(weightstore.version_dir(store, v) / "model.safetensors")) for v in (versions[0], steps))
+    first, last = (
+        load_file(str(weightstore.version_dir(store, v) / "model.safetensors")) for v in (versions[0], steps)
+    )
     assert {k: v.shape for k, v in last.items()} == {k: v.shape for k, v in base.items()}
     assert all(not v.eq(0).all() for v in last.values())
     assert any(not first[k].equal(last[k]) for k in base)  # trained
@@ -63,5 +100,10 @@ def test_two_learner_ranks_zero3_bf16_publish_the_whole_model_and_checkpoint(tmp
     assert (run / "learner" / "checkpoints" / "latest").read_text() == ckpt.name
     state = json.loads((ckpt / "state.json").read_text())
     assert (state["ranks"], state["zero_stage"], state["bf16"]) == (2, 3, True)
-    assert {p.name for p in ckpt.iterdir()} == {"state.json", "rank-00000.json", "rank-00000.safetensors",
-                                                "rank-00001.json", "rank-00001.safetensors"}
+    assert {p.name for p in ckpt.iterdir()} == {
+        "state.json",
+        "rank-00000.json",
+        "rank-00000.safetensors",
+        "rank-00001.json",
+        "rank-00001.safetensors",
+    }

@@ -23,19 +23,42 @@ def _strict(line: str) -> dict:
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 @pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
 def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path, lora):
-    res = relay("up", "--steps", "6", "--runs-dir", str(tmp_path), "--run-id", "kl", "--dashboard-port", "0",
-                "--no-progress", "--set", "learner.kl_coef=0.1", "--set", "learner.entropy_coef=0.01",
-                "--set", f"learner.lora.rank={lora}",
-                "--set", "learner.batch_groups=8", "--set", "generator.sampling.temperature=0.8",
-                "--set", "generator.sampling.top_k=8", "--set", "generator.sampling.top_p=0.95", timeout=300)
+    res = relay(
+        "up",
+        "--steps",
+        "6",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        "kl",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        "learner.kl_coef=0.1",
+        "--set",
+        "learner.entropy_coef=0.01",
+        "--set",
+        f"learner.lora.rank={lora}",
+        "--set",
+        "learner.batch_groups=8",
+        "--set",
+        "generator.sampling.temperature=0.8",
+        "--set",
+        "generator.sampling.top_k=8",
+        "--set",
+        "generator.sampling.top_p=0.95",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     lines = (tmp_path / "kl" / "learner" / "metrics.jsonl").read_text().splitlines()
     metrics = [_strict(x) for x in lines]
     assert metrics[0]["kl_ref"] == 0.0  # the first step trains the reference's own weights
     assert all(m["kl_ref"] > 0 for m in metrics[1:])
     assert 0 < metrics[0]["entropy"] <= math.log(8) + 1e-6  # top-k 8: at most log 8 nats
-    assert all(m["metrics_nonfinite"] == 0 and math.isfinite(m["loss"]) and math.isfinite(m["mismatch_kl"])
-               for m in metrics)
+    assert all(
+        m["metrics_nonfinite"] == 0 and math.isfinite(m["loss"]) and math.isfinite(m["mismatch_kl"]) for m in metrics
+    )
     # stale tokens fell out of the kept set, and were counted; only stale ones can: in a run where the learner
     # waited for every group (all of staleness 0, seen once in CI under load) there is nothing to count
     stale = [m for m in metrics[1:] if any(int(k) > 0 for k in m["staleness"])]

@@ -20,20 +20,39 @@ def _step(r, keys) -> int:
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
-@pytest.mark.parametrize("engine,extra", [
-    ({"zero_stage": 0, "bf16": False}, {}), ({"zero_stage": 2, "bf16": True}, {"lora": {"rank": 8}}),
-    ({"zero_stage": 0, "bf16": False}, {"advantage": "gae", "critic": {"enabled": True}})],
-    ids=["zero0-fp32", "zero2-bf16-lora", "critic-gae"])
+@pytest.mark.parametrize(
+    "engine,extra",
+    [
+        ({"zero_stage": 0, "bf16": False}, {}),
+        ({"zero_stage": 2, "bf16": True}, {"lora": {"rank": 8}}),
+        ({"zero_stage": 0, "bf16": False}, {"advantage": "gae", "critic": {"enabled": True}}),
+    ],
+    ids=["zero0-fp32", "zero2-bf16-lora", "critic-gae"],
+)
 def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url, tmp_path, engine, extra):
     run, steps, batch = "resume", 40, 8
     svc = start_broker_and_reward(procs, redis_url, tmp_path, run)
-    learner_cfg = {"run_id": run, "redis_url": redis_url, "run_dir": str(tmp_path / "learner"),
-                   "weight_store": str(tmp_path / "weights"), "steps": steps, "batch_groups": batch,
-                   "checkpoint_every": 5, "keep_versions": 50, "deepspeed": engine, **extra}
+    learner_cfg = {
+        "run_id": run,
+        "redis_url": redis_url,
+        "run_dir": str(tmp_path / "learner"),
+        "weight_store": str(tmp_path / "weights"),
+        "steps": steps,
+        "batch_groups": batch,
+        "checkpoint_every": 5,
+        "keep_versions": 50,
+        "deepspeed": engine,
+        **extra,
+    }
     learner = start_service(procs, "learner", "learner", learner_cfg, tmp_path)
     for i in range(2):
-        start_service(procs, f"gen-{i}", "generator",
-                      generator_cfg(svc, redis_url, run, f"gen-{i}", prompts_per_batch=4, claim_idle_s=5), tmp_path)
+        start_service(
+            procs,
+            f"gen-{i}",
+            "generator",
+            generator_cfg(svc, redis_url, run, f"gen-{i}", prompts_per_batch=4, claim_idle_s=5),
+            tmp_path,
+        )
     r, keys = redis.Redis.from_url(redis_url), Keys(run)
     wait_until(lambda: _step(r, keys) >= 13, 240, f"learner progress:\n{learner.tail()}")
     learner.proc.kill()  # SIGKILL: no clean-up, some trained groups not yet held by a checkpoint
@@ -80,8 +99,12 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
     assert r.scard(keys.counted) == 0  # every counted group was committed
     # the audit's counters (exact however long the run; its records are trimmed to a window) agree
     c = queues.audit_counts(r, keys)
-    assert (c["accepted"], c["committed"], c["dropped"], c["queued"]) == \
-        (len(appended), len(trained), len(dropped), len(queued)), c
+    assert (c["accepted"], c["committed"], c["dropped"], c["queued"]) == (
+        len(appended),
+        len(trained),
+        len(dropped),
+        len(queued),
+    ), c
 
     # versions only grow, across the restart too
     published = [json.loads(f[b"data"])["version"] for _, f in r.xrange(keys.events) if f[b"kind"] == b"published"]
@@ -97,8 +120,9 @@ def test_learner_sigkill_resume_trains_each_group_exactly_once(procs, redis_url,
         from broker.client.announcements import latest_announcement
         from broker.protocol.messages import decode_announcement
 
-        announced = {v: decode_announcement(raw) for v, raw in
-                     ((int(k), raw) for k, raw in r.hgetall(keys.versions).items())}
+        announced = {
+            v: decode_announcement(raw) for v, raw in ((int(k), raw) for k, raw in r.hgetall(keys.versions).items())
+        }
         carriers = sorted(v for v, a in announced.items() if a.base == v)
         # the second process's first version carries the base again (a kill can land between a step's stats line
         # and its publication, so that version is compared with what was announced, not with killed_at)

@@ -16,8 +16,19 @@ from tests.support.services import ROOT, child_env, relay
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_loop_learns_and_versions_advance(tmp_path):
-    res = relay("up", "--steps", "100", "--runs-dir", str(tmp_path), "--run-id", "loop", "--dashboard-port", "0",
-                "--no-progress", timeout=600)
+    res = relay(
+        "up",
+        "--steps",
+        "100",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        "loop",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "loop"
     assert (tmp_path / "latest").resolve() == run
@@ -57,9 +68,26 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_ctrl_c_stops_every_process(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path), "--run-id", "int",
-                             "--dashboard-port", "0", "--no-progress"], cwd=ROOT, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--runs-dir",
+            str(tmp_path),
+            "--run-id",
+            "int",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = tmp_path / "int"
     deadline = time.monotonic() + 180
     metrics = run / "learner" / "metrics.jsonl"

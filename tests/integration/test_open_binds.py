@@ -22,8 +22,17 @@ def test_a_reward_service_without_a_token_refuses_a_reachable_host(tmp_path):
 
 
 def test_a_broker_with_an_insecure_ingest_refuses_a_reachable_address(tmp_path):
-    res = _start(tmp_path, "broker", {"run_id": "r", "redis_url": "redis://127.0.0.1:1/0", "ingest_auth": "insecure",
-                                      "ingest_bind": f"tcp://0.0.0.0:{free_port()}", "http_port": free_port()})
+    res = _start(
+        tmp_path,
+        "broker",
+        {
+            "run_id": "r",
+            "redis_url": "redis://127.0.0.1:1/0",
+            "ingest_auth": "insecure",
+            "ingest_bind": f"tcp://0.0.0.0:{free_port()}",
+            "http_port": free_port(),
+        },
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 2, out
     assert "ingest_bind" in out and "ingest_auth = 'insecure'" in out and "allow_unauthenticated_bind" in out

@@ -30,16 +30,33 @@ from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
 from learner.publish import Publisher
 from tests.support.models import recompute_logprobs
-from tests.support.services import (ROOT, announce_key, generator_cfg, metric_value, start_broker_and_reward,
-                                    start_service, wait_until)
+from tests.support.services import (
+    ROOT,
+    announce_key,
+    generator_cfg,
+    metric_value,
+    start_broker_and_reward,
+    start_service,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
 TEMPERATURE = 0.7
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 QUESTION = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
 ANSWER = "The answer is 5."
 KEY = "harness-secret"
@@ -66,16 +83,28 @@ def taught_tiny_model(tok, out, steps: int = 200):
 
     r = ChatRenderer(tok)
     call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 3})}}
-    convo = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                        {"role": "tool", "tool_call_id": "call_0", "content": "5"},
-                        {"role": "assistant", "content": ANSWER}]
+    convo = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "5"},
+        {"role": "assistant", "content": ANSWER},
+    ]
     ids = torch.tensor([r.render(r.messages(convo, TOOLS), TOOLS, False)])
     assert tool_call_text("add", {"a": 2, "b": 3}) in tok.decode(ids[0])
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(steps):
@@ -96,8 +125,16 @@ def harness(client, session: str | None, group: str, user: str | None = None):
     headers = {"X-Relay-Group": group, **({"X-Relay-Session": session} if session else {})}
     extra = {"user": user} if user else {}
     messages = list(QUESTION)
-    first = client.chat.completions.create(model="relay", messages=messages, tools=TOOLS, temperature=TEMPERATURE,
-                                           max_tokens=64, extra_headers=headers, logprobs=True, **extra)
+    first = client.chat.completions.create(
+        model="relay",
+        messages=messages,
+        tools=TOOLS,
+        temperature=TEMPERATURE,
+        max_tokens=64,
+        extra_headers=headers,
+        logprobs=True,
+        **extra,
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
@@ -105,8 +142,15 @@ def harness(client, session: str | None, group: str, user: str | None = None):
     args = json.loads(call.function.arguments)
     messages.append(choice.message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])})
-    second = client.chat.completions.create(model="relay", messages=messages, tools=TOOLS, temperature=TEMPERATURE,
-                                            max_tokens=64, extra_headers=headers, **extra)
+    second = client.chat.completions.create(
+        model="relay",
+        messages=messages,
+        tools=TOOLS,
+        temperature=TEMPERATURE,
+        max_tokens=64,
+        extra_headers=headers,
+        **extra,
+    )
     assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == ANSWER, second
     return first, second
 
@@ -122,13 +166,28 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     pub = Publisher(r, keys, str(tmp_path / "weights"), tok, keep_versions=4, announce_key=announce_key(tmp_path))
     pub.publish(model, model.state_dict(), 0)
     port = free_port()
-    gen = start_service(procs, "gen", "generator", generator_cfg(
-        svc, redis_url, "oa", "g0", prompts_per_batch=1, backend={"type": "torch"},
-        sampling={"n": 2, "max_tokens": 4, "temperature": TEMPERATURE},  # the run's built-in prompts: short
-        openai={"enabled": True, "port": port, "api_key": KEY, "group_size": 2, "max_tokens": 64}), tmp_path)
+    gen = start_service(
+        procs,
+        "gen",
+        "generator",
+        generator_cfg(
+            svc,
+            redis_url,
+            "oa",
+            "g0",
+            prompts_per_batch=1,
+            backend={"type": "torch"},
+            sampling={"n": 2, "max_tokens": 4, "temperature": TEMPERATURE},  # the run's built-in prompts: short
+            openai={"enabled": True, "port": port, "api_key": KEY, "group_size": 2, "max_tokens": 64},
+        ),
+        tmp_path,
+    )
     base = f"http://127.0.0.1:{port}"
-    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == 0 and h, timeout=120,
-                    what=f"the generator serving version 0:\n{gen.tail()}")
+    hb = wait_until(
+        lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == 0 and h,
+        timeout=120,
+        what=f"the generator serving version 0:\n{gen.tail()}",
+    )
     client = OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=120, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["relay"]
 
@@ -145,12 +204,19 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     # one reward from the harness, one from the reward service (its math_verify plugin on the last answer)
     got = httpx.post(f"{base}/v1/relay/sessions/sess-1/reward", json={"reward": 0.25}, headers=auth, timeout=30)
     assert got.status_code == 200 and got.json() == {"session": "sess-1", "group_complete": False}
-    got = httpx.post(f"{base}/v1/relay/sessions/sess-2/reward", json={"task": "math_verify", "reference": "5"},
-                     headers=auth, timeout=60)
+    got = httpx.post(
+        f"{base}/v1/relay/sessions/sess-2/reward",
+        json={"task": "math_verify", "reference": "5"},
+        headers=auth,
+        timeout=60,
+    )
     assert got.status_code == 200 and got.json()["group_complete"] and got.json()["broker"] == "ok", got.text
 
-    g = wait_until(lambda: next((x for x in (g for _, g in queues.read_groups(r, keys))
-                                 if x.prompt_id == "openai:grp"), None), timeout=30, what="the endpoint's group")
+    g = wait_until(
+        lambda: next((x for x in (g for _, g in queues.read_groups(r, keys)) if x.prompt_id == "openai:grp"), None),
+        timeout=30,
+        what="the endpoint's group",
+    )
     assert g.group_id == got.json()["group_id"] and g.generator_id == "g0" and g.weight_version == 0
     assert g.sampling["temperature"] == TEMPERATURE and len(g.samples) == 2
     assert g.samples[0].reward_details["source"] == "caller"  # a number the caller posted: marked as such
@@ -171,7 +237,7 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
         assert np.allclose([t.logprob for t in content], sample.logprobs[:n1], atol=1e-6)
         assert second.choices[0].logprobs is None  # not asked
         # nothing re-tokenised: prompt + completion is the chat template's rendering of the conversation
-        context = tok.decode(ids[len(sampled[0]):a])
+        context = tok.decode(ids[len(sampled[0]) : a])
         assert "<|im_start|>tool\n5<|im_end|>" in context and context.endswith("<|im_start|>assistant\n")
         assert sample.reward == reward and sample.reward_details["template_drift"] == 0
         assert sample.version_runs == [[0, len(ids)]]
@@ -191,16 +257,23 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     P = len(g.prompt_ids)
     for i, sample in enumerate(g.samples):
         T = len(sample.completion_ids)
-        assert b.loss_mask[i, P - 1:P - 1 + T].tolist() == sample.trainable.astype(float).tolist()
+        assert b.loss_mask[i, P - 1 : P - 1 + T].tolist() == sample.trainable.astype(float).tolist()
         assert b.loss_mask[i].sum().item() == sample.trainable.sum()
     with torch.no_grad():
-        learner_lp = token_logprobs(model, b.input_ids, b.attention_mask, b.loss_mask, sampling_transform(g.sampling),
-                                    chunk_tokens=64).logp
+        learner_lp = token_logprobs(
+            model, b.input_ids, b.attention_mask, b.loss_mask, sampling_transform(g.sampling), chunk_tokens=64
+        ).logp
     on = b.loss_mask.bool()
     assert (learner_lp[on] - b.behaviour_logp[on]).abs().max().item() <= 1e-3
-    assert g.prompt_ids.tolist() == tok(tok.apply_chat_template(
-        [{"role": "system", "content": _tool_system()}] + QUESTION, tokenize=False, add_generation_prompt=True),
-        add_special_tokens=False)["input_ids"]
+    assert (
+        g.prompt_ids.tolist()
+        == tok(
+            tok.apply_chat_template(
+                [{"role": "system", "content": _tool_system()}] + QUESTION, tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+    )
 
     # a harness that rewrites an earlier turn (here: the question) is not an extension: drift is counted and
     # shown, and the tokens the session sampled stay as they were
@@ -208,15 +281,18 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     assert metric_value(text, "relay_generator_openai_template_drift_total") == 0
     headers = {"X-Relay-Session": "drifty", "X-Relay-Group": "other"}
     first = client.chat.completions.create(model="relay", messages=QUESTION, tools=TOOLS, extra_headers=headers)
-    edited = [{"role": "user", "content": "What is 2 + 4? Use the add tool."},
-              first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": "x",
-                                                                        "content": "6"}]
+    edited = [
+        {"role": "user", "content": "What is 2 + 4? Use the add tool."},
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": "x", "content": "6"},
+    ]
     second = client.chat.completions.create(model="relay", messages=edited, tools=TOOLS, extra_headers=headers)
     assert first.model_extra["relay"]["template_drift"] == 0 and second.model_extra["relay"]["template_drift"] == 1
     info = httpx.get(f"{base}/v1/relay/sessions/drifty", headers=auth, timeout=10).json()
     assert info["template_drift"] == 1 and info["calls"] == 2
     assert info["trainable_tokens"] == len(first.model_extra["relay"]["completion_ids"]) + len(
-        second.model_extra["relay"]["completion_ids"])
+        second.model_extra["relay"]["completion_ids"]
+    )
     text = httpx.get(f"http://127.0.0.1:{hb.metrics_port}/metrics", timeout=10).text
     assert metric_value(text, "relay_generator_openai_groups_total", outcome="sent") == 1
     assert metric_value(text, "relay_generator_openai_template_drift_total") == 1
@@ -226,7 +302,11 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
     run_docs_example(base, tmp_path, monkeypatch)
 
     # the generator's own loop shared the engine meanwhile (one lock): its groups of the run's prompts arrive too
-    wait_until(lambda: any(not g.prompt_id.startswith("openai:") for _, g in queues.read_groups(r, keys)), timeout=60, what="a group of the run's prompts")
+    wait_until(
+        lambda: any(not g.prompt_id.startswith("openai:") for _, g in queues.read_groups(r, keys)),
+        timeout=60,
+        what="a group of the run's prompts",
+    )
     assert gen.alive()
 
 
@@ -255,11 +335,20 @@ def run_docs_example(base: str, tmp_path, monkeypatch) -> None:
 
     results = []
     for attempt in range(2):  # the group's two sessions (group_size 2)
-        ns = {"task_id": "doc-task", "attempt": attempt, "TOOLS": TOOLS, "run_tool": run_tool,
-              "score": lambda content: float(content == ANSWER)}
+        ns = {
+            "task_id": "doc-task",
+            "attempt": attempt,
+            "TOOLS": TOOLS,
+            "run_tool": run_tool,
+            "score": lambda content: float(content == ANSWER),
+        }
         exec(compile(code, "docs/openai-endpoint.md", "exec"), ns)
         assert ns["msg"].content == ANSWER and [m["role"] for m in ns["messages"]] == [
-            "user", "assistant", "tool", "assistant"]
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
         results.append(ns["done"])
     assert results[0] == {"session": "doc-task-0", "group_complete": False}
     assert results[1]["group_complete"] and results[1]["broker"] == "ok", results

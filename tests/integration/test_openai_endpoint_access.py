@@ -32,10 +32,29 @@ START_S = 720  # relay up to an answering endpoint: ~40 s on a quiet machine, 5 
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("oa")
     out = tmp / "up.out"
-    cmd = [sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp / "runs"), "--run-id", "oa",
-           "--steps", "100000", "--generators", "1", "--dashboard-port", "0", "--no-progress",
-           "--set", "generator.openai.enabled=true", "--set", "generator.openai.group_size=1",
-           "--set", "broker.eval.every_versions=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "up",
+        "--runs-dir",
+        str(tmp / "runs"),
+        "--run-id",
+        "oa",
+        "--steps",
+        "100000",
+        "--generators",
+        "1",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--set",
+        "generator.openai.enabled=true",
+        "--set",
+        "generator.openai.group_size=1",
+        "--set",
+        "broker.eval.every_versions=0",
+    ]
     with out.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT, text=True)
     run_dir = tmp / "runs" / "oa"
@@ -45,8 +64,11 @@ def run(tmp_path_factory):
         return max(1.0, deadline - time.monotonic())
 
     try:
-        dash = wait_until(lambda: re.search(r"dashboard at (http://127\.0\.0\.1:\d+)/", out.read_text()),
-                          timeout=left(), what=f"relay up's dashboard:\n{out.read_text()[-3000:]}").group(1)
+        dash = wait_until(
+            lambda: re.search(r"dashboard at (http://127\.0\.0\.1:\d+)/", out.read_text()),
+            timeout=left(),
+            what=f"relay up's dashboard:\n{out.read_text()[-3000:]}",
+        ).group(1)
 
         def endpoint_event():  # what anyone who reaches the dashboard reads: the endpoint's URL
             try:
@@ -55,20 +77,38 @@ def run(tmp_path_factory):
                 return None
             return next((e for e in entries if e["kind"] == "openai_endpoint"), None)
 
-        event = wait_until(endpoint_event, timeout=left(),
-                           what=f"the openai_endpoint event:\n{out.read_text()[-3000:]}")
+        event = wait_until(
+            endpoint_event, timeout=left(), what=f"the openai_endpoint event:\n{out.read_text()[-3000:]}"
+        )
         url = event["url"]
         key = (run_dir / "secrets" / "openai.key").read_text().strip()
         auth = {"Authorization": f"Bearer {key}"}
         # serving a version (before, a call is answered 503)
-        wait_until(lambda: httpx.get(f"{url}/models", headers=auth, timeout=10).status_code == 200 and httpx.post(
-            f"{url}/completions", json={"prompt": "1=", "max_tokens": 1}, headers=auth, timeout=30).status_code == 200,
-                   timeout=left(), what="the endpoint answering")
+        wait_until(
+            lambda: (
+                httpx.get(f"{url}/models", headers=auth, timeout=10).status_code == 200
+                and httpx.post(
+                    f"{url}/completions", json={"prompt": "1=", "max_tokens": 1}, headers=auth, timeout=30
+                ).status_code
+                == 200
+            ),
+            timeout=left(),
+            what="the endpoint answering",
+        )
         targets = httpx.get(f"{dash}/api/prometheus/targets", timeout=5).json()
-        metrics = next(f"http://{t}/metrics" for g in targets for t in g["targets"]
-                       if g["labels"].get("service") == "generator")
-        yield {"proc": proc, "out": out, "run_dir": run_dir, "url": url, "event": event, "key": key, "auth": auth,
-               "metrics": metrics}
+        metrics = next(
+            f"http://{t}/metrics" for g in targets for t in g["targets"] if g["labels"].get("service") == "generator"
+        )
+        yield {
+            "proc": proc,
+            "out": out,
+            "run_dir": run_dir,
+            "url": url,
+            "event": event,
+            "key": key,
+            "auth": auth,
+            "metrics": metrics,
+        }
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -96,19 +136,24 @@ def test_relay_up_keys_the_endpoint_and_a_request_without_the_key_trains_nothing
     before = _metrics(run)
     session = {"X-Relay-Session": "stranger", "X-Relay-Group": "stranger"}
     for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Bearer guessed"}, {"Authorization": key}):
-        r = httpx.post(f"{url}/completions", json={"prompt": "5=", "max_tokens": 4}, headers={**headers, **session},
-                       timeout=30)
+        r = httpx.post(
+            f"{url}/completions", json={"prompt": "5=", "max_tokens": 4}, headers={**headers, **session}, timeout=30
+        )
         assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"], r.text
         r = httpx.post(f"{url}/relay/sessions/stranger/reward", json={"reward": 1.0}, headers=headers, timeout=30)
         assert r.status_code == 401, r.text
         assert httpx.get(f"{url}/models", headers=headers, timeout=10).status_code == 401
     after = _metrics(run)
-    for name, labels in (("relay_generator_openai_sessions_total", {"outcome": "started"}),
-                         ("relay_generator_openai_tokens_total", {"kind": "sampled"}),
-                         ("relay_generator_openai_groups_total", {"outcome": "sent"})):
+    for name, labels in (
+        ("relay_generator_openai_sessions_total", {"outcome": "started"}),
+        ("relay_generator_openai_tokens_total", {"kind": "sampled"}),
+        ("relay_generator_openai_groups_total", {"outcome": "sent"}),
+    ):
         assert metric_value(after, name, **labels) == metric_value(before, name, **labels), name  # nothing trained
-    assert metric_value(after, "relay_generator_openai_requests_total", endpoint="completions",
-                        outcome="unauthorized") == 4
+    assert (
+        metric_value(after, "relay_generator_openai_requests_total", endpoint="completions", outcome="unauthorized")
+        == 4
+    )
 
     # with the key, the same session is sampled and its group (of 1) goes to the broker, the reward marked
     # as the caller's
@@ -130,24 +175,41 @@ def test_a_cross_site_text_plain_post_is_refused(run):
     session = {"X-Relay-Session": "page"}
     for headers in ({}, auth):
         for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
-            r = httpx.post(f"{url}/completions", content=body,
-                           headers={**headers, **ORIGIN, **session, "Content-Type": ctype}, timeout=30)
+            r = httpx.post(
+                f"{url}/completions",
+                content=body,
+                headers={**headers, **ORIGIN, **session, "Content-Type": ctype},
+                timeout=30,
+            )
             assert r.status_code == (415 if headers else 401), r.text
             assert not any(h.startswith("access-control-") for h in r.headers)
-            r = httpx.post(f"{url}/relay/sessions/page/reward", content='{"reward": 1}',
-                           headers={**headers, **ORIGIN, "Content-Type": ctype}, timeout=30)
+            r = httpx.post(
+                f"{url}/relay/sessions/page/reward",
+                content='{"reward": 1}',
+                headers={**headers, **ORIGIN, "Content-Type": ctype},
+                timeout=30,
+            )
             assert r.status_code == (415 if headers else 401), r.text
-    r = httpx.post(f"{url}/completions", content=body, headers={**auth, **session, "Content-Type": "text/plain"},
-                   timeout=30)
+    r = httpx.post(
+        f"{url}/completions", content=body, headers={**auth, **session, "Content-Type": "text/plain"}, timeout=30
+    )
     assert "application/json" in r.json()["error"]["message"]
     # no CORS: the preflight of a JSON POST gets no allowance
-    pre = httpx.request("OPTIONS", f"{url}/completions", timeout=10, headers={
-        **ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
+    pre = httpx.request(
+        "OPTIONS",
+        f"{url}/completions",
+        timeout=10,
+        headers={
+            **ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert pre.status_code >= 400 and not any(h.startswith("access-control-") for h in pre.headers)
     after = _metrics(run)
-    assert metric_value(after, "relay_generator_openai_sessions_total", outcome="started") == \
-        metric_value(before, "relay_generator_openai_sessions_total", outcome="started")
+    assert metric_value(after, "relay_generator_openai_sessions_total", outcome="started") == metric_value(
+        before, "relay_generator_openai_sessions_total", outcome="started"
+    )
     assert metric_value(after, "relay_generator_openai_requests_total", outcome="unsupported_media_type") == 5
 
 

@@ -19,8 +19,12 @@ def _pipe(r, *commands):
 def test_replies_are_those_of_the_same_transaction_through_redis_py(redis_url):
     r = redis.Redis.from_url(redis_url)
     ot = OverlappedTransactions(r)
-    commands = [("SET", "a", "1"), ("INCR", "a"), ("RPUSH", "l", "x", "y"),
-                ("EVAL", "return {KEYS[1], ARGV[1], redis.call('GET', KEYS[1])}", 1, "a", "z")]
+    commands = [
+        ("SET", "a", "1"),
+        ("INCR", "a"),
+        ("RPUSH", "l", "x", "y"),
+        ("EVAL", "return {KEYS[1], ARGV[1], redis.call('GET', KEYS[1])}", 1, "a", "z"),
+    ]
     ot.send(_pipe(r, *commands))
     assert ot.in_flight
     got = ot.results()

@@ -52,11 +52,36 @@ def tokens(text: str) -> list[int]:
 def test_a_producer_written_from_the_docs_joins_relay_up_and_its_groups_are_trained(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    up = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--run-id", "r", "--producers", "1",
-                           "--steps", str(STEPS), "--generators", "1", "--dashboard-port", "0", "--no-progress",
-                           "--set", f"learner.batch_groups={BATCH}", "--set", "learner.checkpoint_every=4",
-                           "--set", "broker.eval.every_versions=0"],
-                          cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--run-id",
+            "r",
+            "--producers",
+            "1",
+            "--steps",
+            str(STEPS),
+            "--generators",
+            "1",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+            "--set",
+            f"learner.batch_groups={BATCH}",
+            "--set",
+            "learner.checkpoint_every=4",
+            "--set",
+            "broker.eval.every_versions=0",
+        ],
+        cwd=work,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run_dir = work / "runs" / "r"
     producer_file = run_dir / "secrets" / "producers" / "producer-0.json"
     try:
@@ -83,21 +108,46 @@ def test_a_producer_written_from_the_docs_joins_relay_up_and_its_groups_are_trai
         # refused: a key not in the allow-list gets no answer at all (5.4), its own key under another id is
         # rejected, and its Redis user may not write the replay queue (12.2)
         latest = msgpack.unpackb(r.get(key("latest")), raw=False)
-        probe = dict(run_id=run_id, prompt_id="0-1", prompt_ids=[1, 7, 14],
-                     samples=[{"completion_ids": [7, eos], "logprobs": [-0.5, -0.5],
-                               "versions": [latest["version"]] * 2, "finish_reason": "stop", "reward": 1.0}],
-                     weight_version=latest["version"], weight_hash=latest["hash"], sampling=sampling)
+        probe = dict(
+            run_id=run_id,
+            prompt_id="0-1",
+            prompt_ids=[1, 7, 14],
+            samples=[
+                {
+                    "completion_ids": [7, eos],
+                    "logprobs": [-0.5, -0.5],
+                    "versions": [latest["version"]] * 2,
+                    "finish_reason": "stop",
+                    "reward": 1.0,
+                }
+            ],
+            weight_version=latest["version"],
+            weight_hash=latest["hash"],
+            sampling=sampling,
+        )
         stranger = write_ingest_keys(tmp_path / "stranger", ["x"])["generators"]["x"]
         import zmq.auth
 
         public, secret = zmq.auth.load_certificate(stranger)
         gid = uuid.uuid4().hex
         with pytest.raises(TimeoutError):
-            send_group(address, gid, build_group(group_id=gid, generator_id=pid, **probe), timeout_s=1.0,
-                       give_up_s=3.0, curve=(curve[0], public.decode(), secret.decode()))
+            send_group(
+                address,
+                gid,
+                build_group(group_id=gid, generator_id=pid, **probe),
+                timeout_s=1.0,
+                give_up_s=3.0,
+                curve=(curve[0], public.decode(), secret.decode()),
+            )
         gid = uuid.uuid4().hex
-        ack = send_group(address, gid, build_group(group_id=gid, generator_id="gen-0", **probe), timeout_s=5.0,
-                         give_up_s=60.0, curve=curve)
+        ack = send_group(
+            address,
+            gid,
+            build_group(group_id=gid, generator_id="gen-0", **probe),
+            timeout_s=5.0,
+            give_up_s=60.0,
+            curve=curve,
+        )
         assert (ack["status"], ack["reason"]) == ("rejected", "wrong_generator"), ack
         with pytest.raises(redis.exceptions.NoPermissionError):
             r.xadd(key("trajectories"), {"gid": "forged", "v": "0", "gen": pid})
@@ -110,49 +160,91 @@ def test_a_producer_written_from_the_docs_joins_relay_up_and_its_groups_are_trai
         acks, sent, trained = [], [], set()
         while not r.exists(key("done")):
             assert up.poll() is None and time.monotonic() < deadline + 240, up.communicate()[0][-3000:]
-            _grant, entries = admit(keys=[key("admission"), key("stats:learner"), key("stats:broker"), key("issued"),
-                                          key("prompts")], args=[4, "generators", pid])
+            _grant, entries = admit(
+                keys=[key("admission"), key("stats:learner"), key("stats:broker"), key("issued"), key("prompts")],
+                args=[4, "generators", pid],
+            )
             latest = msgpack.unpackb(r.get(key("latest")), raw=False)
             for eid, fields in entries:
                 f = {k.decode(): v.decode() for k, v in zip(fields[::2], fields[1::2])}
                 right = tokens(f["reference"]) + [eos]
-                samples = [{"completion_ids": right if i % 2 == 0 else [TINY["0"], eos],
-                            "logprobs": [-0.25] * (len(right) if i % 2 == 0 else 2),
-                            "versions": [latest["version"]] * (len(right) if i % 2 == 0 else 2),
-                            "finish_reason": "stop", "reward": 1.0 if i % 2 == 0 else 0.0}
-                           for i in range(sampling["n"])]
+                samples = [
+                    {
+                        "completion_ids": right if i % 2 == 0 else [TINY["0"], eos],
+                        "logprobs": [-0.25] * (len(right) if i % 2 == 0 else 2),
+                        "versions": [latest["version"]] * (len(right) if i % 2 == 0 else 2),
+                        "finish_reason": "stop",
+                        "reward": 1.0 if i % 2 == 0 else 0.0,
+                    }
+                    for i in range(sampling["n"])
+                ]
                 gid = uuid.uuid4().hex
-                payload = build_group(group_id=gid, run_id=run_id, prompt_id=eid.decode(),
-                                      prompt_ids=[1] + tokens(f["text"]), samples=samples, generator_id=pid,
-                                      weight_version=latest["version"], weight_hash=latest["hash"],
-                                      sampling=sampling, task=f["task"], reference=f["reference"],
-                                      scored_at=time.time())
+                payload = build_group(
+                    group_id=gid,
+                    run_id=run_id,
+                    prompt_id=eid.decode(),
+                    prompt_ids=[1] + tokens(f["text"]),
+                    samples=samples,
+                    generator_id=pid,
+                    weight_version=latest["version"],
+                    weight_hash=latest["hash"],
+                    sampling=sampling,
+                    task=f["task"],
+                    reference=f["reference"],
+                    scored_at=time.time(),
+                )
                 acks.append(send_group(address, gid, payload, timeout_s=10.0, give_up_s=120.0, curve=curve))
                 sent.append(gid)
                 with r.pipeline(transaction=True) as pipe:  # 7.2 step 5: released after the final ack
                     pipe.xack(key("prompts"), "generators", eid)
                     pipe.xdel(key("prompts"), eid)
                     pipe.execute()
-            r.hset(key("generators"), pid, json.dumps({
-                "id": pid, "version": latest["version"], "hash": latest["hash"], "last_seen": time.time(),
-                "state": "sampling", "groups_sent": len(sent)}))
-            trained |= {g for g in sent if watch.sismember(key("trained"), g) or watch.sismember(key("trained_prev"), g)}
+            r.hset(
+                key("generators"),
+                pid,
+                json.dumps(
+                    {
+                        "id": pid,
+                        "version": latest["version"],
+                        "hash": latest["hash"],
+                        "last_seen": time.time(),
+                        "state": "sampling",
+                        "groups_sent": len(sent),
+                    }
+                ),
+            )
+            trained |= {
+                g for g in sent if watch.sismember(key("trained"), g) or watch.sismember(key("trained_prev"), g)
+            }
             if not entries:
                 time.sleep(0.05)
         trained |= {g for g in sent if watch.sismember(key("trained"), g) or watch.sismember(key("trained_prev"), g)}
         committed = int(watch.hget(key("stats:learner"), "committed") or 0)
         log = {e[1][b"gid"].decode() for e in watch.xrange(key("trained_log"))}
-        r.hset(key("generators"), pid, json.dumps({"id": pid, "version": latest["version"], "hash": latest["hash"],
-                                                    "last_seen": time.time(), "state": "stopped",
-                                                    "groups_sent": len(sent)}))
+        r.hset(
+            key("generators"),
+            pid,
+            json.dumps(
+                {
+                    "id": pid,
+                    "version": latest["version"],
+                    "hash": latest["hash"],
+                    "last_seen": time.time(),
+                    "state": "stopped",
+                    "groups_sent": len(sent),
+                }
+            ),
+        )
         out, _ = up.communicate(timeout=180)
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
     assert up.returncode == 0, out[-3000:]
-    print(f"producer-0: {len(sent)} groups acknowledged, {len(trained)} of them seen committed; the learner "
-          f"committed {committed} in all")
+    print(
+        f"producer-0: {len(sent)} groups acknowledged, {len(trained)} of them seen committed; the learner "
+        f"committed {committed} in all"
+    )
     assert "1 producer of your own may join as producer-0" in out and str(producer_file.parent) in out, out
     assert acks and all(a["status"] == "ok" for a in acks), [a for a in acks if a["status"] != "ok"][:3]
     assert trained and trained <= log, (len(sent), len(trained))  # trained: in the commit log of the run
@@ -174,10 +266,33 @@ def test_a_resumed_run_keeps_its_producer_and_rewrites_its_file_with_the_new_add
     work = tmp_path / "work"
     work.mkdir()
     cmd = [sys.executable, "-m", "deploy.cli", "up"]
-    up = subprocess.Popen(cmd + ["--run-id", "r", "--producers", "1", "--steps", "300", "--generators", "1",
-                                 "--dashboard-port", "0", "--no-progress", "--set", f"learner.batch_groups={BATCH}",
-                                 "--set", "learner.checkpoint_every=2", "--set", "broker.eval.every_versions=0"],
-                          cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        cmd
+        + [
+            "--run-id",
+            "r",
+            "--producers",
+            "1",
+            "--steps",
+            "300",
+            "--generators",
+            "1",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+            "--set",
+            f"learner.batch_groups={BATCH}",
+            "--set",
+            "learner.checkpoint_every=2",
+            "--set",
+            "broker.eval.every_versions=0",
+        ],
+        cwd=work,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run_dir = work / "runs" / "r"
     producer_file = run_dir / "secrets" / "producers" / "producer-0.json"
     metrics = run_dir / "learner" / "metrics.jsonl"
@@ -190,8 +305,14 @@ def test_a_resumed_run_keeps_its_producer_and_rewrites_its_file_with_the_new_add
         up.send_signal(signal.SIGINT)
         out, _ = up.communicate(timeout=120)
         assert up.returncode == 130, out[-3000:]
-        up = subprocess.Popen(cmd + ["--resume", "runs/r", "--dashboard-port", "0", "--no-progress"], cwd=work,
-                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        up = subprocess.Popen(
+            cmd + ["--resume", "runs/r", "--dashboard-port", "0", "--no-progress"],
+            cwd=work,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         steps = metrics.read_text().count("\n")
         while producer_file.stat().st_mtime_ns == written or metrics.read_text().count("\n") < steps + 2:
             assert up.poll() is None and time.monotonic() < deadline + 120, up.communicate()[0][-3000:]
@@ -202,13 +323,32 @@ def test_a_resumed_run_keeps_its_producer_and_rewrites_its_file_with_the_new_add
         latest = msgpack.unpackb(r.get(f"relay:{run_id}:latest"), raw=False)
         sampling = json.loads(r.hget(f"relay:{run_id}:run", "sampling"))
         gid = uuid.uuid4().hex
-        payload = build_group(group_id=gid, run_id=run_id, prompt_id="0-1", prompt_ids=[1, 7, 14],
-                              samples=[{"completion_ids": [7, 2], "logprobs": [-0.5, -0.5],
-                                        "versions": [latest["version"]] * 2, "finish_reason": "stop", "reward": 1.0},
-                                       {"completion_ids": [8, 2], "logprobs": [-0.5, -0.5],
-                                        "versions": [latest["version"]] * 2, "finish_reason": "stop", "reward": 0.0}],
-                              generator_id=pid, weight_version=latest["version"], weight_hash=latest["hash"],
-                              sampling=sampling)
+        payload = build_group(
+            group_id=gid,
+            run_id=run_id,
+            prompt_id="0-1",
+            prompt_ids=[1, 7, 14],
+            samples=[
+                {
+                    "completion_ids": [7, 2],
+                    "logprobs": [-0.5, -0.5],
+                    "versions": [latest["version"]] * 2,
+                    "finish_reason": "stop",
+                    "reward": 1.0,
+                },
+                {
+                    "completion_ids": [8, 2],
+                    "logprobs": [-0.5, -0.5],
+                    "versions": [latest["version"]] * 2,
+                    "finish_reason": "stop",
+                    "reward": 0.0,
+                },
+            ],
+            generator_id=pid,
+            weight_version=latest["version"],
+            weight_hash=latest["hash"],
+            sampling=sampling,
+        )
         ack = send_group(address, gid, payload, timeout_s=10.0, give_up_s=60.0, curve=curve)
         assert ack["status"] == "ok", ack
         up.send_signal(signal.SIGINT)

@@ -55,13 +55,32 @@ def test_batches_longer_than_the_claim_timeout_are_generated_once(procs, redis_u
     r, keys = redis.Redis.from_url(redis_url), Keys("t")
     path = build_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path)
-    Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10,
-              announce_key=announce_key(tmp_path)).publish(model, model.state_dict(), 0)
+    Publisher(
+        r,
+        keys,
+        str(tmp_path / "weights"),
+        AutoTokenizer.from_pretrained(path),
+        keep_versions=10,
+        announce_key=announce_key(tmp_path),
+    ).publish(model, model.state_dict(), 0)
     # 6 decode steps of 0.5 s: a batch holds its prompts ~3 s, three times claim_idle_s
     for i in range(2):
-        start_service(procs, f"gen-{i}", "generator", generator_cfg(
-            svc, redis_url, "t", f"g{i}", prompts_per_batch=2, claim_idle_s=1.0,
-            sampling={"n": 2, "max_tokens": 6}, backend={"type": "torch", "step_latency_s": 0.5}), tmp_path)
+        start_service(
+            procs,
+            f"gen-{i}",
+            "generator",
+            generator_cfg(
+                svc,
+                redis_url,
+                "t",
+                f"g{i}",
+                prompts_per_batch=2,
+                claim_idle_s=1.0,
+                sampling={"n": 2, "max_tokens": 6},
+                backend={"type": "torch", "step_latency_s": 0.5},
+            ),
+            tmp_path,
+        )
     wait_until(lambda: r.xlen(keys.trajectories) >= 12, 120, "12 groups from the two generators")
 
     groups = [g for _, g in queues.read_groups(r, keys)]

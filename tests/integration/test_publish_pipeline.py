@@ -29,8 +29,19 @@ def test_a_publisher_killed_mid_write_leaves_no_half_version_announced(redis_url
     for attempt in range(6):  # each restart carries on past what the previous one left
         if caught == 2:
             break
-        p = subprocess.Popen([sys.executable, "-m", "tests.support.publish_loop", redis_url, str(store),
-                              str(announce_key_file(tmp_path)), str(tmp_path / "model")], cwd=ROOT, env=child_env())
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.support.publish_loop",
+                redis_url,
+                str(store),
+                str(announce_key_file(tmp_path)),
+                str(tmp_path / "model"),
+            ],
+            cwd=ROOT,
+            env=child_env(),
+        )
         ours = f".tmp-v*-{p.pid}"  # the staging folders of this process (weightstore.staging_dir)
         try:
             deadline = time.monotonic() + 120

@@ -70,8 +70,10 @@ def test_the_smollm2_demo_runs_as_shown_at_small_size(tmp_path):
     (ROOT / ".cache").mkdir(exist_ok=True)  # shared: the model folder is built once
     for name in (".venv", ".cache", "Makefile", "pyproject.toml", "examples", "tests"):
         (work / name).symlink_to(ROOT / name)
-    small = ("--steps 1 --set learner.batch_groups=1 --set generator.prompts_per_batch=1 "
-             "--set generator.sampling.n=4 --set broker.eval.prompts=2 --dashboard-port 0 --no-progress")
+    small = (
+        "--steps 1 --set learner.batch_groups=1 --set generator.prompts_per_batch=1 "
+        "--set generator.sampling.n=4 --set broker.eval.prompts=2 --dashboard-port 0 --no-progress"
+    )
     res = _run(f'{cmd} RELAY_ARGS="{small}"', work, timeout=900)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     summary = json.loads((work / "runs" / "latest" / "summary.json").read_text())
@@ -85,9 +87,13 @@ def test_the_layout_table_has_one_line_per_folder_of_the_tree():
     table = README.split("## Layout", 1)[1]
     listed = re.findall(r"^\| `([\w/]+)/` \|", table, re.M)
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    packages = {str(Path(f).parent) for f in tracked.split() if f.endswith("__init__.py") and not f.startswith("tests/")}
+    packages = {
+        str(Path(f).parent) for f in tracked.split() if f.endswith("__init__.py") and not f.startswith("tests/")
+    }
     assert len(listed) == len(set(listed)), "a folder listed twice"
-    assert packages | {"tests"} <= set(listed), f"folders missing from the README's layout table: {packages - set(listed)}"
+    assert packages | {"tests"} <= set(listed), (
+        f"folders missing from the README's layout table: {packages - set(listed)}"
+    )
     assert all((ROOT / f).is_dir() for f in listed), "a folder in the table that does not exist"
 
 
@@ -101,15 +107,28 @@ def test_the_progress_capture_has_the_lines_relay_up_prints():
     assert all(re.match(r"step \d+/\d+  elapsed \S+  ", ln) for ln in capture), capture
     assert "waiting for the learner's first version" in capture[0]
     last = capture[-1]
-    m = re.search(r"step (\d+)/(\d+)  elapsed (\S+)  eta \S+  ([\d.]+) steps/s  (\d+) tok/s  reward ([\d.]+)  "
-                  r"loss (\S+)  len (\d+)/(\d+) cut (\d+)%  eval pass@1 ([\d.]+) \(v(\d+)\)  queue (\d+)  gen-0", last)
+    m = re.search(
+        r"step (\d+)/(\d+)  elapsed (\S+)  eta \S+  ([\d.]+) steps/s  (\d+) tok/s  reward ([\d.]+)  "
+        r"loss (\S+)  len (\d+)/(\d+) cut (\d+)%  eval pass@1 ([\d.]+) \(v(\d+)\)  queue (\d+)  gen-0",
+        last,
+    )
     assert m, last
     step, total = int(m[1]), int(m[2])
-    st = {"learner": {"step": step, "reward_mean": float(m[6]), "loss": float(m[7]),
-                      "completion_len_mean": float(m[8]), "completion_len_max": float(m[9]),
-                      "completion_truncated_frac": int(m[10]) / 100},
-          "learner_version": step, "queue_depth": int(m[13]),
-          "generators": [{"id": g.split(":v")[0], "version": int(g.split(":v")[1])} for g in last.split("  ")[-1].split()]}
+    st = {
+        "learner": {
+            "step": step,
+            "reward_mean": float(m[6]),
+            "loss": float(m[7]),
+            "completion_len_mean": float(m[8]),
+            "completion_len_max": float(m[9]),
+            "completion_truncated_frac": int(m[10]) / 100,
+        },
+        "learner_version": step,
+        "queue_depth": int(m[13]),
+        "generators": [
+            {"id": g.split(":v")[0], "version": int(g.split(":v")[1])} for g in last.split("  ")[-1].split()
+        ],
+    }
     mins, secs = re.fullmatch(r"(?:(\d+)m)?(\d+)s", m[3]).groups()
     elapsed = int(mins or 0) * 60 + int(secs)
     steps_s = float(m[4])
@@ -125,9 +144,18 @@ def test_the_end_of_run_capture_has_the_reports_lines():
     capture = _block_after("A run ends with a short report").splitlines()
     assert re.fullmatch(r"relay up: run \S+ completed: 600/600 steps in \d+m\d\ds", capture[0]), capture[0]
     labels = [ln.split()[0] for ln in capture[1:]]
-    summary = {"status": "completed", "run_id": "x", "steps": 600, "steps_total": 600, "reward_first": 0.1,
-               "reward_last": 0.9, "eval": [{"version": 0, "pass@1": 0.0}], "groups_trained": 1, "audit": {},
-               "export": {"path": "p", "version": 600}}
+    summary = {
+        "status": "completed",
+        "run_id": "x",
+        "steps": 600,
+        "steps_total": 600,
+        "reward_first": 0.1,
+        "reward_last": 0.9,
+        "eval": [{"version": 0, "pass@1": 0.0}],
+        "groups_trained": 1,
+        "audit": {},
+        "export": {"path": "p", "version": 600},
+    }
     assert labels == [ln.split()[0] for ln in format_report(summary, Path("runs/x")).splitlines()[1:]]
 
 
@@ -139,18 +167,37 @@ def test_the_failure_captures_are_what_relay_up_prints():
 
     warning, line = _block_after("What fails after start-up is said as it starts").splitlines()
     assert warning.startswith("relay up: warning: reward plugin 'raises' failed 264 samples: plugin_error: ")
-    st = {"learner": {"groups_dropped_reward_failed": 704}, "learner_version": 0, "queue_depth": 0,
-          "generators": [{"id": "gen-0", "version": 0, "reward_ok": 0}],
-          "failures": {"reward_failures": 5128, "reward_failures_by_plugin": {"raises": 5128}}}
+    st = {
+        "learner": {"groups_dropped_reward_failed": 704},
+        "learner_version": 0,
+        "queue_depth": 0,
+        "generators": [{"id": "gen-0", "version": 0, "reward_ok": 0}],
+        "failures": {"reward_failures": 5128, "reward_failures_by_plugin": {"raises": 5128}},
+    }
     assert progress_line(st, 20, 47.0, None, None, {"version": 0, "pass@1": 0.0}) == line
     capture = _block_after("What went wrong on the way has lines of its own").splitlines()
     reason = "plugin_error: ValueError: the test plugin's own bug"
-    summary = {"status": "failed", "run_id": "raise3", "steps": 0, "steps_total": 20, "wall_seconds": 86.0,
-               "reward_first": None, "reward_last": None,
-               "eval": [{"version": 0, "pass@1": 0.0}], "groups_trained": 0, "groups_dropped_stale": 0,
-               "groups_dropped": {"reward_failed": 3488}, "groups_rejected": 0, "audit": {"lost": 0, "trained_twice": 0},
-               "reward_failures": {"samples": 28032, "samples_scored": 0, "by_plugin": {"raises": 28032},
-                                   "last_reason": {"raises": reason}},
-               "warnings": [warning.removeprefix("relay up: warning: ")], "error": capture[-1].removeprefix(
-                   "relay up: error: ")}
+    summary = {
+        "status": "failed",
+        "run_id": "raise3",
+        "steps": 0,
+        "steps_total": 20,
+        "wall_seconds": 86.0,
+        "reward_first": None,
+        "reward_last": None,
+        "eval": [{"version": 0, "pass@1": 0.0}],
+        "groups_trained": 0,
+        "groups_dropped_stale": 0,
+        "groups_dropped": {"reward_failed": 3488},
+        "groups_rejected": 0,
+        "audit": {"lost": 0, "trained_twice": 0},
+        "reward_failures": {
+            "samples": 28032,
+            "samples_scored": 0,
+            "by_plugin": {"raises": 28032},
+            "last_reason": {"raises": reason},
+        },
+        "warnings": [warning.removeprefix("relay up: warning: ")],
+        "error": capture[-1].removeprefix("relay up: error: "),
+    }
     assert format_report(summary, Path("runs/raise3")).splitlines() == capture[:-1]

@@ -42,12 +42,14 @@ def test_secrets_are_private_files(acl_redis, tmp_path):
 def test_without_the_password_nothing_of_the_run_can_be_read_or_written(acl_redis):
     users, port = acl_redis
     anon = _client(f"redis://127.0.0.1:{port}/0")
-    for cmd in (("GET", f"relay:{RUN}:latest"), ("SET", f"relay:{RUN}:latest", "forged"), ("FLUSHALL",),
-                ("KEYS", "*")):
+    for cmd in (("GET", f"relay:{RUN}:latest"), ("SET", f"relay:{RUN}:latest", "forged"), ("FLUSHALL",), ("KEYS", "*")):
         with pytest.raises(redis.AuthenticationError):
             anon.execute_command(*cmd)
-    for url in (f"redis://default:@127.0.0.1:{port}/0", f"redis://learner:wrong@127.0.0.1:{port}/0",
-                f"redis://default:{users.passwords['learner']}@127.0.0.1:{port}/0"):
+    for url in (
+        f"redis://default:@127.0.0.1:{port}/0",
+        f"redis://learner:wrong@127.0.0.1:{port}/0",
+        f"redis://default:{users.passwords['learner']}@127.0.0.1:{port}/0",
+    ):
         with pytest.raises(redis.AuthenticationError):
             _client(url).ping()
 
@@ -58,18 +60,34 @@ def test_a_service_user_reaches_only_the_runs_keys_and_no_dangerous_command(acl_
     gen.hset(f"relay:{RUN}:generators", "g", b"{}")  # its heartbeat
     assert gen.incrby(f"relay:{RUN}:issued", 1) == 1
     assert gen.get(f"relay:{RUN}:issued") == b"1"
-    for cmd in (("SET", "relay:other:latest", "x"), ("GET", "relay:other:latest"), ("SET", "elsewhere", "x"),
-                ("PUBLISH", "relay:other:announce", "x"), ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"),
-                ("CONFIG", "SET", "dir", "/tmp"), ("KEYS", "*"), ("SAVE",), ("SWAPDB", "0", "1"), ("SHUTDOWN",),
-                ("ACL", "LIST"), ("MONITOR",), ("CLIENT", "KILL", "TYPE", "normal")):
+    for cmd in (
+        ("SET", "relay:other:latest", "x"),
+        ("GET", "relay:other:latest"),
+        ("SET", "elsewhere", "x"),
+        ("PUBLISH", "relay:other:announce", "x"),
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("CONFIG", "GET", "*"),
+        ("CONFIG", "SET", "dir", "/tmp"),
+        ("KEYS", "*"),
+        ("SAVE",),
+        ("SWAPDB", "0", "1"),
+        ("SHUTDOWN",),
+        ("ACL", "LIST"),
+        ("MONITOR",),
+        ("CLIENT", "KILL", "TYPE", "normal"),
+    ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             gen.execute_command(*cmd)
     assert gen.get(f"relay:{RUN}:issued") == b"1"  # nothing was flushed
     # the launcher only watches: it reads the run's keys (and INFO), writes nothing
     watcher = _client(users.url("launcher", port))
     assert watcher.get(f"relay:{RUN}:issued") == b"1" and "used_memory" in watcher.info("memory")
-    for cmd in (("SET", f"relay:{RUN}:latest", "forged"), ("DEL", f"relay:{RUN}:issued"),
-                ("HSET", f"relay:{RUN}:versions", "9", "x")):
+    for cmd in (
+        ("SET", f"relay:{RUN}:latest", "forged"),
+        ("DEL", f"relay:{RUN}:issued"),
+        ("HSET", f"relay:{RUN}:versions", "9", "x"),
+    ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             watcher.execute_command(*cmd)
 
@@ -104,15 +122,27 @@ def test_the_generators_user_cannot_write_the_replay_queue_nor_an_announcement(a
     assert broker.xlen(keys.trajectories) == 1
     payload = encode_group(make_group(group_id="forged"))
     eid = broker.xrange(keys.trajectories)[0][0].decode()
-    for cmd in (("XADD", keys.trajectories, "*", "gid", "forged", "v", "3", "gen", "gen-0"),
-                ("SET", keys.payload("9999999999999-0"), payload), ("SET", keys.payload(eid), payload),
-                ("DEL", keys.payload(eid)), ("XDEL", keys.trajectories, eid), ("SADD", keys.seen, "x"),
-                ("SET", keys.staged("x"), payload), ("GET", keys.payload(eid)), ("XLEN", keys.trajectories),
-                ("SET", keys.latest, b"forged"), ("HSET", keys.versions, "1000000000", b"forged"),
-                ("PUBLISH", keys.announce, b"forged"), ("HSET", keys.admission, "eta", "1000000"),
-                ("HSET", keys.stats("learner"), "consumed", "0"), ("SET", keys.done, "over"),
-                ("XADD", keys.prompts, "*", "prompt", "mine"), ("HSET", keys.run, "reward_url", "http://evil"),
-                ("HSET", keys.collective, "host", "evil"), ("HSET", keys.ipc, "current", "x")):
+    for cmd in (
+        ("XADD", keys.trajectories, "*", "gid", "forged", "v", "3", "gen", "gen-0"),
+        ("SET", keys.payload("9999999999999-0"), payload),
+        ("SET", keys.payload(eid), payload),
+        ("DEL", keys.payload(eid)),
+        ("XDEL", keys.trajectories, eid),
+        ("SADD", keys.seen, "x"),
+        ("SET", keys.staged("x"), payload),
+        ("GET", keys.payload(eid)),
+        ("XLEN", keys.trajectories),
+        ("SET", keys.latest, b"forged"),
+        ("HSET", keys.versions, "1000000000", b"forged"),
+        ("PUBLISH", keys.announce, b"forged"),
+        ("HSET", keys.admission, "eta", "1000000"),
+        ("HSET", keys.stats("learner"), "consumed", "0"),
+        ("SET", keys.done, "over"),
+        ("XADD", keys.prompts, "*", "prompt", "mine"),
+        ("HSET", keys.run, "reward_url", "http://evil"),
+        ("HSET", keys.collective, "host", "evil"),
+        ("HSET", keys.ipc, "current", "x"),
+    ):
         assert _denied(gen, *cmd), cmd
     # nor through a script: EVAL passes only the keys a generator may touch, and each command inside is checked
     assert _denied(gen, "EVAL", "return redis.call('XADD', KEYS[1], '*', 'gid', 'x')", 1, keys.trajectories)
@@ -139,7 +169,8 @@ def test_run_redis_url_gives_the_launchers_credentials(tmp_path):
     users.write(tmp_path)
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "broker.json").write_text(
-        '{"run_id": "acl", "redis_url": "redis://broker:***@127.0.0.1:6399/0"}')
+        '{"run_id": "acl", "redis_url": "redis://broker:***@127.0.0.1:6399/0"}'
+    )
     assert run_redis_url(tmp_path) == users.url("launcher", 6399)
 
 

@@ -23,17 +23,44 @@ ITEM = {"items": [{"prompt": "1 2 3", "completion": "1 2 3", "reference": "123",
 
 def test_the_reward_service_of_a_run_answers_only_with_the_run_s_token(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "up", "--steps", "5000", "--dashboard-port", "0", "--runs-dir",
-         str(tmp_path), "--run-id", "tok", "--no-progress", "--set", "learner.batch_groups=2",
-         "--set", "generator.prompts_per_batch=2", "--set", "generator.sampling.n=2"],
-        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--steps",
+            "5000",
+            "--dashboard-port",
+            "0",
+            "--runs-dir",
+            str(tmp_path),
+            "--run-id",
+            "tok",
+            "--no-progress",
+            "--set",
+            "learner.batch_groups=2",
+            "--set",
+            "generator.prompts_per_batch=2",
+            "--set",
+            "generator.sampling.n=2",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(x) for x in proc.stdout], daemon=True).start()
     try:
-        m = wait_until(lambda: re.search(r"reward service at (http://127\.0\.0\.1:\d+) \(.*secrets/reward\.token",
-                                         "".join(lines)), 120, "the reward service's URL")
+        m = wait_until(
+            lambda: re.search(r"reward service at (http://127\.0\.0\.1:\d+) \(.*secrets/reward\.token", "".join(lines)),
+            120,
+            "the reward service's URL",
+        )
         url = m.group(1)
         dash = re.search(r"dashboard at (http://127\.0\.0\.1:\d+/)", "".join(lines)).group(1)
+
         # the generators send the token: their groups are scored and trained on
         def stepped():
             if proc.poll() is not None:
@@ -51,8 +78,10 @@ def test_the_reward_service_of_a_run_answers_only_with_the_run_s_token(tmp_path)
         token = path.read_text().strip()
         assert len(token) >= 43
         assert httpx.post(f"{url}/score", json=ITEM, timeout=10).status_code == 401
-        assert httpx.post(f"{url}/score", json=ITEM, headers={"Authorization": "Bearer guess"},
-                          timeout=10).status_code == 401
+        assert (
+            httpx.post(f"{url}/score", json=ITEM, headers={"Authorization": "Bearer guess"}, timeout=10).status_code
+            == 401
+        )
         ok = httpx.post(f"{url}/score", json=ITEM, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         assert ok.status_code == 200 and ok.json()["results"][0]["status"] == "ok"
         # the token is nowhere in the run's config files or its logs

@@ -16,8 +16,11 @@ from generators.envs.registry import build_env
 from tests.support.services import ROOT, child_env, wait_http
 
 NODE = shutil.which("node")
-pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed (`make nodejs` installs it as root): "
-                                "this test's remote environment server is written in Node")
+pytestmark = pytest.mark.skipif(
+    NODE is None,
+    reason="node is not installed (`make nodejs` installs it as root): "
+    "this test's remote environment server is written in Node",
+)
 
 P = PromptEntry("7*8=", reference="56", task="calc")
 
@@ -67,8 +70,17 @@ def _failing_step(factory, url: str, mode: str) -> EnvError:
 def test_episodes_and_failures_by_reason(procs, monkeypatch):
     url = _server(procs, token="s3cret")
     monkeypatch.setenv("ENV_TOKEN", "s3cret")
-    factory = build_env("remote", {"url": url, "token_env": "ENV_TOKEN", "timeout_s": 0.5, "retries": 1,
-                                   "backoff_s": 0.01, "breaker_failures": 100})
+    factory = build_env(
+        "remote",
+        {
+            "url": url,
+            "token_env": "ENV_TOKEN",
+            "timeout_s": 0.5,
+            "retries": 1,
+            "backoff_s": 0.01,
+            "breaker_failures": 100,
+        },
+    )
     try:
         assert _episode(factory) == 1.0
         stats = httpx.get(f"{url}/stats").json()
@@ -99,8 +111,9 @@ def test_episodes_and_failures_by_reason(procs, monkeypatch):
 
 def test_circuit_opens_after_repeated_failures_and_recovers(procs):
     url = _server(procs)
-    factory = build_env("remote", {"url": url, "timeout_s": 2, "retries": 0, "breaker_failures": 3,
-                                   "breaker_reset_s": 1.0})
+    factory = build_env(
+        "remote", {"url": url, "timeout_s": 2, "retries": 0, "breaker_failures": 3, "breaker_reset_s": 1.0}
+    )
     try:
         _mode(url, "500")
         reasons = []
@@ -123,6 +136,7 @@ def test_circuit_opens_after_repeated_failures_and_recovers(procs):
 
 def test_closing_the_factory_ends_calls_in_flight(procs):
     import threading
+
     url = _server(procs)
     factory = build_env("remote", {"url": url, "timeout_s": 60, "retries": 0})
     env = factory()
@@ -149,6 +163,7 @@ def test_closing_the_factory_ends_calls_in_flight(procs):
 
 def test_the_node_server_of_docs_agents_md_runs_episodes(procs, tmp_path):
     import re
+
     doc = (ROOT / "docs" / "agents.md").read_text()
     src = re.search(r"```js\n(.*?)```", doc, re.DOTALL).group(1)
     port = free_port()

@@ -25,8 +25,9 @@ def pki(tmp_path):
 
 
 def _episode(url: str, **options):
-    factory = build_env("remote", {"url": url, "token": TOKEN, "retries": 2, "backoff_s": 0.01, "timeout_s": 5,
-                                   **options})
+    factory = build_env(
+        "remote", {"url": url, "token": TOKEN, "retries": 2, "backoff_s": 0.01, "timeout_s": 5, **options}
+    )
     try:
         env = factory()
         env.reset(P)

@@ -27,8 +27,18 @@ STEPS, GROUPS, N = 20, 4, 4
 def test_loop_trains_on_a_remote_reward_server_and_survives_its_failures(procs, tmp_path):
     port = free_port()
     env = dict(child_env(), REMOTE_TOKEN="s3cret-token")
-    server = procs.start("remote", [sys.executable, str(ROOT / "tests" / "support" / "remote_reward_server.py"), "--port",
-                                    str(port), "--token-env", "REMOTE_TOKEN"], env=env)
+    server = procs.start(
+        "remote",
+        [
+            sys.executable,
+            str(ROOT / "tests" / "support" / "remote_reward_server.py"),
+            "--port",
+            str(port),
+            "--token-env",
+            "REMOTE_TOKEN",
+        ],
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/stats", server)
     cfg = tmp_path / "run.toml"
@@ -56,10 +66,32 @@ batch_groups = {GROUPS}
 prompts_per_batch = {GROUPS}
 sampling = {{ n = {N} }}
 """)
-    up = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--steps", str(STEPS), "--generators", "1",
-                           "--config", str(cfg), "--runs-dir", str(tmp_path), "--run-id", "remote",
-                           "--dashboard-port", "0", "--no-progress"], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--steps",
+            str(STEPS),
+            "--generators",
+            "1",
+            "--config",
+            str(cfg),
+            "--runs-dir",
+            str(tmp_path),
+            "--run-id",
+            "remote",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = tmp_path / "remote"
     try:
         deadline = time.monotonic() + 240
@@ -75,8 +107,12 @@ sampling = {{ n = {N} }}
 
         def heartbeat() -> dict:
             hbs = list(read_heartbeats(r, keys).values())
-            return {"state": hbs[0].state if hbs else "", "pauses": sum(h.reward_pauses for h in hbs),
-                    "sent": sum(h.groups_sent for h in hbs), "failures": sum(h.reward_failures for h in hbs)}
+            return {
+                "state": hbs[0].state if hbs else "",
+                "pauses": sum(h.reward_pauses for h in hbs),
+                "sent": sum(h.groups_sent for h in hbs),
+                "failures": sum(h.reward_failures for h in hbs),
+            }
 
         def dropped() -> int:
             lines = (run / "learner" / "metrics.jsonl").read_text().splitlines()
@@ -85,10 +121,18 @@ sampling = {{ n = {N} }}
         seen = {}
         # 500s and hangs are outages: the generator holds its batch and pauses (no prompt burnt, nothing
         # dropped); the 500 phase lasts 30 s. Garbage is the plugin's fault, not an outage: failed, dropped.
-        for mode, reason, outage_s in (("500", "remote_http_500", 30.0), ("hang", "remote_timeout", 0.0),
-                                       ("garbage", "remote_malformed", None)):
-            before = metric_value(httpx.get(f"{reward}/metrics").text, "relay_reward_items_total", plugin="scorer",
-                             status="failed", reason=reason)
+        for mode, reason, outage_s in (
+            ("500", "remote_http_500", 30.0),
+            ("hang", "remote_timeout", 0.0),
+            ("garbage", "remote_malformed", None),
+        ):
+            before = metric_value(
+                httpx.get(f"{reward}/metrics").text,
+                "relay_reward_items_total",
+                plugin="scorer",
+                status="failed",
+                reason=reason,
+            )
             hb_before = heartbeat()
             httpx.post(f"{base}/control", json={"mode": mode})
             t_end = time.monotonic() + 90
@@ -97,8 +141,11 @@ sampling = {{ n = {N} }}
                 text = httpx.get(f"{reward}/metrics").text
                 now = metric_value(text, "relay_reward_items_total", plugin="scorer", status="failed", reason=reason)
                 hb = heartbeat()
-                if now > before and (hb["failures"] > hb_before["failures"] if outage_s is None
-                                     else hb["state"] == "paused_reward" and hb["pauses"] > hb_before["pauses"]):
+                if now > before and (
+                    hb["failures"] > hb_before["failures"]
+                    if outage_s is None
+                    else hb["state"] == "paused_reward" and hb["pauses"] > hb_before["pauses"]
+                ):
                     break
                 assert time.monotonic() < t_end, f"no {reason} failure counted in the {mode} phase:\n{text} {hb}"
                 time.sleep(0.3)
@@ -108,18 +155,29 @@ sampling = {{ n = {N} }}
                 hb = heartbeat()
                 assert hb["state"] == "paused_reward" and hb["sent"] == held["sent"], (held, hb)
                 assert hb["failures"] == held["failures"] == hb_before["failures"] and dropped() == dropped_before
-                now = metric_value(httpx.get(f"{reward}/metrics").text, "relay_reward_items_total", plugin="scorer",
-                                   status="failed", reason=reason)
+                now = metric_value(
+                    httpx.get(f"{reward}/metrics").text,
+                    "relay_reward_items_total",
+                    plugin="scorer",
+                    status="failed",
+                    reason=reason,
+                )
                 assert now > before and time.monotonic() - paused_at >= outage_s
             seen[mode] = now - before
             httpx.post(f"{base}/control", json={"mode": "ok"})
             if outage_s is not None:  # the held batch goes out scored: the generator sends again
-                wait_until(lambda: heartbeat()["sent"] > hb_before["sent"] and heartbeat()["state"] != "paused_reward",
-                           120, f"the generator to resume after the {mode} outage")
+                wait_until(
+                    lambda: heartbeat()["sent"] > hb_before["sent"] and heartbeat()["state"] != "paused_reward",
+                    120,
+                    f"the generator to resume after the {mode} outage",
+                )
         # the reward service counts a batch's failures at once, the generator as it sends its groups (and
         # heartbeats once a second): let it catch up with the garbage phase's last batch
-        wait_until(lambda: heartbeat_failures() >= seen["garbage"], 60,
-                   f"the generator to count the garbage phase's {seen['garbage']} failures")
+        wait_until(
+            lambda: heartbeat_failures() >= seen["garbage"],
+            60,
+            f"the generator to count the garbage phase's {seen['garbage']} failures",
+        )
         hb_failures = heartbeat_failures()
         final_metrics = ""
         while up.poll() is None:  # the last scrape before the run ends (the service stops with it)
@@ -141,7 +199,11 @@ sampling = {{ n = {N} }}
     stats = httpx.get(f"{base}/stats").json()
     assert stats["items_scored"] >= STEPS * GROUPS * N, stats
     assert stats["unauthorized"] == 0  # the bearer token from token_env reached it
-    assert 0 < metric_value(final_metrics, "relay_reward_items_total", plugin="scorer", status="ok") <= stats["items_scored"]
+    assert (
+        0
+        < metric_value(final_metrics, "relay_reward_items_total", plugin="scorer", status="ok")
+        <= stats["items_scored"]
+    )
     assert metric_value(final_metrics, "relay_reward_items_total", plugin="digits") == 0
     # failures were failures: counted by plugin and reason, by the generators, and dropped by the learner
     assert all(v > 0 for v in seen.values()), seen

@@ -24,14 +24,38 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     work.mkdir()
     (work / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the README's .venv/bin/relay
     runs = work / "runs"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--run-id", "r",
-                             "--steps", str(STEPS), "--generators", "1", "--dashboard-port", "0", "--no-progress",
-                             "--set", f"learner.batch_groups={BATCH}", "--set", "learner.checkpoint_every=7",
-                             "--set", "broker.eval.every_versions=0",
-                             # two ingest workers: the generator spreads its groups over both, and exactly-once
-                             # holds across them, a crash and the resumes (which may move their ports)
-                             "--set", "broker.ingest_workers=2"],
-                            cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--run-id",
+            "r",
+            "--steps",
+            str(STEPS),
+            "--generators",
+            "1",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+            "--set",
+            f"learner.batch_groups={BATCH}",
+            "--set",
+            "learner.checkpoint_every=7",
+            "--set",
+            "broker.eval.every_versions=0",
+            # two ingest workers: the generator spreads its groups over both, and exactly-once
+            # holds across them, a crash and the resumes (which may move their ports)
+            "--set",
+            "broker.ingest_workers=2",
+        ],
+        cwd=work,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = runs / "r"
     metrics = run / "learner" / "metrics.jsonl"
     _wait(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 3, proc)
@@ -52,9 +76,13 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
     assert "interrupted: " in out and "{" not in out, out  # the report, not summary.json
 
     # resumed, then crashed: relay up killed outright (its children get SIGTERM from the kernel)
-    crash = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--resume", "runs/r", "--dashboard-port", "0",
-                              "--no-progress"], cwd=work, env=child_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    crash = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "up", "--resume", "runs/r", "--dashboard-port", "0", "--no-progress"],
+        cwd=work,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     _wait(lambda: metrics.read_text().count("\n") >= first["steps"] + 5, crash)
     crash.kill()
     crash.wait()
@@ -64,7 +92,9 @@ def test_ctrl_c_then_resume_trains_every_group_once_to_the_configured_steps(tmp_
         time.sleep(0.2)
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"  # part 1's: nothing since
 
-    block = re.search(r"for a finished run or one that was stopped:\s*```\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    block = re.search(
+        r"for a finished run or one that was stopped:\s*```\n(.*?)```", (ROOT / "README.md").read_text(), re.S
+    )
     assert block, "README lost its resume commands"
     status, resume = [c for c in block.group(1).splitlines() if c]
     assert resume == ".venv/bin/relay up --resume runs/latest" and status == ".venv/bin/relay status runs/latest"
@@ -114,10 +144,32 @@ def test_a_two_generator_run_stopped_and_resumed_rejects_no_group_and_publishes_
     (work / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the README's .venv/bin/relay
     run = work / "runs" / "r"
     metrics = run / "learner" / "metrics.jsonl"
-    proc = subprocess.Popen([".venv/bin/relay", "up", "--run-id", "r", "--steps", str(steps), "--generators", "2",
-                             "--dashboard-port", "0", "--no-progress", "--set", f"learner.batch_groups={BATCH}",
-                             "--set", "learner.checkpoint_every=7", "--set", "broker.eval.every_versions=0"],
-                            cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            ".venv/bin/relay",
+            "up",
+            "--run-id",
+            "r",
+            "--steps",
+            str(steps),
+            "--generators",
+            "2",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+            "--set",
+            f"learner.batch_groups={BATCH}",
+            "--set",
+            "learner.checkpoint_every=7",
+            "--set",
+            "broker.eval.every_versions=0",
+        ],
+        cwd=work,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     _wait(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 8, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)

@@ -14,8 +14,10 @@ from deploy.launcher.procs import free_port
 from tests.support.services import ROOT, child_env, wait_http
 from tests.support.services import metric_value
 
-ITEMS = [{"prompt": "12=", "completion": "12", "reference": "12", "task": "copy"},
-         {"prompt": "12=", "completion": "19", "reference": "12", "task": "copy"}]
+ITEMS = [
+    {"prompt": "12=", "completion": "12", "reference": "12", "task": "copy"},
+    {"prompt": "12=", "completion": "19", "reference": "12", "task": "copy"},
+]
 
 
 def _remote(procs, token: str = ""):
@@ -34,8 +36,12 @@ def _service(procs, tmp_path, cfg: dict, env: dict | None = None) -> str:
     port = free_port()
     path = tmp_path / "reward.json"
     path.write_text(json.dumps({"port": port, **cfg}))
-    child = procs.start("reward", [sys.executable, "-m", "deploy.cli", "reward", "--config", str(path)],
-                        env={**child_env(), **(env or {})}, cwd=str(ROOT))
+    child = procs.start(
+        "reward",
+        [sys.executable, "-m", "deploy.cli", "reward", "--config", str(path)],
+        env={**child_env(), **(env or {})},
+        cwd=str(ROOT),
+    )
     wait_http(f"http://127.0.0.1:{port}/healthz", child)
     return f"http://127.0.0.1:{port}"
 
@@ -45,16 +51,32 @@ def test_remote_plugin_failures_are_failed_items_with_reasons_and_the_breaker_op
     server is out (5xx, timeouts) count toward the circuit breaker: a 401 (a wrong token) or garbage came
     from a server that answered, and never open it (so they are never taken for an outage)."""
     remote = _remote(procs, token="tok")
-    opts = {"url": f"{remote}/score", "token_env": "REMOTE_TOKEN", "timeout_s": 0.5, "retries": 1, "backoff_s": 0.01,
-            "breaker_failures": 4, "breaker_reset_s": 1.0}
-    base = _service(procs, tmp_path, {"plugins": {"rm": {"type": "remote", "options": opts},
-                                                  "rm_notoken": {"type": "remote", "options": {
-                                                      "url": f"{remote}/score", "retries": 3}}},
-                                      "task_plugins": {"copy": "rm", "nt": "rm_notoken"}},
-                    env={"REMOTE_TOKEN": "tok"})
+    opts = {
+        "url": f"{remote}/score",
+        "token_env": "REMOTE_TOKEN",
+        "timeout_s": 0.5,
+        "retries": 1,
+        "backoff_s": 0.01,
+        "breaker_failures": 4,
+        "breaker_reset_s": 1.0,
+    }
+    base = _service(
+        procs,
+        tmp_path,
+        {
+            "plugins": {
+                "rm": {"type": "remote", "options": opts},
+                "rm_notoken": {"type": "remote", "options": {"url": f"{remote}/score", "retries": 3}},
+            },
+            "task_plugins": {"copy": "rm", "nt": "rm_notoken"},
+        },
+        env={"REMOTE_TOKEN": "tok"},
+    )
 
     def score(task="copy"):
-        return httpx.post(f"{base}/score", json={"items": [dict(it, task=task) for it in ITEMS]}, timeout=30).json()["results"]
+        return httpx.post(f"{base}/score", json={"items": [dict(it, task=task) for it in ITEMS]}, timeout=30).json()[
+            "results"
+        ]
 
     ok = score()
     assert [r["score"] for r in ok] == [1.0, 0.5] and ok[1]["details"] == {"prefix": 1.0}
@@ -106,9 +128,14 @@ class Judge(BaseHTTPRequestHandler):
         Judge.requests.append((self.path, self.headers.get("Authorization"), body))
         user = body["messages"][-1]["content"]
         text = "Score: 10" if "Response:\nParis" in user else ("I refuse" if "Response:\n???" in user else "Score: 3")
-        out = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
-                          "choices": [{"index": 0, "finish_reason": "stop",
-                                       "message": {"role": "assistant", "content": text}}]}).encode()
+        out = json.dumps(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -121,11 +148,21 @@ def test_judge_through_an_openai_compatible_endpoint(procs, tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         api = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        base = _service(procs, tmp_path, {"plugins": {"j": {"type": "judge", "options": {
-            "base_url": api, "model": "grader-1", "token_env": "JUDGE_KEY"}}}, "task_plugins": {"qa": "j"}},
-            env={"JUDGE_KEY": "sk-test"})
-        items = [{"prompt": "Capital of France?", "completion": c, "reference": "Paris", "task": "qa"}
-                 for c in ("Paris", "Lyon", "???")]
+        base = _service(
+            procs,
+            tmp_path,
+            {
+                "plugins": {
+                    "j": {"type": "judge", "options": {"base_url": api, "model": "grader-1", "token_env": "JUDGE_KEY"}}
+                },
+                "task_plugins": {"qa": "j"},
+            },
+            env={"JUDGE_KEY": "sk-test"},
+        )
+        items = [
+            {"prompt": "Capital of France?", "completion": c, "reference": "Paris", "task": "qa"}
+            for c in ("Paris", "Lyon", "???")
+        ]
         res = httpx.post(f"{base}/score", json={"items": items}, timeout=30).json()["results"]
         assert [r["score"] for r in res] == [1.0, 0.3, None]
         assert res[2]["reason"].startswith("judge_unparsable")
@@ -174,15 +211,19 @@ def test_an_unauthenticated_31_mib_body_is_refused_from_its_headers_without_bein
     port = int(base.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         # an attacker without the token announces 31 MiB and sends 1 KiB of it: the reply must not wait for more
-        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % (31 * 2 ** 20) + b"{" * 1024)
+        s.sendall(
+            b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (31 * 2**20) + b"{" * 1024
+        )
         t0 = time.monotonic()
         head = _head(s)
     assert head.startswith(b"HTTP/1.1 401") and time.monotonic() - t0 < 5, head
     auth = {"Authorization": "Bearer letmein"}
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # with the token, over the limit: 413
-        s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer letmein\r\n"
-                  b"Content-Length: %d\r\n\r\n" % (33 * 2 ** 20))
+        s.sendall(
+            b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer letmein\r\n"
+            b"Content-Length: %d\r\n\r\n" % (33 * 2**20)
+        )
         assert _head(s).startswith(b"HTTP/1.1 413")
     assert httpx.post(f"{base}/score", json={"items": ITEMS}, headers=auth).json()["results"][0]["score"] == 1.0
 
@@ -190,8 +231,14 @@ def test_an_unauthenticated_31_mib_body_is_refused_from_its_headers_without_bein
 def test_a_client_that_goes_away_has_its_scoring_cancelled(procs, tmp_path):
     remote = _remote(procs)
     httpx.post(f"{remote}/control", json={"mode": "hang"})  # the remote takes 60 s to answer
-    base = _service(procs, tmp_path, {"plugins": {"rm": {"type": "remote", "options": {
-        "url": f"{remote}/score", "timeout_s": 30, "retries": 1}}}, "task_plugins": {"copy": "rm"}})
+    base = _service(
+        procs,
+        tmp_path,
+        {
+            "plugins": {"rm": {"type": "remote", "options": {"url": f"{remote}/score", "timeout_s": 30, "retries": 1}}},
+            "task_plugins": {"copy": "rm"},
+        },
+    )
     try:
         httpx.post(f"{base}/score", json={"items": ITEMS}, timeout=1.0)
         raise AssertionError("the remote hangs: the request cannot be answered within 1 s")

@@ -26,6 +26,10 @@ def test_batch_scoring_over_http_keeps_order_and_reports_failures(procs, tmp_pat
     bad = httpx.post(f"{base}/score", json={"items": [{"completion": 3}]})
     assert bad.status_code == 422  # malformed request: a clear client error, not a 500
     metrics = httpx.get(f"{base}/metrics").text
-    assert metric_value(metrics, "relay_reward_items_total", plugin="no_such_task", reason="unknown_plugin",
-                   status="failed") == 1.0
+    assert (
+        metric_value(
+            metrics, "relay_reward_items_total", plugin="no_such_task", reason="unknown_plugin", status="failed"
+        )
+        == 1.0
+    )
     assert "digits" in httpx.get(f"{base}/plugins").json()["plugins"]

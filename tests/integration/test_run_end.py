@@ -25,11 +25,12 @@ STEPS = 50  # far more than the data gives: 20 prompts / 4 groups a step = 5 ste
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("end")
-    (tmp / "d.jsonl").write_text("".join(json.dumps({"prompt": str(100 + 7 * i), "answer": str(100 + 7 * i)}) + "\n"
-                                         for i in range(20)))
+    (tmp / "d.jsonl").write_text(
+        "".join(json.dumps({"prompt": str(100 + 7 * i), "answer": str(100 + 7 * i)}) + "\n" for i in range(20))
+    )
     (tmp / "run.toml").write_text(f"""
 [broker.dataset]
-path = "{tmp / 'd.jsonl'}"
+path = "{tmp / "d.jsonl"}"
 task = "copy"
 epochs = 1
 
@@ -47,8 +48,21 @@ prompts_per_batch = 2
 n = 2
 max_tokens = 1
 """)
-    res = relay("up", "--config", str(tmp / "run.toml"), "--runs-dir", str(tmp / "runs"), "--run-id", "r",
-                "--generators", "1", "--dashboard-port", "0", "--no-progress", timeout=300)
+    res = relay(
+        "up",
+        "--config",
+        str(tmp / "run.toml"),
+        "--runs-dir",
+        str(tmp / "runs"),
+        "--run-id",
+        "r",
+        "--generators",
+        "1",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        timeout=300,
+    )
     return res, tmp / "runs" / "r"
 
 
@@ -57,8 +71,10 @@ def test_a_dataset_smaller_than_the_run_ends_it_cleanly_saying_so(run):
     res, run_dir = run
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "the run will end when the data ends, near step 5" in res.stdout  # said before it starts
-    assert "relay up: the run ended: the dataset ran out after 1 epoch(s) (20 prompts): trained 5 of 50 steps" \
+    assert (
+        "relay up: the run ended: the dataset ran out after 1 epoch(s) (20 prompts): trained 5 of 50 steps"
         in res.stdout.strip().splitlines()[-1]
+    )
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["steps"] == 5 and s["ended"].startswith("the dataset ran out")
     # every prompt trained once, nothing lost, and the last weights exported
@@ -91,12 +107,39 @@ def test_ctrl_c_while_relay_up_waits_for_the_final_evaluation_stops_it_promptly_
     go (SIGCONT) once relay up says it is stopping. Before, the signal was ignored until the wait ran out
     (here 150 s), with nothing printed."""
     run = tmp_path / "runs" / "r"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--runs-dir", str(tmp_path / "runs"),
-                             "--run-id", "r", "--steps", "2", "--generators", "2", "--dashboard-port", "0",
-                             "--no-progress", "--set", "learner.batch_groups=4", "--set", "learner.admission_eta=null",
-                             "--set", "broker.eval.every_versions=100", "--set", "broker.eval.prompts=4",
-                             "--set", "broker.eval.final_timeout_s=150"],
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--run-id",
+            "r",
+            "--steps",
+            "2",
+            "--generators",
+            "2",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+            "--set",
+            "learner.batch_groups=4",
+            "--set",
+            "learner.admission_eta=null",
+            "--set",
+            "broker.eval.every_versions=100",
+            "--set",
+            "broker.eval.prompts=4",
+            "--set",
+            "broker.eval.final_timeout_s=150",
+        ],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     frozen: list[int] = []
@@ -112,7 +155,9 @@ def test_ctrl_c_while_relay_up_waits_for_the_final_evaluation_stops_it_promptly_
             os.killpg(frozen.pop(), signal.SIGCONT)
 
     try:
-        wait_until(lambda: (run / "pids.json").is_file() and (run / "secrets" / "redis").is_dir(), 300, "the run's start")
+        wait_until(
+            lambda: (run / "pids.json").is_file() and (run / "secrets" / "redis").is_dir(), 300, "the run's start"
+        )
         r, keys = redis.Redis.from_url(run_redis_url(run)), Keys("r")
         wait_until(lambda: r.exists(keys.latest) or proc.poll() is not None, 600, "the learner's first version")
         freeze("learner")
@@ -120,13 +165,22 @@ def test_ctrl_c_while_relay_up_waits_for_the_final_evaluation_stops_it_promptly_
         wait_until(lambda: r.scard(keys.seen) >= 16 or proc.poll() is not None, 300, "the generators' groups")
         freeze("gen-0", "gen-1")
         os.killpg(frozen.pop(0), signal.SIGCONT)  # the learner trains its two steps from the queue and ends
-        wait_until(lambda: any("waiting for the generators to answer the final evaluation round" in ln for ln in lines)
-                   or proc.poll() is not None, 300, "the learner's last step")
+        wait_until(
+            lambda: (
+                any("waiting for the generators to answer the final evaluation round" in ln for ln in lines)
+                or proc.poll() is not None
+            ),
+            300,
+            "the learner's last step",
+        )
         assert proc.poll() is None, "".join(lines)[-3000:]
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        wait_until(lambda: any("received while the generators answered the final evaluation round" in ln
-                               for ln in lines), 10, "relay up to take the signal")
+        wait_until(
+            lambda: any("received while the generators answered the final evaluation round" in ln for ln in lines),
+            10,
+            "relay up to take the signal",
+        )
         thaw()
         rc = proc.wait(60)  # the usual grace: each service's stop waits at most 60 s
         took = time.monotonic() - t0
@@ -141,5 +195,7 @@ def test_ctrl_c_while_relay_up_waits_for_the_final_evaluation_stops_it_promptly_
     assert s["status"] == "completed" and s["steps"] == 2, s
     assert s["ended"] == "finished its 2 steps (the final evaluation round cut short by SIGINT)", s
     assert s["export"]["version"] == s["versions_published"] == 2
-    assert "SIGINT received while the generators answered the final evaluation round; the learner has finished its " \
-           "steps: stopping every service without that round" in out
+    assert (
+        "SIGINT received while the generators answered the final evaluation round; the learner has finished its "
+        "steps: stopping every service without that round" in out
+    )

@@ -39,10 +39,32 @@ def test_one_run_per_runs_folder_plain_status_shows_it_and_its_folder_is_private
     work.mkdir()
     (work / ".venv").symlink_to(Path(sys.executable).parent.parent)  # the README's .venv/bin/relay
     runs = work / "runs"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--run-id", "a", "--steps", "12",
-                             "--generators", "1", "--dashboard-port", "0", "--no-progress",
-                             "--set", "learner.batch_groups=4", "--set", "broker.eval.every_versions=0"],
-                            cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--run-id",
+            "a",
+            "--steps",
+            "12",
+            "--generators",
+            "1",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+            "--set",
+            "learner.batch_groups=4",
+            "--set",
+            "broker.eval.every_versions=0",
+        ],
+        cwd=work,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         metrics = runs / "a" / "learner" / "metrics.jsonl"
         _wait(lambda: (runs / "latest").exists() and metrics.is_file() and metrics.read_text().strip(), proc)
@@ -52,15 +74,18 @@ def test_one_run_per_runs_folder_plain_status_shows_it_and_its_folder_is_private
         second = relay("up", "--run-id", "b", "--steps", "2", "--dashboard-port", "0", "--no-progress", cwd=work)
         took = time.monotonic() - t0
         assert second.returncode == 2 and took < 5, (second.returncode, took, second.stderr)
-        assert f"another relay up (run a, pid {proc.pid}) is running in {runs.resolve()}" in second.stderr, second.stderr
+        assert f"another relay up (run a, pid {proc.pid}) is running in {runs.resolve()}" in second.stderr, (
+            second.stderr
+        )
         assert "--runs-dir DIR" in second.stderr, second.stderr
         assert not (runs / "b").exists() and (runs / "latest").resolve() == (runs / "a").resolve()
 
         # plain `relay status` as the README shows it, from where relay up was typed: that run, live (not
         # whatever answers at port 8080)
         assert _readme_status() == ".venv/bin/relay status"
-        shown = subprocess.run(_readme_status(), shell=True, cwd=work, env=child_env(), capture_output=True, text=True,
-                               timeout=60)
+        shown = subprocess.run(
+            _readme_status(), shell=True, cwd=work, env=child_env(), capture_output=True, text=True, timeout=60
+        )
         assert shown.returncode == 0 and shown.stdout.startswith("run a   learner version"), shown
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -72,13 +97,17 @@ def test_one_run_per_runs_folder_plain_status_shows_it_and_its_folder_is_private
     # the run folder and everything in it: its user's alone (the umask of every service, redis-server included)
     run = runs / "a"
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
-    exposed = [f"{p.relative_to(run)} {oct(stat.S_IMODE(p.lstat().st_mode))}" for p in run.rglob("*")
-               if not p.is_symlink() and stat.S_IMODE(p.lstat().st_mode) & 0o077]
+    exposed = [
+        f"{p.relative_to(run)} {oct(stat.S_IMODE(p.lstat().st_mode))}"
+        for p in run.rglob("*")
+        if not p.is_symlink() and stat.S_IMODE(p.lstat().st_mode) & 0o077
+    ]
     assert not exposed, exposed
     assert any((run / "appendonlydir").iterdir()) and any((run / "weights").iterdir())  # what it must protect
 
-    shown = subprocess.run(_readme_status(), shell=True, cwd=work, env=child_env(), capture_output=True, text=True,
-                           timeout=60)  # finished: its report
+    shown = subprocess.run(
+        _readme_status(), shell=True, cwd=work, env=child_env(), capture_output=True, text=True, timeout=60
+    )  # finished: its report
     assert shown.returncode == 0 and shown.stdout.startswith("relay up: run a completed: 12/12 steps"), shown
     # the lock went with the run: the next relay up in this folder is not refused for it
     third = relay("up", "--run-id", "a", "--dashboard-port", "0", "--no-progress", cwd=work)

@@ -28,26 +28,69 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
     r, keys = redis.Redis.from_url(redis_url), Keys("t")
     path = build_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path)
-    pub = Publisher(r, keys, str(tmp_path / "weights"), AutoTokenizer.from_pretrained(path), keep_versions=10,
-                    announce_key=announce_key(tmp_path))
+    pub = Publisher(
+        r,
+        keys,
+        str(tmp_path / "weights"),
+        AutoTokenizer.from_pretrained(path),
+        keep_versions=10,
+        announce_key=announce_key(tmp_path),
+    )
     a0 = pub.publish(model, model.state_dict(), 0)
 
     sgl_port, ingest, http, reward = free_port(), free_port(), free_port(), free_port()
     log = tmp_path / "sglang_requests.jsonl"
-    sgl = procs.start("sglang", [sys.executable, str(ROOT / "tests" / "support" / "sglang_mock_server.py"), "--model", str(path),
-                                 "--port", str(sgl_port), "--log", str(log)], env=child_env(), cwd=str(ROOT))
-    b = start_service(procs, "broker", "broker", {"run_id": "t", "redis_url": redis_url, "http_port": http,
-                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", "prompt_backlog": 8},
-                      tmp_path)
+    sgl = procs.start(
+        "sglang",
+        [
+            sys.executable,
+            str(ROOT / "tests" / "support" / "sglang_mock_server.py"),
+            "--model",
+            str(path),
+            "--port",
+            str(sgl_port),
+            "--log",
+            str(log),
+        ],
+        env=child_env(),
+        cwd=str(ROOT),
+    )
+    b = start_service(
+        procs,
+        "broker",
+        "broker",
+        {
+            "run_id": "t",
+            "redis_url": redis_url,
+            "http_port": http,
+            "ingest_bind": f"tcp://127.0.0.1:{ingest}",
+            "prompt_backlog": 8,
+        },
+        tmp_path,
+    )
     rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
-    for url, child in ((f"http://127.0.0.1:{sgl_port}/get_model_info", sgl), (f"http://127.0.0.1:{http}/healthz", b),
-                       (f"http://127.0.0.1:{reward}/healthz", rw)):
+    for url, child in (
+        (f"http://127.0.0.1:{sgl_port}/get_model_info", sgl),
+        (f"http://127.0.0.1:{http}/healthz", b),
+        (f"http://127.0.0.1:{reward}/healthz", rw),
+    ):
         wait_http(url, child)
-    start_service(procs, "gen", "generator", {
-        "id": "g0", "run_id": "t", "redis_url": redis_url, "broker_address": f"tcp://127.0.0.1:{ingest}",
-        "reward_url": f"http://127.0.0.1:{reward}", "prompts_per_batch": 2,
-        "sampling": {"n": 4, "max_tokens": 6, "temperature": 0.8},
-        "backend": {"type": "sglang", "url": f"http://127.0.0.1:{sgl_port}"}}, tmp_path)
+    start_service(
+        procs,
+        "gen",
+        "generator",
+        {
+            "id": "g0",
+            "run_id": "t",
+            "redis_url": redis_url,
+            "broker_address": f"tcp://127.0.0.1:{ingest}",
+            "reward_url": f"http://127.0.0.1:{reward}",
+            "prompts_per_batch": 2,
+            "sampling": {"n": 4, "max_tokens": 6, "temperature": 0.8},
+            "backend": {"type": "sglang", "url": f"http://127.0.0.1:{sgl_port}"},
+        },
+        tmp_path,
+    )
 
     g = wait_until(lambda: queues.read_groups(r, keys, count=1), what="a group from the generator")[0][1]
     assert g.weight_version == 0 and g.weight_hash == a0.hash and len(g.samples) == 4
@@ -59,15 +102,19 @@ def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path)
         for p in model.parameters():
             p.add_(0.01)
     a1 = pub.publish(model, model.state_dict(), 1)
-    hb = wait_until(lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == 1 and h,
-                    what="version 1 applied")
+    hb = wait_until(
+        lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == 1 and h, what="version 1 applied"
+    )
     assert hb.hash == a1.hash and hb.backend == "sglang" and hb.engine["weight_version"] == "1"
 
     requests = [json.loads(line) for line in log.read_text().splitlines()]
     updates = [q["body"] for q in requests if q["route"] == "/update_weights_from_disk"]
     assert [u["weight_version"] for u in updates] == ["0", "1"] and updates[1]["model_path"] == a1.path
-    gen_req = next(q["body"] for q in requests  # training batches (evaluation rounds are greedy: temperature 0)
-                   if q["route"] == "/generate" and q["body"]["sampling_params"]["temperature"] == 0.8)
+    gen_req = next(
+        q["body"]
+        for q in requests  # training batches (evaluation rounds are greedy: temperature 0)
+        if q["route"] == "/generate" and q["body"]["sampling_params"]["temperature"] == 0.8
+    )
     assert gen_req["return_logprob"] is True and gen_req["sampling_params"]["stop_token_ids"] == [2]
     assert len(gen_req["input_ids"]) == 8 and all(isinstance(x, int) for x in gen_req["input_ids"][0])
 

@@ -19,8 +19,10 @@ from tests.support.services import ROOT, child_env, relay
 
 pytestmark = pytest.mark.slow
 
-SYSTEM = ('You can use a calculator. To use it, write exactly: <tool_call>{"name": "calculator", "arguments": '
-          '{"expression": "2+3"}}</tool_call> and wait for the result. Then answer with the number only.')
+SYSTEM = (
+    'You can use a calculator. To use it, write exactly: <tool_call>{"name": "calculator", "arguments": '
+    '{"expression": "2+3"}}</tool_call> and wait for the result. Then answer with the number only.'
+)
 
 
 def call(expr: str) -> str:
@@ -32,20 +34,27 @@ def rows(n: int) -> list[dict]:
     import random
 
     rng = random.Random(0)
-    shots = [{"role": "user", "content": "Ann has 3 pens and gets 4 more. How many pens does Ann have now?"},
-             {"role": "assistant", "content": call("3+4")}, {"role": "tool", "content": "7"},
-             {"role": "assistant", "content": "7"},
-             {"role": "user", "content": "Bob has 5 cups and buys 9 more. How many cups does Bob have now?"},
-             {"role": "assistant", "content": call("5+9")}, {"role": "tool", "content": "14"},
-             {"role": "assistant", "content": "14"}]
+    shots = [
+        {"role": "user", "content": "Ann has 3 pens and gets 4 more. How many pens does Ann have now?"},
+        {"role": "assistant", "content": call("3+4")},
+        {"role": "tool", "content": "7"},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Bob has 5 cups and buys 9 more. How many cups does Bob have now?"},
+        {"role": "assistant", "content": call("5+9")},
+        {"role": "tool", "content": "14"},
+        {"role": "assistant", "content": "14"},
+    ]
     out = []
     for _ in range(n):
         a, b = rng.randint(2, 20), rng.randint(2, 20)
         q = f"Tom has {a} apples and buys {b} more. How many apples does Tom have now?"
-        out.append({"messages": [{"role": "system", "content": SYSTEM}, *shots, {"role": "user", "content": q}],
-                    "answer": str(a + b)})
+        out.append(
+            {
+                "messages": [{"role": "system", "content": SYSTEM}, *shots, {"role": "user", "content": q}],
+                "answer": str(a + b),
+            }
+        )
     return out
-
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +86,7 @@ def test_smollm2_runs_tool_call_episodes_through_vllm_without_template_drift_and
 prompt_backlog = 8
 
 [broker.dataset]
-path = "{tmp_path / 'train.jsonl'}"
+path = "{tmp_path / "train.jsonl"}"
 messages_field = "messages"
 reference_field = "answer"
 task = "math_verify"
@@ -111,11 +120,33 @@ lr = 1e-5
 keep_versions = 2
 checkpoint_every = 0
 """)
-    env = dict(child_env(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    res = relay("up", "--model", str(smollm2), "--config", str(tmp_path / "run.toml"), "--generators", "1",
-                "--backend", "vllm", "--runs-dir", str(tmp_path / "runs"), "--run-id", "smol", "--dashboard-port", "0",
-                "--no-progress", "--no-restart", timeout=1500, env=env)
+    env = dict(
+        child_env(),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
+    res = relay(
+        "up",
+        "--model",
+        str(smollm2),
+        "--config",
+        str(tmp_path / "run.toml"),
+        "--generators",
+        "1",
+        "--backend",
+        "vllm",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--run-id",
+        "smol",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--no-restart",
+        timeout=1500,
+        env=env,
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     s = json.loads((tmp_path / "runs" / "smol" / "summary.json").read_text())
     assert s["steps"] == 1 and s["versions_published"] >= 1, s
@@ -127,8 +158,14 @@ checkpoint_every = 0
     assert e["template_drift"] == 0, e  # the tokens trained are the template's own rendering of each conversation
     assert not e["env_failures"], e
     assert s["export"]["version"] == s["versions_published"]
-    gen = subprocess.run([sys.executable, "-c", VLLM_GENERATE, s["export"]["path"]], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    gen = subprocess.run(
+        [sys.executable, "-c", VLLM_GENERATE, s["export"]["path"]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = [ln for ln in gen.stdout.splitlines() if ln.startswith("RESULT ")]
     assert gen.returncode == 0 and line, gen.stdout[-2000:] + gen.stderr[-3000:]
-    assert "12" in json.loads(line[0][len("RESULT "):])  # still a sane instruct model after a tiny step
+    assert "12" in json.loads(line[0][len("RESULT ") :])  # still a sane instruct model after a tiny step

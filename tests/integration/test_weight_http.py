@@ -95,10 +95,23 @@ def test_nothing_but_sealed_versions_listed_files(served, tmp_path):
     v3 = weightstore.version_dir(store, 3)
     (v3 / "config.json").unlink()
     os.symlink(tmp_path / "secret.txt", v3 / "config.json")  # a listed name that is now a link out
-    for path in ("/v000001/unlisted.bin", "/v000001/../../secret.txt", "/v000001/%2e%2e/%2e%2e/secret.txt",
-                 "/../secret.txt", "/secret.txt", "/", "/v000001", "/v000001/", f"/{staging.name}/config.json",
-                 "/v000007/config.json", "/v000003/config.json", "/v000004/config.json", "/v1/config.json",
-                 "/v000001//config.json", "/v000001/.hidden"):
+    for path in (
+        "/v000001/unlisted.bin",
+        "/v000001/../../secret.txt",
+        "/v000001/%2e%2e/%2e%2e/secret.txt",
+        "/../secret.txt",
+        "/secret.txt",
+        "/",
+        "/v000001",
+        "/v000001/",
+        f"/{staging.name}/config.json",
+        "/v000007/config.json",
+        "/v000003/config.json",
+        "/v000004/config.json",
+        "/v1/config.json",
+        "/v000001//config.json",
+        "/v000001/.hidden",
+    ):
         resp, body = _get(server, path)
         assert resp.status == 404 and b"not weights" not in body, path
         resp, _ = _get(server, path, "HEAD")
@@ -118,11 +131,13 @@ def test_bearer_token_required_with_the_runs_weights_key(tmp_path):
         assert _get(server, "/v000001/manifest.json", Authorization="Bearer t0ken")[0].status == 200
         a.url = server.url(1)
         with pytest.raises(weightstore.WeightStoreError) as e:
-            WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c1"), advertise_url=server.base_url),
-                          token="nope").fetch(a)
+            WeightFetcher(
+                HttpWeightsConfig(cache_dir=str(tmp_path / "c1"), advertise_url=server.base_url), token="nope"
+            ).fetch(a)
         assert e.value.reason == "unauthorized"
-        path = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c2"), advertise_url=server.base_url),
-                             token="t0ken").fetch(a)
+        path = WeightFetcher(
+            HttpWeightsConfig(cache_dir=str(tmp_path / "c2"), advertise_url=server.base_url), token="t0ken"
+        ).fetch(a)
         assert weightstore.verify(path, a.hash, tmp_path / "c2")["version"] == 1
     finally:
         server.close()
@@ -142,8 +157,9 @@ def test_a_generator_fetches_only_from_its_configured_server_whatever_url_an_ann
     real, evil = WeightServer(real_store, token="t0ken").start(), WeightServer(evil_store).start()
     try:
         a.url = evil.url(1)
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=real.base_url),
-                                token="t0ken")
+        fetcher = WeightFetcher(
+            HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=real.base_url), token="t0ken"
+        )
         path = fetcher.fetch(a)
         assert weightstore.verify(path, a.hash)["version"] == 1
         assert not evil.counts and real.counts["200"] >= 3  # manifest, model, config: from the learner's only
@@ -321,8 +337,9 @@ def test_a_resumed_learner_announces_the_latest_version_again_with_its_own_serve
         assert (latest.version, latest.hash, latest.url) == (3, a3.hash, new.url(3))
         assert signed_announcement(r, keys, 2, key).url == new.url(2)
         # a generator configured with the new server (relay up pins the port; a moved one is in its config)
-        fetched = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"),
-                                                  advertise_url=new.base_url)).fetch(latest)
+        fetched = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=new.base_url)).fetch(
+            latest
+        )
         weightstore.check(fetched, a3.hash)  # the very files announced (WeightStoreError otherwise)
         assert fetched.name == "v000003"
     finally:

@@ -16,8 +16,23 @@ from tests.support.services import relay
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_relay_up_with_the_http_transport_shares_no_folder(tmp_path, redis_url):
-    res = relay("up", "--steps", "40", "--runs-dir", str(tmp_path), "--run-id", "http", "--dashboard-port", "0",
-                "--no-progress", "--redis-url", redis_url, "--set", "weights.transport=http", timeout=900)
+    res = relay(
+        "up",
+        "--steps",
+        "40",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-id",
+        "http",
+        "--dashboard-port",
+        "0",
+        "--no-progress",
+        "--redis-url",
+        redis_url,
+        "--set",
+        "weights.transport=http",
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "http"
     learner = json.loads((run / "config" / "learner.json").read_text())

@@ -16,16 +16,25 @@ import pytest
 from tests.support.services import ROOT
 
 CHROMIUM = os.environ.get("RELAY_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ARTIFACTS = ROOT / "test-artifacts"
 
 
 def chromium_or_skip() -> str:
     path = CHROMIUM if Path(CHROMIUM).is_file() else shutil.which("chromium")
     if not path:
-        pytest.skip(f"no Chromium at {CHROMIUM}: the browser test needs it (`apt-get install -y chromium`; "
-                    f"`make test` installs it when run as root)")
+        pytest.skip(
+            f"no Chromium at {CHROMIUM}: the browser test needs it (`apt-get install -y chromium`; "
+            f"`make test` installs it when run as root)"
+        )
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:

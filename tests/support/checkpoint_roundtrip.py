@@ -75,14 +75,17 @@ def run(out: Path, settings: list[str]) -> None:
         resumed = weights(b)
         results[setting] = {
             "state": state,
-            "model_numel": sum(v.numel() for v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values()),
+            "model_numel": sum(
+                v.numel() for v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values()
+            ),
             "files": sorted(p.name for p in (ckpt / "step-000002").iterdir()),
             "latest": (ckpt / "latest").read_text(),
             "published_keys": len(saved_weights),
             "published_numel": sum(v.numel() for v in saved_weights.values()),
             "weights_equal_after_load": same(saved_weights, loaded_weights),
             "optimizer_equal_after_load": saved_opt[0] == loaded_opt[0] and same(saved_opt[1], loaded_opt[1]),
-            "loss_continued": loss_continued, "loss_resumed": loss_resumed,
+            "loss_continued": loss_continued,
+            "loss_resumed": loss_resumed,
             "weights_equal_after_next_step": same(continued, resumed),
             "weights_changed_by_step": not same(saved_weights, continued),
         }

@@ -56,17 +56,26 @@ def main() -> None:
     backend = TorchBackendConfig(device=args.device).build()
     backend.load(args.model)
     if args.transport == "ipc":
+
         def flip_copy(flat: torch.Tensor) -> None:  # a byte in the middle of the largest tensor
             if not flipped:
                 s = max(receiver.slots.layout.slots, key=lambda s: s.nbytes)
                 flat[s.offset + s.nbytes // 2] ^= 0x40
                 flipped.append(0)
 
-        receiver = IpcReceiver(r, keys, args.id, key, device=args.device,
-                               tamper=flip_copy if args.flip_bucket >= 0 else None)
+        receiver = IpcReceiver(
+            r, keys, args.id, key, device=args.device, tamper=flip_copy if args.flip_bucket >= 0 else None
+        )
     else:
-        receiver = Receiver(r, keys, CollectiveWeightsConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout),
-                            args.id, key, wkey, tamper=flip if args.flip_bucket >= 0 else None)
+        receiver = Receiver(
+            r,
+            keys,
+            CollectiveWeightsConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout),
+            args.id,
+            key,
+            wkey,
+            tamper=flip if args.flip_bucket >= 0 else None,
+        )
     w = WeightApplier(r, keys, backend, args.id, announce_key=key, receiver=receiver)
     w.version = 0  # the initial weights, as if loaded from the store
     receiver.start()
@@ -77,9 +86,22 @@ def main() -> None:
             break
         time.sleep(0.02)
     state = {k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight"}
-    print(json.dumps({"version": w.version, "via": w.via, "digest": w.digest, "refused_updates": w.refused_updates,
-                      "refused": w.refused, "collective_updates": w.collective_updates, "flipped": flipped,
-                      "engine_digest": state_digest(state), "joins": receiver.joins}), flush=True)
+    print(
+        json.dumps(
+            {
+                "version": w.version,
+                "via": w.via,
+                "digest": w.digest,
+                "refused_updates": w.refused_updates,
+                "refused": w.refused,
+                "collective_updates": w.collective_updates,
+                "flipped": flipped,
+                "engine_digest": state_digest(state),
+                "joins": receiver.joins,
+            }
+        ),
+        flush=True,
+    )
     receiver.close()
     sys.exit(0)
 

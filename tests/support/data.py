@@ -23,12 +23,29 @@ def announce_make_group_versions(r, keys, key: bytes | None) -> None:
 def make_group(**kw) -> Group:
     samples = [
         Sample(np.array([5, 6, 2], np.int32), np.array([-0.5, -1.0, -0.1], np.float32), [[3, 2], [4, 1]], "stop", 1.0),
-        Sample(np.array([7], np.int32), np.array([-2.0], np.float32), [[4, 1]], "length", None, "failed",
-               {"reason": "timeout"}),
+        Sample(
+            np.array([7], np.int32),
+            np.array([-2.0], np.float32),
+            [[4, 1]],
+            "length",
+            None,
+            "failed",
+            {"reason": "timeout"},
+        ),
     ]
-    fields = dict(group_id="g1", run_id="r", prompt_id="p1", prompt_ids=np.array([1, 4, 14], np.int32),
-                  samples=samples, generator_id="gen-0", weight_version=3, weight_hash=MAKE_GROUP_HASH,
-                  sampling={"temperature": 1.0, "n": 2}, task="copy", reference="45")
+    fields = dict(
+        group_id="g1",
+        run_id="r",
+        prompt_id="p1",
+        prompt_ids=np.array([1, 4, 14], np.int32),
+        samples=samples,
+        generator_id="gen-0",
+        weight_version=3,
+        weight_hash=MAKE_GROUP_HASH,
+        sampling={"temperature": 1.0, "n": 2},
+        task="copy",
+        reference="45",
+    )
     fields.update(kw)
     return Group(**fields)
 

@@ -40,6 +40,8 @@ def install(folder: Path, name: str = "raises") -> str:
     dist = folder / "relay_test_plugins-0.1.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: relay-test-plugins\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[relay.rewards]\n{name} = tests.support.failing_plugins:Raises\n\n"
-                                           "[relay.envs]\nfails_at_start = tests.support.failing_plugins:FailsAtStart\n")
+    (dist / "entry_points.txt").write_text(
+        f"[relay.rewards]\n{name} = tests.support.failing_plugins:Raises\n\n"
+        "[relay.envs]\nfails_at_start = tests.support.failing_plugins:FailsAtStart\n"
+    )
     return str(folder)

@@ -49,7 +49,7 @@ class FlakyProxy:
                 if not data:
                     return
                 if cut and sent + len(data) >= self.cut_after:
-                    client.sendall(data[:self.cut_after - sent])
+                    client.sendall(data[: self.cut_after - sent])
                     return  # closes the client's connection mid-body
                 client.sendall(data)
                 sent += len(data)

@@ -29,12 +29,25 @@ def main(redis_url: str, run_dir: Path, steps: int) -> None:
 
     from broker.protocol.signing import write_key_pair
 
-    key, _ = write_key_pair(Path(run_dir) / "announce.key", Path(run_dir) / "announce.pub")  # the learner signs what it announces
-    cfg = LearnerConfig(announce_key_file=str(key), run_id="critic", redis_url=redis_url, run_dir=str(run_dir),
-                        weight_store=str(run_dir / "weights"),
-                        steps=steps, batch_groups=4, checkpoint_every=0, tensorboard=False, wait_timeout_s=60,
-                        admission_eta=None, max_staleness=10_000, advantage="gae",
-                        critic={"enabled": True, "lr": 2e-3})  # the test's few steps: a faster critic
+    key, _ = write_key_pair(
+        Path(run_dir) / "announce.key", Path(run_dir) / "announce.pub"
+    )  # the learner signs what it announces
+    cfg = LearnerConfig(
+        announce_key_file=str(key),
+        run_id="critic",
+        redis_url=redis_url,
+        run_dir=str(run_dir),
+        weight_store=str(run_dir / "weights"),
+        steps=steps,
+        batch_groups=4,
+        checkpoint_every=0,
+        tensorboard=False,
+        wait_timeout_s=60,
+        admission_eta=None,
+        max_staleness=10_000,
+        advantage="gae",
+        critic={"enabled": True, "lr": 2e-3},
+    )  # the test's few steps: a faster critic
     groups = make_groups(4 * steps, 4, 6, seed=5)
     rng = np.random.default_rng(5)
     for g in groups:

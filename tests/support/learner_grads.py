@@ -21,8 +21,11 @@ from pathlib import Path
 # (aggregation, policy loss, correction mode, minibatches, advantage): every aggregation × policy loss, plus
 # the weighting (icepop) and masking (token_mis) corrections and two optimizer steps per batch, and the
 # critic's estimators (the critic's gradient recorded too, its weights under "critic.")
-CASES = [(agg, pol, "tis", 1, "grpo") for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                                  "seq-mean-token-sum-norm") for pol in ("ppo", "cispo", "reinforce")]
+CASES = [
+    (agg, pol, "tis", 1, "grpo")
+    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    for pol in ("ppo", "cispo", "reinforce")
+]
 CASES += [("token-mean", "ppo", "icepop", 2, "grpo"), ("seq-mean-token-mean", "cispo", "token_mis", 2, "grpo")]
 CASES += [("token-mean", "ppo", "tis", 1, "gae"), ("seq-mean-token-sum", "ppo", "tis", 2, "vtrace")]
 LR = 0.1
@@ -56,9 +59,12 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpo
     torch.manual_seed(0)
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = LearnerConfig(run_dir=str(out / f"{label}-model"), micro_batch_tokens=micro_batch_tokens,
-                         gradient_checkpointing=checkpointing,
-                         logprob_chunk_tokens=16)
+    base = LearnerConfig(
+        run_dir=str(out / f"{label}-model"),
+        micro_batch_tokens=micro_batch_tokens,
+        gradient_checkpointing=checkpointing,
+        logprob_chunk_tokens=16,
+    )
     base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
     if rank == 0:
         load_model(base)
@@ -68,13 +74,21 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpo
     value_model = build_value_model(model, base)
     torch.nn.init.normal_(value_model.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
     engine = build_engine(model, base, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    critic = build_engine(value_model, base, optimizer=torch.optim.SGD(value_model.parameters(), lr=CRITIC_LR),
-                          critic=True)
+    critic = build_engine(
+        value_model, base, optimizer=torch.optim.SGD(value_model.parameters(), lr=CRITIC_LR), critic=True
+    )
     groups = make_groups(8, 4, 12, seed=1, sampling=SAMPLING)  # behaviour log-probs unrelated to π: stale samples
     diags = []
     for i, (agg, pol, mode, minibatches, advantage) in enumerate(CASES):
-        cfg = base.model_copy(update={"aggregation": agg, "policy_loss": pol, "minibatches": minibatches,
-                                      "correction": CorrectionConfig(mode=mode), "advantage": advantage})
+        cfg = base.model_copy(
+            update={
+                "aggregation": agg,
+                "policy_loss": pol,
+                "minibatches": minibatches,
+                "correction": CorrectionConfig(mode=mode),
+                "advantage": advantage,
+            }
+        )
         trains_critic = advantage in NEEDS_CRITIC
         update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world, critic=critic if trains_critic else None)
         before = weights(engine)

@@ -44,11 +44,24 @@ def main(redis_url: str, run_dir: Path) -> None:
 
     from broker.protocol.signing import write_key_pair
 
-    key, _ = write_key_pair(Path(run_dir) / "announce.key", Path(run_dir) / "announce.pub")  # the learner signs what it announces
-    cfg = LearnerConfig(announce_key_file=str(key), run_id="bench", redis_url=redis_url, run_dir=str(run_dir),
-                        weight_store=str(run_dir / "weights"),
-                        steps=3, batch_groups=2, publish_every=1, checkpoint_every=0, tensorboard=False,
-                        rank_checksums=True, wait_timeout_s=60, admission_eta=None)
+    key, _ = write_key_pair(
+        Path(run_dir) / "announce.key", Path(run_dir) / "announce.pub"
+    )  # the learner signs what it announces
+    cfg = LearnerConfig(
+        announce_key_file=str(key),
+        run_id="bench",
+        redis_url=redis_url,
+        run_dir=str(run_dir),
+        weight_store=str(run_dir / "weights"),
+        steps=3,
+        batch_groups=2,
+        publish_every=1,
+        checkpoint_every=0,
+        tensorboard=False,
+        rank_checksums=True,
+        wait_timeout_s=60,
+        admission_eta=None,
+    )
     r, keys = redis.Redis.from_url(redis_url), Keys(cfg.run_id)
     queues.ensure_groups(r, keys)
     pipe = r.pipeline()

@@ -57,8 +57,11 @@ def main(out: Path, stages: list[int]) -> None:
     for stage in stages:
         with_skip, diag = run(out, stage, poison=True)
         without, _ = run(out, stage, poison=False)
-        result[stage] = {"identical": with_skip == without, "skipped": diag["updates_skipped"],
-                         "reason": diag.get("skip_reason")}
+        result[stage] = {
+            "identical": with_skip == without,
+            "skipped": diag["updates_skipped"],
+            "reason": diag.get("skip_reason"),
+        }
     (out / "skip.json").write_text(json.dumps(result))
     from learner.engine import close_distributed
 

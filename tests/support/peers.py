@@ -14,11 +14,26 @@ from tests.support.services import ROOT, announce_public_key_file, child_env, we
 
 def start_peer(procs: list, redis_url: str, tmp_path, model, gid: str, run: str, *extra: str) -> subprocess.Popen:
     """A peer generator ``gid`` of run ``run`` (its log in ``tmp_path/<gid>.log``), added to ``procs``."""
-    cmd = [sys.executable, str(ROOT / "tests/support/collective_peer.py"), "--redis", redis_url, "--run", run,
-           "--key-file", str(announce_public_key_file(tmp_path)), "--weights-key-file", str(weights_key_file(tmp_path)),
-           "--model", str(model), "--id", gid, *extra]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{gid}.log", "w"), env=child_env(),
-                         cwd=ROOT, text=True)
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests/support/collective_peer.py"),
+        "--redis",
+        redis_url,
+        "--run",
+        run,
+        "--key-file",
+        str(announce_public_key_file(tmp_path)),
+        "--weights-key-file",
+        str(weights_key_file(tmp_path)),
+        "--model",
+        str(model),
+        "--id",
+        gid,
+        *extra,
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=open(tmp_path / f"{gid}.log", "w"), env=child_env(), cwd=ROOT, text=True
+    )
     procs.append(p)
     return p
 
@@ -35,5 +50,8 @@ def moved_version(model_dir, delta: float, device: str = "cpu", dtype=torch.floa
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_dir)
-    return {k: (v + delta).to(device=device, dtype=dtype).contiguous() for k, v in m.state_dict().items()
-            if k != "lm_head.weight"}
+    return {
+        k: (v + delta).to(device=device, dtype=dtype).contiguous()
+        for k, v in m.state_dict().items()
+        if k != "lm_head.weight"
+    }

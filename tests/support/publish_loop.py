@@ -22,8 +22,16 @@ def main(redis_url: str, store: str, key_file: str, model_dir: str) -> None:
 
     build_tiny_model(model_dir)
     r = redis.Redis.from_url(redis_url)
-    pub = Publisher(r, Keys("kill"), store, AutoTokenizer.from_pretrained(model_dir), keep_versions=1000,
-                    announce_key=read_signer(key_file), dtype=torch.bfloat16, shard_mb=3.0)
+    pub = Publisher(
+        r,
+        Keys("kill"),
+        store,
+        AutoTokenizer.from_pretrained(model_dir),
+        keep_versions=1000,
+        announce_key=read_signer(key_file),
+        dtype=torch.bfloat16,
+        shard_mb=3.0,
+    )
     bg = BackgroundPublisher(pub, AutoConfig.from_pretrained(model_dir))
     state = {f"w{i}": torch.randn(1024, 1024) for i in range(8)}
     version = first_version(None, store)

@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def child_env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false"
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     return env
 
@@ -37,8 +38,12 @@ def ingest_test_keys(tmp_path: Path) -> dict:
     d = tmp_path / "ingest-keys"
     if not (d / "clients.json").exists():
         write_ingest_keys(d, ["test-producer"], patterns={"test-producer": "*"})
-    return {"broker_key_file": str(d / "broker.key_secret"), "broker_public_key_file": str(d / "broker.key"),
-            "clients_file": str(d / "clients.json"), "producer_key_file": str(d / "generator-test-producer.key_secret")}
+    return {
+        "broker_key_file": str(d / "broker.key_secret"),
+        "broker_public_key_file": str(d / "broker.key"),
+        "clients_file": str(d / "clients.json"),
+        "producer_key_file": str(d / "generator-test-producer.key_secret"),
+    }
 
 
 def producer_keys(tmp_path: Path) -> CurveClientKeys:
@@ -106,13 +111,15 @@ def start_service(procs: ProcessGroup, name: str, service: str, cfg: dict, tmp_p
     cfg = with_run_keys(service, with_ingest_keys(service, cfg, tmp_path), tmp_path)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(cfg))
-    return procs.start(name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(),
-                       cwd=str(ROOT))
+    return procs.start(
+        name, [sys.executable, "-m", "deploy.cli", service, "--config", str(path)], env=child_env(), cwd=str(ROOT)
+    )
 
 
 @dataclass
 class Services:
     """A broker and a reward service running as real processes on free ports, both healthy."""
+
     broker: Child
     reward: Child
     ingest: str  # the broker's ZeroMQ address, for generators' broker_address
@@ -123,8 +130,19 @@ class Services:
 def start_broker_and_reward(procs: ProcessGroup, redis_url: str, tmp_path: Path, run: str, **broker_cfg) -> Services:
     """Start ``relay broker`` (run ``run``, with ``broker_cfg`` on top) and ``relay reward``; wait until both answer."""
     ingest, http, reward = free_port(), free_port(), free_port()
-    b = start_service(procs, "broker", "broker", {"run_id": run, "redis_url": redis_url, "http_port": http,
-                                                   "ingest_bind": f"tcp://127.0.0.1:{ingest}", **broker_cfg}, tmp_path)
+    b = start_service(
+        procs,
+        "broker",
+        "broker",
+        {
+            "run_id": run,
+            "redis_url": redis_url,
+            "http_port": http,
+            "ingest_bind": f"tcp://127.0.0.1:{ingest}",
+            **broker_cfg,
+        },
+        tmp_path,
+    )
     rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
     wait_http(f"http://127.0.0.1:{http}/healthz", b)
     wait_http(f"http://127.0.0.1:{reward}/healthz", rw)
@@ -133,8 +151,14 @@ def start_broker_and_reward(procs: ProcessGroup, redis_url: str, tmp_path: Path,
 
 def generator_cfg(svc: Services, redis_url: str, run: str, gid: str, **cfg) -> dict:
     """A ``relay generator`` config wired to ``svc`` (with ``cfg`` on top)."""
-    return {"id": gid, "run_id": run, "redis_url": redis_url, "broker_address": svc.ingest,
-            "reward_url": svc.reward_url, **cfg}
+    return {
+        "id": gid,
+        "run_id": run,
+        "redis_url": redis_url,
+        "broker_address": svc.ingest,
+        "reward_url": svc.reward_url,
+        **cfg,
+    }
 
 
 class RecordingBackend:
@@ -186,8 +210,14 @@ def children_cpu() -> float:
 
 def relay(*args: str, timeout: float = 60, cwd: Path | None = None, env: dict | None = None):
     """Run the ``relay`` command as a user would."""
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or ROOT, env=env or child_env())
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or ROOT,
+        env=env or child_env(),
+    )
 
 
 def start_broker(procs, redis_url, tmp_path, **extra):

@@ -62,8 +62,15 @@ def make_handler(state: State):
 
         def do_GET(self):
             if self.path == "/get_model_info":
-                self._reply(200, {"model_path": state.model_path, "tokenizer_path": state.model_path,
-                                  "is_generation": True, "weight_version": state.weight_version})
+                self._reply(
+                    200,
+                    {
+                        "model_path": state.model_path,
+                        "tokenizer_path": state.model_path,
+                        "is_generation": True,
+                        "weight_version": state.weight_version,
+                    },
+                )
             elif self.path == "/health":
                 self._reply(200, {})
             else:
@@ -79,14 +86,17 @@ def make_handler(state: State):
                     try:
                         state.engine.update_weights(body["model_path"])
                     except (OSError, ValueError, KeyError) as e:
-                        self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": f"Failed to update weights: {e}",
-                                                             "num_paused_requests": 0})
+                        self._reply(
+                            HTTPStatus.BAD_REQUEST,
+                            {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0},
+                        )
                         return
                     state.model_path = body["model_path"]
                     if body.get("weight_version") is not None:
                         state.weight_version = body["weight_version"]
-                self._reply(200, {"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
+                self._reply(
+                    200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+                )
             elif self.path in ("/flush_cache", "/pause_generation", "/continue_generation"):
                 state.paused = self.path == "/pause_generation" or (state.paused and self.path == "/flush_cache")
                 self._reply(200, {})
@@ -99,18 +109,29 @@ def make_handler(state: State):
             rows = [ids] if single else ids
             sp = body.get("sampling_params") or {}
             temperature = sp.get("temperature", 1.0)
-            sampling = SamplingConfig(n=1, temperature=temperature or 1.0, top_k=0 if temperature else 1,  # 0 = greedy
-                                      max_tokens=sp.get("max_new_tokens", 128))
+            sampling = SamplingConfig(
+                n=1,
+                temperature=temperature or 1.0,
+                top_k=0 if temperature else 1,  # 0 = greedy
+                max_tokens=sp.get("max_new_tokens", 128),
+            )
             with state.lock:
                 state.seed += 1
                 out = state.engine.generate(rows, sampling, seed=state.seed)
                 version = state.weight_version
             answers = []
             for prompt, (c,) in zip(rows, out):
-                meta = {"id": f"req-{state.seed}", "prompt_tokens": len(prompt), "completion_tokens": len(c.token_ids),
-                        "weight_version": version,
-                        "finish_reason": ({"type": "stop", "matched": c.token_ids[-1]} if c.finish_reason == "stop"
-                                          else {"type": "length", "length": len(c.token_ids)})}
+                meta = {
+                    "id": f"req-{state.seed}",
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(c.token_ids),
+                    "weight_version": version,
+                    "finish_reason": (
+                        {"type": "stop", "matched": c.token_ids[-1]}
+                        if c.finish_reason == "stop"
+                        else {"type": "length", "length": len(c.token_ids)}
+                    ),
+                }
                 if body.get("return_logprob"):
                     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
                 answers.append({"text": state.engine.decode(c.token_ids), "output_ids": c.token_ids, "meta_info": meta})

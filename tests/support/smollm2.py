@@ -52,7 +52,7 @@ def build(out: Path = DEFAULT) -> Path:
     cfg.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     if (out / "model.safetensors").is_file():  # another process (a test beside this one) built it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)   # and may be reading it: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)  # and may be reading it: keep theirs
         return out
     shutil.rmtree(out, ignore_errors=True)  # an incomplete folder (a build killed half way)
     try:

@@ -62,9 +62,13 @@ def main() -> int:
         pids = {os.getpid(): "rank 0"}
         if "WORLD_SIZE" in os.environ:  # started by a launcher (deploy/launcher/ranks.py); alone, the parent
             pids[os.getppid()] = "launcher"  # is whoever ran us (a pytest worker holding other tests' sockets)
-        Path(sys.argv[1]).write_text("".join(json.dumps(x) + "\n" for x in listening(pids)) +
-                                     json.dumps({"world": dist.get_world_size(), "sum": t.item(),
-                                                 "master_port": os.environ.get("MASTER_PORT")}) + "\n")
+        Path(sys.argv[1]).write_text(
+            "".join(json.dumps(x) + "\n" for x in listening(pids))
+            + json.dumps(
+                {"world": dist.get_world_size(), "sum": t.item(), "master_port": os.environ.get("MASTER_PORT")}
+            )
+            + "\n"
+        )
     dist.barrier()
     return 0
 

@@ -11,8 +11,9 @@ def test_delays_grow_by_the_factor_up_to_the_cap_and_start_over_on_reset():
     release.reset()
     assert release.next() == 0.2
     busy = Backoff(0.05, 1.0, factor=1.5)  # the sender's wait after consecutive busy acks
-    assert [busy.next() for _ in range(9)] == pytest.approx([0.05, 0.075, 0.1125, 0.16875, 0.253125, 0.3796875,
-                                                             0.56953125, 0.854296875, 1.0])
+    assert [busy.next() for _ in range(9)] == pytest.approx(
+        [0.05, 0.075, 0.1125, 0.16875, 0.253125, 0.3796875, 0.56953125, 0.854296875, 1.0]
+    )
     assert Backoff(0.5, 10.0).delay(6) == 10.0  # the supervisor's restart delay, by attempt number
 
 

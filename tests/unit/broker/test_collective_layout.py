@@ -9,8 +9,13 @@ from broker.protocol import collective as wire
 from broker.protocol import signing
 from broker.protocol.tensordigest import combine, tensor_entry
 
-TENSORS = [("b.weight", "bfloat16", (3, 5)), ("a.bias", "float32", (7,)), ("c.scale", "float32", ()),
-           ("d.empty", "float32", (0, 4)), ("e.big", "float32", (100,))]
+TENSORS = [
+    ("b.weight", "bfloat16", (3, 5)),
+    ("a.bias", "float32", (7,)),
+    ("c.scale", "float32", ()),
+    ("d.empty", "float32", (0, 4)),
+    ("e.big", "float32", (100,)),
+]
 
 
 def test_tensors_lie_in_name_order_at_aligned_offsets_without_overlap():
@@ -61,8 +66,12 @@ def test_the_digest_of_the_flat_buffer_is_the_digest_of_the_tensors():
 
     from broker.protocol.tensordigest import ALGORITHMS, state_digest
 
-    state = {"w": torch.arange(40, dtype=torch.float32).reshape(10, 4), "v": torch.ones(5, dtype=torch.bfloat16),
-             "e": torch.zeros(0), "z": torch.arange(3, dtype=torch.int64)}
+    state = {
+        "w": torch.arange(40, dtype=torch.float32).reshape(10, 4),
+        "v": torch.ones(5, dtype=torch.bfloat16),
+        "e": torch.zeros(0),
+        "z": torch.arange(3, dtype=torch.int64),
+    }
     pools = [ThreadPoolExecutor(1) for _ in range(3)]
 
     def digest(flat, layout):
@@ -73,11 +82,12 @@ def test_the_digest_of_the_flat_buffer_is_the_digest_of_the_tensors():
 
     for algo in ALGORITHMS:
         for bucket in (64, 128, 1 << 20):  # tensors cut across buckets, and all in one
-            layout = wire.plan([(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in state.items()],
-                               bucket, algo)
+            layout = wire.plan(
+                [(k, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for k, t in state.items()], bucket, algo
+            )
             flat = torch.zeros(layout.total, dtype=torch.uint8)
             for s in layout.slots:
-                flat[s.offset:s.offset + s.nbytes] = state[s.name].reshape(-1).view(torch.uint8)
+                flat[s.offset : s.offset + s.nbytes] = state[s.name].reshape(-1).view(torch.uint8)
             assert digest(flat, layout) == state_digest(state, algo)
             flat[100] ^= 1  # inside "w", which 64-byte buckets cut
             assert digest(flat, layout) != state_digest(state, algo)
@@ -94,12 +104,18 @@ def test_the_trailer_signature_binds_version_digest_and_header():
     assert signing.check_collective(key, "run", 3, "e" * 64, hs, sig) == "bad_signature"
     assert signing.check_collective(key, "other-run", 3, "d" * 64, hs, sig) == "bad_signature"
     assert signing.check_collective(other, "run", 3, "d" * 64, hs, sig) == "bad_signature"
-    assert signing.check_collective(key, "run", 3, "d" * 64, hs,
-                                    signing.collective_signature(other, "run", 3, "d" * 64, hs)) == "bad_signature"
+    assert (
+        signing.check_collective(
+            key, "run", 3, "d" * 64, hs, signing.collective_signature(other, "run", 3, "d" * 64, hs)
+        )
+        == "bad_signature"
+    )
     assert signing.check_collective(key, "run", 3, "d" * 64, hs, "") == "unsigned"
     # not interchangeable with an announcement's signature (its own context string)
     assert signing.COLLECTIVE_CONTEXT != signing.CONTEXT
-    assert wire.parse_trailer(json.dumps({"version": 3, "digest": "d", "header_sha256": hs, "sig": sig}).encode())[
-        "sig"] == sig
+    assert (
+        wire.parse_trailer(json.dumps({"version": 3, "digest": "d", "header_sha256": hs, "sig": sig}).encode())["sig"]
+        == sig
+    )
     with pytest.raises(wire.CollectiveError):
         wire.parse_trailer(b"{}")

@@ -38,4 +38,6 @@ def test_infinities_and_nan_are_refused_with_the_field_named(tmp_path):
     with pytest.raises(ConfigError, match=r"reward_timeout_s"):
         load_config(GeneratorConfig, environ={"RELAY_REWARD_TIMEOUT_S": "Infinity"})
     assert load_config(RewardConfig, environ={}).max_request_bytes > 0  # defaults are finite everywhere
-    assert load_config(LearnerConfig, overrides={"correction": {"tis_cap": None}}, environ={}).correction.tis_cap is None
+    assert (
+        load_config(LearnerConfig, overrides={"correction": {"tis_cap": None}}, environ={}).correction.tis_cap is None
+    )

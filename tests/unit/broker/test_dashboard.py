@@ -43,14 +43,39 @@ def test_every_sample_gets_service_and_replica_labels_and_no_created_series():
 
 
 def _state(**gen) -> dict:
-    g = {"id": "gen-0", "backend": "torch", "state": "sampling", "version": 5, "lag": 1, "hash": "a" * 64,
-         "hash_ok": True, "announced_hash": "a" * 64, "last_update_latency_s": 0.0123, "tokens_per_s": 100.0,
-         "age_s": 0.4, "groups_sent": 7, "refused_updates": 0, **gen}
-    return {"run_id": "r", "learner_version": 6, "learner_hash": "f" * 64, "learner": {"step": 6.0, "reward_mean": 0.5},
-            "generators": [g], "queue_depth": 3, "pending_groups": 1, "prompts_ready": 9,
-            "rates": {"groups_in_per_s": 2.0, "groups_out_per_s": 1.5},
-            "failures": {"rejected": {"bad_logprob": 2}, "learner_dropped": {}, "reward_failures_by_plugin": {},
-                         "refused_updates": 0}}
+    g = {
+        "id": "gen-0",
+        "backend": "torch",
+        "state": "sampling",
+        "version": 5,
+        "lag": 1,
+        "hash": "a" * 64,
+        "hash_ok": True,
+        "announced_hash": "a" * 64,
+        "last_update_latency_s": 0.0123,
+        "tokens_per_s": 100.0,
+        "age_s": 0.4,
+        "groups_sent": 7,
+        "refused_updates": 0,
+        **gen,
+    }
+    return {
+        "run_id": "r",
+        "learner_version": 6,
+        "learner_hash": "f" * 64,
+        "learner": {"step": 6.0, "reward_mean": 0.5},
+        "generators": [g],
+        "queue_depth": 3,
+        "pending_groups": 1,
+        "prompts_ready": 9,
+        "rates": {"groups_in_per_s": 2.0, "groups_out_per_s": 1.5},
+        "failures": {
+            "rejected": {"bad_logprob": 2},
+            "learner_dropped": {},
+            "reward_failures_by_plugin": {},
+            "refused_updates": 0,
+        },
+    }
 
 
 def test_status_table_shows_versions_lag_and_flags_a_wrong_hash():
@@ -71,7 +96,7 @@ def test_the_page_needs_nothing_but_the_broker():
     for ref in refs:
         assert not ref.startswith(("http:", "https:", "//")), ref  # no CDN
         if ref.startswith("/static/"):
-            assert (STATIC / ref[len("/static/"):]).is_file(), ref
+            assert (STATIC / ref[len("/static/") :]).is_file(), ref
     for f in STATIC.iterdir():
         text = f.read_text()
         assert not re.search(r"""(?:src=|href=|url\(|import\s|fetch\()\s*["']?(?:https?:)?//""", text), f
@@ -87,8 +112,13 @@ def test_grafana_dashboard_and_scrape_config_use_documented_metrics():
     used = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"\brelay_[a-z_]+", e)}
     undocumented = {n for n in used if f"`{n}`" not in DOCS}
     assert not undocumented, undocumented
-    for needed in ("relay_broker_generator_hash_mismatch", "relay_broker_generator_lag_versions",
-                   "relay_generator_version", "relay_learner_ess", "relay_learner_samples_trained_total"):
+    for needed in (
+        "relay_broker_generator_hash_mismatch",
+        "relay_broker_generator_lag_versions",
+        "relay_generator_version",
+        "relay_learner_ess",
+        "relay_learner_samples_trained_total",
+    ):
         assert needed in used
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
@@ -102,13 +132,29 @@ def test_episode_totals_merge_every_generators_episodes_and_stay_empty_for_singl
     from broker.dashboard.state import episode_totals
 
     assert episode_totals([{}, {}]) == {}  # single-turn generators report no episodes: the panel stays hidden
-    e = episode_totals([
-        {"episodes": 10, "turns": 25, "env_seconds": 1.0, "template_drift": 0,
-         "tool_calls": {"calculator": 12}, "tool_failures": {"calculator": 2}, "env_failures": {}},
-        {"episodes": 30, "turns": 55, "env_seconds": 3.0, "template_drift": 1,
-         "tool_calls": {"calculator": 28, "python": 3}, "tool_failures": {}, "env_failures": {"timeout": 4}},
-        {},
-    ])
+    e = episode_totals(
+        [
+            {
+                "episodes": 10,
+                "turns": 25,
+                "env_seconds": 1.0,
+                "template_drift": 0,
+                "tool_calls": {"calculator": 12},
+                "tool_failures": {"calculator": 2},
+                "env_failures": {},
+            },
+            {
+                "episodes": 30,
+                "turns": 55,
+                "env_seconds": 3.0,
+                "template_drift": 1,
+                "tool_calls": {"calculator": 28, "python": 3},
+                "tool_failures": {},
+                "env_failures": {"timeout": 4},
+            },
+            {},
+        ]
+    )
     assert e["episodes"] == 40 and e["turns_per_episode"] == 2.0 and e["env_seconds_per_episode"] == 0.1
     assert e["tool_calls"] == {"calculator": 40, "python": 3} and e["tool_failures"] == {"calculator": 2}
     assert e["env_failures"] == {"timeout": 4} and e["template_drift"] == 1
@@ -125,8 +171,11 @@ def test_reward_pauses_are_in_api_state_per_generator_and_summed(redis_url):
 
     r, k = redis.Redis.from_url(redis_url), Keys("r")
     for gid, pauses in (("gen-0", 2), ("gen-1", 3)):
-        r.hset(k.generators, gid, json.dumps({"id": gid, "last_seen": time.time(), "reward_pauses": pauses,
-                                              "reward_paused_s": 1.5}))
+        r.hset(
+            k.generators,
+            gid,
+            json.dumps({"id": gid, "last_seen": time.time(), "reward_pauses": pauses, "reward_paused_s": 1.5}),
+        )
     st = build_state(r, k)
     assert sorted(g["reward_pauses"] for g in st["generators"]) == [2, 3]
     assert st["failures"]["reward_pauses"] == 5

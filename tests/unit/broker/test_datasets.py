@@ -5,14 +5,23 @@ import json
 
 import pytest
 
-from broker.prompts.datasets import DatasetConfig, DatasetError, DatasetSource, Position, PromptBuilder, chat_ids, read_rows
+from broker.prompts.datasets import (
+    DatasetConfig,
+    DatasetError,
+    DatasetSource,
+    Position,
+    PromptBuilder,
+    chat_ids,
+    read_rows,
+)
 from broker.protocol.codec import ProtocolError
 from broker.protocol.messages import PromptEntry
 from learner.tiny_model import build_tokenizer
 
 ROWS = [{"question": f"{i}{i}{i}", "solution": f"{i}{i}{i}", "level": i % 3} for i in range(10)]
-TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}={% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
 
 
 def tokenizer(template: bool = True):
@@ -28,16 +37,18 @@ def write_all(tmp_path):
 
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
-    (tmp_path / "d.csv").write_text("question,solution,level\n" + "".join(
-        f"{r['question']},{r['solution']},{r['level']}\n" for r in ROWS))
+    (tmp_path / "d.csv").write_text(
+        "question,solution,level\n" + "".join(f"{r['question']},{r['solution']},{r['level']}\n" for r in ROWS)
+    )
     import datasets
 
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "hf"))
 
 
 def cfg(path, **kw):
-    base = dict(path=str(path), prompt_field="question", reference_field="solution", metadata_fields=["level"],
-                task="digits")
+    base = dict(
+        path=str(path), prompt_field="question", reference_field="solution", metadata_fields=["level"], task="digits"
+    )
     return DatasetConfig(**{**base, **kw})
 
 
@@ -82,8 +93,9 @@ def test_chat_template_ids_are_exactly_apply_chat_template(tmp_path):
 
 def test_messages_field_and_raw_text(tmp_path):
     row = {"msgs": [{"role": "user", "content": "12"}], "answer": "12"}
-    rec = PromptBuilder(cfg(tmp_path, messages_field="msgs", reference_field="answer", metadata_fields=[]),
-                        tokenizer()).build(row)
+    rec = PromptBuilder(
+        cfg(tmp_path, messages_field="msgs", reference_field="answer", metadata_fields=[]), tokenizer()
+    ).build(row)
     assert tokenizer().convert_ids_to_tokens(rec.prompt_ids) == ["<bos>", "1", "2", "="]
     raw = PromptBuilder(cfg(tmp_path, chat_template="never"), tokenizer()).build({**ROWS[1], "question": "11="})
     assert raw.text == "11=" and raw.prompt_ids == tokenizer()("11=")["input_ids"]  # one BOS, from the tokenizer
@@ -116,8 +128,9 @@ def test_seeded_shuffle_epochs_and_resume_from_any_position(tmp_path):
     pieces, pos = [], Position()
     for k in (4, 7, 1, 9, 100):
         fresh = DatasetSource(c, tokenizer(), rows=ROWS)
-        got, pos = fresh.take(k, Position.from_fields({key.encode(): str(v).encode()
-                                                      for key, v in pos.as_fields().items()}))
+        got, pos = fresh.take(
+            k, Position.from_fields({key.encode(): str(v).encode() for key, v in pos.as_fields().items()})
+        )
         pieces += got
     assert [(e, r) for e, r, _ in pieces] == [(e, r) for e, r, _ in whole]
     unshuffled, _ = DatasetSource(cfg(tmp_path, shuffle=False, epochs=1), tokenizer(), rows=ROWS).take(100, Position())

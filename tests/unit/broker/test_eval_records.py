@@ -49,11 +49,24 @@ def test_a_round_is_labelled_with_the_version_that_answered_it():
     meta = EvalRound(version=10, prompts=4, greedy=True, samples=0, threshold=1.0)
     one = summarize_round(meta, {i: EvalResult(version=13, greedy=c(1.0)) for i in range(4)})
     assert (one["version"], one["round"], one["versions_served"], one["mixed"]) == (13, 10, [13], False)
-    split = summarize_round(meta, {0: EvalResult(version=11, greedy=c(1.0)), 1: EvalResult(version=14, greedy=c(0.0)),
-                                   2: EvalResult(version=14, greedy=c(1.0)), 3: EvalResult(version=11, greedy=c(1.0))})
+    split = summarize_round(
+        meta,
+        {
+            0: EvalResult(version=11, greedy=c(1.0)),
+            1: EvalResult(version=14, greedy=c(0.0)),
+            2: EvalResult(version=14, greedy=c(1.0)),
+            3: EvalResult(version=11, greedy=c(1.0)),
+        },
+    )
     assert (split["version"], split["versions_served"], split["mixed"]) == (11, [11, 14], True)  # a tie: the older
-    most = summarize_round(meta, {0: EvalResult(version=11, greedy=c(1.0)), 1: EvalResult(version=14, greedy=c(1.0)),
-                                  2: EvalResult(version=14, greedy=c(1.0))})
+    most = summarize_round(
+        meta,
+        {
+            0: EvalResult(version=11, greedy=c(1.0)),
+            1: EvalResult(version=14, greedy=c(1.0)),
+            2: EvalResult(version=14, greedy=c(1.0)),
+        },
+    )
     assert most["version"] == 14 and most["mixed"]
     waiting = summarize_round(meta, {})  # nothing answered yet: the round's own version
     assert (waiting["version"], waiting["versions_served"], waiting["mixed"]) == (10, [], False)
@@ -61,8 +74,9 @@ def test_a_round_is_labelled_with_the_version_that_answered_it():
 
 def test_round_summary_samples_only_estimates_pass_at_1():
     meta = EvalRound(version=1, prompts=2, greedy=False, samples=4, threshold=0.5)
-    s = summarize_round(meta, {0: EvalResult(samples=[c(1.0), c(0.0), c(0.0), c(0.0)]),
-                               1: EvalResult(samples=[c(0.6)] * 4)})
+    s = summarize_round(
+        meta, {0: EvalResult(samples=[c(1.0), c(0.0), c(0.0), c(0.0)]), 1: EvalResult(samples=[c(0.6)] * 4)}
+    )
     assert s["pass@1"] == pytest.approx((0.25 + 1.0) / 2) and s["pass@k"] == 1.0
 
 
@@ -75,8 +89,10 @@ def test_tensorboard_event_files_parse_with_the_scalars(tmp_path):
     for step in (1, 2, 3):
         rec.log({"step": step, "reward_mean": step / 10, "staleness": {0: 5, 1: 2}, "group_rewards": [0.1]})
     rec.close()
-    write_eval(tmp_path / "tensorboard", [{"version": 0, "pass@1": 0.0, "mean_reward": 0.1},
-                                          {"version": 3, "pass@1": 0.5, "mean_reward": 0.6}])
+    write_eval(
+        tmp_path / "tensorboard",
+        [{"version": 0, "pass@1": 0.0, "mean_reward": 0.1}, {"version": 3, "pass@1": 0.5, "mean_reward": 0.6}],
+    )
     ea = EventAccumulator(str(tmp_path / "tensorboard"))
     ea.Reload()
     tags = ea.Tags()["scalars"]
@@ -86,10 +102,12 @@ def test_tensorboard_event_files_parse_with_the_scalars(tmp_path):
 
 
 def test_wandb_is_off_by_default_and_never_imported():
-    code = ("import sys\nfrom learner.config import LearnerConfig\nfrom learner.records import RunRecords\n"
-            "import tempfile\ncfg = LearnerConfig()\nassert not cfg.wandb.enabled\n"
-            "RunRecords(tempfile.mkdtemp(), True, cfg.wandb, 'x', {}).close()\n"
-            "assert 'wandb' not in sys.modules, 'wandb was imported'\nprint('ok')")
+    code = (
+        "import sys\nfrom learner.config import LearnerConfig\nfrom learner.records import RunRecords\n"
+        "import tempfile\ncfg = LearnerConfig()\nassert not cfg.wandb.enabled\n"
+        "RunRecords(tempfile.mkdtemp(), True, cfg.wandb, 'x', {}).close()\n"
+        "assert 'wandb' not in sys.modules, 'wandb was imported'\nprint('ok')"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
 

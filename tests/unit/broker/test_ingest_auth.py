@@ -5,8 +5,13 @@ import stat
 
 import pytest
 
-from broker.protocol.ingest_auth import (IngestAuthError, load_allow_list, load_client_keys, load_server_keys,
-                                         write_ingest_keys)
+from broker.protocol.ingest_auth import (
+    IngestAuthError,
+    load_allow_list,
+    load_client_keys,
+    load_server_keys,
+    write_ingest_keys,
+)
 from generators.config import GeneratorConfig
 from generators.sink import sender_keys
 

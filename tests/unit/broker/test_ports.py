@@ -71,8 +71,9 @@ def test_a_held_port_cannot_be_taken_and_a_port_another_process_holds_is_never_h
     port = s.getsockname()[1]
     lo, hi = ports.ephemeral_range()
     assert ports.LOWEST <= port and not lo <= port <= hi
-    holder = subprocess.run([sys.executable, "-c", _HOLDER.replace("time.sleep(60)", ""), str(port)],
-                            capture_output=True, text=True)
+    holder = subprocess.run(
+        [sys.executable, "-c", _HOLDER.replace("time.sleep(60)", ""), str(port)], capture_output=True, text=True
+    )
     assert holder.returncode != 0 and "Address already in use" in holder.stderr  # ours until closed
     s.close()
     proc, theirs = _held_by_another_process()

@@ -40,35 +40,44 @@ def test_arrays_are_little_endian_raw_bytes():
     assert arr == {"dtype": "int32", "data": b"\x05\x00\x00\x00\x06\x00\x00\x00\x02\x00\x00\x00"}
 
 
-@pytest.mark.parametrize("changes, reason", [
-    ({"schema": 2}, "bad_schema"),
-    ({"kind": "ack"}, "bad_kind"),
-    ({"samples": []}, "empty_group"),
-    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, 0.5, -1], "<f4").tobytes()}}, "bad_logprob"),
-    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, math.nan, -1], "<f4").tobytes()}}, "non_finite"),
-    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, -math.inf, -1], "<f4").tobytes()}}, "non_finite"),
-    ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, -1], "<f4").tobytes()}}, "length_mismatch"),
-    ({"samples.0.completion_ids": {"dtype": "int64", "data": b"\0" * 24}}, "bad_dtype"),
-    ({"samples.0.completion_ids": {"dtype": "int32", "data": b"\0" * 7}}, "bad_array"),
-    ({"samples.0.version_runs": [[3, 2]]}, "length_mismatch"),
-    ({"samples.0.version_runs": [[-1, 3]]}, "bad_versions"),
-    ({"samples.0.finish_reason": "eos"}, "bad_finish_reason"),
-    ({"samples.0.reward": math.inf}, "non_finite"),
-    ({"samples.0.reward": 1e300}, "non_finite"),  # finite as float64, inf as float32
-    ({"samples.0.reward_details": {"score": 1e39}}, "non_finite"),
-    ({"samples.1.reward": 0.0}, "bad_reward"),
-    ({"group_id": ""}, "bad_group_id"),
-    ({"weight_version": "3"}, "bad_type"),
-    ({"weight_version": -1}, "bad_versions"),
-    ({"schema": True}, "bad_schema"),
-    ({"prompt_ids": {"dtype": "int32", "data": np.array([1, -4], "<i4").tobytes()}}, "bad_token"),
-    ({"sampling": {"temperature": 0.0}}, "bad_sampling"),
-    ({"sampling": {"top_p": 1.5}}, "bad_sampling"),
-    ({"sampling": {"top_k": 1.5}}, "bad_type"),
-    ({"created_at": math.nan}, "non_finite"),
-    ({"scored_at": "soon"}, "bad_type"),
-    ({"task": 3}, "bad_type"),
-])
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"schema": 2}, "bad_schema"),
+        ({"kind": "ack"}, "bad_kind"),
+        ({"samples": []}, "empty_group"),
+        ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, 0.5, -1], "<f4").tobytes()}}, "bad_logprob"),
+        (
+            {"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, math.nan, -1], "<f4").tobytes()}},
+            "non_finite",
+        ),
+        (
+            {"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, -math.inf, -1], "<f4").tobytes()}},
+            "non_finite",
+        ),
+        ({"samples.0.logprobs": {"dtype": "float32", "data": np.array([-1, -1], "<f4").tobytes()}}, "length_mismatch"),
+        ({"samples.0.completion_ids": {"dtype": "int64", "data": b"\0" * 24}}, "bad_dtype"),
+        ({"samples.0.completion_ids": {"dtype": "int32", "data": b"\0" * 7}}, "bad_array"),
+        ({"samples.0.version_runs": [[3, 2]]}, "length_mismatch"),
+        ({"samples.0.version_runs": [[-1, 3]]}, "bad_versions"),
+        ({"samples.0.finish_reason": "eos"}, "bad_finish_reason"),
+        ({"samples.0.reward": math.inf}, "non_finite"),
+        ({"samples.0.reward": 1e300}, "non_finite"),  # finite as float64, inf as float32
+        ({"samples.0.reward_details": {"score": 1e39}}, "non_finite"),
+        ({"samples.1.reward": 0.0}, "bad_reward"),
+        ({"group_id": ""}, "bad_group_id"),
+        ({"weight_version": "3"}, "bad_type"),
+        ({"weight_version": -1}, "bad_versions"),
+        ({"schema": True}, "bad_schema"),
+        ({"prompt_ids": {"dtype": "int32", "data": np.array([1, -4], "<i4").tobytes()}}, "bad_token"),
+        ({"sampling": {"temperature": 0.0}}, "bad_sampling"),
+        ({"sampling": {"top_p": 1.5}}, "bad_sampling"),
+        ({"sampling": {"top_k": 1.5}}, "bad_type"),
+        ({"created_at": math.nan}, "non_finite"),
+        ({"scored_at": "soon"}, "bad_type"),
+        ({"task": 3}, "bad_type"),
+    ],
+)
 def test_invalid_messages_are_rejected_with_a_reason(changes, reason):
     with pytest.raises(ProtocolError) as e:
         decode_group(mutate(**changes))
@@ -138,8 +147,12 @@ def test_ack_and_announcement_round_trip():
 
 def test_the_reason_is_the_first_problem_in_order_though_array_values_are_checked_together():
     # sample 0's log-prob is +1 and sample 1's finish_reason is bad: the documented order says bad_logprob
-    data = mutate(**{"samples.0.logprobs.data": np.array([-0.5, 1.0, -0.1], np.float32).tobytes(),
-                     "samples.1.finish_reason": "eos"})
+    data = mutate(
+        **{
+            "samples.0.logprobs.data": np.array([-0.5, 1.0, -0.1], np.float32).tobytes(),
+            "samples.1.finish_reason": "eos",
+        }
+    )
     with pytest.raises(ProtocolError) as e:
         decode_group(data)
     assert e.value.reason == "bad_logprob" and "samples[0]" in e.value.detail

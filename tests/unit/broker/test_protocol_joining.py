@@ -22,8 +22,8 @@ TEXT = DOC.read_text()
 
 def section(number: str) -> str:
     start = TEXT.index(f"\n## {number}. ")
-    nxt = re.search(r"\n## \d+\. ", TEXT[start + 1:])
-    return TEXT[start:start + 1 + nxt.start()] if nxt else TEXT[start:]
+    nxt = re.search(r"\n## \d+\. ", TEXT[start + 1 :])
+    return TEXT[start : start + 1 + nxt.start()] if nxt else TEXT[start:]
 
 
 def dedent(block: str) -> str:
@@ -70,8 +70,14 @@ def test_section_12_2_lists_the_generators_redis_rights():
     prefix = "relay:x:"
     for cmds, keys in grants:
         names = [c.lstrip("+").replace("|", " ").upper() for c in cmds]
-        row = next((line for line in table.splitlines()[2:]
-                    if {f"`{n}`" for n in names} <= set(line.split(" | ")[0].strip("| ").split(", "))), None)
+        row = next(
+            (
+                line
+                for line in table.splitlines()[2:]
+                if {f"`{n}`" for n in names} <= set(line.split(" | ")[0].strip("| ").split(", "))
+            ),
+            None,
+        )
         assert row, f"12.2 has no row for {names}"
         for key in keys:
             assert f"`{key.removeprefix(prefix).replace(chr(92), '')}`" in row, (key, row)

@@ -17,4 +17,3 @@ def test_the_admission_scripts_are_printed_exactly():
     blocks = _blocks()
     for name in ("ADMIT_CLAIM", "ADMIT"):
         assert getattr(scripts, name).strip() in blocks, f"docs/protocol.md 7.4 does not print scripts.{name}"
-

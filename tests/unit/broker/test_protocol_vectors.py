@@ -30,10 +30,13 @@ VECTORS = ROOT / "tests" / "vectors"
 DOC = ROOT / "docs" / "protocol.md"
 
 # The weight-store manifest of docs/protocol.md section 6; its hash is the vector's weight_hash.
-EXAMPLE_MANIFEST = {"version": 3, "files": {
-    "config.json": "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
-    "model.safetensors": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
-}}
+EXAMPLE_MANIFEST = {
+    "version": 3,
+    "files": {
+        "config.json": "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
+        "model.safetensors": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    },
+}
 EXAMPLE_CANONICAL = (
     '{"files":{"config.json":"44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",'
     '"model.safetensors":"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},"version":3}'
@@ -45,9 +48,22 @@ EXAMPLE_HASH = "6046ddcfdb736b74a6f080c04680c08c2390c3e2fbb3c02875817760f443559a
 # fmt: off (the document's text, byte for byte: test_doc_holds_the_minimal_producer_verbatim)
 
 
-def build_group(group_id, run_id, prompt_id, prompt_ids, samples, generator_id, weight_version,
-                weight_hash, sampling, task="", reference="", created_at=None, scored_at=0.0,
-                sent_at=None):
+def build_group(
+    group_id,
+    run_id,
+    prompt_id,
+    prompt_ids,
+    samples,
+    generator_id,
+    weight_version,
+    weight_hash,
+    sampling,
+    task="",
+    reference="",
+    created_at=None,
+    scored_at=0.0,
+    sent_at=None,
+):
     """Encode one Relay `group` message (schema 1). `samples` is a list of dicts with
     completion_ids (list of int), logprobs (list of float, one per token, each <= 0),
     versions (list of int: the policy version that sampled each token), finish_reason
@@ -68,33 +84,39 @@ def build_group(group_id, run_id, prompt_id, prompt_ids, samples, generator_id, 
         return out
 
     now = time.time()
-    return msgpack.packb({
-        "schema": 1,
-        "kind": "group",
-        "group_id": group_id,
-        "run_id": run_id,
-        "prompt_id": prompt_id,
-        "prompt_ids": array(prompt_ids, "i", "int32"),
-        "samples": [{
-            "completion_ids": array(s["completion_ids"], "i", "int32"),
-            "logprobs": array(s["logprobs"], "f", "float32"),
-            "version_runs": runs(s["versions"]),
-            **({"trainable_runs": runs(s["trainable"])} if "trainable" in s else {}),
-            "finish_reason": s["finish_reason"],
-            "reward": None if s["reward"] is None else float(s["reward"]),
-            "reward_status": "failed" if s["reward"] is None else "ok",
-            "reward_details": s.get("reward_details", {}),
-        } for s in samples],
-        "generator_id": generator_id,
-        "weight_version": weight_version,
-        "weight_hash": weight_hash,
-        "sampling": sampling,
-        "task": task,
-        "reference": reference,
-        "created_at": float(now if created_at is None else created_at),
-        "scored_at": float(scored_at),
-        "sent_at": float(now if sent_at is None else sent_at),
-    }, use_bin_type=True)
+    return msgpack.packb(
+        {
+            "schema": 1,
+            "kind": "group",
+            "group_id": group_id,
+            "run_id": run_id,
+            "prompt_id": prompt_id,
+            "prompt_ids": array(prompt_ids, "i", "int32"),
+            "samples": [
+                {
+                    "completion_ids": array(s["completion_ids"], "i", "int32"),
+                    "logprobs": array(s["logprobs"], "f", "float32"),
+                    "version_runs": runs(s["versions"]),
+                    **({"trainable_runs": runs(s["trainable"])} if "trainable" in s else {}),
+                    "finish_reason": s["finish_reason"],
+                    "reward": None if s["reward"] is None else float(s["reward"]),
+                    "reward_status": "failed" if s["reward"] is None else "ok",
+                    "reward_details": s.get("reward_details", {}),
+                }
+                for s in samples
+            ],
+            "generator_id": generator_id,
+            "weight_version": weight_version,
+            "weight_hash": weight_hash,
+            "sampling": sampling,
+            "task": task,
+            "reference": reference,
+            "created_at": float(now if created_at is None else created_at),
+            "scored_at": float(scored_at),
+            "sent_at": float(now if sent_at is None else sent_at),
+        },
+        use_bin_type=True,
+    )
 
 
 def send_group(address, group_id, payload, timeout_s=10.0, give_up_s=3600.0, curve=None):
@@ -113,8 +135,7 @@ def send_group(address, group_id, payload, timeout_s=10.0, give_up_s=3600.0, cur
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 if curve is not None:  # before connect: the handshake uses them
-                    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
-                        k.encode() for k in curve)
+                    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (k.encode() for k in curve)
                 sock.connect(address)
             sock.send_multipart([b"", payload])  # empty delimiter frame, then the message
             if not sock.poll(int(timeout_s * 1000)):
@@ -128,8 +149,7 @@ def send_group(address, group_id, payload, timeout_s=10.0, give_up_s=3600.0, cur
                 continue
             if not isinstance(ack, dict) or ack.get("kind") != "ack":
                 continue
-            if ack.get("group_id") != group_id and not (
-                    ack.get("status") == "rejected" and ack.get("group_id") == ""):
+            if ack.get("group_id") != group_id and not (ack.get("status") == "rejected" and ack.get("group_id") == ""):
                 continue  # not our ack
             if ack.get("status") == "busy":  # queue full: back off, then resend
                 time.sleep(pause)
@@ -152,7 +172,7 @@ def hexdump(data: bytes) -> str:
     """``hexdump -C`` style, as printed in docs/protocol.md section 9."""
     lines = []
     for off in range(0, len(data), 16):
-        chunk = data[off:off + 16]
+        chunk = data[off : off + 16]
         hx = " ".join(f"{b:02x}" for b in chunk[:8]) + "  " + " ".join(f"{b:02x}" for b in chunk[8:])
         text = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
         lines.append(f"{off:08x}  {hx:<48}  |{text}|")
@@ -178,14 +198,30 @@ def vector_inputs(expected: dict) -> dict:
     """The vector's values as arguments of the minimal producer's build_group."""
     e = expected
     return dict(
-        group_id=e["group_id"], run_id=e["run_id"], prompt_id=e["prompt_id"], prompt_ids=e["prompt_ids"],
-        samples=[{"completion_ids": s["completion_ids"], "logprobs": s["logprobs"],
-                  "versions": [v for v, n in s["version_runs"] for _ in range(n)],
-                  "finish_reason": s["finish_reason"], "reward": s["reward"],
-                  "reward_details": s["reward_details"]} for s in e["samples"]],
-        generator_id=e["generator_id"], weight_version=e["weight_version"], weight_hash=e["weight_hash"],
-        sampling=e["sampling"], task=e["task"], reference=e["reference"], created_at=e["created_at"],
-        scored_at=e["scored_at"], sent_at=e["sent_at"],
+        group_id=e["group_id"],
+        run_id=e["run_id"],
+        prompt_id=e["prompt_id"],
+        prompt_ids=e["prompt_ids"],
+        samples=[
+            {
+                "completion_ids": s["completion_ids"],
+                "logprobs": s["logprobs"],
+                "versions": [v for v, n in s["version_runs"] for _ in range(n)],
+                "finish_reason": s["finish_reason"],
+                "reward": s["reward"],
+                "reward_details": s["reward_details"],
+            }
+            for s in e["samples"]
+        ],
+        generator_id=e["generator_id"],
+        weight_version=e["weight_version"],
+        weight_hash=e["weight_hash"],
+        sampling=e["sampling"],
+        task=e["task"],
+        reference=e["reference"],
+        created_at=e["created_at"],
+        scored_at=e["scored_at"],
+        sent_at=e["sent_at"],
     )
 
 
@@ -195,8 +231,20 @@ def vector_inputs(expected: dict) -> dict:
 def test_vector_decodes_to_the_expected_values(vector, expected):
     g = decode_group(vector)
     assert expected["schema"] == 1 and expected["kind"] == "group"
-    for name in ("group_id", "run_id", "prompt_id", "generator_id", "weight_version", "weight_hash",
-                 "sampling", "task", "reference", "created_at", "scored_at", "sent_at"):
+    for name in (
+        "group_id",
+        "run_id",
+        "prompt_id",
+        "generator_id",
+        "weight_version",
+        "weight_hash",
+        "sampling",
+        "task",
+        "reference",
+        "created_at",
+        "scored_at",
+        "sent_at",
+    ):
         assert getattr(g, name) == expected[name], name
         assert type(getattr(g, name)) is type(expected[name]), name
     assert g.prompt_ids.dtype == np.dtype("<i4") and g.prompt_ids.tolist() == expected["prompt_ids"]
@@ -231,7 +279,7 @@ def test_weight_hash_of_the_vector_is_the_documented_manifest_hash(expected, doc
 
 def test_doc_example_group_encodes_to_the_vector(vector, doc):
     start = doc.index("```python\nGroup(") + len("```python\n")
-    source = doc[start:doc.index("```", start)]
+    source = doc[start : doc.index("```", start)]
     assert encode_group(eval(source, {"Group": Group, "Sample": Sample, "np": np})) == vector
 
 
@@ -256,17 +304,35 @@ def test_minimal_producer_reproduces_the_vector_byte_for_byte(vector, expected):
 
 def test_minimal_producer_messages_are_accepted(expected):
     data = build_group(
-        group_id="7f3c0a9e5b2d4c1f8e6a0b9c3d2e1f00", run_id="demo", prompt_id="1700000000000-0",
+        group_id="7f3c0a9e5b2d4c1f8e6a0b9c3d2e1f00",
+        run_id="demo",
+        prompt_id="1700000000000-0",
         prompt_ids=[1, 4, 14],
         samples=[
-            {"completion_ids": [5, 8, 9, 2], "logprobs": [-0.1, -2.5, -0.0, -0.7], "versions": [6, 6, 7, 7],
-             "finish_reason": "stop", "reward": 1},
-            {"completion_ids": [3], "logprobs": [-1e-7], "versions": [7], "finish_reason": "length",
-             "reward": None, "reward_details": {"reason": "reward_service: timeout"}},
+            {
+                "completion_ids": [5, 8, 9, 2],
+                "logprobs": [-0.1, -2.5, -0.0, -0.7],
+                "versions": [6, 6, 7, 7],
+                "finish_reason": "stop",
+                "reward": 1,
+            },
+            {
+                "completion_ids": [3],
+                "logprobs": [-1e-7],
+                "versions": [7],
+                "finish_reason": "length",
+                "reward": None,
+                "reward_details": {"reason": "reward_service: timeout"},
+            },
         ],
-        generator_id="go-gen-1", weight_version=6, weight_hash=expected["weight_hash"],
+        generator_id="go-gen-1",
+        weight_version=6,
+        weight_hash=expected["weight_hash"],
         sampling={"n": 2, "temperature": 0.7, "top_p": 0.95, "top_k": 0, "max_tokens": 16},
-        task="copy", reference="47", scored_at=time.time())
+        task="copy",
+        reference="47",
+        scored_at=time.time(),
+    )
     g = decode_group(data)
     assert g.group_id == "7f3c0a9e5b2d4c1f8e6a0b9c3d2e1f00" and g.run_id == "demo"
     assert g.prompt_ids.tolist() == [1, 4, 14]
@@ -355,8 +421,12 @@ def test_doc_tokenizer_vector_is_the_tiny_models(doc):
     """Section 3.4's tokenizer vector, against the tokenizer every `relay up --model tiny` snapshot ships."""
     from learner.tiny_model import build_tokenizer
 
-    m = re.search(r'the prompt text `"473="` encodes to\s+`(\[[\d, ]+\])`.*?the EOS id is `(\d+)`.*?'
-                  r'is the completion `(\[[\d, ]+\])`', doc, re.S)
+    m = re.search(
+        r'the prompt text `"473="` encodes to\s+`(\[[\d, ]+\])`.*?the EOS id is `(\d+)`.*?'
+        r"is the completion `(\[[\d, ]+\])`",
+        doc,
+        re.S,
+    )
     assert m, "docs/protocol.md 3.4 lost its tokenizer vector"
     tok = build_tokenizer()
     assert tok("473=")["input_ids"] == json.loads(m.group(1))
@@ -388,14 +458,17 @@ def test_multiturn_vector_decodes_reencodes_and_is_what_the_minimal_producer_wri
     assert list(msgpack.unpackb(data, raw=False)["samples"][0]) == list(e["samples"][0])
 
 
-@pytest.mark.parametrize("runs, reason", [
-    ([[1, 6], [0, 4], [1, 2]], "length_mismatch"),   # covers 12 of 13 tokens
-    ([[1, 6], [2, 4], [1, 3]], "bad_trainable"),     # a flag other than 0 or 1
-    ([[1, 6], [0, 0], [1, 7]], "bad_trainable"),     # an empty run
-    ([[0, 13]], "bad_trainable"),                    # nothing the model sampled
-    ([[True, 13]], "bad_trainable"),                 # booleans are not integers on this wire
-    ("all", "bad_trainable"),
-])
+@pytest.mark.parametrize(
+    "runs, reason",
+    [
+        ([[1, 6], [0, 4], [1, 2]], "length_mismatch"),  # covers 12 of 13 tokens
+        ([[1, 6], [2, 4], [1, 3]], "bad_trainable"),  # a flag other than 0 or 1
+        ([[1, 6], [0, 0], [1, 7]], "bad_trainable"),  # an empty run
+        ([[0, 13]], "bad_trainable"),  # nothing the model sampled
+        ([[True, 13]], "bad_trainable"),  # booleans are not integers on this wire
+        ("all", "bad_trainable"),
+    ],
+)
 def test_bad_trainable_runs_are_rejected(runs, reason):
     raw = msgpack.unpackb((VECTORS / "group_multiturn_v1.msgpack").read_bytes(), raw=False)
     raw["samples"][0]["trainable_runs"] = runs

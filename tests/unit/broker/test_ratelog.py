@@ -24,8 +24,9 @@ def test_a_flood_is_logged_as_a_few_lines_and_one_summary_per_interval(caplog):
         clock.t += 10  # the next interval: its first event writes the summary of the last one, then itself
         rl.log("key-x", "refused %s", "key-x")
         msgs = [r.getMessage() for r in caplog.records]
-        assert msgs[3] == ("997 more refusals in the last 10 s, not logged one by one (from 7 distinct, the last "
-                           "key-5)")
+        assert msgs[3] == (
+            "997 more refusals in the last 10 s, not logged one by one (from 7 distinct, the last key-5)"
+        )
         assert msgs[4:] == ["refused key-x"]
         rl.close()  # nothing held back since: no summary
         assert len(caplog.records) == 5
@@ -40,4 +41,6 @@ def test_the_summary_comes_when_the_flood_stops(caplog):
         while len(caplog.records) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [r.getMessage() for r in caplog.records] == [
-            "refused", "49 more refusals in the last 0.3 s, not logged one by one (from 1 distinct, the last k)"]
+            "refused",
+            "49 more refusals in the last 0.3 s, not logged one by one (from 1 distinct, the last k)",
+        ]

@@ -18,12 +18,14 @@ A = Announcement(version=7, hash="ab" * 32, path="/store/v000007", url="", publi
 def test_canonical_bytes_and_signature_match_the_documented_example():
     # the example of docs/protocol.md ("Announcement signature"): a producer in another language reproduces it
     assert signing.canonical_bytes("run1", A) == (
-        b"17:relay-announce-v2,1:1,4:run1,1:7,64:" + b"ab" * 32 + b",14:/store/v000007,0:,17:1700000000.250000,")
+        b"17:relay-announce-v2,1:1,4:run1,1:7,64:" + b"ab" * 32 + b",14:/store/v000007,0:,17:1700000000.250000,"
+    )
     # private key seed = bytes 0x00..0x1f (RFC 8032 Ed25519 is deterministic: the same signature everywhere)
     assert KEY.public_hex == "03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8"
     assert signing.signature(KEY, "run1", A) == (
         "0f373c1bba848dc1dd3f4d24d1a86442843024814cef319fd03bf3117dcb8cf1"
-        "40359115eeec2d3bd90477f346d2a606b76628eb2d1cfc7698ad67076b2cec0b")
+        "40359115eeec2d3bd90477f346d2a606b76628eb2d1cfc7698ad67076b2cec0b"
+    )
 
 
 def test_every_field_and_the_run_are_covered_and_only_the_private_key_signs():
@@ -31,8 +33,13 @@ def test_every_field_and_the_run_are_covered_and_only_the_private_key_signs():
     assert signing.check(PUBLIC, "run1", a) is None
     # the signature survives the wire
     assert signing.check(PUBLIC, "run1", decode_announcement(encode_announcement(a))) is None
-    for change in ({"version": 8}, {"hash": "cd" * 32}, {"path": "/attacker/v000007"}, {"url": "http://evil"},
-                   {"published_at": 1700000000.5}):
+    for change in (
+        {"version": 8},
+        {"hash": "cd" * 32},
+        {"path": "/attacker/v000007"},
+        {"url": "http://evil"},
+        {"published_at": 1700000000.5},
+    ):
         forged = Announcement(**{**a.__dict__, **change})
         assert signing.check(PUBLIC, "run1", forged) == "bad_signature", change
     assert signing.check(PUBLIC, "run2", a) == "bad_signature"  # replayed into another run
@@ -47,7 +54,9 @@ def test_the_tensor_digest_is_signed_as_a_ninth_netstring_and_cannot_be_swapped_
     """docs/protocol.md 6.1.1: with a digest, its netstring follows the eight values; without one the
     bytes (and so the documented signature) are those of the example above."""
     with_digest = Announcement(**{**A.__dict__, "digest": "cd" * 32})
-    assert signing.canonical_bytes("run1", with_digest) == signing.canonical_bytes("run1", A) + b"64:" + b"cd" * 32 + b","
+    assert (
+        signing.canonical_bytes("run1", with_digest) == signing.canonical_bytes("run1", A) + b"64:" + b"cd" * 32 + b","
+    )
     a = signing.signed(KEY, "run1", with_digest)
     assert signing.check(PUBLIC, "run1", decode_announcement(encode_announcement(a))) is None
     assert signing.check(PUBLIC, "run1", Announcement(**{**a.__dict__, "digest": "ef" * 32})) == "bad_signature"

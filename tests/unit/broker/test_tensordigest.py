@@ -12,8 +12,11 @@ from tests.support.models import needs_gpu
 
 def _state():
     g = torch.Generator().manual_seed(0)
-    return {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g).to(torch.bfloat16),
-            "scale": torch.tensor(2.0)}
+    return {
+        "a.weight": torch.randn(4, 3, generator=g),
+        "b.bias": torch.randn(5, generator=g).to(torch.bfloat16),
+        "scale": torch.tensor(2.0),
+    }
 
 
 def test_order_and_split_do_not_matter():
@@ -65,9 +68,12 @@ def test_a_digest_names_its_algorithm_and_sha256_keeps_the_first_definition():
     h = hashlib.sha256(ns(b"relay-tensors-v1"))
     for k in sorted(s):
         t = s[k]
-        h.update(ns(k.encode()) + ns(str(t.dtype).removeprefix("torch.").encode())
-                 + ns(",".join(map(str, t.shape)).encode())
-                 + hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).digest())
+        h.update(
+            ns(k.encode())
+            + ns(str(t.dtype).removeprefix("torch.").encode())
+            + ns(",".join(map(str, t.shape)).encode())
+            + hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).digest()
+        )
     assert strong == h.hexdigest()
     with pytest.raises(ValueError, match="unknown tensor digest algorithm"):
         state_digest(s, "md5")
@@ -77,8 +83,16 @@ def _awkward_state(device="cpu"):
     """Tensors that cross chunk boundaries, a strided one, bf16, a scalar and an empty one."""
     g = torch.Generator().manual_seed(1)
     big = torch.randn(37, 11, generator=g)
-    return {k: v.to(device) for k, v in {"big": big, "strided": big.t(), "half": torch.randn(9, generator=g).bfloat16(),
-                                         "scale": torch.tensor(3.0), "empty": torch.empty(0, 4)}.items()}
+    return {
+        k: v.to(device)
+        for k, v in {
+            "big": big,
+            "strided": big.t(),
+            "half": torch.randn(9, generator=g).bfloat16(),
+            "scale": torch.tensor(3.0),
+            "empty": torch.empty(0, 4),
+        }.items()
+    }
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
@@ -102,4 +116,6 @@ def test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies():
 
 
 for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
-    test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies = _mark(test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies)
+    test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies = _mark(
+        test_tensors_on_a_gpu_have_the_digest_of_their_cpu_copies
+    )

@@ -77,8 +77,9 @@ def test_a_symlink_out_of_the_store_is_refused(tmp_path):
     outside.write_bytes(b"attacker weights")
     (path / "model.safetensors").unlink()
     (path / "model.safetensors").symlink_to(outside)
-    digest = _rewrite_manifest(path, {"model.safetensors": ws.sha256_file(outside),
-                                      "config.json": ws.sha256_file(path / "config.json")})
+    digest = _rewrite_manifest(
+        path, {"model.safetensors": ws.sha256_file(outside), "config.json": ws.sha256_file(path / "config.json")}
+    )
     with pytest.raises(ws.WeightStoreError) as e:
         ws.verify(path, digest)
     assert e.value.reason == "symlink"

@@ -17,9 +17,15 @@ from learner.publish import write_safetensors
 
 def _state():
     g = torch.Generator().manual_seed(1)
-    return {"a.weight": torch.randn(33, 7, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g),
-            "c.half": torch.randn(3, 3, generator=g).half(), "ids": torch.arange(6, dtype=torch.int64),
-            "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False])}
+    return {
+        "a.weight": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "b": torch.randn(5, generator=g),
+        "c.half": torch.randn(3, 3, generator=g).half(),
+        "ids": torch.arange(6, dtype=torch.int64),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.tensor([True, False]),
+    }
 
 
 def test_header_digest_equals_state_digest_in_any_chunking():
@@ -30,7 +36,7 @@ def test_header_digest_equals_state_digest_in_any_chunking():
         for chunk in (1, 7, 64, 4096):  # fed as the file is read, in chunks of any size
             h = ws.TensorHasher("f", algo)
             for i in range(0, len(data), chunk):
-                h.update(data[i:i + chunk])
+                h.update(data[i : i + chunk])
             assert tensordigest.combine(h.finish(), algo) == tensordigest.state_digest(state, algo), (algo, chunk)
 
 

@@ -8,8 +8,10 @@ from deploy.launcher.alerts import ConsoleAlerts, PolicyWatch, RewardWatch, RunF
 
 
 def _state(ok=0, failed=0, by_plugin=None, reasons=None, gid="gen-0") -> dict:
-    return {"generators": [{"id": gid, "reward_ok": ok, "reward_failures": failed}],
-            "failures": {"reward_failures_by_plugin": by_plugin or {}, "reward_last_failure": reasons or {}}}
+    return {
+        "generators": [{"id": gid, "reward_ok": ok, "reward_failures": failed}],
+        "failures": {"reward_failures_by_plugin": by_plugin or {}, "reward_last_failure": reasons or {}},
+    }
 
 
 BUG = "plugin_error: ValueError: the plugin's own bug"
@@ -21,16 +23,21 @@ def test_a_failing_plugin_is_named_with_its_reason_once_and_again_for_a_new_reas
     said = w.update(_state(ok=64, failed=64, by_plugin={"mine": 64}, reasons={"mine": BUG}), 1.0)
     assert said == [f"reward plugin 'mine' failed 64 samples: {BUG}"]
     assert w.update(_state(ok=64, failed=128, by_plugin={"mine": 128}, reasons={"mine": BUG}), 2.0) == []
-    said = w.update(_state(ok=64, failed=192, by_plugin={"mine": 192}, reasons={"mine": "remote_http_401: bad token"}),
-                    3.0)
+    said = w.update(
+        _state(ok=64, failed=192, by_plugin={"mine": 192}, reasons={"mine": "remote_http_401: bad token"}), 3.0
+    )
     assert said == ["reward plugin 'mine' failed 192 samples: remote_http_401: bad token"]
 
 
 def test_the_reward_service_itself_and_an_environment_are_named_as_such():
-    assert describe_failures("reward_service", 8, "reward_service: ConnectError") == \
-        "the generators got no reward from the reward service for 8 samples: reward_service: ConnectError"
-    assert describe_failures("env:calc", 3, "env_error: exception_ValueError: boom") == \
-        "environment 'calc' failed 3 episodes: env_error: exception_ValueError: boom"
+    assert (
+        describe_failures("reward_service", 8, "reward_service: ConnectError")
+        == "the generators got no reward from the reward service for 8 samples: reward_service: ConnectError"
+    )
+    assert (
+        describe_failures("env:calc", 3, "env_error: exception_ValueError: boom")
+        == "environment 'calc' failed 3 episodes: env_error: exception_ValueError: boom"
+    )
 
 
 def test_no_reward_scored_for_fail_after_s_while_failures_arrive_stops_the_run():
@@ -70,8 +77,15 @@ def test_a_restarted_generator_counting_from_zero_is_not_taken_for_a_drop():
 
 
 def _step(step, entropy=1.0, loss=0.01, grad_norm=0.5, reward=0.3, skipped=0, lr=2e-3) -> dict:
-    return {"step": step, "entropy": entropy, "loss": loss, "grad_norm": grad_norm, "reward_mean": reward,
-            "skipped_steps": skipped, "lr": lr}
+    return {
+        "step": step,
+        "entropy": entropy,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "reward_mean": reward,
+        "skipped_steps": skipped,
+        "lr": lr,
+    }
 
 
 def test_a_collapsed_policy_is_said_after_50_steps_without_a_gradient():
@@ -79,12 +93,15 @@ def test_a_collapsed_policy_is_said_after_50_steps_without_a_gradient():
     w = PolicyWatch()
     assert w.update([_step(s) for s in range(1, 101)]) == []
     # one answer per prompt: each group's samples score the same, the prompts differ (the mean moves)
-    said = w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.3 + s % 3 / 100)
-                     for s in range(101, 126)])
+    said = w.update(
+        [_step(s, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.3 + s % 3 / 100) for s in range(101, 126)]
+    )
     assert said == []  # 25 of the last 50 steps: the window's typical step still learns
     said = w.update([_step(126, entropy=0.006, loss=0.0, grad_norm=0.0, reward=0.31)])
-    assert len(said) == 1 and said[0].startswith("the policy has collapsed: over the last 50 steps (to step 126) its "
-                                                 "entropy was 0.006 and 26 steps had no gradient at all")
+    assert len(said) == 1 and said[0].startswith(
+        "the policy has collapsed: over the last 50 steps (to step 126) its "
+        "entropy was 0.006 and 26 steps had no gradient at all"
+    )
     assert "learner.entropy_coef" in said[0]
     assert w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0) for s in range(126, 200)]) == []  # once
     assert w.stalled and w.collapsed
@@ -101,8 +118,17 @@ def test_a_collapse_with_some_gradient_left_is_said_too():
     said = []
     for s in range(101, 200):
         flat = s % 2 == 0
-        said += w.update([_step(s, entropy=0.005, loss=0.0 if flat else -5e-5, grad_norm=0.0 if flat else 0.05,
-                                reward=0.88 + (s % 5 - 2) / 100)])
+        said += w.update(
+            [
+                _step(
+                    s,
+                    entropy=0.005,
+                    loss=0.0 if flat else -5e-5,
+                    grad_norm=0.0 if flat else 0.05,
+                    reward=0.88 + (s % 5 - 2) / 100,
+                )
+            ]
+        )
     assert len(said) == 1 and said[0].startswith("the policy has collapsed: over the last 50 steps")
     assert "the mean reward stays at 0.88" in said[0] and not w.converged
 
@@ -133,8 +159,10 @@ def test_a_policy_a_far_too_high_learning_rate_killed_is_said_dead_after_5_steps
     steps += [_step(s, entropy=2.708, loss=0.0179, grad_norm=0.0, lr=1000.0) for s in range(2, 6)]
     assert w.update(steps) == [] and w.suspect().startswith("its gradient has been 0 for the last 4 steps")
     said = w.update([_step(6, entropy=2.708, loss=0.0068, grad_norm=0.0, lr=1000.0)])
-    assert len(said) == 1 and said[0].startswith("the policy is dead: its gradient has been 0 for the last 5 steps "
-                                                 "(to step 6) while its loss is 0.0068 and its entropy 2.708")
+    assert len(said) == 1 and said[0].startswith(
+        "the policy is dead: its gradient has been 0 for the last 5 steps "
+        "(to step 6) while its loss is 0.0068 and its entropy 2.708"
+    )
     assert "learner.lr = 1000" in said[0] and w.killed and not w.stalled
     assert PolicyWatch().suspect() is None
 
@@ -161,8 +189,10 @@ def test_a_policy_that_converged_at_its_best_is_a_note_not_a_collapse(capsys):
     """The copy task solved: every sample of every prompt scores 1.0, so the loss is 0 too; that is the end of
     learning, not a failure: a note on the console, no warning in the summary."""
     alerts = ConsoleAlerts(lambda: None, fail_after_s=0, entries=lambda: [])
-    alerts.entries = lambda: [_step(s, entropy=0.5, reward=0.6 + s / 1000) for s in range(1, 301)] + \
-        [_step(s, entropy=0.004, loss=0.0, grad_norm=0.0, reward=1.0) for s in range(301, 360)]
+    alerts.entries = lambda: (
+        [_step(s, entropy=0.5, reward=0.6 + s / 1000) for s in range(1, 301)]
+        + [_step(s, entropy=0.004, loss=0.0, grad_norm=0.0, reward=1.0) for s in range(301, 360)]
+    )
     alerts.check({})
     out = capsys.readouterr().out
     assert "relay up: note: the policy converged: over the last 50 steps" in out and "the best of the run" in out

@@ -41,7 +41,8 @@ def test_the_kubernetes_component_renders_and_validates(tmp_path):
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - ../../base\n"
-        "components:\n  - ../../components/code-sandbox\n")
+        "components:\n  - ../../components/code-sandbox\n"
+    )
     r = _run(_tool("kubectl"), "kustomize", str(overlay))
     assert r.returncode == 0, r.stderr
     (tmp_path / "out.yaml").write_text(r.stdout)

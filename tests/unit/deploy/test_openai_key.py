@@ -17,8 +17,22 @@ from deploy.launcher.up import add_up_arguments
 def _plan(tmp_path, *argv, environ=None):
     p = argparse.ArgumentParser()
     add_up_arguments(p)
-    return plan(p.parse_args(["--runs-dir", str(tmp_path), "--dashboard-port", "0", "--run-id", "a",
-                              "--redis-url", "redis://127.0.0.1:1/0", *argv]), environ=environ or {})
+    return plan(
+        p.parse_args(
+            [
+                "--runs-dir",
+                str(tmp_path),
+                "--dashboard-port",
+                "0",
+                "--run-id",
+                "a",
+                "--redis-url",
+                "redis://127.0.0.1:1/0",
+                *argv,
+            ]
+        ),
+        environ=environ or {},
+    )
 
 
 def test_an_enabled_endpoint_gets_a_key_of_its_own_that_stays_out_of_config_files(tmp_path):
@@ -52,5 +66,12 @@ def test_the_operators_key_an_open_endpoint_and_a_disabled_one_are_left_alone(tm
 
 def test_an_open_endpoint_off_loopback_is_refused_before_start(tmp_path):
     with pytest.raises(ConfigError, match="loopback"):
-        _plan(tmp_path, "--set", "generator.openai.enabled=true", "--set", "generator.openai.open=true",
-              "--set", "generator.openai.host=0.0.0.0")
+        _plan(
+            tmp_path,
+            "--set",
+            "generator.openai.enabled=true",
+            "--set",
+            "generator.openai.open=true",
+            "--set",
+            "generator.openai.host=0.0.0.0",
+        )

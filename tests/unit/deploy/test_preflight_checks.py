@@ -40,8 +40,16 @@ def test_a_backend_whose_package_is_missing_is_named_with_the_fix(monkeypatch):
 
 
 def test_an_unset_token_env_is_named(monkeypatch):
-    cfg = RewardConfig.model_validate({"plugins": {"grader": {"type": "remote", "options": {
-        "url": "http://127.0.0.1:9/score", "token_env": "PREFLIGHT_TEST_TOKEN"}}}})
+    cfg = RewardConfig.model_validate(
+        {
+            "plugins": {
+                "grader": {
+                    "type": "remote",
+                    "options": {"url": "http://127.0.0.1:9/score", "token_env": "PREFLIGHT_TEST_TOKEN"},
+                }
+            }
+        }
+    )
     monkeypatch.delenv("PREFLIGHT_TEST_TOKEN", raising=False)
     with pytest.raises(ValueError, match=r"reward.plugins.grader.options: token_env names 'PREFLIGHT_TEST_TOKEN'"):
         check_secrets(cfg)
@@ -52,8 +60,13 @@ def test_an_unset_token_env_is_named(monkeypatch):
 def test_progress_shows_length_and_truncation_and_the_warning_prints_once(capsys):
     from deploy.launcher.progress import Progress, TruncationWarning
 
-    learner = {"step": 7.0, "reward_mean": 0.5, "completion_len_mean": 6.6, "completion_len_max": 8.0,
-               "completion_truncated_frac": 0.625}
+    learner = {
+        "step": 7.0,
+        "reward_mean": 0.5,
+        "completion_len_mean": 6.6,
+        "completion_len_max": 8.0,
+        "completion_truncated_frac": 0.625,
+    }
     Progress(True, 40, tty=False).show({"learner": learner, "learner_version": 7, "queue_depth": 3, "generators": []})
     assert "reward 0.500  len 7/8 cut 62%  queue 3" in capsys.readouterr().out
     warn = TruncationWarning(Progress(False, 40), 8)
@@ -78,8 +91,10 @@ def test_learning_rates_far_from_the_models_are_a_note_and_absurd_ones_an_error(
     error, _ = lr_problems(LearnerConfig(critic={"enabled": True, "lr": 5.0}, advantage="gae"))
     assert error.startswith("learner.critic.lr = 5 is no learning rate")
     _, notes = lr_problems(LearnerConfig(lr=0.5))
-    assert notes == ["learner.lr = 0.5 is 250x above the 0.002 that the built-in tiny model trains at: training "
-                     "usually diverges (the policy dies); a rate from 2e-05 to 0.04 suits it (docs/learner.md)"]
+    assert notes == [
+        "learner.lr = 0.5 is 250x above the 0.002 that the built-in tiny model trains at: training "
+        "usually diverges (the policy dies); a rate from 2e-05 to 0.04 suits it (docs/learner.md)"
+    ]
     _, notes = lr_problems(LearnerConfig(model="/m", lr=1e-3))
     assert len(notes) == 1 and "1000x above the 1e-06 that a pretrained model trains at" in notes[0]
     _, notes = lr_problems(LearnerConfig(model="/m", lr=1e-3, lora={"rank": 8}))  # LoRA trains at 10x
@@ -95,11 +110,18 @@ def test_the_truncation_warning_blames_a_broken_policy_not_max_tokens(capsys):
     from deploy.launcher.progress import Progress, TruncationWarning
 
     watch = PolicyWatch()
-    watch.update([{"step": 1, "grad_norm": 0.28, "loss": 0.068, "entropy": 2.652}] +
-                 [{"step": s, "grad_norm": 0.0, "loss": 0.02, "entropy": 2.708} for s in range(2, 8)])
-    TruncationWarning(Progress(False, 40), 8).check({"step": 7.0, "completion_len_mean": 6.6,
-                                                     "truncated_warning_frac": 0.59}, watch.suspect())
+    watch.update(
+        [{"step": 1, "grad_norm": 0.28, "loss": 0.068, "entropy": 2.652}]
+        + [{"step": s, "grad_norm": 0.0, "loss": 0.02, "entropy": 2.708} for s in range(2, 8)]
+    )
+    TruncationWarning(Progress(False, 40), 8).check(
+        {"step": 7.0, "completion_len_mean": 6.6, "truncated_warning_frac": 0.59}, watch.suspect()
+    )
     out = capsys.readouterr().out
     assert "59% of the completions of the last steps stopped at max_tokens" in out
-    assert "but the budget is not what is wrong: the policy is broken (its gradient has been 0 for the last 6 " \
-           "steps while its loss is not (entropy 2.708)" in out and "raise generator" not in out
+    assert (
+        "but the budget is not what is wrong: the policy is broken (its gradient has been 0 for the last 6 "
+        "steps while its loss is not (entropy 2.708)"
+        in out
+        and "raise generator" not in out
+    )

@@ -10,8 +10,10 @@ from deploy.launcher.start import _write_config
 
 def test_redact_url_hides_the_password_only():
     assert redact_url("redis://learner:s3cr%40t@127.0.0.1:6390/0") == "redis://learner:***@127.0.0.1:6390/0"
-    assert redact_url("rediss://:pw@redis.example:6380/1?ssl_cert_reqs=required") == \
-        "rediss://:***@redis.example:6380/1?ssl_cert_reqs=required"
+    assert (
+        redact_url("rediss://:pw@redis.example:6380/1?ssl_cert_reqs=required")
+        == "rediss://:***@redis.example:6380/1?ssl_cert_reqs=required"
+    )
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert redact_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
     assert "pw" not in redact_url("redis://u:pw@[::1:6379/0")  # unparseable: nothing of it shown
@@ -70,8 +72,10 @@ def test_relay_secrets_writes_the_acl_file_again_from_the_current_rights_keeping
     files = make(folder, "compose")
     password = (folder / "redis" / "generator.password").read_text().strip()
     acl = files["redis_acl"]
-    wide = acl.read_text().replace(acl_rules("compose", "generator", password),
-                                   "user generator on #x resetkeys ~relay:compose:* -@all +@all -@dangerous")
+    wide = acl.read_text().replace(
+        acl_rules("compose", "generator", password),
+        "user generator on #x resetkeys ~relay:compose:* -@all +@all -@dangerous",
+    )
     acl.write_text(wide)
     make(folder, "compose")
     assert acl.read_text() != wide and acl_rules("compose", "generator", password) in acl.read_text()

@@ -17,12 +17,26 @@ from deploy.launcher.up import add_up_arguments
 from tests.support.services import relay
 
 SUMMARY = {
-    "status": "completed", "error": None, "run_id": "r1", "steps": 600, "steps_total": 600, "versions_published": 600,
-    "reward_first": 0.052, "reward_last": 0.934, "groups_trained": 19200, "groups_dropped_stale": 3,
-    "groups_rejected": 0, "generators": {}, "wall_seconds": 212.4, "resumes": 0,
+    "status": "completed",
+    "error": None,
+    "run_id": "r1",
+    "steps": 600,
+    "steps_total": 600,
+    "versions_published": 600,
+    "reward_first": 0.052,
+    "reward_last": 0.934,
+    "groups_trained": 19200,
+    "groups_dropped_stale": 3,
+    "groups_rejected": 0,
+    "generators": {},
+    "wall_seconds": 212.4,
+    "resumes": 0,
     "audit": {"produced": 19210, "trained_once": 19200, "trained_twice": 0, "dropped": 3, "queued": 7, "lost": 0},
-    "eval": [{"version": 0, "round": 0, "pass@1": 0.0}, {"version": 300, "round": 300, "pass@1": 0.5},
-             {"version": 590, "round": 590, "pass@1": 0.95}],
+    "eval": [
+        {"version": 0, "round": 0, "pass@1": 0.0},
+        {"version": 300, "round": 300, "pass@1": 0.5},
+        {"version": 590, "round": 590, "pass@1": 0.95},
+    ],
     "export": {"path": "/x/runs/r1/export", "version": 600, "manifest_hash": "ab"},
     "restarts": {"broker": 0, "learner": 1},
 }
@@ -40,8 +54,10 @@ def test_the_report_says_how_the_run_went_in_a_few_lines(tmp_path):
     assert str(tmp_path / "r1" / "summary.json") in text and str(tmp_path / "r1" / "logs") in text
     assert len(lines) <= 10 and "{" not in text  # not the JSON dump
 
-    failed = format_report({**SUMMARY, "status": "failed", "error": "learner (pid 7) exited with code 1",
-                            "export": None, "eval": []}, tmp_path / "r1")
+    failed = format_report(
+        {**SUMMARY, "status": "failed", "error": "learner (pid 7) exited with code 1", "export": None, "eval": []},
+        tmp_path / "r1",
+    )
     assert failed.splitlines()[-1] == "  error        learner (pid 7) exited with code 1"  # last, where it is seen
     assert "export" not in failed and "eval" not in failed
 
@@ -49,13 +65,26 @@ def test_the_report_says_how_the_run_went_in_a_few_lines(tmp_path):
 def test_the_report_says_what_failed_on_the_way(tmp_path):
     """Reward failures by plugin with their reason, groups dropped for them, restarts with their last error,
     and the warnings printed during the run: once only in summary.json ("0 dropped stale" and nothing more)."""
-    text = format_report({**SUMMARY, "groups_trained": 0, "groups_dropped_stale": 0,
-                          "groups_dropped": {"reward_failed": 26240},
-                          "reward_failures": {"samples": 210048, "samples_scored": 0, "by_plugin": {"mine": 210048},
-                                              "last_reason": {"mine": "plugin_error: ValueError: boom"},
-                                              "groups_dropped": 26240, "samples_trained_on_fallback": 0},
-                          "restarts": {"gen-0": 2}, "restart_errors": {"gen-0": "ValueError: no tools"},
-                          "warnings": ["the policy has collapsed: ..."]}, tmp_path / "r1")
+    text = format_report(
+        {
+            **SUMMARY,
+            "groups_trained": 0,
+            "groups_dropped_stale": 0,
+            "groups_dropped": {"reward_failed": 26240},
+            "reward_failures": {
+                "samples": 210048,
+                "samples_scored": 0,
+                "by_plugin": {"mine": 210048},
+                "last_reason": {"mine": "plugin_error: ValueError: boom"},
+                "groups_dropped": 26240,
+                "samples_trained_on_fallback": 0,
+            },
+            "restarts": {"gen-0": 2},
+            "restart_errors": {"gen-0": "ValueError: no tools"},
+            "warnings": ["the policy has collapsed: ..."],
+        },
+        tmp_path / "r1",
+    )
     assert "0 trained, 0 dropped stale, 26240 dropped (every reward failed), 0 rejected" in text
     assert "  rewards      210048 of 210048 samples failed: mine 210048 (plugin_error: ValueError: boom)" in text
     assert "  restarts     gen-0 2 (last error: ValueError: no tools)" in text
@@ -110,11 +139,13 @@ def test_relay_status_shows_a_resumed_run_that_is_running_live_not_its_old_summa
     # the run's broker, as far as relay status sees it: a process of the run (pids.json, the run folder
     # in its command line) serving /api/state on the recorded port
     state = {"run_id": "r1", "learner_version": 7, "learner": {"step": 9}, "generators": []}
-    server = ("import http.server, json, sys\n"
-              "class H(http.server.BaseHTTPRequestHandler):\n"
-              "    def do_GET(self):\n"
-              "        self.send_response(200); self.end_headers(); self.wfile.write(sys.argv[2].encode())\n"
-              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    server = (
+        "import http.server, json, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(sys.argv[2].encode())\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", server, str(port), json.dumps(state), str(run)])
     _until_exec(proc.pid, run)
     try:
@@ -138,15 +169,23 @@ def _run_folder(tmp_path, summary: dict | None, aof: str = "everysec"):
     (run / "config").mkdir(parents=True)
     (run / "appendonlydir").mkdir()
     redis = "redis://127.0.0.1:6390/0"
-    cfgs = {"broker": {"run_id": "r1", "redis_url": redis, "ingest_bind": "tcp://127.0.0.1:6391", "http_port": 6392},
-            "reward": {"port": 6393},
-            "learner": {"run_id": "r1", "redis_url": redis, "steps": 50, "run_dir": str(run / "learner")},
-            "generator-0": {"id": "gen-0", "run_id": "r1", "redis_url": redis, "broker_address": "tcp://127.0.0.1:6391",
-                            "reward_url": "http://127.0.0.1:6393"}}
+    cfgs = {
+        "broker": {"run_id": "r1", "redis_url": redis, "ingest_bind": "tcp://127.0.0.1:6391", "http_port": 6392},
+        "reward": {"port": 6393},
+        "learner": {"run_id": "r1", "redis_url": redis, "steps": 50, "run_dir": str(run / "learner")},
+        "generator-0": {
+            "id": "gen-0",
+            "run_id": "r1",
+            "redis_url": redis,
+            "broker_address": "tcp://127.0.0.1:6391",
+            "reward_url": "http://127.0.0.1:6393",
+        },
+    }
     for name, c in cfgs.items():
         (run / "config" / f"{name}.json").write_text(json.dumps(c))
-    (run / "launch.json").write_text(json.dumps({"generators": 3, "learner_ranks": 1, "embedded_redis": True,
-                                                 "redis_aof": aof}))
+    (run / "launch.json").write_text(
+        json.dumps({"generators": 3, "learner_ranks": 1, "embedded_redis": True, "redis_aof": aof})
+    )
     if summary is not None:
         (run / "summary.json").write_text(json.dumps(summary))
     return run
@@ -196,17 +235,27 @@ def test_resume_gives_every_generator_its_own_ingest_key_again(tmp_path):
     gen0["ingest_key_file"] = str(tmp_path / "shared.key_secret")
     (run / "config" / "generator-0.json").write_text(json.dumps(gen0))
     p, _ = _plan(tmp_path, "--resume", "r1")
-    assert {c["ingest_key_file"] for c in generator_configs(p["generator"], own, 3)} == {str(tmp_path / "shared.key_secret")}
+    assert {c["ingest_key_file"] for c in generator_configs(p["generator"], own, 3)} == {
+        str(tmp_path / "shared.key_secret")
+    }
 
 
-@pytest.mark.parametrize("summary,aof,argv,environ,message", [
-    ({"status": "completed", "steps": 50}, "everysec", [], {}, "completed (50 of 50 steps): nothing to resume"),
-    ({"status": "interrupted"}, "off", [], {}, "kept no Redis data (--redis-aof off)"),
-    ({"status": "interrupted"}, "everysec", ["--steps", "80", "--set", "learner.lr=0.1"], {},
-     "recorded config (config/*.json); leave out --steps, --set"),
-    ({"status": "interrupted"}, "everysec", [], {"RELAY_STEPS": "80"}, "unset RELAY_STEPS"),
-    (None, "everysec", ["--generators", "1"], {}, "leave out --generators"),
-])
+@pytest.mark.parametrize(
+    "summary,aof,argv,environ,message",
+    [
+        ({"status": "completed", "steps": 50}, "everysec", [], {}, "completed (50 of 50 steps): nothing to resume"),
+        ({"status": "interrupted"}, "off", [], {}, "kept no Redis data (--redis-aof off)"),
+        (
+            {"status": "interrupted"},
+            "everysec",
+            ["--steps", "80", "--set", "learner.lr=0.1"],
+            {},
+            "recorded config (config/*.json); leave out --steps, --set",
+        ),
+        ({"status": "interrupted"}, "everysec", [], {"RELAY_STEPS": "80"}, "unset RELAY_STEPS"),
+        (None, "everysec", ["--generators", "1"], {}, "leave out --generators"),
+    ],
+)
 def test_resume_refuses_what_would_not_continue_the_run_as_recorded(tmp_path, summary, aof, argv, environ, message):
     _run_folder(tmp_path, summary, aof)
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
@@ -249,15 +298,18 @@ def test_resume_of_a_run_from_before_ed25519_is_refused_saying_how_to_continue(t
     (run / "secrets" / "announce.key").write_text("ab" * 32 + "\n")
     with pytest.raises(UsageError, match="before weight announcements were signed with Ed25519") as e:
         _plan(tmp_path, "--resume", "r1")
-    assert f"relay export {run.resolve()} --out r1-model" in str(e.value) and "relay up --model r1-model" in str(e.value)
+    assert f"relay export {run.resolve()} --out r1-model" in str(e.value) and "relay up --model r1-model" in str(
+        e.value
+    )
 
 
 def test_resume_gives_each_service_its_half_of_the_keys_and_moves_a_taken_weight_server_port(tmp_path):
     run = _run_folder(tmp_path, {"status": "interrupted", "steps": 20})
     for name in ("learner", "generator-0"):
         path = run / "config" / f"{name}.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()),
-                                    "weights": {"transport": "http", "http": {"port": 6394}}}))
+        path.write_text(
+            json.dumps({**json.loads(path.read_text()), "weights": {"transport": "http", "http": {"port": 6394}}})
+        )
     with socket.socket() as busy:  # the learner's weight server port, taken now
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         busy.bind(("127.0.0.1", 6394))
@@ -266,8 +318,11 @@ def test_resume_gives_each_service_its_half_of_the_keys_and_moves_a_taken_weight
     secrets = run.resolve() / "secrets"
     assert p["learner"]["announce_key_file"] == str(secrets / "announce.key")
     assert "announce_key_file" not in p["broker"] and "announce_key_file" not in p["generator"]
-    assert p["broker"]["announce_public_key_file"] == p["generator"]["announce_public_key_file"] == \
-        str(secrets / "announce.pub")
+    assert (
+        p["broker"]["announce_public_key_file"]
+        == p["generator"]["announce_public_key_file"]
+        == str(secrets / "announce.pub")
+    )
     port = p["learner"]["weights"]["http"]["port"]
     assert port != 6394 and p["generator"]["weights"]["http"]["port"] == port  # the generators follow it
     assert p["learner"]["weights"]["key_file"] == p["generator"]["weights"]["key_file"] == str(secrets / "weights.key")

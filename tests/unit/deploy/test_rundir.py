@@ -23,12 +23,18 @@ time.sleep(60)
 
 
 def test_a_second_run_in_a_runs_folder_is_refused_until_the_first_process_is_gone(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert holder.stdout.readline() == "held\n"
-        with pytest.raises(RunsFolderError, match=f"another relay up \\(run first, pid {holder.pid}\\) is running in "
-                                                  f"{tmp_path}: .*--runs-dir DIR"):
+        with pytest.raises(
+            RunsFolderError,
+            match=f"another relay up \\(run first, pid {holder.pid}\\) is running in {tmp_path}: .*--runs-dir DIR",
+        ):
             RunsLock(tmp_path).acquire("second")
         with pytest.raises(RunsFolderError, match="then resume this run"):
             RunsLock(tmp_path).acquire("second", resuming=True)

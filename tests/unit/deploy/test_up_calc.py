@@ -11,8 +11,12 @@ from deploy.launcher.up import add_up_arguments
 def _plan(tmp_path, *argv):
     p = argparse.ArgumentParser()
     add_up_arguments(p)
-    return plan(p.parse_args(["--runs-dir", str(tmp_path), "--dashboard-port", "0",
-                              "--redis-url", "redis://127.0.0.1:1/0", *argv]), environ={})
+    return plan(
+        p.parse_args(
+            ["--runs-dir", str(tmp_path), "--dashboard-port", "0", "--redis-url", "redis://127.0.0.1:1/0", *argv]
+        ),
+        environ={},
+    )
 
 
 def test_calc_sets_the_environment_the_tool_vocabulary_and_short_turns(tmp_path):
@@ -27,8 +31,19 @@ def test_calc_sets_the_environment_the_tool_vocabulary_and_short_turns(tmp_path)
     assert p["broker"]["task"]["min_digits"] == p["broker"]["task"]["max_digits"] == 1
     assert p["reward"]["task_plugins"]["calc"] == "digits" and p["reward"]["task_plugins"]["copy"] == "digits"
     # the user's settings win over the task's defaults
-    q = _plan(tmp_path, "--run-id", "b", "--task", "calc", "--set", "generator.max_turns=5",
-              "--set", "generator.sampling.max_tokens=12", "--set", "broker.task.max_digits=2")
+    q = _plan(
+        tmp_path,
+        "--run-id",
+        "b",
+        "--task",
+        "calc",
+        "--set",
+        "generator.max_turns=5",
+        "--set",
+        "generator.sampling.max_tokens=12",
+        "--set",
+        "broker.task.max_digits=2",
+    )
     assert q["generator"]["max_turns"] == 5 and q["generator"]["sampling"]["max_tokens"] == 12
     assert q["broker"]["task"]["max_digits"] == 2 and q["broker"]["task"]["min_digits"] == 1
     q = _plan(tmp_path, "--run-id", "c", "--task", "calc", "--steps", "50", "--set", "learner.lr=0.001")
@@ -40,8 +55,12 @@ def test_calc_turn_budget_follows_the_operands_and_the_generators_share_a_step(t
     p = _plan(tmp_path, "--run-id", "a", "--task", "calc", "--set", "broker.task.max_digits=2")
     assert p["generator"]["sampling"]["max_tokens"] == 7
     # one generator claims a whole step's groups; three claim 3 each (8 groups)
-    assert _plan(tmp_path, "--run-id", "b", "--task", "calc", "--generators", "1")["generator"]["prompts_per_batch"] == 8
-    assert _plan(tmp_path, "--run-id", "c", "--task", "calc", "--generators", "3")["generator"]["prompts_per_batch"] == 3
+    assert (
+        _plan(tmp_path, "--run-id", "b", "--task", "calc", "--generators", "1")["generator"]["prompts_per_batch"] == 8
+    )
+    assert (
+        _plan(tmp_path, "--run-id", "c", "--task", "calc", "--generators", "3")["generator"]["prompts_per_batch"] == 3
+    )
     q = _plan(tmp_path, "--run-id", "d", "--task", "calc", "--set", "learner.batch_groups=16")
     assert q["generator"]["prompts_per_batch"] == 8
     r = _plan(tmp_path, "--run-id", "e", "--task", "calc", "--set", "generator.prompts_per_batch=2")

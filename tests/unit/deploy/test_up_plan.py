@@ -18,8 +18,12 @@ def _plan(tmp_path, *argv, environ=None):
     p = argparse.ArgumentParser()
     add_up_arguments(p)
     # an external Redis URL: plan() then needs no redis-server binary (nothing is started)
-    return plan(p.parse_args(["--runs-dir", str(tmp_path), "--dashboard-port", "0",
-                              "--redis-url", "redis://127.0.0.1:1/0", *argv]), environ=environ or {})
+    return plan(
+        p.parse_args(
+            ["--runs-dir", str(tmp_path), "--dashboard-port", "0", "--redis-url", "redis://127.0.0.1:1/0", *argv]
+        ),
+        environ=environ or {},
+    )
 
 
 def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_them(tmp_path):
@@ -27,29 +31,39 @@ def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_
     assert default["generator"]["broker_address"] == default["broker"]["ingest_bind"]
     assert default["generator"]["reward_url"] == f"http://127.0.0.1:{default['reward']['port']}"
 
-    moved = _plan(tmp_path, "--run-id", "b", "--set", "broker.ingest_bind=tcp://127.0.0.1:6123",
-                  "--set", "reward.port=6200")
+    moved = _plan(
+        tmp_path, "--run-id", "b", "--set", "broker.ingest_bind=tcp://127.0.0.1:6123", "--set", "reward.port=6200"
+    )
     assert moved["broker"]["ingest_bind"] == "tcp://127.0.0.1:6123"
     assert moved["generator"]["broker_address"] == "tcp://127.0.0.1:6123"
     assert moved["generator"]["reward_url"] == "http://127.0.0.1:6200"
 
     # bound on every interface: the generators on this machine connect through the loopback
-    wildcard = _plan(tmp_path, "--run-id", "c", "--set", "broker.ingest_bind=tcp://0.0.0.0:6124",
-                     "--set", "reward.host=0.0.0.0")
+    wildcard = _plan(
+        tmp_path, "--run-id", "c", "--set", "broker.ingest_bind=tcp://0.0.0.0:6124", "--set", "reward.host=0.0.0.0"
+    )
     assert wildcard["generator"]["broker_address"] == "tcp://127.0.0.1:6124"
     assert wildcard["generator"]["reward_url"] == f"http://127.0.0.1:{wildcard['reward']['port']}"
 
     # an explicit generator address still wins
-    explicit = _plan(tmp_path, "--run-id", "d", "--set", "broker.ingest_bind=tcp://0.0.0.0:6125",
-                     "--set", "generator.broker_address=tcp://gateway:7000")
+    explicit = _plan(
+        tmp_path,
+        "--run-id",
+        "d",
+        "--set",
+        "broker.ingest_bind=tcp://0.0.0.0:6125",
+        "--set",
+        "generator.broker_address=tcp://gateway:7000",
+    )
     assert explicit["generator"]["broker_address"] == "tcp://gateway:7000"
 
     # several ingest workers: consecutive free ports from the launcher, every one given to the generators
     workers = _plan(tmp_path, "--run-id", "e", "--set", "broker.ingest_workers=3")
     base = int(workers["broker"]["ingest_bind"].rsplit(":", 1)[1])
     assert workers["generator"]["broker_address"] == ",".join(f"tcp://127.0.0.1:{base + k}" for k in range(3))
-    wildcard = _plan(tmp_path, "--run-id", "f", "--set", "broker.ingest_workers=2",
-                     "--set", "broker.ingest_bind=tcp://0.0.0.0:6130")
+    wildcard = _plan(
+        tmp_path, "--run-id", "f", "--set", "broker.ingest_workers=2", "--set", "broker.ingest_bind=tcp://0.0.0.0:6130"
+    )
     assert wildcard["generator"]["broker_address"] == "tcp://127.0.0.1:6130,tcp://127.0.0.1:6131"
     with pytest.raises(ConfigError, match="ingest_workers"):
         _plan(tmp_path, "--run-id", "g", "--set", "broker.ingest_workers=2", "--set", "broker.ingest_bind=ipc:///tmp/x")
@@ -66,17 +80,27 @@ def test_one_precedence_order_defaults_file_environment_flags(tmp_path):
     assert p["learner"]["steps"] == 4 and p["learner"]["batch_groups"] == 8  # the environment over the file
     assert p["generator"]["sampling"] == {"n": 4, "temperature": 0.7}  # recorded in the generator's config
     assert p["learner"]["seed"] == p["generator"]["seed"] == 5 and p["broker"]["task"]["seed"] == 5
-    p = _plan(tmp_path, "--run-id", "e", "--config", str(tmp_path / "run.toml"), "--steps", "12", "--seed", "1",
-              environ=env)
+    p = _plan(
+        tmp_path, "--run-id", "e", "--config", str(tmp_path / "run.toml"), "--steps", "12", "--seed", "1", environ=env
+    )
     assert p["learner"]["steps"] == 12  # the flag over the environment (it used to stop at 4 of 12)
     assert p["learner"]["seed"] == p["generator"]["seed"] == p["broker"]["task"]["seed"] == 1
-    p = _plan(tmp_path, "--run-id", "f", "--steps", "12", "--set", "learner.steps=7",
-              "--set", "generator.sampling.temperature=0.9", environ=env)
+    p = _plan(
+        tmp_path,
+        "--run-id",
+        "f",
+        "--steps",
+        "12",
+        "--set",
+        "learner.steps=7",
+        "--set",
+        "generator.sampling.temperature=0.9",
+        environ=env,
+    )
     assert p["learner"]["steps"] == 7 and p["generator"]["sampling"]["temperature"] == 0.9
     # flags over the file too (the file used to win over --steps, --model, --seed, --backend)
     (tmp_path / "model.toml").write_text("[learner]\nsteps = 20\n[generator.backend]\ntype = 'sglang'\n")
-    p = _plan(tmp_path, "--run-id", "g", "--config", str(tmp_path / "model.toml"), "--steps", "3",
-              "--backend", "torch")
+    p = _plan(tmp_path, "--run-id", "g", "--config", str(tmp_path / "model.toml"), "--steps", "3", "--backend", "torch")
     assert p["learner"]["steps"] == 3 and p["generator"]["backend"] == {"type": "torch"}
 
 
@@ -84,8 +108,17 @@ def test_another_backend_from_a_flag_drops_the_files_fields_of_the_old_one(tmp_p
     """examples/smollm2-cpu/relay.toml sets a torch backend with `threads`; `--backend vllm` over it used to
     fail on `backend.vllm.threads: unknown field`. The same type keeps the file's fields, --set adds to either."""
     (tmp_path / "t.toml").write_text("[generator.backend]\ntype = 'torch'\nthreads = 1\n")
-    p = _plan(tmp_path, "--run-id", "a", "--config", str(tmp_path / "t.toml"), "--backend", "vllm",
-              "--set", "generator.backend.cpu_kv_cache_gib=2")
+    p = _plan(
+        tmp_path,
+        "--run-id",
+        "a",
+        "--config",
+        str(tmp_path / "t.toml"),
+        "--backend",
+        "vllm",
+        "--set",
+        "generator.backend.cpu_kv_cache_gib=2",
+    )
     assert p["generator"]["backend"] == {"type": "vllm", "cpu_kv_cache_gib": 2}
     p = _plan(tmp_path, "--run-id", "b", "--config", str(tmp_path / "t.toml"), "--backend", "torch")
     assert p["generator"]["backend"] == {"type": "torch", "threads": 1}
@@ -127,10 +160,16 @@ def test_every_relay_variable_the_project_uses_is_config_a_flag_or_listed_as_not
     from reward_service.config import RewardConfig
 
     models = {"broker": BrokerConfig, "reward": RewardConfig, "generator": GeneratorConfig, "learner": LearnerConfig}
-    text = subprocess.run(["git", "grep", "-ohE", r"RELAY_[A-Z0-9_]+"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout
-    names = set(text.split()) - {"RELAY_UNRELATED", "RELAY_STEPPS", "RELAY_SAMPLING__TEMPRATURE",
-                                 "RELAY_LEARNER__STEPS", "RELAY_"}  # the misspellings tests use on purpose
+    text = subprocess.run(
+        ["git", "grep", "-ohE", r"RELAY_[A-Z0-9_]+"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    names = set(text.split()) - {
+        "RELAY_UNRELATED",
+        "RELAY_STEPPS",
+        "RELAY_SAMPLING__TEMPRATURE",
+        "RELAY_LEARNER__STEPS",
+        "RELAY_",
+    }  # the misspellings tests use on purpose
     refused = []
     for name in sorted(names):
         try:
@@ -173,18 +212,28 @@ def test_the_ingest_is_authenticated_with_the_run_s_keys_unless_the_broker_says_
 def test_the_run_wide_weights_section_reaches_the_learner_and_the_generators(tmp_path):
     """``--set weights.transport=http`` (or ``[weights]`` in the file) configures both ends of the weight
     transfer; a service's own ``weights`` fields win over the run-wide ones."""
-    (tmp_path / "run.toml").write_text("[weights]\ntransport = \"collective\"\n[weights.collective]\nbucket_mb = 8\n")
+    (tmp_path / "run.toml").write_text('[weights]\ntransport = "collective"\n[weights.collective]\nbucket_mb = 8\n')
     p = _plan(tmp_path, "--run-id", "a", "--set", "weights.transport=http")
     key = {"key_file": str(tmp_path / "a" / "secrets" / "weights.key")}  # the run's weights key: both read weights
     port = p["learner"]["weights"]["http"]["port"]  # fixed: the generators fetch from that server only
     assert port > 0
     assert p["learner"]["weights"] == p["generator"]["weights"] == {"transport": "http", **key, "http": {"port": port}}
-    p = _plan(tmp_path, "--run-id", "b", "--config", str(tmp_path / "run.toml"),
-              "--set", "generator.weights.collective.timeout_s=5")
+    p = _plan(
+        tmp_path,
+        "--run-id",
+        "b",
+        "--config",
+        str(tmp_path / "run.toml"),
+        "--set",
+        "generator.weights.collective.timeout_s=5",
+    )
     key = {"key_file": str(tmp_path / "b" / "secrets" / "weights.key")}
     assert p["learner"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8}, **key}
-    assert p["generator"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8, "timeout_s": 5},
-                                         **key}
+    assert p["generator"]["weights"] == {
+        "transport": "collective",
+        "collective": {"bucket_mb": 8, "timeout_s": 5},
+        **key,
+    }
     with pytest.raises(ConfigError, match="weights.transport"):
         _plan(tmp_path, "--run-id", "c", "--set", "weights.transport=ftp")
 
@@ -226,15 +275,24 @@ def test_a_resumed_run_keeps_its_reward_token(tmp_path):
 
 
 def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_another_process_has_them(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """Another run picked the same ports at the same moment (free_port answers a port another process
     holds): each port relay up chose moves to a free one, held by relay up from then on, with the
     generators' addresses following; a port the user set that is taken is an error naming the setting."""
     from deploy.launcher import procs
     from deploy.launcher.plan import UsageError
 
-    holder = subprocess.Popen([sys.executable, "-c", "import socket, time\ns = socket.create_server(('127.0.0.1', 0))\n"
-                               "print(s.getsockname()[1], flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, time\ns = socket.create_server(('127.0.0.1', 0))\n"
+            "print(s.getsockname()[1], flush=True)\ntime.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         theirs = int(holder.stdout.readline())
         monkeypatch.setattr(procs, "free_port", lambda *a, **k: theirs)
@@ -251,8 +309,9 @@ def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_ano
         assert held.env("broker") == {"RELAY_LISTEN_FDS": ",".join(map(str, held.fds("broker")))}
         held.close()
         monkeypatch.undo()
-        with pytest.raises(UsageError, match=f"cannot listen on 127.0.0.1:{theirs} \\(reward.port\\): Address already "
-                                             f"in use"):
+        with pytest.raises(
+            UsageError, match=f"cannot listen on 127.0.0.1:{theirs} \\(reward.port\\): Address already in use"
+        ):
             _plan(tmp_path, "--run-id", "b", "--set", f"reward.port={theirs}")
     finally:
         holder.kill()

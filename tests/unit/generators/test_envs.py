@@ -28,6 +28,7 @@ def episode(env, prompt: PromptEntry, turns: list[str]) -> list[StepResult]:
 
 # ---- registry ----------------------------------------------------------------------------------
 
+
 def test_unknown_env_lists_the_valid_names():
     with pytest.raises(UnknownEnvError) as e:
         build_env("nope")
@@ -65,18 +66,24 @@ def test_register_env_and_one_instance_per_episode():
 
 # ---- tools env -----------------------------------------------------------------------------------
 
+
 def test_tool_env_runs_calls_then_ends_on_an_answer():
     factory = build_env("tools", {"tools": ["calculator"]})
     env = factory()
     env.reset(PromptEntry("what is 7*8 plus 1?"))
-    r = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "7*8"}}</tool_call>'
-                 '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
-                 '<tool_call>{"name": "search", "arguments": {}}</tool_call><tool_call>{oops</tool_call>')
+    r = env.step(
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "7*8"}}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>'
+        '<tool_call>{"name": "search", "arguments": {}}</tool_call><tool_call>{oops</tool_call>'
+    )
     assert not r.done and r.role == "tool" and r.reward is None
     assert r.reply.split("\n")[0] == "56" and r.reply.split("\n")[1].startswith("error: division_by_zero")
     assert [(c.name, c.ok, c.error.split(":")[0]) for c in r.tool_calls] == [
-        ("calculator", True, ""), ("calculator", False, "division_by_zero"), ("unknown", False, "unknown_tool"),
-        ("calculator", False, "bad_json")]
+        ("calculator", True, ""),
+        ("calculator", False, "division_by_zero"),
+        ("unknown", False, "unknown_tool"),
+        ("calculator", False, "bad_json"),
+    ]
     final = env.step("57")
     assert final.done and final.reply is None and final.reward is None
     s = factory.stats()
@@ -97,14 +104,21 @@ def test_tool_env_limits_calls_per_turn():
 
 def test_a_slow_tool_times_out_without_holding_the_others():
     factory = build_env("tools", {"tools": ["calculator"]})
-    slow = Tool("slow", "sleeps", {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
-                lambda a: (time.sleep(float(a["s"])), "woke")[1], timeout_s=0.3)
+    slow = Tool(
+        "slow",
+        "sleeps",
+        {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
+        lambda a: (time.sleep(float(a["s"])), "woke")[1],
+        timeout_s=0.3,
+    )
     factory.shared.tools["slow"] = slow
     env = factory()
     env.reset(PromptEntry(""))
     t0 = time.monotonic()
-    r = env.step('<tool_call>{"name": "slow", "arguments": {"s": "3"}}</tool_call>'
-                 '<tool_call>{"name": "slow", "arguments": {"s": "0.01"}}</tool_call><tool_call>2*3</tool_call>')
+    r = env.step(
+        '<tool_call>{"name": "slow", "arguments": {"s": "3"}}</tool_call>'
+        '<tool_call>{"name": "slow", "arguments": {"s": "0.01"}}</tool_call><tool_call>2*3</tool_call>'
+    )
     assert time.monotonic() - t0 < 2.0  # concurrent, bounded by the timeout (0.3 s + a 0.5 s grace), not 3 s
     assert r.reply.split("\n")[1:] == ["woke", "6"] and r.tool_calls[0].error == "timeout"
     assert factory.stats()["tool_failures"] == {"slow:timeout": 1}
@@ -123,11 +137,15 @@ def test_python_tool_runs_in_the_sandbox():
     if NO_SANDBOX or call.error.startswith("sandbox_unavailable"):
         pytest.skip(f"the code sandbox does not run here (needs root/CAP_SYS_ADMIN for namespaces): {call.error}")
     assert call.ok and r.reply.strip() == "42"
-    r = env.step('<tool_call>{"name": "python", "arguments": {"code": "import socket; '
-                 'socket.create_connection((\\"1.1.1.1\\", 80), timeout=1)"}}</tool_call>')
+    r = env.step(
+        '<tool_call>{"name": "python", "arguments": {"code": "import socket; '
+        'socket.create_connection((\\"1.1.1.1\\", 80), timeout=1)"}}</tool_call>'
+    )
     assert not r.tool_calls[0].ok and r.tool_calls[0].error.startswith("exit_status") and "OSError" in r.reply
     t0 = time.monotonic()
-    r = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(1, flush=True)\\nwhile True: pass"}}</tool_call>')
+    r = env.step(
+        '<tool_call>{"name": "python", "arguments": {"code": "print(1, flush=True)\\nwhile True: pass"}}</tool_call>'
+    )
     assert time.monotonic() - t0 < 4 and r.tool_calls[0].error.startswith("timeout") and "ran over 2" in r.reply
     assert factory.stats()["tool_failures"] == {"python:exit_status": 1, "python:timeout": 1}
     factory.close()
@@ -135,6 +153,7 @@ def test_python_tool_runs_in_the_sandbox():
 
 def test_python_tool_without_a_sandbox_fails_visibly(monkeypatch):
     from reward_service.builtin import sandbox
+
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)  # as on a machine without util-linux
     factory = build_env("tools", {"tools": ["python"], "python_isolation": "rlimits"})
     env = factory()
@@ -208,6 +227,7 @@ def test_calc_ends_after_max_turns():
 
 def test_calc_reward_is_in_range_and_random_turns_score_low():
     import random
+
     rng = random.Random(0)
     alphabet = list("0123456789+*-=") + ["<tool_call>", "</tool_call>"]
     rewards = []
@@ -221,8 +241,10 @@ def test_calc_reward_is_in_range_and_random_turns_score_low():
 
 def test_calc_reward_function():
     calls = parse_tool_calls("<tool_call>7*8</tool_call>")
-    assert calc_reward("7*8", calls, True, "56", "56") == (1.0, {"tool": 1.0, "expression": 1.0, "operands": 1.0,
-                                                                 "answer": 1.0})
+    assert calc_reward("7*8", calls, True, "56", "56") == (
+        1.0,
+        {"tool": 1.0, "expression": 1.0, "operands": 1.0, "answer": 1.0},
+    )
     assert calc_reward("7*8", [], False, "56", None)[0] == 0.0
     assert calc_reward("7*8", calls, True, None, "56")[0] == pytest.approx(0.6)
     assert calc_reward("7*8", calls, True, "560", "56")[0] == pytest.approx(0.6 + 0.4 * 2 / 3)
@@ -260,6 +282,7 @@ def test_calc_without_reference_uses_the_true_value():
 
 # ---- entry points and the remote contract's replies ------------------------------------------------
 
+
 class EntryPointEnv(Environment):
     """Registered in a test through a real ``relay.envs`` entry point."""
 
@@ -275,6 +298,7 @@ def test_relay_envs_entry_points_register(monkeypatch):
 
     from broker.runtime import registry as loader
     from generators.envs import registry
+
     eps = [EntryPoint("ep_env", "tests.unit.generators.test_envs:EntryPointEnv", "relay.envs")]
     monkeypatch.setattr(loader, "entry_points", lambda group: eps if group == "relay.envs" else [])
     assert registry.load_entry_point_envs() == ["ep_env"]
@@ -288,16 +312,24 @@ def test_relay_envs_entry_points_register(monkeypatch):
 
 def test_remote_step_replies_are_checked():
     from generators.envs.remote import parse_step_reply
+
     ok = parse_step_reply({"reply": "56", "done": False, "tool_calls": [{"name": "calculator", "ok": True}]})
     assert (ok.reply, ok.role, ok.reward, ok.tool_calls[0].name) == ("56", "tool", None, "calculator")
     end = parse_step_reply({"reply": None, "done": True, "reward": 1, "role": "user", "info": {"k": 1}})
     assert (end.done, end.reward, end.role, end.info) == (True, 1.0, "user", {"k": 1})
     assert parse_step_reply({"reply": "x", "done": False, "reward": 0.3}).reward is None  # only with done
-    for bad, what in [([], "object"), ({"reply": "x"}, "done"), ({"done": False}, "required"),
-                      ({"done": True, "reward": "1"}, "finite"), ({"done": True, "reward": float("nan")}, "finite"),
-                      ({"done": True, "role": "system"}, "role"), ({"done": True, "tool_calls": [{"name": 1}]}, "tool_calls"),
-                      ({"done": True, "info": []}, "info"), ({"done": "yes"}, "done"),
-                      ({"done": True, "reward": 3e38}, r"outside \[-1e\+06, 1e\+06\]")]:
+    for bad, what in [
+        ([], "object"),
+        ({"reply": "x"}, "done"),
+        ({"done": False}, "required"),
+        ({"done": True, "reward": "1"}, "finite"),
+        ({"done": True, "reward": float("nan")}, "finite"),
+        ({"done": True, "role": "system"}, "role"),
+        ({"done": True, "tool_calls": [{"name": 1}]}, "tool_calls"),
+        ({"done": True, "info": []}, "info"),
+        ({"done": "yes"}, "done"),
+        ({"done": True, "reward": 3e38}, r"outside \[-1e\+06, 1e\+06\]"),
+    ]:
         with pytest.raises(ValueError, match=what):
             parse_step_reply(bad)
 
@@ -305,6 +337,7 @@ def test_remote_step_replies_are_checked():
 def test_the_python_example_of_docs_agents_md_works():
     import re
     from pathlib import Path
+
     doc = (Path(__file__).parents[3] / "docs" / "agents.md").read_text()
     src = re.search(r"```python\n(.*?)```", doc, re.DOTALL).group(1)
     ns = {"__name__": "docs_agents_example"}
@@ -313,4 +346,7 @@ def test_the_python_example_of_docs_agents_md_works():
     env = build_env("guess", {"max_turns": 4})()
     rs = episode(env, PromptEntry("guess", reference="42"), ["10", "50", "42"])
     assert [(r.reply, r.role, r.done, r.reward) for r in rs] == [
-        ("higher", "user", False, None), ("lower", "user", False, None), (None, "tool", True, 1.0)]
+        ("higher", "user", False, None),
+        ("lower", "user", False, None),
+        (None, "tool", True, 1.0),
+    ]

@@ -9,20 +9,25 @@ from generators.envs.tools import ToolFailure, calculate, calculator_tool, run_t
 
 
 def test_hermes_single_call():
-    [c] = parse_tool_calls('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "7*8"}}\n'
-                           '</tool_call>')
+    [c] = parse_tool_calls(
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "7*8"}}\n</tool_call>'
+    )
     assert (c.name, c.arguments, c.error, c.compact) == ("calculator", {"expression": "7*8"}, "", False)
 
 
 def test_hermes_several_calls_in_order_and_arguments_as_a_json_string():
-    calls = parse_tool_calls('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and '
-                             '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>')
+    calls = parse_tool_calls(
+        '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and '
+        '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    )
     assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {"y": 2})]
 
 
 def test_bad_json_is_a_call_with_an_error_not_an_exception():
-    calls = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {</tool_call>'
-                             '<tool_call>{"arguments": {}}</tool_call><tool_call> </tool_call><tool_call>{"name"')
+    calls = parse_tool_calls(
+        '<tool_call>{"name": "calculator", "arguments": {</tool_call>'
+        '<tool_call>{"arguments": {}}</tool_call><tool_call> </tool_call><tool_call>{"name"'
+    )
     assert [c.error for c in calls] == ["bad_json", "bad_call", "empty", "unclosed"]
     assert calls[0].raw == '{"name": "calculator", "arguments": {'
 
@@ -40,18 +45,40 @@ def test_no_call_and_rendering():
     assert render_tool_response("56") == "<tool_response>56</tool_response>"
 
 
-@pytest.mark.parametrize("expr,value", [("7*8", 56), ("(1+2)*3", 9), ("7/2", 3.5), ("7//2", 3), ("-7%3", 2),
-                                        ("2**10", 1024), ("1.5*2", 3.0), ("2**-1", 0.5), (" 12 - 30 ", -18)])
+@pytest.mark.parametrize(
+    "expr,value",
+    [
+        ("7*8", 56),
+        ("(1+2)*3", 9),
+        ("7/2", 3.5),
+        ("7//2", 3),
+        ("-7%3", 2),
+        ("2**10", 1024),
+        ("1.5*2", 3.0),
+        ("2**-1", 0.5),
+        (" 12 - 30 ", -18),
+    ],
+)
 def test_calculator_good(expr, value):
     assert calculate(expr) == value
 
 
-@pytest.mark.parametrize("expr,code", [("__import__('os')", "bad_expression"), ("x+1", "bad_expression"),
-                                       ("7*", "bad_expression"), ("1/0", "division_by_zero"),
-                                       ("'a'*3", "bad_expression"), ("True+1", "bad_expression"),
-                                       ("9**9**9", "too_large"), ("2**100000", "too_large"),
-                                       ("10.0**400", "too_large"), ("(-8)**0.5", "bad_expression"),
-                                       ("1+" * 150 + "1", "bad_expression")])
+@pytest.mark.parametrize(
+    "expr,code",
+    [
+        ("__import__('os')", "bad_expression"),
+        ("x+1", "bad_expression"),
+        ("7*", "bad_expression"),
+        ("1/0", "division_by_zero"),
+        ("'a'*3", "bad_expression"),
+        ("True+1", "bad_expression"),
+        ("9**9**9", "too_large"),
+        ("2**100000", "too_large"),
+        ("10.0**400", "too_large"),
+        ("(-8)**0.5", "bad_expression"),
+        ("1+" * 150 + "1", "bad_expression"),
+    ],
+)
 def test_calculator_refuses_with_a_code(expr, code):
     with pytest.raises(ToolFailure) as e:
         calculate(expr)

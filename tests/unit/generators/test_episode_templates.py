@@ -14,12 +14,15 @@ from generators.episodes import ChatTemplateRenderer, EpisodeLimits, EpisodeRunn
 from learner.tiny_model import build_tokenizer
 from tests.support.episode_envs import CountEnv
 
-FAITHFUL = ("{% for m in messages %}{% if m['role'] == 'user' %}<bos>{{ m['content'] }}"
-            "{% elif m['role'] == 'assistant' %}{{ m['content'] }}<eos>"
-            "{% else %}<tool_response>{{ m['content'] }}</tool_response>{% endif %}{% endfor %}")
+FAITHFUL = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<bos>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}<eos>"
+    "{% else %}<tool_response>{{ m['content'] }}</tool_response>{% endif %}{% endfor %}"
+)
 # renders every assistant turn but the last one reversed: a template that rewrites earlier turns
-REWRITING = FAITHFUL.replace("{{ m['content'] }}<eos>",
-                             "{{ m['content'] if loop.last else m['content']|reverse|join }}<eos>")
+REWRITING = FAITHFUL.replace(
+    "{{ m['content'] }}<eos>", "{{ m['content'] if loop.last else m['content']|reverse|join }}<eos>"
+)
 
 
 class FixedTurns:
@@ -39,8 +42,7 @@ class FixedTurns:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompts, sampling, seed, on_step=None):
-        return [[Completion(list(self.ids), [-0.1] * len(self.ids), "length" if self.cut else "stop")]
-                for _ in prompts]
+        return [[Completion(list(self.ids), [-0.1] * len(self.ids), "length" if self.cut else "stop")] for _ in prompts]
 
 
 def episodes(template: str, text: str = "12", cut: bool = False):
@@ -50,8 +52,15 @@ def episodes(template: str, text: str = "12", cut: bool = False):
     renderer = make_renderer(backend)
     assert isinstance(renderer, ChatTemplateRenderer)
     stats = EpisodeStats()
-    r = EpisodeRunner(backend, lambda: CountEnv(done_after=3), SamplingConfig(n=2, max_tokens=8),
-                      EpisodeLimits(4, 48, 30.0), lambda: 0, renderer=renderer, stats=stats)
+    r = EpisodeRunner(
+        backend,
+        lambda: CountEnv(done_after=3),
+        SamplingConfig(n=2, max_tokens=8),
+        EpisodeLimits(4, 48, 30.0),
+        lambda: 0,
+        renderer=renderer,
+        stats=stats,
+    )
     p = PromptEntry("7*8=", "12", "count")
     ids = r.prompt_ids(p)
     [group] = r.run([p], [ids], seed=0)
@@ -64,8 +73,9 @@ def test_a_faithful_template_gives_the_replies_tokens_and_counts_no_drift():
     c = group[0]
     text = tok.decode(c.token_ids, skip_special_tokens=False)
     assert text == "12<eos><tool_response>1</tool_response>12<eos><tool_response>2</tool_response>12<eos>"
-    assert [t for t, m in zip(c.token_ids, c.trainable) if m] == (tok("12", add_special_tokens=False)["input_ids"]
-                                                                 + [tok.eos_token_id]) * 3
+    assert [t for t, m in zip(c.token_ids, c.trainable) if m] == (
+        tok("12", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ) * 3
     assert stats.template_drift == 0 and all("template_drift" not in c.episode for c in group)
 
 
@@ -89,11 +99,19 @@ def test_smollm2_chat_template_multi_turn_episode_has_no_drift():
     """SmolLM2-135M-Instruct's real tokenizer and chat template (its GGUF ships with the test extra)."""
     tok = smollm2_tokenizer()
     backend = FixedTurns(tok, '<tool_call>{"name": "calc", "arguments": {"expr": "7*8"}}</tool_call>')
-    backend.ids = tok(backend.tokenizer.decode(backend.ids[:-1]), add_special_tokens=False)["input_ids"] + \
-        [tok.convert_tokens_to_ids("<|im_end|>")]
+    backend.ids = tok(backend.tokenizer.decode(backend.ids[:-1]), add_special_tokens=False)["input_ids"] + [
+        tok.convert_tokens_to_ids("<|im_end|>")
+    ]
     stats = EpisodeStats()
-    r = EpisodeRunner(backend, lambda: CountEnv(done_after=2), SamplingConfig(n=1, max_tokens=64),
-                      EpisodeLimits(3, 512, 30.0), lambda: 0, renderer=make_renderer(backend), stats=stats)
+    r = EpisodeRunner(
+        backend,
+        lambda: CountEnv(done_after=2),
+        SamplingConfig(n=1, max_tokens=64),
+        EpisodeLimits(3, 512, 30.0),
+        lambda: 0,
+        renderer=make_renderer(backend),
+        stats=stats,
+    )
     p = PromptEntry("What is 7*8?", "56", "count")
     [[c]] = r.run([p], [r.prompt_ids(p)], seed=0)
     text = tok.decode(c.token_ids, skip_special_tokens=False)

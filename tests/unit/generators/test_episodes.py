@@ -18,8 +18,8 @@ from generators.reward_client import RewardClient
 from tests.support.episode_envs import CountEnv
 
 EOS = 2
-TURN = [5, 6, EOS]          # every model turn the fake backend samples
-REPLY = [90, 91]            # every environment reply, as the fake renderer renders it
+TURN = [5, 6, EOS]  # every model turn the fake backend samples
+REPLY = [90, 91]  # every environment reply, as the fake renderer renders it
 
 
 class FakeBackend:
@@ -40,10 +40,12 @@ class FakeBackend:
         with self.lock:
             self.calls.append(([list(p) for p in prompts], sampling, time.monotonic()))
         time.sleep(self.delay_s)
-        t = self.turn[:sampling.max_tokens]
+        t = self.turn[: sampling.max_tokens]
         done = t[-1] == EOS
-        return [[Completion(list(t), [-0.5] * len(t), "stop" if done else "length") for _ in range(sampling.n)]
-                for _ in prompts]
+        return [
+            [Completion(list(t), [-0.5] * len(t), "stop" if done else "length") for _ in range(sampling.n)]
+            for _ in prompts
+        ]
 
 
 class FakeRenderer:
@@ -70,10 +72,17 @@ def prompt(text="a", reference="56", **meta):
 
 def runner(backend=None, n=1, max_turns=4, max_tokens=48, timeout_s=30.0, done_after=2, versions=None):
     versions = iter(versions) if versions is not None else None
-    return EpisodeRunner(backend or FakeBackend(), lambda: CountEnv(done_after=done_after),
-                         SamplingConfig(n=n, max_tokens=8), EpisodeLimits(max_turns, max_tokens, timeout_s),
-                         (lambda: next(versions)) if versions is not None else (lambda: 7),
-                         renderer=FakeRenderer(), threads=8, stats=EpisodeStats(), env_name="count")
+    return EpisodeRunner(
+        backend or FakeBackend(),
+        lambda: CountEnv(done_after=done_after),
+        SamplingConfig(n=n, max_tokens=8),
+        EpisodeLimits(max_turns, max_tokens, timeout_s),
+        (lambda: next(versions)) if versions is not None else (lambda: 7),
+        renderer=FakeRenderer(),
+        threads=8,
+        stats=EpisodeStats(),
+        env_name="count",
+    )
 
 
 def run(r, prompts):
@@ -84,12 +93,12 @@ def test_a_two_turn_episode_is_model_tokens_then_context_then_model_tokens():
     r = runner(versions=[3, 4])  # a new version is applied between the two turns
     [[c]] = run(r, [prompt(reference="56")])
     assert c.token_ids == TURN + REPLY + TURN
-    assert c.trainable == [1, 1, 1, 0, 0, 1, 1, 1]          # the tool's reply is context, never trained
+    assert c.trainable == [1, 1, 1, 0, 0, 1, 1, 1]  # the tool's reply is context, never trained
     assert c.logprobs == [-0.5] * 3 + [0.0] * 2 + [-0.5] * 3
-    assert c.versions == [3, 3, 3, 3, 3, 4, 4, 4]           # each token: the version that sampled it
-    assert c.answer_ids == TURN                              # the final model turn, scored by the reward service
+    assert c.versions == [3, 3, 3, 3, 3, 4, 4, 4]  # each token: the version that sampled it
+    assert c.answer_ids == TURN  # the final model turn, scored by the reward service
     assert c.finish_reason == "stop"
-    assert c.env_reward == 1.0                              # the last turn "56" equals the reference
+    assert c.env_reward == 1.0  # the last turn "56" equals the reference
     assert c.episode["turns"] == 2 and c.episode["tool_calls"] == 2 and "error" not in c.episode
     assert r.stats.snapshot()["episodes"] == 1 and r.stats.snapshot()["turns_mean"] == 2.0
     assert r.stats.tool_calls == {"count": 2}
@@ -101,10 +110,10 @@ def test_every_ready_episode_is_sampled_in_one_generate_call_per_round_with_its_
     r = runner(b, n=3)
     groups = run(r, [prompt("a"), prompt("b")])
     assert [len(g) for g in groups] == [3, 3]
-    assert len(b.calls) == 2                                 # two turns: two rounds, six episodes each
+    assert len(b.calls) == 2  # two turns: two rounds, six episodes each
     first, second = b.calls[0], b.calls[1]
     assert first[1].n == 1 and len(first[0]) == 6 and first[0][0] == [1, 3, 4]
-    assert second[0][0] == [1, 3, 4] + TURN + REPLY          # the whole context so far, token for token
+    assert second[0][0] == [1, 3, 4] + TURN + REPLY  # the whole context so far, token for token
 
 
 def test_a_slow_environment_step_does_not_block_the_sampling_of_other_episodes():
@@ -190,10 +199,23 @@ class EnvScoredOnly(RewardClient):
 
 def test_the_reward_service_scores_only_the_final_answer_of_episodes_the_environment_did_not_score():
     client = EnvScoredOnly()
-    scored = Completion([5, 6, 2, 90, 91, 7, 8, 2], [0.0] * 8, "length", trainable=[1, 1, 1, 0, 0, 1, 1, 1],
-                        answer_ids=[7, 8, 2], episode={"turns": 2, "tool_calls": 1})
-    by_env = Completion([5, 2], [0.0] * 2, "stop", trainable=[1, 1], env_reward=0.5, answer_ids=[5, 2],
-                        episode={"turns": 1, "tool_calls": 0})
+    scored = Completion(
+        [5, 6, 2, 90, 91, 7, 8, 2],
+        [0.0] * 8,
+        "length",
+        trainable=[1, 1, 1, 0, 0, 1, 1, 1],
+        answer_ids=[7, 8, 2],
+        episode={"turns": 2, "tool_calls": 1},
+    )
+    by_env = Completion(
+        [5, 2],
+        [0.0] * 2,
+        "stop",
+        trainable=[1, 1],
+        env_reward=0.5,
+        answer_ids=[5, 2],
+        episode={"turns": 1, "tool_calls": 0},
+    )
     [[a, b]] = client.score_groups([prompt()], [[scored, by_env]], lambda ids: "".join(map(str, ids)))
     [[item]] = client.sent
     assert item.completion == "782" and item.num_tokens == 3 and item.finished is False
@@ -213,8 +235,14 @@ def test_an_evaluation_run_keeps_one_version_its_own_sampling_and_its_own_counte
     b = FakeBackend()
     r = runner(b, n=3, versions=[])  # the training hook would fail if it were called
     own = EpisodeStats()
-    [group] = r.run([prompt()], [[1, 3, 4]], seed=0, sampling=SamplingConfig(n=1, max_tokens=8, top_k=1),
-                    between_turns=lambda: 9, stats=own)
+    [group] = r.run(
+        [prompt()],
+        [[1, 3, 4]],
+        seed=0,
+        sampling=SamplingConfig(n=1, max_tokens=8, top_k=1),
+        between_turns=lambda: 9,
+        stats=own,
+    )
     assert len(group) == 1 and set(group[0].versions) == {9} and b.calls[0][1].top_k == 1
     assert own.episodes == 1 and r.stats.episodes == 0
     assert r.sampling.n == 3  # the training settings are back
@@ -258,8 +286,16 @@ def test_a_reply_the_tokenizer_cannot_spell_is_counted_in_the_episode_stats_and_
     backend.tokenizer = build_tokenizer(tools=True)
     backend.encode = lambda text: backend.tokenizer(text)["input_ids"]
     stats = EpisodeStats()
-    r = EpisodeRunner(backend, Hint, SamplingConfig(n=2, max_tokens=8), EpisodeLimits(4, 48, 30.0), lambda: 0,
-                      threads=4, stats=stats, env_name="guess")
+    r = EpisodeRunner(
+        backend,
+        Hint,
+        SamplingConfig(n=2, max_tokens=8),
+        EpisodeLimits(4, 48, 30.0),
+        lambda: 0,
+        threads=4,
+        stats=stats,
+        env_name="guess",
+    )
     with caplog.at_level("WARNING", logger="relay.generator.episodes"):
         (group,) = r.run([prompt("12=")], [[1, 4, 5, 12]], seed=0)
     assert stats.snapshot()["unspellable_replies"] == 2  # one "higher" per episode; "7" is spelled
@@ -269,6 +305,7 @@ def test_a_reply_the_tokenizer_cannot_spell_is_counted_in_the_episode_stats_and_
     fams = {f.name: f for f in episode_metrics(stats.snapshot())}
     assert fams["relay_generator_env_replies_unspellable"].samples[0].value == 2
     from broker.dashboard.state import episode_totals
+
     assert episode_totals([stats.snapshot(), stats.snapshot()])["unspellable_replies"] == 4
 
 

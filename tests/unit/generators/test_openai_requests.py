@@ -36,17 +36,23 @@ class FakeBackend:
 
     def generate(self, prompts, sampling, seed, on_step=None):
         self.calls.append((prompts[0], sampling))
-        ids = [*map(ord, self.said), EOS][:sampling.max_tokens]
+        ids = [*map(ord, self.said), EOS][: sampling.max_tokens]
         return [[Completion(ids, [-0.1] * len(ids), "stop" if ids[-1] == EOS else "length")]]
 
 
 def endpoint(version=0, **openai):
     """An endpoint on the fake engine: open (no key) unless ``api_key`` is given."""
-    cfg = GeneratorConfig(sampling={"temperature": 0.7, "max_tokens": 16},
-                          openai={"enabled": True, "group_size": 2, **({} if "api_key" in openai else {"open": True}),
-                                  **openai})
-    gen = types.SimpleNamespace(cfg=cfg, backend=FakeBackend(), tokens=0, stop=threading.Event(),
-                                weights=types.SimpleNamespace(version=version, hash="h", receiver=None))
+    cfg = GeneratorConfig(
+        sampling={"temperature": 0.7, "max_tokens": 16},
+        openai={"enabled": True, "group_size": 2, **({} if "api_key" in openai else {"open": True}), **openai},
+    )
+    gen = types.SimpleNamespace(
+        cfg=cfg,
+        backend=FakeBackend(),
+        tokens=0,
+        stop=threading.Event(),
+        weights=types.SimpleNamespace(version=version, hash="h", receiver=None),
+    )
     ep = OpenAIEndpoint(gen, threading.RLock())
     return ep, gen.backend, TestClient(create_app(ep))
 
@@ -85,7 +91,7 @@ def test_completions_sessions_keep_their_tokens_and_count_drift():
     assert be.calls[-1][0] == [*map(ord, "Q:ok"), EOS, *map(ord, " A:")] and r2["relay"]["template_drift"] == 0
     r3 = c.post("/v1/completions", json={"prompt": "Q:changed"}, headers=h).json()  # rewrote its history
     assert r3["relay"]["template_drift"] == 1
-    assert be.calls[-1][0][:len(be.calls[-2][0])] == be.calls[-2][0]  # what was held stays as it was
+    assert be.calls[-1][0][: len(be.calls[-2][0])] == be.calls[-2][0]  # what was held stays as it was
     s = ep.sessions.by_id["s"]
     assert sum(s.trainable) == 9 and s.tokens[:2] == [ord("Q"), ord(":")]
     # no session: answered, not recorded
@@ -104,8 +110,11 @@ def test_a_wrong_or_missing_key_is_refused():
 def test_a_reward_must_be_a_finite_number(body):
     ep, _, c = endpoint()
     c.post("/v1/completions", json={"prompt": "Q:"}, headers={"X-Relay-Session": "s"})
-    r = c.post("/v1/relay/sessions/s/reward", content=__import__("json").dumps(body, allow_nan=True),
-               headers={"Content-Type": "application/json"})
+    r = c.post(
+        "/v1/relay/sessions/s/reward",
+        content=__import__("json").dumps(body, allow_nan=True),
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and ep.sessions.by_id["s"].reward is None
 
 
@@ -131,8 +140,10 @@ def test_without_the_key_nothing_is_answered_sampled_or_rewarded():
     ok = {"Authorization": "Bearer k"}
     assert c.post("/v1/completions", json={"prompt": "Q:"}, headers={**ok, "X-Relay-Session": "s"}).status_code == 200
     for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer nope"}, {"Authorization": "k"}):
-        assert c.post("/v1/completions", json={"prompt": "Q:"}, headers={**headers, "X-Relay-Session": "t"}
-                      ).status_code == 401
+        assert (
+            c.post("/v1/completions", json={"prompt": "Q:"}, headers={**headers, "X-Relay-Session": "t"}).status_code
+            == 401
+        )
         assert c.post("/v1/relay/sessions/s/reward", json={"reward": 1.0}, headers=headers).status_code == 401
         assert c.get("/v1/relay/sessions/s", headers=headers).status_code == 401
     assert len(be.calls) == 1 and list(ep.sessions.by_id) == ["s"] and ep.sessions.by_id["s"].reward is None
@@ -147,23 +158,38 @@ def test_a_post_that_is_not_json_is_refused_415_before_it_is_read(api_key):
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     assert c.post("/v1/completions", json={"prompt": "Q:"}, headers={**auth, "X-Relay-Session": "s"}).status_code == 200
     page = {**auth, "Origin": "http://evil.example", "X-Relay-Session": "s"}
-    for ctype in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                  ""):
+    for ctype in (
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "",
+    ):
         headers = {**page, **({"Content-Type": ctype} if ctype else {})}
-        for path, body in (("/v1/completions", '{"prompt": "Q:"}'), ("/v1/chat/completions", '{"messages": []}'),
-                           ("/v1/relay/sessions/s/reward", '{"reward": 1.0}')):
+        for path, body in (
+            ("/v1/completions", '{"prompt": "Q:"}'),
+            ("/v1/chat/completions", '{"messages": []}'),
+            ("/v1/relay/sessions/s/reward", '{"reward": 1.0}'),
+        ):
             r = c.post(path, content=body, headers=headers)
             assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], (path, ctype, r.text)
             assert "access-control-allow-origin" not in r.headers
     assert len(be.calls) == 1 and ep.sessions.by_id["s"].reward is None and ep.sessions.by_id["s"].calls == 1
     # no CORS: a preflight for a JSON POST gets no allowance, so a browser never sends it
-    pre = c.options("/v1/completions", headers={"Origin": "http://evil.example",
-                                                 "Access-Control-Request-Method": "POST",
-                                                 "Access-Control-Request-Headers": "content-type,authorization"})
+    pre = c.options(
+        "/v1/completions",
+        headers={
+            "Origin": "http://evil.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,authorization",
+        },
+    )
     assert pre.status_code >= 400 and not any(h.startswith("access-control-") for h in pre.headers)
     # JSON with a charset is JSON
-    r = c.post("/v1/relay/sessions/s/reward", content='{"reward": 0.5}',
-               headers={**auth, "Content-Type": "application/json; charset=utf-8"})
+    r = c.post(
+        "/v1/relay/sessions/s/reward",
+        content='{"reward": 0.5}',
+        headers={**auth, "Content-Type": "application/json; charset=utf-8"},
+    )
     assert r.status_code == 200 and ep.sessions.by_id["s"].reward == 0.5
 
 
@@ -189,8 +215,11 @@ def test_logprobs_are_the_behaviour_logprobs_of_the_sampled_tokens_and_alternati
     assert lp["text_offset"] == [2, 3, 4] and r["relay"]["completion_ids"] == [ord("o"), ord("k"), EOS]
     assert c.post("/v1/completions", json={"prompt": "Hi"}).json()["choices"][0]["logprobs"] is None
     n = len(be.calls)
-    for body, what in (({"logprobs": 3}, "not available"), ({"logprobs": True}, "integer"),
-                       ({"logprobs": -1}, "integer")):
+    for body, what in (
+        ({"logprobs": 3}, "not available"),
+        ({"logprobs": True}, "integer"),
+        ({"logprobs": -1}, "integer"),
+    ):
         r = c.post("/v1/completions", json={"prompt": "Hi", **body})
         assert r.status_code == 400 and what in r.json()["error"]["message"]
     assert len(be.calls) == n  # refused before sampling
@@ -202,8 +231,10 @@ def test_chat_on_a_model_without_a_chat_template_is_a_400_that_says_so():
     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
     assert "/v1/completions" in r.json()["error"]["message"] and not be.calls
-    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2,
-                                             "logprobs": True})
+    r = c.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2, "logprobs": True},
+    )
     assert r.status_code == 400 and "top_logprobs = 2 is not available" in r.json()["error"]["message"]
 
 
@@ -211,14 +242,21 @@ def test_a_callers_reward_is_marked_caller_and_can_be_refused_for_the_reward_ser
     ep, _, c = endpoint()
     for sid in ("a", "b"):
         c.post("/v1/completions", json={"prompt": "Q:"}, headers={"X-Relay-Session": sid, "X-Relay-Group": "g"})
-    assert c.post("/v1/relay/sessions/a/reward", json={"reward": 0.5}).json() == {"session": "a",
-                                                                                 "group_complete": False}
+    assert c.post("/v1/relay/sessions/a/reward", json={"reward": 0.5}).json() == {
+        "session": "a",
+        "group_complete": False,
+    }
     assert ep.sessions.by_id["a"].reward_details == {"source": "caller"} and ep.rewarded["caller"] == 1
 
     # the reward service's score: its plugin's sub-scores kept, where it came from not overridable by them
     ep, _, c = endpoint(reward_source="reward_service")
-    ep.gen.rewards = types.SimpleNamespace(score=lambda items: [types.SimpleNamespace(
-        ok=True, score=1.0, plugin="digits", reason="", details={"source": "forged", "exact": 1.0})])
+    ep.gen.rewards = types.SimpleNamespace(
+        score=lambda items: [
+            types.SimpleNamespace(
+                ok=True, score=1.0, plugin="digits", reason="", details={"source": "forged", "exact": 1.0}
+            )
+        ]
+    )
     c.post("/v1/completions", json={"prompt": "Q:"}, headers={"X-Relay-Session": "a", "X-Relay-Group": "g"})
     r = c.post("/v1/relay/sessions/a/reward", json={"reward": 1.0})
     assert r.status_code == 403 and "reward_source" in r.json()["error"]["message"]

@@ -69,11 +69,11 @@ def test_a_template_that_rewrites_an_earlier_turn_counts_drift_and_keeps_the_sam
     held = s.tokens[:]
     ctx3, samp3, d3 = call(s, m3, render, "ef")  # now "ab" renders as "AB": not an extension
     assert d3 and s.template_drift == 1
-    assert s.tokens[:len(held)] == held  # what was sampled is kept, never replaced by the re-rendering
+    assert s.tokens[: len(held)] == held  # what was sampled is kept, never replaced by the re-rendering
     assert ord("A") not in s.tokens
     # the new context: the template's "\n" after the model's EOS, then only the new user turn
     assert ctx3 == [NL, START, ROLES["user"], ord("o"), ord("k"), END, NL, START, ROLES["assistant"]]
-    assert s.trainable[len(held):] == [0] * len(ctx3) + [1] * len(samp3)
+    assert s.trainable[len(held) :] == [0] * len(ctx3) + [1] * len(samp3)
 
 
 def test_a_turn_cut_off_by_max_tokens_is_closed_by_the_template_as_context():
@@ -108,7 +108,7 @@ def test_a_group_completes_when_all_its_sessions_have_rewards_and_its_prompt_is_
         ss.reward("a", 0.5)
     assert e.value.status == 409
     parts = ss.reward("b", 0.0)
-    assert parts.prompt_ids == a.tokens[:a.prompt_len] and [s.id for s in parts.sessions] == ["a", "b"]
+    assert parts.prompt_ids == a.tokens[: a.prompt_len] and [s.id for s in parts.sessions] == ["a", "b"]
     ids, trainable, lps, versions = parts.completion(a)
     assert ids == [ord("x"), ord("y"), END] and trainable == [1, 1, 1]
     assert ss.by_id == {} and ss.groups_completed == 1

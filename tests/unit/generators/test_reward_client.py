@@ -15,8 +15,10 @@ from generators.config import GeneratorConfig
 from generators.reward_client import RewardClient, RewardRefused
 from generators.sink import outage
 
-ITEMS = [ItemIn(prompt="12=", completion="12", reference="12", task="copy"),
-         ItemIn(prompt="34=", completion="3", reference="34", task="copy")]
+ITEMS = [
+    ItemIn(prompt="12=", completion="12", reference="12", task="copy"),
+    ItemIn(prompt="34=", completion="3", reference="34", task="copy"),
+]
 
 
 class Scorer(BaseHTTPRequestHandler):
@@ -59,8 +61,10 @@ def _client(url: str, token: str = "right") -> RewardClient:
 
 
 def test_a_refused_token_stops_the_generator_with_the_setting_to_fix(server):
-    for token, said in (("wrong", "refused the generator's token (HTTP 401)"),
-                        ("", "refused the generator's token (HTTP 401, and the generator sent none)")):
+    for token, said in (
+        ("wrong", "refused the generator's token (HTTP 401)"),
+        ("", "refused the generator's token (HTTP 401, and the generator sent none)"),
+    ):
         Scorer.requests = 0
         with pytest.raises(RewardRefused) as e:
             _client(server, token).score(ITEMS)
@@ -70,15 +74,20 @@ def test_a_refused_token_stops_the_generator_with_the_setting_to_fix(server):
 
 
 def test_a_url_that_is_not_a_reward_service_stops_the_generator(server):
-    with pytest.raises(RewardRefused, match=r"no reward service at .*: POST /score answered HTTP 404.*"
-                                            r"set generator.reward_url"):
+    with pytest.raises(
+        RewardRefused,
+        match=r"no reward service at .*: POST /score answered HTTP 404.*"
+        r"set generator.reward_url",
+    ):
         _client(server + "/api").score(ITEMS)
 
 
 def test_garbage_fails_the_items_for_a_reason_of_their_own_not_an_outage(server):
-    for answer, code in (((200, b"<html>a proxy's page</html>"), "reward_malformed"),
-                         ((200, json.dumps({"results": [{"score": 1.0}]}).encode()), "reward_malformed"),
-                         ((413, b'{"detail": "too many items"}'), "reward_http_413")):
+    for answer, code in (
+        ((200, b"<html>a proxy's page</html>"), "reward_malformed"),
+        ((200, json.dumps({"results": [{"score": 1.0}]}).encode()), "reward_malformed"),
+        ((413, b'{"detail": "too many items"}'), "reward_http_413"),
+    ):
         Scorer.requests, Scorer.answer = 0, answer
         results = _client(server).score(ITEMS)
         assert [r.ok for r in results] == [False, False] and all(r.plugin == "reward_service" for r in results)

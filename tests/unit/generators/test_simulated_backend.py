@@ -12,8 +12,9 @@ from learner.tiny_model import build_tiny_model
 
 def test_simulated_backend_sleeps_per_token_and_returns_valid_completions(tmp_path):
     build_tiny_model(tmp_path / "m")
-    cfg = GeneratorConfig.model_validate({"backend": {"type": "simulated", "per_token_latency_s": 0.002,
-                                                      "eos_prob": 0.2}})
+    cfg = GeneratorConfig.model_validate(
+        {"backend": {"type": "simulated", "per_token_latency_s": 0.002, "eos_prob": 0.2}}
+    )
     b = cfg.backend.build()
     b.load(str(tmp_path / "m"))
     prompt = b.encode("473=")
@@ -30,8 +31,16 @@ def test_simulated_backend_sleeps_per_token_and_returns_valid_completions(tmp_pa
         assert all(3 <= t < 15 for t in c.token_ids[:-1]) and all(lp <= 0 for lp in c.logprobs)
         assert (c.finish_reason == "stop") == (c.token_ids[-1] == b.eos_token_id)
     # what it produces passes the broker's validation
-    s = [Sample(np.array(c.token_ids, np.int32), np.array(c.logprobs, np.float32), [[0, len(c.token_ids)]],
-                c.finish_reason, 0.0) for c in groups[0]]
+    s = [
+        Sample(
+            np.array(c.token_ids, np.int32),
+            np.array(c.logprobs, np.float32),
+            [[0, len(c.token_ids)]],
+            c.finish_reason,
+            0.0,
+        )
+        for c in groups[0]
+    ]
     g = Group(Group.new_id(), "r", "p", np.array(prompt, np.int32), s, "gen", 0, "0" * 64, sampling.model_dump())
     assert len(decode_group(encode_group(g)).samples) == 4
     assert groups == b.generate([prompt, prompt], sampling, seed=3)  # seeded

@@ -29,8 +29,16 @@ def _batch() -> Batch:
 
 def test_drain_returns_when_the_sink_dies_with_a_batch_waiting():
     stop = threading.Event()
-    sink = Sink(GeneratorConfig(broker_address="tcp://127.0.0.1:9"), redis.Redis(port=9), Keys("t"),
-                FailingRewards(1.0), lambda ids: "", stop, lambda: None, curve=None)
+    sink = Sink(
+        GeneratorConfig(broker_address="tcp://127.0.0.1:9"),
+        redis.Redis(port=9),
+        Keys("t"),
+        FailingRewards(1.0),
+        lambda ids: "",
+        stop,
+        lambda: None,
+        curve=None,
+    )
     sink.start()
     assert sink.offer(_batch(), 1.0)  # taken: being scored (1 s), then the sink fails
     time.sleep(0.2)

@@ -83,9 +83,14 @@ def test_mapped_files_give_back_every_tensor_bit_for_bit_whatever_its_alignment(
     from learner.publish import write_safetensors
 
     g = torch.Generator().manual_seed(3)
-    state = {"a.weight": torch.randn(33, 7, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g),
-             "c.half": torch.randn(3, 3, generator=g).half(), "d.ids": torch.arange(6, dtype=torch.int64),
-             "e.empty": torch.zeros(0, 4), "f.mask": torch.tensor([True, False, True])}
+    state = {
+        "a.weight": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "b": torch.randn(5, generator=g),
+        "c.half": torch.randn(3, 3, generator=g).half(),
+        "d.ids": torch.arange(6, dtype=torch.int64),
+        "e.empty": torch.zeros(0, 4),
+        "f.mask": torch.tensor([True, False, True]),
+    }
     staging = weightstore.staging_dir(tmp_path, 1)
     path, h = weightstore.seal(tmp_path, 1, staging, write_safetensors(staging, state, shard_bytes=1 << 30))
     v = weightstore.check(path, h, expected_digest=state_digest(state), keep=True)
@@ -146,4 +151,5 @@ def test_a_gpu_engine_updates_from_the_mapped_bytes_of_a_bf16_version(tmp_path):
 
 for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
     test_a_gpu_engine_updates_from_the_mapped_bytes_of_a_bf16_version = _mark(
-        test_a_gpu_engine_updates_from_the_mapped_bytes_of_a_bf16_version)
+        test_a_gpu_engine_updates_from_the_mapped_bytes_of_a_bf16_version
+    )

@@ -13,9 +13,14 @@ from learner.config import CorrectionConfig, PolicyLossConfig
 from learner.correction import CORRECTIONS, importance_weights
 from learner.diagnostics import effective_sample_size
 from learner.losses import (
-    AGGREGATIONS, aggregate, compute_policy_loss, cispo_loss_mat, kl_estimate, ppo_loss_mat, reinforce_loss_mat,
+    AGGREGATIONS,
+    aggregate,
+    compute_policy_loss,
+    cispo_loss_mat,
+    kl_estimate,
+    ppo_loss_mat,
+    reinforce_loss_mat,
 )
-
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +39,7 @@ def _random(seed=0, B=5, T=7, V=6):
     a = torch.randn(B, 1, generator=g).expand(B, T).clone()
     mask = torch.ones(B, T)
     for b in range(B):
-        mask[b, int(torch.randint(2, T + 1, (1,), generator=g)):] = 0
+        mask[b, int(torch.randint(2, T + 1, (1,), generator=g)) :] = 0
     return logits, tokens, a, mask, g
 
 
@@ -53,8 +58,14 @@ def test_on_policy_every_correction_is_plain_policy_gradient(mode, policy):
     logp = _logp(logits, tokens)
     w, keep = importance_weights(logp.detach(), logp.detach(), mask, CorrectionConfig(mode=mode, tis_cap=2.0))
     assert torch.equal(w, torch.ones_like(w)) and torch.equal(keep, mask)
-    loss, diag = compute_policy_loss(logp, logp.detach(), logp.detach(), a, mask,
-                                     PolicyLossConfig(policy_loss=policy, correction=CorrectionConfig(mode=mode)))
+    loss, diag = compute_policy_loss(
+        logp,
+        logp.detach(),
+        logp.detach(),
+        a,
+        mask,
+        PolicyLossConfig(policy_loss=policy, correction=CorrectionConfig(mode=mode)),
+    )
     assert diag["ess"] == 1.0 and diag["ratio_min"] == 1.0 and diag["ratio_max"] == 1.0
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     plain = -(logp * a * mask).sum() / mask.sum()
@@ -83,13 +94,20 @@ def test_bandit_corrected_gradient_is_the_analytic_one():
     a = (K * mu * R)[:, None]
     for mode, cap in (("tis", 1e9), ("decoupled", None), ("seq_tis", None)):
         logp = torch.log_softmax(theta, 0)[tokens]
-        loss, _ = compute_policy_loss(logp, logp.detach(), torch.log(mu)[tokens], a, mask,
-                                      PolicyLossConfig(correction=CorrectionConfig(mode=mode, tis_cap=cap)))
+        loss, _ = compute_policy_loss(
+            logp,
+            logp.detach(),
+            torch.log(mu)[tokens],
+            a,
+            mask,
+            PolicyLossConfig(correction=CorrectionConfig(mode=mode, tis_cap=cap)),
+        )
         (g,) = torch.autograd.grad(loss, theta)
         assert torch.allclose(g, analytic, atol=1e-6), mode
     logp = torch.log_softmax(theta, 0)[tokens]
-    loss, _ = compute_policy_loss(logp, logp.detach(), torch.log(mu)[tokens], a, mask,
-                                  PolicyLossConfig(correction=CorrectionConfig(mode="none")))
+    loss, _ = compute_policy_loss(
+        logp, logp.detach(), torch.log(mu)[tokens], a, mask, PolicyLossConfig(correction=CorrectionConfig(mode="none"))
+    )
     (g_none,) = torch.autograd.grad(loss, theta)
     assert (g_none - analytic).abs().max() > 1e-2
 
@@ -125,9 +143,14 @@ def test_length_two_token_tree_needs_sequence_level_weights():
 
     def grad(mode):
         lp = logp_seq()
-        loss, _ = compute_policy_loss(lp, lp.detach(), mu_lp, a, mask,
-                                      PolicyLossConfig(aggregation="seq-mean-token-sum",
-                                                       correction=CorrectionConfig(mode=mode, tis_cap=None)))
+        loss, _ = compute_policy_loss(
+            lp,
+            lp.detach(),
+            mu_lp,
+            a,
+            mask,
+            PolicyLossConfig(aggregation="seq-mean-token-sum", correction=CorrectionConfig(mode=mode, tis_cap=None)),
+        )
         return torch.autograd.grad(loss, (th1, th2))
 
     for got, want in zip(grad("seq_tis"), analytic):
@@ -162,7 +185,7 @@ def test_masking_modes_drop_what_is_outside_the_interval():
 def test_rloo_is_leave_one_out():
     r = torch.tensor([0.1, 0.7, 0.3, 1.0, 0.0])
     G = len(r)
-    loo = torch.stack([r[i] - torch.cat([r[:i], r[i + 1:]]).mean() for i in range(G)])
+    loo = torch.stack([r[i] - torch.cat([r[:i], r[i + 1 :]]).mean() for i in range(G)])
     assert torch.allclose(adv.rloo(r), loo, atol=1e-12)
     assert torch.allclose(adv.rloo(r), G / (G - 1) * (r - r.mean()), atol=1e-12)
 
@@ -189,8 +212,9 @@ def test_reinforce_pp_matches_verl():
     per-sample value is the (constant) per-token one."""
     g = torch.Generator().manual_seed(5)
     r = torch.rand(6, generator=g)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]],
-                        dtype=torch.float64)
+    mask = torch.tensor(
+        [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float64
+    )
 
     def whiten(x):
         vals = [float(x[i, j]) for i in range(6) for j in range(4) if mask[i, j]]
@@ -284,8 +308,10 @@ def test_cispo_and_truncated_reinforce_gradients():
     logp = _logp(logits, tokens)
     old = logp.detach() + torch.randn(logp.shape, generator=g) * 0.5
     r = torch.exp(logp.detach() - old)
-    for mat_fn, w in ((lambda: cispo_loss_mat(logp, old, a, clip_high=0.2)[0], r.clamp(max=1.2)),
-                      (lambda: reinforce_loss_mat(logp, old, a, cap=1.0)[0], r.clamp(max=1.0))):
+    for mat_fn, w in (
+        (lambda: cispo_loss_mat(logp, old, a, clip_high=0.2)[0], r.clamp(max=1.2)),
+        (lambda: reinforce_loss_mat(logp, old, a, cap=1.0)[0], r.clamp(max=1.0)),
+    ):
         (got,) = torch.autograd.grad((mat_fn() * mask).sum(), logits, retain_graph=True)
         (want,) = torch.autograd.grad((-w * a * logp * mask).sum(), logits, retain_graph=True)
         assert torch.allclose(got, want, atol=1e-9)
@@ -323,7 +349,7 @@ def test_k1_and_k3_are_unbiased_kl_by_enumeration():
 
 def test_ess_is_one_for_equal_weights_and_one_over_n_for_one_hot():
     equal = torch.full((8,), 0.3)
-    assert effective_sample_size(float(equal.sum()), float((equal ** 2).sum()), 8) == pytest.approx(1.0)
+    assert effective_sample_size(float(equal.sum()), float((equal**2).sum()), 8) == pytest.approx(1.0)
     one_hot = torch.zeros(8)
     one_hot[3] = 5.0
-    assert effective_sample_size(float(one_hot.sum()), float((one_hot ** 2).sum()), 8) == pytest.approx(1 / 8)
+    assert effective_sample_size(float(one_hot.sum()), float((one_hot**2).sum()), 8) == pytest.approx(1 / 8)

@@ -19,7 +19,7 @@ def test_a_snapshot_in_the_broadcast_buffer_is_sent_as_it_lies():
     flat = b._lies_in_buffer(snap, layout)
     assert flat is not None and flat.numel() == layout.total
     for s in layout.slots:  # the flat buffer holds each tensor's bytes at its slot
-        got = flat[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+        got = flat[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
         assert torch.equal(got, snap[s.name])
     assert b._lies_in_buffer({k: v.clone() for k, v in snap.items()}, layout) is None  # elsewhere: copied
     moved = dict(snap, **{"b.w": snap["b.w"].clone()})  # one tensor out of place: copied
@@ -38,4 +38,5 @@ def test_weights_on_a_gpu_snapshot_into_a_pinned_broadcast_buffer_sent_as_it_lie
 
 for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
     test_weights_on_a_gpu_snapshot_into_a_pinned_broadcast_buffer_sent_as_it_lies = _mark(
-        test_weights_on_a_gpu_snapshot_into_a_pinned_broadcast_buffer_sent_as_it_lies)
+        test_weights_on_a_gpu_snapshot_into_a_pinned_broadcast_buffer_sent_as_it_lies
+    )

@@ -15,6 +15,7 @@ from learner.update import PolicyUpdate
 from tests.unit.learner.test_kl_in_reward import SAMPLING, PlainEngine, _groups, _model
 from tests.unit.learner.test_verl_parity import verl_agg_loss
 
+
 class CriticEngine(PlainEngine):
     """The critic's stand-in engine (positional inputs)."""
 
@@ -102,16 +103,16 @@ def test_gae_advantages_match_verl_with_the_reward_on_the_last_token(gamma, lam)
         ids = torch.tensor([p + c])
         with torch.no_grad():
             v = critic(ids, torch.ones_like(ids))[0]
-        values[i, :len(c)] = v[len(p) - 1:]
+        values[i, : len(c)] = v[len(p) - 1 :]
         token_rewards[i, len(c) - 1] = r
-        mask[i, :len(c)] = 1
+        mask[i, : len(c)] = 1
     want_adv, want_ret = verl_gae(token_rewards.double(), values.double(), mask.double(), gamma, lam)
     start = [len(p) - 1 for p, _, _ in samples]
     for i, (_, c, _) in enumerate(samples):
         sl = slice(start[i], start[i] + len(c))
-        assert b.advantages[i, sl].tolist() == pytest.approx(want_adv[i, :len(c)].tolist(), abs=1e-5)
-        assert b.returns[i, sl].tolist() == pytest.approx(want_ret[i, :len(c)].tolist(), abs=1e-5)
-        assert b.values[i, sl].tolist() == pytest.approx(values[i, :len(c)].tolist(), abs=1e-6)
+        assert b.advantages[i, sl].tolist() == pytest.approx(want_adv[i, : len(c)].tolist(), abs=1e-5)
+        assert b.returns[i, sl].tolist() == pytest.approx(want_ret[i, : len(c)].tolist(), abs=1e-5)
+        assert b.values[i, sl].tolist() == pytest.approx(values[i, : len(c)].tolist(), abs=1e-6)
     assert float(b.advantages[~b.loss_mask.bool()].abs().max()) == 0.0
     assert float(values.abs().max()) > 0.1  # a real critic, not zeros
 

@@ -16,8 +16,9 @@ def test_skip_leaves_failed_samples_out_and_fallback_uses_the_score():
 
     skip = collate([g], [torch.tensor([0.0])], learner_version=4, pad_id=0)
     assert skip.input_ids.shape[0] == 1 and group_mean_reward(g) == 1.0
-    fb = collate([g], [torch.tensor([0.7, -0.7])], learner_version=4, pad_id=0, failed_reward="fallback",
-                 fallback_score=-0.5)
+    fb = collate(
+        [g], [torch.tensor([0.7, -0.7])], learner_version=4, pad_id=0, failed_reward="fallback", fallback_score=-0.5
+    )
     assert fb.input_ids.shape[0] == 2 and group_mean_reward(g, "fallback", -0.5) == pytest.approx(0.25)
     assert fb.advantages[:, 0].tolist() == pytest.approx([0.7, -0.7])
     # the failed sample's completion is trained on: its tokens are in the loss mask

@@ -48,8 +48,17 @@ def _model(seed):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=15, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=15,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 
@@ -59,15 +68,17 @@ def _groups():
     def sample(t, reward):
         return Sample(rng.integers(3, 13, t).astype(np.int32), np.full(t, -2.0, np.float32), [[0, t]], "stop", reward)
 
-    return [make_group(samples=[sample(3, 1.0), sample(5, 0.0), sample(2, 1.0)], sampling=SAMPLING),
-            make_group(samples=[sample(4, 0.5), sample(4, 0.25), sample(1, 0.0)], sampling=SAMPLING)]
+    return [
+        make_group(samples=[sample(3, 1.0), sample(5, 0.0), sample(2, 1.0)], sampling=SAMPLING),
+        make_group(samples=[sample(4, 0.5), sample(4, 0.25), sample(1, 0.0)], sampling=SAMPLING),
+    ]
 
 
 def _full_logit_logprobs(model, prompt, completion):
     ids = torch.tensor([list(prompt) + list(completion)])
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
-    return lp[len(prompt) - 1:].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+    return lp[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
 
 
 def test_kl_in_reward_matches_verl_compute_rewards_then_grpo():
@@ -88,14 +99,16 @@ def test_kl_in_reward_matches_verl_compute_rewards_then_grpo():
             lo, lr = (_full_logit_logprobs(m, g.prompt_ids, s.completion_ids) for m in (policy, reference))
             d = (lr - lo).clamp(-20, 20)
             want_kl.append(float((torch.exp(d) - d - 1).clamp(-10, 10).sum()))
-    assert kl.tolist() == pytest.approx(want_kl, abs=1e-5) and n == sum(len(s.completion_ids) for g in groups
-                                                                        for s in g.samples)
+    assert kl.tolist() == pytest.approx(want_kl, abs=1e-5) and n == sum(
+        len(s.completion_ids) for g in groups for s in g.samples
+    )
     assert min(want_kl) > 1e-3  # two different models: a real KL
     for gi, g in enumerate(groups):
-        scores = torch.tensor([s.reward - 0.3 * want_kl[3 * gi + i] for i, s in enumerate(g.samples)],
-                              dtype=torch.float64)
+        scores = torch.tensor(
+            [s.reward - 0.3 * want_kl[3 * gi + i] for i, s in enumerate(g.samples)], dtype=torch.float64
+        )
         want = (scores - scores.mean()) / (scores.std() + 1e-6)  # verl compute_grpo_outcome_advantage
-        penalised = rewards[gi] - 0.3 * kl[3 * gi:3 * gi + 3].float()
+        penalised = rewards[gi] - 0.3 * kl[3 * gi : 3 * gi + 3].float()
         assert grpo(penalised).tolist() == pytest.approx(want.tolist(), abs=1e-4)
 
 

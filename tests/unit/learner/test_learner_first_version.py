@@ -30,6 +30,7 @@ def test_a_sealed_but_unannounced_version_is_skipped(tmp_path):
 # Before, every resume published the checkpoint's weights again under a new number (a 400-step run resumed
 # once ended at version 401).
 
+
 def test_a_resume_where_the_checkpoint_left_the_versions_publishes_nothing(tmp_path):
     for v in (6, 7):
         snapshot(tmp_path, v)

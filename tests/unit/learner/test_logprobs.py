@@ -32,7 +32,7 @@ def _batch(seed=0, B=4, L=11):
     for b, n in enumerate([11, 7, 9, 4][:B]):
         attn[b, n:] = 0
         ids[b, n:] = 0
-        positions[b, 2:n - 1] = 1  # the completion: from the third token on
+        positions[b, 2 : n - 1] = 1  # the completion: from the third token on
     return ids, attn, positions
 
 

@@ -55,14 +55,21 @@ def test_the_reference_is_the_base_model_through_the_same_weights(tiny):
 
 
 def test_target_modules_by_name_and_clear_errors(tiny):
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny), LoraConfig(rank=2, target_modules=["q_proj", "v_proj"]))
+    model = apply_lora(
+        AutoModelForCausalLM.from_pretrained(tiny), LoraConfig(rank=2, target_modules=["q_proj", "v_proj"])
+    )
     names = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
     assert names == {"q_proj", "v_proj"}
     with pytest.raises(ValueError, match="target_modules.*nonexistent"):
         apply_lora(AutoModelForCausalLM.from_pretrained(tiny), LoraConfig(rank=2, target_modules=["nonexistent"]))
     with pytest.raises(ValueError, match="both lora_A and lora_B"):
-        merged_state_dict({"base_model.model.x.base_layer.weight": torch.zeros(2, 2),
-                           "base_model.model.x.lora_A.default.weight": torch.zeros(1, 2)}, 1.0)
+        merged_state_dict(
+            {
+                "base_model.model.x.base_layer.weight": torch.zeros(2, 2),
+                "base_model.model.x.lora_A.default.weight": torch.zeros(1, 2),
+            },
+            1.0,
+        )
 
 
 def test_lora_defaults():

@@ -11,8 +11,14 @@ from learner.observe import finite_metrics
 
 
 def test_non_finite_values_become_null_and_are_counted():
-    diag = {"loss": math.nan, "mismatch_kl": math.inf, "ess": 0.9, "step": 3, "staleness": {"1": 8},
-            "group_rewards": [0.5, -math.inf]}
+    diag = {
+        "loss": math.nan,
+        "mismatch_kl": math.inf,
+        "ess": 0.9,
+        "step": 3,
+        "staleness": {"1": 8},
+        "group_rewards": [0.5, -math.inf],
+    }
     out = finite_metrics(diag)
     assert out["loss"] is None and out["mismatch_kl"] is None and out["group_rewards"] == [0.5, None]
     assert out["ess"] == 0.9 and out["step"] == 3 and out["staleness"] == {"1": 8}
@@ -35,8 +41,11 @@ def test_completion_length_and_truncation_per_step():
     g2 = make_group(group_id="g2")
     g2.samples[0].completion_ids = np.arange(7, dtype=np.int32)
     g2.samples[0].finish_reason = "length"
-    assert completion_stats([g, g2]) == {"completion_len_mean": (3 + 1 + 7 + 1) / 4, "completion_len_max": 7,
-                                         "completion_truncated_frac": 3 / 4}
+    assert completion_stats([g, g2]) == {
+        "completion_len_mean": (3 + 1 + 7 + 1) / 4,
+        "completion_len_max": 7,
+        "completion_truncated_frac": 3 / 4,
+    }
 
 
 def test_the_truncation_warning_needs_most_completions_cut_over_the_last_steps(caplog):
@@ -47,8 +56,12 @@ def test_the_truncation_warning_needs_most_completions_cut_over_the_last_steps(c
     from learner.steplog import TRUNCATED_WARN_STEPS, StepLog
 
     written = {}
-    me = SimpleNamespace(recent_truncated=deque(maxlen=TRUNCATED_WARN_STEPS), warned_truncated=False, keys=Keys("t"),
-                         r=SimpleNamespace(hset=lambda key, field, value: written.update({field: value})))
+    me = SimpleNamespace(
+        recent_truncated=deque(maxlen=TRUNCATED_WARN_STEPS),
+        warned_truncated=False,
+        keys=Keys("t"),
+        r=SimpleNamespace(hset=lambda key, field, value: written.update({field: value})),
+    )
     # a random-init model's long first answers: one bad step among short ones does not warn
     for step, frac in enumerate([0.9, 0.4, 0.3, 0.3, 0.2, 0.2], 1):
         StepLog.warn_if_truncated(me, {"step": step, "completion_truncated_frac": frac, "completion_len_mean": 5.0})

@@ -18,7 +18,7 @@ def _data(seed=0, B=9, T=8):
     mask = torch.zeros(B, T, dtype=torch.float64)
     for b in range(B):
         start = int(torch.randint(0, 3, (1,), generator=g))
-        mask[b, start:start + int(torch.randint(1, T - start + 1, (1,), generator=g))] = 1
+        mask[b, start : start + int(torch.randint(1, T - start + 1, (1,), generator=g))] = 1
     return x, mask
 
 
@@ -48,8 +48,10 @@ def test_diagnostic_sums_of_pieces_equal_those_of_the_whole():
     cfg = PolicyLossConfig(correction=CorrectionConfig(mode="token_mis"))
     fresh = torch.tensor([True, False, True, True, False, True])  # staleness 0
     _, whole = policy_loss_terms(logp, logp, mu, adv, mask, cfg, fresh=fresh)
-    parts = [policy_loss_terms(logp[r], logp[r], mu[r], adv[r], mask[r], cfg, Normalisers.of(mask), fresh=fresh[r])[1]
-             for r in (torch.tensor([0, 1]), torch.tensor([2, 3, 4, 5]))]
+    parts = [
+        policy_loss_terms(logp[r], logp[r], mu[r], adv[r], mask[r], cfg, Normalisers.of(mask), fresh=fresh[r])[1]
+        for r in (torch.tensor([0, 1]), torch.tensor([2, 3, 4, 5]))
+    ]
     assert summarise(merge(*parts)) == pytest.approx(summarise(whole), rel=1e-12)
     assert summarise(whole)["frac_masked"] > 0 and summarise(whole)["mismatch_kl_fresh"] is not None
 

@@ -16,8 +16,7 @@ TRAINABLE = [1] * 6 + [0] * 4 + [1] * 3
 
 def episode_group():
     lps = np.where(np.array(TRAINABLE) == 1, -0.5, 0.0).astype(np.float32)
-    s = Sample(np.array(EPISODE, np.int32), lps, [[5, 6], [6, 7]], "stop", 1.0,
-               trainable=np.array(TRAINABLE, np.uint8))
+    s = Sample(np.array(EPISODE, np.int32), lps, [[5, 6], [6, 7]], "stop", 1.0, trainable=np.array(TRAINABLE, np.uint8))
     single = Sample(np.array([8, 9, 2], np.int32), np.full(3, -0.5, np.float32), [[6, 3]], "stop", 0.0)
     return make_group(samples=[s, single], prompt_ids=np.array([1, 10, 15, 11, 14], np.int32))
 
@@ -26,11 +25,11 @@ def test_the_loss_mask_covers_exactly_the_model_tokens():
     b = collate([episode_group()], [torch.tensor([0.5, -0.5])], learner_version=6, pad_id=0)
     P = 5
     # position t predicts token t+1: the episode's tokens start at P - 1
-    assert b.loss_mask[0, P - 1:P - 1 + len(EPISODE)].tolist() == [float(t) for t in TRAINABLE]
-    assert b.loss_mask[0].sum() == 9 and b.loss_mask[0, :P - 1].sum() == 0
-    assert b.loss_mask[1, P - 1:P + 2].tolist() == [1.0, 1.0, 1.0]  # a single-turn sample: every token
+    assert b.loss_mask[0, P - 1 : P - 1 + len(EPISODE)].tolist() == [float(t) for t in TRAINABLE]
+    assert b.loss_mask[0].sum() == 9 and b.loss_mask[0, : P - 1].sum() == 0
+    assert b.loss_mask[1, P - 1 : P + 2].tolist() == [1.0, 1.0, 1.0]  # a single-turn sample: every token
     # the context tokens are still in the sequence the model reads
-    assert b.input_ids[0, :P + len(EPISODE)].tolist() == [1, 10, 15, 11, 14] + EPISODE
+    assert b.input_ids[0, : P + len(EPISODE)].tolist() == [1, 10, 15, 11, 14] + EPISODE
     assert b.staleness == [1, 0]  # the oldest version of any token
 
 

@@ -13,15 +13,27 @@ from safetensors.torch import load_file
 
 from broker.protocol import tensordigest
 from broker.protocol import weightstore as ws
-from learner.publish import (BackgroundPublisher, NonFiniteWeights, Progress, SnapshotFailed, fill,
-                             publication_dtype, snapshot, snapshot_buffers, write_safetensors)
+from learner.publish import (
+    BackgroundPublisher,
+    NonFiniteWeights,
+    Progress,
+    SnapshotFailed,
+    fill,
+    publication_dtype,
+    snapshot,
+    snapshot_buffers,
+    write_safetensors,
+)
 from tests.support.models import needs_gpu
 
 
 def _state(seed=0):
     g = torch.Generator().manual_seed(seed)
     return {f"layers.{i}.weight": torch.randn(64, 32, generator=g) for i in range(5)} | {
-        "embed.weight": torch.randn(100, 32, generator=g), "norm.bias": torch.zeros(32), "step": torch.tensor(3)}
+        "embed.weight": torch.randn(100, 32, generator=g),
+        "norm.bias": torch.zeros(32),
+        "step": torch.tensor(3),
+    }
 
 
 @pytest.mark.parametrize("threads", [1, 3])  # shards written one after another, or side by side
@@ -175,8 +187,10 @@ def test_a_snapshot_handed_over_before_it_is_filled_is_written_after_its_copy():
     as SnapshotFailed, and the learner gets its own error."""
     live = _state(3)
     order = list(reversed(live))  # the broadcast's order, here the reverse of the model's
-    into = {k: torch.empty(live[k].shape, dtype=torch.bfloat16 if live[k].is_floating_point() else live[k].dtype)
-            for k in order}
+    into = {
+        k: torch.empty(live[k].shape, dtype=torch.bfloat16 if live[k].is_floating_point() else live[k].dtype)
+        for k in order
+    }
     bufs = snapshot_buffers(live, torch.bfloat16, into=into)
     assert list(bufs) == order and all(bufs[k] is into[k] for k in order)
 
@@ -223,4 +237,5 @@ def test_a_snapshot_of_gpu_weights_lands_in_one_pinned_block_with_every_tensor_r
 
 for _mark in needs_gpu():  # marked gpu, skipped (saying why) where torch sees no GPU
     test_a_snapshot_of_gpu_weights_lands_in_one_pinned_block_with_every_tensor_reported = _mark(
-        test_a_snapshot_of_gpu_weights_lands_in_one_pinned_block_with_every_tensor_reported)
+        test_a_snapshot_of_gpu_weights_lands_in_one_pinned_block_with_every_tensor_reported
+    )

@@ -72,7 +72,9 @@ def test_the_http_receiver_fetches_only_from_the_configured_server():
     gc = GeneratorConfig(reward_url="http://127.0.0.1:9", weights={"transport": "http", "auth": "insecure"})
     with pytest.raises(ConfigError, match="advertise_url"):
         build_receiving(ReceiverContext(gc, None, Keys("t"), object(), None, None))
-    gc = GeneratorConfig(reward_url="http://127.0.0.1:9", weights={
-        "transport": "http", "auth": "insecure", "http": {"advertise_url": "http://127.0.0.1:5999"}})
+    gc = GeneratorConfig(
+        reward_url="http://127.0.0.1:9",
+        weights={"transport": "http", "auth": "insecure", "http": {"advertise_url": "http://127.0.0.1:5999"}},
+    )
     got = build_receiving(ReceiverContext(gc, None, Keys("t"), object(), None, None))
     assert isinstance(got.fetcher, WeightFetcher) and got.tensors is None

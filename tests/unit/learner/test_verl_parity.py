@@ -149,8 +149,9 @@ def test_reinforce_pp_matches_verl_over_the_batch_tokens(baseline):
     for i, n in enumerate(flat_n.tolist()):
         if n:
             token_rewards[i, n - 1] = flat_r[i]  # the outcome reward on the last token
-    want = (verl_reinforce_pp_baseline(token_rewards, mask, index) if baseline
-            else verl_reinforce_pp(token_rewards, mask))
+    want = (
+        verl_reinforce_pp_baseline(token_rewards, mask, index) if baseline else verl_reinforce_pp(token_rewards, mask)
+    )
     got = torch.cat(batch_advantages("reinforce_pp_baseline" if baseline else "reinforce_pp", rewards, tokens))
     assert torch.allclose(got[:, None] * mask, want, atol=1e-6)
     assert float(got[mask.sum(-1) > 0].abs().max()) > 0.5  # real advantages, not zeros
@@ -176,12 +177,16 @@ def test_reinforce_pp_baseline_centres_a_group_of_one_to_zero():
 def test_the_learner_applies_the_configured_batch_estimator():
     """PolicyUpdate.advantages (what train_step collates): REINFORCE++ over the whole batch, samples
     whose reward failed left out (verl compute_reinforce_plus_plus_outcome_advantage)."""
-    def sample(t, reward, status="ok"):
-        return Sample(np.arange(3, 3 + t, dtype=np.int32), np.full(t, -0.5, np.float32), [[0, t]], "stop",
-                      reward, status)
 
-    groups = [make_group(samples=[sample(2, 1.0), sample(4, 0.0), sample(3, None, "failed")]),
-              make_group(samples=[sample(5, 0.5), sample(1, 0.25)])]
+    def sample(t, reward, status="ok"):
+        return Sample(
+            np.arange(3, 3 + t, dtype=np.int32), np.full(t, -0.5, np.float32), [[0, t]], "stop", reward, status
+        )
+
+    groups = [
+        make_group(samples=[sample(2, 1.0), sample(4, 0.0), sample(3, None, "failed")]),
+        make_group(samples=[sample(5, 0.5), sample(1, 0.25)]),
+    ]
     update = PolicyUpdate(SimpleNamespace(device="cpu"), LearnerConfig(advantage="reinforce_pp"), pad_id=0)
     got = update.advantages(groups)
     assert [len(a) for a in got] == [2, 2]
@@ -320,6 +325,7 @@ def test_icepop_weights_in_band_tokens_and_keeps_the_rest_in_the_denominator():
 def test_the_learner_counts_the_sequences_left_after_rejection_before_its_micro_batches():
     """PolicyUpdate's seq-mean denominator for the (mini)batch, from π_old computed up front: the
     samples with a kept token (verl agg_loss's seq_mask on the rejected response mask)."""
+
     def sample(t, mu):
         return Sample(np.arange(3, 3 + t, dtype=np.int32), np.full(t, mu, np.float32), [[0, t]], "stop", 1.0)
 
@@ -332,8 +338,9 @@ def test_the_learner_counts_the_sequences_left_after_rejection_before_its_micro_
     # sample 1: ρ = e³ per token, e⁶ over its 2 tokens > mask_hi = 5: rejected
     assert update._sequences(b, torch.arange(3), old) == 2.0
     assert update._sequences(b, torch.arange(3), None) == 3.0
-    token_mean = PolicyUpdate(SimpleNamespace(device="cpu"),
-                              LearnerConfig(correction=CorrectionConfig(mode="seq_mis")), pad_id=0)
+    token_mean = PolicyUpdate(
+        SimpleNamespace(device="cpu"), LearnerConfig(correction=CorrectionConfig(mode="seq_mis")), pad_id=0
+    )
     assert not token_mean._counts_rejected_sequences()  # token-mean needs no π_old up front
 
 

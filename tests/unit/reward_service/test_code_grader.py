@@ -27,28 +27,44 @@ def test_the_expected_value_never_reaches_the_child():
 
 def test_set_up_statements_run_in_the_child_in_order():
     t = grader.parse_test("x = make()\nx.push(3)\nassert x.top() == 3\nx.pop()\nassert x.empty()")
-    assert t.steps == [{"exec": "x = make()\nx.push(3)"}, {"eval": "x.top()", "bool": False},
-                       {"exec": "x.pop()"}, {"eval": "x.empty()", "bool": True}]
+    assert t.steps == [
+        {"exec": "x = make()\nx.push(3)"},
+        {"eval": "x.top()", "bool": False},
+        {"exec": "x.pop()"},
+        {"eval": "x.empty()", "bool": True},
+    ]
 
 
-@pytest.mark.parametrize("src, why", [
-    ("assert f(2) == g(3)", "not a literal"),
-    ("x = 4\nassert f(2) == x", "not a literal"),
-    ("for i in range(3):\n    assert f(i) == i", "inside a block"),
-    ("f(2)", "no assert"),
-    ("assert 0 < f(2) < 9", "chained"),
-    ("assert f(2) is 4", "None, True or False"),
-    ("assert f(", "does not parse"),
-])
+@pytest.mark.parametrize(
+    "src, why",
+    [
+        ("assert f(2) == g(3)", "not a literal"),
+        ("x = 4\nassert f(2) == x", "not a literal"),
+        ("for i in range(3):\n    assert f(i) == i", "inside a block"),
+        ("f(2)", "no assert"),
+        ("assert 0 < f(2) < 9", "chained"),
+        ("assert f(2) is 4", "None, True or False"),
+        ("assert f(", "does not parse"),
+    ],
+)
 def test_tests_that_cannot_be_graded_outside_the_sandbox_are_refused(src, why):
     with pytest.raises(grader.BadTest, match=why):
         grader.parse_test(src)
 
 
 def test_values_are_compared_as_python_compares_built_in_values():
-    tests = [grader.parse_test(s) for s in ["assert f() == (1, 2)", "assert f() == [1, 2]", "assert f() == 1",
-                                            "assert f() == {'a': {1, 2}}", "assert f() is None",
-                                            "assert f() in (3, 4)", "assert f() == b'\\x00'"]]
+    tests = [
+        grader.parse_test(s)
+        for s in [
+            "assert f() == (1, 2)",
+            "assert f() == [1, 2]",
+            "assert f() == 1",
+            "assert f() == {'a': {1, 2}}",
+            "assert f() is None",
+            "assert f() in (3, 4)",
+            "assert f() == b'\\x00'",
+        ]
+    ]
     values = [(1, 2), [1, 2], 1.0, {"a": {2, 1}}, None, 4, b"\0"]
     out = records(*({"test": i, "step": 0, "value": encode(v)} for i, v in enumerate(values)), {"done": True})
     assert grader.grade(tests, out).passed == len(tests)
@@ -77,4 +93,4 @@ def test_a_test_passes_only_with_a_value_for_every_probe_and_no_error():
     assert grader.grade(tests, half).passed == 1  # test 0's second probe never arrived
     errored = records({"test": 1, "error": "ZeroDivisionError"}, {"test": 1, "step": 0, "value": 1})
     assert grader.grade(tests, errored).passed == 0
-    assert grader.grade(tests, "garbage\n{\"test\": 7, \"step\": 0, \"value\": 1}\n[1]\n").passed == 0
+    assert grader.grade(tests, 'garbage\n{"test": 7, "step": 0, "value": 1}\n[1]\n').passed == 0

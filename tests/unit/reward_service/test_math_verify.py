@@ -20,9 +20,10 @@ def test_one_half_in_every_notation_is_the_same_answer():
     items = [Item("", a, b) for a in HALF for b in HALF[:3]]
     wrong = [Item("", "1/3", "0.5"), Item("", "0.33", r"\frac{1}{3}"), Item("", "no answer here", "1/2")]
     out = asyncio.run(_score(items + wrong))
-    assert [r.score for r in out[:len(items)]] == [1.0] * len(items), [(i.completion, i.reference, r) for i, r in
-                                                                       zip(items, out) if r.score != 1.0]
-    assert [r.score for r in out[len(items):]] == [0.0, 0.0, 0.0]
+    assert [r.score for r in out[: len(items)]] == [1.0] * len(items), [
+        (i.completion, i.reference, r) for i, r in zip(items, out) if r.score != 1.0
+    ]
+    assert [r.score for r in out[len(items) :]] == [0.0, 0.0, 0.0]
     assert out[-1].details == {"parsed": 0.0}  # no answer found: a real 0, and it says why
 
 

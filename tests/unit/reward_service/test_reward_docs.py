@@ -21,10 +21,18 @@ def test_the_documented_python_plugin_scores_as_documented():
     ns: dict = {}
     try:
         exec(compile(code, "docs/rewards.md", "exec"), ns)
-        s = Scorer(RewardConfig(plugins={"kw": {"type": "keyword", "options": {"word": "Paris"}}},
-                                task_plugins={"qa": "kw"}))
-        out = asyncio.run(s.score([P.Item("Capital of France?", "Paris.", task="qa"),
-                                   P.Item("Capital of France?", "Lyon", task="qa"), P.Item("q", "", task="qa")]))
+        s = Scorer(
+            RewardConfig(plugins={"kw": {"type": "keyword", "options": {"word": "Paris"}}}, task_plugins={"qa": "kw"})
+        )
+        out = asyncio.run(
+            s.score(
+                [
+                    P.Item("Capital of France?", "Paris.", task="qa"),
+                    P.Item("Capital of France?", "Lyon", task="qa"),
+                    P.Item("q", "", task="qa"),
+                ]
+            )
+        )
         assert [(r.score, r.plugin) for r in out[:2]] == [(1.0, "kw"), (0.0, "kw")]
         assert out[0].details == {"hit": 1.0} and out[2].reason.startswith("empty_completion")
     finally:
@@ -32,13 +40,15 @@ def test_the_documented_python_plugin_scores_as_documented():
 
 
 def test_entry_point_plugins_are_discovered(tmp_path, monkeypatch):
-    (tmp_path / "relay_ep_demo.py").write_text(textwrap.dedent("""
+    (tmp_path / "relay_ep_demo.py").write_text(
+        textwrap.dedent("""
         from reward_service.plugins import Result, RewardPlugin
 
         class Always(RewardPlugin):
             async def score(self, items):
                 return [Result(0.25) for _ in items]
-    """))
+    """)
+    )
     dist = tmp_path / "relay_ep_demo-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: relay-ep-demo\nVersion: 0.1\n")

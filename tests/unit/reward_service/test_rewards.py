@@ -10,8 +10,15 @@ def score(name, items):
 
 
 def test_digits_gives_partial_credit_and_zero_without_eos():
-    out = score("digits", [Item("473=", "473", "473"), Item("473=", "47", "473"), Item("473=", "4739", "473"),
-                           Item("473=", "473", "473", finished=False)])
+    out = score(
+        "digits",
+        [
+            Item("473=", "473", "473"),
+            Item("473=", "47", "473"),
+            Item("473=", "4739", "473"),
+            Item("473=", "473", "473", finished=False),
+        ],
+    )
     assert [r.score for r in out] == [1.0, pytest.approx(2 / 3), 0.75, 0.0]
     assert out[0].details["exact"] == 1.0 and out[3].details["finished"] == 0.0
 
@@ -31,9 +38,11 @@ def test_registering_a_name_twice_is_an_error():
         pass
 
     with pytest.raises(ValueError, match="already registered"):
+
         @register("test_dummy")
         class Other(RewardPlugin):
             pass
+
     del REGISTRY["test_dummy"]
 
 
@@ -58,14 +67,18 @@ def test_regex_format_check():
 
 def test_final_number_takes_the_last_tagged_number_and_credits_the_format():
     plug = REGISTRY["final_number"]({"format_score": 0.2})
-    out = asyncio.run(plug.score([
-        Item("", "3 + 4 = 7\nAnswer: 7", "7"),
-        Item("", "Answer: 5. No wait, the answer is **1,200**.", "1200"),  # the last one counts, commas
-        Item("", "Answer: 8", "7"),                                         # tagged but wrong
-        Item("", "Answer: 8 and then", "7", finished=False),               # wrong and cut: no format credit
-        Item("", "It is 7.", "7"),                                          # right number, no tag
-        Item("", "Answer: 7", "seven"),                                     # the dataset's fault
-    ]))
+    out = asyncio.run(
+        plug.score(
+            [
+                Item("", "3 + 4 = 7\nAnswer: 7", "7"),
+                Item("", "Answer: 5. No wait, the answer is **1,200**.", "1200"),  # the last one counts, commas
+                Item("", "Answer: 8", "7"),  # tagged but wrong
+                Item("", "Answer: 8 and then", "7", finished=False),  # wrong and cut: no format credit
+                Item("", "It is 7.", "7"),  # right number, no tag
+                Item("", "Answer: 7", "seven"),  # the dataset's fault
+            ]
+        )
+    )
     assert [r.score for r in out[:5]] == [1.0, 1.0, 0.2, 0.0, 0.0]
     assert out[2].details == {"tagged": 1.0, "correct": 0.0} and out[4].details == {"tagged": 0.0}
     assert out[5].status == "failed" and out[5].reason.startswith("unparsable_reference")
@@ -75,8 +88,15 @@ def test_final_number_takes_the_last_tagged_number_and_credits_the_format():
 
 def test_dapo_overlong_penalty_is_the_papers_piecewise_ramp():
     # L_max = 20, L_cache = 4: free up to 16, linear to -1 at 20, -1 beyond
-    assert [dapo_length_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 21, 99)] == [0.0, 0.0, -0.25, -0.5, -1.0,
-                                                                                      -1.0, -1.0]
+    assert [dapo_length_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 21, 99)] == [
+        0.0,
+        0.0,
+        -0.25,
+        -0.5,
+        -1.0,
+        -1.0,
+        -1.0,
+    ]
     plug = REGISTRY["length_penalty"]({"max_length": 20, "cache": 4})
     ok, missing = asyncio.run(plug.score([Item("", "x", num_tokens=18), Item("", "x")]))
     assert ok.score == -0.5 and missing.status == "failed" and missing.reason.startswith("no_token_count")
@@ -89,12 +109,22 @@ def _scorer(**cfg) -> Scorer:
 
 
 def test_weighted_route_sums_scores_and_fails_when_a_part_fails():
-    s = _scorer(plugins={"fmt": {"type": "regex", "options": {"pattern": "^4"}},
-                         "len": {"type": "length_penalty", "options": {"max_length": 4, "cache": 2}}},
-                task_plugins={"t": {"exact_match": 1.0, "fmt": 0.5, "len": 2.0}})
-    good, long_, no_tokens = asyncio.run(s.score([Item("", "42", "42", task="t", num_tokens=2),
-                                                  Item("", "41", "42", task="t", num_tokens=3),
-                                                  Item("", "42", "42", task="t")]))
+    s = _scorer(
+        plugins={
+            "fmt": {"type": "regex", "options": {"pattern": "^4"}},
+            "len": {"type": "length_penalty", "options": {"max_length": 4, "cache": 2}},
+        },
+        task_plugins={"t": {"exact_match": 1.0, "fmt": 0.5, "len": 2.0}},
+    )
+    good, long_, no_tokens = asyncio.run(
+        s.score(
+            [
+                Item("", "42", "42", task="t", num_tokens=2),
+                Item("", "41", "42", task="t", num_tokens=3),
+                Item("", "42", "42", task="t"),
+            ]
+        )
+    )
     assert good.status == "ok" and good.score == 1.5 and good.plugin == "exact_match+fmt+len"
     assert good.details["exact_match"] == 1.0 and good.details["fmt.matched"] == 1.0
     assert long_.score == pytest.approx(0.0 + 0.5 + 2.0 * -0.5)
@@ -103,8 +133,9 @@ def test_weighted_route_sums_scores_and_fails_when_a_part_fails():
 
 def test_route_by_a_metadata_field_then_by_task():
     s = _scorer(route_field="reward", task_plugins={"strict": "exact_match", "copy": "digits"})
-    a, b = asyncio.run(s.score([Item("", "47", "43", task="copy", metadata={"reward": "strict"}),
-                                Item("", "47", "43", task="copy")]))
+    a, b = asyncio.run(
+        s.score([Item("", "47", "43", task="copy", metadata={"reward": "strict"}), Item("", "47", "43", task="copy")])
+    )
     assert (a.plugin, a.score) == ("exact_match", 0.0) and (b.plugin, b.score) == ("digits", 0.5)
 
 
@@ -124,8 +155,10 @@ class Flaky(RewardPlugin):
 
     async def score(self, items):
         Flaky.calls += len(items)
-        return [Result(float(len(it.completion))) if it.completion != "boom" else Result.failed("boom: transient")
-                for it in items]
+        return [
+            Result(float(len(it.completion))) if it.completion != "boom" else Result.failed("boom: transient")
+            for it in items
+        ]
 
 
 def test_cache_by_content_hash_keeps_ok_scores_and_retries_failures():
@@ -147,7 +180,7 @@ def test_cache_by_content_hash_keeps_ok_scores_and_retries_failures():
 
 class Broken(RewardPlugin):
     async def score(self, items):
-        return [Result(float("nan")), Result(1.0, status="weird"), "not a result"][:len(items)]
+        return [Result(float("nan")), Result(1.0, status="weird"), "not a result"][: len(items)]
 
 
 def test_a_plugins_bad_results_become_visible_failures():
@@ -173,8 +206,16 @@ def test_a_score_beyond_the_reward_bound_fails_the_item_with_the_reason():
     register("test_huge")(Huge)
     try:
         s = _scorer(task_plugins={"sum": {"test_huge": 1.0, "digits": 1.0}, "twice": {"test_huge": 2.0}})
-        out = asyncio.run(s.score([Item("", "huge", task="test_huge"), Item("", "ok", task="test_huge"),
-                                   Item("", "ok", task="twice"), Item("", "ok", task="sum", reference="1")]))
+        out = asyncio.run(
+            s.score(
+                [
+                    Item("", "huge", task="test_huge"),
+                    Item("", "ok", task="test_huge"),
+                    Item("", "ok", task="twice"),
+                    Item("", "ok", task="sum", reference="1"),
+                ]
+            )
+        )
         assert out[0].status == "failed" and out[0].reason == "invalid_score: 3e+38 is outside [-1e+06, 1e+06]"
         assert out[1].score == 9e5
         assert out[2].status == "failed" and "weighted sum 1.8e+06 is outside [-1e+06, 1e+06]" in out[2].reason
@@ -186,8 +227,15 @@ def test_a_score_beyond_the_reward_bound_fails_the_item_with_the_reason():
 def test_remote_results_are_checked_item_by_item():
     assert parse_result({"score": 0.5, "details": {"a": 1}}, "r").score == 0.5
     assert parse_result({"score": 1}, "r").details == {}
-    bad = [{"score": "0.5"}, {"score": True}, {"score": None}, {"score": float("inf")}, {"status": "maybe", "score": 1},
-           {"score": 1, "details": {"a": "x"}}, [1]]
+    bad = [
+        {"score": "0.5"},
+        {"score": True},
+        {"score": None},
+        {"score": float("inf")},
+        {"status": "maybe", "score": 1},
+        {"score": 1, "details": {"a": "x"}},
+        [1],
+    ]
     assert all(parse_result(b, "r").reason.startswith("remote_malformed") for b in bad)
     failed = parse_result({"score": None, "status": "failed", "reason": "no answer"}, "r")
     assert failed.status == "failed" and failed.reason == "remote_failed: no answer"
