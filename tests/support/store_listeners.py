@@ -55,13 +55,14 @@ def main() -> int:
 
     from learner.engine import init_distributed
 
+    launched = "WORLD_SIZE" in os.environ  # by a launcher (deploy/launcher/ranks.py); init_distributed sets it
     init_distributed()
     t = torch.ones(1)
     dist.all_reduce(t)  # the group works (gloo's links between the ranks are up)
     if dist.get_rank() == 0:
         pids = {os.getpid(): "rank 0"}
-        if "WORLD_SIZE" in os.environ:  # started by a launcher (deploy/launcher/ranks.py); alone, the parent
-            pids[os.getppid()] = "launcher"  # is whoever ran us (a pytest worker holding other tests' sockets)
+        if launched:  # its launcher's sockets count; alone, the parent is whoever ran it (a pytest worker
+            pids[os.getppid()] = "launcher"  # that holds other tests' listeners)
         Path(sys.argv[1]).write_text(
             "".join(json.dumps(x) + "\n" for x in listening(pids))
             + json.dumps(
