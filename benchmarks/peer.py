@@ -67,9 +67,9 @@ SETTINGS = {
     # TRL's micro-batch (per_device_train_batch_size; gradient accumulation makes up the step): 16
     # completions, about Relay's micro_batch_tokens = 2,048 of ~120-token samples
     "trl_per_device_batch": 16,
-    "relay_threads": {"generator": 1, "learner": 1},
     "trl_threads": 2,
 }
+EXAMPLE = ROOT / "examples" / "smollm2-cpu" / "relay.toml"
 QUICK = {"prompts_per_step": 2, "completions_per_prompt": 2, "max_tokens": 8, "trl_per_device_batch": 4}
 
 
@@ -101,18 +101,24 @@ def relay_args(s: dict, precision: str, backend: str) -> list[str]:
         "learner.minibatches": 1,
         "learner.weight_decay": 0.0,
         "learner.deepspeed.gradient_clipping": s["grad_clip"],
-        "learner.threads": s["relay_threads"]["learner"],
         "learner.deepspeed.bf16": str(precision == "bf16").lower(),
+        "generator.backend.dtype": "bfloat16" if precision == "bf16" else "float32",
     }
-    if backend == "torch":
-        sets["generator.backend.threads"] = s["relay_threads"]["generator"]
-        sets["generator.backend.dtype"] = "bfloat16" if precision == "bf16" else "float32"
-    else:
-        sets["generator.backend.dtype"] = "bfloat16" if precision == "bf16" else "float32"
+    # threads are the example's own (relay.toml: the learner's and the torch generator's), not set here
     args = ["--backend", backend] if backend != "torch" else []
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
+    for kv in s.get("relay_set", ()):  # --relay-set: an experiment's extra settings, recorded in the JSON
+        args += ["--set", kv]
     return args
+
+
+def relay_threads() -> dict:
+    """The threads examples/smollm2-cpu/relay.toml gives Relay's learner and torch generator (for the record)."""
+    import tomllib
+
+    cfg = tomllib.loads(EXAMPLE.read_text())
+    return {"learner": cfg["learner"].get("threads"), "generator": cfg["generator"]["backend"].get("threads")}
 
 
 def run_relay(
@@ -127,7 +133,7 @@ def run_relay(
         "--model",
         str(model),
         "--config",
-        str(ROOT / "examples" / "smollm2-cpu" / "relay.toml"),
+        str(EXAMPLE),
         "--generators",
         "1",
         "--steps",
@@ -427,7 +433,7 @@ def compare_all(
     held_out: int = HELD_OUT,
 ) -> dict:
     """Every run and its curve; the rows. ``work`` keeps the runs (a temporary folder otherwise)."""
-    s = {**SETTINGS, **(settings or {})}
+    s = {**SETTINGS, "relay_threads": relay_threads(), **(settings or {})}
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="relay-bench-peer-")) if own else Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -463,6 +469,8 @@ def compare_all(
                         shutil.rmtree(folder, ignore_errors=True)
                     r.pop("weights"), r.pop("folder")
                     runs.append(r)
+                    # every finished run on disk at once: a comparison takes hours, a crash keeps what was measured
+                    (work / "runs-so-far.json").write_text(json.dumps(runs, indent=1, default=str))
         rows = [
             x
             for system in systems
@@ -523,15 +531,21 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--held-out", type=int, default=HELD_OUT)
     ap.add_argument("--quick", action="store_true", help="toy sizes (2 questions x 2 completions, 8 tokens)")
-    ap.add_argument("--work", type=Path, help="keep the runs here")
+    ap.add_argument("--work", type=Path, help="keep the runs here (runs-so-far.json: every finished run)")
+    ap.add_argument(
+        "--relay-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra `relay up --set` for Relay's runs (experiments; recorded in the JSON's settings)",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    res = compare_all(
-        a.steps, a.seeds, a.systems, a.precisions, a.eval_every, QUICK if a.quick else None, a.work, a.png, a.held_out
-    )
+    settings = {**(QUICK if a.quick else {}), **({"relay_set": a.relay_set} if a.relay_set else {})}
+    res = compare_all(a.steps, a.seeds, a.systems, a.precisions, a.eval_every, settings, a.work, a.png, a.held_out)
     text = json.dumps(res, indent=1, default=str)
     if a.json:
         a.json.write_text(text)
