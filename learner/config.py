@@ -259,6 +259,13 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         description="positions whose full-vocabulary logits exist at once "
         "when computing log-probs and entropy (recomputed in the backward)",
     )
+    shared_prompt: bool = Field(
+        True,
+        description="compute each group's prompt once for its samples (one forward "
+        "fills a KV cache that the group's completions continue from): the same log-probs "
+        "and gradients as every sample whole, with P + n·C tokens of work instead of n·(P + C). "
+        "Off with gradient_checkpointing or a critic, and where the model fails the start-up check",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="activation checkpointing: recompute each layer's "

@@ -26,6 +26,7 @@ class Batch:
     groups: torch.Tensor  # [B] the index of each sample's group in the batch
     values: torch.Tensor | None = None  # [B, L-1] the critic's values before the update (with a critic)
     returns: torch.Tensor | None = None  # [B, L-1] the critic's targets (with a critic)
+    prompt_lens: torch.Tensor | None = None  # [B] the prompt's tokens of each sample (its group's prompt)
 
     def select(self, rows: torch.Tensor) -> Batch:
         """The samples ``rows``, padded only to the longest of them."""
@@ -45,6 +46,7 @@ class Batch:
             self.groups[rows],
             tokens(self.values),
             tokens(self.returns),
+            None if self.prompt_lens is None else self.prompt_lens[rows],
         )
 
     def to(self, device) -> Batch:
@@ -62,6 +64,7 @@ class Batch:
             self.groups,
             move(self.values),
             move(self.returns),
+            self.prompt_lens,
         )
 
 
@@ -78,6 +81,34 @@ def micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget: int) -> lis
             cur, width = [], 0
         cur.append(i)
         width = max(width, n)
+    if cur:
+        out.append(torch.tensor(cur))
+    return out
+
+
+def group_micro_batches(
+    lengths: torch.Tensor, prompt_lens: torch.Tensor, groups: torch.Tensor, rows: torch.Tensor, budget: int
+) -> list[torch.Tensor]:
+    """``rows`` split into micro-batches for the shared-prompt forward (learner/logprobs.py), which
+    computes each distinct prompt of a micro-batch once: a group's samples kept together, groups in order
+    of their longest sample, each micro-batch filled while its forward's tokens (distinct prompts × the
+    longest prompt + samples × the longest completion) stay ≤ ``budget``. A group that does not fit is
+    split (its prompt computed once per part); a sample longer than the budget is a micro-batch of its own."""
+    comp = lengths - prompt_lens
+    by_group: dict[int, list[int]] = {}
+    for i in rows[torch.argsort(lengths[rows], descending=True, stable=True)].tolist():
+        by_group.setdefault(int(groups[i]), []).append(i)  # each group's rows, longest first
+    out, cur, seen, pw, cw = [], [], set(), 0, 0
+    for members in by_group.values():  # groups in order of their longest row (dicts keep insertion order)
+        for i in members:
+            g, p, c = int(groups[i]), int(prompt_lens[i]), int(comp[i])
+            cost = (len(seen | {g})) * max(pw, p) + (len(cur) + 1) * max(cw, c)
+            if cur and cost > budget:
+                out.append(torch.tensor(cur))
+                cur, seen, pw, cw = [], set(), 0, 0
+            cur.append(i)
+            seen.add(g)
+            pw, cw = max(pw, p), max(cw, c)
     if cur:
         out.append(torch.tensor(cur))
     return out
@@ -183,4 +214,5 @@ def collate(
         stale,
         torch.from_numpy(lengths),
         torch.tensor([gi for gi, _, _ in kept]),
+        prompt_lens=torch.from_numpy(plen),
     )

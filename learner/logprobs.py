@@ -126,18 +126,23 @@ def token_logprobs(
     transform: tuple[float, int, float],
     chunk_tokens: int,
     entropy: bool = False,
+    shared: SharedPrompts | None = None,
 ) -> TokenLogprobs:
     """Log-probs of each next token at ``positions`` ([B, L-1], 1 where the token at t+1 is trained on)
     under the sampling ``transform`` (temperature, top_k, top_p), for ``model`` (a DeepSpeed engine or a
-    Hugging Face causal LM). With ``entropy`` also the sampling distribution's entropy there."""
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        logits_to_keep=NO_LOGITS,
-        output_hidden_states=True,
-        use_cache=False,
-    )
-    hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H] after the final norm
+    Hugging Face causal LM). With ``entropy`` also the sampling distribution's entropy there. With
+    ``shared``, each prompt is computed once for the rows that share it (:func:`shared_prompt_hidden`)."""
+    if shared is None:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=NO_LOGITS,
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H] after the final norm
+    else:
+        hidden = shared_prompt_hidden(model, input_ids, shared)
     head = (model.module if hasattr(model, "module") else model).get_output_embeddings()
     where = positions.bool().nonzero(as_tuple=True)
     h, targets = hidden[where], input_ids[:, 1:][where]  # [N, H], [N]
@@ -159,6 +164,85 @@ def token_logprobs(
     )
 
 
+@dataclass
+class SharedPrompts:
+    """Which rows of a right-padded batch share their prompt: the samples of one group (collate writes
+    the group's prompt, then each sample's completion)."""
+
+    prompt_lens: torch.Tensor  # [B] prompt tokens of each row
+    lengths: torch.Tensor  # [B] prompt + completion tokens of each row (the rest is padding)
+    groups: torch.Tensor  # [B] rows with the same value share the same prompt
+
+
+def shared_prompt_hidden(model, input_ids: torch.Tensor, shared: SharedPrompts) -> torch.Tensor:
+    """The last hidden states [B, L-1, H] at the positions that predict a completion token (zeros
+    elsewhere), each distinct prompt computed once: a group of n samples costs P + n·C tokens of forward
+    and backward instead of n·(P + C), the same arithmetic as computing each row whole (causal
+    attention: a prompt's states never depend on what follows it), to rounding.
+
+    1. The batch's distinct prompts, left-padded to one width, in one forward that fills a KV cache;
+       its last position's hidden state predicts each completion's first token.
+    2. The cache's rows are indexed out to the rows that share them (differentiable: the gradient of
+       every completion flows back into its prompt's keys and values, summed over the group).
+    3. The completions, left-aligned, in a second forward on that cache, at positions that continue
+       their prompt's."""
+    from transformers import DynamicCache
+
+    from broker.protocol.hfcache import cache_kwarg
+
+    dev = input_ids.device
+    B, L = input_ids.shape
+    plen, lengths = shared.prompt_lens.to(dev), shared.lengths.to(dev)
+    _, first, which = _first_of_each(shared.groups.to(dev))
+    P = plen[first]  # [G]
+    width = int(P.max())
+    src = torch.arange(width, device=dev)[None] - (width - P)[:, None]  # column of row first[g] at slot j
+    pattn = (src >= 0).long()
+    pids = input_ids[first].gather(1, src.clamp(min=0)) * pattn  # pad slots: token 0, masked out
+    inner = getattr(model, "module", model)
+    config = (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).config
+    cache = DynamicCache(config=config)
+    kw = {cache_kwarg(model): cache}
+    out = model(
+        input_ids=pids,
+        attention_mask=pattn,
+        position_ids=src.clamp(min=0),
+        logits_to_keep=NO_LOGITS,
+        output_hidden_states=True,
+        use_cache=True,
+        **kw,
+    )
+    last = out.hidden_states[-1][:, -1]  # [G, H]: predicts each group's first completion token
+    cache.batch_select_indices(which)  # [G, ...] -> [B, ...], row b the cache of its group's prompt
+    C = lengths - plen  # completion tokens of each row
+    cw = int(C.max())
+    j = torch.arange(cw, device=dev)[None]
+    cvalid = j < C[:, None]
+    cids = input_ids.gather(1, (plen[:, None] + j).clamp(max=L - 1)) * cvalid
+    out = model(
+        input_ids=cids,
+        attention_mask=torch.cat([pattn[which], cvalid.long()], dim=1),
+        position_ids=plen[:, None] + j,
+        logits_to_keep=NO_LOGITS,
+        output_hidden_states=True,
+        use_cache=True,
+        **kw,
+    )
+    # slot j predicts completion token j: the prompt's last state, then the completion's own states
+    seq = torch.cat([last[which][:, None], out.hidden_states[-1][:, :-1]], dim=1)  # [B, cw, H]
+    rows, cols = cvalid.nonzero(as_tuple=True)
+    hidden = seq.new_zeros((B, L - 1, seq.shape[-1]))
+    return hidden.index_put((rows, plen[rows] - 1 + cols), seq[rows, cols])
+
+
+def _first_of_each(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct values of ``groups``, the first row holding each, and each row's index among them."""
+    values, which = torch.unique(groups, return_inverse=True)
+    first = torch.full((len(values),), len(groups), dtype=torch.long, device=groups.device)
+    first = first.scatter_reduce(0, which, torch.arange(len(groups), device=groups.device), reduce="amin")
+    return values, first, which
+
+
 def check_output_head(model) -> None:
     """Fail at start-up, with a clear message, for a model whose logits are not its output head applied
     to its last hidden state (a final soft-cap or logit scale, say): chunked log-probs would be wrong."""
@@ -172,3 +256,33 @@ def check_output_head(model) -> None:
             f"{type(model).__name__}: its logits are not lm_head(last hidden state) (a soft-cap or "
             "logit scale?); the learner's chunked log-probs do not support this model yet"
         )
+
+
+def check_shared_prompt(model) -> str | None:
+    """Why the shared-prompt forward cannot serve ``model`` (a transformers model), or None when it gives
+    the hidden states of whole rows on a small batch (two groups of two, prompts of 3 and 5 tokens). Run
+    once at start-up: a model whose KV cache cannot be indexed by row or continued from (a cache type
+    transformers builds differently, say) falls back to whole rows instead of training on wrong numbers."""
+    vocab = model.get_input_embeddings().num_embeddings
+    lens, plens = [5, 4, 7, 8], [3, 3, 5, 5]
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, :n] = (torch.arange(n) * 7 + 3 * b + (b // 2) * 11 + 1) % vocab
+    ids[1, :3] = ids[0, :3]
+    ids[3, :5] = ids[2, :5]
+    attn = (torch.arange(8)[None] < torch.tensor(lens)[:, None]).long()
+    shared = SharedPrompts(torch.tensor(plens), torch.tensor(lens), torch.tensor([0, 0, 1, 1]))
+    try:
+        with torch.no_grad():
+            mine = shared_prompt_hidden(model, ids, shared)
+            whole = model(
+                input_ids=ids, attention_mask=attn, logits_to_keep=NO_LOGITS, output_hidden_states=True, use_cache=False
+            ).hidden_states[-1][:, :-1]
+    except Exception as e:  # noqa: BLE001 - reported: the learner computes whole rows instead
+        return f"{type(e).__name__}: {e}"
+    rows = torch.cat([torch.full((n - p,), b) for b, (n, p) in enumerate(zip(lens, plens))])
+    cols = torch.cat([torch.arange(p - 1, n - 1) for n, p in zip(lens, plens)])
+    diff = float((mine[rows, cols].float() - whole[rows, cols].float()).abs().max())
+    scale = float(whole[rows, cols].float().abs().max()) or 1.0
+    tol = 1e-3 if whole.dtype == torch.float32 else 5e-2
+    return None if diff <= tol * scale else f"hidden states differ from whole rows by {diff:.3g} (of {scale:.3g})"

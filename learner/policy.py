@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from learner.config import LearnerConfig
 from learner.engine import build_engine, load_model
-from learner.logprobs import check_output_head
+from learner.logprobs import check_output_head, check_shared_prompt
 
 log = logging.getLogger("relay.learner")
 
@@ -27,6 +27,7 @@ class Policy:
     tokenizer: object
     pad_id: int
     vocab: int
+    shared_prompt: bool  # learner.shared_prompt, where the model passed the start-up check
     lora_scale: float | None  # learner.lora: the adapters' scale; None without LoRA
 
 
@@ -40,6 +41,11 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab = model.get_input_embeddings().num_embeddings
     check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
+    shared = cfg.shared_prompt and not cfg.gradient_checkpointing and not cfg.critic.enabled
+    why = check_shared_prompt(model) if shared else None
+    if why is not None:
+        shared = False
+        log.warning("learner.shared_prompt: off for this model, every sample computed whole (%s)", why)
     critic = None  # verl's critic worker: a value model with its own engine (learner/critic.py)
     if cfg.critic.enabled:
         from learner.critic import build_value_model
@@ -73,4 +79,4 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
     if isinstance(reference, torch.nn.Module):
         reference.to(engine.device)
     critic = build_engine(critic, cfg, critic=True) if critic is not None else None
-    return Policy(engine, critic, reference, model, tokenizer, pad_id, vocab, lora_scale)
+    return Policy(engine, critic, reference, model, tokenizer, pad_id, vocab, shared, lora_scale)

@@ -66,6 +66,7 @@ class Learner:
         self.update = PolicyUpdate(
             self.engine, cfg, policy.pad_id, policy.reference, self.rank, self.world, self.critic
         )
+        self.update.shared_prompt = policy.shared_prompt  # off where the model failed the start-up check
         # skipped_steps: optimizer steps skipped for a non-finite loss or gradient (learner/update.py);
         # publish_refused_nonfinite: publications refused for non-finite weights; publish_skipped: versions
         # replaced by a newer one while waiting for the publisher (skip to the newest). All in every metrics line.

@@ -35,9 +35,9 @@ from learner.advantages import batch_advantages, gae, masked_whiten, vtrace
 from learner.config import NEEDS_CRITIC, LearnerConfig
 from learner.correction import REJECTING, importance_weights
 from learner.critic import explained_variance, value_loss
-from learner.data import Batch, collate, micro_batches, trained_rewards
+from learner.data import Batch, collate, group_micro_batches, micro_batches, trained_rewards
 from learner.diagnostics import EXTREMES, merge, summarise
-from learner.logprobs import TokenLogprobs, token_logprobs
+from learner.logprobs import SharedPrompts, TokenLogprobs, token_logprobs
 from learner.losses import Normalisers, aggregate, kl_estimate, policy_loss_terms
 
 NO_TOKENS = {
@@ -69,6 +69,10 @@ class PolicyUpdate:
         self.rank, self.world = rank, world
         self.device = engine.device
         self.shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch split: the same on every rank
+        # each group's prompt computed once for its samples (learner/logprobs.py); build_policy turns it off
+        # for a model that fails its start-up check
+        # (the critic computes whole rows on the policy's micro-batches: with a critic, whole rows for both)
+        self.shared_prompt = cfg.shared_prompt and not cfg.gradient_checkpointing and critic is None
 
     def _reduce(self, values: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
         """``values`` summed (or ``op``) over ranks."""
@@ -81,15 +85,46 @@ class PolicyUpdate:
     # -- forwards --------------------------------------------------------------------------------
 
     def _logprobs(self, model, mb: Batch, transform, entropy: bool = False) -> TokenLogprobs:
+        shared = self._shared(mb)
         return token_logprobs(
-            model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, self.cfg.logprob_chunk_tokens, entropy
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.loss_mask,
+            transform,
+            self.cfg.logprob_chunk_tokens,
+            entropy,
+            shared,
         )
+
+    def _shared(self, mb: Batch) -> SharedPrompts | None:
+        """Which rows of ``mb`` share their prompt, when the shared-prompt forward serves it."""
+        if not self.shared_prompt or mb.prompt_lens is None:
+            return None
+        return SharedPrompts(mb.prompt_lens, mb.lengths, mb.groups)
+
+    def _micro_batches(self, b: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """``rows`` in micro-batches of ``micro_batch_tokens``: a group's samples together when its prompt is
+        computed once for them, else samples of similar length."""
+        if self.shared_prompt and b.prompt_lens is not None:
+            return group_micro_batches(b.lengths, b.prompt_lens, b.groups, rows, self.cfg.micro_batch_tokens)
+        return micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens)
+
+    def _forward_tokens(self, mb: Batch) -> tuple[float, float]:
+        """Tokens the forward of ``mb`` computes, and how many of them are padding."""
+        if self._shared(mb) is None:
+            return float(mb.input_ids.numel()), float(mb.input_ids.numel() - mb.lengths.sum())
+        first = {int(g): i for i, g in reversed(list(enumerate(mb.groups.tolist())))}.values()
+        prompts = mb.prompt_lens[list(first)]
+        comp = mb.lengths - mb.prompt_lens
+        forward = len(prompts) * int(prompts.max()) + len(comp) * int(comp.max())
+        return float(forward), float(forward - prompts.sum() - comp.sum())
 
     def _old_logprobs(self, b: Batch, rows: torch.Tensor, transform) -> tuple[torch.Tensor, torch.Tensor]:
         """π_old of ``rows`` (this rank's) and where its token is outside the kept set, before any update."""
         logp, outside = torch.zeros_like(b.behaviour_logp), torch.zeros_like(b.loss_mask, dtype=torch.bool)
         with torch.no_grad():
-            for part in micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens):
+            for part in self._micro_batches(b, rows):
                 mb = b.select(part)
                 lp = self._logprobs(self.engine, mb.to(self.device), transform)
                 width = mb.loss_mask.shape[1]
@@ -203,8 +238,7 @@ class PolicyUpdate:
         cfg = self.cfg
         owner = b.groups[rows] % self.world
         plans = [
-            micro_batches(b.lengths, rows[owner == r], cfg.micro_batch_tokens) if bool((owner == r).any()) else []
-            for r in range(self.world)
+            self._micro_batches(b, rows[owner == r]) if bool((owner == r).any()) else [] for r in range(self.world)
         ]
         norm = Normalisers(
             float(b.loss_mask[rows].sum()),
@@ -266,8 +300,9 @@ class PolicyUpdate:
             totals["loss"] += float(loss.detach()) / self.world
             totals["entropy"] += float(ent.detach()) / self.world
             totals["tokens_outside_kept_set"] += float((outside & mask.bool()).sum())
-            totals["padded_tokens"] += float(mb.input_ids.numel() - mb.lengths.sum())
-            totals["forward_tokens"] += mb.input_ids.numel()
+            forward, padded = self._forward_tokens(mb)
+            totals["padded_tokens"] += padded
+            totals["forward_tokens"] += forward
         for _ in range(max(len(p) for p in plans) - len(plans[self.rank])):
             self._empty_backward(transform)
         local = self._local_gradient_norm(self.engine)
@@ -347,7 +382,7 @@ class PolicyUpdate:
         kl, tokens = torch.zeros(len(b.lengths), dtype=torch.float64), 0.0
         mine = torch.arange(len(b.lengths))[b.groups % self.world == self.rank]
         with torch.no_grad():
-            for part in micro_batches(b.lengths, mine, self.cfg.micro_batch_tokens):
+            for part in self._micro_batches(b, mine):
                 mb = b.select(part)
                 width = mb.loss_mask.shape[1]
                 ref = self._logprobs(self.reference, mb.to(self.device), transform)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
+from broker.protocol.hfcache import cache_kwarg
 from broker.protocol.sampling import sampling_logprobs
 from broker.protocol.weightstore import (
     ADAPTER_CONFIG,
@@ -45,15 +46,6 @@ def _base_layer_name(name: str) -> str:
     """``<module>.weight`` -> ``<module>.base_layer.weight``: where a layer with an adapter keeps its own weight."""
     module, leaf = name.rsplit(".", 1)
     return f"{module}.base_layer.{leaf}"
-
-
-def cache_kwarg(model) -> str:
-    """The keyword a transformers model's ``forward`` takes its KV cache by: ``cache`` from transformers
-    5.2x (where ``past_key_values`` is a deprecated alias that warns on every call: one ``FutureWarning``
-    per decode step in a generator's log), ``past_key_values`` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _no_init_weights():
