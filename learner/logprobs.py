@@ -172,3 +172,8 @@ def check_output_head(model) -> None:
             f"{type(model).__name__}: its logits are not lm_head(last hidden state) (a soft-cap or "
             "logit scale?); the learner's chunked log-probs do not support this model yet"
         )
+
+
+def batch_logprobs(model, mb, transform: tuple, chunk_tokens: int, entropy: bool = False) -> TokenLogprobs:
+    """:func:`token_logprobs` of a learner/data.py ``Batch`` ``mb``: of its loss tokens."""
+    return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, chunk_tokens, entropy)
