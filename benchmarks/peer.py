@@ -77,7 +77,7 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
     """The model folder (built once, shared with the demo) and the data: train.jsonl, test.jsonl."""
     sys.path.insert(0, str(ROOT / "examples" / "smollm2-cpu"))
     from make_data import write  # the demo's questions, its held-out set first
-    from tests.support.smollm2 import DEFAULT, build
+    from deploy.models.smollm2 import DEFAULT, build
 
     model = build(DEFAULT)
     train, test = write(work / "data", test=HELD_OUT)

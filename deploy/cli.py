@@ -201,10 +201,20 @@ def _stop_on_signals(fn) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deploy.launcher.up import add_up_arguments
-
     parser = argparse.ArgumentParser(prog="relay", description="Relay: asynchronous RL for language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_up(sub)
+    _add_services(sub)
+    _add_bench(sub)
+    _add_run_tools(sub)
+    _add_deployment_tools(sub)
+    return parser
+
+
+def _add_up(sub) -> None:
+    """``relay up``: the whole stack (its arguments: deploy/launcher/up_arguments.py)."""
+    from deploy.launcher.up import add_up_arguments
+
     up = sub.add_parser(
         "up",
         help="run the whole stack on this machine",
@@ -213,12 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_up_arguments(up)
     up.set_defaults(fn=cmd_up)
+
+
+def _add_services(sub) -> None:
+    """One service each (what ``relay up``, Compose and Kubernetes run)."""
     _service_parser(
         sub, "broker", "ZeroMQ ingest -> Redis trajectories stream; prompt feeder; HTTP state"
     ).set_defaults(fn=cmd_broker)
     _service_parser(sub, "reward", "the HTTP reward service").set_defaults(fn=cmd_reward)
     _service_parser(sub, "generator", "one generator replica").set_defaults(fn=cmd_generator)
     _service_parser(sub, "learner", "the DeepSpeed learner").set_defaults(fn=cmd_learner)
+
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser(
         "bench",
         help="benchmark every stage against its raw baseline",
@@ -242,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the vLLM rows (default: yes, except with --quick)",
     )
     bench.set_defaults(fn=cmd_bench)
+
+
+def _add_run_tools(sub) -> None:
+    """What reads a run: its state, its trained model."""
+    from deploy.export import add_export_arguments
     from deploy.status import add_status_arguments
 
     status = sub.add_parser(
@@ -254,8 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_status_arguments(status)
     status.set_defaults(fn=cmd_status)
-    from deploy.export import add_export_arguments
-
     exp = sub.add_parser(
         "export",
         help="write a run's trained model as a Hugging Face folder",
@@ -265,7 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_export_arguments(exp)
     exp.set_defaults(fn=cmd_export)
+
+
+def _add_deployment_tools(sub) -> None:
+    """The config reference and a run's effective config; the secrets of a deployment."""
     from deploy.configdoc import add_config_arguments
+    from deploy.provision import add_arguments as add_secrets_arguments
 
     config = sub.add_parser(
         "config",
@@ -276,9 +301,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(config)
     config.set_defaults(fn=cmd_config)
-
-    from deploy.provision import add_arguments as add_secrets_arguments
-
     sec = sub.add_parser(
         "secrets",
         help="make the secrets of a Compose or Kubernetes deployment",
@@ -289,7 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_secrets_arguments(sec)
     sec.set_defaults(fn=cmd_secrets)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,56 @@ class Member:
     versions: int = 0
 
 
+class Fanout:
+    """One version's sends to the ``members`` present when it began: each member's pending works, and
+    the members whose sends failed (dropped once the version is complete). A member that failed gets
+    nothing more."""
+
+    def __init__(self, members: list[Member], timeout_s: float):
+        self.members, self.timeout_s = members, timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.works: dict[int, list] = {m.ticket: [] for m in members}
+        self.failed: dict[int, str] = {}
+
+    def issue(self, fn) -> None:
+        """``fn(pg)`` (its works: asynchronous sends) on every member's group still in."""
+        for m in self.members:
+            if m.ticket in self.failed:
+                continue
+            try:
+                self.works[m.ticket].extend(fn(m.pg))
+            except RuntimeError as e:
+                self.failed[m.ticket] = str(e)
+
+    def wait(self) -> None:
+        """Wait for every member's sends, one deadline of ``timeout_s`` for all."""
+        deadline = time.monotonic() + self.timeout_s
+        for m in self.members:
+            for w in self.works[m.ticket]:
+                if m.ticket in self.failed:
+                    break
+                try:
+                    w.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                except RuntimeError as e:
+                    self.failed[m.ticket] = str(e)
+
+
+def signed_trailer(key, run_id: str, version: int, digest: str, header: bytes, refused: ValueError | None) -> bytes:
+    """The version's last blob: its digest (empty, with ``abort``, for a refused version), the header's
+    hash, and the announcement ``key``'s signature of the three (empty without a key)."""
+    header_sha = hashlib.sha256(header).hexdigest()
+    return json.dumps(
+        {
+            "version": version,
+            "digest": digest,
+            "header_sha256": header_sha,
+            "sig": signing.collective_signature(key, run_id, version, digest, header_sha) if key is not None else "",
+            **({"abort": str(refused)[:200]} if refused is not None else {}),
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
 class Broadcaster:
     """The leader's side of the collective transport. ``start`` opens the rendezvous; ``send`` (from
     the publisher's thread) broadcasts one version to the members present; ``close`` stops."""
@@ -182,6 +232,16 @@ class Broadcaster:
             return None
         return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (layout.total,))
 
+    def _flat_for(self, state: dict[str, torch.Tensor], layout: wire.Layout) -> tuple[torch.Tensor, bool]:
+        """The flat buffer ``state`` is sent from, and whether it is the snapshot's own (taken into
+        :meth:`buffers`: sent as it lies) rather than the reused copy buffer."""
+        flat = self._lies_in_buffer(state, layout)
+        if flat is not None:
+            return flat, True
+        if self._flat is None or self._flat.numel() != layout.total:
+            self._flat = torch.zeros(layout.total, dtype=torch.uint8)  # alignment gaps stay zero: never written
+        return self._flat, False
+
     def send(
         self, version: int, state: dict[str, torch.Tensor], check: Callable[[], None] | None = None, progress=None
     ) -> str:
@@ -197,31 +257,39 @@ class Broadcaster:
         layout = self._layout([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items()])
         header = layout.header(version)
         with self.lock:
-            members = list(self.members.values())
-        timeout = datetime.timedelta(seconds=self.cfg.timeout_s)
-        works: dict[int, list] = {m.ticket: [] for m in members}
-        failed: dict[int, str] = {}
-
-        def issue(m: Member, fn) -> None:
-            if m.ticket in failed:
-                return
-            try:
-                works[m.ticket].extend(fn(m.pg))
-            except RuntimeError as e:
-                failed[m.ticket] = str(e)
-
-        for m in members:
-            issue(m, lambda pg: wire.send_blob(pg, header, timeout))
-        flat = self._lies_in_buffer(state, layout)  # a snapshot taken into buffers(): sent as it lies
-        in_place = flat is not None
-        if not in_place:
-            flat = (
-                self._flat
-                if self._flat is not None and self._flat.numel() == layout.total
-                else torch.zeros(layout.total, dtype=torch.uint8)
-            )  # alignment gaps stay zero: the layout never changes them
-            self._flat = flat
+            fanout = Fanout(list(self.members.values()), self.cfg.timeout_s)
+        fanout.issue(lambda pg: wire.send_blob(pg, header, fanout.timeout))
+        flat, in_place = self._flat_for(state, layout)
         hashes = wire.BucketHasher(layout, flat, self._hashers)
+        refused = self._send_buckets(layout, state, flat, in_place, fanout, hashes, progress)
+        try:
+            if checking is not None:
+                checking.result()
+        except (ValueError, RuntimeError) as e:  # not finite, or the copy failed
+            refused = refused or (e if isinstance(e, ValueError) else ValueError(str(e)))
+        digest = "" if refused is not None else combine(hashes.entries(), layout.digest)
+        trailer = signed_trailer(self.key, self.keys.run_id, version, digest, header, refused)
+        fanout.issue(lambda pg: wire.send_blob(pg, trailer, fanout.timeout))
+        self._complete(fanout, version)
+        log.info(
+            "broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs",
+            version,
+            layout.total / (1 << 20),
+            len(layout.buckets),
+            "from the snapshot" if in_place else "copied",
+            len(fanout.members) - len(fanout.failed),
+            len(fanout.members),
+            time.perf_counter() - t0,
+        )
+        if refused is not None:
+            raise refused
+        return digest
+
+    @staticmethod
+    def _send_buckets(layout, state, flat, in_place: bool, fanout: Fanout, hashes, progress) -> ValueError | None:
+        """Each bucket of ``layout`` filled from ``state`` into ``flat`` (unless the snapshot lies there
+        ``in_place``), broadcast to the members and hashed; what refused the version when its copy
+        (``progress``) failed (the rest leaves as it is, the trailer aborts), else None."""
         filled = 0  # slots[:filled] are in the buffer
         refused: ValueError | None = None
         for start, end in layout.buckets or [(0, 0)]:
@@ -240,64 +308,16 @@ class Broadcaster:
                     )
             if end > start:
                 bucket = flat[start:end]
-                for m in members:
-                    issue(m, lambda pg: [pg.broadcast(bucket, 0, timeout)])
+                fanout.issue(lambda pg: [pg.broadcast(bucket, 0, fanout.timeout)])
             hashes.add(start, end)  # beside its sending, while the bucket is warm in the cache
-        try:
-            if checking is not None:
-                checking.result()
-        except (ValueError, RuntimeError) as e:  # not finite, or the copy failed
-            refused = refused or (e if isinstance(e, ValueError) else ValueError(str(e)))
-        digest = "" if refused is not None else combine(hashes.entries(), layout.digest)
-        trailer = self._trailer(version, digest, header, refused)
-        for m in members:
-            issue(m, lambda pg: wire.send_blob(pg, trailer, timeout))
-        self._complete(members, works, failed, version)
-        log.info(
-            "broadcast version %d (%.1f MiB, %d bucket(s), %s) to %d of %d generator(s) in %.3fs",
-            version,
-            layout.total / (1 << 20),
-            len(layout.buckets),
-            "from the snapshot" if in_place else "copied",
-            len(members) - len(failed),
-            len(members),
-            time.perf_counter() - t0,
-        )
-        if refused is not None:
-            raise refused
-        return digest
+        return refused
 
-    def _trailer(self, version: int, digest: str, header: bytes, refused: ValueError | None) -> bytes:
-        """The version's last blob: its digest (empty, with ``abort``, for a refused version), the header's
-        hash, and the announcement key's signature of the three."""
-        header_sha = hashlib.sha256(header).hexdigest()
-        return json.dumps(
-            {
-                "version": version,
-                "digest": digest,
-                "header_sha256": header_sha,
-                "sig": signing.collective_signature(self.key, self.keys.run_id, version, digest, header_sha)
-                if self.key is not None
-                else "",
-                **({"abort": str(refused)[:200]} if refused is not None else {}),
-            },
-            separators=(",", ":"),
-        ).encode()
-
-    def _complete(self, members: list[Member], works: dict[int, list], failed: dict[int, str], version: int) -> None:
-        """Wait for every member's sends (one deadline of ``timeout_s`` for all); drop the members that failed."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        for m in members:
-            for w in works[m.ticket]:
-                if m.ticket in failed:
-                    break
-                try:
-                    w.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                except RuntimeError as e:
-                    failed[m.ticket] = str(e)
-        for m in members:
-            if m.ticket in failed:
-                self._drop(m, failed[m.ticket], version)
+    def _complete(self, fanout: Fanout, version: int) -> None:
+        """Wait for every member's sends; drop the members that failed."""
+        fanout.wait()
+        for m in fanout.members:
+            if m.ticket in fanout.failed:
+                self._drop(m, fanout.failed[m.ticket], version)
             else:
                 m.versions += 1
 

@@ -114,6 +114,40 @@ def group_micro_batches(
     return out
 
 
+@dataclass
+class Forwards:
+    """How the learner cuts a batch into forwards: micro-batches of ``budget`` tokens and, with ``shared``
+    (learner.shared_prompt), each group's prompt computed once for its samples (learner/logprobs.py).
+    One object read by every forward of a step (π_old, the reference, the loss), so they agree."""
+
+    budget: int
+    shared: bool = False
+
+    def micro_batches(self, b: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """``rows`` of ``b`` in micro-batches: a group's samples together when its prompt is computed once
+        for them, else samples of similar length."""
+        if self.shared and b.prompt_lens is not None:
+            return group_micro_batches(b.lengths, b.prompt_lens, b.groups, rows, self.budget)
+        return micro_batches(b.lengths, rows, self.budget)
+
+    def tokens(self, mb: Batch) -> tuple[float, float]:
+        """Token slots the forward of the micro-batch ``mb`` computes, and how many of them are padding."""
+        if not self.shared or mb.prompt_lens is None:
+            return float(mb.input_ids.numel()), float(mb.input_ids.numel() - mb.lengths.sum())
+        _, first, _ = first_of_each(mb.groups)
+        prompts, comp = mb.prompt_lens[first], mb.lengths - mb.prompt_lens
+        forward = len(prompts) * int(prompts.max()) + len(comp) * int(comp.max())
+        return float(forward), float(forward - prompts.sum() - comp.sum())
+
+
+def first_of_each(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct values of ``groups``, the first row holding each, and each row's index among them."""
+    values, which = torch.unique(groups, return_inverse=True)
+    first = torch.full((len(values),), len(groups), dtype=torch.long, device=groups.device)
+    first = first.scatter_reduce(0, which, torch.arange(len(groups), device=groups.device), reduce="amin")
+    return values, first, which
+
+
 def trained_rewards(g: Group, failed_reward: str = "skip", fallback_score: float = 0.0) -> list[float | None]:
     """Per sample, the reward it is trained with: its own when the reward is ok; for a failed reward,
     None (left out) under ``skip`` or ``fallback_score`` under ``fallback``."""

@@ -193,7 +193,9 @@ def shared_prompt_hidden(model, input_ids: torch.Tensor, shared: SharedPrompts) 
     dev = input_ids.device
     B, L = input_ids.shape
     plen, lengths = shared.prompt_lens.to(dev), shared.lengths.to(dev)
-    _, first, which = _first_of_each(shared.groups.to(dev))
+    from learner.data import first_of_each
+
+    _, first, which = first_of_each(shared.groups.to(dev))
     P = plen[first]  # [G]
     width = int(P.max())
     src = torch.arange(width, device=dev)[None] - (width - P)[:, None]  # column of row first[g] at slot j
@@ -233,14 +235,6 @@ def shared_prompt_hidden(model, input_ids: torch.Tensor, shared: SharedPrompts) 
     rows, cols = cvalid.nonzero(as_tuple=True)
     hidden = seq.new_zeros((B, L - 1, seq.shape[-1]))
     return hidden.index_put((rows, plen[rows] - 1 + cols), seq[rows, cols])
-
-
-def _first_of_each(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The distinct values of ``groups``, the first row holding each, and each row's index among them."""
-    values, which = torch.unique(groups, return_inverse=True)
-    first = torch.full((len(values),), len(groups), dtype=torch.long, device=groups.device)
-    first = first.scatter_reduce(0, which, torch.arange(len(groups), device=groups.device), reduce="amin")
-    return values, first, which
 
 
 def check_output_head(model) -> None:
@@ -286,3 +280,12 @@ def check_shared_prompt(model) -> str | None:
     scale = float(whole[rows, cols].float().abs().max()) or 1.0
     tol = 1e-3 if whole.dtype == torch.float32 else 5e-2
     return None if diff <= tol * scale else f"hidden states differ from whole rows by {diff:.3g} (of {scale:.3g})"
+
+
+def batch_logprobs(
+    model, mb, transform: tuple, chunk_tokens: int, entropy: bool = False, shared: bool = False
+) -> TokenLogprobs:
+    """:func:`token_logprobs` of a learner/data.py ``Batch`` ``mb``: of its loss tokens; with ``shared``
+    (learner.shared_prompt), each group's prompt computed once."""
+    rows = SharedPrompts(mb.prompt_lens, mb.lengths, mb.groups) if shared and mb.prompt_lens is not None else None
+    return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, chunk_tokens, entropy, rows)

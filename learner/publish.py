@@ -469,6 +469,28 @@ class Publisher:
         not while the learner waits). ``progress``: the snapshot is still being filled (:class:`Progress`);
         the broadcast follows the copy bucket by bucket, everything else waits for its end."""
         t0 = time.perf_counter()
+        sent = self._check_and_send(state, version, progress)
+        staging, known, digest, base = self._stage(config, state, version, sent)
+        path, manifest_hash = weightstore.seal(self.store, version, staging, known)
+        a = Announcement(
+            version=version,
+            hash=manifest_hash,
+            path=str(path),
+            digest=digest,
+            url=self.url_for(version) if self.url_for else "",
+            base=base[0] if base else None,
+            base_digest=base[1] if base else "",
+        )
+        announce(self.r, self.keys, a, self.announce_key, self.versions_kept)
+        advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
+        emit_event(self.r, self.keys, "published", version=version, hash=manifest_hash, digest=digest)
+        self._prune(base)
+        log.debug("wrote and announced version %d in %.3fs (%d files)", version, time.perf_counter() - t0, len(known))
+        return a
+
+    def _check_and_send(self, state: dict[str, torch.Tensor], version: int, progress: Progress | None) -> str | None:
+        """The finiteness check of ``state`` (NonFiniteWeights), and with the collective transport the
+        broadcast: the tensor digest the broadcaster computed as it sent (None without one)."""
 
         def check() -> None:
             if progress is not None:
@@ -479,10 +501,16 @@ class Publisher:
         # as it sends, and checks finiteness meanwhile: a refused version is aborted before its trailer, never
         # applied); the store copy follows, for late joiners, restarts and the audit
         if self.broadcaster is not None:
-            sent = self.broadcaster.send(version, state, check=check, progress=progress)
-        else:
-            check()
-            sent = None
+            return self.broadcaster.send(version, state, check=check, progress=progress)
+        check()
+        return None
+
+    def _stage(
+        self, config, state: dict[str, torch.Tensor], version: int, sent: str | None
+    ) -> tuple[Path, dict, str, tuple[int, str] | None]:
+        """The files of ``version`` written into its staging folder: the staging folder, the files' hashes,
+        the tensor digest (``sent``: the broadcaster's, else computed beside the writes) and the base model
+        the version's adapter applies to (its version and digest; None for a whole model)."""
         # a LoRA adapter (PEFT's file names) goes into adapter_model.safetensors; the rest is the model
         adapter = {k: v for k, v in state.items() if is_adapter_tensor(k)}
         model = {k: v for k, v in state.items() if k not in adapter} if adapter else state
@@ -507,31 +535,24 @@ class Publisher:
                 known[ADAPTER_FILE] = write_shard(staging / ADAPTER_FILE, adapter, {"format": "pt", **meta})
             digest = sent if pending is None else pending.result()
             base_digest = base_digest.result() if base_digest is not None else None
-        base = None
-        if adapter:
-            if base_digest is not None:
-                base = (version, base_digest)
-            elif self.base_pin is None:
-                raise ValueError(
-                    f"version {version} holds an adapter alone but no version with its base model "
-                    "was announced before it"
-                )
-            else:
-                base = self.base_pin
-        path, manifest_hash = weightstore.seal(self.store, version, staging, known)
-        a = Announcement(
-            version=version,
-            hash=manifest_hash,
-            path=str(path),
-            digest=digest,
-            url=self.url_for(version) if self.url_for else "",
-            base=base[0] if base else None,
-            base_digest=base[1] if base else "",
-        )
-        announce(self.r, self.keys, a, self.announce_key, self.versions_kept)
-        advertise_run(self.r, self.keys, eos_token_id=self.tokenizer.eos_token_id)  # the run's EOS (protocol 7.11)
-        emit_event(self.r, self.keys, "published", version=version, hash=manifest_hash, digest=digest)
-        # versions served by generators seen recently (a dead generator's heartbeat does not pin)
+        return staging, known, digest, self._base(version, bool(adapter), base_digest)
+
+    def _base(self, version: int, adapter: bool, base_digest: str | None) -> tuple[int, str] | None:
+        """The base model an ``adapter`` version applies to: itself when it carries the base too (its
+        ``base_digest``), else the base pinned by the last such version."""
+        if not adapter:
+            return None
+        if base_digest is not None:
+            return (version, base_digest)
+        if self.base_pin is None:
+            raise ValueError(
+                f"version {version} holds an adapter alone but no version with its base model was announced before it"
+            )
+        return self.base_pin
+
+    def _prune(self, base: tuple[int, str] | None) -> None:
+        """Old versions removed from the store, but for those served by generators seen recently (a dead
+        generator's heartbeat does not pin) and the ``base`` the adapters that follow apply to."""
         now = time.time()
         in_use = {
             hb.version
@@ -542,8 +563,6 @@ class Publisher:
             self.base_pin = base
             in_use.add(base[0])
         weightstore.prune(self.store, self.keep_versions, {v for v in in_use if v is not None})
-        log.debug("wrote and announced version %d in %.3fs (%d files)", version, time.perf_counter() - t0, len(known))
-        return a
 
 
 class BackgroundPublisher:

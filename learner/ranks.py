@@ -1,4 +1,5 @@
-"""Data-parallel ranks: the leader's batch shared with every rank, and per-rank weight checksums."""
+"""Data-parallel ranks: the leader's batch shared with every rank, each rank's share of it and the
+reductions over ranks, and per-rank weight checksums."""
 
 from __future__ import annotations
 
@@ -42,3 +43,30 @@ def write_checksum(module: torch.nn.Module, path: Path, step: int) -> None:
         total += float(p.double().sum())
     with open(path, "a") as f:
         f.write(json.dumps({"step": step, "sha256": h.hexdigest(), "sum": total}) + "\n")
+
+
+class RankShare:
+    """This process's share of a batch: rank ``rank`` of ``world`` data-parallel ranks, whose collectives
+    run on ``device``. Every rank holds the whole batch and trains the samples of its groups (group i on
+    rank i mod ``world``); what a rank computes of its samples alone is summed (or ``op``) over ranks."""
+
+    def __init__(self, rank: int, world: int, device):
+        self.rank, self.world, self.device = rank, world, device
+
+    def owns(self, groups: torch.Tensor) -> torch.Tensor:
+        """Which of the samples of ``groups`` (their group index) this rank trains."""
+        return groups % self.world == self.rank
+
+    def reduce(self, values: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
+        """``values`` summed (or ``op``) over ranks."""
+        if self.world == 1 or not values:
+            return values
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return dict(zip(values, t.tolist()))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over ranks, on the CPU (with several ranks; callers skip it with one)."""
+        t = t.to(self.device)
+        dist.all_reduce(t)
+        return t.cpu()

@@ -8,8 +8,8 @@ finish (drain) before a checkpoint, and before it ends or stops.
 
 The loop's collaborators: learner/policy.py (the models and their engines), learner/update.py (one training
 step), learner/intake.py (the leader's batches), learner/versions.py (publication, through the transport's
-sender), learner/steplog.py (every output of a step's metrics), learner/checkpoint.py and the commits below
-(exactly-once training), learner/target.py (``learner.target_reward``).
+sender), learner/steplog.py (every output of a step's metrics), learner/exactly_once.py (checkpoints and the commits of
+the groups they hold), learner/target.py (``learner.target_reward``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from broker.client.connection import connect_redis
 from broker.protocol.keys import Keys
 from broker.protocol.signing import announce_signer
 from broker.protocol.weightauth import weights_key as read_weights_key
-from learner import checkpoint
 from learner.config import LearnerConfig
 from learner.data import completion_stats, group_mean_reward
 from learner.engine import init_distributed
+from learner.exactly_once import ExactlyOnce
 from learner.intake import GroupIntake
-from learner.observe import finite_metrics
 from learner.policy import build_policy
 from learner.ranks import share_batch, write_checksum
 from learner.steplog import StepLog
@@ -83,94 +82,20 @@ class Learner:
             self.leader,
             self.counts,
         )
-        self.step = 0
-        self.saved_step = 0  # the step of the newest checkpoint
-        self.step_metrics: dict | None = None  # the leader's metrics line of the step just trained
-        self.uncommitted: list[tuple[str, str]] = []  # (stream id, group id) trained since the last checkpoint
+        # checkpoints and the commits of the groups they hold
+        self.once = ExactlyOnce(cfg, self.r, self.keys, self.engine, self.critic, self.versions, self.counts, self.log)
         self.target = TargetReward(cfg.target_reward, cfg.target_window, cfg.steps)
         self.intake = GroupIntake(self.r, self.keys, cfg, policy.vocab, self.counts) if self.leader else None
-        self.resume()
+        self.step = self.once.resume(self._agree)
 
     @property
     def leader(self) -> bool:
         """Rank 0 reads the queue, commits, publishes; the others train their share."""
         return self.rank == 0
 
-    @property
-    def ckpt_dir(self) -> Path:
-        return Path(self.cfg.run_dir) / "checkpoints"
-
     def _agree(self, flag: bool) -> bool:
         """The leader's ``flag`` on every rank (a collective when there are several)."""
         return agree(flag, self.world)
-
-    # -- exactly-once training: checkpoints and commits -------------------------------------------
-
-    def resume(self) -> None:
-        """Continue from the newest checkpoint: weights, optimizer, step and counters; the groups it
-        holds are committed (idempotently), the rest of this learner's pending groups are re-read
-        and trained again from the checkpoint's weights."""
-        if not self.cfg.checkpoint_every:
-            return
-        # every rank: the weights and its optimizer partition, the critic's too
-        state = checkpoint.load(self.ckpt_dir, self.engine, self.critic)
-        if state is None:
-            return
-        self.step = self.saved_step = state["step"]
-        self.counts.update(state["counts"])
-        self.versions.resumed(state, self._agree)  # the leader's decision, on every rank
-        if not self.leader:
-            return
-        self.commit([tuple(x) for x in state["uncommitted"]], self.step)
-        self.log.keep_through(self.step, state.get("metrics"))  # steps after the checkpoint are redone
-        log.info(
-            "resumed from checkpoint at step %d (%d groups committed with it)", self.step, len(state["uncommitted"])
-        )
-
-    def commit(self, entries: list[tuple[str, str]], step: int) -> None:
-        """Acknowledge trained groups and record them once each in the audit log."""
-        queues.commit(self.r, self.keys, entries, step, self.cfg.record_window)
-
-    def after_step(self, fresh, publishes: bool) -> None:
-        """On every rank (each writes its part of a checkpoint); the leader, which read ``fresh``,
-        then commits what the checkpoint holds, or commits every step without checkpoints.
-        ``publishes``: this step's weights are published right after."""
-        every = self.cfg.checkpoint_every
-        due = (self.step % every == 0 or self.step == self.cfg.steps) if every else True
-        if self.leader:
-            self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)
-        if every and due:
-            self.checkpoint(publishes)
-        elif self.leader and due:
-            self.commit(self.uncommitted, self.step)
-            self.uncommitted = []
-
-    def checkpoint(self, publishes: bool = False) -> None:
-        """Write a checkpoint of this step (every rank), then commit what it holds (the leader). It also
-        holds the step's metrics line: a learner killed after the checkpoint and before writing that
-        line gets it back on resume (metrics.jsonl has one line per step, whatever the crash), and where
-        the versions stand (``pending``: its weights are published right after it, as the next version;
-        ``unpublished``: they differ from the last version's), so that a resumed learner continues the
-        versions without publishing the same weights again (learner/publish.py ``resumed_versions``)."""
-        self.versions.drain()  # the checkpoint records a version: announced (or skipped) before it is written
-        where = self.versions.checkpoint_state(publishes)
-        line = None
-        if self.leader and self.step_metrics is not None and self.step_metrics.get("step") == self.step:
-            line = dict(self.step_metrics)
-            if "version" not in line:  # the checkpoint comes before this step's publication
-                line["version"] = where["version"] + int(where["pending"])
-            line = finite_metrics(line)
-        checkpoint.save(
-            self.ckpt_dir,
-            self.step,
-            self.engine,
-            {**where, "counts": dict(self.counts), "uncommitted": self.uncommitted, "metrics": line},
-            critic=self.critic,
-        )
-        self.saved_step = self.step
-        if self.leader:
-            self.commit(self.uncommitted, self.step)
-            self.uncommitted = []
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -231,7 +156,9 @@ class Learner:
         if self.leader:
             self._account(groups, diag, wait_s)
         publishes = step % self.cfg.publish_every == 0 or step == self.cfg.steps
-        self.after_step(fresh, publishes)  # acknowledged once a checkpoint holds them (or now, without checkpoints)
+        self.once.after_step(
+            step, fresh, publishes
+        )  # acknowledged once a checkpoint holds them (or now, without checkpoints)
         if publishes:
             self.versions.publish_next(self.engine)
         if self.leader:
@@ -275,7 +202,7 @@ class Learner:
             **self.counts,
         )
         self.target.check(rewards, self.step)
-        self.step_metrics = diag  # a checkpoint of this step carries its metrics line (resume)
+        self.once.step_metrics = diag  # a checkpoint of this step carries its metrics line (resume)
 
     def run(self) -> None:
         self._begin()
@@ -289,11 +216,11 @@ class Learner:
         if self._agree(self.leader and (self.intake.data_ended or self.target.reached is not None)):
             self.end_early()
             return
-        if self.cfg.checkpoint_every and self.step > self.saved_step:
+        if self.cfg.checkpoint_every and self.step > self.once.saved_step:
             # stopped (SIGINT/SIGTERM), or finished, between two checkpoints: keep the steps taken, so a restart or
             # `relay up --resume` continues from here (a checkpoint is written atomically: a learner
             # killed while writing it resumes from the previous one)
-            self.checkpoint()
+            self.once.checkpoint(self.step)
             if self.leader:
                 log.info("checkpoint written at step %d", self.step)
         self.versions.close()
@@ -307,11 +234,10 @@ class Learner:
         ran out (learner/intake.py). Keep what was trained (a checkpoint and the commit of its groups, the
         last weights published), then mark the run done and say why, so the generators and ``relay up`` end
         it cleanly instead of waiting for groups that never come."""
-        if self.cfg.checkpoint_every and self.step > self.saved_step:
-            self.checkpoint(publishes=bool(self.step % self.cfg.publish_every))  # and commits what it holds
-        elif self.leader and self.uncommitted:
-            self.commit(self.uncommitted, self.step)
-            self.uncommitted = []
+        if self.cfg.checkpoint_every and self.step > self.once.saved_step:
+            self.once.checkpoint(self.step, publishes=bool(self.step % self.cfg.publish_every))  # and commits it
+        elif self.leader and self.once.uncommitted:
+            self.once.commit_trained(self.step)
         if self.step and self.step % self.cfg.publish_every:  # the last steps' weights, not yet published
             self.versions.publish_next(self.engine)
         self.versions.close()

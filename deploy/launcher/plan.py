@@ -54,13 +54,10 @@ def plan(args, environ: dict | None = None) -> dict:
 
     Each service's config: the launcher's values (and the flags' defaults) < the config file <
     ``RELAY_*`` environment variables < the flags given < ``--set`` (deploy/launcher/environment.py)."""
-    from broker.client.connection import connect_host
     from deploy.launcher import environment
     from deploy.launcher.openai_key import endpoint_key
-    from deploy.launcher.procs import free_port
     from deploy.launcher.producers import producer_ids
-    from deploy.launcher.run_secrets import LAUNCHER_USER, run_key_fields
-    from deploy.launcher.run_tokens import new_token
+    from deploy.launcher.run_secrets import LAUNCHER_USER
 
     environ = os.environ if environ is None else environ
     if getattr(args, "resume", None):
@@ -83,11 +80,43 @@ def plan(args, environ: dict | None = None) -> dict:
     file_cfg, over = _user_layers(args)
 
     redis_port, users, redis_url = _redis(args, run_id)
+    section = functools.partial(_section, (file_cfg, env_over, flags, over))
+    configs, ours = _service_configs(args, section, run_id, run_dir, http_port, redis_url)
+    broker, reward, learner, generator = configs
+    openai_key = endpoint_key(generator, run_dir)  # the OpenAI endpoint's per-run key (deploy/launcher/openai_key.py)
+    checked = _validate_all(broker, reward, learner, generator, args.learner_ranks)
+    p = {
+        "run_id": run_id,
+        "run_dir": run_dir,
+        "runs_dir": runs_dir,
+        "http_port": http_port,
+        "redis_url": redis_url(LAUNCHER_USER),
+        "redis_port": redis_port,
+        "redis_users": users,
+        "broker": broker,
+        "reward": reward,
+        "learner": learner,
+        "generator": generator,
+        "learner_config": checked["learner"],  # the learner's settings with their defaults (steps, checkpoints)
+        "openai_key": openai_key,
+        "generator_ids": [f"gen-{i}" for i in range(args.generators)],
+        "producer_ids": producer_ids(args.producers or 0),
+    }
+    # the ports relay up chose (not the user) move to free ones if taken before they are held, now
+    return hold_ports(p, ours)
+
+
+def _service_configs(args, section, run_id: str, run_dir: Path, http_port: int, redis_url) -> tuple[tuple, set]:
+    """The four services' configs (broker, reward, learner, generator; ``section``: the layers above the
+    launcher's values, :func:`_section`), each service told where the others are; and which of the
+    ports (``http``, ``ingest``, ``reward``) relay up chose, not the user."""
+    from broker.client.connection import connect_host
+    from deploy.launcher.procs import free_port
+    from deploy.launcher.run_secrets import run_key_fields
+    from deploy.launcher.run_tokens import new_token
 
     common = {"run_id": run_id}
     keyed = run_key_fields(run_dir)  # the learner signs announcements, the others check; who may read weights
-    section = functools.partial(_section, (file_cfg, env_over, flags, over))
-
     keydir = ingest_key_dir(run_dir)  # written by run_up (write_ingest_keys), one certificate per generator
     default_bind = f"tcp://127.0.0.1:{free_port()}"
     broker = section(
@@ -144,38 +173,16 @@ def plan(args, environ: dict | None = None) -> dict:
         },
     )
     _join(learner, generator, reward)
-    openai_key = endpoint_key(generator, run_dir)  # the OpenAI endpoint's per-run key (deploy/launcher/openai_key.py)
-    checked = _validate_all(broker, reward, learner, generator, args.learner_ranks)
-    p = {
-        "run_id": run_id,
-        "run_dir": run_dir,
-        "runs_dir": runs_dir,
-        "http_port": http_port,
-        "redis_url": redis_url(LAUNCHER_USER),
-        "redis_port": redis_port,
-        "redis_users": users,
-        "broker": broker,
-        "reward": reward,
-        "learner": learner,
-        "generator": generator,
-        "learner_config": checked["learner"],  # the learner's settings with their defaults (steps, checkpoints)
-        "openai_key": openai_key,
-        "generator_ids": [f"gen-{i}" for i in range(args.generators)],
-        "producer_ids": producer_ids(args.producers or 0),
+    ours = {
+        name
+        for name, chosen in (
+            ("http", args.dashboard_port in (None, 0) and broker["http_port"] == http_port),
+            ("ingest", broker.get("ingest_bind") == default_bind),
+            ("reward", reward.get("port") == reward_port),
+        )
+        if chosen
     }
-    # the ports relay up chose (not the user) move to free ones if taken before they are held, now
-    return hold_ports(
-        p,
-        {
-            name
-            for name, ours in (
-                ("http", args.dashboard_port in (None, 0) and broker["http_port"] == http_port),
-                ("ingest", broker.get("ingest_bind") == default_bind),
-                ("reward", reward.get("port") == reward_port),
-            )
-            if ours
-        },
-    )
+    return (broker, reward, learner, generator), ours
 
 
 def _section(layers: tuple[dict, dict, dict, dict], name: str, base: dict) -> dict:

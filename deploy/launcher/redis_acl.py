@@ -54,13 +54,62 @@ def _prefix(prefix: str) -> str:
 
 def rights(keys: Keys) -> dict[str, tuple[str, tuple[str, ...], list[Right]]]:
     """user -> (its root commands, the keys those may read, its write rights)."""
-    k = keys
-    everything = (_prefix(k.prefix),)
-    payloads, staged = _prefix(k.payload_prefix), _prefix(k.staged(""))
+    everything = (_prefix(keys.prefix),)
+    return {
+        "broker": ("+@read", everything, _broker_writes(keys)),
+        "learner": ("+@read +publish", everything, _learner_writes(keys)),
+        "generator": _generator(keys),
+        "launcher": ("+@read", everything, []),
+    }
+
+
+def _prompts(k: Keys) -> tuple[str, ...]:
+    return (_pattern(k.prompts), _pattern(k.eval_prompts))
+
+
+def _broker_writes(k: Keys) -> list[Right]:
+    """The broker's: the replay queue (the append script), the prompts it feeds, its records."""
     p = _pattern
+    payloads, staged = _prefix(k.payload_prefix), _prefix(k.staged(""))
     queue = tuple(
         p(x) for x in (k.seen, k.seen_prev, k.trajectories, k.queue_bytes, k.queue_sizes, k.stats("broker"))
     ) + (payloads, staged)
+    return [
+        # the append script (queues.append_groups): EVAL names these keys; SET stages each message
+        (("+eval",), queue),
+        (
+            (
+                "+set",
+                "+get",
+                "+del",
+                "+rename",
+                "+persist",
+                "+sismember",
+                "+sadd",
+                "+scard",
+                "+hset",
+                "+hincrby",
+                "+xadd",
+                "+xlen",
+                "+xpending",
+                "+xgroup|create",
+            ),
+            queue,
+        ),
+        (
+            ("+xadd", "+xtrim", "+xdel", "+xgroup|create"),
+            _prompts(k) + (p(k.dead_letter), p(k.events), p(k.eval_results)),
+        ),
+        (
+            ("+hset", "+hincrby"),
+            tuple(p(x) for x in (k.stats("broker"), k.feeder, k.eval_rounds, k.eval_summaries, k.run, k.services)),
+        ),
+    ]
+
+
+def _learner_writes(k: Keys) -> list[Right]:
+    """The learner's: the announcements and its records; the trajectories stream consumed (its scripts)."""
+    p = _pattern
     trained = tuple(
         p(x)
         for x in (
@@ -73,95 +122,54 @@ def rights(keys: Keys) -> dict[str, tuple[str, tuple[str, ...], list[Right]]]:
             k.queue_sizes,
             k.stats("learner"),
         )
-    ) + (payloads,)
-    prompts = (p(k.prompts), p(k.eval_prompts))
+    ) + (_prefix(k.payload_prefix),)
+    return [
+        (("+set", "+hset", "+hdel"), (p(k.latest), p(k.versions))),
+        (
+            ("+set", "+del", "+hset", "+hdel", "+hincrby"),
+            tuple(p(x) for x in (k.stats("learner"), k.admission, k.done, k.collective, k.ipc, k.run, k.services)),
+        ),
+        (("+xadd",), (p(k.events), p(k.learner_metrics))),
+        (("+xreadgroup", "+xack", "+xdel"), (p(k.trajectories),)),  # consumes: never adds a group
+        # the commit, drop and count scripts (queues.commit, drop, count_trained)
+        (("+evalsha", "+script|load"), trained + (p(k.trajectories),)),
+        (
+            (
+                "+sismember",
+                "+sadd",
+                "+srem",
+                "+scard",
+                "+rename",
+                "+xadd",
+                "+hget",
+                "+hdel",
+                "+decrby",
+                "+hincrby",
+                "+del",
+            ),
+            trained,
+        ),
+    ]
+
+
+def _generator(k: Keys) -> tuple[str, tuple[str, ...], list[Right]]:
+    """The generator's: a few reads of its own keys (not the trajectories), the prompts claimed, admission."""
+    p = _pattern
+    prompts = _prompts(k)
     admission = tuple(p(x) for x in (k.admission, k.stats("learner"), k.stats("broker"), k.issued))
-    return {
-        "broker": (
-            "+@read",
-            everything,
-            [
-                # the append script (queues.append_groups): EVAL names these keys; SET stages each message
-                (("+eval",), queue),
-                (
-                    (
-                        "+set",
-                        "+get",
-                        "+del",
-                        "+rename",
-                        "+persist",
-                        "+sismember",
-                        "+sadd",
-                        "+scard",
-                        "+hset",
-                        "+hincrby",
-                        "+xadd",
-                        "+xlen",
-                        "+xpending",
-                        "+xgroup|create",
-                    ),
-                    queue,
-                ),
-                (
-                    ("+xadd", "+xtrim", "+xdel", "+xgroup|create"),
-                    prompts + (p(k.dead_letter), p(k.events), p(k.eval_results)),
-                ),
-                (
-                    ("+hset", "+hincrby"),
-                    tuple(
-                        p(x) for x in (k.stats("broker"), k.feeder, k.eval_rounds, k.eval_summaries, k.run, k.services)
-                    ),
-                ),
-            ],
-        ),
-        "learner": (
-            "+@read +publish",
-            everything,
-            [
-                (("+set", "+hset", "+hdel"), (p(k.latest), p(k.versions))),
-                (
-                    ("+set", "+del", "+hset", "+hdel", "+hincrby"),
-                    tuple(
-                        p(x) for x in (k.stats("learner"), k.admission, k.done, k.collective, k.ipc, k.run, k.services)
-                    ),
-                ),
-                (("+xadd",), (p(k.events), p(k.learner_metrics))),
-                (("+xreadgroup", "+xack", "+xdel"), (p(k.trajectories),)),  # consumes: never adds a group
-                # the commit, drop and count scripts (queues.commit, drop, count_trained)
-                (("+evalsha", "+script|load"), trained + (p(k.trajectories),)),
-                (
-                    (
-                        "+sismember",
-                        "+sadd",
-                        "+srem",
-                        "+scard",
-                        "+rename",
-                        "+xadd",
-                        "+hget",
-                        "+hdel",
-                        "+decrby",
-                        "+hincrby",
-                        "+del",
-                    ),
-                    trained,
-                ),
-            ],
-        ),
-        "generator": (
-            " ".join(GENERATOR_READS),
-            tuple(p(x) for x in (k.latest, k.versions, k.done, k.eval_rounds, k.ipc, k.collective, k.run, *admission)),
-            [
-                (("+xreadgroup", "+xautoclaim", "+xclaim", "+xpending", "+xack", "+xdel"), prompts),  # never XADD
-                # the admission and claim renewal scripts (queues.admit_and_claim, renew_claims)
-                (("+eval", "+evalsha", "+script|load"), admission + prompts),
-                (("+incrby",), (p(k.issued),)),
-                (("+hset",), (p(k.generators), p(k.services))),
-                (("+hsetnx",), (p(k.run),)),  # the reward URL and sampling, when no generator wrote them first
-                (("+xadd",), (p(k.events), p(k.eval_results))),
-            ],
-        ),
-        "launcher": ("+@read", everything, []),
-    }
+    return (
+        " ".join(GENERATOR_READS),
+        tuple(p(x) for x in (k.latest, k.versions, k.done, k.eval_rounds, k.ipc, k.collective, k.run, *admission)),
+        [
+            (("+xreadgroup", "+xautoclaim", "+xclaim", "+xpending", "+xack", "+xdel"), prompts),  # never XADD
+            # the admission and claim renewal scripts (queues.admit_and_claim, renew_claims)
+            (("+eval", "+evalsha", "+script|load"), admission + prompts),
+            (("+incrby",), (p(k.issued),)),
+            (("+hset",), (p(k.generators), p(k.services))),
+            (("+hsetnx",), (p(k.run),)),  # the reward URL and sampling, when no generator wrote them first
+            (("+xadd",), (p(k.events), p(k.eval_results))),
+        ],
+    )
 
 
 # granted after -@dangerous: the launcher watches Redis's memory and clients (INFO) and reports what it refused

@@ -142,72 +142,18 @@ def _resumed_redis(run_dir: Path, cfgs: dict, launch: dict, environ, usage_error
 def plan_resume(args, environ, usage_error) -> dict:
     """The plan (as :func:`deploy.launcher.plan.plan` returns it) of the run to resume."""
     from deploy.launcher import environment
-    from deploy.launcher.procs import free_port, port_in_use
     from deploy.launcher.openai_key import endpoint_key
-    from deploy.launcher.run_secrets import run_key_fields
-    from deploy.launcher.run_tokens import recorded_reward_token
-    from deploy.launcher.ingest_keys import ingest_key_dir
-    from deploy.launcher.producers import producer_ids
     from deploy.launcher.plan import hold_ports
-    from pydantic import ValidationError
-
-    from broker.runtime.config import deep_merge, format_validation_error
-    from learner.config import LearnerConfig
+    from deploy.launcher.producers import producer_ids
 
     run_dir = _resumable(args, environ, usage_error)
     env_over = environment.resolve(environment.config_models(), environ)
-    launch = json.loads((run_dir / LAUNCH).read_text())
-    cfg_dir = run_dir / "config"
-    cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
-    cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
-    try:
-        learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
-    except ValidationError as e:
-        raise usage_error(f"{cfg_dir / 'learner.json'}: {format_validation_error(e)}") from None
-    steps = learner.steps
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    if summary.get("status") == "completed":
-        raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
-    if learner.checkpoint_every == 0:
-        raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
+    launch, cfgs, learner, summary = _recorded(run_dir, usage_error)
     redis_port, users, launcher_url = _resumed_redis(run_dir, cfgs, launch, environ, usage_error)
-    keyed = run_key_fields(run_dir)  # a run from before announcements were signed gets the keys now
-    for name in ("broker", "learner", "generator"):
-        if cfgs[name].get("announce_auth", "ed25519") == "ed25519":
-            cfgs[name] = deep_merge(keyed[name], cfgs[name])
-    old = cfgs["learner"].get("weights", {}).get("http", {}).get("port")
-    if cfgs["learner"].get("weights", {}).get("transport") == "http" and old and port_in_use(old):
-        new = free_port()  # the generators fetch from the recorded port: both move
-        for name in ("learner", "generator"):
-            if cfgs[name].get("weights", {}).get("http", {}).get("port") == old:
-                cfgs[name]["weights"]["http"]["port"] = new
-    # the recorded ports, held again by hold_ports below (a port taken now moves, each config that names it following)
-    http_port = cfgs["broker"].get("http_port", 8080)
-    if args.dashboard_port is not None:
-        http_port = args.dashboard_port or free_port()
-    cfgs["broker"]["http_port"] = http_port
-    # tokens are never recorded: they come from the environment again, as when the run started
-    for name, c in cfgs.items():
-        for path in environment.SECRETS:
-            value = env_over[name]
-            for p in path:
-                value = value.get(p) if isinstance(value, dict) else None
-            if value is not None:
-                d = c
-                for p in path[:-1]:
-                    d = d.setdefault(p, {})
-                d[path[-1]] = value
-    if not cfgs["reward"].get("auth_token"):  # none given again: the run's own (deploy/launcher/run_tokens.py)
-        cfgs["reward"]["auth_token"] = recorded_reward_token(run_dir)
-    if cfgs["reward"].get("auth_token") and not cfgs["generator"].get("reward_token"):
-        cfgs["generator"]["reward_token"] = cfgs["reward"]["auth_token"]
+    http_port = _keys_and_ports(run_dir, cfgs, args.dashboard_port)
+    _secrets_again(run_dir, cfgs, env_over)
     openai_key = endpoint_key(cfgs["generator"], run_dir)  # the run's own (secrets/openai.key), when it made one
-    # generator-0's config is the run's generator section, but for what relay up gave generator 0 alone: its
-    # id and its ingest key (one of the run's, in secrets/ingest/); each generator gets its own again
-    cfgs["generator"].pop("id", None)
-    own_key = cfgs["generator"].get("ingest_key_file")
-    if own_key and Path(own_key).parent == ingest_key_dir(run_dir):
-        del cfgs["generator"]["ingest_key_file"]
+    _generator_section(run_dir, cfgs["generator"])
     args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
     args.redis_aof = launch["redis_aof"]
     p = {
@@ -226,6 +172,91 @@ def plan_resume(args, environ, usage_error) -> dict:
         "producer_ids": producer_ids(launch.get("producers", 0)),
     }  # their keys and Redis users are kept
     return hold_ports(p, {"ingest", "reward"} | ({"http"} if not args.dashboard_port else set()))
+
+
+def _recorded(run_dir: Path, usage_error) -> tuple[dict, dict, object, dict]:
+    """What the run recorded: its launch settings, each service's config (generator-0's for the generators),
+    the learner's config validated (defaults filled in) and its summary so far; ``usage_error`` when there
+    is nothing to resume (completed, or no checkpoints)."""
+    from pydantic import ValidationError
+
+    from broker.runtime.config import format_validation_error
+    from learner.config import LearnerConfig
+
+    launch = json.loads((run_dir / LAUNCH).read_text())
+    cfg_dir = run_dir / "config"
+    cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
+    cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
+    try:
+        learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
+    except ValidationError as e:
+        raise usage_error(f"{cfg_dir / 'learner.json'}: {format_validation_error(e)}") from None
+    steps = learner.steps
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    if summary.get("status") == "completed":
+        raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
+    if learner.checkpoint_every == 0:
+        raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
+    return launch, cfgs, learner, summary
+
+
+def _keys_and_ports(run_dir: Path, cfgs: dict, dashboard_port: int | None) -> int:
+    """The run's keys given to the configs of a run from before announcements were signed; the weight
+    server's recorded port moved (in the learner's and the generators' configs) when it is taken now; the
+    dashboard's port (``--dashboard-port``, else the recorded one), returned."""
+    from broker.runtime.config import deep_merge
+    from deploy.launcher.procs import free_port, port_in_use
+    from deploy.launcher.run_secrets import run_key_fields
+
+    keyed = run_key_fields(run_dir)  # a run from before announcements were signed gets the keys now
+    for name in ("broker", "learner", "generator"):
+        if cfgs[name].get("announce_auth", "ed25519") == "ed25519":
+            cfgs[name] = deep_merge(keyed[name], cfgs[name])
+    old = cfgs["learner"].get("weights", {}).get("http", {}).get("port")
+    if cfgs["learner"].get("weights", {}).get("transport") == "http" and old and port_in_use(old):
+        new = free_port()  # the generators fetch from the recorded port: both move
+        for name in ("learner", "generator"):
+            if cfgs[name].get("weights", {}).get("http", {}).get("port") == old:
+                cfgs[name]["weights"]["http"]["port"] = new
+    # the recorded ports, held again by hold_ports (a port taken now moves, each config that names it following)
+    http_port = cfgs["broker"].get("http_port", 8080)
+    if dashboard_port is not None:
+        http_port = dashboard_port or free_port()
+    cfgs["broker"]["http_port"] = http_port
+    return http_port
+
+
+def _secrets_again(run_dir: Path, cfgs: dict, env_over: dict) -> None:
+    """Tokens are never recorded: they come from the environment (``env_over``) again, as when the run
+    started; the reward service's, when none is given again, is the run's own."""
+    from deploy.launcher import environment
+    from deploy.launcher.run_tokens import recorded_reward_token
+
+    for name, c in cfgs.items():
+        for path in environment.SECRETS:
+            value = env_over[name]
+            for p in path:
+                value = value.get(p) if isinstance(value, dict) else None
+            if value is not None:
+                d = c
+                for p in path[:-1]:
+                    d = d.setdefault(p, {})
+                d[path[-1]] = value
+    if not cfgs["reward"].get("auth_token"):  # none given again: the run's own (deploy/launcher/run_tokens.py)
+        cfgs["reward"]["auth_token"] = recorded_reward_token(run_dir)
+    if cfgs["reward"].get("auth_token") and not cfgs["generator"].get("reward_token"):
+        cfgs["generator"]["reward_token"] = cfgs["reward"]["auth_token"]
+
+
+def _generator_section(run_dir: Path, generator: dict) -> None:
+    """generator-0's config made the run's generator section, but for what relay up gave generator 0 alone:
+    its id and its ingest key (one of the run's, in secrets/ingest/); each generator gets its own again."""
+    from deploy.launcher.ingest_keys import ingest_key_dir
+
+    generator.pop("id", None)
+    own_key = generator.get("ingest_key_file")
+    if own_key and Path(own_key).parent == ingest_key_dir(run_dir):
+        del generator["ingest_key_file"]
 
 
 def still_running(run_dir: Path) -> list[str]:

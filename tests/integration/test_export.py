@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from broker.protocol import weightstore
-from tests.support.services import ROOT, child_env, relay
+from tests.support.services import ROOT, child_env, relay, relay_up_args
 
 pytestmark = pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 
@@ -24,24 +24,19 @@ def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("export")
     build_tiny_model(d / "base", seed=0, hidden=64, heads=1)  # head dim 64: one vLLM's CPU attention supports
     res = relay(
-        "up",
-        "--model",
-        str(d / "base"),
-        "--steps",
-        "6",
-        "--generators",
-        "1",
-        "--runs-dir",
-        str(d),
-        "--run-id",
-        "ex",
-        "--dashboard-port",
-        "0",
-        "--no-progress",
-        "--set",
-        "learner.batch_groups=8",
-        "--set",
-        "learner.keep_versions=10",
+        *relay_up_args(
+            d,
+            "ex",
+            "--model",
+            str(d / "base"),
+            "--generators",
+            "1",
+            steps=6,
+            sets=(
+                "learner.batch_groups=8",
+                "learner.keep_versions=10",
+            ),
+        ),
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

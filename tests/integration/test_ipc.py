@@ -21,7 +21,7 @@ from learner.publish import NonFiniteWeights, refuse_nonfinite
 from learner.tiny_model import build_tiny_model
 from tests.support.models import needs_gpu
 from tests.support.peers import moved_version, peer_result, start_peer
-from tests.support.services import announce_key, child_env, relay, wait_until
+from tests.support.services import announce_key, child_env, relay, relay_up_args, wait_until
 
 RUN = "ipc"
 
@@ -241,22 +241,17 @@ def test_relay_up_with_ipc_on_a_gpu_applies_every_version_through_cuda_ipc(tmp_p
     via ipc has the announced digest, nothing is refused or lost."""
     env = {k: v for k, v in child_env().items() if k != "DS_ACCELERATOR"}  # the learner on the GPU too
     res = relay(
-        "up",
-        "--steps",
-        "40",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-id",
-        RUN,
-        "--dashboard-port",
-        "0",
-        "--no-progress",
-        "--redis-url",
-        redis_url,
-        "--set",
-        "weights.transport=ipc",
-        "--set",
-        "generator.backend.device=cuda",
+        *relay_up_args(
+            tmp_path,
+            RUN,
+            "--redis-url",
+            redis_url,
+            steps=40,
+            sets=(
+                "weights.transport=ipc",
+                "generator.backend.device=cuda",
+            ),
+        ),
         timeout=900,
         env=env,
     )

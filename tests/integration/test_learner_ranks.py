@@ -8,29 +8,24 @@ import pytest
 from safetensors.torch import load_file
 
 from broker.protocol import weightstore
-from tests.support.services import relay
+from tests.support.services import relay, relay_up_args
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_two_learner_ranks_stay_identical(tmp_path):
     steps = 8
     res = relay(
-        "up",
-        "--learner-ranks",
-        "2",
-        "--steps",
-        str(steps),
-        "--runs-dir",
-        str(tmp_path),
-        "--run-id",
-        "r2",
-        "--dashboard-port",
-        "0",
-        "--no-progress",
-        "--set",
-        "learner.rank_checksums=true",
-        "--set",
-        "learner.batch_groups=8",
+        *relay_up_args(
+            tmp_path,
+            "r2",
+            "--learner-ranks",
+            "2",
+            steps=steps,
+            sets=(
+                "learner.rank_checksums=true",
+                "learner.batch_groups=8",
+            ),
+        ),
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -55,28 +50,20 @@ def test_batch_must_split_evenly_across_ranks(tmp_path):
 def test_two_learner_ranks_zero3_bf16_publish_the_whole_model_and_checkpoint(tmp_path):
     steps = 4
     res = relay(
-        "up",
-        "--learner-ranks",
-        "2",
-        "--steps",
-        str(steps),
-        "--runs-dir",
-        str(tmp_path),
-        "--run-id",
-        "z3",
-        "--dashboard-port",
-        "0",
-        "--no-progress",
-        "--set",
-        "learner.batch_groups=8",
-        "--set",
-        "learner.deepspeed.zero_stage=3",
-        "--set",
-        "learner.deepspeed.bf16=true",
-        "--set",
-        "learner.checkpoint_every=2",
-        "--set",
-        "learner.deepspeed.zero3_persistence_threshold=0",
+        *relay_up_args(
+            tmp_path,
+            "z3",
+            "--learner-ranks",
+            "2",
+            steps=steps,
+            sets=(
+                "learner.batch_groups=8",
+                "learner.deepspeed.zero_stage=3",
+                "learner.deepspeed.bf16=true",
+                "learner.checkpoint_every=2",
+                "learner.deepspeed.zero3_persistence_threshold=0",
+            ),
+        ),
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

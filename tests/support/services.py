@@ -220,6 +220,16 @@ def relay(*args: str, timeout: float = 60, cwd: Path | None = None, env: dict | 
     )
 
 
+def relay_up_args(runs_dir: Path, run_id: str, *flags: str, steps: int | None = None, sets: tuple = ()) -> list[str]:
+    """``relay up``'s arguments as the integration tests give them: the run ``run_id`` under ``runs_dir``, the
+    dashboard on any free port, no progress line, ``steps`` when given, the other ``flags``, and one
+    ``--set`` per item of ``sets`` (``"learner.lr=0.01"``)."""
+    args = ["up", "--runs-dir", str(runs_dir), "--run-id", run_id, "--dashboard-port", "0", "--no-progress"]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    return args + list(flags) + [a for s in sets for a in ("--set", s)]
+
+
 def start_broker(procs, redis_url, tmp_path, **extra):
     port, http = free_port(), free_port()
     cfg = {"run_id": "r", "redis_url": redis_url, "ingest_bind": f"tcp://127.0.0.1:{port}", "http_port": http, **extra}
