@@ -307,3 +307,24 @@ def test_a_reply_the_tokenizer_cannot_spell_is_counted_in_the_episode_stats_and_
     from broker.dashboard.state import episode_totals
 
     assert episode_totals([stats.snapshot(), stats.snapshot()])["unspellable_replies"] == 4
+
+
+def held_by_another_thread(lock) -> bool:
+    """Whether ``lock`` is held (by the calling thread: another one cannot take it)."""
+    free = []
+    t = threading.Thread(target=lambda: free.append(lock.acquire(blocking=False) and (lock.release() or True)))
+    t.start()
+    t.join()
+    return not free[0]
+
+
+def test_every_round_samples_under_the_engine_lock():
+    """The generator's other users of the engine (its weight updates, the OpenAI endpoint) wait for a round."""
+    lock, held = threading.RLock(), []
+    b = FakeBackend()
+    inner = b.generate
+    b.generate = lambda *a, **kw: held.append(held_by_another_thread(lock)) or inner(*a, **kw)
+    r = runner(b)
+    r.engine_lock = lock
+    run(r, [prompt()])
+    assert held and all(held)

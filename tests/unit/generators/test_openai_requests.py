@@ -276,3 +276,20 @@ def test_a_callers_reward_is_marked_caller_and_can_be_refused_for_the_reward_ser
     assert c.post("/v1/relay/sessions/a/reward", json={"task": "digits", "reference": "ok"}).status_code == 200
     assert ep.sessions.by_id["a"].reward_details == {"source": "reward_service:digits", "exact": 1.0}
     assert ep.counters.rewarded == {"caller": 0, "reward_service": 1}
+
+
+def test_a_call_samples_under_the_engine_lock():
+    """The generator's loop, evaluation and weight updates take turns with the endpoint's calls."""
+    ep, be, c = endpoint()
+    held = []
+    inner = be.generate
+
+    def generate(*a, **kw):
+        t = threading.Thread(target=lambda: held.append(not ep.ctx.engine_lock.acquire(blocking=False)))
+        t.start()
+        t.join()
+        return inner(*a, **kw)
+
+    be.generate = generate
+    assert c.post("/v1/completions", json={"prompt": "Q:"}).status_code == 200
+    assert held == [True]
