@@ -42,6 +42,7 @@ from typing import Any, Callable
 from broker.protocol.messages import PromptEntry
 from generators.backends.base import Completion, StepHook
 from generators.config import SamplingConfig
+from generators.chat_render import check_tool_vocabulary, make_renderer
 from generators.envs.base import EnvError, Environment, StepResult
 
 log = logging.getLogger("relay.generator.episodes")
@@ -118,138 +119,6 @@ class EpisodeStats:
                 "template_drift": self.template_drift,
                 "unspellable_replies": self.unspellable,
             }
-
-
-# -- rendering the environment's replies in the model's format -----------------------------------------
-
-
-def _plain_encoder(tokenizer) -> Callable[[str], list[int]]:
-    """text -> ids without special tokens added (no BOS), for a transformers or a ``tokenizers`` tokenizer."""
-    if hasattr(tokenizer, "apply_chat_template"):  # transformers
-        return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def _plain_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """ids -> the text they spell, special tokens by their names (an unknown token shows as what it is)."""
-    if hasattr(tokenizer, "apply_chat_template"):  # transformers
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
-
-
-def misspelled(text: str, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> str | None:
-    """What the tokens of ``text`` spell when it is not ``text`` (whitespace aside: a tokenizer may normalise
-    spaces without losing anything), else None. ``higher`` through the tiny model's tokenizer: ``<pad>``."""
-    spelled = decode(encode(text))
-    return None if "".join(spelled.split()) == "".join(text.split()) else spelled
-
-
-class PlainRenderer:
-    """A tokenizer without a chat template (the built-in tiny model): a tool's reply is
-    ``<tool_response>REPLY</tool_response>``, a user's reply its text; no drift check (there is no
-    template to drift from). The prompt is encoded as single-turn prompts are."""
-
-    def __init__(
-        self,
-        encode_prompt: Callable[[str], list[int]],
-        encode_plain: Callable[[str], list[int]],
-        decode_plain: Callable[[list[int]], str] | None = None,
-    ):
-        self.encode_prompt, self.encode_plain, self.decode_plain = encode_prompt, encode_plain, decode_plain
-
-    def prompt_ids(self, prompt: PromptEntry) -> list[int]:
-        return prompt.prompt_ids if prompt.prompt_ids is not None else self.encode_prompt(prompt.text)
-
-    def reply_ids(self, messages: list[dict], turn_ids: list[int], reply: str, role: str) -> list[int]:
-        return self.encode_plain(f"<tool_response>{reply}</tool_response>" if role == "tool" else reply)
-
-    def drift(self, messages: list[dict], used_ids: list[int]) -> bool | None:
-        return None
-
-    def misspelled(self, reply: str) -> str | None:
-        """What the model reads instead of ``reply`` when the tokenizer cannot spell it (None: it can)."""
-        return misspelled(reply, self.encode_plain, self.decode_plain) if self.decode_plain else None
-
-
-class ChatTemplateRenderer:
-    """A tokenizer with a chat template (SmolLM2, Qwen, ...): the prompt is the template's rendering of
-    the user message (when the feeder did not give ids), and a reply's tokens are the difference between
-    rendering the conversation with the new message (and the generation prompt) and without it. What
-    the template puts after an assistant message that the model did not sample (the newline after
-    ``<|im_end|>``, or the end marker of a turn cut by max_tokens) is added as context too, so the
-    tokens follow the template exactly."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.encode_plain = _plain_encoder(tokenizer)
-        self.decode_plain = _plain_decoder(tokenizer)
-
-    def misspelled(self, reply: str) -> str | None:
-        """What the model reads instead of ``reply`` when the tokenizer cannot spell it (None: it can)."""
-        return misspelled(reply, self.encode_plain, self.decode_plain)
-
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def prompt_ids(self, prompt: PromptEntry) -> list[int]:
-        if prompt.prompt_ids is not None:
-            return prompt.prompt_ids
-        return self.encode_plain(self.render([{"role": "user", "content": prompt.text}], True))
-
-    def reply_ids(self, messages: list[dict], turn_ids: list[int], reply: str, role: str) -> list[int]:
-        without = self.render(messages, False)  # ends with the last assistant turn, as the template closes it
-        with_ = self.render(messages + [{"role": role, "content": reply}], True)
-        turn = self.tok.decode(turn_ids, skip_special_tokens=False)
-        at = without.rfind(turn) if turn else -1
-        gap = without[at + len(turn) :] if at >= 0 else ""  # the template's close of the turn, past what was sampled
-        if with_.startswith(without):
-            new = with_[len(without) :]
-        else:  # the template rewrites earlier turns once a message is added: counted at the episode's end
-            k = 0
-            while k < min(len(with_), len(without)) and with_[k] == without[k]:
-                k += 1
-            new = with_[k:]
-        return self.encode_plain(gap + new)
-
-    def drift(self, messages: list[dict], used_ids: list[int]) -> bool:
-        """Whether the template renders the conversation otherwise than the tokens used. They must be a
-        prefix of its rendering: what the template adds after the final turn (its end marker, a newline;
-        the close of a turn cut by a budget) was never sampled, so it is no drift. Tokens that differ only
-        in how the model split its own text (a sampled ``" 1"`` ``"9"`` where the tokenizer would write
-        ``" 19"``: the same text) are no template drift either: the sampled ids are what is trained,
-        never re-tokenised, so only a template that renders other *text* (rewrites a turn) counts."""
-        text = self.render(messages, False)
-        ref = self.encode_plain(text)
-        if ref[: len(used_ids)] == list(used_ids):
-            return False
-        used = self.tok.decode(list(used_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return not text.startswith(used)
-
-
-def make_renderer(backend) -> PlainRenderer | ChatTemplateRenderer:
-    """The renderer for ``backend``'s tokenizer (loaded): the chat template's when it has one."""
-    tok = getattr(backend, "tokenizer", None)
-    if tok is not None and getattr(tok, "chat_template", None):
-        return ChatTemplateRenderer(tok)
-    if tok is None:
-        raise ValueError(
-            f"the {backend.name} backend exposes no tokenizer: multi-turn episodes need one to render "
-            "the environment's replies"
-        )
-    return PlainRenderer(backend.encode, _plain_encoder(tok), _plain_decoder(tok))
-
-
-def check_tool_vocabulary(renderer, backend) -> None:
-    """A plain (template-less) tokenizer must know the tool markers, or every reply would become
-    unknown tokens: refuse to start instead (the tiny model needs learner.tiny_tools)."""
-    if not isinstance(renderer, PlainRenderer):
-        return
-    ids = renderer.encode_plain("<tool_response></tool_response>")
-    if len(ids) != 2 or backend.decode(ids) != "<tool_response></tool_response>":
-        raise ValueError(
-            "the model's tokenizer has no <tool_response> / </tool_response> tokens: with the built-in "
-            "tiny model, set learner.tiny_tools = true (relay up --task calc does)"
-        )
 
 
 # -- one episode --------------------------------------------------------------------------------------
@@ -337,6 +206,7 @@ class EpisodeRunner:
     """Runs a batch of prompts × ``sampling.n`` episodes (see the module's docstring).
 
     backend:       the generator's backend (``generate``, ``decode``, and its tokenizer for rendering)
+    engine_lock:   held around each ``generate`` (the generator's engine lock: its other users take turns)
     env_factory:   () -> a new :class:`Environment` (one per episode)
     between_turns: () -> the version serving from now on; called before every sampling round, where
                    the generator applies a newer announced version (``WeightApplier.update``)
@@ -353,8 +223,10 @@ class EpisodeRunner:
         threads: int = 16,
         stats: EpisodeStats | None = None,
         env_name: str = "",
+        engine_lock: threading.RLock | None = None,
     ):
         self.backend, self.env_factory, self.sampling, self.limits = backend, env_factory, sampling, limits
+        self.engine_lock = engine_lock if engine_lock is not None else threading.RLock()  # held while sampling
         self.between_turns = between_turns
         self.renderer = renderer if renderer is not None else make_renderer(backend)
         self.stats = stats if stats is not None else EpisodeStats()
@@ -442,12 +314,13 @@ class EpisodeRunner:
         cap = max(1, min(self.sampling.max_tokens, max(room)))
         sampling = self.sampling.model_copy(update={"n": 1, "max_tokens": cap})
         self.rounds += 1
-        groups = self.backend.generate(
-            [e.prompt_ids + e.tokens for e in ready],
-            sampling,
-            seed=zlib.crc32(f"{seed}:{self.rounds}".encode()),
-            on_step=on_step,
-        )
+        with self.engine_lock:
+            groups = self.backend.generate(
+                [e.prompt_ids + e.tokens for e in ready],
+                sampling,
+                seed=zlib.crc32(f"{seed}:{self.rounds}".encode()),
+                on_step=on_step,
+            )
         for e, r, (c,) in zip(ready, room, groups):
             ids = c.token_ids[:r]  # an episode with less room than the round's cap: its turn is cut there
             versions = (c.versions if c.versions is not None else [self.version] * len(c.token_ids))[:r]
@@ -563,3 +436,43 @@ class EpisodeRunner:
             log.warning("environment close failed: %s: %s", type(ex).__name__, ex)
             with self.stats._lock:
                 self.stats.env_failures["close"] = self.stats.env_failures.get("close", 0) + 1
+
+
+class Episodes:
+    """A generator's multi-turn episodes (``cfg.env``): the environment, built (its options checked) at start;
+    the runner, built on first use, once the model (and its tokenizer, which renders the environment's
+    replies) is loaded; and the training episodes' counters."""
+
+    def __init__(self, cfg, backend, between_turns: Callable[[], int | None], engine_lock: threading.RLock):
+        from generators.envs.registry import build_env
+
+        self.cfg, self.backend, self.between_turns, self.engine_lock = cfg, backend, between_turns, engine_lock
+        self.stats = EpisodeStats()
+        self.env_factory = build_env(cfg.env, cfg.env_options)
+        self._runner: EpisodeRunner | None = None
+
+    def runner(self) -> EpisodeRunner:
+        if self._runner is None:
+            renderer = make_renderer(self.backend)
+            check_tool_vocabulary(renderer, self.backend)
+            c = self.cfg
+            self._runner = EpisodeRunner(
+                self.backend,
+                self.env_factory,
+                c.sampling,
+                EpisodeLimits(c.max_turns, c.max_episode_tokens, c.episode_timeout_s),
+                self.between_turns,
+                renderer,
+                threads=c.env_threads,
+                stats=self.stats,
+                env_name=c.env,
+                engine_lock=self.engine_lock,
+            )
+        return self._runner
+
+    def close(self) -> None:
+        """The runner's pool, then what the environment's episodes share (a tool pool, an HTTP client)."""
+        if self._runner is not None:
+            self._runner.close()
+        if hasattr(self.env_factory, "close"):
+            self.env_factory.close()

@@ -13,30 +13,59 @@ broker's ingest or the admission counters: evaluation does not change what is tr
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import redis
 
 from broker.client import queues
+from broker.protocol.keys import Keys
 from broker.protocol.messages import EvalCompletion, EvalResult, PromptEntry, encode_eval_result
-from generators.episodes import EpisodeStats
+from generators.episodes import EpisodeRunner, EpisodeStats
+from generators.leases import Leases
 from generators.prompts import prompt_token_ids
+
+if TYPE_CHECKING:
+    from generators.backends.base import Backend
+    from generators.config import GeneratorConfig
+    from generators.weights import WeightApplier
 
 log = logging.getLogger("relay.generator.eval")
 
 
+@dataclass
+class EvalContext:
+    """What evaluation uses of its generator (built by ``Generator``)."""
+
+    r: redis.Redis
+    keys: Keys
+    cfg: GeneratorConfig  # read: id, seed, prompts_per_batch, claim_idle_s, sampling
+    backend: Backend  # generate (under the engine lock), encode, decode
+    engine_lock: threading.RLock
+    weights: WeightApplier  # read: version; update()
+    leases: Leases  # the held-out prompts it holds, renewed with the generator's
+    score_groups: Callable  # the reward client's ``score_groups``
+    heartbeat: Callable[[], None]
+    stop: threading.Event
+    episode_runner: Callable[[], EpisodeRunner] | None  # a multi-turn task's runner (None: single-turn)
+
+
 class Evaluator:
-    def __init__(self, gen, check_every_s: float = 0.25, final_wait_s: float = 10.0):
-        self.gen, self.r, self.keys = gen, gen.r, gen.keys
+    def __init__(self, ctx: EvalContext, check_every_s: float = 0.25, final_wait_s: float = 10.0):
+        self.ctx, self.r, self.keys = ctx, ctx.r, ctx.keys
         self.check_every_s, self.final_wait_s = check_every_s, final_wait_s
         self._next_check = 0.0
         self.episode_stats = EpisodeStats()  # evaluation episodes (multi-turn tasks), apart from training's
 
     def _claim(self) -> list[tuple[bytes, PromptEntry]]:
-        n, stream = self.gen.cfg.prompts_per_batch, self.keys.eval_prompts
-        out = queues.claim_abandoned(self.r, stream, self.gen.cfg.id, self.gen.cfg.claim_idle_s, n)
+        n, stream = self.ctx.cfg.prompts_per_batch, self.keys.eval_prompts
+        out = queues.claim_abandoned(self.r, stream, self.ctx.cfg.id, self.ctx.cfg.claim_idle_s, n)
         if len(out) < n:
-            out += queues.claim_new(self.r, stream, self.gen.cfg.id, n - len(out))
-        self.gen.leases.hold(stream, [eid for eid, _ in out])
+            out += queues.claim_new(self.r, stream, self.ctx.cfg.id, n - len(out))
+        self.ctx.leases.hold(stream, [eid for eid, _ in out])
         return out
 
     def serve(self, force: bool = False) -> int:
@@ -47,7 +76,7 @@ class Evaluator:
             return 0
         self._next_check = time.monotonic() + self.check_every_s
         total = 0
-        while not self.gen.stop.is_set():  # claimed prompts are left pending when stopped (reclaimed later)
+        while not self.ctx.stop.is_set():  # claimed prompts are left pending when stopped (reclaimed later)
             try:
                 claimed = self._claim()
             except Exception as e:  # noqa: BLE001 - the stream or group may not exist (an older broker): no eval
@@ -57,27 +86,27 @@ class Evaluator:
             if not claimed:
                 return total
             total += self._answer(claimed)
-            self.gen.send_heartbeat()  # a long round must not look like a dead generator
+            self.ctx.heartbeat()  # a long round must not look like a dead generator
         return total
 
     def _answer(self, claimed: list[tuple[bytes, PromptEntry]]) -> int:
         """Generate, score and record one batch of claimed held-out prompts."""
         need = max(p.round for _, p in claimed)
-        weights = self.gen.weights
+        weights = self.ctx.weights
         if weights.version is None or weights.version < need:
             weights.update()  # the round was enqueued after its version was announced
-        backend, base = self.gen.backend, self.gen.cfg.sampling
+        backend, base = self.ctx.backend, self.ctx.cfg.sampling
         first = claimed[0][1]
         greedy, k = first.greedy, first.samples
         max_tokens = first.max_tokens or base.max_tokens
         prompts = [p for _, p in claimed]
         # a multi-turn task: each held-out prompt is answered by episodes too, on this one version (no
         # update between turns), counted apart from the training episodes
-        runner = self.gen._episode_runner() if self.gen.cfg.env else None
+        runner = self.ctx.episode_runner() if self.ctx.episode_runner is not None else None
         ids = [runner.prompt_ids(p) if runner else prompt_token_ids(p, backend.encode) for p in prompts]
         version = weights.version
-        seed = zlib.crc32(f"eval:{self.gen.cfg.seed}:{self.gen.cfg.id}:{claimed[0][0]!r}".encode())
-        results = [EvalResult(version=version, generator=self.gen.cfg.id) for _ in prompts]
+        seed = zlib.crc32(f"eval:{self.ctx.cfg.seed}:{self.ctx.cfg.id}:{claimed[0][0]!r}".encode())
+        results = [EvalResult(version=version, generator=self.ctx.cfg.id) for _ in prompts]
         runs = []
         if greedy:
             runs.append(
@@ -96,8 +125,9 @@ class Evaluator:
                     prompts, ids, seed, sampling=sampling, between_turns=lambda: version, stats=self.episode_stats
                 )
             else:
-                groups = backend.generate(ids, sampling, seed=seed)
-            scores = self.gen.rewards.score_groups(prompts, groups, backend.decode)
+                with self.ctx.engine_lock:
+                    groups = backend.generate(ids, sampling, seed=seed)
+            scores = self.ctx.score_groups(prompts, groups, backend.decode)
             for res, cs, rs in zip(results, groups, scores):
                 comps = [
                     EvalCompletion(
@@ -116,7 +146,7 @@ class Evaluator:
         for (eid, p), res in zip(claimed, results):
             queues.add_eval_result(pipe, self.keys, p.round, p.idx, encode_eval_result(res))
             queues.release(pipe, self.keys.eval_prompts, eid)
-            self.gen.leases.release(self.keys.eval_prompts, eid)
+            self.ctx.leases.release(self.keys.eval_prompts, eid)
         pipe.execute()
         return len(claimed)
 
@@ -125,12 +155,12 @@ class Evaluator:
         before exiting, waiting up to ``final_wait_s`` for the broker to enqueue it."""
         if not self.r.exists(self.keys.eval_rounds):
             return  # evaluation is off (no round was ever enqueued)
-        self.gen.weights.update()
+        self.ctx.weights.update()
         deadline = time.monotonic() + self.final_wait_s
         while (
             time.monotonic() < deadline
-            and not self.gen.stop.is_set()
-            and not self.r.hexists(self.keys.eval_rounds, str(self.gen.weights.version))
+            and not self.ctx.stop.is_set()
+            and not self.r.hexists(self.keys.eval_rounds, str(self.ctx.weights.version))
         ):
             time.sleep(0.1)
         self.serve(force=True)

@@ -3,17 +3,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import redis
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from broker.client.telemetry import register_service
+from broker.protocol.keys import Keys
 from broker.runtime.metrics import MetricsServer, advertised_host, labelled_registry
+from generators.heartbeats import Progress
 
 if TYPE_CHECKING:
-    from generators.service import Generator
+    from generators.episodes import EpisodeStats
+    from generators.leases import Leases
+    from generators.sink import Sink
+    from generators.weights import WeightApplier
 
 STATES = (
     "starting",
@@ -30,15 +36,28 @@ STATES = (
 )
 
 
+@dataclass
+class MetricSources:
+    """What a generator's ``/metrics`` reads at scrape time (built by ``Generator``)."""
+
+    progress: Progress  # its state and tokens
+    weights: WeightApplier  # read: version and its update counters
+    sink: Sink  # read: its groups' and sender's counters
+    leases: Leases  # read: prompts held and taken over
+    episode_stats: EpisodeStats | None  # the training episodes' counters (None: no environment)
+    more: list[Callable[[], Iterable]] = field(default_factory=list)  # e.g. the OpenAI endpoint's, once it serves
+
+
 class GeneratorCollector(Collector):
-    def __init__(self, gen: Generator):
-        self.gen = gen
+    def __init__(self, sources: MetricSources):
+        self.sources = sources
 
     def describe(self):
         return []
 
     def collect(self):
-        g, w, sink = self.gen, self.gen.weights, self.gen.sink
+        src = self.sources
+        g, w, sink = src.progress, src.weights, src.sink
         v = GaugeMetricFamily("relay_generator_version", "weight version served (absent before the first load)")
         if w.version is not None:
             v.add_metric([], w.version)
@@ -90,17 +109,17 @@ class GeneratorCollector(Collector):
         yield GaugeMetricFamily(
             "relay_generator_prompts_held",
             "prompts claimed and not yet released (renewed every claim_idle_s / 3)",
-            value=g.leases.held(),
+            value=src.leases.held(),
         )
         yield CounterMetricFamily(
             "relay_generator_prompts_taken_over",
             "held prompts another generator took over while this one was stopped or hung",
-            value=g.leases.lost,
+            value=src.leases.lost,
         )
-        if g.cfg.env:
-            yield from episode_metrics(g.episode_stats.snapshot())
-        if getattr(g, "openai", None) is not None:  # the OpenAI-compatible endpoint, when enabled
-            yield from g.openai.collect()
+        if src.episode_stats is not None:
+            yield from episode_metrics(src.episode_stats.snapshot())
+        for more in src.more:
+            yield from more()
 
 
 def episode_metrics(st: dict):
@@ -147,19 +166,19 @@ def episode_metrics(st: dict):
     )
 
 
-def serve_metrics(gen: Generator) -> MetricsServer:
-    """Start the generator's /metrics and /healthz server and register where it is."""
-    cfg = gen.cfg
+def serve_metrics(
+    r: redis.Redis, keys: Keys, host: str, port: int, generator_id: str, sources: MetricSources
+) -> MetricsServer:
+    """Start the generator's /metrics and /healthz server on ``host:port`` and register where it is."""
 
     def healthy() -> tuple[bool, str]:
         try:
-            gen.r.ping()
+            r.ping()
         except redis.RedisError as e:
             return False, f"redis unavailable: {e}"
-        return True, f"ok {gen.state}"
+        return True, f"ok {sources.progress.state}"
 
-    server = MetricsServer(
-        cfg.metrics_host, cfg.metrics_port, labelled_registry("generator", cfg.id, GeneratorCollector(gen)), healthy
-    )
-    register_service(gen.r, gen.keys, "generator", cfg.id, advertised_host(cfg.metrics_host), server.port)
+    registry = labelled_registry("generator", generator_id, GeneratorCollector(sources))
+    server = MetricsServer(host, port, registry, healthy)
+    register_service(r, keys, "generator", generator_id, advertised_host(host), server.port)
     return server

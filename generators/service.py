@@ -13,6 +13,7 @@ generator that dies loses nothing: its pending prompts are reclaimed by another 
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -24,18 +25,19 @@ import redis
 from broker.client import queues
 from broker.client.announcements import advertise_run
 from broker.client.connection import connect_redis
-from broker.client.telemetry import heartbeat
+from broker.client.telemetry import emit_event, heartbeat
 from broker.protocol.keys import Keys
-from broker.protocol.messages import Heartbeat, PromptEntry
+from broker.protocol.messages import PromptEntry
 from broker.protocol.signing import announce_verifier
 from broker.protocol.weightauth import weights_key
 from broker.runtime.config import ConfigError
 from generators.config import GeneratorConfig
-from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
-from generators.eval import Evaluator
+from generators.episodes import Episodes
+from generators.eval import EvalContext, Evaluator
+from generators.heartbeats import Progress, heartbeat_message
 from generators.leases import Leases
 from generators.liveness import ComputeWatch, DecodeHook, GenerationStopped
-from generators.metrics import serve_metrics
+from generators.metrics import MetricSources, serve_metrics
 from generators.prompts import prompt_token_ids
 from generators.reward_client import RewardClient
 from generators.sink import Batch, Sink, sender_keys
@@ -43,6 +45,19 @@ from generators.transports import ReceiverContext, build_receiving
 from generators.weights import WeightApplier
 
 log = logging.getLogger("relay.generator")
+
+
+def advertise(r: redis.Redis, keys: Keys, cfg: GeneratorConfig) -> None:
+    """The run's advertisement: the first generator's reward URL and sampling are the run's; a generator that
+    samples otherwise says so (the learner drops its groups)."""
+    run = advertise_run(r, keys, first_writer_wins=True, reward_url=cfg.reward_url, sampling=cfg.sampling.model_dump())
+    if "sampling" in run:
+        log.error(
+            "this generator samples with %s but the run advertises %s: the learner drops groups whose "
+            "sampling differs from its batch's (docs/protocol.md 3.4)",
+            cfg.sampling.model_dump(),
+            run["sampling"],
+        )
 
 
 class Generator:
@@ -55,25 +70,20 @@ class Generator:
         self.r = connect_redis(cfg.redis_url)
         self.leases = Leases(self.r, cfg.id, cfg.claim_idle_s)  # the prompts it holds, renewed while it holds them
         self.backend = cfg.backend.build()
+        # the engine is not thread-safe: its weight updates and every generate (this loop, evaluation, episodes,
+        # the OpenAI endpoint) hold this lock; re-entrant, as "continue" updates weights inside generate
+        self.engine_lock = threading.RLock()
         # a heartbeat (at most one per heartbeat_s) from every engine/decode step: a batch that decodes for
         # minutes on a slow machine is busy, not hung (relay up's --hang-after watches heartbeats); a single
         # step of minutes is covered by the ComputeWatch started in run()
         self.stop = threading.Event()
         # ... and a batch still generating STOP_GRACE_S after a stop is abandoned (generators/liveness.py)
         self.backend.alive = DecodeHook(self.send_heartbeat, self.stop)
-        self.state = "starting"
-        self.tokens = 0
-        self.tokens_per_s = 0.0
+        self.progress = Progress()  # its state and tokens: reported by heartbeats and /metrics
         self._last_hb = 0.0
         # multi-turn episodes: the environment is built (its options checked) now; the runner once the
         # model (and its tokenizer, which renders the environment's replies) is loaded
-        self.episode_stats = EpisodeStats()
-        self.env_factory = None
-        self.runner: EpisodeRunner | None = None
-        if cfg.env:
-            from generators.envs.registry import build_env
-
-            self.env_factory = build_env(cfg.env, cfg.env_options)
+        self.episodes = Episodes(cfg, self.backend, self._between_turns, self.engine_lock) if cfg.env else None
         self._batch = 0
         # weights.transport: how versions arrive beside the store (generators/transports.py)
         receiving = build_receiving(ReceiverContext(cfg, self.r, self.keys, self.backend, key, wkey))
@@ -89,8 +99,10 @@ class Generator:
             receiving.fetcher,
             receiver=receiving.tensors,
             hash_threads=cfg.weights.hash_threads,
+            engine_lock=self.engine_lock,
         )
         self.rewards = RewardClient(cfg, self.stop.is_set)
+        hash_for = self.weights.hash_for if self.weights.receiver is not None else None
         self.sink = Sink(
             cfg,
             self.r,
@@ -100,49 +112,65 @@ class Generator:
             self.stop,
             self.send_heartbeat,
             curve,
-            self.weights.hash_for if self.weights.receiver is not None else None,
+            hash_for,
             self.leases,
         )
-        self.metrics = serve_metrics(self)  # /metrics and /healthz; its port goes into every heartbeat
-        self.evaluator = Evaluator(self)  # held-out evaluation rounds, between training batches (docs/eval.md)
-        # -- issue 20 hook: the OpenAI-compatible endpoint for external agent harnesses (off by default;
-        # generators/openai_server.py: it also puts one lock around the engine's generate and weight updates)
-        self.openai = None
-        if cfg.openai.enabled:
-            from generators.openai_server import start as start_openai
+        # /metrics and /healthz; its port goes into every heartbeat
+        training_episodes = self.episodes.stats if self.episodes is not None else None
+        sources = MetricSources(self.progress, self.weights, self.sink, self.leases, training_episodes)
+        self.metrics = serve_metrics(self.r, self.keys, cfg.metrics_host, cfg.metrics_port, cfg.id, sources)
+        self.evaluator = Evaluator(self._eval_context())  # held-out rounds, between training batches (docs/eval.md)
+        # -- issue 20 hook: the OpenAI-compatible endpoint for external agent harnesses (off by default)
+        self.openai = self._start_openai(hash_for) if cfg.openai.enabled else None
+        if self.openai is not None:
+            sources.more.append(self.openai.collect)
+        advertise(self.r, self.keys, cfg)
 
-            self.openai = start_openai(self)
-        # the run's advertisement: the first generator's reward URL and sampling are the run's
-        run = advertise_run(
-            self.r, self.keys, first_writer_wins=True, reward_url=cfg.reward_url, sampling=cfg.sampling.model_dump()
+    def _eval_context(self) -> EvalContext:
+        """What evaluation uses of this generator (generators/eval.py)."""
+        return EvalContext(
+            r=self.r,
+            keys=self.keys,
+            cfg=self.cfg,
+            backend=self.backend,
+            engine_lock=self.engine_lock,
+            weights=self.weights,
+            leases=self.leases,
+            score_groups=self.rewards.score_groups,
+            heartbeat=self.send_heartbeat,
+            stop=self.stop,
+            episode_runner=self.episodes.runner if self.episodes is not None else None,
         )
-        if "sampling" in run:
-            log.error(
-                "this generator samples with %s but the run advertises %s: the learner drops groups whose "
-                "sampling differs from its batch's (docs/protocol.md 3.4)",
-                cfg.sampling.model_dump(),
-                run["sampling"],
-            )
 
-    def _check_ingest_key(self, timeout_s: float = 5.0) -> None:
-        """With CURVE, learn at once whether the broker admits this generator's key (GroupSender.wait_connected)
-        rather than time out on every group: a refused key, or a broker without CURVE, stops the generator
-        with the reason (exit 2; no retry can fix it). A broker not answering yet is only logged: the groups
-        wait for it as they always do."""
-        if self.sink.sender.curve is None:
-            return
-        try:
-            self.sink.sender.wait_connected(timeout_s)
-        except (PermissionError, ConnectionError) as e:  # the sink's thread has not started: its socket is ours
-            log.error("the broker's ingest refuses this generator: %s", e)
-            raise SystemExit(2) from None
-        except TimeoutError as e:
-            log.warning("%s; the groups wait until it answers", e)
+    def _start_openai(self, hash_for):
+        """Serve the OpenAI-compatible endpoint (generators/openai_server.py) with what it uses of this generator."""
+        from generators.openai_endpoint import EndpointContext
+        from generators.openai_server import start
+
+        c, w = self.cfg, self.weights
+        return start(
+            EndpointContext(
+                cfg=c.openai,
+                sampling=c.sampling,
+                seed=c.seed,
+                generator_id=c.id,
+                run_id=c.run_id,
+                backend=self.backend,
+                engine_lock=self.engine_lock,
+                served=lambda: (w.version, w.hash),
+                hash_for=hash_for,
+                count_tokens=self.progress.add_tokens,
+                send_group=self.sink.send_group,
+                score=self.rewards.score,
+                stop=self.stop,
+                emit=functools.partial(emit_event, self.r, self.keys),
+            )
+        )
 
     # -- state and heartbeats -------------------------------------------------------------------
 
     def _report(self, state: str, heartbeat_now: bool) -> None:
-        self.state = state
+        self.progress.state = state
         if heartbeat_now:
             self.send_heartbeat(force=True)
 
@@ -152,40 +180,12 @@ class Generator:
         if not force and now - self._last_hb < self.cfg.heartbeat_s:
             return
         self._last_hb = now
-        w, sink = self.weights, self.sink
-        heartbeat(
-            self.r,
-            self.keys,
-            Heartbeat(
-                id=self.cfg.id,
-                backend=self.backend.name,
-                version=w.version,
-                # a version applied via the collective: its announced hash as soon as it is announced
-                hash=w.hash
-                or (w.hash_for(w.version, wait_s=0) if w.receiver is not None and w.version is not None else ""),
-                # back-pressure on the sink shows even while the engine is busy generating
-                state=sink.state if sink.state in ("paused_backpressure", "paused_reward") else self.state,
-                sink_state=sink.state,
-                in_flight=self.cfg.in_flight,
-                engine=self.backend.engine_info()
-                if w.version is not None and hasattr(self.backend, "engine_info")
-                else {},
-                tokens_per_s=round(self.tokens_per_s, 1),
-                refused=dict(list(w.refused.items())[-3:]),
-                metrics_port=self.metrics.port,
-                groups_sent=sink.groups_sent,
-                groups_rejected=sink.groups_rejected,
-                tokens=self.tokens,
-                updates=w.updates,
-                refused_updates=w.refused_updates,
-                forged_announcements=w.forged_announcements,
-                **sink.scored.fields(),
-                last_update_latency_s=w.last_update_latency_s,
-                # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
-                # where the heartbeat's schema has the field
-                **({"episodes": self.episode_stats.snapshot()} if self.cfg.env else {}),
-            ),
+        stats = self.episodes.stats if self.episodes is not None else None  # where the schema has the field
+        c = self.cfg
+        hb = heartbeat_message(
+            c.id, c.in_flight, self.backend, self.weights, self.sink, self.progress, self.metrics.port, stats
         )
+        heartbeat(self.r, self.keys, hb)
 
     # -- prompts --------------------------------------------------------------------------------
 
@@ -199,14 +199,14 @@ class Generator:
         # η = 0 a leaked one would leave the learner waiting for groups nobody may produce)
         granted, got = queues.admit_and_claim(self.r, self.keys, self.cfg.id, want) if want else (0, [])
         if want and not granted and not out:
-            self.state = "paused_staleness"
+            self.progress.state = "paused_staleness"
             self.send_heartbeat()
             time.sleep(0.02)
             return []
         out.extend(got)
         self.leases.hold(self.keys.prompts, [eid for eid, _ in out])
         if not out:
-            self.state = "waiting_for_prompts"
+            self.progress.state = "waiting_for_prompts"
             self.send_heartbeat()
             time.sleep(0.05)  # the feeder tops the stream up; look again shortly
         return out
@@ -226,26 +226,6 @@ class Generator:
         self.weights.update()
         return self.weights.version
 
-    def _episode_runner(self) -> EpisodeRunner:
-        if self.runner is None:  # the model is loaded by now: its tokenizer renders the environment's replies
-            from generators.episodes import check_tool_vocabulary, make_renderer
-
-            renderer = make_renderer(self.backend)
-            check_tool_vocabulary(renderer, self.backend)
-            c = self.cfg
-            self.runner = EpisodeRunner(
-                self.backend,
-                self.env_factory,
-                c.sampling,
-                EpisodeLimits(c.max_turns, c.max_episode_tokens, c.episode_timeout_s),
-                self._between_turns,
-                renderer,
-                threads=c.env_threads,
-                stats=self.episode_stats,
-                env_name=c.env,
-            )
-        return self.runner
-
     def step(self) -> bool:
         """Generate one batch and hand it to the sink. Returns False when there was nothing to do."""
         self.weights.update()
@@ -253,7 +233,7 @@ class Generator:
         claimed = self.claim()  # sets (and reports) paused_staleness while admission is closed
         if not claimed:
             return False
-        self.state = "sampling"
+        self.progress.state = "sampling"
         self.send_heartbeat()
         prompts = [f for _, f in claimed]
         version, whash = self.weights.version, self.weights.hash
@@ -262,16 +242,17 @@ class Generator:
         seed = zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode())
         on_step = self._on_step if self.cfg.in_flight == "continue" else None
         if self.cfg.env:  # multi-turn episodes, one per sample
-            runner = self._episode_runner()
+            runner = self.episodes.runner()
             ids = [runner.prompt_ids(p) for p in prompts]
             groups = runner.run(prompts, ids, seed, on_step=on_step)
         else:
             ids = [prompt_token_ids(p, self.backend.encode) for p in prompts]  # the feeder's ids when it sent them
-            groups = self.backend.generate(ids, self.cfg.sampling, seed=seed, on_step=on_step)
+            with self.engine_lock:
+                groups = self.backend.generate(ids, self.cfg.sampling, seed=seed, on_step=on_step)
         # tokens the model sampled (an episode's context tokens, its environment's replies, not counted)
         ntok = sum(sum(c.trainable) if c.trainable is not None else len(c.token_ids) for cs in groups for c in cs)
-        self.tokens_per_s = ntok / max(time.monotonic() - t0, 1e-9)
-        self.tokens += ntok
+        self.progress.tokens_per_s = ntok / max(time.monotonic() - t0, 1e-9)
+        self.progress.add_tokens(ntok)
         batch = Batch(claimed, ids, groups, version, whash, time.time())
         while True:  # blocks while the sink still holds a batch: back-pressure reaches generation here
             if not self.sink.alive():
@@ -287,7 +268,7 @@ class Generator:
     def run(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
-        self._check_ingest_key()
+        self.sink.check_ingest_key()
         self.sink.start()
         # heartbeats while one engine step computes for longer than --hang-after (generators/liveness.py)
         watch = ComputeWatch(threading.current_thread(), self.send_heartbeat, self.cfg.heartbeat_s, self.stop)
@@ -309,17 +290,15 @@ class Generator:
                 break
         watch.join(self.cfg.heartbeat_s + 5)  # stopped with the loop: its heartbeats cannot follow "stopped"
         # drain: no new prompts; the batch the sink holds is scored, sent and released first
-        self.state = "draining"
+        self.progress.state = "draining"
         self.send_heartbeat(force=True)
         self.sink.drain()
-        self.state = "stopped"
+        self.progress.state = "stopped"
         self.send_heartbeat(force=True)
         self.sink.close()
         self.rewards.close()
-        if self.runner is not None:
-            self.runner.close()
-        if self.env_factory is not None and hasattr(self.env_factory, "close"):
-            self.env_factory.close()  # what the environment's episodes share (a tool pool, an HTTP client)
+        if self.episodes is not None:
+            self.episodes.close()  # the runner, and what the environment's episodes share
         if self.weights.receiver is not None:
             self.weights.receiver.close()
         if isinstance(self.sink.failure, ConfigError):

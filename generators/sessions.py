@@ -74,7 +74,7 @@ class Session:
 
     def context(self, messages: list[dict], render: Render, eos: int) -> tuple[list[int], bool]:
         """The context tokens to append before this call samples, and whether the rendering drifted
-        (counted here). ``messages`` are the request's, normalised (openai_server.chat_messages)."""
+        (counted here). ``messages`` are the request's, normalised (openai_requests.chat_messages)."""
         rendered = render(messages, True)
         if not self.tokens:
             return rendered, False

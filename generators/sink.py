@@ -138,6 +138,22 @@ class Sink:
     def start(self) -> None:
         self._thread.start()
 
+    def check_ingest_key(self, timeout_s: float = 5.0) -> None:
+        """With CURVE, learn at once whether the broker admits this generator's key (GroupSender.wait_connected)
+        rather than time out on every group: a refused key, or a broker without CURVE, stops the generator
+        with the reason (exit 2; no retry can fix it). A broker not answering yet is only logged: the groups
+        wait for it as they always do. Called before :meth:`start`: the sink's thread has not started, so its
+        socket is the caller's."""
+        if self.sender.curve is None:
+            return
+        try:
+            self.sender.wait_connected(timeout_s)
+        except (PermissionError, ConnectionError) as e:
+            log.error("the broker's ingest refuses this generator: %s", e)
+            raise SystemExit(2) from None
+        except TimeoutError as e:
+            log.warning("%s; the groups wait until it answers", e)
+
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -167,7 +183,7 @@ class Sink:
 
     def send_group(self, g: Group):
         """Send one group that no claimed prompt stands behind (the OpenAI endpoint's sessions:
-        generators/openai_server.py) and return the broker's final Ack. Called from other threads than
+        generators/openai_endpoint.py) and return the broker's final Ack. Called from other threads than
         the sink's: it has its own sender (a ZeroMQ socket is used by one thread), one call at a time.
         Counted with the sink's groups (sent / rejected); ``TimeoutError`` when the broker never answers."""
         with self._extra_lock:

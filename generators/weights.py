@@ -37,6 +37,7 @@ Versions received in process (the collective and ipc transports) are applied by 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -109,6 +110,7 @@ class WeightApplier:
         fetcher=None,
         receiver=None,
         hash_threads: int = 1,
+        engine_lock: threading.RLock | None = None,
     ):
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
@@ -128,6 +130,9 @@ class WeightApplier:
         # the collective and ipc transports (generators/received.py): versions that arrive in process before
         # their announcement (the receiver None with the other transports)
         self.received = ReceivedVersions(self, receiver)
+        # held while a version is loaded into the engine and made the version served: the generator's callers
+        # of backend.generate (its loop, evaluation, the OpenAI endpoint) hold it too, so they take turns
+        self.engine_lock = engine_lock if engine_lock is not None else threading.RLock()
 
     @property
     def forged_announcements(self) -> int:
@@ -155,7 +160,12 @@ class WeightApplier:
 
     def update(self, block: bool = False) -> None:
         """Apply the latest announced version if it is newer than the one served. ``block``: wait
-        (every 0.2 s) until a first version is announced."""
+        (every 0.2 s) until a first version is announced. Under the engine lock (re-entrant: the "continue"
+        in-flight policy updates from inside ``generate``)."""
+        with self.engine_lock:
+            self._update(block)
+
+    def _update(self, block: bool) -> None:
         if self.receiver is not None and self.version is not None:
             self.received.apply_newest()
         while True:

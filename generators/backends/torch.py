@@ -2,8 +2,7 @@
 log-probs from :func:`broker.protocol.sampling.sampling_logprobs`. Weights update in place with
 ``load_state_dict`` into the same module (no new engine). LoRA adapters published alone
 (learner.lora.publish) are added to the model once by peft and then loaded into those same
-adapter parameters, version after version; the forward computes W x + (alpha / r) B A x, as the
-learner's does."""
+adapter parameters, version after version (generators/backends/torch_lora.py)."""
 
 from __future__ import annotations
 
@@ -24,28 +23,15 @@ from broker.protocol.sampling import sampling_logprobs
 from broker.protocol.weightstore import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
-    ADAPTER_SETTINGS,
-    PEFT_PREFIX,
     MappedFile,
     Verified,
     is_adapter_tensor,
 )
 from generators.backends.base import Completion, HFText, StepHook
+from generators.backends.torch_lora import adapter_settings, attach_adapter, base_layer_name, copy_adapter
 from generators.config import SamplingConfig, TorchBackendConfig
 
 log = logging.getLogger("relay.generator.torch")
-
-
-def _adapter_param(file_name: str) -> str:
-    """An adapter file's tensor name -> the parameter peft gave the model (the adapter named ``default``)."""
-    module, part = file_name.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0], file_name.rsplit(".", 2)[1]
-    return f"{module}.{part}.default.weight"
-
-
-def _base_layer_name(name: str) -> str:
-    """``<module>.weight`` -> ``<module>.base_layer.weight``: where a layer with an adapter keeps its own weight."""
-    module, leaf = name.rsplit(".", 1)
-    return f"{module}.base_layer.{leaf}"
 
 
 def _no_init_weights():
@@ -175,7 +161,7 @@ class TorchBackend(HFText):
         """Copy a whole model's tensors into the model's parameters (ValueError when they do not match)."""
         own = self.model.state_dict()
         # a layer that carries an adapter holds its own weight under <module>.base_layer.<weight|bias>
-        state = {k if k in own else _base_layer_name(k): v for k, v in state.items()}
+        state = {k if k in own else base_layer_name(k): v for k, v in state.items()}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         # tied embeddings: lm_head.weight may be absent from the file; the adapters come from their own file
         missing = [
@@ -193,55 +179,16 @@ class TorchBackend(HFText):
         adapter_model.safetensors) into the model's adapters in place, adding them (peft) to the model on the
         first one. All or nothing: ValueError, the model unchanged, when the settings differ from the
         adapters the model has, or the tensors are not exactly one A and one B per adapted layer."""
-        from peft import LoraConfig, inject_adapter_in_model
-
-        settings = json.loads(
-            verified.blobs[ADAPTER_CONFIG] if verified is not None else (Path(path) / ADAPTER_CONFIG).read_bytes()
-        )
-        wanted = {k: settings.get(k) for k in ADAPTER_SETTINGS}
-        if settings.get("use_dora") or settings.get("modules_to_save") or settings.get("bias", "none") != "none":
-            raise ValueError(f"{path}: DoRA, modules_to_save and adapter biases are not supported")
-        if self.adapter is not None and wanted != self.adapter:
-            raise ValueError(
-                f"{path}: adapter settings {wanted} differ from those of the adapter served {self.adapter}"
-            )
+        wanted = adapter_settings(path, verified, self.adapter)
         tensors = (
             mapped_tensors(verified.files[ADAPTER_FILE])
             if verified is not None
             else load_file(Path(path) / ADAPTER_FILE, device=str(self.device))
         )
-        # from_pretrained of a folder with an adapter_config.json (load) attached its adapter already (transformers
-        # does so by itself): injecting a second time would stack peft's layers; the copy below fills them either way
-        if self.adapter is None and not getattr(self.model, "_hf_peft_config_loaded", False):
-            try:
-                inject_adapter_in_model(
-                    LoraConfig(
-                        r=wanted["r"],
-                        lora_alpha=wanted["lora_alpha"],
-                        lora_dropout=0.0,
-                        target_modules=wanted["target_modules"],
-                        bias="none",
-                    ),
-                    self.model,
-                )
-            except ValueError as e:
-                raise ValueError(f"{path}: the adapter does not fit the model: {e}") from e
         if self.adapter is None:
-            self.model.requires_grad_(False).eval()
+            attach_adapter(self.model, wanted, path)
             self.adapter = wanted
-        own = {k: p for k, p in self.model.named_parameters() if is_adapter_tensor(k)}
-        renamed = {_adapter_param(k): v for k, v in tensors.items()}
-        missing = sorted(set(own) - set(renamed))
-        unexpected = sorted(set(renamed) - set(own))
-        wrong = [k for k in renamed if k in own and tuple(renamed[k].shape) != tuple(own[k].shape)]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"{path}: adapter tensors do not match the model's adapters: missing {missing[:3]}, "
-                f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]}"
-            )
-        with torch.no_grad():
-            for k, t in renamed.items():
-                own[k].copy_(t)
+        copy_adapter(self.model, tensors, path)
 
     def update_weights_from_tensors(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:
         """Copy ``state`` (CPU tensors, any float dtype; the collective transport) into the model's

@@ -47,7 +47,7 @@ from broker.runtime.config import StrictModel
 from generators.envs.base import EnvError, StepResult
 from generators.envs.registry import register_env
 from generators.envs.tool_env import ToolEnv, ToolEnvOptions, ToolShared
-from generators.envs.toolcall import COMPACT_ARG, ParsedCall, parse_tool_calls
+from generators.tool_calls import COMPACT_ARG, ParsedCall, parse_tool_calls
 from generators.envs.tools import ToolFailure, calculate
 
 W_TOOL, W_EXPRESSION, W_ANSWER = 0.1, 0.5, 0.4

@@ -1,6 +1,6 @@
 """``tools``: the tool-calling environment.
 
-Each model turn is parsed for tool calls (:mod:`generators.envs.toolcall`: Hermes/Qwen JSON or the
+Each model turn is parsed for tool calls (:mod:`generators.tool_calls`: Hermes/Qwen JSON or the
 tiny model's compact form). A turn with calls gets them run, concurrently on a thread pool shared by
 the environment's episodes, each bounded by its tool's timeout, and the reply (role ``tool``) is
 their outputs, one a line in the calls' order (``error: ...`` for a failed call); the episode goes
@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 from broker.runtime.config import StrictModel
 from generators.envs.base import Environment, StepResult, ToolCall
 from generators.envs.registry import register_env
-from generators.envs.toolcall import ParsedCall, parse_tool_calls
+from generators.tool_calls import ParsedCall, parse_tool_calls
 from generators.envs.tools import BUILTIN_TOOLS, Tool, calculator_tool, python_tool, run_tool
 
 GRACE_S = 0.5  # waited past a tool's timeout, so a tool that enforces its own (python) reports it with its output

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from generators.envs.base import ToolCall
-from generators.envs.toolcall import COMPACT_ARG
+from generators.tool_calls import COMPACT_ARG
 
 MAX_EXPRESSION = 200  # characters of a calculator expression
 MAX_NODES = 100  # operators and numbers in it

@@ -9,7 +9,8 @@ import torch
 
 from broker.protocol.messages import PromptEntry
 from generators.config import SamplingConfig, TorchBackendConfig
-from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats, check_tool_vocabulary, make_renderer
+from generators.chat_render import check_tool_vocabulary, make_renderer
+from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from learner.tiny_model import build_tiny_model, build_tokenizer
 from tests.support.episode_envs import CountEnv
 from tests.support.models import recompute_logprobs

@@ -79,7 +79,9 @@ def taught_tiny_model(tok, out, steps: int = 200):
     endpoint's own renderer) until it reproduces it: a tool call, then the answer from the tool's result."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from generators.openai_server import ChatRenderer, tool_call_text
+    from generators.chat_render import ChatRenderer
+    from generators.openai_requests import chat_messages
+    from generators.tool_calls import tool_call_text
 
     r = ChatRenderer(tok)
     call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": 2, "b": 3})}}
@@ -88,7 +90,7 @@ def taught_tiny_model(tok, out, steps: int = 200):
         {"role": "tool", "tool_call_id": "call_0", "content": "5"},
         {"role": "assistant", "content": ANSWER},
     ]
-    ids = torch.tensor([r.render(r.messages(convo, TOOLS), TOOLS, False)])
+    ids = torch.tensor([r.ids(chat_messages(convo, TOOLS, r), False, TOOLS)])
     assert tool_call_text("add", {"a": 2, "b": 3}) in tok.decode(ids[0])
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -311,7 +313,7 @@ def test_an_openai_client_harness_trains_exactly_the_sampled_tokens(procs, redis
 
 
 def _tool_system() -> str:
-    from generators.openai_server import HERMES_TOOLS
+    from generators.openai_requests import HERMES_TOOLS
 
     return HERMES_TOOLS.format(tools="\n".join(json.dumps(t) for t in TOOLS))
 

@@ -10,7 +10,7 @@ from broker.protocol.messages import PromptEntry
 from generators.envs.base import Environment, StepResult
 from generators.envs.calc import calc_reward
 from generators.envs.registry import UnknownEnvError, build_env, register_env
-from generators.envs.toolcall import parse_tool_calls
+from generators.tool_calls import parse_tool_calls
 from generators.envs.tools import Tool
 
 
@@ -304,7 +304,7 @@ def test_relay_envs_entry_points_register(monkeypatch):
     assert registry.load_entry_point_envs() == ["ep_env"]
     env = build_env("ep_env")()
     assert isinstance(env, EntryPointEnv) and env.step("x").reward == 0.5
-    bad = [EntryPoint("ep_bad", "generators.envs.toolcall:parse_tool_calls", "relay.envs")]
+    bad = [EntryPoint("ep_bad", "generators.tool_calls:parse_tool_calls", "relay.envs")]
     monkeypatch.setattr(loader, "entry_points", lambda group: bad)
     with pytest.raises(TypeError, match="is not a subclass of Environment"):
         registry.load_entry_point_envs()

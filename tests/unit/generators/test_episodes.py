@@ -309,12 +309,22 @@ def test_a_reply_the_tokenizer_cannot_spell_is_counted_in_the_episode_stats_and_
     assert episode_totals([stats.snapshot(), stats.snapshot()])["unspellable_replies"] == 4
 
 
-def test_whitespace_a_tokenizer_normalises_is_not_counted_as_unspellable():
-    from generators.episodes import misspelled
+def held_by_another_thread(lock) -> bool:
+    """Whether ``lock`` is held (by the calling thread: another one cannot take it)."""
+    free = []
+    t = threading.Thread(target=lambda: free.append(lock.acquire(blocking=False) and (lock.release() or True)))
+    t.start()
+    t.join()
+    return not free[0]
 
-    words = {"higher": [1], "lower": [2]}
-    enc = lambda t: [i for w in t.split() for i in words.get(w, [0])]  # noqa: E731
-    dec = lambda ids: " ".join({1: "higher", 2: "lower", 0: "<unk>"}[i] for i in ids)  # noqa: E731
-    assert misspelled("higher", enc, dec) is None
-    assert misspelled("higher  lower", enc, dec) is None  # whitespace normalised: nothing lost
-    assert misspelled("warmer", enc, dec) == "<unk>"
+
+def test_every_round_samples_under_the_engine_lock():
+    """The generator's other users of the engine (its weight updates, the OpenAI endpoint) wait for a round."""
+    lock, held = threading.RLock(), []
+    b = FakeBackend()
+    inner = b.generate
+    b.generate = lambda *a, **kw: held.append(held_by_another_thread(lock)) or inner(*a, **kw)
+    r = runner(b)
+    r.engine_lock = lock
+    run(r, [prompt()])
+    assert held and all(held)

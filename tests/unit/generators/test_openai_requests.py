@@ -1,5 +1,5 @@
-"""The OpenAI endpoint's request rules (generators/openai_server.py) on a fake engine: sampling that
-differs from the run's is refused or overridden (said in X-Relay-Sampling), max_tokens is clamped,
+"""The OpenAI endpoint's request rules (generators/openai_endpoint.py, served by openai_server.py) on a fake
+engine: sampling that differs from the run's is refused or overridden (said in X-Relay-Sampling), max_tokens is clamped,
 streaming and n > 1 are refused, no weights yet is 503, and /v1/completions sessions follow the
 token-in-token-out rule on text; no key, or a body that is not JSON, is refused before anything is read or
 sampled; a response names its weight version, its prompt's tokens and, when asked, its behaviour log-probs;
@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 
 from generators.backends.base import Completion
 from generators.config import GeneratorConfig
-from generators.openai_server import OpenAIEndpoint, create_app
+from generators.openai_endpoint import EndpointContext, OpenAIEndpoint
+from generators.openai_server import create_app
 
 EOS = 0
 
@@ -46,15 +47,25 @@ def endpoint(version=0, **openai):
         sampling={"temperature": 0.7, "max_tokens": 16},
         openai={"enabled": True, "group_size": 2, **({} if "api_key" in openai else {"open": True}), **openai},
     )
-    gen = types.SimpleNamespace(
-        cfg=cfg,
-        backend=FakeBackend(),
-        tokens=0,
+    backend = FakeBackend()
+    ctx = EndpointContext(
+        cfg=cfg.openai,
+        sampling=cfg.sampling,
+        seed=cfg.seed,
+        generator_id=cfg.id,
+        run_id=cfg.run_id,
+        backend=backend,
+        engine_lock=threading.RLock(),
+        served=lambda: (version, "h"),
+        hash_for=None,
+        count_tokens=lambda n: None,
+        send_group=None,
+        score=None,
         stop=threading.Event(),
-        weights=types.SimpleNamespace(version=version, hash="h", receiver=None),
+        emit=lambda *a, **kw: None,
     )
-    ep = OpenAIEndpoint(gen, threading.RLock())
-    return ep, gen.backend, TestClient(create_app(ep))
+    ep = OpenAIEndpoint(ctx)
+    return ep, backend, TestClient(create_app(ep))
 
 
 def test_sampling_other_than_the_runs_is_refused_or_overridden_and_said():
@@ -96,7 +107,7 @@ def test_completions_sessions_keep_their_tokens_and_count_drift():
     assert sum(s.trainable) == 9 and s.tokens[:2] == [ord("Q"), ord(":")]
     # no session: answered, not recorded
     c.post("/v1/completions", json={"prompt": "x"})
-    assert ep.untracked == 1 and list(ep.sessions.by_id) == ["s"]
+    assert ep.counters.untracked == 1 and list(ep.sessions.by_id) == ["s"]
 
 
 def test_a_wrong_or_missing_key_is_refused():
@@ -147,7 +158,10 @@ def test_without_the_key_nothing_is_answered_sampled_or_rewarded():
         assert c.post("/v1/relay/sessions/s/reward", json={"reward": 1.0}, headers=headers).status_code == 401
         assert c.get("/v1/relay/sessions/s", headers=headers).status_code == 401
     assert len(be.calls) == 1 and list(ep.sessions.by_id) == ["s"] and ep.sessions.by_id["s"].reward is None
-    assert ep.requests[("completions", "unauthorized")] == 4 and ep.requests[("reward", "unauthorized")] == 4
+    assert (
+        ep.counters.requests[("completions", "unauthorized")] == 4
+        and ep.counters.requests[("reward", "unauthorized")] == 4
+    )
 
 
 @pytest.mark.parametrize("api_key", ["", "k"])
@@ -246,21 +260,36 @@ def test_a_callers_reward_is_marked_caller_and_can_be_refused_for_the_reward_ser
         "session": "a",
         "group_complete": False,
     }
-    assert ep.sessions.by_id["a"].reward_details == {"source": "caller"} and ep.rewarded["caller"] == 1
+    assert ep.sessions.by_id["a"].reward_details == {"source": "caller"} and ep.counters.rewarded["caller"] == 1
 
     # the reward service's score: its plugin's sub-scores kept, where it came from not overridable by them
     ep, _, c = endpoint(reward_source="reward_service")
-    ep.gen.rewards = types.SimpleNamespace(
-        score=lambda items: [
-            types.SimpleNamespace(
-                ok=True, score=1.0, plugin="digits", reason="", details={"source": "forged", "exact": 1.0}
-            )
-        ]
-    )
+    ep.ctx.score = lambda items: [
+        types.SimpleNamespace(
+            ok=True, score=1.0, plugin="digits", reason="", details={"source": "forged", "exact": 1.0}
+        )
+    ]
     c.post("/v1/completions", json={"prompt": "Q:"}, headers={"X-Relay-Session": "a", "X-Relay-Group": "g"})
     r = c.post("/v1/relay/sessions/a/reward", json={"reward": 1.0})
     assert r.status_code == 403 and "reward_source" in r.json()["error"]["message"]
     assert ep.sessions.by_id["a"].reward is None
     assert c.post("/v1/relay/sessions/a/reward", json={"task": "digits", "reference": "ok"}).status_code == 200
     assert ep.sessions.by_id["a"].reward_details == {"source": "reward_service:digits", "exact": 1.0}
-    assert ep.rewarded == {"caller": 0, "reward_service": 1}
+    assert ep.counters.rewarded == {"caller": 0, "reward_service": 1}
+
+
+def test_a_call_samples_under_the_engine_lock():
+    """The generator's loop, evaluation and weight updates take turns with the endpoint's calls."""
+    ep, be, c = endpoint()
+    held = []
+    inner = be.generate
+
+    def generate(*a, **kw):
+        t = threading.Thread(target=lambda: held.append(not ep.ctx.engine_lock.acquire(blocking=False)))
+        t.start()
+        t.join()
+        return inner(*a, **kw)
+
+    be.generate = generate
+    assert c.post("/v1/completions", json={"prompt": "Q:"}).status_code == 200
+    assert held == [True]

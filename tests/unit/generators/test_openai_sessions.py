@@ -1,13 +1,10 @@
 """The OpenAI endpoint's session rules (generators/sessions.py) with a fake chat template: a call that
 extends the session's tokens adds only context; a template that rewrites an earlier turn is counted as
 drift and the sampled tokens stay the truth; groups complete at group_size rewards; idle sessions drop.
-And the Hermes tool-call parser (generators/openai_server.py)."""
-
-import json
+The tool-call parser's tests: test_tool_calls.py."""
 
 import pytest
 
-from generators.openai_server import parse_tool_calls, tool_call_text
 from generators.sessions import Session, SessionError, Sessions
 
 START, END, NL = 1000, 1001, 1002  # <|im_start|>, <|im_end|> (the model's EOS), "\n"
@@ -160,14 +157,3 @@ def test_one_call_at_a_time_per_session():
     with pytest.raises(SessionError) as e:
         ss.begin("a", "g")
     assert e.value.status == 409
-
-
-def test_hermes_tool_calls_are_parsed_from_the_sampled_text():
-    text = "Let me add.\n" + tool_call_text("add", {"a": 2, "b": 3}) + "\n<tool_call>not json</tool_call>"
-    content, calls = parse_tool_calls(text)
-    assert [c["function"]["name"] for c in calls] == ["add"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 2, "b": 3}
-    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
-    assert content == "Let me add.\n\n<tool_call>not json</tool_call>"  # what did not parse stays visible
-    assert parse_tool_calls("no tools here") == ("no tools here", [])
-    assert parse_tool_calls(tool_call_text("f", {}))[0] is None

@@ -1,4 +1,7 @@
-"""Tool calls in a model's turn: parsing them out of its text, and the tiny model's tool reply.
+"""Tool calls in a model's turn: parsing them out of its text, writing them, and the tiny model's tool
+reply. The one parser of ``<tool_call>`` blocks: the episodes' environments (generators/envs/) read a turn's
+calls with :func:`parse_tool_calls`; the OpenAI endpoint answers them as OpenAI ``tool_calls``
+(:func:`openai_tool_calls`) and writes a conversation's earlier calls back with :func:`tool_call_text`.
 
 Two forms, both between ``<tool_call>`` and ``</tool_call>`` (several per turn allowed):
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +42,7 @@ class ParsedCall:
     raw:       the text between the tags, as written.
     error:     "" when readable, else bad_json / bad_call / empty / unclosed.
     compact:   written in the compact form.
+    span:      where the call (tags included) stands in the text parsed.
     """
 
     name: str
@@ -45,6 +50,7 @@ class ParsedCall:
     raw: str = ""
     error: str = ""
     compact: bool = False
+    span: tuple[int, int] = (0, 0)
 
 
 def _parse_one(raw: str) -> ParsedCall:
@@ -72,10 +78,15 @@ def _parse_one(raw: str) -> ParsedCall:
 
 def parse_tool_calls(text: str) -> list[ParsedCall]:
     """Every tool call in ``text``, in order; [] when the turn has none (it is a final answer)."""
-    calls = [_parse_one(m.group(1)) for m in CALL.finditer(text)]
-    tail = text[text.rfind(CLOSE) + len(CLOSE) :] if CLOSE in text else text
-    if OPEN in tail:  # the turn ended inside a call
-        calls.append(ParsedCall("", raw=tail[tail.index(OPEN) + len(OPEN) :], error="unclosed"))
+    calls = []
+    for m in CALL.finditer(text):
+        call = _parse_one(m.group(1))
+        call.span = m.span()
+        calls.append(call)
+    start = text.rfind(CLOSE) + len(CLOSE) if CLOSE in text else 0
+    if OPEN in text[start:]:  # the turn ended inside a call
+        at = text.index(OPEN, start)
+        calls.append(ParsedCall("", raw=text[at + len(OPEN) :], error="unclosed", span=(at, len(text))))
     return calls
 
 
@@ -85,6 +96,35 @@ def strip_tool_calls(text: str) -> str:
     if OPEN in text:
         text = text[: text.index(OPEN)]
     return text.strip()
+
+
+def tool_call_text(name: str, arguments: Any) -> str:
+    """A tool call as the Hermes format writes it (what a model is asked to emit)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def openai_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of sampled text, as the OpenAI API answers them: each readable JSON call
+    becomes an OpenAI tool call (its arguments JSON-encoded); the text outside them is the content (None
+    when empty). A call that cannot be read, or the compact form (no tool is named), stays in the content,
+    so the harness sees what the model wrote."""
+    calls, spans = [], []
+    for c in parse_tool_calls(text):
+        if c.error or c.compact:
+            continue
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+        )
+        spans.append(c.span)
+    content = text
+    for a, b in reversed(spans):
+        content = content[:a] + content[b:]
+    content = content.strip()
+    return (content or None) if calls else text, calls
 
 
 def render_tool_response(text: str) -> str:
