@@ -87,21 +87,21 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
 def relay_args(s: dict, precision: str, backend: str) -> list[str]:
     sets = {
         "generator.prompts_per_batch": s["prompts_per_step"],
-        "learner.batch_groups": s["prompts_per_step"],
+        "learner.batch.groups": s["prompts_per_step"],
         "generator.sampling.n": s["completions_per_prompt"],
         "generator.sampling.max_tokens": s["max_tokens"],
         "generator.sampling.temperature": s["temperature"],
-        "learner.lr": s["lr"],
+        "learner.optim.lr": s["lr"],
         "learner.policy_loss": "ppo",
         "learner.clip_eps": s["clip_eps"],
-        "learner.kl_coef": s["kl"],
+        "learner.regularization.kl_coef": s["kl"],
         "learner.aggregation": "token-mean",
-        "learner.advantage": "grpo",
-        "learner.ppo_epochs": 1,
-        "learner.minibatches": 1,
-        "learner.weight_decay": 0.0,
+        "learner.advantages.estimator": "grpo",
+        "learner.optim.ppo_epochs": 1,
+        "learner.optim.minibatches": 1,
+        "learner.optim.weight_decay": 0.0,
         "learner.deepspeed.gradient_clipping": s["grad_clip"],
-        "learner.threads": s["relay_threads"]["learner"],
+        "learner.compute.threads": s["relay_threads"]["learner"],
         "learner.deepspeed.bf16": str(precision == "bf16").lower(),
     }
     if backend == "torch":
@@ -150,9 +150,9 @@ def run_relay(
         "--set",
         "broker.eval.final=false",
         "--set",
-        f"learner.keep_versions={steps + 2}",
+        f"learner.publish.keep_versions={steps + 2}",
         "--set",
-        "learner.checkpoint_every=0",
+        "learner.publish.checkpoint_every=0",
         *relay_args(s, precision, backend),
     ]
     t0 = time.time()

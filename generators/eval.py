@@ -73,7 +73,7 @@ class Evaluator:
         prompts = [p for _, p in claimed]
         # a multi-turn task: each held-out prompt is answered by episodes too, on this one version (no
         # update between turns), counted apart from the training episodes
-        runner = self.gen._episode_runner() if self.gen.cfg.env else None
+        runner = self.gen._episode_runner() if self.gen.cfg.episodes.env else None
         ids = [runner.prompt_ids(p) if runner else prompt_token_ids(p, backend.encode) for p in prompts]
         version = weights.version
         seed = zlib.crc32(f"eval:{self.gen.cfg.seed}:{self.gen.cfg.id}:{claimed[0][0]!r}".encode())

@@ -97,7 +97,7 @@ class GeneratorCollector(Collector):
             "held prompts another generator took over while this one was stopped or hung",
             value=g.leases.lost,
         )
-        if g.cfg.env:
+        if g.cfg.episodes.env:
             yield from episode_metrics(g.episode_stats.snapshot())
         if getattr(g, "openai", None) is not None:  # the OpenAI-compatible endpoint, when enabled
             yield from g.openai.collect()
@@ -159,7 +159,7 @@ def serve_metrics(gen: Generator) -> MetricsServer:
         return True, f"ok {gen.state}"
 
     server = MetricsServer(
-        cfg.metrics_host, cfg.metrics_port, labelled_registry("generator", cfg.id, GeneratorCollector(gen)), healthy
+        cfg.metrics.host, cfg.metrics.port, labelled_registry("generator", cfg.id, GeneratorCollector(gen)), healthy
     )
-    register_service(gen.r, gen.keys, "generator", cfg.id, advertised_host(cfg.metrics_host), server.port)
+    register_service(gen.r, gen.keys, "generator", cfg.id, advertised_host(cfg.metrics.host), server.port)
     return server

@@ -70,10 +70,10 @@ class Generator:
         self.episode_stats = EpisodeStats()
         self.env_factory = None
         self.runner: EpisodeRunner | None = None
-        if cfg.env:
+        if cfg.episodes.env:
             from generators.envs.registry import build_env
 
-            self.env_factory = build_env(cfg.env, cfg.env_options)
+            self.env_factory = build_env(cfg.episodes.env, cfg.episodes.env_options)
         self._batch = 0
         # weights.transport: how versions arrive beside the store (generators/transports.py)
         receiving = build_receiving(ReceiverContext(cfg, self.r, self.keys, self.backend, key, wkey))
@@ -114,7 +114,7 @@ class Generator:
             self.openai = start_openai(self)
         # the run's advertisement: the first generator's reward URL and sampling are the run's
         run = advertise_run(
-            self.r, self.keys, first_writer_wins=True, reward_url=cfg.reward_url, sampling=cfg.sampling.model_dump()
+            self.r, self.keys, first_writer_wins=True, reward_url=cfg.reward.url, sampling=cfg.sampling.model_dump()
         )
         if "sampling" in run:
             log.error(
@@ -183,7 +183,7 @@ class Generator:
                 last_update_latency_s=w.last_update_latency_s,
                 # the episodes' counters (turns, tool calls and failures by tool, env latency, template drift),
                 # where the heartbeat's schema has the field
-                **({"episodes": self.episode_stats.snapshot()} if self.cfg.env else {}),
+                **({"episodes": self.episode_stats.snapshot()} if self.cfg.episodes.env else {}),
             ),
         )
 
@@ -237,12 +237,12 @@ class Generator:
                 self.backend,
                 self.env_factory,
                 c.sampling,
-                EpisodeLimits(c.max_turns, c.max_episode_tokens, c.episode_timeout_s),
+                EpisodeLimits(c.episodes.max_turns, c.episodes.max_tokens, c.episodes.timeout_s),
                 self._between_turns,
                 renderer,
-                threads=c.env_threads,
+                threads=c.episodes.env_threads,
                 stats=self.episode_stats,
-                env_name=c.env,
+                env_name=c.episodes.env,
             )
         return self.runner
 
@@ -261,7 +261,7 @@ class Generator:
         self._batch += 1
         seed = zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode())
         on_step = self._on_step if self.cfg.in_flight == "continue" else None
-        if self.cfg.env:  # multi-turn episodes, one per sample
+        if self.cfg.episodes.env:  # multi-turn episodes, one per sample
             runner = self._episode_runner()
             ids = [runner.prompt_ids(p) for p in prompts]
             groups = runner.run(prompts, ids, seed, on_step=on_step)

@@ -63,9 +63,9 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
                 total,
                 100 * trainable / total,
             )
-        if cfg.kl_coef > 0:
+        if cfg.regularization.kl_coef > 0:
             reference = AdapterDisabled(model)  # the base: the same weights, adapters off (no copy)
-    elif cfg.kl_coef > 0:
+    elif cfg.regularization.kl_coef > 0:
         import copy
 
         reference = copy.deepcopy(model).eval().requires_grad_(False)

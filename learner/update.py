@@ -82,14 +82,20 @@ class PolicyUpdate:
 
     def _logprobs(self, model, mb: Batch, transform, entropy: bool = False) -> TokenLogprobs:
         return token_logprobs(
-            model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, self.cfg.logprob_chunk_tokens, entropy
+            model,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.loss_mask,
+            transform,
+            self.cfg.compute.logprob_chunk_tokens,
+            entropy,
         )
 
     def _old_logprobs(self, b: Batch, rows: torch.Tensor, transform) -> tuple[torch.Tensor, torch.Tensor]:
         """π_old of ``rows`` (this rank's) and where its token is outside the kept set, before any update."""
         logp, outside = torch.zeros_like(b.behaviour_logp), torch.zeros_like(b.loss_mask, dtype=torch.bool)
         with torch.no_grad():
-            for part in micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens):
+            for part in micro_batches(b.lengths, rows, self.cfg.compute.micro_batch_tokens):
                 mb = b.select(part)
                 lp = self._logprobs(self.engine, mb.to(self.device), transform)
                 width = mb.loss_mask.shape[1]
@@ -175,7 +181,7 @@ class PolicyUpdate:
             torch.ones_like(ids),
             torch.ones((1, 1), device=self.device),
             transform,
-            self.cfg.logprob_chunk_tokens,
+            self.cfg.compute.logprob_chunk_tokens,
         )
         self.engine.backward(lp.logp.sum() * 0.0)
         if self.critic is not None:
@@ -203,7 +209,9 @@ class PolicyUpdate:
         cfg = self.cfg
         owner = b.groups[rows] % self.world
         plans = [
-            micro_batches(b.lengths, rows[owner == r], cfg.micro_batch_tokens) if bool((owner == r).any()) else []
+            micro_batches(b.lengths, rows[owner == r], cfg.compute.micro_batch_tokens)
+            if bool((owner == r).any())
+            else []
             for r in range(self.world)
         ]
         norm = Normalisers(
@@ -232,19 +240,23 @@ class PolicyUpdate:
                 lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid, fresh
             )
             ent = aggregate(lp.entropy, mask, cfg.aggregation, every)
-            if cfg.entropy_coef:
-                loss = loss - cfg.entropy_coef * ent
-            if self.reference is not None and not cfg.kl_in_reward:
+            if cfg.regularization.entropy_coef:
+                loss = loss - cfg.regularization.entropy_coef * ent
+            if self.reference is not None and not cfg.regularization.kl_in_reward:
                 with torch.no_grad():
                     ref = self._logprobs(self.reference, mb, transform)
                 both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
                 kl = aggregate(
-                    kl_estimate(torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0), cfg.kl_estimator),
+                    kl_estimate(
+                        torch.where(both, lp.logp, 0.0),
+                        torch.where(both, ref.logp, 0.0),
+                        cfg.regularization.kl_estimator,
+                    ),
                     both.float(),
                     cfg.aggregation,
                     every,
                 )
-                loss = loss + cfg.kl_coef * kl
+                loss = loss + cfg.regularization.kl_coef * kl
                 totals["kl_ref"] += float(kl.detach()) / self.world
             loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
             self.engine.backward(loss)
@@ -310,7 +322,7 @@ class PolicyUpdate:
             padded_tokens=totals["padded_tokens"],
             forward_tokens=totals["forward_tokens"],
         )
-        if self.reference is not None and not cfg.kl_in_reward:
+        if self.reference is not None and not cfg.regularization.kl_in_reward:
             diag["kl_ref"] = totals["kl_ref"]
         if self.critic is not None:  # verl's critic/vf_loss and critic/vf_clipfrac
             diag.update(
@@ -326,19 +338,19 @@ class PolicyUpdate:
         """Per group, the reward and the completion tokens of each sample trained on."""
         rewards, tokens = [], []
         for g in groups:
-            trained = trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)
+            trained = trained_rewards(g, self.cfg.batch.failed_reward, self.cfg.batch.fallback_score)
             kept = [(r, len(s.completion_ids)) for s, r in zip(g.samples, trained) if r is not None]
             rewards.append(torch.tensor([r for r, _ in kept], dtype=torch.float32))
             tokens.append(torch.tensor([n for _, n in kept]))
         return rewards, tokens
 
     def advantages(self, groups) -> list[torch.Tensor]:
-        """Per group, the advantage of each sample trained on (``learner.advantage`` over the batch), the
+        """Per group, the advantage of each sample trained on (``learner.advantages.estimator`` over the batch), the
         reward without a KL term."""
-        return batch_advantages(self.cfg.advantage, *self._rewards(groups))
+        return batch_advantages(self.cfg.advantages.estimator, *self._rewards(groups))
 
     def _kl_in_reward(self) -> bool:
-        return self.cfg.kl_in_reward and self.reference is not None
+        return self.cfg.regularization.kl_in_reward and self.reference is not None
 
     def _sequence_kl(self, b: Batch, old, transform) -> tuple[torch.Tensor, float]:
         """Per sample [B] (every rank's), Σ_t of the KL estimate between π_old and π_ref over the tokens
@@ -347,12 +359,12 @@ class PolicyUpdate:
         kl, tokens = torch.zeros(len(b.lengths), dtype=torch.float64), 0.0
         mine = torch.arange(len(b.lengths))[b.groups % self.world == self.rank]
         with torch.no_grad():
-            for part in micro_batches(b.lengths, mine, self.cfg.micro_batch_tokens):
+            for part in micro_batches(b.lengths, mine, self.cfg.compute.micro_batch_tokens):
                 mb = b.select(part)
                 width = mb.loss_mask.shape[1]
                 ref = self._logprobs(self.reference, mb.to(self.device), transform)
                 both = mb.loss_mask.bool() & ~old[1][part, :width] & ~ref.outside.cpu()
-                est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.kl_estimator)
+                est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.regularization.kl_estimator)
                 kl[part] = torch.where(both, est, 0.0).sum(-1).double()
                 tokens += float(both.sum())
         if self.world > 1:
@@ -365,7 +377,7 @@ class PolicyUpdate:
         """The critic's values [B, L-1] of ``rows`` before the update (0 elsewhere and off the loss tokens)."""
         values = torch.zeros_like(b.behaviour_logp)
         with torch.no_grad():
-            for part in micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens):
+            for part in micro_batches(b.lengths, rows, self.cfg.compute.micro_batch_tokens):
                 mb = b.select(part)
                 v = self.critic(mb.input_ids.to(self.device), mb.attention_mask.to(self.device)).cpu()
                 values[part, : mb.loss_mask.shape[1]] = v * mb.loss_mask
@@ -388,13 +400,19 @@ class PolicyUpdate:
         # completion token, or for a multi-turn sample ending in context, its last model token
         last = (mask * torch.arange(1, mask.shape[1] + 1, dtype=mask.dtype)).argmax(-1)
         token_rewards[has, last[has]] = rewards[has].to(values.dtype)
-        if cfg.advantage == "vtrace":
+        if cfg.advantages.estimator == "vtrace":
             valid = mask * ~old[1]
             returns, adv = vtrace(
-                token_rewards, values, (old[0] - b.behaviour_logp) * valid, mask, cfg.gamma, cfg.rho_bar, cfg.c_bar
+                token_rewards,
+                values,
+                (old[0] - b.behaviour_logp) * valid,
+                mask,
+                cfg.advantages.gamma,
+                cfg.advantages.rho_bar,
+                cfg.advantages.c_bar,
             )
         else:
-            gamma, lam = (cfg.gamma, cfg.lam) if cfg.advantage == "gae" else (1.0, 1.0)
+            gamma, lam = (cfg.advantages.gamma, cfg.advantages.lam) if cfg.advantages.estimator == "gae" else (1.0, 1.0)
             adv, returns = gae(token_rewards, values, mask, gamma, lam)
         own = mine[:, None].to(values.dtype)
         values, adv, returns = values * own, adv * own * mask, returns * own * mask
@@ -403,7 +421,7 @@ class PolicyUpdate:
             dist.all_reduce(t)  # each sample on the one rank that trains it
             values, adv, returns = t.cpu().unbind(0)
         b.values, b.returns = values, returns
-        if cfg.advantage in NEEDS_CRITIC:
+        if cfg.advantages.estimator in NEEDS_CRITIC:
             b.advantages = (
                 (masked_whiten(adv, mask) * mask).to(b.behaviour_logp.dtype) if mask.any() else torch.zeros_like(mask)
             )
@@ -418,33 +436,39 @@ class PolicyUpdate:
             [torch.zeros(len(r)) for r in rewards],
             version,
             self.pad_id,
-            self.cfg.failed_reward,
-            self.cfg.fallback_score,
+            self.cfg.batch.failed_reward,
+            self.cfg.batch.fallback_score,
         )  # its advantages are set below, once π_old is known
         transform = sampling_transform(sampling)
         t0 = time.perf_counter()
         self.engine.train()
         n = len(b.lengths)
-        multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
+        multi = self.cfg.optim.ppo_epochs * self.cfg.optim.minibatches > 1
         old = (
             self._old_logprobs(b, torch.arange(n)[b.groups % self.world == self.rank], transform)
-            if multi or self._counts_rejected_sequences() or self._kl_in_reward() or self.cfg.advantage == "vtrace"
+            if multi
+            or self._counts_rejected_sequences()
+            or self._kl_in_reward()
+            or self.cfg.advantages.estimator == "vtrace"
             else None
         )
         kl_ref = None
         if self._kl_in_reward():  # verl's use_kl_in_reward: r − β Σ_t kl(π_old, π_ref), then the estimator
             kl, kl_tokens = self._sequence_kl(b, old, transform)
             kl_ref = float(kl.sum()) / max(kl_tokens, 1.0)
-            rewards = [r - self.cfg.kl_coef * k.float() for r, k in zip(rewards, kl.split([len(r) for r in rewards]))]
+            rewards = [
+                r - self.cfg.regularization.kl_coef * k.float()
+                for r, k in zip(rewards, kl.split([len(r) for r in rewards]))
+            ]
         if self.critic is not None:
             self._critic_targets(b, torch.cat(rewards), old)
-        if self.cfg.advantage not in NEEDS_CRITIC:
-            adv = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))
+        if self.cfg.advantages.estimator not in NEEDS_CRITIC:
+            adv = torch.cat(batch_advantages(self.cfg.advantages.estimator, rewards, tokens))
             b.advantages = adv[:, None].to(b.advantages.dtype)
         steps = []
-        for _ in range(self.cfg.ppo_epochs):
+        for _ in range(self.cfg.optim.ppo_epochs):
             split = (
-                torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches)
+                torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.optim.minibatches)
                 if multi
                 else [torch.arange(n)]
             )

@@ -151,7 +151,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     from deploy.launcher.plan import hold_ports
     from pydantic import ValidationError
 
-    from broker.runtime.config import deep_merge, format_validation_error
+    from broker.runtime.config import deep_merge, format_validation_error, migrate
     from learner.config import LearnerConfig
 
     run_dir = _resumable(args, environ, usage_error)
@@ -160,6 +160,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     cfg_dir = run_dir / "config"
     cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
     cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
+    cfgs = {name: migrate(environment.config_models()[name], c) for name, c in cfgs.items()}  # an older run's keys
     try:
         learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
     except ValidationError as e:
@@ -168,8 +169,10 @@ def plan_resume(args, environ, usage_error) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     if summary.get("status") == "completed":
         raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
-    if learner.checkpoint_every == 0:
-        raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
+    if learner.publish.checkpoint_every == 0:
+        raise usage_error(
+            f"run {run_dir.name} has learner.publish.checkpoint_every = 0: no checkpoint to continue from"
+        )
     redis_port, users, launcher_url = _resumed_redis(run_dir, cfgs, launch, environ, usage_error)
     keyed = run_key_fields(run_dir)  # a run from before announcements were signed gets the keys now
     for name in ("broker", "learner", "generator"):

@@ -62,7 +62,7 @@ def add_up_arguments(p) -> None:
         action="append",
         default=[],
         metavar="SERVICE.FIELD=VALUE",
-        help="override a field, e.g. --set learner.lr=0.001 --set generator.sampling.n=4 (docs/config.md)",
+        help="override a field, e.g. --set learner.optim.lr=0.001 --set generator.sampling.n=4 (docs/config.md)",
     )
     p.add_argument("--run-id", default=None, help="run id (default: $RELAY_RUN_ID, else a timestamp)")
     p.add_argument("--runs-dir", default="runs", help="folder that holds the run folders (default: runs)")

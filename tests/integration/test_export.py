@@ -39,9 +39,9 @@ def run(tmp_path_factory):
         "0",
         "--no-progress",
         "--set",
-        "learner.batch_groups=8",
+        "learner.batch.groups=8",
         "--set",
-        "learner.keep_versions=10",
+        "learner.publish.keep_versions=10",
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
