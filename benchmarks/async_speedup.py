@@ -11,7 +11,7 @@ needs). The latency is chosen so that generating a learner batch takes about as 
 it here, the case where asynchrony can at best halve the time.
 
 A run ends at the first step where the mean reward of its last ``WINDOW`` trained groups reaches the
-target (``learner.target_reward``); the time counted runs from the end of the learner's first step to
+target (``learner.target.reward``); the time counted runs from the end of the learner's first step to
 the end of that step, so the start-up (DeepSpeed, the services, the generators' first batch), the
 same in every mode, is left out. The row's value is the median over
 seeds of the asynchronous times, its baseline the synchronous median; the ratio is their quotient (at
@@ -44,7 +44,7 @@ WINDOW = 128  # groups in the moving mean (4 steps of 32)
 # 1.64x and then 0.68x synchronous (docs/benchmarks.md; docs/off-policy.md's staleness experiment found
 # the same).
 STEP_LATENCY_S = 0.022
-SETTINGS = {"generator.prompts_per_batch": 16, "learner.ppo_epochs": 2, "learner.lr": 5e-4}
+SETTINGS = {"generator.prompts_per_batch": 16, "learner.optim.ppo_epochs": 2, "learner.optim.lr": 5e-4}
 
 
 def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int) -> dict:
@@ -71,11 +71,11 @@ def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int) -> d
         f"generator.backend.step_latency_s={STEP_LATENCY_S}",
         *[a for k, v in SETTINGS.items() for a in ("--set", f"{k}={v}")],
         "--set",
-        f"learner.admission_eta={eta}",
+        f"learner.batch.admission_eta={eta}",
         "--set",
-        f"learner.target_reward={target}",
+        f"learner.target.reward={target}",
         "--set",
-        f"learner.target_window={WINDOW}",
+        f"learner.target.window={WINDOW}",
         # no evaluation rounds: not what this measures, and relay up would wait for the last one
         "--set",
         "broker.eval.every_versions=0",
@@ -109,7 +109,7 @@ def one_run(runs: Path, eta: int, seed: int, target: float, max_steps: int) -> d
         "compute_s_mean": statistics.fmean(m["compute_s"] for m in metrics),
         "final_window_reward": statistics.fmean(rewards[-WINDOW:]) if rewards else None,
         "correction": config.correction.model_dump(),
-        "ppo_epochs": config.ppo_epochs,
+        "ppo_epochs": config.optim.ppo_epochs,
         "staleness": staleness_histogram(metrics),
     }
 

@@ -197,7 +197,7 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
     update = PolicyUpdate(engine, cfg, tok.pad_token_id or 0)
     meter = Meter(device)
 
-    opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optim.lr)
     advs = update.advantages(groups)
     transform = sampling_transform(groups[0].sampling)
     if size["gradient_checkpointing"]:
@@ -207,7 +207,9 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
     b = collate(groups, advs, 0, update.pad_id)
 
     def plain_loop_step() -> None:
-        plain_step(plain, opt, b, cfg.micro_batch_tokens, transform, cfg.deepspeed.gradient_clipping, device, True)
+        plain_step(
+            plain, opt, b, cfg.compute.micro_batch_tokens, transform, cfg.deepspeed.gradient_clipping, device, True
+        )
 
     def learner_step() -> dict:
         return update.train_step(groups, groups[0].sampling, 0)
@@ -218,8 +220,8 @@ def main(device: str, size_name: str, steps: int, peak_tflops: float, out: Path 
         "size": size_name,
         "params": params,
         "tokens_per_step": trained,
-        "micro_batch_tokens": cfg.micro_batch_tokens,
-        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "micro_batch_tokens": cfg.compute.micro_batch_tokens,
+        "gradient_checkpointing": cfg.compute.gradient_checkpointing,
         "engine": "DeepSpeed ZeRO-2, bf16 (fp32 master weights), torch AdamW",
         "plain": "bf16 autocast, fp32 weights, torch AdamW",
         **gen,

@@ -112,7 +112,7 @@ def run(quick: bool) -> list[dict]:
 
         # the plain loop: the same initial weights, optimizer, clipping; a token-mean policy-gradient loss
         model = copy.deepcopy(learner.engine.module).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         advs = learner.update.advantages(groups)
         b = collate(groups, advs, 0, learner.update.pad_id)
 
@@ -157,7 +157,7 @@ def run(quick: bool) -> list[dict]:
                 "engine": f"DeepSpeed ZeRO {cfg.deepspeed.zero_stage}, fp32, torch AdamW, clip {cfg.deepspeed.gradient_clipping}",
                 "correction": cfg.correction.mode,
                 "policy_loss": cfg.policy_loss,
-                "threads": cfg.threads,
+                "threads": cfg.compute.threads,
             },
         )
     ]

@@ -93,7 +93,7 @@ def child(
     import copy
 
     plain_net = copy.deepcopy(engine.module).train()  # made after the peak was read: not in it
-    opt = torch.optim.AdamW(plain_net.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(plain_net.parameters(), lr=cfg.optim.lr)
     advs = update.advantages(groups)
     transform = sampling_transform(groups[0].sampling)
     b = collate(groups, advs, 0, update.pad_id)

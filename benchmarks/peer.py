@@ -87,19 +87,19 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
 def relay_args(s: dict, precision: str, backend: str) -> list[str]:
     sets = {
         "generator.prompts_per_batch": s["prompts_per_step"],
-        "learner.batch_groups": s["prompts_per_step"],
+        "learner.batch.groups": s["prompts_per_step"],
         "generator.sampling.n": s["completions_per_prompt"],
         "generator.sampling.max_tokens": s["max_tokens"],
         "generator.sampling.temperature": s["temperature"],
-        "learner.lr": s["lr"],
+        "learner.optim.lr": s["lr"],
         "learner.policy_loss": "ppo",
         "learner.clip_eps": s["clip_eps"],
-        "learner.kl_coef": s["kl"],
+        "learner.regularization.kl_coef": s["kl"],
         "learner.aggregation": "token-mean",
-        "learner.advantage": "grpo",
-        "learner.ppo_epochs": 1,
-        "learner.minibatches": 1,
-        "learner.weight_decay": 0.0,
+        "learner.advantages.estimator": "grpo",
+        "learner.optim.ppo_epochs": 1,
+        "learner.optim.minibatches": 1,
+        "learner.optim.weight_decay": 0.0,
         "learner.deepspeed.gradient_clipping": s["grad_clip"],
         "learner.deepspeed.bf16": str(precision == "bf16").lower(),
         "generator.backend.dtype": "bfloat16" if precision == "bf16" else "float32",
@@ -118,7 +118,10 @@ def relay_threads() -> dict:
     import tomllib
 
     cfg = tomllib.loads(EXAMPLE.read_text())
-    return {"learner": cfg["learner"].get("threads"), "generator": cfg["generator"]["backend"].get("threads")}
+    return {
+        "learner": cfg["learner"]["compute"].get("threads"),
+        "generator": cfg["generator"]["backend"].get("threads"),
+    }
 
 
 def run_relay(
@@ -156,9 +159,9 @@ def run_relay(
         "--set",
         "broker.eval.final=false",
         "--set",
-        f"learner.keep_versions={steps + 2}",
+        f"learner.publish.keep_versions={steps + 2}",
         "--set",
-        "learner.checkpoint_every=0",
+        "learner.publish.checkpoint_every=0",
         *relay_args(s, precision, backend),
     ]
     t0 = time.time()
@@ -496,6 +499,26 @@ def compare_all(
             shutil.rmtree(work, ignore_errors=True)
 
 
+def rows_from(runs: list[dict], png: Path | None = None) -> dict:
+    """The rows (and the figure) of finished runs, as :func:`compare_all` reports them: the steps are those of
+    the runs, which must agree."""
+    steps = {len(r["steps"]) for r in runs}
+    if len(steps) != 1:
+        raise ValueError(f"the runs have different step counts: {sorted(steps)}")
+    n = steps.pop()
+    systems = sorted({r["system"] for r in runs} - {"trl"})
+    precisions = sorted({r["precision"] for r in runs})
+    rows = [x for system in systems for prec in precisions for x in compare(runs, system, prec, n)]
+    fig = figure(runs, png) if png else None
+    return {
+        "steps": n,
+        "seeds": sorted({r["seed"] for r in runs}),
+        "runs": runs,
+        "rows": rows,
+        "figure": str(fig) if fig else None,
+    }
+
+
 def run(quick: bool) -> list[dict]:
     """``relay bench peer``: the full comparison (it is not part of ``--quick``, nor of a plain ``relay bench``:
     run it by name). The curves go into the first row's details and runs/bench-peer/ (JSON and PNG)."""
@@ -539,13 +562,24 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="an extra `relay up --set` for Relay's runs (experiments; recorded in the JSON's settings)",
     )
+    ap.add_argument(
+        "--rows-from",
+        type=Path,
+        nargs="+",
+        metavar="RUNS_JSON",
+        help="run nothing: the rows and the figure of finished runs (each work folder's runs-so-far.json), "
+        "e.g. of a comparison run in parts",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     a = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = {**(QUICK if a.quick else {}), **({"relay_set": a.relay_set} if a.relay_set else {})}
-    res = compare_all(a.steps, a.seeds, a.systems, a.precisions, a.eval_every, settings, a.work, a.png, a.held_out)
+    if a.rows_from:
+        res = rows_from([r for f in a.rows_from for r in json.loads(f.read_text())], a.png)
+    else:
+        res = compare_all(a.steps, a.seeds, a.systems, a.precisions, a.eval_every, settings, a.work, a.png, a.held_out)
     text = json.dumps(res, indent=1, default=str)
     if a.json:
         a.json.write_text(text)

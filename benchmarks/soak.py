@@ -109,7 +109,7 @@ def main() -> None:
         "--record-window",
         type=int,
         default=None,
-        help="broker.record_window and learner.record_window (default: theirs, 262,144 group ids)",
+        help="broker.record_window and learner.batch.record_window (default: theirs, 262,144 group ids)",
     )
     p.add_argument("--out", default="runs/soak")
     a = p.parse_args()
@@ -129,30 +129,35 @@ def main() -> None:
         "0",
         "--no-progress",
         "--set",
-        "learner.admission_eta=null",
+        "learner.batch.admission_eta=null",
         "--set",
-        "learner.minibatches=32",
+        "learner.optim.minibatches=32",
         "--set",
-        "learner.ppo_epochs=8",
+        "learner.optim.ppo_epochs=8",
         "--set",
-        "learner.max_staleness=60",
+        "learner.batch.max_staleness=60",
         "--set",
         "broker.max_queue_groups=256",
         # commits every 10 steps (30 s here): the replay stream's read-but-uncommitted part saws with the
         # checkpoint interval (50 steps: between 0.4 and 1.8 thousand groups), which would hide the rest
         "--set",
-        "learner.checkpoint_every=10",
+        "learner.publish.checkpoint_every=10",
         # every record capped by count, with caps the run reaches within its first 5 minutes, so that
         # what is measured after them is growth with the run's length (defaults: docs/config.md)
         "--set",
-        "learner.metrics_history=100",
+        "learner.metrics.history=100",
         "--set",
-        "learner.versions_kept=64",
+        "learner.publish.keep_announcements=64",
         "--set",
         "broker.events_kept=200",
     ]
     if a.record_window is not None:
-        cmd += ["--set", f"broker.record_window={a.record_window}", "--set", f"learner.record_window={a.record_window}"]
+        cmd += [
+            "--set",
+            f"broker.record_window={a.record_window}",
+            "--set",
+            f"learner.batch.record_window={a.record_window}",
+        ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     run = out / "soak"
     while not (run / "pids.json").is_file():

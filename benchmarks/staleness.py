@@ -26,7 +26,7 @@ MODES = {
     # log-probs, no correction on top; GAE with the same TIS as the `tis` row
     "vtrace": [
         "--set",
-        "learner.advantage=vtrace",
+        "learner.advantages.estimator=vtrace",
         "--set",
         "learner.critic.enabled=true",
         "--set",
@@ -34,7 +34,7 @@ MODES = {
     ],
     "gae+tis": [
         "--set",
-        "learner.advantage=gae",
+        "learner.advantages.estimator=gae",
         "--set",
         "learner.critic.enabled=true",
         "--set",
@@ -69,15 +69,15 @@ def one_run(mode: str, seed: int, steps: int, out: Path, eta: int, lr: float) ->
             "0",
             "--no-progress",
             "--set",
-            f"learner.admission_eta={eta}",
+            f"learner.batch.admission_eta={eta}",
             "--set",
-            "learner.max_staleness=8",
+            "learner.batch.max_staleness=8",
             "--set",
-            "learner.minibatches=2",
+            "learner.optim.minibatches=2",
             "--set",
             "broker.eval.every_versions=0",
             "--set",
-            f"learner.lr={lr}",
+            f"learner.optim.lr={lr}",
             *MODES[mode],
         ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -222,7 +222,7 @@ class Ingest:
                 raise ProtocolError(
                     "weight_hash",
                     f"weight_version {v} was never announced (signed), or is older "
-                    "than the announcements kept (learner.versions_kept)",
+                    "than the announcements kept (learner.publish.keep_announcements)",
                 )
             self._hashes[v] = announced
             if announced != g.weight_hash:

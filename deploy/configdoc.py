@@ -175,11 +175,41 @@ def plugin_sections() -> list[str]:
     return lines
 
 
+def _renamed(path: str, model: type[BaseModel]) -> list[tuple[str, str]]:
+    """(old path, new path) of every key that moved, in ``model`` (its ``__renamed__``) and its sections."""
+    out = [(f"{path}.{old}", f"{path}.{new}") for old, new in getattr(model, "__renamed__", {}).items()]
+    for name, f in model.model_fields.items():
+        for m in dict.fromkeys(_models_in(f.annotation)):
+            out += _renamed(f"{path}.{name}", m)
+    return list(dict.fromkeys(out))
+
+
+def renamed_sections() -> list[str]:
+    """The "Renamed keys" table: what an older config says, and what to write now."""
+    lines = [
+        "## Renamed keys",
+        "",
+        "Keys that moved into sections (issue 41: no config class holds more than 20 fields). The old spelling "
+        "still works, in a config file, a `RELAY_*` variable (`RELAY_BATCH_GROUPS`) and `--set` (`relay up --set "
+        "learner.lr=1e-3`): it is moved to the new place, with one warning naming the new spelling. Giving both "
+        "spellings of one key in the same place (one file, or the `--set`s) is an error; a later layer's old "
+        "spelling overrides an earlier layer's new one (a `--set learner.lr` over a file's `[learner.optim] lr`). "
+        "A recorded run (`relay up --resume`) is read the same way.",
+        "",
+        "| old key | new key |",
+        "|---|---|",
+    ]
+    for name, model in services():
+        lines += [f"| `{old}` | `{new}` |" for old, new in _renamed(name, model)]
+    return lines + [""]
+
+
 def render() -> str:
     lines = [HEADER]
     for name, model in services():
         lines += [f"## {name}", ""]
         lines += model_sections(name, model)
+    lines += renamed_sections()
     lines += plugin_sections()
     return "\n".join(lines).rstrip() + "\n"
 

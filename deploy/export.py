@@ -119,7 +119,7 @@ def export(
     if version not in versions:
         raise ExportError(
             f"version {version} is not in {store} (kept: {', '.join(map(str, versions))}; older "
-            "versions are pruned, see learner.keep_versions)"
+            "versions are pruned, see learner.publish.keep_versions)"
         )
     src = weightstore.version_dir(store, version)
     manifest = _verified(store, version)

@@ -18,7 +18,7 @@ manifests). The folder (mode 0700) gets:
                                the ids ``gen-*`` (the generators' default ids) in ingest/clients.json
     redis/users.acl            the Redis server's ACL file (one user per service, run's keys only)
     redis/<user>.password      each user's password (launcher: the read-only user of health checks)
-    broker.env, learner.env, generator.env   RELAY_REDIS_URL with that service's user and password
+    broker.env, learner.env, generator.episodes.env   RELAY_REDIS_URL with that service's user and password
     relay.env                  the reward service's bearer token (RELAY_AUTH_TOKEN, RELAY_REWARD_TOKEN)
 
 Existing files are kept, so running it again changes nothing (``--force`` makes new ones), but for the

@@ -151,12 +151,12 @@ def make_renderer(backend) -> PlainRenderer | ChatRenderer:
 
 def check_tool_vocabulary(renderer, backend) -> None:
     """A plain (template-less) tokenizer must know the tool markers, or every reply would become
-    unknown tokens: refuse to start instead (the tiny model needs learner.tiny_tools)."""
+    unknown tokens: refuse to start instead (the tiny model needs learner.tiny.tools)."""
     if not isinstance(renderer, PlainRenderer):
         return
     ids = renderer.encode_plain("<tool_response></tool_response>")
     if len(ids) != 2 or backend.decode(ids) != "<tool_response></tool_response>":
         raise ValueError(
             "the model's tokenizer has no <tool_response> / </tool_response> tokens: with the built-in "
-            "tiny model, set learner.tiny_tools = true (relay up --task calc does)"
+            "tiny model, set learner.tiny.tools = true (relay up --task calc does)"
         )

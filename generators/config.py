@@ -236,8 +236,102 @@ class OpenAIConfig(StrictModel):
         return self
 
 
+# the generator's keys that moved into sections (issue 41): old -> new; the old ones keep working, with a warning
+# (broker/runtime/config.py move_renamed; docs/config.md, "Renamed keys")
+RENAMED = {
+    "reward_url": "reward.url",
+    "reward_timeout_s": "reward.timeout_s",
+    "reward_retries": "reward.retries",
+    "reward_down_s": "reward.down_s",
+    "reward_outage_hold_s": "reward.outage_hold_s",
+    "metrics_host": "metrics.host",
+    "metrics_port": "metrics.port",
+    "env": "episodes.env",
+    "env_options": "episodes.env_options",
+    "max_turns": "episodes.max_turns",
+    "max_episode_tokens": "episodes.max_tokens",
+    "episode_timeout_s": "episodes.timeout_s",
+    "env_threads": "episodes.env_threads",
+}
+
+
+class RewardCallsConfig(StrictModel):
+    """``generator.reward``: how the generator calls the reward service, and rides out its outages."""
+
+    url: str = Field("http://127.0.0.1:8090", description="reward service base URL")
+    timeout_s: float = Field(30.0, gt=0, description="timeout of one reward-service call")
+    retries: int = Field(5, ge=0, description="retries of a failed reward call before marking items failed")
+    down_s: float = Field(
+        60.0,
+        ge=0,
+        description="while the reward service refuses connections (down, or "
+        "being restarted), keep retrying this long before the failures count against "
+        "retries; 0 = count them at once",
+    )
+    outage_hold_s: float = Field(
+        1800.0,
+        ge=0,
+        description="while every item of a batch fails for an outage (the reward service unreachable, "
+        "a remote plugin timing out, unreachable, answering 5xx/429 or its circuit open), hold the batch and score it "
+        "again with back-off (state paused_reward: no new prompts claimed, none burnt) for up to this long, then send "
+        "it failed; 0 = send it failed at once",
+    )
+
+
+class GeneratorMetricsConfig(StrictModel):
+    """``generator.metrics``: the generator's /metrics and /healthz server."""
+
+    host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="port of the /metrics and /healthz server; 0 picks a "
+        "free one (reported as metrics_port in the heartbeat)",
+    )
+
+
+class EpisodesConfig(StrictModel):
+    """``generator.episodes``: multi-turn episodes (generators/episodes.py, docs/agents.md): with an env, each
+    sample is an episode."""
+
+    env: str = Field(
+        "",
+        description="the environment that runs each sample as a multi-turn episode (a name in "
+        "generators.envs' registry, e.g. 'calc'); empty: single-turn completions",
+    )
+    env_options: dict = Field(
+        default_factory=dict,
+        description="the environment's options (validated by its Options model when the generator starts)",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="most model turns per episode (an episode that reaches it "
+        "without the environment ending it ends with finish_reason 'length')",
+    )
+    max_tokens: int = Field(
+        48,
+        ge=1,
+        description="most tokens per episode after the prompt, model and "
+        "context tokens together (sampling.max_tokens bounds each turn)",
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="an episode still running after this many seconds ends as failed (reason 'timeout')"
+    )
+    env_threads: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="worker threads running environment steps concurrently (a slow step blocks only its own episode)",
+    )
+
+
 class GeneratorConfig(VerifyingConnection):
     """One generator replica."""
+
+    __renamed__ = RENAMED
 
     id: str = Field(
         default_factory=lambda: f"gen-{socket.gethostname()}-{os.getpid()}",
@@ -266,7 +360,7 @@ class GeneratorConfig(VerifyingConnection):
         "key the broker's allow-list binds to this generator's id",
     )
     broker_public_key_file: str = Field("", description="the broker's CURVE public key (its .key file)")
-    reward_url: str = Field("http://127.0.0.1:8090", description="reward service base URL")
+    reward: RewardCallsConfig = Field(default_factory=RewardCallsConfig, description="calls to the reward service")
     backend: Annotated[Union[BACKEND_CONFIGS], Field(discriminator="type")] = Field(
         default_factory=TorchBackendConfig, description="inference backend, chosen by its type"
     )
@@ -284,73 +378,20 @@ class GeneratorConfig(VerifyingConnection):
         description="reclaim prompts another generator held this long "
         "without renewing them (a live one renews every claim_idle_s / 3)",
     )
-    reward_timeout_s: float = Field(30.0, gt=0, description="timeout of one reward-service call")
-    reward_retries: int = Field(5, ge=0, description="retries of a failed reward call before marking items failed")
-    reward_down_s: float = Field(
-        60.0,
-        ge=0,
-        description="while the reward service refuses connections (down, or "
-        "being restarted), keep retrying this long before the failures count against "
-        "reward_retries; 0 = count them at once",
-    )
-    reward_outage_hold_s: float = Field(
-        1800.0,
-        ge=0,
-        description="while every item of a batch fails for an outage (the reward service unreachable, "
-        "a remote plugin timing out, unreachable, answering 5xx/429 or its circuit open), hold the batch and score it "
-        "again with back-off (state paused_reward: no new prompts claimed, none burnt) for up to this long, then send "
-        "it failed; 0 = send it failed at once",
-    )
     reward_token: str = Field(
         "", description="bearer token for the reward service (its auth_token); prefer RELAY_REWARD_TOKEN to a file"
     )
     seed: int = Field(0, description="sampling seed (combined with the replica id)")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
-    metrics_host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
-    metrics_port: int = Field(
-        0,
-        ge=0,
-        le=65535,
-        description="port of the /metrics and /healthz server; 0 picks a "
-        "free one (reported as metrics_port in the heartbeat)",
+    metrics: GeneratorMetricsConfig = Field(
+        default_factory=GeneratorMetricsConfig, description="the /metrics and /healthz server"
     )
     exit_when_done: bool = Field(True, description="exit when the learner marks the run done")
     openai: OpenAIConfig = Field(
         default_factory=OpenAIConfig,
         description="the OpenAI-compatible endpoint for external agent harnesses (docs/openai-endpoint.md)",
     )
-    # multi-turn episodes (generators/episodes.py, docs/agents.md): with an env, each sample is an episode
-    env: str = Field(
-        "",
-        description="the environment that runs each sample as a multi-turn episode (a name in "
-        "generators.envs' registry, e.g. 'calc'); empty: single-turn completions",
-    )
-    env_options: dict = Field(
-        default_factory=dict,
-        description="the environment's options (validated by its Options model when the generator starts)",
-    )
-    max_turns: int = Field(
-        4,
-        ge=1,
-        le=256,
-        description="most model turns per episode (an episode that reaches it "
-        "without the environment ending it ends with finish_reason 'length')",
-    )
-    max_episode_tokens: int = Field(
-        48,
-        ge=1,
-        description="most tokens per episode after the prompt, model and "
-        "context tokens together (sampling.max_tokens bounds each turn)",
-    )
-    episode_timeout_s: float = Field(
-        60.0, gt=0, description="an episode still running after this many seconds ends as failed (reason 'timeout')"
-    )
-    env_threads: int = Field(
-        16,
-        ge=1,
-        le=1024,
-        description="worker threads running environment steps concurrently (a slow step blocks only its own episode)",
-    )
+    episodes: EpisodesConfig = Field(default_factory=EpisodesConfig, description="multi-turn episodes (docs/agents.md)")
 
     @model_validator(mode="after")
     def _in_flight_supported(self):

@@ -439,7 +439,7 @@ class EpisodeRunner:
 
 
 class Episodes:
-    """A generator's multi-turn episodes (``cfg.env``): the environment, built (its options checked) at start;
+    """A generator's multi-turn episodes (``cfg.episodes.env``): the environment, built (its options checked) at start;
     the runner, built on first use, once the model (and its tokenizer, which renders the environment's
     replies) is loaded; and the training episodes' counters."""
 
@@ -448,7 +448,7 @@ class Episodes:
 
         self.cfg, self.backend, self.between_turns, self.engine_lock = cfg, backend, between_turns, engine_lock
         self.stats = EpisodeStats()
-        self.env_factory = build_env(cfg.env, cfg.env_options)
+        self.env_factory = build_env(cfg.episodes.env, cfg.episodes.env_options)
         self._runner: EpisodeRunner | None = None
 
     def runner(self) -> EpisodeRunner:

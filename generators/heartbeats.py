@@ -4,10 +4,14 @@ counters, its engine, and its episodes' counters when it runs an environment."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker.protocol.messages import Heartbeat
+
+log = logging.getLogger("relay.generator")
 
 if TYPE_CHECKING:
     from generators.episodes import EpisodeStats
@@ -22,9 +26,33 @@ class Progress:
     state: str = "starting"
     tokens: int = 0
     tokens_per_s: float = 0.0  # of the last batch
+    batches: int = 0
+    last_end: float | None = None  # time.monotonic() at the end of the last batch
 
     def add_tokens(self, n: int) -> None:
         self.tokens += n
+
+    def batch_done(self, started: float, samples: int, tokens: int, versions: tuple[int | None, int | None]) -> None:
+        """Count a batch sampled from ``started`` (time.monotonic()) to now, and log where its time went: the
+        sampling, and the wait before it since the previous batch ended (admission closed, no prompts, the
+        sink full). Where a generator's time goes shows in its log, one line a batch."""
+        now = time.monotonic()
+        took = max(now - started, 1e-9)
+        waited = started - self.last_end if self.last_end is not None else None
+        self.batches, self.last_end, self.tokens_per_s = self.batches + 1, now, tokens / took
+        self.add_tokens(tokens)
+        v0, v1 = versions
+        log.info(
+            "batch %d: %d samples, %d tokens in %.1f s (%.1f tokens/s), version %s%s; waited %s before it",
+            self.batches,
+            samples,
+            tokens,
+            took,
+            tokens / took,
+            v0,
+            f" to {v1}" if v1 != v0 else "",
+            f"{waited:.1f} s" if waited is not None else "- (the first)",
+        )
 
 
 def heartbeat_message(

@@ -58,18 +58,18 @@ def refusal(status: int, url: str, has_token: bool, body: str) -> RewardRefused:
     said = f" ({' '.join(body.split())[:80]})" if body.strip() else ""
     return RewardRefused(
         f"no reward service at {url}: POST /score answered HTTP {status}{said}; set "
-        f"generator.reward_url to the reward service's base URL"
+        f"generator.reward.url to the reward service's base URL"
     )
 
 
 class RewardClient:
     def __init__(self, cfg: GeneratorConfig, stopped: Callable[[], bool] = lambda: False):
-        self.retries, self.down_s, self.stopped = cfg.reward_retries, cfg.reward_down_s, stopped
-        self.env = getattr(cfg, "env", "")  # the generator's environment (multi-turn episodes), named in results
-        self.url, self.has_token = redact_url(cfg.reward_url), bool(cfg.reward_token)
+        self.retries, self.down_s, self.stopped = cfg.reward.retries, cfg.reward.down_s, stopped
+        self.env = cfg.episodes.env  # the generator's environment (multi-turn episodes), named in results
+        self.url, self.has_token = redact_url(cfg.reward.url), bool(cfg.reward_token)
         self.http = httpx.Client(
-            base_url=cfg.reward_url,
-            timeout=cfg.reward_timeout_s,
+            base_url=cfg.reward.url,
+            timeout=cfg.reward.timeout_s,
             headers={"Authorization": f"Bearer {cfg.reward_token}"} if cfg.reward_token else None,
         )
 

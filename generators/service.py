@@ -50,7 +50,7 @@ log = logging.getLogger("relay.generator")
 def advertise(r: redis.Redis, keys: Keys, cfg: GeneratorConfig) -> None:
     """The run's advertisement: the first generator's reward URL and sampling are the run's; a generator that
     samples otherwise says so (the learner drops its groups)."""
-    run = advertise_run(r, keys, first_writer_wins=True, reward_url=cfg.reward_url, sampling=cfg.sampling.model_dump())
+    run = advertise_run(r, keys, first_writer_wins=True, reward_url=cfg.reward.url, sampling=cfg.sampling.model_dump())
     if "sampling" in run:
         log.error(
             "this generator samples with %s but the run advertises %s: the learner drops groups whose "
@@ -83,7 +83,7 @@ class Generator:
         self._last_hb = 0.0
         # multi-turn episodes: the environment is built (its options checked) now; the runner once the
         # model (and its tokenizer, which renders the environment's replies) is loaded
-        self.episodes = Episodes(cfg, self.backend, self._between_turns, self.engine_lock) if cfg.env else None
+        self.episodes = Episodes(cfg, self.backend, self._between_turns, self.engine_lock) if cfg.episodes.env else None
         self._batch = 0
         # weights.transport: how versions arrive beside the store (generators/transports.py)
         receiving = build_receiving(ReceiverContext(cfg, self.r, self.keys, self.backend, key, wkey))
@@ -118,7 +118,7 @@ class Generator:
         # /metrics and /healthz; its port goes into every heartbeat
         training_episodes = self.episodes.stats if self.episodes is not None else None
         sources = MetricSources(self.progress, self.weights, self.sink, self.leases, training_episodes)
-        self.metrics = serve_metrics(self.r, self.keys, cfg.metrics_host, cfg.metrics_port, cfg.id, sources)
+        self.metrics = serve_metrics(self.r, self.keys, cfg.metrics.host, cfg.metrics.port, cfg.id, sources)
         self.evaluator = Evaluator(self._eval_context())  # held-out rounds, between training batches (docs/eval.md)
         # -- issue 20 hook: the OpenAI-compatible endpoint for external agent harnesses (off by default)
         self.openai = self._start_openai(hash_for) if cfg.openai.enabled else None
@@ -241,7 +241,7 @@ class Generator:
         self._batch += 1
         seed = zlib.crc32(f"{self.cfg.seed}:{self.cfg.id}:{self._batch}".encode())
         on_step = self._on_step if self.cfg.in_flight == "continue" else None
-        if self.cfg.env:  # multi-turn episodes, one per sample
+        if self.cfg.episodes.env:  # multi-turn episodes, one per sample
             runner = self.episodes.runner()
             ids = [runner.prompt_ids(p) for p in prompts]
             groups = runner.run(prompts, ids, seed, on_step=on_step)
@@ -251,8 +251,7 @@ class Generator:
                 groups = self.backend.generate(ids, self.cfg.sampling, seed=seed, on_step=on_step)
         # tokens the model sampled (an episode's context tokens, its environment's replies, not counted)
         ntok = sum(sum(c.trainable) if c.trainable is not None else len(c.token_ids) for cs in groups for c in cs)
-        self.progress.tokens_per_s = ntok / max(time.monotonic() - t0, 1e-9)
-        self.progress.add_tokens(ntok)
+        self.progress.batch_done(t0, sum(len(cs) for cs in groups), ntok, (version, self.weights.version))
         batch = Batch(claimed, ids, groups, version, whash, time.time())
         while True:  # blocks while the sink still holds a batch: back-pressure reaches generation here
             if not self.sink.alive():

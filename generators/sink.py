@@ -270,7 +270,7 @@ class Sink:
             if (
                 why is None
                 or self.stop.is_set()
-                or (since is not None and now - since >= self.cfg.reward_outage_hold_s)
+                or (since is not None and now - since >= self.cfg.reward.outage_hold_s)
             ):
                 break
             if since is None:
@@ -284,7 +284,7 @@ class Sink:
                 )
             self.state = "paused_reward"
             self.heartbeat()
-            self.stop.wait(min(backoff.next(), max(0.0, since + self.cfg.reward_outage_hold_s - now)))
+            self.stop.wait(min(backoff.next(), max(0.0, since + self.cfg.reward.outage_hold_s - now)))
         if since is not None:
             self.scored.paused_s += now - since
             if why is None:
@@ -293,7 +293,7 @@ class Sink:
                 log.error(
                     "reward outage lasted %.1fs (reward_outage_hold_s %.0f): the batch goes out failed (%s)",
                     now - since,
-                    self.cfg.reward_outage_hold_s,
+                    self.cfg.reward.outage_hold_s,
                     why,
                 )
             self.state = "scoring"

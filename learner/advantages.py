@@ -39,7 +39,7 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     return g / (g - 1) * (rewards - rewards.mean())
 
 
-# ``learner.advantage`` -> the estimator the learner applies to each group's rewards
+# ``learner.advantages.estimator`` -> the estimator the learner applies to each group's rewards
 GROUP_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"grpo": grpo, "drgrpo": drgrpo, "rloo": rloo}
 
 
@@ -83,7 +83,7 @@ def reinforce_pp_baseline(rewards: torch.Tensor, tokens: torch.Tensor, group_ind
     return reinforce_pp(rewards, tokens, group_index)
 
 
-# ``learner.advantage`` -> an estimator of the whole batch: (rewards [B], completion tokens [B], group index [B])
+# ``learner.advantages.estimator`` -> an estimator of the whole batch: (rewards [B], completion tokens [B], group index [B])
 BATCH_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "reinforce_pp": lambda r, n, _index: reinforce_pp(r, n),
     "reinforce_pp_baseline": reinforce_pp_baseline,

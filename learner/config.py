@@ -36,11 +36,20 @@ def lr_problems(cfg: "LearnerConfig") -> tuple[str | None, list[str]]:
     (AdamW moves every weight by about the rate at each step; weights are ~0.02); a warning for one far from
     the rate the model's kind trains at (outside LR_BELOW / LR_ABOVE times it)."""
     kind = "the built-in tiny model" if cfg.model == "tiny" else "a pretrained model"
-    usual = (TINY_LR_PER_TOKEN if cfg.advantage in NEEDS_CRITIC else TINY_LR) if cfg.model == "tiny" else PRETRAINED_LR
+    usual = (
+        (TINY_LR_PER_TOKEN if cfg.advantages.estimator in NEEDS_CRITIC else TINY_LR)
+        if cfg.model == "tiny"
+        else PRETRAINED_LR
+    )
     warnings = []
     critic = cfg.critic.lr if cfg.critic.enabled else None
     for name, lr, scale, what in (
-        ("learner.lr", cfg.lr, LORA_LR_SCALE if cfg.lora.rank else 1.0, " with LoRA" if cfg.lora.rank else ""),
+        (
+            "learner.optim.lr",
+            cfg.optim.lr,
+            LORA_LR_SCALE if cfg.lora.rank else 1.0,
+            " with LoRA" if cfg.lora.rank else "",
+        ),
         ("learner.critic.lr", critic, 1.0, "'s critic"),
     ):
         if lr is None:
@@ -157,52 +166,84 @@ class PolicyLossConfig(StrictModel):
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
 
 
-class LearnerConfig(RunConnection, PolicyLossConfig):
-    """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
+# the learner's keys that moved into sections (issue 41): old -> new; the old ones keep working, with a warning
+# (broker/runtime/config.py move_renamed; docs/config.md, "Renamed keys")
+RENAMED = {
+    "tiny_vllm_compatible": "tiny.vllm_compatible",
+    "tiny_tools": "tiny.tools",
+    "target_reward": "target.reward",
+    "target_window": "target.window",
+    "lr": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "minibatches": "optim.minibatches",
+    "ppo_epochs": "optim.ppo_epochs",
+    "batch_groups": "batch.groups",
+    "max_staleness": "batch.max_staleness",
+    "admission_eta": "batch.admission_eta",
+    "failed_reward": "batch.failed_reward",
+    "fallback_score": "batch.fallback_score",
+    "wait_timeout_s": "batch.wait_timeout_s",
+    "record_window": "batch.record_window",
+    "threads": "compute.threads",
+    "micro_batch_tokens": "compute.micro_batch_tokens",
+    "logprob_chunk_tokens": "compute.logprob_chunk_tokens",
+    "gradient_checkpointing": "compute.gradient_checkpointing",
+    "kl_coef": "regularization.kl_coef",
+    "kl_in_reward": "regularization.kl_in_reward",
+    "kl_estimator": "regularization.kl_estimator",
+    "entropy_coef": "regularization.entropy_coef",
+    "advantage": "advantages.estimator",
+    "gamma": "advantages.gamma",
+    "lam": "advantages.lam",
+    "rho_bar": "advantages.rho_bar",
+    "c_bar": "advantages.c_bar",
+    "publish_every": "publish.every",
+    "keep_versions": "publish.keep_versions",
+    # "versions_kept" read as the store's versions, next to keep_versions: it counts announcements in Redis
+    "versions_kept": "publish.keep_announcements",
+    "checkpoint_every": "publish.checkpoint_every",
+    "metrics_host": "metrics.host",
+    "metrics_port": "metrics.port",
+    "metrics_history": "metrics.history",
+    "tensorboard": "metrics.tensorboard",
+    "wandb": "metrics.wandb",
+    "rank_checksums": "metrics.rank_checksums",
+}
 
-    announce_key_file: str = Field(
-        "",
-        description="file holding the run's private announcement key (Ed25519, "
-        "PKCS#8 PEM, mode 0600; relay up writes runs/<id>/secrets/announce.key): the "
-        "learner alone signs; needed by announce_auth = ed25519",
-    )
-    run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
-    weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
-    weights: WeightsConfig = Field(
-        default_factory=WeightsConfig,
-        description="how versions reach the generators "
-        "(relay up: the run's [weights] section, given to the generators too)",
-    )
-    allow_unauthenticated_bind: bool = Field(
+
+class TinyConfig(StrictModel):
+    """``learner.tiny``: how the built-in tiny model (``model = "tiny"``) is built."""
+
+    vllm_compatible: bool = Field(
         False,
-        description=ALLOW_DESCRIPTION + ": here, the http weight "
-        "server or the collective rendezvous on a host that is not loopback with "
-        "weights.auth = 'insecure' (which leaves it without the weights key)",
-    )
-    model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
-    tiny_vllm_compatible: bool = Field(
-        False,
-        description="with model 'tiny': build it as a Llama with attention heads "
+        description="build it as a Llama with attention heads "
         "of 32, which vLLM's CPU attention supports (relay up --backend vllm sets it)",
     )
-    tiny_tools: bool = Field(
+    tools: bool = Field(
         False,
-        description="with model 'tiny': append the tool symbols (* <tool_call> "
+        description="append the tool symbols (* <tool_call> "
         "</tool_call> <tool_response> </tool_response>) to its vocabulary, for tasks whose "
         "environment calls tools (relay up --task calc sets it)",
     )
-    seed: int = Field(0, description="seed for model init and training")
-    steps: int = Field(600, ge=1, description="optimizer steps to train")
-    target_reward: float | None = Field(
+
+
+class TargetConfig(StrictModel):
+    """``learner.target``: ending a run early once it trains well enough (learner/target.py)."""
+
+    reward: float | None = Field(
         None,
         description="end the run early, completed, once the mean reward of "
-        "the last target_window trained groups reaches this (a checkpoint, the last "
+        "the last target.window trained groups reaches this (a checkpoint, the last "
         "version published, summary.json's ended says so); null = train every step",
     )
-    target_window: int = Field(
-        256, ge=1, description="groups in target_reward's moving mean (the first target_window groups never end a run)"
+    window: int = Field(
+        256, ge=1, description="groups in target.reward's moving mean (the first target.window groups never end a run)"
     )
-    batch_groups: int = Field(32, ge=1, description="groups per optimizer step")
+
+
+class OptimConfig(StrictModel):
+    """``learner.optim``: the optimizer (AdamW) and how each batch becomes its steps."""
+
     lr: float | None = Field(
         None,
         gt=0,
@@ -211,40 +252,43 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         "model given by path (docs/learner.md)",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    kl_coef: float = Field(
-        0.0,
-        ge=0,
-        description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
-        "model (the initial weights); 0 = no reference model",
-    )
-    kl_in_reward: bool = Field(
-        False,
-        description="put the KL term in the reward instead of the loss (verl's "
-        "use_kl_in_reward with a fixed coefficient): each sample's reward minus kl_coef × "
-        "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs "
-        "kl_coef > 0",
-    )
-    kl_estimator: KLEstimator = Field(
-        "k3",
-        description="per-token KL estimator of that term: k1 = log π − log π_ref, "
-        "k2 = ½(log π − log π_ref)², k3 = verl's low_var_kl (clamped to ±10), "
-        "abs = |log π − log π_ref|",
-    )
-    entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
-    advantage: AdvantageEstimator = Field(
-        "grpo",
-        description="advantage estimator: grpo, drgrpo, rloo (over each "
-        "group); reinforce_pp, reinforce_pp_baseline (whitened over the batch); gae, "
-        "vtrace (per token, over the critic's values; need critic.enabled)",
-    )
-    critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model (gae, vtrace)")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount γ of gae and vtrace")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE λ")
-    rho_bar: float = Field(
-        1.0, gt=0, description="vtrace: truncation ρ̄ of the importance ratio π_old/μ in the temporal differences"
-    )
-    c_bar: float = Field(1.0, gt=0, description="vtrace: truncation c̄ of the ratio in the traces")
     minibatches: int = Field(1, ge=1, description="optimizer steps per batch (the batch split into this many parts)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+
+
+class BatchConfig(StrictModel):
+    """``learner.batch``: which groups make a batch: how many, how old, admitted how, with failed rewards how."""
+
+    groups: int = Field(32, ge=1, description="groups per optimizer step")
+    max_staleness: int = Field(4, ge=0, description="drop (and count) groups more than this many versions old")
+    admission_eta: int | None = Field(
+        0,
+        ge=0,
+        description="η: generators admit prompts only while admitted < "
+        "(η + learner version + 1) × batch.groups; null disables admission control",
+    )
+    failed_reward: Literal["skip", "fallback"] = Field(
+        "skip",
+        description="samples whose reward failed: skip (leave them out; a group with none left is dropped "
+        "and counted) or fallback (train on them with fallback_score as their reward)",
+    )
+    fallback_score: float = Field(
+        0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when failed_reward = 'fallback'"
+    )
+    wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
+    record_window: int = Field(
+        RECORD_WINDOW,
+        ge=0,
+        description="group ids remembered as committed (exactly-once "
+        "commits after a restart) and entries kept in the commit and drop logs: the last "
+        "record_window to 2x as many; 0 keeps the whole run's (Redis memory grows with it)",
+    )
+
+
+class ComputeConfig(StrictModel):
+    """``learner.compute``: how a step is computed within the learner's memory and cores."""
+
+    threads: int = Field(1, ge=1, description="torch intra-op threads")
     micro_batch_tokens: int = Field(
         8192,
         ge=16,
@@ -272,48 +316,67 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         "activations in the backward instead of keeping them (less memory, "
         "about a third more compute)",
     )
-    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
-    publish_every: int = Field(1, ge=1, description="publish a new version every k steps")
-    max_staleness: int = Field(4, ge=0, description="drop (and count) groups more than this many versions old")
-    admission_eta: int | None = Field(
-        0,
+
+
+class RegularizationConfig(StrictModel):
+    """``learner.regularization``: the terms besides the policy loss: a KL to the initial weights, an entropy bonus."""
+
+    kl_coef: float = Field(
+        0.0,
         ge=0,
-        description="η: generators admit prompts only while admitted < "
-        "(η + learner version + 1) × batch_groups; null disables admission control",
+        description="weight of a KL(π_θ || π_ref) loss term to a frozen reference "
+        "model (the initial weights); 0 = no reference model",
     )
+    kl_in_reward: bool = Field(
+        False,
+        description="put the KL term in the reward instead of the loss (verl's "
+        "use_kl_in_reward with a fixed coefficient): each sample's reward minus kl_coef × "
+        "Σ_t kl_estimator(log π_old, log π_ref), before the advantage estimator; needs "
+        "kl_coef > 0",
+    )
+    kl_estimator: KLEstimator = Field(
+        "k3",
+        description="per-token KL estimator of that term: k1 = log π − log π_ref, "
+        "k2 = ½(log π − log π_ref)², k3 = verl's low_var_kl (clamped to ±10), "
+        "abs = |log π − log π_ref|",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="weight of an entropy bonus (of the sampling distribution)")
+
+    @model_validator(mode="after")
+    def _kl_in_reward_needs_a_coefficient(self) -> RegularizationConfig:
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise ValueError("kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
+        return self
+
+
+class AdvantagesConfig(StrictModel):
+    """``learner.advantages``: the advantage estimator and its parameters (learner/advantages.py)."""
+
+    estimator: AdvantageEstimator = Field(
+        "grpo",
+        description="advantage estimator: grpo, drgrpo, rloo (over each "
+        "group); reinforce_pp, reinforce_pp_baseline (whitened over the batch); gae, "
+        "vtrace (per token, over the critic's values; need critic.enabled)",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="discount γ of gae and vtrace")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE λ")
+    rho_bar: float = Field(
+        1.0, gt=0, description="vtrace: truncation ρ̄ of the importance ratio π_old/μ in the temporal differences"
+    )
+    c_bar: float = Field(1.0, gt=0, description="vtrace: truncation c̄ of the ratio in the traces")
+
+
+class PublishConfig(StrictModel):
+    """``learner.publish``: what the learner writes out, how often, and how much of it it keeps."""
+
+    every: int = Field(1, ge=1, description="publish a new version every k steps")
     keep_versions: int = Field(4, ge=1, description="newest versions kept in the weight store (plus those served)")
-    versions_kept: int = Field(
+    keep_announcements: int = Field(
         4096,
         ge=0,
         description="announcements kept in Redis (the versions hash the broker "
-        "checks each group's weight hash against): the newest N, and always max_staleness + 1 at least; "
+        "checks each group's weight hash against): the newest N, and always batch.max_staleness + 1 at least; "
         "a group of an older version is rejected (weight_hash); 0 keeps every one",
-    )
-    record_window: int = Field(
-        RECORD_WINDOW,
-        ge=0,
-        description="group ids remembered as committed (exactly-once "
-        "commits after a restart) and entries kept in the commit and drop logs: the last "
-        "record_window to 2x as many; 0 keeps the whole run's (Redis memory grows with it)",
-    )
-    failed_reward: Literal["skip", "fallback"] = Field(
-        "skip",
-        description="samples whose reward failed: skip (leave them out; a group with none left is dropped "
-        "and counted) or fallback (train on them with fallback_score as their reward)",
-    )
-    fallback_score: float = Field(
-        0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when failed_reward = 'fallback'"
-    )
-    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
-    lora: LoraConfig = Field(
-        default_factory=LoraConfig, description="LoRA adapters (off by default; learner.lora.rank=8 turns them on)"
-    )
-    threads: int = Field(1, ge=1, description="torch intra-op threads")
-    wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
-    rank_checksums: bool = Field(
-        False,
-        description="every rank appends a checksum of its weights after each step "
-        "to run_dir/rank-<r>.checksums (checks that data-parallel ranks stay identical)",
     )
     checkpoint_every: int = Field(
         50,
@@ -322,28 +385,83 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         "trained); groups are acknowledged when a checkpoint holds them; 0 = no "
         "checkpoints, acknowledge after every step",
     )
-    metrics_host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
-    metrics_port: int = Field(
+
+
+class MetricsConfig(StrictModel):
+    """``learner.metrics``: what the learner reports, and where."""
+
+    host: str = Field("127.0.0.1", description="bind address of the /metrics and /healthz server")
+    port: int = Field(
         0,
         ge=0,
         le=65535,
         description="port of the /metrics and /healthz server; 0 picks a "
         "free one (reported as metrics_port in stats:learner)",
     )
-    metrics_history: int = Field(
+    history: int = Field(
         10_000, ge=100, description="per-step metrics kept in the learner_metrics stream (the dashboard's charts)"
     )
     tensorboard: bool = Field(
         True, description="write every step's scalars as TensorBoard event files to run_dir/tensorboard"
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
+    rank_checksums: bool = Field(
+        False,
+        description="every rank appends a checksum of its weights after each step "
+        "to run_dir/rank-<r>.checksums (checks that data-parallel ranks stay identical)",
+    )
+
+
+class LearnerConfig(RunConnection, PolicyLossConfig):
+    """The learner: what it trains, on what batch, and how often it publishes (and its policy loss)."""
+
+    __renamed__ = RENAMED
+
+    announce_key_file: str = Field(
+        "",
+        description="file holding the run's private announcement key (Ed25519, "
+        "PKCS#8 PEM, mode 0600; relay up writes runs/<id>/secrets/announce.key): the "
+        "learner alone signs; needed by announce_auth = ed25519",
+    )
+    run_dir: str = Field("runs/default", description="folder for the learner's metrics and the built-in model")
+    weight_store: str = Field("runs/default/weights", description="weight store folder (shared volume)")
+    weights: WeightsConfig = Field(
+        default_factory=WeightsConfig,
+        description="how versions reach the generators "
+        "(relay up: the run's [weights] section, given to the generators too)",
+    )
+    allow_unauthenticated_bind: bool = Field(
+        False,
+        description=ALLOW_DESCRIPTION + ": here, the http weight "
+        "server or the collective rendezvous on a host that is not loopback with "
+        "weights.auth = 'insecure' (which leaves it without the weights key)",
+    )
+    model: str = Field("tiny", description="'tiny' (built-in random-init model) or a local Hugging Face folder")
+    tiny: TinyConfig = Field(default_factory=TinyConfig, description="the built-in tiny model (model = 'tiny')")
+    seed: int = Field(0, description="seed for model init and training")
+    steps: int = Field(600, ge=1, description="optimizer steps to train")
+    target: TargetConfig = Field(default_factory=TargetConfig, description="ending the run early at a reward")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="the optimizer")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="the groups a batch is made of")
+    compute: ComputeConfig = Field(default_factory=ComputeConfig, description="threads, micro-batches, memory")
+    regularization: RegularizationConfig = Field(
+        default_factory=RegularizationConfig, description="KL and entropy terms"
+    )
+    advantages: AdvantagesConfig = Field(default_factory=AdvantagesConfig, description="the advantage estimator")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model (gae, vtrace)")
+    publish: PublishConfig = Field(default_factory=PublishConfig, description="versions, announcements, checkpoints")
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig, description="DeepSpeed engine")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters (off by default; learner.lora.rank=8 turns them on)"
+    )
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="metrics, TensorBoard, W&B")
 
     @model_validator(mode="after")
     def _estimator_needs_a_critic(self) -> LearnerConfig:
-        if self.advantage in NEEDS_CRITIC and not self.critic.enabled:
+        if self.advantages.estimator in NEEDS_CRITIC and not self.critic.enabled:
             valid = ", ".join(a for a in get_args(AdvantageEstimator) if a not in NEEDS_CRITIC)
             raise ValueError(
-                f"advantage {self.advantage!r} needs a critic (a value model): set "
+                f"advantages.estimator {self.advantages.estimator!r} needs a critic (a value model): set "
                 f"learner.critic.enabled=true; without one, valid: {valid}"
             )
         return self
@@ -388,23 +506,17 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         )
 
     @model_validator(mode="after")
-    def _kl_in_reward_needs_a_coefficient(self) -> LearnerConfig:
-        if self.kl_in_reward and self.kl_coef <= 0:
-            raise ValueError("kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
-        return self
-
-    @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:
         # a rate that fits the model: the toy's would make a pretrained LM diverge
         full = (
-            (TINY_LR_PER_TOKEN if self.advantage in NEEDS_CRITIC else TINY_LR)
+            (TINY_LR_PER_TOKEN if self.advantages.estimator in NEEDS_CRITIC else TINY_LR)
             if self.model == "tiny"
             else PRETRAINED_LR
         )
-        if self.lr is None:
-            self.lr = full * (LORA_LR_SCALE if self.lora.rank else 1.0)
+        if self.optim.lr is None:
+            self.optim.lr = full * (LORA_LR_SCALE if self.lora.rank else 1.0)
         if self.critic.lr is None:  # the critic trains every weight (no adapters)
-            self.critic.lr = full if self.lora.rank else self.lr
+            self.critic.lr = full if self.lora.rank else self.optim.lr
         if self.critic.deepspeed is None:
             self.critic.deepspeed = self.deepspeed.model_copy()
         return self

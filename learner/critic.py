@@ -52,7 +52,7 @@ def build_value_model(policy: torch.nn.Module, cfg: LearnerConfig) -> ValueModel
     trunk = lm.base_model  # the LM without its head (Qwen2ForCausalLM.model, LlamaForCausalLM.model, ...)
     if trunk is lm:
         raise ValueError(f"{type(lm).__name__} has no separate trunk (base_model): it cannot be a critic")
-    if cfg.gradient_checkpointing:
+    if cfg.compute.gradient_checkpointing:
         trunk.config.use_cache = False
         trunk.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return ValueModel(trunk, lm.config.hidden_size)

@@ -117,7 +117,7 @@ def group_micro_batches(
 @dataclass
 class Forwards:
     """How the learner cuts a batch into forwards: micro-batches of ``budget`` tokens and, with ``shared``
-    (learner.shared_prompt), each group's prompt computed once for its samples (learner/logprobs.py).
+    (learner.compute.shared_prompt), each group's prompt computed once for its samples (learner/logprobs.py).
     One object read by every forward of a step (π_old, the reference, the loss), so they agree."""
 
     budget: int

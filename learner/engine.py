@@ -28,7 +28,7 @@ def load_model(cfg: LearnerConfig, build: bool = True):
 
         path = Path(cfg.run_dir) / "base_model"
         if build:
-            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny_vllm_compatible, tools=cfg.tiny_tools)
+            build_tiny_model(path, seed=cfg.seed, vllm_compatible=cfg.tiny.vllm_compatible, tools=cfg.tiny.tools)
     else:
         check_model_folder(cfg.model)  # the same check relay up makes before anything starts
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -172,14 +172,14 @@ def build_engine(
     import deepspeed
 
     init_distributed()
-    if cfg.gradient_checkpointing and not critic:
+    if cfg.compute.gradient_checkpointing and not critic:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ds, lr = (cfg.critic.deepspeed, cfg.critic.lr) if critic else (cfg.deepspeed, cfg.lr)
+    ds, lr = (cfg.critic.deepspeed, cfg.critic.lr) if critic else (cfg.deepspeed, cfg.optim.lr)
     if optimizer is None:
         # the trained parameters only: with LoRA (learner/lora.py) the frozen base has no optimizer state
         optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.weight_decay
+            [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.optim.weight_decay
         )
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,

@@ -1,7 +1,7 @@
 """Exactly-once training: checkpoints and the commits of the groups they hold (learner/trainer.py's loop).
 
 A group read from the queue stays pending until the leader commits it (acknowledged, and recorded once in
-the audit log). With checkpoints (``learner.checkpoint_every``) a group is committed only once a checkpoint
+the audit log). With checkpoints (``learner.publish.checkpoint_every``) a group is committed only once a checkpoint
 holds the weights trained on it: a learner killed in between resumes from the checkpoint, and the groups
 still pending are read and trained again from its weights. Without checkpoints each step commits its own.
 """
@@ -54,7 +54,7 @@ class ExactlyOnce:
         leader's decision on every rank); the groups it holds are committed (idempotently), the rest of
         this learner's pending groups are re-read and trained again from the checkpoint's weights. The
         checkpoint's step (0 without one)."""
-        if not self.cfg.checkpoint_every:
+        if not self.cfg.publish.checkpoint_every:
             return 0
         # every rank: the weights and its optimizer partition, the critic's too
         state = checkpoint.load(self.ckpt_dir, self.engine, self.critic)
@@ -72,7 +72,7 @@ class ExactlyOnce:
 
     def commit(self, entries: list[tuple[str, str]], step: int) -> None:
         """Acknowledge trained groups and record them once each in the audit log."""
-        queues.commit(self.r, self.keys, entries, step, self.cfg.record_window)
+        queues.commit(self.r, self.keys, entries, step, self.cfg.batch.record_window)
 
     def commit_trained(self, step: int) -> None:
         """The leader commits every group trained since the last commit."""
@@ -83,7 +83,7 @@ class ExactlyOnce:
         """On every rank (each writes its part of a checkpoint); the leader, which read ``fresh``,
         then commits what the checkpoint holds, or commits every step without checkpoints.
         ``publishes``: this step's weights are published right after."""
-        every = self.cfg.checkpoint_every
+        every = self.cfg.publish.checkpoint_every
         due = (step % every == 0 or step == self.cfg.steps) if every else True
         if self.leader:
             self.uncommitted.extend((eid.decode(), g.group_id) for eid, g in fresh)

@@ -24,7 +24,7 @@ class GroupIntake:
         self.counts = counts  # the learner's counters: drops are added under their reason
         # the finiteness check of a group's advantages: its own estimator, or for those over the batch or over
         # the critic's values (not defined on one group) grpo's, finite exactly when the rewards are
-        self.advantage_fn = GROUP_ESTIMATORS.get(cfg.advantage, GROUP_ESTIMATORS["grpo"])
+        self.advantage_fn = GROUP_ESTIMATORS.get(cfg.advantages.estimator, GROUP_ESTIMATORS["grpo"])
         self.reader = queues.TrajectoryReader(r, keys)
         self.data_ended = False  # set when a batch can no longer fill: the dataset is used up
 
@@ -45,7 +45,7 @@ class GroupIntake:
         for the unfinished batch stay in the queue, unacknowledged, and the audit counts them queued)."""
         fresh: list = []
         transform = None
-        while len(fresh) < self.cfg.batch_groups:
+        while len(fresh) < self.cfg.batch.groups:
             ended = False
 
             def should_stop() -> bool:
@@ -53,7 +53,9 @@ class GroupIntake:
                 ended = ended or self.out_of_data()
                 return stop.is_set() or ended
 
-            entries = self.reader.wait_for(self.cfg.batch_groups - len(fresh), should_stop, self.cfg.wait_timeout_s)
+            entries = self.reader.wait_for(
+                self.cfg.batch.groups - len(fresh), should_stop, self.cfg.batch.wait_timeout_s
+            )
             if stop.is_set():
                 return None
             if ended and not entries:
@@ -63,14 +65,18 @@ class GroupIntake:
             for eid, g in entries:
                 if g is None:
                     why = "groups_undecodable"
-                elif version - g.min_version > self.cfg.max_staleness:
+                elif version - g.min_version > self.cfg.batch.max_staleness:
                     why = "groups_dropped_stale"
-                elif all(r is None for r in trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)):
+                elif all(
+                    r is None for r in trained_rewards(g, self.cfg.batch.failed_reward, self.cfg.batch.fallback_score)
+                ):
                     why = "groups_dropped_reward_failed"
                 elif max(int(g.prompt_ids.max()), *(int(s.completion_ids.max()) for s in g.samples)) >= self.vocab:
                     why = "groups_dropped_bad_token"
                 elif (
-                    bad := nonfinite_reason(g, self.advantage_fn, self.cfg.failed_reward, self.cfg.fallback_score)
+                    bad := nonfinite_reason(
+                        g, self.advantage_fn, self.cfg.batch.failed_reward, self.cfg.batch.fallback_score
+                    )
                 ) is not None:
                     # the broker refuses these at ingest; a group that got past it is not trained
                     why = "groups_dropped_nonfinite"
@@ -85,7 +91,7 @@ class GroupIntake:
                     continue
                 self.counts[why] += 1
                 drops.append((eid, g.group_id if g is not None else "", why))
-            queues.drop(self.r, self.keys, drops, self.cfg.record_window)
+            queues.drop(self.r, self.keys, drops, self.cfg.batch.record_window)
             if drops:  # visible as they happen (the dashboard, relay status), not at the next training step:
                 # during a reward outage no step comes while every group is dropped
                 self.r.hset(self.keys.stats("learner"), mapping={w: self.counts[w] for _, _, w in drops})

@@ -286,6 +286,6 @@ def batch_logprobs(
     model, mb, transform: tuple, chunk_tokens: int, entropy: bool = False, shared: bool = False
 ) -> TokenLogprobs:
     """:func:`token_logprobs` of a learner/data.py ``Batch`` ``mb``: of its loss tokens; with ``shared``
-    (learner.shared_prompt), each group's prompt computed once."""
+    (learner.compute.shared_prompt), each group's prompt computed once."""
     rows = SharedPrompts(mb.prompt_lens, mb.lengths, mb.groups) if shared and mb.prompt_lens is not None else None
     return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, chunk_tokens, entropy, rows)

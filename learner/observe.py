@@ -127,7 +127,7 @@ class LearnerObserver:
     """Started before the model loads (so ``/healthz`` answers during start-up); ``record`` after each step."""
 
     def __init__(self, r: redis.Redis, keys: Keys, cfg: LearnerConfig):
-        self.r, self.keys, self.max_len = r, keys, cfg.metrics_history
+        self.r, self.keys, self.max_len = r, keys, cfg.metrics.history
         self.last: dict = {}
         self.counts: Counter = Counter()
         self.staleness: Counter = Counter()
@@ -149,13 +149,13 @@ class LearnerObserver:
             return True, f"ok step {self.last.get('step', 0)}"
 
         self.server = MetricsServer(
-            cfg.metrics_host,
-            cfg.metrics_port,
+            cfg.metrics.host,
+            cfg.metrics.port,
             labelled_registry("learner", "0", registry, _StepCollector(self)),
             healthy,
         )
         self.r.hset(keys.stats("learner"), "metrics_port", self.server.port)
-        register_service(r, keys, "learner", "0", advertised_host(cfg.metrics_host), self.server.port)
+        register_service(r, keys, "learner", "0", advertised_host(cfg.metrics.host), self.server.port)
 
     def record(self, diag: dict) -> None:
         """One step's diagnostics: append to the ``learner_metrics`` stream (per-group lists left out)

@@ -27,7 +27,7 @@ class Policy:
     tokenizer: object
     pad_id: int
     vocab: int
-    shared_prompt: bool  # learner.shared_prompt, where the model passed the start-up check
+    shared_prompt: bool  # learner.compute.shared_prompt, where the model passed the start-up check
     lora_scale: float | None  # learner.lora: the adapters' scale; None without LoRA
 
 
@@ -41,11 +41,11 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab = model.get_input_embeddings().num_embeddings
     check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
-    shared = cfg.shared_prompt and not cfg.gradient_checkpointing and not cfg.critic.enabled
+    shared = cfg.compute.shared_prompt and not cfg.compute.gradient_checkpointing and not cfg.critic.enabled
     why = check_shared_prompt(model) if shared else None
     if why is not None:
         shared = False
-        log.warning("learner.shared_prompt: off for this model, every sample computed whole (%s)", why)
+        log.warning("learner.compute.shared_prompt: off for this model, every sample computed whole (%s)", why)
     critic = None  # verl's critic worker: a value model with its own engine (learner/critic.py)
     if cfg.critic.enabled:
         from learner.critic import build_value_model
@@ -69,9 +69,9 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
                 total,
                 100 * trainable / total,
             )
-        if cfg.kl_coef > 0:
+        if cfg.regularization.kl_coef > 0:
             reference = AdapterDisabled(model)  # the base: the same weights, adapters off (no copy)
-    elif cfg.kl_coef > 0:
+    elif cfg.regularization.kl_coef > 0:
         import copy
 
         reference = copy.deepcopy(model).eval().requires_grad_(False)

@@ -380,7 +380,7 @@ class Publisher:
         hash_threads: int = 1,
     ):
         self.r, self.keys, self.tokenizer = r, keys, tokenizer
-        self.versions_kept = versions_kept  # announcements kept in Redis (learner.versions_kept; 0: all)
+        self.versions_kept = versions_kept  # announcements kept in Redis (learner.publish.keep_announcements; 0: all)
         self.broadcaster = (
             broadcaster  # the collective transport (learner/broadcast.py): broadcast before the store copy
         )

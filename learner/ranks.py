@@ -35,7 +35,7 @@ def share_batch(fresh, version: int, leader: bool, world: int) -> tuple[list | N
 
 
 def write_checksum(module: torch.nn.Module, path: Path, step: int) -> None:
-    """Append the sum and hash of this rank's weights after ``step`` (``learner.rank_checksums``)."""
+    """Append the sum and hash of this rank's weights after ``step`` (``learner.metrics.rank_checksums``)."""
     h = hashlib.sha256()
     total = 0.0
     for name, p in sorted(module.state_dict().items()):

@@ -3,7 +3,7 @@
 
 TensorBoard files are written with the ``tensorboard`` package's own event writer (a dependency of
 Relay; no torch needed, so ``relay up`` writes the evaluation rounds with it too). W&B is off by
-default and never required: ``wandb`` is imported only when ``learner.wandb.enabled`` is true, and a
+default and never required: ``wandb`` is imported only when ``learner.metrics.wandb.enabled`` is true, and a
 missing package is then a clear start-up error.
 """
 
@@ -76,8 +76,8 @@ class RunRecords:
                 import wandb
             except ImportError:
                 raise RuntimeError(
-                    "learner.wandb.enabled is true but the wandb package is not installed "
-                    "(pip install wandb), or set learner.wandb.enabled = false"
+                    "learner.metrics.wandb.enabled is true but the wandb package is not installed "
+                    "(pip install wandb), or set learner.metrics.wandb.enabled = false"
                 ) from None
             self.wandb = wandb.init(
                 project=wandb_cfg.project,

@@ -35,7 +35,7 @@ class StepInputs:
                     self.engine,
                     mb.to(self.ranks.device),
                     transform,
-                    self.cfg.logprob_chunk_tokens,
+                    self.cfg.compute.logprob_chunk_tokens,
                     False,
                     self.forwards.shared,
                 )
@@ -57,12 +57,12 @@ class StepInputs:
                     self.reference,
                     mb.to(self.ranks.device),
                     transform,
-                    self.cfg.logprob_chunk_tokens,
+                    self.cfg.compute.logprob_chunk_tokens,
                     False,
                     self.forwards.shared,
                 )
                 both = mb.loss_mask.bool() & ~old[1][part, :width] & ~ref.outside.cpu()
-                est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.kl_estimator)
+                est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.regularization.kl_estimator)
                 kl[part] = torch.where(both, est, 0.0).sum(-1).double()
                 tokens += float(both.sum())
         if self.ranks.world > 1:  # each sample is summed on the one rank that trains it
@@ -75,7 +75,7 @@ class StepInputs:
         values = torch.zeros_like(b.behaviour_logp)
         device = self.ranks.device
         with torch.no_grad():
-            for part in micro_batches(b.lengths, rows, self.cfg.micro_batch_tokens):
+            for part in micro_batches(b.lengths, rows, self.cfg.compute.micro_batch_tokens):
                 mb = b.select(part)
                 v = self.critic(mb.input_ids.to(device), mb.attention_mask.to(device)).cpu()
                 values[part, : mb.loss_mask.shape[1]] = v * mb.loss_mask
@@ -98,20 +98,26 @@ class StepInputs:
         # completion token, or for a multi-turn sample ending in context, its last model token
         last = (mask * torch.arange(1, mask.shape[1] + 1, dtype=mask.dtype)).argmax(-1)
         token_rewards[has, last[has]] = rewards[has].to(values.dtype)
-        if cfg.advantage == "vtrace":
+        if cfg.advantages.estimator == "vtrace":
             valid = mask * ~old[1]
             returns, adv = vtrace(
-                token_rewards, values, (old[0] - b.behaviour_logp) * valid, mask, cfg.gamma, cfg.rho_bar, cfg.c_bar
+                token_rewards,
+                values,
+                (old[0] - b.behaviour_logp) * valid,
+                mask,
+                cfg.advantages.gamma,
+                cfg.advantages.rho_bar,
+                cfg.advantages.c_bar,
             )
         else:
-            gamma, lam = (cfg.gamma, cfg.lam) if cfg.advantage == "gae" else (1.0, 1.0)
+            gamma, lam = (cfg.advantages.gamma, cfg.advantages.lam) if cfg.advantages.estimator == "gae" else (1.0, 1.0)
             adv, returns = gae(token_rewards, values, mask, gamma, lam)
         own = mine[:, None].to(values.dtype)
         values, adv, returns = values * own, adv * own * mask, returns * own * mask
         if self.ranks.world > 1:  # each sample on the one rank that trains it
             values, adv, returns = self.ranks.sum(torch.stack([values, adv, returns])).unbind(0)
         b.values, b.returns = values, returns
-        if cfg.advantage in NEEDS_CRITIC:
+        if cfg.advantages.estimator in NEEDS_CRITIC:
             b.advantages = (
                 (masked_whiten(adv, mask) * mask).to(b.behaviour_logp.dtype) if mask.any() else torch.zeros_like(mask)
             )

@@ -108,7 +108,7 @@ class MicroBatchLoss:
         cfg, world = self.cfg, self.ranks.world
         mb = b.select(part).to(self.ranks.device)
         mask = mb.loss_mask
-        lp = batch_logprobs(self.engine, mb, transform, cfg.logprob_chunk_tokens, True, self.forwards.shared)
+        lp = batch_logprobs(self.engine, mb, transform, cfg.compute.logprob_chunk_tokens, True, self.forwards.shared)
         if old is None:  # one update per batch: π_old is this forward's value
             old_logp, outside = lp.logp.detach(), lp.outside
         else:
@@ -119,11 +119,11 @@ class MicroBatchLoss:
         fresh = torch.tensor([st == 0 for st in mb.staleness], device=mask.device)
         loss, s = policy_loss_terms(lp.logp, old_logp, mb.behaviour_logp, mb.advantages, mask, cfg, norm, valid, fresh)
         ent = aggregate(lp.entropy, mask, cfg.aggregation, every)
-        if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * ent
-        if self.reference is not None and not cfg.kl_in_reward:
+        if cfg.regularization.entropy_coef:
+            loss = loss - cfg.regularization.entropy_coef * ent
+        if self.reference is not None and not cfg.regularization.kl_in_reward:
             kl = self._reference_kl(mb, lp, valid, transform, every)
-            loss = loss + cfg.kl_coef * kl
+            loss = loss + cfg.regularization.kl_coef * kl
             acc.totals["kl_ref"] += float(kl.detach()) / world
         acc.loss_finite = acc.loss_finite and bool(torch.isfinite(loss.detach()))
         self.engine.backward(loss)
@@ -142,11 +142,13 @@ class MicroBatchLoss:
         where both log-probs are defined."""
         with torch.no_grad():
             ref = batch_logprobs(
-                self.reference, mb, transform, self.cfg.logprob_chunk_tokens, False, self.forwards.shared
+                self.reference, mb, transform, self.cfg.compute.logprob_chunk_tokens, False, self.forwards.shared
             )
         both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
         return aggregate(
-            kl_estimate(torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0), self.cfg.kl_estimator),
+            kl_estimate(
+                torch.where(both, lp.logp, 0.0), torch.where(both, ref.logp, 0.0), self.cfg.regularization.kl_estimator
+            ),
             both.float(),
             self.cfg.aggregation,
             every,
@@ -179,7 +181,7 @@ class MicroBatchLoss:
             torch.ones_like(ids),
             torch.ones((1, 1), device=device),
             transform,
-            self.cfg.logprob_chunk_tokens,
+            self.cfg.compute.logprob_chunk_tokens,
         )
         self.engine.backward(lp.logp.sum() * 0.0)
         if self.critic is not None:

@@ -36,7 +36,7 @@ class StepLog:
         self.observer = LearnerObserver(r, keys, cfg)
         # TensorBoard event files in run_dir/tensorboard (and W&B when enabled)
         shown = {**cfg.model_dump(), "redis_url": redact_url(cfg.redis_url)}  # the config W&B records: no password
-        self.records = RunRecords(cfg.run_dir, cfg.tensorboard, cfg.wandb, cfg.run_id, shown)
+        self.records = RunRecords(cfg.run_dir, cfg.metrics.tensorboard, cfg.metrics.wandb, cfg.run_id, shown)
         self.recent_truncated: deque[float] = deque(maxlen=TRUNCATED_WARN_STEPS)
         self.warned_truncated = False
         self.file = None

@@ -1,4 +1,4 @@
-"""``learner.target_reward``: a run that ends once its policy is good enough."""
+"""``learner.target.reward``: a run that ends once its policy is good enough."""
 
 from __future__ import annotations
 

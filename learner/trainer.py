@@ -9,7 +9,7 @@ finish (drain) before a checkpoint, and before it ends or stops.
 The loop's collaborators: learner/policy.py (the models and their engines), learner/update.py (one training
 step), learner/intake.py (the leader's batches), learner/versions.py (publication, through the transport's
 sender), learner/steplog.py (every output of a step's metrics), learner/exactly_once.py (checkpoints and the commits of
-the groups they hold), learner/target.py (``learner.target_reward``).
+the groups they hold), learner/target.py (``learner.target.reward``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ log = logging.getLogger("relay.learner")
 class Learner:
     def __init__(self, cfg: LearnerConfig):
         self.cfg = cfg
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.compute.threads)
         torch.manual_seed(cfg.seed)
         self.keys = Keys(cfg.run_id)
         announce_key = announce_signer(cfg.announce_auth, cfg.announce_key_file)  # signs every announcement
@@ -54,8 +54,8 @@ class Learner:
             cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport
         )  # http, collective
         self.rank, self.world = init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
-        if cfg.batch_groups % self.world:
-            raise ValueError(f"learner.batch_groups ({cfg.batch_groups}) must be a multiple of the {self.world} ranks")
+        if cfg.batch.groups % self.world:
+            raise ValueError(f"learner.batch.groups ({cfg.batch.groups}) must be a multiple of the {self.world} ranks")
         self.r = connect_redis(cfg.redis_url)
         self.stop = threading.Event()
         self.log = StepLog(self.r, self.keys, cfg) if self.leader else None  # every output of each step's metrics
@@ -84,7 +84,7 @@ class Learner:
         )
         # checkpoints and the commits of the groups they hold
         self.once = ExactlyOnce(cfg, self.r, self.keys, self.engine, self.critic, self.versions, self.counts, self.log)
-        self.target = TargetReward(cfg.target_reward, cfg.target_window, cfg.steps)
+        self.target = TargetReward(cfg.target.reward, cfg.target.window, cfg.steps)
         self.intake = GroupIntake(self.r, self.keys, cfg, policy.vocab, self.counts) if self.leader else None
         self.step = self.once.resume(self._agree)
 
@@ -104,9 +104,10 @@ class Learner:
             signal.signal(sig, lambda *_: self.stop.set())
         if self.leader:
             self.r.delete(self.keys.done)
-            if self.cfg.admission_eta is not None:
+            if self.cfg.batch.admission_eta is not None:
                 self.r.hset(
-                    self.keys.admission, mapping={"batch_groups": self.cfg.batch_groups, "eta": self.cfg.admission_eta}
+                    self.keys.admission,
+                    mapping={"batch_groups": self.cfg.batch.groups, "eta": self.cfg.batch.admission_eta},
                 )
         first = self.versions.publish_first
         self.versions.start(self.engine)  # resumed where the announced versions stand: the generators load the latest
@@ -117,10 +118,10 @@ class Learner:
                 "published initial" if first else "continuing from announced",
                 self.versions.version,
                 self.cfg.steps,
-                self.cfg.batch_groups,
+                self.cfg.batch.groups,
                 self.world,
-                self.cfg.lr,
-                self.cfg.micro_batch_tokens,
+                self.cfg.optim.lr,
+                self.cfg.compute.micro_batch_tokens,
             )
             self.log.open()
 
@@ -151,11 +152,11 @@ class Learner:
                 diag["optimizer_steps"],
                 diag["skip_reason"],
             )
-        if self.cfg.rank_checksums:
+        if self.cfg.metrics.rank_checksums:
             write_checksum(self.engine.module, Path(self.cfg.run_dir) / f"rank-{self.rank}.checksums", step)
         if self.leader:
             self._account(groups, diag, wait_s)
-        publishes = step % self.cfg.publish_every == 0 or step == self.cfg.steps
+        publishes = step % self.cfg.publish.every == 0 or step == self.cfg.steps
         self.once.after_step(
             step, fresh, publishes
         )  # acknowledged once a checkpoint holds them (or now, without checkpoints)
@@ -189,9 +190,9 @@ class Learner:
         self.counts["tokens_trained"] += sum(s.num_trainable for g in groups for s in g.samples)
         failed = sum(s.reward_status != "ok" for g in groups for s in g.samples)  # counted in either mode
         self.counts["samples_reward_failed"] += failed
-        self.counts["samples_reward_fallback"] += failed if self.cfg.failed_reward == "fallback" else 0
+        self.counts["samples_reward_fallback"] += failed if self.cfg.batch.failed_reward == "fallback" else 0
         queues.count_trained(self.r, self.keys, [g.group_id for g in groups])  # before the commit
-        rewards = [group_mean_reward(g, self.cfg.failed_reward, self.cfg.fallback_score) for g in groups]
+        rewards = [group_mean_reward(g, self.cfg.batch.failed_reward, self.cfg.batch.fallback_score) for g in groups]
         diag.update(
             step=self.step,
             wait_s=wait_s,
@@ -216,7 +217,7 @@ class Learner:
         if self._agree(self.leader and (self.intake.data_ended or self.target.reached is not None)):
             self.end_early()
             return
-        if self.cfg.checkpoint_every and self.step > self.once.saved_step:
+        if self.cfg.publish.checkpoint_every and self.step > self.once.saved_step:
             # stopped (SIGINT/SIGTERM), or finished, between two checkpoints: keep the steps taken, so a restart or
             # `relay up --resume` continues from here (a checkpoint is written atomically: a learner
             # killed while writing it resumes from the previous one)
@@ -234,11 +235,11 @@ class Learner:
         ran out (learner/intake.py). Keep what was trained (a checkpoint and the commit of its groups, the
         last weights published), then mark the run done and say why, so the generators and ``relay up`` end
         it cleanly instead of waiting for groups that never come."""
-        if self.cfg.checkpoint_every and self.step > self.once.saved_step:
-            self.once.checkpoint(self.step, publishes=bool(self.step % self.cfg.publish_every))  # and commits it
+        if self.cfg.publish.checkpoint_every and self.step > self.once.saved_step:
+            self.once.checkpoint(self.step, publishes=bool(self.step % self.cfg.publish.every))  # and commits it
         elif self.leader and self.once.uncommitted:
             self.once.commit_trained(self.step)
-        if self.step and self.step % self.cfg.publish_every:  # the last steps' weights, not yet published
+        if self.step and self.step % self.cfg.publish.every:  # the last steps' weights, not yet published
             self.versions.publish_next(self.engine)
         self.versions.close()
         if not self.leader:

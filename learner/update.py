@@ -58,15 +58,15 @@ class PolicyUpdate:
         # each group's prompt computed once for its samples (learner/logprobs.py); build_policy turns it off
         # for a model that fails its start-up check (shared_prompt below). The critic computes whole rows
         # on the policy's micro-batches: with a critic, whole rows for both
-        shared = cfg.shared_prompt and not cfg.gradient_checkpointing and critic is None
-        self.forwards = Forwards(cfg.micro_batch_tokens, shared)
+        shared = cfg.compute.shared_prompt and not cfg.compute.gradient_checkpointing and critic is None
+        self.forwards = Forwards(cfg.compute.micro_batch_tokens, shared)
         self.inputs = StepInputs(engine, cfg, self.ranks, self.forwards, reference, critic)
         self.losses = MicroBatchLoss(engine, cfg, self.ranks, pad_id, self.forwards, reference, critic)
         self.guard = StepGuard(engine, critic, self.ranks)
 
     @property
     def shared_prompt(self) -> bool:
-        """Whether each group's prompt is computed once for its samples (learner.shared_prompt)."""
+        """Whether each group's prompt is computed once for its samples (learner.compute.shared_prompt)."""
         return self.forwards.shared
 
     @shared_prompt.setter
@@ -103,7 +103,7 @@ class PolicyUpdate:
             acc,
             micro_batches=sum(len(p) for p in plans),
             tokens=norm.tokens,
-            reference_kl=self.reference is not None and not self.cfg.kl_in_reward,
+            reference_kl=self.reference is not None and not self.cfg.regularization.kl_in_reward,
             critic=self.critic is not None,
         )
         diag["skipped"] = skipped
@@ -116,19 +116,19 @@ class PolicyUpdate:
         """Per group, the reward and the completion tokens of each sample trained on."""
         rewards, tokens = [], []
         for g in groups:
-            trained = trained_rewards(g, self.cfg.failed_reward, self.cfg.fallback_score)
+            trained = trained_rewards(g, self.cfg.batch.failed_reward, self.cfg.batch.fallback_score)
             kept = [(r, len(s.completion_ids)) for s, r in zip(g.samples, trained) if r is not None]
             rewards.append(torch.tensor([r for r, _ in kept], dtype=torch.float32))
             tokens.append(torch.tensor([n for _, n in kept]))
         return rewards, tokens
 
     def advantages(self, groups) -> list[torch.Tensor]:
-        """Per group, the advantage of each sample trained on (``learner.advantage`` over the batch), the
+        """Per group, the advantage of each sample trained on (``learner.advantages.estimator`` over the batch), the
         reward without a KL term."""
-        return batch_advantages(self.cfg.advantage, *self._rewards(groups))
+        return batch_advantages(self.cfg.advantages.estimator, *self._rewards(groups))
 
     def _kl_in_reward(self) -> bool:
-        return self.cfg.kl_in_reward and self.reference is not None
+        return self.cfg.regularization.kl_in_reward and self.reference is not None
 
     def _sequence_kl(self, b: Batch, old, transform) -> tuple[torch.Tensor, float]:
         """Per sample, Σ_t of the KL estimate between π_old and π_ref, and the tokens counted (StepInputs)."""
@@ -148,33 +148,39 @@ class PolicyUpdate:
             [torch.zeros(len(r)) for r in rewards],
             version,
             self.pad_id,
-            self.cfg.failed_reward,
-            self.cfg.fallback_score,
+            self.cfg.batch.failed_reward,
+            self.cfg.batch.fallback_score,
         )  # its advantages are set below, once π_old is known
         transform = sampling_transform(sampling)
         t0 = time.perf_counter()
         self.engine.train()
         n = len(b.lengths)
-        multi = self.cfg.ppo_epochs * self.cfg.minibatches > 1
+        multi = self.cfg.optim.ppo_epochs * self.cfg.optim.minibatches > 1
         old = (
             self._old_logprobs(b, torch.arange(n)[self.ranks.owns(b.groups)], transform)
-            if multi or self._counts_rejected_sequences() or self._kl_in_reward() or self.cfg.advantage == "vtrace"
+            if multi
+            or self._counts_rejected_sequences()
+            or self._kl_in_reward()
+            or self.cfg.advantages.estimator == "vtrace"
             else None
         )
         kl_ref = None
         if self._kl_in_reward():  # verl's use_kl_in_reward: r − β Σ_t kl(π_old, π_ref), then the estimator
             kl, kl_tokens = self._sequence_kl(b, old, transform)
             kl_ref = float(kl.sum()) / max(kl_tokens, 1.0)
-            rewards = [r - self.cfg.kl_coef * k.float() for r, k in zip(rewards, kl.split([len(r) for r in rewards]))]
+            rewards = [
+                r - self.cfg.regularization.kl_coef * k.float()
+                for r, k in zip(rewards, kl.split([len(r) for r in rewards]))
+            ]
         if self.critic is not None:
             self._critic_targets(b, torch.cat(rewards), old)
-        if self.cfg.advantage not in NEEDS_CRITIC:
-            adv = torch.cat(batch_advantages(self.cfg.advantage, rewards, tokens))
+        if self.cfg.advantages.estimator not in NEEDS_CRITIC:
+            adv = torch.cat(batch_advantages(self.cfg.advantages.estimator, rewards, tokens))
             b.advantages = adv[:, None].to(b.advantages.dtype)
         steps = []
-        for _ in range(self.cfg.ppo_epochs):
+        for _ in range(self.cfg.optim.ppo_epochs):
             split = (
-                torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.minibatches)
+                torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.optim.minibatches)
                 if multi
                 else [torch.arange(n)]
             )

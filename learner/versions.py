@@ -61,14 +61,14 @@ class Versions:
             keys,
             cfg.weight_store,
             tokenizer,
-            cfg.keep_versions,
+            cfg.publish.keep_versions,
             announce_key,
             publication_dtype(cfg.weights.dtype, cfg.deepspeed.bf16),
             cfg.weights.shard_mb,
             self.sender.handoff if self.sender else None,
             cfg.weights.digest,
             # never fewer than the staleness bound accepts
-            max(cfg.versions_kept, cfg.max_staleness + 1) if cfg.versions_kept else 0,
+            max(cfg.publish.keep_announcements, cfg.batch.max_staleness + 1) if cfg.publish.keep_announcements else 0,
             hash_threads=cfg.weights.hash_threads,
         )
         if cfg.lora_adapters_published:

@@ -43,7 +43,7 @@ def announce(
     check the hash a generator serves for a recent version), and tell subscribers (pub/sub); signed
     with ``key`` (the run's announcement key) when given. ``versions_kept`` > 0: the record of version
     ``a.version - versions_kept`` is deleted, so ``versions`` holds the newest ``versions_kept``
-    (versions are announced in order, one apart: learner.versions_kept)."""
+    (versions are announced in order, one apart: learner.publish.keep_announcements)."""
     data = encode_announcement(signing.signed(key, keys.run_id, a))
     pipe = r.pipeline()
     pipe.set(keys.latest, data)

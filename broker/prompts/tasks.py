@@ -73,8 +73,8 @@ TASKS: dict[str, Callable[[random.Random, TaskConfig], PromptEntry]] = {
     "calc": _calc,
 }
 
-# what a task needs beyond a reward plugin: the environment that runs its episodes (generator.env) and
-# the tiny model's tool vocabulary (learner.tiny_tools); tasks not listed are single-turn
+# what a task needs beyond a reward plugin: the environment that runs its episodes (generator.episodes.env) and
+# the tiny model's tool vocabulary (learner.tiny.tools); tasks not listed are single-turn
 TASK_NEEDS: dict[str, dict] = {
     "calc": {"env": "calc", "tools": True},
 }

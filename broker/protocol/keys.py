@@ -38,7 +38,7 @@ from dataclasses import dataclass
 PROMPTS_GROUP = "generators"
 TRAJECTORIES_GROUP = "learner"
 # group ids remembered for de-duplication and exactly-once commits: the last RECORD_WINDOW to twice that
-# many (``broker.record_window``, ``learner.record_window``; 0: all of the run's, never trimmed).
+# many (``broker.record_window``, ``learner.batch.record_window``; 0: all of the run's, never trimmed).
 # 2**18 ids are 45 minutes of a run at 100 groups/s, about 20-40 MB of Redis per set at most.
 RECORD_WINDOW = 1 << 18
 # the events stream's ceiling: every writer appends with MAXLEN ~ this; the broker trims it further to

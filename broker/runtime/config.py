@@ -13,22 +13,114 @@ This module imports no torch: ``--help`` and validation stay fast.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tomllib
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 T = TypeVar("T", bound=BaseModel)
+log = logging.getLogger("relay.config")
+
+RENAMED_DOC = "docs/config.md, Renamed keys"
+_warned: set[tuple[str, str]] = set()  # (model, old key): each renamed key is warned about once per process
+
+
+def _pop_path(d: dict, path: list[str], new: list[str]) -> tuple[bool, Any]:
+    """Take the value at ``path`` out of ``d`` (whose dicts on the way are copies): (found, value). A value
+    that is itself the new section (``new`` goes on below ``path``, and it is a dict or a model) is no old
+    spelling."""
+    for p in path[:-1]:
+        if not isinstance(d.get(p), dict):
+            return False, None
+        d[p] = d = dict(d[p])
+    if path[-1] not in d or (new[: len(path)] == path and isinstance(d[path[-1]], (dict, BaseModel))):
+        return False, None
+    return True, d.pop(path[-1])
+
+
+def _has_path(d: dict, path: list[str]) -> bool:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return False
+        d = d[p]
+    return True
+
+
+def move_renamed(data: Any, renamed: Mapping[str, str], owner: str) -> Any:
+    """``data`` (a model's input) with each key that ``renamed`` lists (old dotted path -> new dotted path,
+    relative to the model) moved to its new place, so that configs, ``--set`` and ``RELAY_*`` variables
+    written before a field moved keep working: one warning per key names the new spelling; the old and the
+    new spelling of one setting given together is a ValueError (which one would win is anyone's guess)."""
+    if not isinstance(data, dict) or not renamed:
+        return data
+    out = dict(data)
+    for old, new in renamed.items():
+        new_path = new.split(".")
+        found, value = _pop_path(out, old.split("."), new_path)
+        if not found:
+            continue
+        if _has_path(out, new_path):
+            raise ValueError(
+                f"{owner}: {old} and {new} are one setting ({new} is its new name, {RENAMED_DOC}): give only {new}"
+            )
+        _set_nested(out, new_path, value, copy=True)
+        if (owner, old) not in _warned:
+            _warned.add((owner, old))
+            log.warning("%s: %s was renamed %s (%s); the old name still works, for now", owner, old, new, RENAMED_DOC)
+    return out
+
+
+def _section_models(ann) -> list[type[BaseModel]]:
+    """The config models a field holds (``X``, ``X | None``, a discriminated union of them)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    return [m for a in typing.get_args(ann) for m in _section_models(a)]
+
+
+def migrate(model: type[BaseModel], data: Any) -> Any:
+    """``data`` for ``model`` with the renamed keys of the model and of its sections moved (``move_renamed``):
+    each layer of a config (file, variables, ``--set``) is migrated on its own before they are merged, so that
+    a ``--set`` of the old name overrides a file's new one instead of clashing with it."""
+    data = move_renamed(data, getattr(model, "__renamed__", {}), model.__name__)
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, field in model.model_fields.items():
+        if isinstance(out.get(name), dict):
+            for section in _section_models(field.annotation):
+                out[name] = migrate(section, out[name])
+    return out
+
+
+def renamed_path(model: type[BaseModel], path: list[str]) -> list[str]:
+    """``path`` (a field's segments) in its new spelling when it starts with one of ``model``'s renamed keys."""
+    for old, new in getattr(model, "__renamed__", {}).items():
+        old_path = old.split(".")
+        if path[: len(old_path)] == old_path:
+            return new.split(".") + path[len(old_path) :]
+    return path
 
 
 class StrictModel(BaseModel):
     """Base for every config model: unknown fields are rejected, assignments validated, and NaN and
     ±inf refused in every float field (no field of Relay's config has a meaning for them: an unbounded
-    value is spelled ``null`` where a field allows it, e.g. ``learner.tis_cap``)."""
+    value is spelled ``null`` where a field allows it, e.g. ``learner.correction.tis_cap``).
+
+    A model whose fields moved lists them in ``__renamed__`` (old dotted path -> new one): the old keys
+    keep working, with a warning (:func:`move_renamed`; docs/config.md, "Renamed keys")."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    __renamed__: typing.ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        return move_renamed(data, cls.__renamed__, cls.__name__)
 
 
 class RunConnection(StrictModel):
@@ -204,8 +296,12 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def _set_nested(d: dict, path: list[str], value: Any) -> None:
+def _set_nested(d: dict, path: list[str], value: Any, copy: bool = False) -> None:
+    """``d[path[0]]...[path[-1]] = value``, making the sections on the way (``copy``: copying those that exist,
+    which may be shared with a caller's dict)."""
     for p in path[:-1]:
+        if copy and isinstance(d.get(p), dict):
+            d[p] = dict(d[p])
         d = d.setdefault(p, {})
         if not isinstance(d, dict):
             raise ConfigError(f"cannot set {'.'.join(path)}: {p} is not a section")
@@ -238,7 +334,7 @@ def env_overrides(model: type[BaseModel], prefix: str = "RELAY_", environ: dict 
     """Nested dict of overrides from ``RELAY_<FIELD>[__<SUBFIELD>...]`` variables that name a field."""
     environ = os.environ if environ is None else environ
     out: dict = {}
-    fields = set(model.model_fields)
+    fields = set(model.model_fields) | {old.split(".")[0] for old in getattr(model, "__renamed__", {})}
     for key, raw in environ.items():
         if not key.startswith(prefix):
             continue
@@ -277,12 +373,15 @@ def load_config(
 ) -> T:
     """defaults < the file at ``path`` (``pick`` may select the part of it that is this model's) <
     ``RELAY_*`` variables < ``overrides``."""
-    data: dict = read_file(path) if path else {}
-    if pick is not None:
-        data = pick(data)
-    data = deep_merge(data, env_overrides(model, environ=environ))
-    data = deep_merge(data, overrides or {})
     try:
+        data: dict = read_file(path) if path else {}
+        if pick is not None:
+            data = pick(data)
+        data = migrate(model, data)  # each layer on its own: a later layer's old name overrides a new one below
+        data = deep_merge(data, migrate(model, env_overrides(model, environ=environ)))
+        data = deep_merge(data, migrate(model, overrides or {}))
         return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+    except ValueError as e:  # migrate's: a renamed key given in both spellings in one layer
+        raise ConfigError(f"invalid config: {e}") from None

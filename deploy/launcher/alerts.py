@@ -239,7 +239,7 @@ class PolicyWatch:
                 f"the policy converged: over the last {n} steps (to step {step}) its entropy was "
                 f"{ent:.3g} and {flat} steps had no gradient, at a mean reward of "
                 f"{statistics.fmean(rewards):.3f}, the best of the run: more steps change little "
-                f"(learner.target_reward ends a run there)"
+                f"(learner.target.reward ends a run there)"
             )
             return []
         reward = f"{statistics.fmean(rewards):.3f}" if rewards else "-"
@@ -249,9 +249,9 @@ class PolicyWatch:
                 f"the policy has collapsed: over the last {n} steps (to step {step}) its entropy was {ent:.3g} "
                 f"and {flat} steps had no gradient at all (every sample of each group got the same reward), and "
                 f"the mean reward stays at {reward}: it gives one answer per prompt and learns nothing more. "
-                f"If {reward} is the task's best score the run has converged (learner.target_reward ends a run "
-                f"there); otherwise raise learner.entropy_coef or generator.sampling.temperature, or lower "
-                f"learner.lr (docs/learner.md)"
+                f"If {reward} is the task's best score the run has converged (learner.target.reward ends a run "
+                f"there); otherwise raise learner.regularization.entropy_coef or generator.sampling.temperature, or lower "
+                f"learner.optim.lr (docs/learner.md)"
             ]
         if not low and flat >= n * STALL_FLAT:
             self.stalled = True
@@ -273,7 +273,7 @@ class PolicyWatch:
             f"the policy is dead: its gradient has been 0 for the last {self.dead} steps (to step "
             f"{int(_num(e.get('step')) or 0)}) while its loss is {_fmt(e.get('loss'))} and its entropy "
             f"{_fmt(e.get('entropy'))}, so its outputs no longer depend on its weights and nothing more is "
-            f"learnt; a learning rate far too high does this (learner.lr = {_fmt(e.get('lr'))}): lower it and "
+            f"learnt; a learning rate far too high does this (learner.optim.lr = {_fmt(e.get('lr'))}): lower it and "
             f"start again"
         ]
 
@@ -285,7 +285,7 @@ class PolicyWatch:
                 out.append(
                     f"{skipped} optimizer step(s) skipped by step {int(_num(e.get('step')) or 0)} for a "
                     f"non-finite loss or gradient (the weights were left as they were; the learner's log "
-                    f"says which): the policy is diverging, lower learner.lr ({_fmt(e.get('lr'))})"
+                    f"says which): the policy is diverging, lower learner.optim.lr ({_fmt(e.get('lr'))})"
                 )
             self.skipped = skipped
         if len(self.baseline) < EXPLODE_BASELINE or len(self.norms) < EXPLODE_RECENT:
@@ -299,7 +299,7 @@ class PolicyWatch:
             out.append(
                 f"the policy may be diverging: its gradient norm is {now:.3g} (median of the last "
                 f"{len(self.norms)} steps, to step {int(_num(e.get('step')) or 0)}), {now / base:.0f}x its "
-                f"{base:.3g} at the start (entropy {_fmt(e.get('entropy'))}): lower learner.lr "
+                f"{base:.3g} at the start (entropy {_fmt(e.get('entropy'))}): lower learner.optim.lr "
                 f"({_fmt(e.get('lr'))})"
             )
         return out

@@ -17,7 +17,7 @@ import typing
 
 from pydantic import BaseModel
 
-from broker.runtime.config import ConfigError, _parse_value, _set_nested
+from broker.runtime.config import ConfigError, _parse_value, _set_nested, renamed_path
 
 PREFIX = "RELAY_"
 
@@ -112,7 +112,7 @@ def resolve(models: dict[str, type[BaseModel]], environ: typing.Mapping[str, str
         if not key.startswith(PREFIX) or key in NOT_CONFIG or key in LAUNCHER_FLAGS:
             continue
         path = key[len(PREFIX) :].lower().split("__")
-        targets = [name for name, model in models.items() if _names_a_field(model, path)]
+        targets = [name for name, model in models.items() if _names_a_field(model, renamed_path(model, path))]
         if not targets:
             unknown.append(key)
         for name in targets:

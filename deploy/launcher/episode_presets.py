@@ -7,12 +7,18 @@ from __future__ import annotations
 from broker.prompts.tasks import TASK_NEEDS
 
 # the generator's: a few turns (call the tool, read its answer, answer); 32 episodes per prompt
-EPISODE_DEFAULTS = {"max_turns": 3, "max_episode_tokens": 32, "sampling": {"n": 32}}
+EPISODE_DEFAULTS = {"episodes": {"max_turns": 3, "max_tokens": 32}, "sampling": {"n": 32}}
 # and the learner's: 8 groups of 32 episodes a step, an entropy bonus and a higher upper clip keep the policy
 # exploring the call's characters until it copies the prompt into them (with 16 groups of 16 it collapsed onto
 # one call for every prompt; docs/agents.md, runs r1-r8); 2e-3 left the plateau sooner but settled, deterministic,
 # on a partly copied call in 3 of 4 runs (docs/agents.md, Measured); steps: more than 15 minutes of them here
-EPISODE_LEARNER_DEFAULTS = {"batch_groups": 8, "lr": 1e-3, "entropy_coef": 0.03, "clip_eps_high": 0.28, "steps": 3000}
+EPISODE_LEARNER_DEFAULTS = {
+    "batch": {"groups": 8},
+    "optim": {"lr": 1e-3},
+    "regularization": {"entropy_coef": 0.03},
+    "clip_eps_high": 0.28,
+    "steps": 3000,
+}
 
 
 def call_tokens(max_digits: int) -> int:
@@ -36,12 +42,12 @@ def episode_defaults(needs: dict, max_digits, batch_groups, generators: int) -> 
     batch_groups = (
         batch_groups
         if isinstance(batch_groups, int) and batch_groups >= 1
-        else EPISODE_LEARNER_DEFAULTS["batch_groups"]
+        else EPISODE_LEARNER_DEFAULTS["batch"]["groups"]
     )
     share = -(-batch_groups // max(generators, 1))
     return {
-        "env": needs["env"],
         **EPISODE_DEFAULTS,
+        "episodes": {**EPISODE_DEFAULTS["episodes"], "env": needs["env"]},
         "prompts_per_batch": max(share, 1),
         "sampling": {**EPISODE_DEFAULTS["sampling"], "max_tokens": call_tokens(max_digits)},
     }

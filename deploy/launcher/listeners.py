@@ -119,8 +119,8 @@ def hold_service_ports(cfgs: dict, movable: set[str]) -> Listeners:
             new = s.getsockname()[1]
             if new != port:
                 reward["port"] = new
-                if gen.get("reward_url"):
-                    gen["reward_url"] = gen["reward_url"].replace(f":{port}", f":{new}")
+                if gen.get("reward", {}).get("url"):
+                    gen["reward"]["url"] = gen["reward"]["url"].replace(f":{port}", f":{new}")
     except BaseException:
         held.close()
         raise

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from broker.prompts.tasks import TASK_NEEDS, UnknownTaskError, check_task, task_defaults
-from broker.runtime.config import ConfigError, deep_merge, format_validation_error, read_file, set_overrides
+from broker.runtime.config import ConfigError, deep_merge, format_validation_error, migrate, read_file, set_overrides
 from deploy.launcher.episode_presets import EPISODE_LEARNER_DEFAULTS, episode_defaults, task_reward_defaults
 from deploy.launcher.ingest_keys import ingest_key_dir
 
@@ -149,12 +149,12 @@ def _service_configs(args, section, run_id: str, run_dir: Path, http_port: int, 
             "weight_store": str(run_dir / "weights"),
             "model": args.model,
             "seed": args.seed,
-            **({"tiny_tools": True} if needs.get("tools") else {}),
+            **({"tiny": {"tools": True}} if needs.get("tools") else {}),
             **(EPISODE_LEARNER_DEFAULTS if needs.get("env") else {}),
         },
     )
     episodes = episode_defaults(
-        needs, broker.get("task", {}).get("max_digits"), learner.get("batch_groups"), args.generators
+        needs, broker.get("task", {}).get("max_digits"), learner.get("batch", {}).get("groups"), args.generators
     )
     generator = section(
         "generator",
@@ -167,7 +167,7 @@ def _service_configs(args, section, run_id: str, run_dir: Path, http_port: int, 
             "backend": {"type": args.backend},
             "ingest_auth": broker.get("ingest_auth", "curve"),
             "broker_public_key_file": str(keydir / "broker.key"),
-            "reward_url": reward_url,
+            "reward": {"url": reward_url},
             "seed": args.seed,
             **episodes,
         },
@@ -187,8 +187,15 @@ def _service_configs(args, section, run_id: str, run_dir: Path, http_port: int, 
 
 def _section(layers: tuple[dict, dict, dict, dict], name: str, base: dict) -> dict:
     """Service ``name``'s config: ``base`` (the launcher's values) under the config file's section, the
-    environment's, the flags' and ``--set``'s, in that order."""
+    environment's, the flags' and ``--set``'s, in that order; a renamed key of a layer is moved to its new
+    place before that layer is merged, so a ``--set`` of the old name overrides a file's new one."""
+    from deploy.launcher.environment import config_models
+
     for layer in (layers[0].get(name, {}), layers[1][name], layers[2][name], layers[3].get(name, {})):
+        try:
+            layer = migrate(config_models()[name], layer)  # renamed keys, each layer on its own (docs/config.md)
+        except ValueError as e:  # one setting under its old and its new name
+            raise ConfigError(f"[{name}] {e}") from None
         base = _switch_backend(base, layer)
         base = deep_merge(base, layer)
     return base
@@ -253,7 +260,7 @@ def _join(learner: dict, generator: dict, reward: dict) -> None:
         generator["weight_store"] = ""  # no shared folder: versions are fetched from the learner's weight server
         pin_weight_port(learner, generator, free_port)  # ...which the generators name: it gets a fixed port
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
-        learner.setdefault("tiny_vllm_compatible", True)
+        learner.setdefault("tiny", {}).setdefault("vllm_compatible", True)
     if reward.get("auth_token") and not generator.get("reward_token"):
         generator["reward_token"] = reward["auth_token"]  # the reward service's bearer token, for its callers
 
@@ -274,9 +281,9 @@ def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ra
             (GeneratorConfig, generator, "generator"),
         )
     }
-    batch = checked["learner"].batch_groups
+    batch = checked["learner"].batch.groups
     if batch % ranks:
-        raise UsageError(f"learner.batch_groups ({batch}) must be a multiple of --learner-ranks ({ranks})")
+        raise UsageError(f"learner.batch.groups ({batch}) must be a multiple of --learner-ranks ({ranks})")
     return checked
 
 

@@ -22,7 +22,7 @@ Every check is the services' own start-up code, called here too (one piece of co
 - prompt and completion fit the model's context (``context_length``, learner/model_folder.py):
   ``max_prompt_tokens`` (or, left at its default, the longest prompt of the rows checked; a built-in
   task's longest prompt) plus ``generator.sampling.max_tokens`` (an episode's ``max_episode_tokens``);
-- an environment on the built-in tiny model has its tool vocabulary (``learner.tiny_tools``; the
+- an environment on the built-in tiny model has its tool vocabulary (``learner.tiny.tools``; the
   generator's ``check_tool_vocabulary`` refuses to start without it, at every restart).
 
 Only a dataset check loads a tokenizer (transformers); the rest reads files and configs.
@@ -91,10 +91,10 @@ def check_run(p: dict) -> list[str]:
     if error:
         raise PreflightError(error)
     notes += lr_notes
-    if generator.env and learner.model == "tiny" and not learner.tiny_tools:
+    if generator.episodes.env and learner.model == "tiny" and not learner.tiny.tools:
         raise PreflightError(
-            f"generator.env = {generator.env!r} on the built-in tiny model needs its tool symbols: "
-            "set learner.tiny_tools = true (relay up --task calc does), or use a model whose "
+            f"generator.episodes.env = {generator.episodes.env!r} on the built-in tiny model needs its tool symbols: "
+            "set learner.tiny.tools = true (relay up --task calc does), or use a model whose "
             "tokenizer has a chat template"
         )
     context = Context(learner.model, generator)
@@ -123,12 +123,12 @@ def check_run(p: dict) -> list[str]:
             raise PreflightError(f"{name}: {e}") from None
         notes += context.check_dataset(ds, name, prompt_tokens(ds, tok, rows))
         if ds is main and main.epochs is not None:
-            prompts, need = len(rows) * main.epochs, learner.steps * learner.batch_groups
+            prompts, need = len(rows) * main.epochs, learner.steps * learner.batch.groups
             if prompts < need:
                 notes.append(
                     f"the dataset gives {prompts} prompts ({len(rows)} rows x {main.epochs} epochs) and "
-                    f"{learner.steps} steps x {learner.batch_groups} groups need {need}: the run will end "
-                    f"when the data ends, near step {prompts // learner.batch_groups}"
+                    f"{learner.steps} steps x {learner.batch.groups} groups need {need}: the run will end "
+                    f"when the data ends, near step {prompts // learner.batch.groups}"
                 )
     return notes
 
@@ -145,8 +145,8 @@ class Context:
         limit = getattr(generator.backend, "max_model_len", 0)
         if limit and (self.positions is None or limit < self.positions):
             self.positions = limit
-        if generator.env:
-            self.budget, self.setting = generator.max_episode_tokens, "generator.max_episode_tokens"
+        if generator.episodes.env:
+            self.budget, self.setting = generator.episodes.max_tokens, "generator.episodes.max_tokens"
         else:
             self.budget, self.setting = generator.sampling.max_tokens, "generator.sampling.max_tokens"
         self.model = "the built-in tiny model" if model == "tiny" else f"the model ({model})"

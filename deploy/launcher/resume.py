@@ -180,13 +180,15 @@ def _recorded(run_dir: Path, usage_error) -> tuple[dict, dict, object, dict]:
     is nothing to resume (completed, or no checkpoints)."""
     from pydantic import ValidationError
 
-    from broker.runtime.config import format_validation_error
+    from broker.runtime.config import format_validation_error, migrate
+    from deploy.launcher import environment
     from learner.config import LearnerConfig
 
     launch = json.loads((run_dir / LAUNCH).read_text())
     cfg_dir = run_dir / "config"
     cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
     cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
+    cfgs = {name: migrate(environment.config_models()[name], c) for name, c in cfgs.items()}  # an older run's keys
     try:
         learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
     except ValidationError as e:
@@ -195,8 +197,10 @@ def _recorded(run_dir: Path, usage_error) -> tuple[dict, dict, object, dict]:
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     if summary.get("status") == "completed":
         raise usage_error(f"run {run_dir.name} completed ({summary.get('steps')} of {steps} steps): nothing to resume")
-    if learner.checkpoint_every == 0:
-        raise usage_error(f"run {run_dir.name} has learner.checkpoint_every = 0: no checkpoint to continue from")
+    if learner.publish.checkpoint_every == 0:
+        raise usage_error(
+            f"run {run_dir.name} has learner.publish.checkpoint_every = 0: no checkpoint to continue from"
+        )
     return launch, cfgs, learner, summary
 
 

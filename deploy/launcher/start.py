@@ -50,7 +50,7 @@ def start_services(args, p: dict, procs) -> Started:
         p["producer_ids"],
         cfgs["broker"],
         cfgs["generator"],
-        cfgs["generator"]["reward_url"],
+        cfgs["generator"]["reward"]["url"],
         p.get("redis_users"),
         redis_url,
     ):

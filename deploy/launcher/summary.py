@@ -86,7 +86,7 @@ def build_summary(
 def reward_failures(lastm: dict, generators: dict[str, Heartbeat]) -> dict:
     """What failed rewards did to the run: samples whose reward failed (by plugin, as the generators
     counted them, with each plugin's latest reason), groups the learner dropped because none of their
-    rewards was usable, and the samples trained on ``learner.fallback_score`` instead (``fallback_used``:
+    rewards was usable, and the samples trained on ``learner.batch.fallback_score`` instead (``fallback_used``:
     the reward figures then include that score, not a measured one)."""
     by_plugin: dict[str, int] = {}
     reasons: dict[str, str] = {}

@@ -52,7 +52,7 @@ def _configuration(p) -> None:
         action="append",
         default=[],
         metavar="SERVICE.FIELD=VALUE",
-        help="override a field, e.g. --set learner.lr=0.001 --set generator.sampling.n=4 (docs/config.md)",
+        help="override a field, e.g. --set learner.optim.lr=0.001 --set generator.sampling.n=4 (docs/config.md)",
     )
 
 

@@ -33,9 +33,9 @@ class Watch:
         self.cfgs = cfgs
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts, hang_s=args.hang_after)
         no_resume = {}
-        if not p["learner_config"].checkpoint_every:
+        if not p["learner_config"].publish.checkpoint_every:
             no_resume["learner"] = (
-                "learner.checkpoint_every = 0, so a new learner would start over from the initial weights"
+                "learner.publish.checkpoint_every = 0, so a new learner would start over from the initial weights"
             )
         self.r = r = connect_redis(started.redis_url)
         self.keys = keys = Keys(p["run_id"])
@@ -44,7 +44,7 @@ class Watch:
         )
         self.total = p["learner_config"].steps
         self.progress = Progress(not args.no_progress, self.total)
-        reward_url = cfgs["generator"]["reward_url"]
+        reward_url = cfgs["generator"]["reward"]["url"]
         self.supervisor = Supervisor(
             procs,
             policy,

@@ -1,6 +1,6 @@
 """docs/agents.md's "Before you start", as a new user follows it: the package layout and `pyproject.toml` it
 shows, with its guess-the-number environment, installed with pip; then its `relay up` command trains with
-the environment found through the package's entry point, on the tiny model (`learner.tiny_tools`). The
+the environment found through the package's entry point, on the tiny model (`learner.tiny.tools`). The
 hints `higher` / `lower` are not in the tiny vocabulary: the run counts them as unspellable replies and
 the generator's log says what the model read instead.
 

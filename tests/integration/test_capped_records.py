@@ -1,5 +1,5 @@
 """Records that would grow with a run's length are capped by configuration: the announcements kept
-(learner.versions_kept) and the events stream (broker.events_kept). Real Redis, the broker's ingest
+(learner.publish.keep_announcements) and the events stream (broker.events_kept). Real Redis, the broker's ingest
 driven in-process."""
 
 import redis

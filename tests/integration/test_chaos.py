@@ -179,7 +179,7 @@ def test_chaos_every_service_killed_twice_loses_nothing(tmp_path):
         "--hang-after",
         str(HANG_AFTER),
         "--set",
-        "learner.checkpoint_every=10",
+        "learner.publish.checkpoint_every=10",
         "--set",
         "generator.claim_idle_s=10",
     ]

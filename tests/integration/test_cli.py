@@ -63,7 +63,7 @@ def test_redis_not_installed(tmp_path):
 
 
 def test_bad_config_field_names_the_field(tmp_path):
-    _assert_clear_error(relay("up", "--set", "learner.lr=-1", "--runs-dir", str(tmp_path)), "learner", "lr")
+    _assert_clear_error(relay("up", "--set", "learner.optim.lr=-1", "--runs-dir", str(tmp_path)), "learner", "lr")
     _assert_clear_error(relay("up", "--set", "learner.lrr=1", "--runs-dir", str(tmp_path)), "lrr", "unknown field")
     res = relay("learner", "--set", "steps=0")
     _assert_clear_error(res, "steps", "greater than or equal to 1")

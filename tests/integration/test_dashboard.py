@@ -76,7 +76,7 @@ def loop(tmp_path_factory):
             "dash",
             "--no-progress",
             "--set",
-            "learner.batch_groups=4",
+            "learner.batch.groups=4",
             "--set",
             "generator.prompts_per_batch=2",
             "--set",

@@ -33,8 +33,8 @@ def run(tmp_path_factory):
             "1",
             steps=6,
             sets=(
-                "learner.batch_groups=8",
-                "learner.keep_versions=10",
+                "learner.batch.groups=8",
+                "learner.publish.keep_versions=10",
             ),
         ),
         timeout=600,

@@ -1,5 +1,5 @@
 """The critic in the real learner (DeepSpeed on CPU, the tiny model, a real Redis): with
-``learner.advantage=gae`` and ``learner.critic.enabled=true`` the value model learns the returns of
+``learner.advantages.estimator=gae`` and ``learner.critic.enabled=true`` the value model learns the returns of
 groups whose reward is decided by the first completion token: its value loss falls and its explained
 variance rises, both reported in metrics.jsonl with the value clip fraction and the mean value."""
 

@@ -22,8 +22,8 @@ def test_two_learner_ranks_stay_identical(tmp_path):
             "2",
             steps=steps,
             sets=(
-                "learner.rank_checksums=true",
-                "learner.batch_groups=8",
+                "learner.metrics.rank_checksums=true",
+                "learner.batch.groups=8",
             ),
         ),
         timeout=600,
@@ -57,10 +57,10 @@ def test_two_learner_ranks_zero3_bf16_publish_the_whole_model_and_checkpoint(tmp
             "2",
             steps=steps,
             sets=(
-                "learner.batch_groups=8",
+                "learner.batch.groups=8",
                 "learner.deepspeed.zero_stage=3",
                 "learner.deepspeed.bf16=true",
-                "learner.checkpoint_every=2",
+                "learner.publish.checkpoint_every=2",
                 "learner.deepspeed.zero3_persistence_threshold=0",
             ),
         ),

@@ -29,10 +29,10 @@ def test_kl_to_the_reference_starts_at_zero_and_grows(tmp_path, lora):
             "kl",
             steps=6,
             sets=(
-                "learner.kl_coef=0.1",
-                "learner.entropy_coef=0.01",
+                "learner.regularization.kl_coef=0.1",
+                "learner.regularization.entropy_coef=0.01",
                 f"learner.lora.rank={lora}",
-                "learner.batch_groups=8",
+                "learner.batch.groups=8",
                 "generator.sampling.temperature=0.8",
                 "generator.sampling.top_k=8",
                 "generator.sampling.top_p=0.95",

@@ -133,10 +133,10 @@ MISTAKES = {
         ["row 0's reference 'one two three' does not survive the tokenizer"],
     ),
     "a learning rate of 1000": (
-        _set("learner.lr=1000"),
-        ["learner.lr = 1000 is no learning rate", "set learner.lr below 1"],
+        _set("learner.optim.lr=1000"),
+        ["learner.optim.lr = 1000 is no learning rate", "set learner.optim.lr below 1"],
     ),
-    "a learning rate of 1e30": (_set("learner.lr=1e30"), ["learner.lr = 1e+30 is no learning rate"]),
+    "a learning rate of 1e30": (_set("learner.optim.lr=1e30"), ["learner.optim.lr = 1e+30 is no learning rate"]),
     # before, the generators' groups went unanswered (a refused handshake) or were rejected wrong_generator
     "an allow-list of one's own without the generators' key": (
         _own_keys("broker.ingest_clients_file"),
@@ -157,8 +157,8 @@ MISTAKES = {
         ["--producers adds each producer's key", "add your producers' keys"],
     ),
     "an environment on the tiny model without its tools": (
-        lambda tmp_path, env: ["--task", "calc", "--set", "learner.tiny_tools=false"],
-        ["generator.env = 'calc'", "learner.tiny_tools = true"],
+        lambda tmp_path, env: ["--task", "calc", "--set", "learner.tiny.tools=false"],
+        ["generator.episodes.env = 'calc'", "learner.tiny.tools = true"],
     ),
 }
 

@@ -71,7 +71,7 @@ def test_the_smollm2_demo_runs_as_shown_at_small_size(tmp_path):
     for name in (".venv", ".cache", "Makefile", "pyproject.toml", "examples", "tests"):
         (work / name).symlink_to(ROOT / name)
     small = (
-        "--steps 1 --set learner.batch_groups=1 --set generator.prompts_per_batch=1 "
+        "--steps 1 --set learner.batch.groups=1 --set generator.prompts_per_batch=1 "
         "--set generator.sampling.n=4 --set broker.eval.prompts=2 --dashboard-port 0 --no-progress"
     )
     res = _run(f'{cmd} RELAY_ARGS="{small}"', work, timeout=900)

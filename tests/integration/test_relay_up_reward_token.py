@@ -38,7 +38,7 @@ def test_the_reward_service_of_a_run_answers_only_with_the_run_s_token(tmp_path)
             "tok",
             "--no-progress",
             "--set",
-            "learner.batch_groups=2",
+            "learner.batch.groups=2",
             "--set",
             "generator.prompts_per_batch=2",
             "--set",

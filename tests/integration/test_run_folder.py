@@ -55,7 +55,7 @@ def test_one_run_per_runs_folder_plain_status_shows_it_and_its_folder_is_private
             "0",
             "--no-progress",
             "--set",
-            "learner.batch_groups=4",
+            "learner.batch.groups=4",
             "--set",
             "broker.eval.every_versions=0",
         ],

@@ -21,7 +21,7 @@ def test_latest_moves_only_to_runs_that_started_and_the_summary_says_how_each_en
         "--generators",
         "1",
         "--set",
-        "learner.batch_groups=4",
+        "learner.batch.groups=4",
         "--set",
         "broker.eval.every_versions=0",
     ]

@@ -88,9 +88,9 @@ def test_a_service_that_may_not_restart_fails_the_run_at_once(group, tmp_path):
     group.start("learner", [sys.executable, "-c", "import sys; sys.exit(1)"])
     group.children[0].proc.wait(10)
     sup = Supervisor(
-        group, RestartPolicy(), tmp_path / "pids.json", ["learner"], {"learner": "learner.checkpoint_every = 0"}
+        group, RestartPolicy(), tmp_path / "pids.json", ["learner"], {"learner": "learner.publish.checkpoint_every = 0"}
     )
-    with pytest.raises(GiveUp, match="not restarted: learner.checkpoint_every = 0"):
+    with pytest.raises(GiveUp, match="not restarted: learner.publish.checkpoint_every = 0"):
         sup.poll(lambda: False)
     assert sup.total() == 0
 

@@ -2,7 +2,7 @@
 to the same reward threshold as `make run` (0.9), with every weight version applied in place (one
 engine per generator for the whole run) and behaviour log-probs that stay those of the learner's
 weights. The run ends when the mean reward of the last 320 groups (10 steps) reaches 0.9
-(`learner.target_reward`), at most 1,000 steps: the vLLM-compatible tiny model (a Llama with heads of
+(`learner.target.reward`), at most 1,000 steps: the vLLM-compatible tiny model (a Llama with heads of
 32) reached 0.9 between step 150 and 500 in the runs measured here (docs/generators.md)."""
 
 import importlib.util
@@ -42,9 +42,9 @@ def test_relay_up_with_vllm_generators_learns_the_default_task(tmp_path):
             "--steps",
             str(MAX_STEPS),
             "--set",
-            f"learner.target_reward={TARGET}",
+            f"learner.target.reward={TARGET}",
             "--set",
-            f"learner.target_window={WINDOW}",
+            f"learner.target.window={WINDOW}",
             "--dashboard-port",
             "0",
             "--no-progress",

@@ -4,7 +4,7 @@ and ``relay.envs`` entry points (a ``*.dist-info`` folder on the path).
 
 ``install(folder)`` writes that folder and returns the ``PYTHONPATH`` entry that makes every child
 process (``relay up``'s reward service and generators) find them; the plugin is then named ``raises``
-in ``reward.task_plugins``, the environment ``fails_at_start`` in ``generator.env``."""
+in ``reward.task_plugins``, the environment ``fails_at_start`` in ``generator.episodes.env``."""
 
 from __future__ import annotations
 

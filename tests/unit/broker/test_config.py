@@ -28,15 +28,15 @@ def test_infinities_and_nan_are_refused_with_the_field_named(tmp_path):
     from reward_service.config import RewardConfig
 
     f = tmp_path / "learner.toml"
-    f.write_text("lr = inf\n")  # TOML spells infinity; so does the environment's JSON ("Infinity")
-    with pytest.raises(ConfigError, match=r"lr: Input should be a finite number"):
+    f.write_text("[optim]\nlr = inf\n")  # TOML spells infinity; so does the environment's JSON ("Infinity")
+    with pytest.raises(ConfigError, match=r"optim\.lr: Input should be a finite number"):
         load_config(LearnerConfig, f, environ={})
     with pytest.raises(ConfigError, match=r"correction\.tis_cap: Input should be a finite number"):
         load_config(LearnerConfig, environ={"RELAY_CORRECTION__TIS_CAP": "NaN"})
     with pytest.raises(ConfigError, match=r"dead_after_s: Input should be a finite number"):
         load_config(BrokerConfig, overrides={"dead_after_s": float("inf")}, environ={})
-    with pytest.raises(ConfigError, match=r"reward_timeout_s"):
-        load_config(GeneratorConfig, environ={"RELAY_REWARD_TIMEOUT_S": "Infinity"})
+    with pytest.raises(ConfigError, match=r"reward\.timeout_s"):
+        load_config(GeneratorConfig, environ={"RELAY_REWARD__TIMEOUT_S": "Infinity"})
     assert load_config(RewardConfig, environ={}).max_request_bytes > 0  # defaults are finite everywhere
     assert (
         load_config(LearnerConfig, overrides={"correction": {"tis_cap": None}}, environ={}).correction.tis_cap is None

@@ -104,8 +104,8 @@ def test_tensorboard_event_files_parse_with_the_scalars(tmp_path):
 def test_wandb_is_off_by_default_and_never_imported():
     code = (
         "import sys\nfrom learner.config import LearnerConfig\nfrom learner.records import RunRecords\n"
-        "import tempfile\ncfg = LearnerConfig()\nassert not cfg.wandb.enabled\n"
-        "RunRecords(tempfile.mkdtemp(), True, cfg.wandb, 'x', {}).close()\n"
+        "import tempfile\ncfg = LearnerConfig()\nassert not cfg.metrics.wandb.enabled\n"
+        "RunRecords(tempfile.mkdtemp(), True, cfg.metrics.wandb, 'x', {}).close()\n"
         "assert 'wandb' not in sys.modules, 'wandb was imported'\nprint('ok')"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

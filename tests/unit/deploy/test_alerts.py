@@ -102,7 +102,7 @@ def test_a_collapsed_policy_is_said_after_50_steps_without_a_gradient():
         "the policy has collapsed: over the last 50 steps (to step 126) its "
         "entropy was 0.006 and 26 steps had no gradient at all"
     )
-    assert "learner.entropy_coef" in said[0]
+    assert "learner.regularization.entropy_coef" in said[0]
     assert w.update([_step(s, entropy=0.006, loss=0.0, grad_norm=0.0) for s in range(126, 200)]) == []  # once
     assert w.stalled and w.collapsed
     w.update([_step(s) for s in range(200, 241)])  # learning again: said again if it happens again
@@ -144,10 +144,10 @@ def test_a_diverging_policy_is_said_by_its_gradient_norm_or_its_skipped_steps():
     assert w.update([_step(s, grad_norm=0.5) for s in range(1, 31)]) == []
     said = w.update([_step(s, grad_norm=80.0, entropy=0.01) for s in range(31, 41)])
     assert len(said) == 1 and "gradient norm is 80" in said[0] and "160x its 0.5 at the start" in said[0]
-    assert "lower learner.lr (0.002)" in said[0] and w.diverging
+    assert "lower learner.optim.lr (0.002)" in said[0] and w.diverging
     said = PolicyWatch().update([_step(1), _step(2, skipped=1, lr=1000.0), _step(3, skipped=2, lr=1000.0)])
     assert len(said) == 1 and said[0].startswith("1 optimizer step(s) skipped by step 2 for a non-finite loss")
-    assert "lower learner.lr (1000)" in said[0]
+    assert "lower learner.optim.lr (1000)" in said[0]
 
 
 def test_a_policy_a_far_too_high_learning_rate_killed_is_said_dead_after_5_steps():
@@ -163,7 +163,7 @@ def test_a_policy_a_far_too_high_learning_rate_killed_is_said_dead_after_5_steps
         "the policy is dead: its gradient has been 0 for the last 5 steps "
         "(to step 6) while its loss is 0.0068 and its entropy 2.708"
     )
-    assert "learner.lr = 1000" in said[0] and w.killed and not w.stalled
+    assert "learner.optim.lr = 1000" in said[0] and w.killed and not w.stalled
     assert PolicyWatch().suspect() is None
 
 

@@ -55,7 +55,17 @@ def test_every_field_of_every_service_is_listed_with_its_default_and_description
                 assert " ".join(f.description.split())[:40].replace("|", "\\|") in rows[path], path
             n += 1
     assert n > 150 and "`generator.sampling.max_tokens` | int | `8` | ≥ 1, ≤ 32768" in text
-    assert "`learner.keep_versions` | int | `4` | ≥ 1" in text
+    assert "`learner.publish.keep_versions` | int | `4` | ≥ 1" in text
+
+
+def test_every_renamed_key_is_in_the_migration_table():
+    from generators.config import RENAMED as GENERATOR
+    from learner.config import RENAMED as LEARNER
+
+    text = DOC.read_text()
+    for service, table in (("learner", LEARNER), ("generator", GENERATOR)):
+        for old, new in table.items():
+            assert f"| `{service}.{old}` | `{service}.{new}` |" in text, old
 
 
 @pytest.mark.parametrize("service", ["broker", "reward", "generator", "learner"])
@@ -96,7 +106,9 @@ def test_config_show_prints_a_runs_effective_config(tmp_path, capsys):
     out = capsys.readouterr().out
     blocks = {b.split("\n", 1)[0]: json.loads(b.split("\n", 1)[1]) for b in out.strip().split("\n\n")}
     learner = blocks[f"# {cfg / 'learner.json'}"]
-    assert learner["steps"] == 12 and learner["keep_versions"] == 4 and learner["lr"] == 0.002  # defaults filled
+    assert (
+        learner["steps"] == 12 and learner["publish"]["keep_versions"] == 4 and learner["optim"]["lr"] == 0.002
+    )  # defaults filled
     assert blocks[f"# {cfg / 'generator-0.json'}"]["sampling"] == {
         "n": 8,
         "temperature": 0.5,

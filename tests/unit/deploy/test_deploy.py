@@ -43,8 +43,8 @@ TOKEN_VARS = {"RELAY_AUTH_TOKEN", "RELAY_REWARD_TOKEN"}
 PORT_FIELD = {
     "broker": "RELAY_HTTP_PORT",
     "reward": "RELAY_PORT",
-    "learner": "RELAY_METRICS_PORT",
-    "generator": "RELAY_METRICS_PORT",
+    "learner": "RELAY_METRICS__PORT",
+    "generator": "RELAY_METRICS__PORT",
 }
 
 

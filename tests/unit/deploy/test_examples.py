@@ -31,14 +31,14 @@ def test_example_config_validates(path: Path):
     assert broker.eval.every_versions > 0 and broker.eval.dataset is not None
     if path.parent.name.startswith("gsm8k"):  # the GPU example: stated, not measured here
         assert gen.backend.type == "vllm" and learner.deepspeed.zero_stage == 2
-        assert learner.batch_groups % 2 == 0  # --learner-ranks 2
+        assert learner.batch.groups % 2 == 0  # --learner-ranks 2
         # runnable on the stated GPUs: a pretrained model's learning rate, bounded memory (docs/learner.md)
-        assert "lr" in cfg["learner"] and learner.lr <= 1e-5
-        assert learner.deepspeed.bf16 and learner.gradient_checkpointing
-        assert 1024 <= learner.micro_batch_tokens <= 65536 and "micro_batch_tokens" in cfg["learner"]
+        assert "lr" in cfg["learner"]["optim"] and learner.optim.lr <= 1e-5
+        assert learner.deepspeed.bf16 and learner.compute.gradient_checkpointing
+        assert 1024 <= learner.compute.micro_batch_tokens <= 65536 and "micro_batch_tokens" in cfg["learner"]["compute"]
         text = (path.parent / "README.md").read_text()
         assert "not measured" in text and "expected" in text.lower()
     else:  # a CPU example: `make` runs it, its README gives what was measured
-        assert gen.backend.type == "torch" and "lr" in cfg["learner"]
-        assert "micro_batch_tokens" in cfg["learner"]
+        assert gen.backend.type == "torch" and "lr" in cfg["learner"]["optim"]
+        assert "micro_batch_tokens" in cfg["learner"]["compute"]
         assert "measured" in (path.parent / "README.md").read_text().lower()

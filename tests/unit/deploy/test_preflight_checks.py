@@ -87,12 +87,12 @@ def test_learning_rates_far_from_the_models_are_a_note_and_absurd_ones_an_error(
     assert lr_problems(LearnerConfig()) == (None, [])  # the defaults
     assert lr_problems(LearnerConfig(model="/m", lora={"rank": 8})) == (None, [])
     error, _ = lr_problems(LearnerConfig(lr=1000.0))
-    assert error.startswith("learner.lr = 1000 is no learning rate") and "set learner.lr below 1" in error
+    assert error.startswith("learner.optim.lr = 1000 is no learning rate") and "set learner.optim.lr below 1" in error
     error, _ = lr_problems(LearnerConfig(critic={"enabled": True, "lr": 5.0}, advantage="gae"))
     assert error.startswith("learner.critic.lr = 5 is no learning rate")
     _, notes = lr_problems(LearnerConfig(lr=0.5))
     assert notes == [
-        "learner.lr = 0.5 is 250x above the 0.002 that the built-in tiny model trains at: training "
+        "learner.optim.lr = 0.5 is 250x above the 0.002 that the built-in tiny model trains at: training "
         "usually diverges (the policy dies); a rate from 2e-05 to 0.04 suits it (docs/learner.md)"
     ]
     _, notes = lr_problems(LearnerConfig(model="/m", lr=1e-3))

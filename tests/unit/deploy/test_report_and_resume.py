@@ -209,7 +209,7 @@ def test_resume_keeps_the_recorded_config_and_moves_only_ports_that_are_taken(tm
     assert p["learner"]["steps"] == 50 and p["resumed"]["steps"] == 20
     assert p["broker"]["ingest_bind"] != "tcp://127.0.0.1:6391"
     assert p["generator"]["broker_address"] == p["broker"]["ingest_bind"]  # the generators follow it
-    assert p["generator"]["reward_url"] == f"http://127.0.0.1:{p['reward']['port']}"
+    assert p["generator"]["reward"]["url"] == f"http://127.0.0.1:{p['reward']['port']}"
     assert p["broker"]["redis_url"] == p["learner"]["redis_url"] == p["generator"]["redis_url"] == p["redis_url"]
     assert "redis_url" not in p["reward"] and "id" not in p["generator"]
     # tokens are never in the run folder: they come from the environment again
@@ -248,7 +248,7 @@ def test_resume_gives_every_generator_its_own_ingest_key_again(tmp_path):
         (
             {"status": "interrupted"},
             "everysec",
-            ["--steps", "80", "--set", "learner.lr=0.1"],
+            ["--steps", "80", "--set", "learner.optim.lr=0.1"],
             {},
             "recorded config (config/*.json); leave out --steps, --set",
         ),

@@ -23,10 +23,12 @@ def test_calc_sets_the_environment_the_tool_vocabulary_and_short_turns(tmp_path)
     p = _plan(tmp_path, "--run-id", "a", "--task", "calc")
     g = p["generator"]
     # a turn is at most the one-digit call's 5 tokens: <tool_call> 7 * 8 </tool_call>
-    assert g["env"] == "calc" and g["max_turns"] == 3 and g["sampling"]["max_tokens"] == 5
-    assert p["learner"]["tiny_tools"] is True
-    assert g["sampling"]["n"] == 32 and p["learner"]["batch_groups"] == 8 and p["learner"]["entropy_coef"] == 0.03
-    assert p["learner"]["lr"] == 1e-3 and p["learner"]["steps"] == 3000  # docs/agents.md, "Measured"
+    assert g["episodes"]["env"] == "calc" and g["episodes"]["max_turns"] == 3 and g["sampling"]["max_tokens"] == 5
+    assert p["learner"]["tiny"]["tools"] is True
+    learner = p["learner"]
+    assert g["sampling"]["n"] == 32 and learner["batch"]["groups"] == 8
+    assert learner["regularization"]["entropy_coef"] == 0.03
+    assert learner["optim"]["lr"] == 1e-3 and learner["steps"] == 3000  # docs/agents.md, "Measured"
     assert g["prompts_per_batch"] == 4  # the 2 generators sample a step's 8 groups side by side
     assert p["broker"]["task"]["min_digits"] == p["broker"]["task"]["max_digits"] == 1
     assert p["reward"]["task_plugins"]["calc"] == "digits" and p["reward"]["task_plugins"]["copy"] == "digits"
@@ -38,16 +40,16 @@ def test_calc_sets_the_environment_the_tool_vocabulary_and_short_turns(tmp_path)
         "--task",
         "calc",
         "--set",
-        "generator.max_turns=5",
+        "generator.episodes.max_turns=5",
         "--set",
         "generator.sampling.max_tokens=12",
         "--set",
         "broker.task.max_digits=2",
     )
-    assert q["generator"]["max_turns"] == 5 and q["generator"]["sampling"]["max_tokens"] == 12
+    assert q["generator"]["episodes"]["max_turns"] == 5 and q["generator"]["sampling"]["max_tokens"] == 12
     assert q["broker"]["task"]["max_digits"] == 2 and q["broker"]["task"]["min_digits"] == 1
-    q = _plan(tmp_path, "--run-id", "c", "--task", "calc", "--steps", "50", "--set", "learner.lr=0.001")
-    assert q["learner"]["steps"] == 50 and q["learner"]["lr"] == 1e-3
+    q = _plan(tmp_path, "--run-id", "c", "--task", "calc", "--steps", "50", "--set", "learner.optim.lr=0.001")
+    assert q["learner"]["steps"] == 50 and q["learner"]["optim"]["lr"] == 1e-3
 
 
 def test_calc_turn_budget_follows_the_operands_and_the_generators_share_a_step(tmp_path):
@@ -61,7 +63,7 @@ def test_calc_turn_budget_follows_the_operands_and_the_generators_share_a_step(t
     assert (
         _plan(tmp_path, "--run-id", "c", "--task", "calc", "--generators", "3")["generator"]["prompts_per_batch"] == 3
     )
-    q = _plan(tmp_path, "--run-id", "d", "--task", "calc", "--set", "learner.batch_groups=16")
+    q = _plan(tmp_path, "--run-id", "d", "--task", "calc", "--set", "learner.batch.groups=16")
     assert q["generator"]["prompts_per_batch"] == 8
     r = _plan(tmp_path, "--run-id", "e", "--task", "calc", "--set", "generator.prompts_per_batch=2")
     assert r["generator"]["prompts_per_batch"] == 2
@@ -69,8 +71,8 @@ def test_calc_turn_budget_follows_the_operands_and_the_generators_share_a_step(t
 
 def test_single_turn_tasks_are_planned_as_before(tmp_path):
     p = _plan(tmp_path, "--run-id", "a", "--task", "copy")
-    assert "env" not in p["generator"] and "sampling" not in p["generator"]
-    assert "tiny_tools" not in p["learner"] and "task_plugins" not in p["reward"]
+    assert "episodes" not in p["generator"] and "sampling" not in p["generator"]
+    assert "tiny" not in p["learner"] and "task_plugins" not in p["reward"]
     assert p["broker"]["task"] == {"name": "copy", "seed": 0}
 
 

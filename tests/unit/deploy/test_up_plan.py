@@ -29,21 +29,21 @@ def _plan(tmp_path, *argv, environ=None):
 def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_them(tmp_path):
     default = _plan(tmp_path, "--run-id", "a")
     assert default["generator"]["broker_address"] == default["broker"]["ingest_bind"]
-    assert default["generator"]["reward_url"] == f"http://127.0.0.1:{default['reward']['port']}"
+    assert default["generator"]["reward"]["url"] == f"http://127.0.0.1:{default['reward']['port']}"
 
     moved = _plan(
         tmp_path, "--run-id", "b", "--set", "broker.ingest_bind=tcp://127.0.0.1:6123", "--set", "reward.port=6200"
     )
     assert moved["broker"]["ingest_bind"] == "tcp://127.0.0.1:6123"
     assert moved["generator"]["broker_address"] == "tcp://127.0.0.1:6123"
-    assert moved["generator"]["reward_url"] == "http://127.0.0.1:6200"
+    assert moved["generator"]["reward"]["url"] == "http://127.0.0.1:6200"
 
     # bound on every interface: the generators on this machine connect through the loopback
     wildcard = _plan(
         tmp_path, "--run-id", "c", "--set", "broker.ingest_bind=tcp://0.0.0.0:6124", "--set", "reward.host=0.0.0.0"
     )
     assert wildcard["generator"]["broker_address"] == "tcp://127.0.0.1:6124"
-    assert wildcard["generator"]["reward_url"] == f"http://127.0.0.1:{wildcard['reward']['port']}"
+    assert wildcard["generator"]["reward"]["url"] == f"http://127.0.0.1:{wildcard['reward']['port']}"
 
     # an explicit generator address still wins
     explicit = _plan(
@@ -72,12 +72,14 @@ def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_
 def test_one_precedence_order_defaults_file_environment_flags(tmp_path):
     """defaults < config file < RELAY_* < flags and --set; each service's effective config (written
     to runs/<id>/config/*.json) holds the environment's values."""
-    (tmp_path / "run.toml").write_text("[learner]\nsteps = 20\nbatch_groups = 8\n[generator.sampling]\nn = 4\n")
+    (tmp_path / "run.toml").write_text(
+        "[learner]\nsteps = 20\n[learner.batch]\ngroups = 8\n[generator.sampling]\nn = 4\n"
+    )
     env = {"RELAY_STEPS": "4", "RELAY_SAMPLING__TEMPERATURE": "0.7", "RELAY_SEED": "5"}
     assert "steps" not in _plan(tmp_path, "--run-id", "b")["learner"]  # the model's default
     assert _plan(tmp_path, "--run-id", "c", "--config", str(tmp_path / "run.toml"))["learner"]["steps"] == 20
     p = _plan(tmp_path, "--run-id", "d", "--config", str(tmp_path / "run.toml"), environ=env)
-    assert p["learner"]["steps"] == 4 and p["learner"]["batch_groups"] == 8  # the environment over the file
+    assert p["learner"]["steps"] == 4 and p["learner"]["batch"]["groups"] == 8  # the environment over the file
     assert p["generator"]["sampling"] == {"n": 4, "temperature": 0.7}  # recorded in the generator's config
     assert p["learner"]["seed"] == p["generator"]["seed"] == 5 and p["broker"]["task"]["seed"] == 5
     p = _plan(
@@ -302,7 +304,7 @@ def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_ano
         assert theirs not in ours and len(set(ours)) == 4, ours
         assert p["http_port"] == p["broker"]["http_port"]
         assert p["generator"]["broker_address"] == f"tcp://127.0.0.1:{ingest},tcp://127.0.0.1:{ingest + 1}"
-        assert p["generator"]["reward_url"] == f"http://127.0.0.1:{p['reward']['port']}"
+        assert p["generator"]["reward"]["url"] == f"http://127.0.0.1:{p['reward']['port']}"
         held = p["listeners"]
         assert sorted(s.getsockname()[1] for socks in held.sockets.values() for s in socks) == sorted(ours)
         assert all(procs.port_in_use(port) for port in ours)  # bound until the run ends: nobody can take them

@@ -77,7 +77,7 @@ def test_a_url_that_is_not_a_reward_service_stops_the_generator(server):
     with pytest.raises(
         RewardRefused,
         match=r"no reward service at .*: POST /score answered HTTP 404.*"
-        r"set generator.reward_url",
+        r"set generator.reward.url",
     ):
         _client(server + "/api").score(ITEMS)
 

@@ -26,7 +26,7 @@ def test_skip_leaves_failed_samples_out_and_fallback_uses_the_score():
 
 
 def test_learner_config_validates_the_choice():
-    assert LearnerConfig().failed_reward == "skip"
-    assert LearnerConfig(failed_reward="fallback", fallback_score=0.0).fallback_score == 0.0
+    assert LearnerConfig().batch.failed_reward == "skip"
+    assert LearnerConfig(batch={"failed_reward": "fallback", "fallback_score": 0.0}).batch.fallback_score == 0.0
     with pytest.raises(ValueError, match="failed_reward"):
-        LearnerConfig(failed_reward="zero")
+        LearnerConfig(batch={"failed_reward": "zero"})

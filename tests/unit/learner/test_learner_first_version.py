@@ -36,7 +36,7 @@ def test_a_resume_where_the_checkpoint_left_the_versions_publishes_nothing(tmp_p
         snapshot(tmp_path, v)
     # stopped (Ctrl-C) right after version 7 was published from the checkpoint's weights
     assert resumed_versions({"version": 7, "pending": False, "unpublished": False}, 7, tmp_path) == (7, False, False)
-    # stopped between two publications (learner.publish_every > 1): the next due one publishes
+    # stopped between two publications (learner.publish.every > 1): the next due one publishes
     assert resumed_versions({"version": 7, "pending": False, "unpublished": True}, 7, tmp_path) == (7, False, True)
     # a checkpoint written just before its step's publication, which was announced
     snapshot(tmp_path, 8)

@@ -75,9 +75,9 @@ def test_target_modules_by_name_and_clear_errors(tiny):
 def test_lora_defaults():
     assert LearnerConfig().lora.rank == 0  # off unless asked
     on = LearnerConfig(lora={"rank": 8})
-    assert on.lr == pytest.approx(10 * LearnerConfig().lr)  # adapters train at ~10x the full rate
-    assert on.critic.lr == pytest.approx(LearnerConfig().lr)  # the critic trains every weight
-    assert LearnerConfig(lora={"rank": 8}, lr=0.5).lr == 0.5
+    assert on.optim.lr == pytest.approx(10 * LearnerConfig().optim.lr)  # adapters train at ~10x the full rate
+    assert on.critic.lr == pytest.approx(LearnerConfig().optim.lr)  # the critic trains every weight
+    assert LearnerConfig(lora={"rank": 8}, optim={"lr": 0.5}).optim.lr == 0.5
 
 
 @pytest.mark.parametrize("transport", ["collective", "ipc"])

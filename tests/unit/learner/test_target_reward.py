@@ -1,4 +1,4 @@
-"""``learner.target_reward``: the run ends after the first step at which the mean reward of the last
+"""``learner.target.reward``: the run ends after the first step at which the mean reward of the last
 ``target_window`` trained groups reaches the target, never before the window is full."""
 
 from learner.target import TargetReward

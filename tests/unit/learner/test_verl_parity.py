@@ -187,7 +187,9 @@ def test_the_learner_applies_the_configured_batch_estimator():
         make_group(samples=[sample(2, 1.0), sample(4, 0.0), sample(3, None, "failed")]),
         make_group(samples=[sample(5, 0.5), sample(1, 0.25)]),
     ]
-    update = PolicyUpdate(SimpleNamespace(device="cpu"), LearnerConfig(advantage="reinforce_pp"), pad_id=0)
+    update = PolicyUpdate(
+        SimpleNamespace(device="cpu"), LearnerConfig(advantages={"estimator": "reinforce_pp"}), pad_id=0
+    )
     got = update.advantages(groups)
     assert [len(a) for a in got] == [2, 2]
     n, r = torch.tensor([2, 4, 5, 1]), torch.tensor([1.0, 0.0, 0.5, 0.25])
@@ -201,10 +203,12 @@ def test_the_learner_applies_the_configured_batch_estimator():
 def test_estimators_that_need_a_critic_are_refused_naming_it():
     for name in ("gae", "vtrace"):
         with pytest.raises(ValueError, match="needs a critic"):
-            LearnerConfig(advantage=name)
-    assert LearnerConfig(advantage="reinforce_pp_baseline").advantage == "reinforce_pp_baseline"
-    with_critic = LearnerConfig(advantage="gae", critic={"enabled": True})
-    assert with_critic.critic.lr == with_critic.lr == 5e-4  # the tiny model's per-token default (docs/learner.md)
+            LearnerConfig(advantages={"estimator": name})
+    assert (
+        LearnerConfig(advantages={"estimator": "reinforce_pp_baseline"}).advantages.estimator == "reinforce_pp_baseline"
+    )
+    with_critic = LearnerConfig(advantages={"estimator": "gae"}, critic={"enabled": True})
+    assert with_critic.critic.lr == with_critic.optim.lr == 5e-4  # the tiny model's per-token default (docs/learner.md)
     assert with_critic.critic.deepspeed == with_critic.deepspeed  # the policy's engine settings by default
 
 
