@@ -460,12 +460,12 @@ class Episodes:
                 self.backend,
                 self.env_factory,
                 c.sampling,
-                EpisodeLimits(c.max_turns, c.max_episode_tokens, c.episode_timeout_s),
+                EpisodeLimits(c.episodes.max_turns, c.episodes.max_tokens, c.episodes.timeout_s),
                 self.between_turns,
                 renderer,
-                threads=c.env_threads,
+                threads=c.episodes.env_threads,
                 stats=self.stats,
-                env_name=c.env,
+                env_name=c.episodes.env,
                 engine_lock=self.engine_lock,
             )
         return self._runner

@@ -188,7 +188,7 @@ def shared_prompt_hidden(model, input_ids: torch.Tensor, shared: SharedPrompts) 
        their prompt's."""
     from transformers import DynamicCache
 
-    from broker.protocol.hfcache import cache_kwarg
+    from broker.protocol.hfcache import cache_kwarg, transformers_model
 
     dev = input_ids.device
     B, L = input_ids.shape
@@ -201,9 +201,7 @@ def shared_prompt_hidden(model, input_ids: torch.Tensor, shared: SharedPrompts) 
     src = torch.arange(width, device=dev)[None] - (width - P)[:, None]  # column of row first[g] at slot j
     pattn = (src >= 0).long()
     pids = input_ids[first].gather(1, src.clamp(min=0)) * pattn  # pad slots: token 0, masked out
-    inner = getattr(model, "module", model)
-    config = (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).config
-    cache = DynamicCache(config=config)
+    cache = DynamicCache(config=transformers_model(model).config)
     kw = {cache_kwarg(model): cache}
     out = model(
         input_ids=pids,

@@ -80,13 +80,15 @@ def test_each_side_ran_with_the_shared_settings(result):
     cfg = work / "runs" / "relay-torch-fp32-s0" / "config"
     learner = json.loads((cfg / "learner.json").read_text())
     generator = json.loads((cfg / "generator-0.json").read_text())
-    assert learner["lr"] == s["lr"] and learner["batch_groups"] == s["prompts_per_step"]
-    assert learner["clip_eps"] == s["clip_eps"] and learner["kl_coef"] == 0.0 and learner["ppo_epochs"] == 1
+    assert learner["optim"]["lr"] == s["lr"] and learner["batch"]["groups"] == s["prompts_per_step"]
+    assert learner["clip_eps"] == s["clip_eps"] and learner["regularization"]["kl_coef"] == 0.0
+    assert learner["optim"]["ppo_epochs"] == 1
     assert learner["aggregation"] == "token-mean" and learner["deepspeed"]["bf16"] is False
     assert generator["sampling"]["n"] == s["completions_per_prompt"]
     assert generator["sampling"]["max_tokens"] == s["max_tokens"]
     assert generator["sampling"]["temperature"] == s["temperature"]
     assert generator["prompts_per_batch"] == s["prompts_per_step"]
     # Relay's threads are the example's own (examples/smollm2-cpu/relay.toml), recorded in the settings
-    assert learner["threads"] == s["relay_threads"]["learner"] == 2
+    assert learner["compute"]["threads"] == s["relay_threads"]["learner"] == 2
+    assert learner["compute"]["shared_prompt"] is True
     assert generator["backend"]["threads"] == s["relay_threads"]["generator"] == 1

@@ -31,7 +31,7 @@ def test_only_the_newest_versions_are_kept_and_a_group_of_a_forgotten_one_is_ref
     )
     ack = b.ingest.handle(encode_group(make_group(group_id="old")))  # weight_version 3: no longer kept
     assert ack.status == "rejected" and ack.reason == "weight_hash"
-    assert "versions_kept" in r.xrange(keys.dead_letter)[-1][1][b"detail"].decode()
+    assert "learner.publish.keep_announcements" in r.xrange(keys.dead_letter)[-1][1][b"detail"].decode()
     fresh = make_group(group_id="new", weight_version=8)
     for s in fresh.samples:
         s.version_runs = [[8, sum(n for _, n in s.version_runs)]]

@@ -31,7 +31,7 @@ def _run(cmd: list[str]) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grads")
     module = ["-m", "tests.support.learner_grads", str(out)]
-    _run([sys.executable, *module, "one=100000", "k=48", "k_checkpointing=48/0/checkpointing"])
+    _run([sys.executable, *module, "one=100000", "k=48", "k_checkpointing=48/0/checkpointing", "k_whole=48/0/whole"])
     _run(
         [
             sys.executable,
@@ -53,7 +53,7 @@ def _load(out, label):
     return diags, [load_file(str(out / f"{label}-{i}.safetensors")) for i in range(len(diags))]
 
 
-@pytest.mark.parametrize("label", ["k", "k_checkpointing", "ranks", "ranks_zero2"])
+@pytest.mark.parametrize("label", ["k", "k_whole", "k_checkpointing", "ranks", "ranks_zero2"])
 def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
     want_diags, want_grads = _load(runs, "one")
     got_diags, got_grads = _load(runs, label)
@@ -85,8 +85,9 @@ def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
 
 
 def test_micro_batches_of_similar_length_cut_the_padding(runs):
+    # whole rows (learner.compute.shared_prompt off): micro-batches of samples of similar length
     one, _ = _load(runs, "one")
-    k, _ = _load(runs, "k")
+    k, _ = _load(runs, "k_whole")
     assert one[0]["padding_fraction"] > 0.25 and k[0]["padding_fraction"] < 0.1
 
 

@@ -2,7 +2,7 @@
 aggregation mode and policy loss, recording the gradient and the diagnostics of each, so that tests can
 compare k micro-batches, and 2 ranks, with one piece on one rank.
 
-    python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing]] ...
+    python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing|whole]] ...
     torchrun --standalone --nproc_per_node 2 -m tests.support.learner_grads OUT LABEL=... ...
 
 The optimizer is plain SGD (no clipping), so the gradient is read back from the weight change:
@@ -42,7 +42,9 @@ def weights(engine) -> dict:
         return {n: p.detach().float().clone() for n, p in params.items()}
 
 
-def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpointing: bool = False) -> None:
+def run(
+    out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpointing: bool = False, whole: bool = False
+) -> None:
     """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``) through every
     case; results under ``label``."""
     import torch
@@ -61,9 +63,12 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpo
     rank, world = dist.get_rank(), dist.get_world_size()
     base = LearnerConfig(
         run_dir=str(out / f"{label}-model"),
-        micro_batch_tokens=micro_batch_tokens,
-        gradient_checkpointing=checkpointing,
-        logprob_chunk_tokens=16,
+        compute={
+            "micro_batch_tokens": micro_batch_tokens,
+            "gradient_checkpointing": checkpointing,
+            "logprob_chunk_tokens": 16,
+            "shared_prompt": not whole,  # whole: every sample computed whole, micro-batches by length alone
+        },
     )
     base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
     if rank == 0:
@@ -107,13 +112,13 @@ def run(out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpo
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing]]")
+    p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing|whole]]")
     a = p.parse_args()
     for spec in a.runs:
         name, _, setting = spec.partition("=")
         tokens, _, rest = setting.partition("/")
         stage, _, extra = rest.partition("/")
-        run(a.out, name, int(tokens), int(stage or 0), extra == "checkpointing")
+        run(a.out, name, int(tokens), int(stage or 0), extra == "checkpointing", extra == "whole")
     from learner.engine import close_distributed
 
     close_distributed()
