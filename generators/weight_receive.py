@@ -108,6 +108,10 @@ class Staging:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(wait_s)
 
+    def running(self) -> bool:
+        """Whether the receiving thread is still alive (after :meth:`close`: it did not end in time)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _interrupt(self) -> None:
         """Wake the thread from a wait (a subclass's socket or poll)."""
 
@@ -216,11 +220,19 @@ class Receiver(Staging):
         self.pg = None
         self._hashers = [ThreadPoolExecutor(1, thread_name_prefix="relay-digest") for _ in range(HASH_THREADS)]
 
-    def close(self, wait_s: float = 0.0) -> None:
-        """Leave the group; the thread is not waited for (a receive blocked in gloo ends only at its timeout).
-        The rendezvous connection is left open: it closes with the process (closing it now would make the
-        learner tear its side down, failing the blocked receive into Python code while the process exits)."""
-        super().close(wait_s)
+    def close(self, wait_s: float = 5.0) -> None:
+        """Leave the group and wait for the thread (at most ``wait_s``). A receive blocked in gloo ends only
+        when the learner's side of the group goes (aborting ours does not wake it): closing the rendezvous
+        connection makes the learner drop this member, which closes the group's connections and fails the
+        receive, so the thread leaves before the process exits (a process that exits while the thread is
+        still inside gloo may abort: "terminate called without an active exception")."""
+        self.stop.set()
+        self._interrupt()
+        self._leave()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
+            if self._thread.is_alive():
+                log.warning("the collective receive thread did not end within %.0f s of leaving the group", wait_s)
 
     def _interrupt(self) -> None:
         pg = self.pg

@@ -56,6 +56,14 @@ class Member:
     close: Callable[[], None] = lambda: None  # ends its membership (its rendezvous connection)
     versions: int = 0
 
+    def release(self) -> None:
+        """Abort its group and let it go: the group's connections close only when the group object is
+        freed (gloo's abort does not wake the generator's pending receive), so the reference is dropped here
+        even where a finished version's sends still hold this member."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            wire.abort_group(pg)
+
 
 class Fanout:
     """One version's sends to the ``members`` present when it began: each member's pending works, and
@@ -72,6 +80,9 @@ class Fanout:
         """``fn(pg)`` (its works: asynchronous sends) on every member's group still in."""
         for m in self.members:
             if m.ticket in self.failed:
+                continue
+            if m.pg is None:
+                self.failed[m.ticket] = "it left the weight broadcast"
                 continue
             try:
                 self.works[m.ticket].extend(fn(m.pg))
@@ -170,7 +181,7 @@ class Broadcaster:
         with self.lock:
             members, self.members = list(self.members.values()), {}
         for m in members:
-            wire.abort_group(m.pg)
+            m.release()
             m.close()
         for pool in self._hashers:
             pool.shutdown(wait=False)
@@ -188,7 +199,7 @@ class Broadcaster:
         with self.lock:
             m = self.members.pop(ticket, None)
         if m is not None:  # not dropped by a broadcast first: it left (exited, or its machine is gone)
-            wire.abort_group(m.pg)
+            m.release()
             log.info("generator %s left the weight broadcast (%s)", gen, why or "its connection closed")
             emit_event(self.r, self.keys, "collective_left", generator=gen, reason=why[:200])
 
@@ -315,6 +326,7 @@ class Broadcaster:
     def _complete(self, fanout: Fanout, version: int) -> None:
         """Wait for every member's sends; drop the members that failed."""
         fanout.wait()
+        fanout.works.clear()  # done: a work kept (a raised error's frame holds this fanout) keeps its group open
         for m in fanout.members:
             if m.ticket in fanout.failed:
                 self._drop(m, fanout.failed[m.ticket], version)
@@ -325,7 +337,7 @@ class Broadcaster:
         with self.lock:
             self.members.pop(m.ticket, None)
         self.dropped += 1
-        wire.abort_group(m.pg)
+        m.release()
         m.close()  # its id is free again: it rejoins once it notices
         log.warning(
             "dropped generator %s from the weight broadcast at version %d (%s); it catches up from the "

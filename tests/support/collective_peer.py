@@ -86,6 +86,8 @@ def main() -> None:
             break
         time.sleep(0.02)
     state = {k: v for k, v in backend.model.state_dict().items() if k != "lm_head.weight"}
+    t0 = time.monotonic()
+    receiver.close()  # leaves the group: its thread must end before the process exits
     print(
         json.dumps(
             {
@@ -98,11 +100,12 @@ def main() -> None:
                 "flipped": flipped,
                 "engine_digest": state_digest(state),
                 "joins": receiver.joins,
+                "left_s": round(time.monotonic() - t0, 3),
+                "thread_ended": not receiver.running(),
             }
         ),
         flush=True,
     )
-    receiver.close()
     sys.exit(0)
 
 

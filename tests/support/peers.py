@@ -42,7 +42,10 @@ def peer_result(p: subprocess.Popen, tmp_path, gid: str, timeout: float = 180) -
     """The JSON line a peer prints when it is done (what it serves, what it refused)."""
     out, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0, (tmp_path / f"{gid}.log").read_text()[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
+    # leaving the group ends the receiving thread at once (one left inside gloo can abort the process at exit)
+    assert result["thread_ended"] and result["left_s"] < 3, result
+    return result
 
 
 def moved_version(model_dir, delta: float, device: str = "cpu", dtype=torch.float32) -> dict[str, torch.Tensor]:
