@@ -45,7 +45,7 @@ than the one below it (`--backend vllm`, or `--set generator.backend.type=vllm`,
 `type = "torch"`) replaces that backend section instead of merging into it: the torch fields of the
 file (`threads`) do not carry over to vLLM, whose own fields come from the same layer or later
 ones; so does a layer naming another weight transport (`--set weights.transport=store` over a file's
-`[weights.transport] type = "http"`). A section chosen by its type may be given as the type alone
+`[weights.transport] type = "http"`), and so do a service's own layers when it is started alone. A section chosen by its type may be given as the type alone
 (`--set weights.transport=http`, `RELAY_WEIGHTS__TRANSPORT=http`): that type with its defaults, and
 fields set beside it merge in. The result, every value set by the
 launcher, the file, the environment or a flag, is written to `runs/<run-id>/config/<service>.json`;

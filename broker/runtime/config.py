@@ -114,8 +114,10 @@ def move_by_type(model: type[BaseModel], data: Any, final: bool) -> Any:
     """``data`` with each old section that ``model.__renamed_by_type__`` lists (old key -> (the section chosen
     by its type that replaced it, the type it belongs to)) moved into that section when its type is the old
     section's, and dropped otherwise (its settings never applied to another type), one warning per key. In one
-    layer that names no type nothing moves (``final``: once the layers are merged, the default type counts);
-    an old key given with the same key of the new section is a ValueError, as in :func:`move_renamed`."""
+    layer of several (not ``final``) an old section moves only when the layer names its type; otherwise it
+    waits for the layers to be merged, as another layer may name it (``final``: the whole config, where the
+    default type counts). An old key given with the same key of the new section is a ValueError, as in
+    :func:`move_renamed`."""
     moves = getattr(model, "__renamed_by_type__", {})
     if not isinstance(data, dict) or not moves:
         return data
@@ -123,7 +125,7 @@ def move_by_type(model: type[BaseModel], data: Any, final: bool) -> Any:
     for old, (new, kind) in moves.items():
         key = model.model_fields[new].discriminator
         chosen = _type_of(model, new, out.get(new), final) if isinstance(out.get(old), dict) else None
-        if chosen is None:
+        if chosen is None or (chosen != kind and not final):
             continue
         value, section = out.pop(old), out.get(new)
         if isinstance(section, BaseModel):
@@ -136,7 +138,7 @@ def move_by_type(model: type[BaseModel], data: Any, final: bool) -> Any:
                     f"{owner}: {old}.{both[0]} and {new}.{both[0]} are one setting ({new}.{both[0]} is its new "
                     f"name, {RENAMED_DOC}): give only {new}.{both[0]}"
                 )
-            out[new] = {**(section or {}), **value}
+            out[new] = {key: kind, **(section or {}), **value}
             said = f"{renamed} ({RENAMED_DOC}); the old name still works, for now"
         else:
             said = f'{renamed}; ignored here: {new}.{key} is "{chosen}" ({RENAMED_DOC})'
@@ -319,6 +321,28 @@ def env_overrides(model: type[BaseModel], prefix: str = "RELAY_", environ: dict 
     return out
 
 
+def switch_types(model: type[BaseModel], base: dict, layer: dict) -> dict:
+    """``base`` with each section chosen by its type that ``layer`` gives another type (``--backend vllm`` over a
+    file's ``type = "torch"``, ``weights.transport=store`` over ``type = "http"``) emptied, so that merging
+    ``layer`` replaces it: the other type's fields (a torch ``threads``, an http ``cache_dir``) do not apply to
+    the new one. Both in today's spelling (:func:`migrate`)."""
+    out = base
+    for name, field in model.model_fields.items():
+        below, above = base.get(name), layer.get(name)
+        if not (isinstance(below, dict) and isinstance(above, dict)):
+            continue
+        key = field.discriminator
+        if isinstance(key, str) and key in below and key in above and below[key] != above[key]:
+            out = {**out, name: {}}
+            continue
+        for section in _section_models(field.annotation):
+            inner = switch_types(section, below, above)
+            if inner is not below:
+                out = {**out, name: inner}
+                break
+    return out
+
+
 def deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
@@ -353,8 +377,9 @@ def load_config(
         if pick is not None:
             data = pick(data)
         data = migrate(model, data)  # each layer on its own: a later layer's old name overrides a new one below
-        data = deep_merge(data, migrate(model, env_overrides(model, environ=environ)))
-        data = deep_merge(data, migrate(model, overrides or {}))
+        for layer in (env_overrides(model, environ=environ), overrides or {}):
+            layer = migrate(model, layer)
+            data = deep_merge(switch_types(model, data, layer), layer)
         return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None

@@ -23,6 +23,7 @@ from broker.runtime.config import (
     migrate,
     read_file,
     set_overrides,
+    switch_types,
 )
 from deploy.launcher.episode_presets import EPISODE_LEARNER_DEFAULTS, episode_defaults, task_reward_defaults
 from deploy.launcher.ingest_keys import ingest_key_dir
@@ -210,7 +211,7 @@ def _section(layers: tuple[dict, dict, dict, dict], name: str, base: dict) -> di
     try:
         for layer in (layers[0].get(name, {}), layers[1][name], layers[2][name], layers[3].get(name, {})):
             layer = migrate(model, layer)  # renamed keys, each layer on its own (docs/config.md)
-            base = deep_merge(_switch_types(base, layer), layer)
+            base = deep_merge(switch_types(model, base, layer), layer)  # another type replaces a section
         return migrate(model, base, final=True)  # an old section whose type came from another layer (weights.http)
     except ValueError as e:  # one setting under its old and its new name
         raise ConfigError(f"[{name}] {e}") from None
@@ -356,30 +357,3 @@ def hold_ports(p: dict, movable: set[str]) -> dict:
     except PortTaken as e:
         raise UsageError(str(e)) from None
     return p
-
-
-# the sections chosen by their type (a path in a service's config)
-TYPED_SECTIONS = (("backend",), ("weights", "transport"))
-
-
-def _switch_types(base: dict, layer: dict) -> dict:
-    """A layer naming another type of a section chosen by its type (``--backend vllm`` over a file's ``type =
-    "torch"``, ``--set weights.transport=store`` over a file's ``[weights.transport] type = "http"``) replaces
-    that section below it: the other type's fields (a torch ``threads``, an http ``cache_dir``) do not apply to
-    the new one."""
-    for path in TYPED_SECTIONS:
-        new, old = _at(layer, path).get("type"), _at(base, path).get("type")
-        if new is not None and old is not None and new != old:
-            base = dict(base)
-            inner = base
-            for p in path[:-1]:  # copies of the sections on the way: ``base``'s own are shared with the caller
-                inner[p] = inner = dict(inner[p])
-            inner[path[-1]] = {}
-    return base
-
-
-def _at(d: dict, path: tuple[str, ...]) -> dict:
-    """The section at ``path`` in ``d`` ({} where there is none)."""
-    for p in path:
-        d = d.get(p) if isinstance(d.get(p), dict) else {}
-    return d

@@ -58,6 +58,20 @@ def test_the_type_alone_merges_with_fields_set_beside_it_in_either_order():
         load_config(LearnerConfig, None, set_overrides(["weights.transport=ipc", "weights.transport.timeout_s=1"]))
 
 
+def test_a_layer_naming_another_type_replaces_the_section_below(tmp_path):
+    """A service on its own, as ``relay up``: the fields of the file's transport (or backend) do not carry over
+    to the type a later layer names; an old file's http settings under a store transport are no error."""
+    f = tmp_path / "generator.toml"
+    f.write_text(
+        '[weights]\ntransport = "http"\n[weights.http]\ncache_dir = "/tmp/c"\n[backend]\ntype = "torch"\nthreads = 2\n'
+    )
+    env = {"RELAY_WEIGHTS__TRANSPORT": "store"}
+    cfg = load_config(GeneratorConfig, f, set_overrides(["backend.type=simulated"]), environ=env)
+    assert cfg.weights.transport == StoreTransport() and cfg.backend.type == "simulated"
+    cfg = load_config(GeneratorConfig, f, set_overrides(["weights.transport.linger_s=2"]), environ={})
+    assert cfg.weights.transport == HttpTransport(cache_dir="/tmp/c", linger_s=2)  # the same type merges
+
+
 def test_an_old_section_moves_into_its_transport_with_one_warning(caplog):
     old = {"transport": "http", "http": {"port": 8200, "cache_dir": "/tmp/c"}, "collective": {"timeout_s": 5}}
     with caplog.at_level(logging.WARNING, logger="relay.config"):
@@ -86,6 +100,10 @@ def test_an_old_section_in_one_layer_follows_the_type_of_another(tmp_path, caplo
         alone = load_config(LearnerConfig, None, environ=env)
     assert cfg.weights.transport == HttpTransport(advertise_url="http://learner:8200")
     assert alone.weights.transport == HttpTransport(port=8201)
+    # a file that names another type than a later layer: its old section waits for the type that counts
+    f.write_text('[weights]\ntransport = "store"\n[weights.http]\nport = 8202\n')
+    cfg = load_config(GeneratorConfig, f, set_overrides(["weights.transport=http"]), environ={})
+    assert cfg.weights.transport == HttpTransport(port=8202)
     assert environment.resolve(environment.config_models(), env)["learner"]["weights"]["http"] == {"port": 8201}
     assert sum("http.* was renamed" in m for m in _warnings(caplog)) == 1
 
