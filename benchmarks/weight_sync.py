@@ -148,7 +148,7 @@ class Bench:
 
         return [
             self.stack.service(
-                f"{g}-{weights['transport']}",
+                f"{g}-{weights['transport']['type']}",
                 "generator",
                 {
                     "id": g,
@@ -222,7 +222,7 @@ def _bench_store(b: Bench) -> list[dict]:
     import torch
 
     from broker.protocol import weightstore
-    from broker.runtime.config import WeightsConfig
+    from broker.protocol.weights_config import WeightsConfig
     from learner.publish import BackgroundPublisher, Publisher, snapshot
 
     shard_mb = 0.25 if b.quick else WeightsConfig().shard_mb
@@ -243,7 +243,7 @@ def _bench_store(b: Bench) -> list[dict]:
     v = b.new_weights()
     bg.submit(v, snapshot(b.model.state_dict(), v, torch.bfloat16, tied))
     bg.drain()
-    procs = b.generators({"transport": "store", "shard_mb": shard_mb}, str(store))
+    procs = b.generators({"transport": {"type": "store"}, "shard_mb": shard_mb}, str(store))
     try:
         b.wait_applied(v, 0.0, procs)  # the first load (the engine starts)
         ours, raw, blocked, announced = [], [], [], []
@@ -330,7 +330,7 @@ def _bench_http(b: Bench) -> dict:
     from safetensors.torch import load as load_bytes, save_file
 
     from broker.protocol.weightauth import bearer_token
-    from broker.runtime.config import WeightsConfig
+    from broker.protocol.weights_config import WeightsConfig
     from learner.publish import BackgroundPublisher, Publisher, snapshot
     from learner.weight_server import WeightServer
 
@@ -367,12 +367,11 @@ def _bench_http(b: Bench) -> dict:
         bg.drain()
         procs = b.generators(
             {
-                "transport": "http",
-                "shard_mb": shard_mb,  # each its own private cache, fetching
-                "http": {"advertise_url": server.base_url},
+                "transport": {"type": "http", "advertise_url": server.base_url},  # fetching from this server only
+                "shard_mb": shard_mb,
             },
             "",
-        )  # from this server only
+        )  # each its own private cache
         b.wait_applied(v, 0.0, procs)  # the first fetch and load (the engine starts)
         ours, raw = [], []
         for _ in range(WARMUP + b.versions):
@@ -454,7 +453,7 @@ def _collective_peer(
     from broker.protocol.keys import Keys
     from broker.protocol.signing import read_verifier
     from broker.protocol.weightauth import read_key_file
-    from broker.runtime.config import CollectiveWeightsConfig
+    from broker.protocol.weights_config import CollectiveTransport
     from generators.config import TorchBackendConfig
     from generators.weight_receive import Receiver
     from generators.weights import WeightApplier
@@ -465,9 +464,7 @@ def _collective_peer(
     weights_key = read_key_file(weights_key_file)
     backend = TorchBackendConfig(dtype="bfloat16").build()  # as the other rows' generators
     backend.load(model)
-    receiver = Receiver(
-        r, keys, CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120), gid, key, weights_key
-    ).start()
+    receiver = Receiver(r, keys, CollectiveTransport(bucket_mb=bucket_mb, timeout_s=120), gid, key, weights_key).start()
     w = WeightApplier(r, keys, backend, gid, announce_key=key, receiver=receiver)
     w.version = 0
 
@@ -505,7 +502,7 @@ def _bench_collective(b: Bench) -> dict:
     from broker.client.telemetry import read_events
     from broker.protocol import collective as wire
     from broker.protocol.keys import Keys
-    from broker.runtime.config import CollectiveWeightsConfig
+    from broker.protocol.weights_config import CollectiveTransport
     from deploy.launcher.procs import free_port
     from learner.broadcast import Broadcaster
     from learner.publish import Publisher
@@ -521,7 +518,7 @@ def _bench_collective(b: Bench) -> dict:
     bc = Broadcaster(
         r,
         keys,
-        CollectiveWeightsConfig(bucket_mb=bucket_mb, timeout_s=120),
+        CollectiveTransport(bucket_mb=bucket_mb, timeout_s=120),
         stack.announce_key,
         weights_key=stack.weights_key,
     ).start()
@@ -693,7 +690,7 @@ def _bench_lora(b: Bench) -> dict:
     v, weights = step()  # the first version carries the base model (a generator starts from it)
     bg.submit(v, snapshot(weights, v, torch.bfloat16, tied))
     bg.drain()
-    procs = b.generators({"transport": "store"}, str(store))
+    procs = b.generators({"transport": {"type": "store"}}, str(store))
     try:
         b.wait_applied(v, 0.0, procs)
         ours, blocked = [], []

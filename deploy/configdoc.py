@@ -44,7 +44,10 @@ of its flags (`RELAY_STEPS`, `RELAY_SEED`, `RELAY_MODEL`, `RELAY_TASK`, `RELAY_R
 than the one below it (`--backend vllm`, or `--set generator.backend.type=vllm`, over a file's
 `type = "torch"`) replaces that backend section instead of merging into it: the torch fields of the
 file (`threads`) do not carry over to vLLM, whose own fields come from the same layer or later
-ones. The result, every value set by the
+ones; so does a layer naming another weight transport (`--set weights.transport=store` over a file's
+`[weights.transport] type = "http"`), and so do a service's own layers when it is started alone. A section chosen by its type may be given as the type alone
+(`--set weights.transport=http`, `RELAY_WEIGHTS__TRANSPORT=http`): that type with its defaults, and
+fields set beside it merge in. The result, every value set by the
 launcher, the file, the environment or a flag, is written to `runs/<run-id>/config/<service>.json`;
 the services read it from there and are started without the variables, except the secrets
 (`auth_token`, `reward_token`, `backend.api_key`): those never go into a file, each service gets
@@ -175,9 +178,14 @@ def plugin_sections() -> list[str]:
     return lines
 
 
-def _renamed(path: str, model: type[BaseModel]) -> list[tuple[str, str]]:
-    """(old path, new path) of every key that moved, in ``model`` (its ``__renamed__``) and its sections."""
-    out = [(f"{path}.{old}", f"{path}.{new}") for old, new in getattr(model, "__renamed__", {}).items()]
+def _renamed(path: str, model: type[BaseModel]) -> list[tuple[str, str, str]]:
+    """(old path, new path, when) of every key that moved, in ``model`` (its ``__renamed__`` and
+    ``__renamed_by_type__``) and its sections."""
+    out = [(f"{path}.{old}", f"{path}.{new}", "") for old, new in getattr(model, "__renamed__", {}).items()]
+    out += [
+        (f"{path}.{old}.*", f"{path}.{new}.*", f'with `{new}.type = "{kind}"` (ignored with another type)')
+        for old, (new, kind) in getattr(model, "__renamed_by_type__", {}).items()
+    ]
     for name, f in model.model_fields.items():
         for m in dict.fromkeys(_models_in(f.annotation)):
             out += _renamed(f"{path}.{name}", m)
@@ -196,11 +204,19 @@ def renamed_sections() -> list[str]:
         "spelling overrides an earlier layer's new one (a `--set learner.lr` over a file's `[learner.optim] lr`). "
         "A recorded run (`relay up --resume`) is read the same way.",
         "",
-        "| old key | new key |",
-        "|---|---|",
+        "The transports' sections `weights.http` and `weights.collective` became `weights.transport`, one section "
+        "chosen by its `type` (docs/weights.md): an old section is moved there when the transport's type is its own "
+        "and ignored otherwise (its settings never applied to another transport), with one warning; which type "
+        "counts is decided once every layer is merged (a file's `[weights.http]` under a `--set "
+        "weights.transport=http`), and an old key given beside the same key of `weights.transport` is an error "
+        'whatever the layers. `weights.transport = "http"`, the type alone, is no old spelling: it is short for '
+        '`[weights.transport] type = "http"` with that transport\'s defaults (`--set weights.transport=http`).',
+        "",
+        "| old key | new key | when |",
+        "|---|---|---|",
     ]
     for name, model in services():
-        lines += [f"| `{old}` | `{new}` |" for old, new in _renamed(name, model)]
+        lines += [f"| `{old}` | `{new}` | {when} |" for old, new, when in _renamed(name, model)]
     return lines + [""]
 
 

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 
-from broker.runtime.config import StrictModel, VerifyingConnection, WeightsConfig
+from broker.protocol.weights_config import WeightsConfig
+from broker.runtime.config import StrictModel, VerifyingConnection
 
 if TYPE_CHECKING:
     from generators.backends.base import Backend

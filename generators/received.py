@@ -125,8 +125,7 @@ class ReceivedVersions:
         """A version from the collective that is not served: flagged as a bad snapshot is (shown, counted,
         a ``refused`` event); the previous version keeps serving, later ones still arrive."""
         reason = reason.splitlines()[0][:200]
-        self.w.refused[f"{self.receiver.via}:v{version}:{digest[:12]}"] = reason
-        self.w.refused_updates += 1
+        self.w.refusals.received(f"{self.receiver.via}:v{version}:{digest[:12]}", reason)
         log.error(
             "refused weight version %d received via %s (%s); still serving version %s",
             version,

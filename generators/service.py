@@ -66,7 +66,7 @@ class Generator:
         self.keys = Keys(cfg.run_id)
         curve = sender_keys(cfg)  # before the backend loads its model: a missing key file fails at once
         key = announce_verifier(cfg.announce_auth, cfg.announce_public_key_file)  # a bad key file fails here, first
-        wkey = weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # http, collective
+        wkey = weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # a listener
         self.r = connect_redis(cfg.redis_url)
         self.leases = Leases(self.r, cfg.id, cfg.claim_idle_s)  # the prompts it holds, renewed while it holds them
         self.backend = cfg.backend.build()

@@ -1,5 +1,6 @@
-"""How a version reaches a generator: the receiving end of each ``weights.transport``, chosen here and
-nowhere else (the learner's side: learner/transports.py, with the table of both ends).
+"""How a version reaches a generator: the receiving end of ``weights.transport``, built here and nowhere else
+from the ``receiver`` its config class names (broker/protocol/weights_config.py; the learner's side:
+learner/transports.py, with the table of both ends).
 
 Every generator follows the signed announcements and can load any version from the weight store
 (generators/weights.py ``WeightApplier``: the first load, restarts, and the fallback of every transport).
@@ -18,8 +19,6 @@ import importlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from broker.runtime.config import IN_PROCESS_TRANSPORTS
 
 if TYPE_CHECKING:
     from broker.protocol.keys import Keys
@@ -50,28 +49,20 @@ class Receiving:
     tensors: object | None = None  # start(), next version's tensors, close(): generators/weight_receive.py Staging
 
 
-# weights.transport -> "module:function" building its Receiving from a ReceiverContext (None: the store alone)
-RECEIVERS = {
-    "store": None,
-    "http": "generators.weight_fetch:receiving",
-    "collective": "generators.weight_receive:receiving",
-    "ipc": "generators.ipc_receive:receiving",
-}
-
-
 def build_receiving(ctx: ReceiverContext) -> Receiving:
-    """The receiving end of ``ctx.cfg.weights.transport``: the one place a generator chooses its transport."""
+    """The receiving end ``ctx.cfg.weights.transport`` names (its config class's ``receiver``,
+    "module:function" building a Receiving from a ReceiverContext; None: the store alone): the one place a
+    generator chooses its transport."""
     transport = ctx.cfg.weights.transport
-    spec = RECEIVERS[transport]
-    if spec is None:
+    if transport.receiver is None:
         return Receiving()
-    if transport in IN_PROCESS_TRANSPORTS and not hasattr(ctx.backend, "update_weights_from_tensors"):
+    if transport.in_process and not hasattr(ctx.backend, "update_weights_from_tensors"):
         log.warning(
             "weights.transport = %s: the %s backend cannot apply tensors in process; this generator "
             "loads each version from the store copy instead",
-            transport,
+            transport.type,
             ctx.backend.name,
         )
         return Receiving()
-    module, name = spec.split(":")
+    module, name = transport.receiver.split(":")
     return getattr(importlib.import_module(module), name)(ctx)

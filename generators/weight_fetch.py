@@ -1,6 +1,6 @@
 """The ``http`` weight transport, generator side: fetch an announced version from the learner's weight
 server (learner/weight_server.py) into a local cache, checking it as it arrives, then load it. The server
-is the one the generator's config names (``weights.http.advertise_url``, or ``host`` and a fixed
+is the one the generator's config names (``weights.transport.advertise_url``, or ``host`` and a fixed
 ``port``), whatever URL an announcement names.
 
 :meth:`WeightFetcher.fetch` downloads ``manifest.json`` first and checks it against the hash in the
@@ -39,7 +39,8 @@ from urllib.parse import urlsplit
 
 from broker.protocol import tensordigest, weightstore
 from broker.protocol.messages import Announcement
-from broker.runtime.config import ConfigError, HttpWeightsConfig
+from broker.protocol.weights_config import HttpTransport
+from broker.runtime.config import ConfigError
 from broker.protocol.weightauth import bearer_token
 from generators.transports import ReceiverContext, Receiving
 
@@ -64,7 +65,7 @@ class WeightFetcher:
 
     def __init__(
         self,
-        cfg: HttpWeightsConfig,
+        cfg: HttpTransport,
         token: str | None = None,
         keep: int = 3,
         timeout_s: float = 30.0,
@@ -74,8 +75,8 @@ class WeightFetcher:
         if not self.base_url:
             raise ConfigError(
                 "weights.transport = 'http': a generator fetches only from the learner's configured "
-                "weight server, never from whatever URL an announcement names: set weights.http."
-                "advertise_url (or weights.http.host and a fixed weights.http.port) to the learner's "
+                "weight server, never from whatever URL an announcement names: set weights.transport."
+                "advertise_url (or weights.transport.host and a fixed weights.transport.port) to the learner's "
                 "(relay up sets it)"
             )
         if cfg.cache_dir:
@@ -331,4 +332,4 @@ class _Download:
 def receiving(ctx: ReceiverContext) -> Receiving:
     """``weights.transport = "http"``, generator side (generators/transports.py): versions fetched from the
     learner's configured weight server, with the run's bearer token."""
-    return Receiving(fetcher=WeightFetcher(ctx.cfg.weights.http, bearer_token(ctx.weights_key, ctx.cfg.run_id)))
+    return Receiving(fetcher=WeightFetcher(ctx.cfg.weights.transport, bearer_token(ctx.weights_key, ctx.cfg.run_id)))

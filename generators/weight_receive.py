@@ -44,7 +44,7 @@ from broker.protocol import collective as wire
 from broker.protocol import signing, weightauth
 from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import combine
-from broker.runtime.config import CollectiveWeightsConfig
+from broker.protocol.weights_config import CollectiveTransport
 from generators.transports import ReceiverContext, Receiving
 
 log = logging.getLogger("relay.generator.receive")
@@ -204,7 +204,7 @@ class Receiver(Staging):
         self,
         r,
         keys: Keys,
-        cfg: CollectiveWeightsConfig,
+        cfg: CollectiveTransport,
         generator_id: str,
         announce_key: signing.AnnounceVerifier | None,
         weights_key: bytes | None = None,
@@ -429,5 +429,5 @@ def receiving(ctx: ReceiverContext) -> Receiving:
     that joins the learner's broadcast with the weights key."""
     cfg = ctx.cfg
     return Receiving(
-        tensors=Receiver(ctx.r, ctx.keys, cfg.weights.collective, cfg.id, ctx.announce_key, ctx.weights_key)
+        tensors=Receiver(ctx.r, ctx.keys, cfg.weights.transport, cfg.id, ctx.announce_key, ctx.weights_key)
     )

@@ -91,6 +91,45 @@ class VersionFiles:
         return path, digest, v
 
 
+class Refusals:
+    """What a generator refused, shown in its heartbeat (the last few), its /metrics and the dashboard: snapshots
+    that failed their check (``bad``: never retried), versions received in process that failed theirs
+    (generators/received.py), and forged announcements (each shown and counted once; not a refused update, as
+    the newest signed version stands instead)."""
+
+    def __init__(self):
+        # what -> reason: a snapshot's hash, "<via>:v<version>:<digest>" of a received version, a forged hash
+        self.reasons: dict[str, str] = {}
+        self.bad: set[str] = set()  # hashes of snapshots that failed verification: never retried
+        self.updates = 0  # updates refused
+        self._forged: set[tuple[str, str]] = set()  # (hash, signature) of each forged announcement seen
+
+    @property
+    def forged_announcements(self) -> int:
+        """Distinct announcements seen whose signature is missing or wrong (each counted once)."""
+        return len(self._forged)
+
+    def snapshot(self, hash: str, reason: str) -> None:
+        """A snapshot (its manifest hash) that failed its check: refused for good."""
+        self.reasons[hash] = reason
+        self.bad.add(hash)
+        self.updates += 1
+
+    def received(self, label: str, reason: str) -> None:
+        """A version received in process (``label``: via, version, digest) that is not served."""
+        self.reasons[label] = reason
+        self.updates += 1
+
+    def forged(self, a, reason: str) -> bool:
+        """Announcement ``a`` whose signature is missing or wrong: True the first time it is seen. Shown only: a
+        signed announcement of the same hash still loads."""
+        if (a.hash, a.sig) in self._forged:
+            return False
+        self._forged.add((a.hash, a.sig))
+        self.reasons[a.hash] = reason
+        return True
+
+
 class WeightApplier:
     """The version a generator serves, and how it changes.
 
@@ -115,16 +154,13 @@ class WeightApplier:
         self.r, self.keys, self.backend, self.generator_id = r, keys, backend, generator_id
         self.announce_key = announce_key  # None: announcements are not checked (announce_auth insecure)
         self.files = VersionFiles(store or None, fetcher, hash_threads)  # where a version's files come from, checked
-        self._forged_seen: set[tuple[str, str]] = set()  # distinct announcements whose signature is missing or wrong
+        self.refusals = Refusals()  # snapshots refused, forged announcements: what the heartbeat shows red
         self.report, self.stopped = report, stopped
         self.version: int | None = None  # the version served (None before the first load)
         self.hash = ""
         self.digest = ""  # the tensor digest of the version served ("" when its announcement had none)
         self.base_digest = ""  # LoRA adapters: the digest of the base model served under them ("" without)
-        self.refused: dict[str, str] = {}  # hash -> reason: snapshots refused and forged announcements (shown)
-        self.bad: set[str] = set()  # hashes of snapshots that failed verification: never retried
         self.updates = 0
-        self.refused_updates = 0
         self.last_update_latency_s: float | None = None
         self.via = "store"  # how the version served arrived: store, http, collective or ipc
         # the collective and ipc transports (generators/received.py): versions that arrive in process before
@@ -135,9 +171,17 @@ class WeightApplier:
         self.engine_lock = engine_lock if engine_lock is not None else threading.RLock()
 
     @property
+    def refused(self) -> dict[str, str]:
+        """What was refused -> why (:class:`Refusals`): the heartbeat shows the last few."""
+        return self.refusals.reasons
+
+    @property
+    def refused_updates(self) -> int:
+        return self.refusals.updates
+
+    @property
     def forged_announcements(self) -> int:
-        """Distinct announcements seen whose signature is missing or wrong (each counted once)."""
-        return len(self._forged_seen)
+        return self.refusals.forged_announcements
 
     @property
     def receiver(self):
@@ -182,7 +226,7 @@ class WeightApplier:
             and self.receiver.catch_up(a.version)
         ):  # announced just before the receiver delivered it
             self.received.apply_newest()
-        while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.bad:
+        while a is not None and (self.version is None or a.version > self.version) and a.hash not in self.refusals.bad:
             self.report("updating", False)
             try:
                 path, digest, verified = self.files.obtain(a, self.version, self._keeps())
@@ -280,9 +324,7 @@ class WeightApplier:
             return checked_latest(self.r, self.keys, self.announce_key)
         except ForgedAnnouncement as e:
             a = e.announcement
-            if (a.hash, a.sig) not in self._forged_seen:
-                self._forged_seen.add((a.hash, a.sig))
-                self.refused[a.hash] = e.reason  # shown only: a signed announcement of that hash still loads
+            if self.refusals.forged(a, e.reason):
                 log.error(
                     "ignored a forged weight announcement (%s): version %d, hash %s, path %s; still serving version %s",
                     e.reason,
@@ -298,9 +340,7 @@ class WeightApplier:
 
     def _refuse(self, a, e: Exception) -> None:
         reason = getattr(e, "reason", type(e).__name__)
-        self.refused[a.hash] = reason
-        self.bad.add(a.hash)
-        self.refused_updates += 1
+        self.refusals.snapshot(a.hash, reason)
         log.error("refused weight version %d (%s): %s; still serving version %s", a.version, reason, e, self.version)
         emit_event(self.r, self.keys, "refused", generator=self.generator_id, version=a.version, reason=reason)
         if self.version is None:

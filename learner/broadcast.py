@@ -1,7 +1,7 @@
 """The ``collective`` weight transport, learner side: each version broadcast straight to the generators.
 
 torch.distributed has no dynamic membership, so there is no global process group: the leader runs a
-rendezvous (learner/rendezvous.py, on ``weights.collective.host``/``port``; the address is advertised
+rendezvous (learner/rendezvous.py, on ``weights.transport.host``/``port``; the address is advertised
 in Redis under ``Keys.collective``) and builds one independent 2-rank gloo group per generator session.
 A generator joins by proving it holds the run's weights key; one whose id is already connected is
 refused (the live member stays); a member whose connection to the rendezvous ends is dropped at once. A
@@ -12,7 +12,7 @@ the tensors are copied into one flat uint8 buffer bucket by bucket, each bucket 
 member as soon as it is filled (asynchronously: the members receive in parallel, each on its group's
 own threads), the tensor digest computed meanwhile; then the signed trailer
 (broker/protocol/collective.py). A member whose broadcast fails or does not finish within
-``weights.collective.timeout_s`` is dropped (counted, a ``collective_dropped`` event); it catches up
+``weights.transport.timeout_s`` is dropped (counted, a ``collective_dropped`` event); it catches up
 from the store copy and joins again. Back-pressure: ``send`` returns when every member has the
 version or was dropped, so a slow generator delays the store copy of that version by at most
 ``timeout_s``, once.
@@ -39,7 +39,7 @@ from broker.protocol import signing
 from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import DEFAULT as DEFAULT_DIGEST
 from broker.protocol.tensordigest import combine
-from broker.runtime.config import CollectiveWeightsConfig
+from broker.protocol.weights_config import CollectiveTransport
 from learner.rendezvous import Rendezvous
 from learner.transports import Sender, SenderContext
 
@@ -126,7 +126,7 @@ class Broadcaster:
         self,
         r,
         keys: Keys,
-        cfg: CollectiveWeightsConfig,
+        cfg: CollectiveTransport,
         announce_key: signing.AnnounceSigner | None,
         digest: str = DEFAULT_DIGEST,
         weights_key: bytes | None = None,
@@ -134,7 +134,7 @@ class Broadcaster:
         if cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available()):
             # the buckets are CPU tensors (the publication snapshot); NCCL groups would need them on a device
             log.warning(
-                "weights.collective.backend=%s: this build sends CPU snapshots over gloo "
+                "weights.transport.backend=%s: this build sends CPU snapshots over gloo "
                 "(docs/weights.md, 'NCCL on GPUs')",
                 cfg.backend,
             )
@@ -366,5 +366,5 @@ class CollectiveSender(Sender):
         super().__init__(ctx)
         cfg = ctx.cfg.weights
         self.handoff = Broadcaster(
-            ctx.r, ctx.keys, cfg.collective, ctx.announce_key, cfg.digest, ctx.weights_key
+            ctx.r, ctx.keys, cfg.transport, ctx.announce_key, cfg.digest, ctx.weights_key
         ).start()

@@ -8,7 +8,8 @@ from pydantic import Field, model_validator
 
 from broker.protocol.keys import RECORD_WINDOW
 from broker.runtime.binds import ALLOW_DESCRIPTION, refuse_open_bind
-from broker.runtime.config import IN_PROCESS_TRANSPORTS, RunConnection, StrictModel, WeightsConfig
+from broker.protocol.weights_config import WeightsConfig
+from broker.runtime.config import RunConnection, StrictModel
 from learner.records import WandbConfig
 
 # The valid option names, defined once: losses.py, correction.py and advantages.py derive theirs from these.
@@ -469,17 +470,12 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     @model_validator(mode="after")
     def _no_open_weight_listener_without_key(self) -> LearnerConfig:
         w = self.weights
-        if w.auth == "insecure" and w.transport in ("http", "collective"):
-            setting, host = (
-                ("weights.http.host", w.http.host)
-                if w.transport == "http"
-                else ("weights.collective.host", w.collective.host)
-            )
+        if w.auth == "insecure" and w.transport.listens:
             refuse_open_bind(
-                setting,
-                host,
-                host,
-                f"weights.auth = 'insecure' leaves the {w.transport} transport's "
+                "weights.transport.host",
+                w.transport.host,
+                w.transport.host,
+                f"weights.auth = 'insecure' leaves the {w.transport.type} transport's "
                 "listener without the weights key, so anyone who reaches it receives every version",
                 "use weights.auth = 'key' with weights.key_file",
                 self.allow_unauthenticated_bind,
@@ -488,10 +484,10 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
 
     @model_validator(mode="after")
     def _lora_publication(self) -> LearnerConfig:
-        if self.lora.publish == "adapter" and self.weights.transport in IN_PROCESS_TRANSPORTS:
+        if self.lora.publish == "adapter" and self.weights.transport.in_process:
             raise ValueError(
                 f"learner.lora.publish = adapter needs weights.transport store or http (the "
-                f"{self.weights.transport} transport hands over whole models); use learner.lora.publish "
+                f"{self.weights.transport.type} transport hands over whole models); use learner.lora.publish "
                 "= merged or auto"
             )
         return self
@@ -501,9 +497,7 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
         """LoRA on and each version published as its adapter alone (learner.lora.publish, ``auto`` resolved)."""
         if not self.lora.rank:
             return False
-        return self.lora.publish == "adapter" or (
-            self.lora.publish == "auto" and self.weights.transport not in IN_PROCESS_TRANSPORTS
-        )
+        return self.lora.publish == "adapter" or (self.lora.publish == "auto" and not self.weights.transport.in_process)
 
     @model_validator(mode="after")
     def _default_lr(self) -> LearnerConfig:

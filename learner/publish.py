@@ -37,7 +37,7 @@ from broker.protocol import tensordigest, weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
 from broker.protocol.weightstore import ADAPTER_CONFIG, ADAPTER_FILE, INDEX, is_adapter_tensor
-from broker.runtime.config import WeightsConfig
+from broker.protocol.weights_config import WeightsConfig
 from broker.protocol.signing import AnnounceSigner
 
 log = logging.getLogger("relay.learner.publish")

@@ -1,6 +1,6 @@
 """The collective transport's rendezvous, learner side: who may join the weight broadcast.
 
-One listening socket on ``weights.collective.host``:``port`` (that address only), served by one thread
+One listening socket on ``weights.transport.host``:``port`` (that address only), served by one thread
 with a selector: no thread per connection. A join, as a generator speaks it (generators/weight_receive.py;
 the frames in broker/protocol/collective.py):
 
@@ -10,7 +10,7 @@ the frames in broker/protocol/collective.py):
    :data:`JOIN_DEADLINE_S`, sends more than a few KiB, or whose proof is wrong is closed without a word:
    it got nothing but the challenge and cost the learner one HMAC (counted: ``refused_unauthenticated``);
 3. an id already connected is refused (``refused``; the live member keeps its place), and so is a join
-   past ``weights.collective.max_members``; else the learner proves the key back (``accepted``) and
+   past ``weights.transport.max_members``; else the learner proves the key back (``accepted``) and
    builds the 2-rank gloo group, the group's store being this same connection (an in-process HashStore
    here, ``RemoteStore`` on the generator's side);
 4. before any weight goes out, the learner broadcasts a fresh nonce over the new group and the generator
@@ -101,7 +101,7 @@ class Membership:
             if len(self.ids) >= self.max_members:
                 return None, (
                     "refused_full",
-                    f"the broadcast has {self.max_members} members (weights.collective.max_members)",
+                    f"the broadcast has {self.max_members} members (weights.transport.max_members)",
                 )
             if self.queued >= MAX_QUEUED + BUILDERS:
                 return None, ("refused_busy", "too many joins at once; try again")

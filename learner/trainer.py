@@ -50,9 +50,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.keys = Keys(cfg.run_id)
         announce_key = announce_signer(cfg.announce_auth, cfg.announce_key_file)  # signs every announcement
-        weights_key = read_weights_key(
-            cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport
-        )  # http, collective
+        weights_key = read_weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # a listener
         self.rank, self.world = init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
         if cfg.batch.groups % self.world:
             raise ValueError(f"learner.batch.groups ({cfg.batch.groups}) must be a multiple of the {self.world} ranks")

@@ -1,8 +1,11 @@
-"""How a version leaves the learner: the sender of each ``weights.transport``, chosen here and nowhere else.
+"""How a version leaves the learner: the sender of ``weights.transport``, built here and nowhere else.
 
 Every version, whatever the transport, is written to the weight store and announced by the leader's
 publisher (learner/publish.py): that copy is what late joiners, restarted generators and the audit read.
-A transport adds to it what this module's :class:`Sender` names, one class in one file per transport:
+A transport adds to it what this module's :class:`Sender` names, one class in one file per transport. Which
+class is the transport's config's to say: each config class in broker/protocol/weights_config.py names its
+``sender`` here and its ``receiver`` on the generator side (generators/transports.py), so the pair is read in
+one place:
 
 | transport    | learner side (the sender)                          | generator side (generators/transports.py)   |
 |--------------|----------------------------------------------------|---------------------------------------------|
@@ -11,12 +14,12 @@ A transport adds to it what this module's :class:`Sender` names, one class in on
 | `collective` | learner/broadcast.py ``CollectiveSender``          | generators/weight_receive.py                |
 | `ipc`        | learner/ipc.py ``IpcSender``                       | generators/ipc_receive.py                   |
 
-The shared pieces both sides import live in broker/protocol/ (the manifest and the store layout:
-weightstore.py; tensor digests: tensordigest.py; the wire layout of in-process versions: collective.py and
-ipc.py; signed announcements: signing.py; the weights key: weightauth.py). Adding a transport: its config
-class in broker/runtime/config.py (``WeightsConfig``), a ``Sender`` subclass in one new learner file and a
-receiver in one new generator file, and one line in :data:`SENDERS` and in generators/transports.py's
-``RECEIVERS`` (docs/weights.md, "Adding a transport").
+The shared pieces both sides import live in broker/protocol/ (the transports' configs: weights_config.py;
+the manifest and the store layout: weightstore.py; tensor digests: tensordigest.py; the wire layout of
+in-process versions: collective.py and ipc.py; signed announcements: signing.py; the weights key:
+weightauth.py). Adding a transport: a ``Sender`` subclass in one new learner file, a receiver in one new
+generator file, and its config class (naming both) in broker/protocol/weights_config.py's union
+(docs/weights.md, "Adding a transport").
 """
 
 from __future__ import annotations
@@ -78,17 +81,9 @@ class Sender:
         pass
 
 
-# weights.transport -> "module:class" of its sender (imported only when chosen: the collective's
-# torch.distributed, the ipc's shared memory and the http server load nothing for the others)
-SENDERS = {
-    "store": "learner.transports:Sender",
-    "http": "learner.weight_server:HttpSender",
-    "collective": "learner.broadcast:CollectiveSender",
-    "ipc": "learner.ipc:IpcSender",
-}
-
-
 def build_sender(ctx: SenderContext) -> Sender:
-    """The sender of ``ctx.cfg.weights.transport``: the one place the learner chooses its transport."""
-    module, name = SENDERS[ctx.cfg.weights.transport].split(":")
+    """The sender ``ctx.cfg.weights.transport`` names (its config class's ``sender``, "module:class"): the one
+    place the learner chooses its transport. Imported only when chosen: the collective's torch.distributed, the
+    ipc's shared memory and the http server load nothing for the others."""
+    module, name = ctx.cfg.weights.transport.sender.split(":")
     return getattr(importlib.import_module(module), name)(ctx)

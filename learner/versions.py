@@ -170,7 +170,7 @@ class Versions:
 
     def finish(self) -> None:
         """The run is over: the sender finishes (the http transport serves until the generators have the last
-        version, their final evaluation round uses it, at most ``weights.http.linger_s``)."""
+        version, their final evaluation round uses it, at most ``weights.transport.linger_s``)."""
         if self.sender is not None:
             self.sender.finish(self.version)
 

@@ -13,7 +13,7 @@ announcement and every file against the manifest (generators/weight_fetch.py). C
 with the run's weights key, every request must carry ``Authorization: Bearer <token>`` where the
 token is derived from that key (broker/protocol/weightauth.py), so only the learner and the generators
 read the weights (docs/security.md); without it (``weights.auth = "insecure"``) anyone who reaches the
-port does. It binds ``weights.http.host`` (127.0.0.1 by default).
+port does. It binds ``weights.transport.host`` (127.0.0.1 by default).
 
 Bounded like the other servers (broker/runtime/httpserver.py): a fixed pool of worker threads, a cap
 on open connections, a deadline on each request head and on each write.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from broker.protocol import weightstore
 from broker.protocol.weightauth import bearer_token
-from broker.runtime.config import HttpWeightsConfig
+from broker.protocol.weights_config import HttpTransport
 from broker.runtime.httpserver import BoundedHTTPServer
 from learner.transports import Sender, SenderContext
 
@@ -168,7 +168,7 @@ class WeightServer:
         return os.fdopen(fd, "rb"), st.st_size, etag
 
 
-def serve_store(store: str | Path, cfg: HttpWeightsConfig, weights_key: bytes | None, run_id: str) -> WeightServer:
+def serve_store(store: str | Path, cfg: HttpTransport, weights_key: bytes | None, run_id: str) -> WeightServer:
     """The learner leader's weight server for ``weights.transport = "http"``, started (``weights_key``: the run's
     weights key, broker/protocol/weightauth.py; None: no token asked)."""
     return WeightServer(store, cfg.host, cfg.port, bearer_token(weights_key, run_id), cfg.advertise_url).start()
@@ -206,21 +206,23 @@ def wait_until_served(r, keys, version: int, timeout_s: float, fresh_s: float = 
 class HttpSender(Sender):
     """``weights.transport = "http"``, learner side (learner/transports.py): the leader serves its weight
     store read-only (:class:`WeightServer`), each announcement names the version's URL there, and at the
-    run's end it serves until the generators have the last version (at most ``weights.http.linger_s``)."""
+    run's end it serves until the generators have the last version (at most ``weights.transport.linger_s``)."""
 
     name = "http"
 
     def __init__(self, ctx: SenderContext):
         super().__init__(ctx)
         cfg = ctx.cfg
-        self.server: WeightServer | None = serve_store(cfg.weight_store, cfg.weights.http, ctx.weights_key, cfg.run_id)
+        self.server: WeightServer | None = serve_store(
+            cfg.weight_store, cfg.weights.transport, ctx.weights_key, cfg.run_id
+        )
 
     def attach(self, publisher) -> None:
         publisher.url_for = self.server.url
 
     def finish(self, version: int) -> None:
         if self.server is not None:
-            wait_until_served(self.ctx.r, self.ctx.keys, version, self.ctx.cfg.weights.http.linger_s)
+            wait_until_served(self.ctx.r, self.ctx.keys, version, self.ctx.cfg.weights.transport.linger_s)
             self.server.close()
             self.server = None
 

@@ -7,6 +7,7 @@
     keys.py        the Redis layout of a run (every key, the consumer groups)
     scripts.py     every Lua script run against that layout (atomic steps of the replay queue)
     weightstore.py immutable, hashed weight snapshots (write, seal, verify, prune)
+    weights_config.py  the [weights] section both ends read: each transport's config, naming its two ends
     sampling.py    the sampling transform whose log-probs generators record and the learner recomputes
 
 docs/protocol.md is the byte-level specification.

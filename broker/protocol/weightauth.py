@@ -22,15 +22,17 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from broker.runtime.config import ConfigError
+
+if TYPE_CHECKING:
+    from broker.protocol.weights_config import TransportConfig
 
 KEY_BYTES = 32
 TOKEN_CONTEXT = b"relay weights http v2\0"
 JOIN_CONTEXT = "relay-collective-join-v1"
 ACCEPT_CONTEXT = "relay-collective-accept-v1"
-# the transports whose listeners hand out weights: the key is read (and required) only with these
-KEYED_TRANSPORTS = ("http", "collective")
 
 
 class WeightsKeyError(ConfigError):
@@ -65,15 +67,15 @@ def read_key_file(path: str | Path) -> bytes:
     return key
 
 
-def weights_key(auth: str, key_file: str, transport: str) -> bytes | None:
+def weights_key(auth: str, key_file: str, transport: TransportConfig) -> bytes | None:
     """The key a learner or a generator opens (or joins) its weight listener with (``weights.auth``,
-    ``weights.key_file``), read only for a transport with a listener (http, collective); None otherwise,
-    or with ``weights.auth = "insecure"`` (whoever reaches the port receives the weights)."""
-    if transport not in KEYED_TRANSPORTS or auth == "insecure":
+    ``weights.key_file``), read only for a transport with a listener (``listens``: http, collective); None
+    otherwise, or with ``weights.auth = "insecure"`` (whoever reaches the port receives the weights)."""
+    if not transport.listens or auth == "insecure":
         return None
     if not key_file:
         raise WeightsKeyError(
-            f"weights.transport = {transport!r} with weights.auth = 'key' needs weights.key_file (the "
+            f"weights.transport = {transport.type!r} with weights.auth = 'key' needs weights.key_file (the "
             f"run's weights key, 64 hex digits; `relay up` writes runs/<id>/secrets/weights.key), or "
             f"weights.auth = 'insecure' to let whoever reaches the port receive the weights"
         )

@@ -82,27 +82,114 @@ def _section_models(ann) -> list[type[BaseModel]]:
     return [m for a in typing.get_args(ann) for m in _section_models(a)]
 
 
-def migrate(model: type[BaseModel], data: Any) -> Any:
-    """``data`` for ``model`` with the renamed keys of the model and of its sections moved (``move_renamed``):
-    each layer of a config (file, variables, ``--set``) is migrated on its own before they are merged, so that
-    a ``--set`` of the old name overrides a file's new one instead of clashing with it."""
+def expand_types(model: type[BaseModel], data: Any) -> Any:
+    """``data`` with each section chosen by its type (a discriminated union, such as ``weights.transport`` or
+    ``backend``) given as a plain string spelled out: ``"http"`` is ``{"type": "http"}``, that type with its
+    defaults (the short spelling, no warning: ``--set weights.transport=http``)."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, field in model.model_fields.items():
+        if isinstance(field.discriminator, str) and isinstance(out.get(name), str):
+            out[name] = {field.discriminator: out[name]}
+    return out
+
+
+def _type_of(model: type[BaseModel], name: str, section: Any, final: bool) -> str | None:
+    """The type section ``name`` of ``model`` is given (None when it says none: in one layer of several the
+    type may come from another), or with ``final`` (the layers merged) the type it defaults to."""
+    key = model.model_fields[name].discriminator
+    if isinstance(section, BaseModel):
+        return getattr(section, key)
+    if isinstance(section, dict) and key in section:
+        return section[key]
+    if not final:
+        return None
+    field = model.model_fields[name]
+    default = field.default_factory() if field.default_factory is not None else field.default
+    return getattr(default, key, None)
+
+
+def move_by_type(model: type[BaseModel], data: Any, final: bool) -> Any:
+    """``data`` with each old section that ``model.__renamed_by_type__`` lists (old key -> (the section chosen
+    by its type that replaced it, the type it belongs to)) moved into that section when its type is the old
+    section's, and dropped otherwise (its settings never applied to another type), one warning per key. In one
+    layer of several (not ``final``) an old section moves only when the layer names its type; otherwise it
+    waits for the layers to be merged, as another layer may name it (``final``: the whole config, where the
+    default type counts). An old key given with the same key of the new section is a ValueError, as in
+    :func:`move_renamed`."""
+    moves = getattr(model, "__renamed_by_type__", {})
+    if not isinstance(data, dict) or not moves:
+        return data
+    out, owner = dict(data), model.__name__
+    for old, (new, kind) in moves.items():
+        key = model.model_fields[new].discriminator
+        chosen = _type_of(model, new, out.get(new), final) if isinstance(out.get(old), dict) else None
+        if chosen is None or (chosen != kind and not final):
+            continue
+        value, section = out.pop(old), out.get(new)
+        if isinstance(section, BaseModel):
+            section = {**section.model_dump(exclude_unset=True), key: chosen}
+        renamed = f'{old}.* was renamed {new}.* (with {new}.{key} = "{kind}")'
+        if chosen == kind:
+            both = sorted(set(value) & set(section or {}))
+            if both:
+                raise ValueError(
+                    f"{owner}: {old}.{both[0]} and {new}.{both[0]} are one setting ({new}.{both[0]} is its new "
+                    f"name, {RENAMED_DOC}): give only {new}.{both[0]}"
+                )
+            out[new] = {key: kind, **(section or {}), **value}
+            said = f"{renamed} ({RENAMED_DOC}); the old name still works, for now"
+        else:
+            said = f'{renamed}; ignored here: {new}.{key} is "{chosen}" ({RENAMED_DOC})'
+        if (owner, old) not in _warned:
+            _warned.add((owner, old))
+            log.warning("%s: %s", owner, said)
+    return out
+
+
+def migrate_own(model: type[BaseModel], data: Any, final: bool = True) -> Any:
+    """``data`` for ``model`` in today's spelling, the model's own keys (not its sections'): its renamed keys
+    moved (:func:`move_renamed`), a section chosen by its type given as a string spelled out
+    (:func:`expand_types`), the old sections of such a section moved into it (:func:`move_by_type`)."""
     data = move_renamed(data, getattr(model, "__renamed__", {}), model.__name__)
+    return move_by_type(model, expand_types(model, data), final)
+
+
+def migrate(model: type[BaseModel], data: Any, final: bool = False) -> Any:
+    """``data`` for ``model`` in today's spelling, its sections' included (:func:`migrate_own`): each layer
+    of a config (file, variables, ``--set``) is migrated on its own before they are merged, so that a ``--set``
+    of the old name overrides a file's new one instead of clashing with it; ``final``: ``data`` is the whole
+    config (the layers merged, or a recorded run), so an old section whose type no layer named is settled too."""
+    data = migrate_own(model, data, final)
     if not isinstance(data, dict):
         return data
     out = dict(data)
     for name, field in model.model_fields.items():
         if isinstance(out.get(name), dict):
             for section in _section_models(field.annotation):
-                out[name] = migrate(section, out[name])
+                out[name] = migrate(section, out[name], final)
     return out
 
 
 def renamed_path(model: type[BaseModel], path: list[str]) -> list[str]:
-    """``path`` (a field's segments) in its new spelling when it starts with one of ``model``'s renamed keys."""
+    """``path`` (a field's segments) in its new spelling, through the renamed keys of ``model`` and of its
+    sections (``weights.http.port`` is ``weights.transport.port``)."""
     for old, new in getattr(model, "__renamed__", {}).items():
         old_path = old.split(".")
         if path[: len(old_path)] == old_path:
-            return new.split(".") + path[len(old_path) :]
+            path = new.split(".") + path[len(old_path) :]
+            break
+    moved = getattr(model, "__renamed_by_type__", {}).get(path[0]) if path else None
+    if moved is not None:
+        path = [moved[0], *path[1:]]
+    field = model.model_fields.get(path[0]) if path else None
+    if field is None or len(path) == 1:
+        return path
+    for section in _section_models(field.annotation):
+        inner = renamed_path(section, path[1:])
+        if inner != path[1:]:
+            return [path[0], *inner]
     return path
 
 
@@ -111,16 +198,20 @@ class StrictModel(BaseModel):
     ±inf refused in every float field (no field of Relay's config has a meaning for them: an unbounded
     value is spelled ``null`` where a field allows it, e.g. ``learner.correction.tis_cap``).
 
-    A model whose fields moved lists them in ``__renamed__`` (old dotted path -> new one): the old keys
-    keep working, with a warning (:func:`move_renamed`; docs/config.md, "Renamed keys")."""
+    A model whose fields moved lists them in ``__renamed__`` (old dotted path -> new one), and old sections
+    that became one section chosen by its type in ``__renamed_by_type__`` (old key -> (that section, the type
+    the old one belongs to)): the old keys keep working, with a warning (:func:`migrate_own`; docs/config.md,
+    "Renamed keys"). A section chosen by its type may be given as the type alone (``weights.transport =
+    "http"``)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     __renamed__: typing.ClassVar[Mapping[str, str]] = {}
+    __renamed_by_type__: typing.ClassVar[Mapping[str, tuple[str, str]]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys(cls, data: Any) -> Any:
-        return move_renamed(data, cls.__renamed__, cls.__name__)
+        return migrate_own(cls, data, final=True)
 
 
 class RunConnection(StrictModel):
@@ -163,127 +254,6 @@ class VerifyingConnection(RunConnection):
     )
 
 
-class HttpWeightsConfig(StrictModel):
-    """``weights.transport = "http"``: the learner serves the weight store over HTTP (docs/weights.md)."""
-
-    host: str = Field("127.0.0.1", description="address the learner's weight server binds")
-    port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the URL is announced)")
-    advertise_url: str = Field(
-        "",
-        description="base URL the generators fetch from (default: http://host:port; "
-        "set it when the generators reach the learner under another name). A generator "
-        "fetches only from this URL (or http://host:port with a fixed port), whatever URL an "
-        "announcement names; relay up sets it",
-    )
-    cache_dir: str = Field(
-        "", description="generators: folder the fetched versions are kept in (default: a private temporary folder)"
-    )
-    linger_s: float = Field(
-        60.0,
-        ge=0,
-        le=3600,
-        description="learner: at the end of the run, keep serving until "
-        "every live generator serves the last version, at most this long",
-    )
-
-    def base_url(self) -> str:
-        """The learner's weight server as configured: ``advertise_url``, else ``http://host:port`` when the
-        port is fixed; "" when the port is only chosen when the server starts (0)."""
-        if self.advertise_url:
-            return self.advertise_url.rstrip("/")
-        if not self.port:
-            return ""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
-
-
-class CollectiveWeightsConfig(StrictModel):
-    """``weights.transport = "collective"``: versions broadcast over torch.distributed (docs/weights.md)."""
-
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="process-group backend: auto = nccl on GPUs, gloo on CPU"
-    )
-    host: str = Field(
-        "127.0.0.1",
-        description="address the learner's rendezvous binds (that address only); joins "
-        "prove the run's weights key (weights.auth)",
-    )
-    port: int = Field(0, ge=0, le=65535, description="its port (0 = any free port; the address is advertised in Redis)")
-    max_members: int = Field(
-        256,
-        ge=1,
-        le=4096,
-        description="generators the learner broadcasts to at most; a join "
-        "beyond is refused (each member is a gloo group with its own threads)",
-    )
-    bucket_mb: float = Field(64.0, gt=0, description="tensors are broadcast in buckets of about this many MiB")
-    timeout_s: float = Field(
-        60.0,
-        gt=0,
-        description="a broadcast (or a join) that takes longer drops the "
-        "generator from the group; it catches up from the store and joins again",
-    )
-
-
-# the transports that hand each version to the generators' engines in process (learner/broadcast.py,
-# learner/ipc.py): whole models, received by a generator thread, with the store copy written behind
-IN_PROCESS_TRANSPORTS = ("collective", "ipc")
-
-
-class WeightsConfig(StrictModel):
-    """How versions travel from the learner to the generators: one section that ``relay up`` gives to both
-    (``--set weights.transport=http``); a service on its own takes it as ``weights.*`` (docs/weights.md)."""
-
-    transport: Literal["store", "http", "collective", "ipc"] = Field(
-        "store",
-        description="store: immutable folders on a shared volume; http: the learner serves them, no "
-        "shared volume; collective: broadcast straight into the generators' engines (store copy written behind); "
-        "ipc: generators on the learner's host copy each version from its shared memory (CUDA IPC on a GPU; "
-        "store copy written behind)",
-    )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="dtype of the published weights: auto = the training dtype (bf16 when "
-        "learner.deepspeed.bf16), else as given",
-    )
-    shard_mb: float = Field(
-        512.0,
-        gt=0,
-        description="safetensors shard size in MiB (several shards: the Hugging "
-        "Face index is written too; shards are what lets hash_threads hash one version on "
-        "several cores)",
-    )
-    hash_threads: int = Field(
-        8,
-        ge=1,
-        le=64,
-        description="shards written and hashed side by side by the learner, "
-        "and read and verified side by side by each generator (one file's sha256 is "
-        "sequential: ~1.5 GB/s per core)",
-    )
-    digest: Literal["xxh3", "sha256"] = Field(
-        "xxh3",
-        description="per-tensor hash of the tensor digest every generator checks against what it applied: "
-        "xxh3 (XXH3-128, ~5x faster) or sha256 (cryptographic; the files' own hashes are sha256 either way)",
-    )
-    auth: Literal["key", "insecure"] = Field(
-        "key",
-        description="key: the learner's weight listeners (the http server, the collective rendezvous) admit "
-        "only holders of the run's weights key (key_file): the learner and the generators; insecure: whoever reaches "
-        "the port receives the weights (docs/security.md)",
-    )
-    key_file: str = Field(
-        "",
-        description="file holding the run's weights key (64 hex digits, mode 0600; relay up "
-        "writes runs/<id>/secrets/weights.key); read by the learner and the generators with the "
-        "http and collective transports",
-    )
-    http: HttpWeightsConfig = Field(default_factory=HttpWeightsConfig, description="the http transport")
-    collective: CollectiveWeightsConfig = Field(
-        default_factory=CollectiveWeightsConfig, description="the collective transport"
-    )
-
-
 class ConfigError(Exception):
     """A config that cannot be used; the message names the field and what would be valid."""
 
@@ -298,14 +268,21 @@ def _parse_value(raw: str) -> Any:
 
 def _set_nested(d: dict, path: list[str], value: Any, copy: bool = False) -> None:
     """``d[path[0]]...[path[-1]] = value``, making the sections on the way (``copy``: copying those that exist,
-    which may be shared with a caller's dict)."""
+    which may be shared with a caller's dict). A section chosen by its type may be given as the type alone, before
+    or after its fields (``--set weights.transport=collective --set weights.transport.timeout_s=10``): a string
+    on the way is spelled out (``{"type": ...}``), and a string set over a section sets its type."""
     for p in path[:-1]:
         if copy and isinstance(d.get(p), dict):
             d[p] = dict(d[p])
+        if isinstance(d.get(p), str):
+            d[p] = {"type": d[p]}
         d = d.setdefault(p, {})
         if not isinstance(d, dict):
             raise ConfigError(f"cannot set {'.'.join(path)}: {p} is not a section")
-    d[path[-1]] = value
+    if isinstance(value, str) and isinstance(d.get(path[-1]), dict):
+        d[path[-1]] = {**d[path[-1]], "type": value}
+    else:
+        d[path[-1]] = value
 
 
 def read_file(path: str | Path) -> dict:
@@ -335,12 +312,34 @@ def env_overrides(model: type[BaseModel], prefix: str = "RELAY_", environ: dict 
     environ = os.environ if environ is None else environ
     out: dict = {}
     fields = set(model.model_fields) | {old.split(".")[0] for old in getattr(model, "__renamed__", {})}
-    for key, raw in environ.items():
+    for key, raw in sorted(environ.items()):  # a section (RELAY_WEIGHTS__TRANSPORT) before its fields
         if not key.startswith(prefix):
             continue
         path = key[len(prefix) :].lower().split("__")
         if path[0] in fields:
             _set_nested(out, path, _parse_value(raw))
+    return out
+
+
+def switch_types(model: type[BaseModel], base: dict, layer: dict) -> dict:
+    """``base`` with each section chosen by its type that ``layer`` gives another type (``--backend vllm`` over a
+    file's ``type = "torch"``, ``weights.transport=store`` over ``type = "http"``) emptied, so that merging
+    ``layer`` replaces it: the other type's fields (a torch ``threads``, an http ``cache_dir``) do not apply to
+    the new one. Both in today's spelling (:func:`migrate`)."""
+    out = base
+    for name, field in model.model_fields.items():
+        below, above = base.get(name), layer.get(name)
+        if not (isinstance(below, dict) and isinstance(above, dict)):
+            continue
+        key = field.discriminator
+        if isinstance(key, str) and key in below and key in above and below[key] != above[key]:
+            out = {**out, name: {}}
+            continue
+        for section in _section_models(field.annotation):
+            inner = switch_types(section, below, above)
+            if inner is not below:
+                out = {**out, name: inner}
+                break
     return out
 
 
@@ -378,10 +377,29 @@ def load_config(
         if pick is not None:
             data = pick(data)
         data = migrate(model, data)  # each layer on its own: a later layer's old name overrides a new one below
-        data = deep_merge(data, migrate(model, env_overrides(model, environ=environ)))
-        data = deep_merge(data, migrate(model, overrides or {}))
+        for layer in (env_overrides(model, environ=environ), overrides or {}):
+            layer = migrate(model, layer)
+            data = deep_merge(switch_types(model, data, layer), layer)
         return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
     except ValueError as e:  # migrate's: a renamed key given in both spellings in one layer
         raise ConfigError(f"invalid config: {e}") from None
+
+
+# the weights section moved to broker/protocol/weights_config.py (imported lazily: it imports this module)
+_MOVED = {
+    "WeightsConfig": "WeightsConfig",
+    "HttpWeightsConfig": "HttpTransport",
+    "CollectiveWeightsConfig": "CollectiveTransport",
+    "IN_PROCESS_TRANSPORTS": "IN_PROCESS_TRANSPORTS",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The weights section's old import path (``from broker.runtime.config import WeightsConfig``) still works."""
+    if name in _MOVED:
+        from broker.protocol import weights_config
+
+        return getattr(weights_config, _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

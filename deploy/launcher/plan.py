@@ -15,7 +15,16 @@ from datetime import datetime
 from pathlib import Path
 
 from broker.prompts.tasks import TASK_NEEDS, UnknownTaskError, check_task, task_defaults
-from broker.runtime.config import ConfigError, deep_merge, format_validation_error, migrate, read_file, set_overrides
+from broker.runtime.config import (
+    ConfigError,
+    deep_merge,
+    expand_types,
+    format_validation_error,
+    migrate,
+    read_file,
+    set_overrides,
+    switch_types,
+)
 from deploy.launcher.episode_presets import EPISODE_LEARNER_DEFAULTS, episode_defaults, task_reward_defaults
 from deploy.launcher.ingest_keys import ingest_key_dir
 
@@ -39,13 +48,20 @@ def _validate(model, data: dict, section: str):
 def _shared_sections(cfg: dict) -> dict:
     """``cfg`` with each run-wide section (``weights``) moved into the services it belongs to:
     ``{"weights": {...}}`` becomes ``{"learner": {"weights": {...}}, "generator": {"weights": {...}}}``,
-    under what those services' own sections set (the more specific wins)."""
+    under what those services' own sections set (the more specific wins). A transport given as its type alone
+    (``weights.transport = "http"``) is spelled out first, so that a service's own ``[learner.weights.transport]``
+    merges into it."""
+    from deploy.launcher.environment import config_models
+
     cfg = dict(cfg)
     for name, owners in SHARED.items():
         if name in cfg:
             shared = cfg.pop(name)
             for owner in owners:
-                cfg[owner] = deep_merge({name: shared}, cfg.get(owner, {}))
+                model = config_models()[owner].model_fields[name].annotation
+                own = dict(cfg.get(owner, {}))
+                own[name] = expand_types(model, own[name]) if name in own else {}
+                cfg[owner] = deep_merge({name: expand_types(model, shared)}, own)
     return cfg
 
 
@@ -191,14 +207,14 @@ def _section(layers: tuple[dict, dict, dict, dict], name: str, base: dict) -> di
     place before that layer is merged, so a ``--set`` of the old name overrides a file's new one."""
     from deploy.launcher.environment import config_models
 
-    for layer in (layers[0].get(name, {}), layers[1][name], layers[2][name], layers[3].get(name, {})):
-        try:
-            layer = migrate(config_models()[name], layer)  # renamed keys, each layer on its own (docs/config.md)
-        except ValueError as e:  # one setting under its old and its new name
-            raise ConfigError(f"[{name}] {e}") from None
-        base = _switch_backend(base, layer)
-        base = deep_merge(base, layer)
-    return base
+    model = config_models()[name]
+    try:
+        for layer in (layers[0].get(name, {}), layers[1][name], layers[2][name], layers[3].get(name, {})):
+            layer = migrate(model, layer)  # renamed keys, each layer on its own (docs/config.md)
+            base = deep_merge(switch_types(model, base, layer), layer)  # another type replaces a section
+        return migrate(model, base, final=True)  # an old section whose type came from another layer (weights.http)
+    except ValueError as e:  # one setting under its old and its new name
+        raise ConfigError(f"[{name}] {e}") from None
 
 
 def _redis(args, run_id: str):
@@ -256,7 +272,7 @@ def _join(learner: dict, generator: dict, reward: dict) -> None:
     from deploy.launcher.procs import free_port
     from deploy.launcher.run_secrets import pin_weight_port
 
-    if generator.get("weights", {}).get("transport") == "http":
+    if generator.get("weights", {}).get("transport", {}).get("type") == "http":
         generator["weight_store"] = ""  # no shared folder: versions are fetched from the learner's weight server
         pin_weight_port(learner, generator, free_port)  # ...which the generators name: it gets a fixed port
     if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
@@ -341,12 +357,3 @@ def hold_ports(p: dict, movable: set[str]) -> dict:
     except PortTaken as e:
         raise UsageError(str(e)) from None
     return p
-
-
-def _switch_backend(base: dict, layer: dict) -> dict:
-    """A layer naming another backend type (``--backend vllm`` over a file's ``type = "torch"``) replaces the
-    backend section below it: the other type's fields (a torch ``threads``) do not apply to the new one."""
-    new, old = (layer.get("backend") or {}).get("type"), (base.get("backend") or {}).get("type")
-    if new is None or old is None or new == old:
-        return base
-    return {**base, "backend": {}}

@@ -188,7 +188,8 @@ def _recorded(run_dir: Path, usage_error) -> tuple[dict, dict, object, dict]:
     cfg_dir = run_dir / "config"
     cfgs = {name: json.loads((cfg_dir / f"{name}.json").read_text()) for name in ("broker", "reward", "learner")}
     cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
-    cfgs = {name: migrate(environment.config_models()[name], c) for name, c in cfgs.items()}  # an older run's keys
+    # an older run's keys (a recorded config is whole: an old weights.http section is settled by its transport)
+    cfgs = {name: migrate(environment.config_models()[name], c, final=True) for name, c in cfgs.items()}
     try:
         learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
     except ValidationError as e:
@@ -216,12 +217,14 @@ def _keys_and_ports(run_dir: Path, cfgs: dict, dashboard_port: int | None) -> in
     for name in ("broker", "learner", "generator"):
         if cfgs[name].get("announce_auth", "ed25519") == "ed25519":
             cfgs[name] = deep_merge(keyed[name], cfgs[name])
-    old = cfgs["learner"].get("weights", {}).get("http", {}).get("port")
-    if cfgs["learner"].get("weights", {}).get("transport") == "http" and old and port_in_use(old):
+    http = cfgs["learner"].get("weights", {}).get("transport", {})
+    old = http.get("port")
+    if http.get("type") == "http" and old and port_in_use(old):
         new = free_port()  # the generators fetch from the recorded port: both move
         for name in ("learner", "generator"):
-            if cfgs[name].get("weights", {}).get("http", {}).get("port") == old:
-                cfgs[name]["weights"]["http"]["port"] = new
+            transport = cfgs[name].get("weights", {}).get("transport", {})
+            if transport.get("type") == "http" and transport.get("port") == old:
+                transport["port"] = new
     # the recorded ports, held again by hold_ports (a port taken now moves, each config that names it following)
     http_port = cfgs["broker"].get("http_port", 8080)
     if dashboard_port is not None:

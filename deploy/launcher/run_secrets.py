@@ -88,13 +88,13 @@ def run_key_fields(run_dir: Path) -> dict[str, dict]:
 
 def pin_weight_port(learner: dict, generator: dict, free_port) -> None:
     """``weights.transport = "http"``: a generator fetches only from the weight server its config names
-    (``weights.http.advertise_url``, or ``host`` and a fixed ``port``), so a learner left to pick any free
+    (``weights.transport.advertise_url``, or ``host`` and a fixed ``port``), so a learner left to pick any free
     port (0) gets a fixed one now, in both configs."""
-    http = learner.setdefault("weights", {}).setdefault("http", {})
+    http = learner.setdefault("weights", {}).setdefault("transport", {"type": "http"})
     if http.get("advertise_url") or http.get("port"):
         return
     http["port"] = free_port()
-    generator.setdefault("weights", {}).setdefault("http", {}).setdefault("port", http["port"])
+    generator.setdefault("weights", {}).setdefault("transport", {"type": "http"}).setdefault("port", http["port"])
 
 
 def made_before_ed25519(run_dir: Path) -> bool:

@@ -96,7 +96,7 @@ def test_a_lora_adapter_and_the_base_it_pins_load_the_bytes_their_check_hashed(r
 
 
 def test_a_version_fetched_over_http_loads_the_bytes_the_fetcher_hashed(redis_url, tmp_path):
-    from broker.runtime.config import HttpWeightsConfig
+    from broker.protocol.weights_config import HttpTransport
     from generators.weight_fetch import WeightFetcher
     from learner.weight_server import WeightServer
 
@@ -108,7 +108,7 @@ def test_a_version_fetched_over_http_loads_the_bytes_the_fetcher_hashed(redis_ur
         pub = Publisher(r, keys, str(tmp_path / "weights"), tok, keep_versions=4)
         pub.url_for = server.url
         a = pub.publish(model, model.state_dict(), 0)
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=server.base_url))
+        fetcher = WeightFetcher(HttpTransport(cache_dir=str(tmp_path / "cache"), advertise_url=server.base_url))
         backend = TorchBackendConfig().build()
         real_load, swapped = backend.load, []
 

@@ -9,7 +9,7 @@ from broker.client.connection import connect_redis
 from broker.client.telemetry import read_events
 from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import state_digest
-from broker.runtime.config import CollectiveWeightsConfig
+from broker.protocol.weights_config import CollectiveTransport
 from learner.broadcast import Broadcaster
 from learner.tiny_model import build_tiny_model
 from tests.support.peers import moved_version, peer_result, start_peer
@@ -27,7 +27,7 @@ def test_versions_reach_two_generators_and_a_corrupted_bucket_is_refused_not_ser
     b = Broadcaster(
         r,
         keys,
-        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        CollectiveTransport(bucket_mb=1 / 16, timeout_s=30),
         announce_key(tmp_path),
         weights_key=weights_key(tmp_path),
     ).start()
@@ -106,7 +106,7 @@ def test_a_version_with_a_nan_is_aborted_on_the_wire_and_never_applied(redis_url
     b = Broadcaster(
         r,
         keys,
-        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        CollectiveTransport(bucket_mb=1 / 16, timeout_s=30),
         announce_key(tmp_path),
         weights_key=weights_key(tmp_path),
     ).start()
@@ -167,7 +167,7 @@ def test_a_refused_version_leaves_the_engine_weights_unchanged(redis_url, tmp_pa
     b = Broadcaster(
         r,
         keys,
-        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        CollectiveTransport(bucket_mb=1 / 16, timeout_s=30),
         announce_key(tmp_path),
         weights_key=weights_key(tmp_path),
     ).start()
@@ -192,7 +192,7 @@ def test_a_dead_generator_leaves_at_once_and_the_others_still_receive(redis_url,
     b = Broadcaster(
         r,
         keys,
-        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=10),
+        CollectiveTransport(bucket_mb=1 / 16, timeout_s=10),
         announce_key(tmp_path),
         weights_key=weights_key(tmp_path),
     ).start()

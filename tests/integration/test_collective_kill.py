@@ -95,8 +95,7 @@ def test_a_generator_killed_under_an_in_process_transport_restarts_catches_up_an
         "3",
         "--set",
         f"weights.transport={transport}",
-        "--set",
-        "weights.collective.timeout_s=10",
+        *(("--set", "weights.transport.timeout_s=10") if transport == "collective" else ()),
         "--set",
         "generator.claim_idle_s=10",
     ]

@@ -18,7 +18,7 @@ from broker.client.connection import connect_redis
 from broker.protocol import collective as wire
 from broker.protocol.keys import Keys
 from broker.protocol.tensordigest import state_digest
-from broker.runtime.config import CollectiveWeightsConfig
+from broker.protocol.weights_config import CollectiveTransport
 from learner.broadcast import Broadcaster
 from learner.tiny_model import build_tiny_model
 from tests.support.peers import moved_version, peer_result, start_peer
@@ -62,7 +62,7 @@ def learner(redis_url, tmp_path):
     b = Broadcaster(
         r,
         keys,
-        CollectiveWeightsConfig(bucket_mb=1 / 16, timeout_s=30),
+        CollectiveTransport(bucket_mb=1 / 16, timeout_s=30),
         announce_key(tmp_path),
         weights_key=weights_key(tmp_path),
     ).start()
@@ -94,7 +94,7 @@ def test_a_join_without_the_weights_key_gets_nothing_and_does_not_evict_the_gene
     from generators.weight_receive import Receiver
 
     for key in (None, b"\x01" * 32):
-        intruder = Receiver(r, keys, CollectiveWeightsConfig(timeout_s=5), "gen-0", None, key)
+        intruder = Receiver(r, keys, CollectiveTransport(timeout_s=5), "gen-0", None, key)
         with pytest.raises((ConnectionError, RuntimeError, ValueError)):
             intruder._join()
         assert intruder.pg is None
@@ -168,7 +168,7 @@ def test_with_the_key_a_duplicate_id_is_refused_and_a_restarted_generator_rejoin
     model = build_tiny_model(tmp_path / "model")
     real = start_peer(peers, redis_url, tmp_path, model, "gen-0", RUN, "--until", "99")
     wait_until(lambda: b.member_ids() == ["gen-0"], timeout=60, what="gen-0 joined")
-    thief = Receiver(r, keys, CollectiveWeightsConfig(timeout_s=10), "gen-0", None, weights_key(tmp_path))
+    thief = Receiver(r, keys, CollectiveTransport(timeout_s=10), "gen-0", None, weights_key(tmp_path))
     with pytest.raises(RuntimeError, match="already connected"):
         thief._join()
     thief._leave()

@@ -189,7 +189,7 @@ def test_relay_export_writes_the_adapter_and_on_request_the_merged_model(setup):
 def test_over_http_a_fresh_generator_fetches_the_base_then_only_adapters(setup):
     """weights.transport = http: no shared folder; the generator fetches the version carrying the base first,
     then each adapter alone (115 kB here, against 780 kB for the base), into its own cache."""
-    from broker.runtime.config import HttpWeightsConfig
+    from broker.protocol.weights_config import HttpTransport
     from generators.weight_fetch import WeightFetcher
     from learner.weight_server import WeightServer
 
@@ -200,7 +200,7 @@ def test_over_http_a_fresh_generator_fetches_the_base_then_only_adapters(setup):
         for v in range(3):
             _train(model, seed=v)
             _publish(pub, model, v)
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=server.base_url))
+        fetcher = WeightFetcher(HttpTransport(cache_dir=str(tmp_path / "cache"), advertise_url=server.base_url))
         backend = TorchBackendConfig().build()
         gen = WeightApplier(r, keys, backend, "g0", fetcher=fetcher)
         gen.update()  # its first version is the adapter of version 2: the base of version 0 comes first

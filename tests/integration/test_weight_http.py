@@ -18,7 +18,7 @@ from broker.client.telemetry import read_events
 from broker.protocol import weightstore
 from broker.protocol.keys import Keys
 from broker.protocol.messages import Announcement
-from broker.runtime.config import HttpWeightsConfig
+from broker.protocol.weights_config import HttpTransport
 from generators.weight_fetch import WeightFetcher
 from generators.weights import WeightApplier
 from learner.weight_server import WeightServer, parse_range, RangeError
@@ -132,11 +132,11 @@ def test_bearer_token_required_with_the_runs_weights_key(tmp_path):
         a.url = server.url(1)
         with pytest.raises(weightstore.WeightStoreError) as e:
             WeightFetcher(
-                HttpWeightsConfig(cache_dir=str(tmp_path / "c1"), advertise_url=server.base_url), token="nope"
+                HttpTransport(cache_dir=str(tmp_path / "c1"), advertise_url=server.base_url), token="nope"
             ).fetch(a)
         assert e.value.reason == "unauthorized"
         path = WeightFetcher(
-            HttpWeightsConfig(cache_dir=str(tmp_path / "c2"), advertise_url=server.base_url), token="t0ken"
+            HttpTransport(cache_dir=str(tmp_path / "c2"), advertise_url=server.base_url), token="t0ken"
         ).fetch(a)
         assert weightstore.verify(path, a.hash, tmp_path / "c2")["version"] == 1
     finally:
@@ -158,13 +158,13 @@ def test_a_generator_fetches_only_from_its_configured_server_whatever_url_an_ann
     try:
         a.url = evil.url(1)
         fetcher = WeightFetcher(
-            HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=real.base_url), token="t0ken"
+            HttpTransport(cache_dir=str(tmp_path / "cache"), advertise_url=real.base_url), token="t0ken"
         )
         path = fetcher.fetch(a)
         assert weightstore.verify(path, a.hash)["version"] == 1
         assert not evil.counts and real.counts["200"] >= 3  # manifest, model, config: from the learner's only
         with pytest.raises(Exception, match="advertise_url"):  # no configured server: no fetching at all
-            WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "c2")))
+            WeightFetcher(HttpTransport(cache_dir=str(tmp_path / "c2")))
     finally:
         real.close()
         evil.close()
@@ -185,7 +185,7 @@ def test_a_dropped_download_resumes_with_a_range_request(served, tmp_path):
     proxy = FlakyProxy(server.http.server_address, b"model.safetensors", cut_after=1_500_000, drops=2)
     try:
         a.url = f"http://127.0.0.1:{proxy.port}/v000005/"
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), port=proxy.port))
+        fetcher = WeightFetcher(HttpTransport(cache_dir=str(tmp_path / "cache"), port=proxy.port))
         path = fetcher.fetch(a)
     finally:
         proxy.close()
@@ -212,7 +212,7 @@ def test_applier_fetches_refuses_a_corrupted_byte_and_skips_a_pruned_version(ser
     store, server = served
     r, keys = connect_redis(redis_url), Keys("http")
     cache = tmp_path / "cache"
-    fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(cache), advertise_url=server.base_url), keep=2)
+    fetcher = WeightFetcher(HttpTransport(cache_dir=str(cache), advertise_url=server.base_url), keep=2)
     backend = StubBackend()
     weights = WeightApplier(r, keys, backend, "g", fetcher=fetcher)
 
@@ -289,7 +289,7 @@ def test_the_tensor_digest_is_checked_from_the_downloaded_bytes(served, redis_ur
     proxy = FlakyProxy(server.http.server_address, b"model.safetensors", cut_after=700_000, drops=2)
     try:
         a1.url = f"http://127.0.0.1:{proxy.port}/v000001/"
-        fetcher = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), port=proxy.port))
+        fetcher = WeightFetcher(HttpTransport(cache_dir=str(tmp_path / "cache"), port=proxy.port))
         weights = WeightApplier(r, keys, StubBackend(), "g", fetcher=fetcher)
         announce(r, keys, a1)
         weights.update(block=True)
@@ -337,7 +337,7 @@ def test_a_resumed_learner_announces_the_latest_version_again_with_its_own_serve
         assert (latest.version, latest.hash, latest.url) == (3, a3.hash, new.url(3))
         assert signed_announcement(r, keys, 2, key).url == new.url(2)
         # a generator configured with the new server (relay up pins the port; a moved one is in its config)
-        fetched = WeightFetcher(HttpWeightsConfig(cache_dir=str(tmp_path / "cache"), advertise_url=new.base_url)).fetch(
+        fetched = WeightFetcher(HttpTransport(cache_dir=str(tmp_path / "cache"), advertise_url=new.base_url)).fetch(
             latest
         )
         weightstore.check(fetched, a3.hash)  # the very files announced (WeightStoreError otherwise)

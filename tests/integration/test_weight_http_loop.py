@@ -30,11 +30,12 @@ def test_relay_up_with_the_http_transport_shares_no_folder(tmp_path, redis_url):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "http"
     learner = json.loads((run / "config" / "learner.json").read_text())
-    assert learner["weights"]["transport"] == "http"
+    assert learner["weights"]["transport"]["type"] == "http" and learner["weights"]["transport"]["port"] > 0
     gens = {}
     for i in (0, 1):
         cfg = json.loads((run / "config" / f"generator-{i}.json").read_text())
-        assert cfg["weights"]["transport"] == "http" and cfg["weight_store"] == ""  # no shared folder given
+        assert cfg["weights"]["transport"] == learner["weights"]["transport"]  # the learner's fixed port
+        assert cfg["weight_store"] == ""  # no shared folder given
         gens[cfg["id"]] = cfg
 
     r, keys = connect_redis(redis_url), Keys("http")

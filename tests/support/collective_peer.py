@@ -23,7 +23,7 @@ from broker.protocol.keys import Keys
 from broker.protocol import weightauth
 from broker.protocol.signing import read_verifier
 from broker.protocol.tensordigest import state_digest
-from broker.runtime.config import CollectiveWeightsConfig
+from broker.protocol.weights_config import CollectiveTransport
 from generators.config import TorchBackendConfig
 from generators.ipc_receive import IpcReceiver
 from generators.weight_receive import Receiver
@@ -70,7 +70,7 @@ def main() -> None:
         receiver = Receiver(
             r,
             keys,
-            CollectiveWeightsConfig(bucket_mb=args.bucket_mb, timeout_s=args.timeout),
+            CollectiveTransport(bucket_mb=args.bucket_mb, timeout_s=args.timeout),
             args.id,
             key,
             wkey,

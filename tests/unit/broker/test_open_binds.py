@@ -43,10 +43,11 @@ def test_a_reward_service_without_a_token_on_a_reachable_host_is_refused():
 
 def test_a_weight_listener_without_the_weights_key_on_a_reachable_host_is_refused():
     for transport in ("http", "collective"):
-        weights = {"transport": transport, transport: {"host": "0.0.0.0"}, "auth": "insecure"}
+        weights = {"transport": {"type": transport, "host": "0.0.0.0"}, "auth": "insecure"}
         msg = _error(LearnerConfig, weights=weights)
-        assert f"weights.{transport}.host" in msg and "weights.auth = 'insecure'" in msg
+        assert "weights.transport.host" in msg and f"the {transport} transport" in msg
+        assert "weights.auth = 'insecure'" in msg
         assert "allow_unauthenticated_bind" in msg
         LearnerConfig(weights={**weights, "auth": "key"})  # the weights key guards it
         LearnerConfig(weights=weights, allow_unauthenticated_bind=True)
-    LearnerConfig(weights={"transport": "store", "http": {"host": "0.0.0.0"}, "auth": "insecure"})  # unused
+    LearnerConfig(weights={"transport": "ipc", "auth": "insecure"})  # no listener

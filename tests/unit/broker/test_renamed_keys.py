@@ -57,7 +57,7 @@ def test_a_service_takes_the_old_spelling_from_set_a_file_and_the_environment(tm
 
 
 def test_relay_up_takes_the_old_spelling_from_set_over_a_file_of_new_ones(tmp_path, caplog):
-    from tests.unit.deploy.test_up_plan import _plan
+    from tests.support.up_plan import plan_up as _plan
 
     (tmp_path / "run.toml").write_text("[learner.optim]\nlr = 1e-3\n")
     with caplog.at_level(logging.WARNING, logger="relay.config"):

@@ -196,8 +196,8 @@ def test_compose_http_override_shares_no_weight_volume():
     services = yaml.safe_load(r.stdout)["services"]
     assert not services["generator"].get("volumes")
     genv, lenv = services["generator"]["environment"], services["learner"]["environment"]
-    assert genv["RELAY_WEIGHTS__TRANSPORT"] == lenv["RELAY_WEIGHTS__TRANSPORT"] == "http"
-    assert lenv["RELAY_WEIGHTS__HTTP__ADVERTISE_URL"] == f"http://learner:{lenv['RELAY_WEIGHTS__HTTP__PORT']}"
+    assert genv["RELAY_WEIGHTS__TRANSPORT__TYPE"] == lenv["RELAY_WEIGHTS__TRANSPORT__TYPE"] == "http"
+    assert lenv["RELAY_WEIGHTS__TRANSPORT__ADVERTISE_URL"] == f"http://learner:{lenv['RELAY_WEIGHTS__TRANSPORT__PORT']}"
     mounts = [(v["source"], v["target"]) for s in services.values() for v in s.get("volumes", [])]
     assert [m for m in mounts if m[0] == "weights"] == [("weights", "/weights")]  # the learner's alone
     for name in ("learner", "generator"):
@@ -275,17 +275,17 @@ def test_http_overlay_shares_no_weight_volume_and_wires_the_weight_server(render
     gen = deps["generator"]["spec"]["template"]["spec"]
     assert not [v for v in gen["volumes"] if "persistentVolumeClaim" in v]
     genv = {e["name"]: e.get("value") for e in gen["containers"][0]["env"]}
-    assert genv["RELAY_WEIGHTS__TRANSPORT"] == "http" and "RELAY_WEIGHT_STORE" not in genv
-    cache = genv["RELAY_WEIGHTS__HTTP__CACHE_DIR"]
+    assert genv["RELAY_WEIGHTS__TRANSPORT__TYPE"] == "http" and "RELAY_WEIGHT_STORE" not in genv
+    cache = genv["RELAY_WEIGHTS__TRANSPORT__CACHE_DIR"]
     assert cache in {m["mountPath"] for m in gen["containers"][0]["volumeMounts"] if not m.get("readOnly")}
     lc = deps["learner"]["spec"]["template"]["spec"]["containers"][0]
     lenv = {e["name"]: e.get("value") for e in lc["env"]}
-    assert lenv["RELAY_WEIGHTS__TRANSPORT"] == "http" and lenv["RELAY_WEIGHTS__HTTP__HOST"] == "0.0.0.0"
-    port = int(lenv["RELAY_WEIGHTS__HTTP__PORT"])
+    assert lenv["RELAY_WEIGHTS__TRANSPORT__TYPE"] == "http" and lenv["RELAY_WEIGHTS__TRANSPORT__HOST"] == "0.0.0.0"
+    port = int(lenv["RELAY_WEIGHTS__TRANSPORT__PORT"])
     assert {p["name"]: p["containerPort"] for p in lc["ports"]}["weights"] == port
     svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "learner")
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["weights"] == port
-    assert lenv["RELAY_WEIGHTS__HTTP__ADVERTISE_URL"] == f"http://learner:{port}"
+    assert lenv["RELAY_WEIGHTS__TRANSPORT__ADVERTISE_URL"] == f"http://learner:{port}"
     assert lenv["RELAY_WEIGHT_STORE"].startswith("/runs/")  # in the learner's own (ReadWriteOnce) volume
     assert "/runs" in {m["mountPath"] for m in lc["volumeMounts"]}
     pol = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}

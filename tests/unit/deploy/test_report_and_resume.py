@@ -304,6 +304,8 @@ def test_resume_of_a_run_from_before_ed25519_is_refused_saying_how_to_continue(t
 
 
 def test_resume_gives_each_service_its_half_of_the_keys_and_moves_a_taken_weight_server_port(tmp_path):
+    """A run recorded before the transport became a section chosen by its type (``weights.transport = "http"``
+    and ``[weights.http]``) resumes, its old section read as ``weights.transport``."""
     run = _run_folder(tmp_path, {"status": "interrupted", "steps": 20})
     for name in ("learner", "generator-0"):
         path = run / "config" / f"{name}.json"
@@ -323,6 +325,6 @@ def test_resume_gives_each_service_its_half_of_the_keys_and_moves_a_taken_weight
         == p["generator"]["announce_public_key_file"]
         == str(secrets / "announce.pub")
     )
-    port = p["learner"]["weights"]["http"]["port"]
-    assert port != 6394 and p["generator"]["weights"]["http"]["port"] == port  # the generators follow it
+    port = p["learner"]["weights"]["transport"]["port"]
+    assert port != 6394 and p["generator"]["weights"]["transport"] == {"type": "http", "port": port}  # they follow it
     assert p["learner"]["weights"]["key_file"] == p["generator"]["weights"]["key_file"] == str(secrets / "weights.key")

@@ -1,6 +1,5 @@
 """``relay up``'s plan: what each service is told, before anything starts (no process, no network)."""
 
-import argparse
 import re
 import subprocess
 import sys
@@ -9,21 +8,8 @@ import pytest
 
 from broker.runtime.config import ConfigError
 from deploy.launcher import environment
-from deploy.launcher.plan import plan
-from deploy.launcher.up import add_up_arguments
 from tests.support.services import ROOT
-
-
-def _plan(tmp_path, *argv, environ=None):
-    p = argparse.ArgumentParser()
-    add_up_arguments(p)
-    # an external Redis URL: plan() then needs no redis-server binary (nothing is started)
-    return plan(
-        p.parse_args(
-            ["--runs-dir", str(tmp_path), "--dashboard-port", "0", "--redis-url", "redis://127.0.0.1:1/0", *argv]
-        ),
-        environ=environ or {},
-    )
+from tests.support.up_plan import plan_up as _plan
 
 
 def test_generators_reach_the_broker_and_reward_service_where_the_overrides_put_them(tmp_path):
@@ -214,12 +200,13 @@ def test_the_ingest_is_authenticated_with_the_run_s_keys_unless_the_broker_says_
 def test_the_run_wide_weights_section_reaches_the_learner_and_the_generators(tmp_path):
     """``--set weights.transport=http`` (or ``[weights]`` in the file) configures both ends of the weight
     transfer; a service's own ``weights`` fields win over the run-wide ones."""
-    (tmp_path / "run.toml").write_text('[weights]\ntransport = "collective"\n[weights.collective]\nbucket_mb = 8\n')
+    (tmp_path / "run.toml").write_text('[weights.transport]\ntype = "collective"\nbucket_mb = 8\n')
     p = _plan(tmp_path, "--run-id", "a", "--set", "weights.transport=http")
     key = {"key_file": str(tmp_path / "a" / "secrets" / "weights.key")}  # the run's weights key: both read weights
-    port = p["learner"]["weights"]["http"]["port"]  # fixed: the generators fetch from that server only
+    port = p["learner"]["weights"]["transport"]["port"]  # fixed: the generators fetch from that server only
     assert port > 0
-    assert p["learner"]["weights"] == p["generator"]["weights"] == {"transport": "http", **key, "http": {"port": port}}
+    http = {"type": "http", "port": port}
+    assert p["learner"]["weights"] == p["generator"]["weights"] == {"transport": http, **key}
     p = _plan(
         tmp_path,
         "--run-id",
@@ -227,17 +214,32 @@ def test_the_run_wide_weights_section_reaches_the_learner_and_the_generators(tmp
         "--config",
         str(tmp_path / "run.toml"),
         "--set",
-        "generator.weights.collective.timeout_s=5",
+        "generator.weights.transport.timeout_s=5",
     )
     key = {"key_file": str(tmp_path / "b" / "secrets" / "weights.key")}
-    assert p["learner"]["weights"] == {"transport": "collective", "collective": {"bucket_mb": 8}, **key}
-    assert p["generator"]["weights"] == {
-        "transport": "collective",
-        "collective": {"bucket_mb": 8, "timeout_s": 5},
-        **key,
-    }
+    assert p["learner"]["weights"] == {"transport": {"type": "collective", "bucket_mb": 8}, **key}
+    assert p["generator"]["weights"] == {"transport": {"type": "collective", "bucket_mb": 8, "timeout_s": 5}, **key}
     with pytest.raises(ConfigError, match="weights.transport"):
         _plan(tmp_path, "--run-id", "c", "--set", "weights.transport=ftp")
+
+
+def test_a_layer_naming_another_transport_replaces_the_one_below(tmp_path):
+    """A file's ``[weights.transport] type = "http"`` with its fields, then ``--set weights.transport=store``:
+    the http fields do not carry over to the store (which has none); the same type merges."""
+    (tmp_path / "run.toml").write_text('[weights.transport]\ntype = "http"\ncache_dir = "/tmp/c"\nport = 8213\n')
+    cfg = ("--config", str(tmp_path / "run.toml"))
+    p = _plan(tmp_path, "--run-id", "a", *cfg, "--set", "weights.transport=store")
+    assert p["learner"]["weights"]["transport"] == {"type": "store"} == p["generator"]["weights"]["transport"]
+    assert p["learner_config"].weights.transport.type == "store"
+    p = _plan(
+        tmp_path, "--run-id", "b", *cfg, "--set", "weights.transport=http", "--set", "weights.transport.linger_s=1"
+    )
+    assert p["generator"]["weights"]["transport"] == {
+        "type": "http",
+        "cache_dir": "/tmp/c",
+        "port": 8213,
+        "linger_s": 1,
+    }
 
 
 def test_under_the_http_transport_the_generators_get_no_weight_store(tmp_path):

@@ -5,14 +5,14 @@ from unittest.mock import MagicMock
 
 import torch
 
-from broker.runtime.config import CollectiveWeightsConfig
+from broker.protocol.weights_config import CollectiveTransport
 from learner.broadcast import Broadcaster
 from learner.publish import snapshot
 from tests.support.models import needs_gpu
 
 
 def test_a_snapshot_in_the_broadcast_buffer_is_sent_as_it_lies():
-    b = Broadcaster(MagicMock(), MagicMock(), CollectiveWeightsConfig(bucket_mb=1 / 16), None, "xxh3")
+    b = Broadcaster(MagicMock(), MagicMock(), CollectiveTransport(bucket_mb=1 / 16), None, "xxh3")
     live = {"a.w": torch.randn(10, 7), "b.w": torch.randn(3), "c": torch.arange(5), "e": torch.zeros(0)}
     snap = snapshot(live, 1, torch.bfloat16, into=b.buffers(live, torch.bfloat16))
     layout = b._layout([(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in snap.items()])
@@ -27,7 +27,7 @@ def test_a_snapshot_in_the_broadcast_buffer_is_sent_as_it_lies():
 
 
 def test_weights_on_a_gpu_snapshot_into_a_pinned_broadcast_buffer_sent_as_it_lies():
-    b = Broadcaster(MagicMock(), MagicMock(), CollectiveWeightsConfig(bucket_mb=1 / 16), None, "xxh3")
+    b = Broadcaster(MagicMock(), MagicMock(), CollectiveTransport(bucket_mb=1 / 16), None, "xxh3")
     live = {"a.w": torch.randn(10, 7).cuda(), "b.w": torch.randn(3).cuda(), "c": torch.arange(5).cuda()}
     snap = snapshot(live, 1, torch.bfloat16, into=b.buffers(live, torch.bfloat16))
     assert all(t.is_pinned() for t in snap.values())

@@ -1,27 +1,35 @@
-"""The weight transport is chosen in one place per side (learner/transports.py, generators/transports.py):
-every value of ``weights.transport`` has both ends, each end is the class its file names, and the
-sender of the http transport serves the store and names its URLs in the announcements."""
+"""The weight transport is chosen in one place per side (learner/transports.py, generators/transports.py), from
+the ends its config class names (broker/protocol/weights_config.py): every type of ``weights.transport`` has
+both ends, each end is the class its file names, and the sender of the http transport serves the store and
+names its URLs in the announcements."""
 
+import importlib
 import logging
 import typing
 
 import pytest
 
 from broker.protocol.keys import Keys
-from broker.runtime.config import IN_PROCESS_TRANSPORTS, WeightsConfig
+from broker.protocol.weights_config import IN_PROCESS_TRANSPORTS, TRANSPORTS, WeightsConfig
 from generators.config import GeneratorConfig
-from generators.transports import RECEIVERS, ReceiverContext, Receiving, build_receiving
+from generators.transports import ReceiverContext, Receiving, build_receiving
 from learner.config import LearnerConfig
-from learner.transports import SENDERS, Sender, SenderContext, build_sender
+from learner.transports import Sender, SenderContext, build_sender
+
+
+def _load(spec: str):
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def test_every_transport_has_a_sender_and_a_receiver():
-    transports = set(typing.get_args(WeightsConfig.model_fields["transport"].annotation))
-    assert set(SENDERS) == transports == set(RECEIVERS)
-    for name, spec in SENDERS.items():
-        module, attr = spec.split(":")
-        cls = getattr(__import__(module, fromlist=[attr]), attr)
+    union = typing.get_args(WeightsConfig.model_fields["transport"].annotation)
+    assert [c.model_fields["type"].default for c in union] == list(TRANSPORTS) == ["store", "http", "collective", "ipc"]
+    for name, config in TRANSPORTS.items():
+        cls = _load(config.sender)
         assert issubclass(cls, Sender) and cls.name == name
+        assert config.receiver is None if name == "store" else callable(_load(config.receiver))
+    assert IN_PROCESS_TRANSPORTS == ("collective", "ipc")  # versions handed to the engines in process
 
 
 def test_the_store_transport_adds_nothing_on_either_side(tmp_path):
@@ -74,7 +82,7 @@ def test_the_http_receiver_fetches_only_from_the_configured_server():
         build_receiving(ReceiverContext(gc, None, Keys("t"), object(), None, None))
     gc = GeneratorConfig(
         reward_url="http://127.0.0.1:9",
-        weights={"transport": "http", "auth": "insecure", "http": {"advertise_url": "http://127.0.0.1:5999"}},
+        weights={"transport": {"type": "http", "advertise_url": "http://127.0.0.1:5999"}, "auth": "insecure"},
     )
     got = build_receiving(ReceiverContext(gc, None, Keys("t"), object(), None, None))
     assert isinstance(got.fetcher, WeightFetcher) and got.tensors is None
