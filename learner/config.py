@@ -163,6 +163,14 @@ class PolicyLossConfig(StrictModel):
     )
     dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
     aggregation: Aggregation = Field("token-mean", description="how per-token losses are reduced to one number")
+    loss_scale_tokens: int = Field(
+        0,
+        ge=0,
+        description="T of seq-mean-token-sum-norm: each sequence's Σ_t ℓ is divided by this constant "
+        "(Dr.GRPO, verl's loss_scale_factor), the same whatever the prompts, the padding or the micro-batches; "
+        "0 = the generation budget, learner.batch.max_completion_tokens (relay up sets it from the generators' "
+        "sampling.max_tokens)",
+    )
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
 
 
@@ -276,6 +284,18 @@ class BatchConfig(StrictModel):
         0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when failed_reward = 'fallback'"
     )
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
+    max_completion_tokens: int = Field(
+        0,
+        ge=0,
+        description="the generation budget: most tokens of a sample after its prompt (relay up sets it from "
+        "generator.sampling.max_tokens, or generator.episodes.max_tokens with an environment); 0 = not known",
+    )
+    max_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="most tokens of a prompt (relay up sets it from broker.dataset.max_prompt_tokens, or the "
+        "built-in task's longest prompt); 0 = not known",
+    )
     record_window: int = Field(
         RECORD_WINDOW,
         ge=0,
@@ -463,6 +483,21 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
             raise ValueError(
                 f"advantages.estimator {self.advantages.estimator!r} needs a critic (a value model): set "
                 f"learner.critic.enabled=true; without one, valid: {valid}"
+            )
+        return self
+
+    @property
+    def loss_scale(self) -> int:
+        """T of seq-mean-token-sum-norm: ``loss_scale_tokens``, or the generation budget (0: not known)."""
+        return self.loss_scale_tokens or self.batch.max_completion_tokens
+
+    @model_validator(mode="after")
+    def _loss_scale_known(self) -> LearnerConfig:
+        if self.aggregation == "seq-mean-token-sum-norm" and not self.loss_scale:
+            raise ValueError(
+                "learner.aggregation = seq-mean-token-sum-norm divides each sequence's loss by a constant T, the "
+                "generation budget, which this learner does not know: set learner.loss_scale_tokens (e.g. to the "
+                "generators' sampling.max_tokens; relay up sets learner.batch.max_completion_tokens itself)"
             )
         return self
 

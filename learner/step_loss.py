@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from broker.runtime.config import ConfigError
 from learner.config import LearnerConfig
 from learner.correction import importance_weights
 from learner.critic import value_loss
@@ -74,11 +75,15 @@ class MicroBatchLoss:
 
     def normalisers(self, b: Batch, rows: torch.Tensor, old) -> tuple[Normalisers, Normalisers]:
         """The normalisers of the (mini)batch ``rows`` of the policy loss, and of the entropy bonus and
-        the KL term, which count every sample with a loss token, rejected or not."""
+        the KL term, which count every sample with a loss token, rejected or not. T of seq-mean-token-sum-norm
+        is the configured constant (learner.loss_scale_tokens or the generation budget), never a length of
+        this batch: longer prompts, padding or packing leave the loss as it is."""
+        if self.cfg.aggregation == "seq-mean-token-sum-norm" and not self.cfg.loss_scale:
+            raise ConfigError("learner.aggregation = seq-mean-token-sum-norm needs learner.loss_scale_tokens > 0")
         norm = Normalisers(
             float(b.loss_mask[rows].sum()),
             self.sequences(b, rows, old),
-            float(b.lengths[rows].max() - 1),
+            float(self.cfg.loss_scale),
             ranks=self.ranks.world,
         )
         return norm, replace(norm, sequences=float((b.loss_mask[rows].sum(-1) > 0).sum()))

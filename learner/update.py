@@ -6,7 +6,8 @@ accumulated over its micro-batches.
 Exactness across micro-batches and ranks. Every rank holds the whole batch (the leader broadcasts
 it) and trains the samples of its groups (group i on rank i mod ranks). So every rank computes,
 without communication and before any micro-batch runs, what the whole (mini)batch on all ranks has:
-the normalisers of the aggregation (loss tokens, sequences, the padded length), the same random
+the normalisers of the aggregation (loss tokens, sequences; T of seq-mean-token-sum-norm is a configured
+constant), the same random
 split into minibatches, and how many micro-batches the busiest rank runs. Each rank's loss is
 multiplied by the number of ranks, because DeepSpeed averages gradients over them; diagnostics are
 sums reduced over ranks (learner/diagnostics.py). DeepSpeed runs with

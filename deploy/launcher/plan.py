@@ -277,14 +277,29 @@ def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ra
         for model, data, name in (
             (BrokerConfig, broker, "broker"),
             (RewardConfig, reward, "reward"),
-            (LearnerConfig, learner, "learner"),
             (GeneratorConfig, generator, "generator"),
         )
     }
+    _sequence_limits(learner, checked["broker"], checked["generator"])
+    checked["learner"] = _validate(LearnerConfig, learner, "learner")
     batch = checked["learner"].batch.groups
     if batch % ranks:
         raise UsageError(f"learner.batch.groups ({batch}) must be a multiple of --learner-ranks ({ranks})")
     return checked
+
+
+def _sequence_limits(learner: dict, broker, generator) -> None:
+    """What the learner is told of the sequences it will train (``learner.batch``, unless the user set them):
+    the generators' budget after the prompt (its T of seq-mean-token-sum-norm, learner.loss_scale_tokens = 0)
+    and the longest prompt the broker hands out (with the budget, the longest sequence a micro-batch holds)."""
+    from broker.prompts.tasks import longest_prompt_tokens
+
+    prompt = broker.dataset.max_prompt_tokens if broker.dataset is not None else longest_prompt_tokens(broker.task)
+    batch = learner.setdefault("batch", {})
+    if not isinstance(batch, dict):  # a mistake LearnerConfig names
+        return
+    batch.setdefault("max_completion_tokens", generator.generation_budget[0])
+    batch.setdefault("max_prompt_tokens", prompt)
 
 
 def _check_flags(args) -> None:

@@ -145,10 +145,7 @@ class Context:
         limit = getattr(generator.backend, "max_model_len", 0)
         if limit and (self.positions is None or limit < self.positions):
             self.positions = limit
-        if generator.episodes.env:
-            self.budget, self.setting = generator.episodes.max_tokens, "generator.episodes.max_tokens"
-        else:
-            self.budget, self.setting = generator.sampling.max_tokens, "generator.sampling.max_tokens"
+        self.budget, self.setting = generator.generation_budget
         self.model = "the built-in tiny model" if model == "tiny" else f"the model ({model})"
         if self.positions is not None and self.budget >= self.positions:
             raise PreflightError(
@@ -167,12 +164,9 @@ class Context:
 
     def check_task(self, task) -> None:
         """A built-in task's longest prompt (its characters and the special tokens: at most a token each)."""
-        import itertools
+        from broker.prompts.tasks import longest_prompt_tokens
 
-        from broker.prompts.tasks import prompt_stream
-
-        longest = max(len(p.text) for p in itertools.islice(prompt_stream(task), 256)) + 2
-        self._fit(longest, f"the {task.name} task's longest prompt")
+        self._fit(longest_prompt_tokens(task), f"the {task.name} task's longest prompt")
 
     def check_dataset(self, ds, name: str, lengths: list[int]) -> list[str]:
         """A dataset: ``max_prompt_tokens`` set by the user must fit with the budget; left at its default, the

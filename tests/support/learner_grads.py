@@ -63,6 +63,7 @@ def run(
     rank, world = dist.get_rank(), dist.get_world_size()
     base = LearnerConfig(
         run_dir=str(out / f"{label}-model"),
+        loss_scale_tokens=12,  # T of seq-mean-token-sum-norm: make_groups' generation budget
         compute={
             "micro_batch_tokens": micro_batch_tokens,
             "gradient_checkpointing": checkpointing,

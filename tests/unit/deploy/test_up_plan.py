@@ -318,3 +318,21 @@ def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_ano
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_learner_is_told_the_generation_budget_and_the_longest_prompt(tmp_path):
+    """seq-mean-token-sum-norm divides by the generators' budget (learner.loss_scale_tokens = 0), which relay up
+    gives the learner with the longest prompt: the dataset's max_prompt_tokens, or the built-in task's."""
+    p = _plan(
+        tmp_path,
+        "--run-id",
+        "a",
+        "--set",
+        "learner.aggregation=seq-mean-token-sum-norm",
+        "--set",
+        "generator.sampling.max_tokens=12",
+    )
+    assert p["learner_config"].loss_scale == p["learner_config"].batch.max_completion_tokens == 12
+    assert 3 <= p["learner_config"].batch.max_prompt_tokens <= 64  # the copy task's short prompts
+    mine = _plan(tmp_path, "--run-id", "b", "--set", "learner.loss_scale_tokens=100")
+    assert mine["learner_config"].loss_scale == 100
