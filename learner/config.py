@@ -328,7 +328,15 @@ class ComputeConfig(StrictModel):
         description="compute each group's prompt once for its samples (one forward "
         "fills a KV cache that the group's completions continue from): the same log-probs "
         "and gradients as every sample whole, with P + n·C tokens of work instead of n·(P + C). "
-        "Off with gradient_checkpointing or a critic, and where the model fails the start-up check",
+        "Off with gradient_checkpointing, a critic or packing, and where the model fails the start-up check",
+    )
+    packing: bool = Field(
+        False,
+        description="pack each micro-batch's samples into one row without padding (position ids restarting "
+        "at each sample, attention never across one: flash-attention's variable-length path on GPUs, a "
+        "block-diagonal mask on CPU): the same log-probs and gradients with no padding computed, up to "
+        "micro_batch_tokens tokens per micro-batch. Takes precedence over shared_prompt; a model whose "
+        "attention ignores the restarting positions is refused at start-up (docs/learner.md)",
     )
     gradient_checkpointing: bool = Field(
         False,

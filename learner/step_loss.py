@@ -20,7 +20,7 @@ import torch
 from broker.runtime.config import ConfigError
 from learner.config import LearnerConfig
 from learner.correction import importance_weights
-from learner.critic import value_loss
+from learner.critic import critic_values, value_loss
 from learner.data import Batch, Forwards
 from learner.diagnostics import merge
 from learner.logprobs import TokenLogprobs, batch_logprobs, token_logprobs
@@ -113,7 +113,15 @@ class MicroBatchLoss:
         cfg, world = self.cfg, self.ranks.world
         mb = b.select(part).to(self.ranks.device)
         mask = mb.loss_mask
-        lp = batch_logprobs(self.engine, mb, transform, cfg.compute.logprob_chunk_tokens, True, self.forwards.shared)
+        lp = batch_logprobs(
+            self.engine,
+            mb,
+            transform,
+            cfg.compute.logprob_chunk_tokens,
+            True,
+            self.forwards.shared,
+            self.forwards.packed,
+        )
         if old is None:  # one update per batch: π_old is this forward's value
             old_logp, outside = lp.logp.detach(), lp.outside
         else:
@@ -147,7 +155,13 @@ class MicroBatchLoss:
         where both log-probs are defined."""
         with torch.no_grad():
             ref = batch_logprobs(
-                self.reference, mb, transform, self.cfg.compute.logprob_chunk_tokens, False, self.forwards.shared
+                self.reference,
+                mb,
+                transform,
+                self.cfg.compute.logprob_chunk_tokens,
+                False,
+                self.forwards.shared,
+                self.forwards.packed,
             )
         both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
         return aggregate(
@@ -162,7 +176,7 @@ class MicroBatchLoss:
     def _critic_backward(self, mb: Batch, every, acc: Accumulated) -> None:
         """The critic's value loss on ``mb`` and its backward, added to ``acc``."""
         vloss, v = value_loss(
-            self.critic(mb.input_ids, mb.attention_mask),
+            critic_values(self.critic, mb.input_ids, mb.attention_mask, self.forwards.packed),
             mb.values,
             mb.returns,
             mb.loss_mask,
