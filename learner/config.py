@@ -315,7 +315,8 @@ class ComputeConfig(StrictModel):
         description="token budget of one forward/backward: samples of "
         "similar length, (samples × the longest one's prompt + completion tokens) at most "
         "this; the gradients of a (mini)batch's micro-batches accumulate into one "
-        "optimizer step. Bounds the learner's memory, whatever the batch size",
+        "optimizer step. Bounds the learner's memory, whatever the batch size; the learner refuses to start "
+        "when batch.max_prompt_tokens + batch.max_completion_tokens (the longest sequence) exceeds it",
     )
     logprob_chunk_tokens: int = Field(
         1024,
@@ -506,6 +507,25 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
                 "learner.aggregation = seq-mean-token-sum-norm divides each sequence's loss by a constant T, the "
                 "generation budget, which this learner does not know: set learner.loss_scale_tokens (e.g. to the "
                 "generators' sampling.max_tokens; relay up sets learner.batch.max_completion_tokens itself)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _longest_sequence_fits(self) -> LearnerConfig:
+        # micro_batch_tokens bounds the memory of one forward/backward; a longer sample would be a micro-batch
+        # of its own, beyond that bound (out of memory hours into a run): refused here, before anything starts
+        longest = self.batch.max_prompt_tokens + self.batch.max_completion_tokens
+        if self.batch.max_completion_tokens and longest > self.compute.micro_batch_tokens:
+            raise ValueError(
+                f"the longest sequence the generators can make, learner.batch.max_prompt_tokens "
+                f"({self.batch.max_prompt_tokens}) + learner.batch.max_completion_tokens "
+                f"({self.batch.max_completion_tokens}) = {longest} tokens, does not fit "
+                f"learner.compute.micro_batch_tokens ({self.compute.micro_batch_tokens}), the learner's memory "
+                f"bound for one forward and backward: raise learner.compute.micro_batch_tokens to {longest} or more "
+                "(with learner.compute.gradient_checkpointing if memory is short), or lower the prompts "
+                "(broker.dataset.max_prompt_tokens) or the generation budget (generator.sampling.max_tokens, or generator.episodes.max_tokens with an "
+                "environment); "
+                "sequence parallelism, once it exists, will split such a sequence over ranks (docs/learner.md)"
             )
         return self
 

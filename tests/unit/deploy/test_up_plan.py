@@ -336,3 +336,18 @@ def test_the_learner_is_told_the_generation_budget_and_the_longest_prompt(tmp_pa
     assert 3 <= p["learner_config"].batch.max_prompt_tokens <= 64  # the copy task's short prompts
     mine = _plan(tmp_path, "--run-id", "b", "--set", "learner.loss_scale_tokens=100")
     assert mine["learner_config"].loss_scale == 100
+
+
+def test_relay_up_refuses_a_generation_budget_no_micro_batch_can_hold(tmp_path):
+    with pytest.raises(ConfigError, match="learner.compute.micro_batch_tokens"):
+        _plan(tmp_path, "--run-id", "a", "--set", "generator.sampling.max_tokens=9000")
+    ok = _plan(
+        tmp_path,
+        "--run-id",
+        "b",
+        "--set",
+        "generator.sampling.max_tokens=9000",
+        "--set",
+        "learner.compute.micro_batch_tokens=10000",
+    )
+    assert ok["learner_config"].batch.max_completion_tokens == 9000

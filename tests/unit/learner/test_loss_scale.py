@@ -57,3 +57,13 @@ def test_a_learner_that_does_not_know_t_refuses_to_start_naming_the_key():
     assert LearnerConfig(aggregation="seq-mean-token-sum-norm", batch={"max_completion_tokens": 12}).loss_scale == 12
     assert LearnerConfig(aggregation="seq-mean-token-sum-norm", loss_scale_tokens=7).loss_scale == 7
     assert LearnerConfig().loss_scale == 0  # token-mean needs no T
+
+
+def test_a_sequence_that_could_never_fit_a_micro_batch_is_refused_before_start_naming_the_fix():
+    """prompt + generation budget above micro_batch_tokens: such a sample would be a micro-batch of its own,
+    beyond the learner's memory bound; the learner refuses to start and says what to raise."""
+    long = {"max_prompt_tokens": 1024, "max_completion_tokens": 8192}
+    with pytest.raises(ConfigError, match=r"= 9216 tokens.*raise learner.compute.micro_batch_tokens to 9216"):
+        load_config(LearnerConfig, overrides={"batch": long}, environ={})
+    assert LearnerConfig(batch=long, compute={"micro_batch_tokens": 9216}).batch.max_completion_tokens == 8192
+    assert LearnerConfig(batch={"max_prompt_tokens": 100_000}).compute.micro_batch_tokens == 8192  # budget unknown
