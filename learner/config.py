@@ -316,7 +316,7 @@ class ComputeConfig(StrictModel):
         "similar length, (samples × the longest one's prompt + completion tokens) at most "
         "this; the gradients of a (mini)batch's micro-batches accumulate into one "
         "optimizer step. Bounds the learner's memory, whatever the batch size; the learner refuses to start "
-        "when batch.max_prompt_tokens + batch.max_completion_tokens (the longest sequence) exceeds it",
+        "when batch.max_prompt_tokens + batch.max_completion_tokens (the longest sequence; both known) exceeds it",
     )
     logprob_chunk_tokens: int = Field(
         1024,
@@ -513,9 +513,11 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
     @model_validator(mode="after")
     def _longest_sequence_fits(self) -> LearnerConfig:
         # micro_batch_tokens bounds the memory of one forward/backward; a longer sample would be a micro-batch
-        # of its own, beyond that bound (out of memory hours into a run): refused here, before anything starts
+        # of its own, beyond that bound (out of memory hours into a run): refused here, before anything starts.
+        # Only when both lengths are known (relay up sets both; a resumed older run is told only the budget)
         longest = self.batch.max_prompt_tokens + self.batch.max_completion_tokens
-        if self.batch.max_completion_tokens and longest > self.compute.micro_batch_tokens:
+        known = self.batch.max_prompt_tokens and self.batch.max_completion_tokens
+        if known and longest > self.compute.micro_batch_tokens:
             raise ValueError(
                 f"the longest sequence the generators can make, learner.batch.max_prompt_tokens "
                 f"({self.batch.max_prompt_tokens}) + learner.batch.max_completion_tokens "
@@ -523,9 +525,9 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
                 f"learner.compute.micro_batch_tokens ({self.compute.micro_batch_tokens}), the learner's memory "
                 f"bound for one forward and backward: raise learner.compute.micro_batch_tokens to {longest} or more "
                 "(with learner.compute.gradient_checkpointing if memory is short), or lower the prompts "
-                "(broker.dataset.max_prompt_tokens) or the generation budget (generator.sampling.max_tokens, or generator.episodes.max_tokens with an "
-                "environment); "
-                "sequence parallelism, once it exists, will split such a sequence over ranks (docs/learner.md)"
+                "(broker.dataset.max_prompt_tokens) or the generation budget (generator.sampling.max_tokens, or "
+                "generator.episodes.max_tokens with an environment); sequence parallelism, once it exists, will "
+                "split such a sequence over ranks (docs/learner.md)"
             )
         return self
 

@@ -290,16 +290,26 @@ def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ra
 
 def _sequence_limits(learner: dict, broker, generator) -> None:
     """What the learner is told of the sequences it will train (``learner.batch``, unless the user set them):
-    the generators' budget after the prompt (its T of seq-mean-token-sum-norm, learner.loss_scale_tokens = 0)
-    and the longest prompt the broker hands out (with the budget, the longest sequence a micro-batch holds)."""
+    the generators' budget after the prompt (:func:`fill_generation_budget`) and the longest prompt the broker
+    hands out (with the budget, the longest sequence a micro-batch holds)."""
     from broker.prompts.tasks import longest_prompt_tokens
 
-    prompt = broker.dataset.max_prompt_tokens if broker.dataset is not None else longest_prompt_tokens(broker.task)
+    batch = fill_generation_budget(learner, generator)
+    if batch is not None:
+        prompt = broker.dataset.max_prompt_tokens if broker.dataset is not None else longest_prompt_tokens(broker.task)
+        batch.setdefault("max_prompt_tokens", prompt)
+
+
+def fill_generation_budget(learner: dict, generator) -> dict | None:
+    """``learner.batch.max_completion_tokens``, unless set: the generators' (``generator``, a GeneratorConfig)
+    budget after the prompt, T of seq-mean-token-sum-norm when learner.loss_scale_tokens = 0. Used by the plan
+    and by ``--resume`` of a run recorded before the learner was told it (deploy/launcher/resume.py). Returns
+    the learner's batch section (None when it is not a table: a mistake LearnerConfig names)."""
     batch = learner.setdefault("batch", {})
-    if not isinstance(batch, dict):  # a mistake LearnerConfig names
-        return
+    if not isinstance(batch, dict):
+        return None
     batch.setdefault("max_completion_tokens", generator.generation_budget[0])
-    batch.setdefault("max_prompt_tokens", prompt)
+    return batch
 
 
 def _check_flags(args) -> None:

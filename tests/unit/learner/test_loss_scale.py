@@ -67,3 +67,5 @@ def test_a_sequence_that_could_never_fit_a_micro_batch_is_refused_before_start_n
         load_config(LearnerConfig, overrides={"batch": long}, environ={})
     assert LearnerConfig(batch=long, compute={"micro_batch_tokens": 9216}).batch.max_completion_tokens == 8192
     assert LearnerConfig(batch={"max_prompt_tokens": 100_000}).compute.micro_batch_tokens == 8192  # budget unknown
+    # the prompts unknown (a run recorded before them, resumed: deploy/launcher/resume.py): not refused
+    assert LearnerConfig(batch={"max_completion_tokens": 100_000}).loss_scale == 100_000
