@@ -268,6 +268,7 @@ def _join(learner: dict, generator: dict, reward: dict) -> None:
 def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ranks: int) -> dict:
     """Every service's config validated, once, here: name -> its model (ConfigError naming the section)."""
     from broker.config import BrokerConfig
+    from deploy.launcher.preflight import Context
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
     from reward_service.app import RewardConfig
@@ -280,6 +281,11 @@ def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ra
             (GeneratorConfig, generator, "generator"),
         )
     }
+    # a budget past the model's context is a more fundamental mistake than one past the learner's micro-batch
+    # (which LearnerConfig refuses): reported first (PreflightError; check_run makes the same check again)
+    model = learner.get("model", LearnerConfig.model_fields["model"].default)
+    if isinstance(model, str):  # anything else: a mistake LearnerConfig names
+        Context(model, checked["generator"])
     _sequence_limits(learner, checked["broker"], checked["generator"])
     checked["learner"] = _validate(LearnerConfig, learner, "learner")
     batch = checked["learner"].batch.groups

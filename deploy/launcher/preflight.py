@@ -136,7 +136,9 @@ def check_run(p: dict) -> list[str]:
 class Context:
     """Whether prompt and completion fit the model's context (``context_length``; a vLLM backend's
     ``max_model_len`` when it is smaller). The completion's budget: ``sampling.max_tokens``, or with an
-    environment the episode's ``max_episode_tokens`` (every turn and reply after the prompt)."""
+    environment the episode's ``max_episode_tokens`` (every turn and reply after the prompt). Its first check
+    (the budget alone past the context) is also made by ``relay up``'s plan, before the learner's config
+    refuses a budget past its micro-batch: the more fundamental mistake is the one reported."""
 
     def __init__(self, model: str, generator: GeneratorConfig):
         from learner.model_folder import context_length

@@ -10,6 +10,7 @@ import pytest
 from broker.runtime.config import ConfigError
 from deploy.launcher import environment
 from deploy.launcher.plan import plan
+from deploy.launcher.preflight import PreflightError
 from deploy.launcher.up import add_up_arguments
 from tests.support.services import ROOT
 
@@ -339,15 +340,23 @@ def test_the_learner_is_told_the_generation_budget_and_the_longest_prompt(tmp_pa
 
 
 def test_relay_up_refuses_a_generation_budget_no_micro_batch_can_hold(tmp_path):
-    with pytest.raises(ConfigError, match="learner.compute.micro_batch_tokens"):
+    # the tiny model's context is 64 positions: a budget of 40 fits it, with the copy task's prompts not 32 tokens
+    with pytest.raises(ConfigError, match="raise learner.compute.micro_batch_tokens to"):
+        _plan(
+            tmp_path,
+            "--run-id",
+            "a",
+            "--set",
+            "generator.sampling.max_tokens=40",
+            "--set",
+            "learner.compute.micro_batch_tokens=32",
+        )
+    ok = _plan(tmp_path, "--run-id", "b", "--set", "generator.sampling.max_tokens=40")
+    assert ok["learner_config"].batch.max_completion_tokens == 40
+
+
+def test_a_budget_past_the_model_s_context_and_the_micro_batch_names_the_context_first(tmp_path):
+    """The model's context is the more fundamental limit: raising micro_batch_tokens, as the learner's error
+    would say, could never make a budget of 9000 work on a model of 64 positions."""
+    with pytest.raises(PreflightError, match="generator.sampling.max_tokens = 9000 does not fit .* context of 64"):
         _plan(tmp_path, "--run-id", "a", "--set", "generator.sampling.max_tokens=9000")
-    ok = _plan(
-        tmp_path,
-        "--run-id",
-        "b",
-        "--set",
-        "generator.sampling.max_tokens=9000",
-        "--set",
-        "learner.compute.micro_batch_tokens=10000",
-    )
-    assert ok["learner_config"].batch.max_completion_tokens == 9000
