@@ -394,6 +394,14 @@ class GeneratorConfig(VerifyingConnection):
     )
     episodes: EpisodesConfig = Field(default_factory=EpisodesConfig, description="multi-turn episodes (docs/agents.md)")
 
+    @property
+    def generation_budget(self) -> tuple[int, str]:
+        """Most tokens a sample has after its prompt, and the setting that bounds it: sampling.max_tokens, or
+        with an environment the episode's max_tokens (every turn and reply after the prompt)."""
+        if self.episodes.env:
+            return self.episodes.max_tokens, "generator.episodes.max_tokens"
+        return self.sampling.max_tokens, "generator.sampling.max_tokens"
+
     @model_validator(mode="after")
     def _in_flight_supported(self):
         if self.in_flight == "continue" and not self.backend.supports_in_flight:

@@ -164,6 +164,14 @@ class PolicyLossConfig(StrictModel):
     )
     dual_clip: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages; null = off")
     aggregation: Aggregation = Field("token-mean", description="how per-token losses are reduced to one number")
+    loss_scale_tokens: int = Field(
+        0,
+        ge=0,
+        description="T of seq-mean-token-sum-norm: each sequence's Σ_t ℓ is divided by this constant "
+        "(Dr.GRPO, verl's loss_scale_factor), the same whatever the prompts, the padding or the micro-batches; "
+        "0 = the generation budget, learner.batch.max_completion_tokens (relay up sets it from the generators' "
+        "sampling.max_tokens)",
+    )
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig, description="off-policy correction")
 
 
@@ -277,6 +285,18 @@ class BatchConfig(StrictModel):
         0.0, ge=-1e6, le=1e6, description="the reward of a failed sample when failed_reward = 'fallback'"
     )
     wait_timeout_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
+    max_completion_tokens: int = Field(
+        0,
+        ge=0,
+        description="the generation budget: most tokens of a sample after its prompt (relay up sets it from "
+        "generator.sampling.max_tokens, or generator.episodes.max_tokens with an environment); 0 = not known",
+    )
+    max_prompt_tokens: int = Field(
+        0,
+        ge=0,
+        description="most tokens of a prompt (relay up sets it from broker.dataset.max_prompt_tokens, or the "
+        "built-in task's longest prompt); 0 = not known",
+    )
     record_window: int = Field(
         RECORD_WINDOW,
         ge=0,
@@ -296,7 +316,8 @@ class ComputeConfig(StrictModel):
         description="token budget of one forward/backward: samples of "
         "similar length, (samples × the longest one's prompt + completion tokens) at most "
         "this; the gradients of a (mini)batch's micro-batches accumulate into one "
-        "optimizer step. Bounds the learner's memory, whatever the batch size",
+        "optimizer step. Bounds the learner's memory, whatever the batch size; the learner refuses to start "
+        "when batch.max_prompt_tokens + batch.max_completion_tokens (the longest sequence; both known) exceeds it",
     )
     logprob_chunk_tokens: int = Field(
         1024,
@@ -309,7 +330,15 @@ class ComputeConfig(StrictModel):
         description="compute each group's prompt once for its samples (one forward "
         "fills a KV cache that the group's completions continue from): the same log-probs "
         "and gradients as every sample whole, with P + n·C tokens of work instead of n·(P + C). "
-        "Off with gradient_checkpointing or a critic, and where the model fails the start-up check",
+        "Off with gradient_checkpointing, a critic or packing, and where the model fails the start-up check",
+    )
+    packing: bool = Field(
+        False,
+        description="pack each micro-batch's samples into one row without padding (position ids restarting "
+        "at each sample, attention never across one: flash-attention's variable-length path on GPUs, a "
+        "block-diagonal mask on CPU): the same log-probs and gradients with no padding computed, up to "
+        "micro_batch_tokens tokens per micro-batch. Takes precedence over shared_prompt; a model whose "
+        "attention ignores the restarting positions is refused at start-up (docs/learner.md)",
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -464,6 +493,42 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
             raise ValueError(
                 f"advantages.estimator {self.advantages.estimator!r} needs a critic (a value model): set "
                 f"learner.critic.enabled=true; without one, valid: {valid}"
+            )
+        return self
+
+    @property
+    def loss_scale(self) -> int:
+        """T of seq-mean-token-sum-norm: ``loss_scale_tokens``, or the generation budget (0: not known)."""
+        return self.loss_scale_tokens or self.batch.max_completion_tokens
+
+    @model_validator(mode="after")
+    def _loss_scale_known(self) -> LearnerConfig:
+        if self.aggregation == "seq-mean-token-sum-norm" and not self.loss_scale:
+            raise ValueError(
+                "learner.aggregation = seq-mean-token-sum-norm divides each sequence's loss by a constant T, the "
+                "generation budget, which this learner does not know: set learner.loss_scale_tokens (e.g. to the "
+                "generators' sampling.max_tokens; relay up sets learner.batch.max_completion_tokens itself)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _longest_sequence_fits(self) -> LearnerConfig:
+        # micro_batch_tokens bounds the memory of one forward/backward; a longer sample would be a micro-batch
+        # of its own, beyond that bound (out of memory hours into a run): refused here, before anything starts.
+        # Only when both lengths are known (relay up sets both; a resumed older run is told only the budget)
+        longest = self.batch.max_prompt_tokens + self.batch.max_completion_tokens
+        known = self.batch.max_prompt_tokens and self.batch.max_completion_tokens
+        if known and longest > self.compute.micro_batch_tokens:
+            raise ValueError(
+                f"the longest sequence the generators can make, learner.batch.max_prompt_tokens "
+                f"({self.batch.max_prompt_tokens}) + learner.batch.max_completion_tokens "
+                f"({self.batch.max_completion_tokens}) = {longest} tokens, does not fit "
+                f"learner.compute.micro_batch_tokens ({self.compute.micro_batch_tokens}), the learner's memory "
+                f"bound for one forward and backward: raise learner.compute.micro_batch_tokens to {longest} or more "
+                "(with learner.compute.gradient_checkpointing if memory is short), or lower the prompts "
+                "(broker.dataset.max_prompt_tokens) or the generation budget (generator.sampling.max_tokens, or "
+                "generator.episodes.max_tokens with an environment); sequence parallelism, once it exists, will "
+                "split such a sequence over ranks (docs/learner.md)"
             )
         return self
 

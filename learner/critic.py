@@ -18,6 +18,7 @@ import torch
 
 from learner.config import LearnerConfig
 from learner.losses import Normalisers, aggregate
+from learner.packing import Packed
 
 
 class ValueModel(torch.nn.Module):
@@ -31,10 +32,25 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Values [B, L-1]: V after each prefix input_ids[:, :t+1]."""
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Values [B, L-1]: V after each prefix input_ids[:, :t+1] (``position_ids``: a packed row's,
+        learner/packing.py, with no ``attention_mask``)."""
+        hidden = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.head(hidden[:, :-1]).squeeze(-1).float()
+
+
+def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """The values [B, L-1] of a right-padded batch from ``critic`` (a ValueModel or its engine); with ``packed``
+    (learner.compute.packing) from one forward of its rows packed into one row (0 off each row's positions)."""
+    if not packed:
+        return critic(input_ids, attention_mask)
+    p = Packed.of(input_ids, attention_mask)
+    v = critic(p.input_ids, None, p.position_ids)  # [1, N-1]: position j of the row predicts token j + 1
+    return p.unpack(v[..., None], input_ids.shape[1] - 1)[..., 0]
 
 
 def build_value_model(policy: torch.nn.Module, cfg: LearnerConfig) -> ValueModel:

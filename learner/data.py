@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from broker.protocol.group import Group
+from learner.packing import packed_micro_batches
 
 
 @dataclass
@@ -122,16 +123,21 @@ class Forwards:
 
     budget: int
     shared: bool = False
+    packed: bool = False  # learner.compute.packing: each micro-batch one row without padding (learner/packing.py)
 
     def micro_batches(self, b: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """``rows`` of ``b`` in micro-batches: a group's samples together when its prompt is computed once
-        for them, else samples of similar length."""
+        """``rows`` of ``b`` in micro-batches: packed, up to ``budget`` tokens each; a group's samples
+        together when its prompt is computed once for them; else samples of similar length."""
+        if self.packed:
+            return packed_micro_batches(b.lengths, rows, self.budget)
         if self.shared and b.prompt_lens is not None:
             return group_micro_batches(b.lengths, b.prompt_lens, b.groups, rows, self.budget)
         return micro_batches(b.lengths, rows, self.budget)
 
     def tokens(self, mb: Batch) -> tuple[float, float]:
         """Token slots the forward of the micro-batch ``mb`` computes, and how many of them are padding."""
+        if self.packed:
+            return float(mb.lengths.sum()), 0.0
         if not self.shared or mb.prompt_lens is None:
             return float(mb.input_ids.numel()), float(mb.input_ids.numel() - mb.lengths.sum())
         _, first, _ = first_of_each(mb.groups)

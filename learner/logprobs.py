@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from broker.protocol.sampling import sampling_logprobs
-
-NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: the forward computes no logits at all
+from learner.packing import NO_LOGITS, packed_hidden
 
 
 @dataclass
@@ -127,12 +126,17 @@ def token_logprobs(
     chunk_tokens: int,
     entropy: bool = False,
     shared: SharedPrompts | None = None,
+    packed: bool = False,
 ) -> TokenLogprobs:
     """Log-probs of each next token at ``positions`` ([B, L-1], 1 where the token at t+1 is trained on)
     under the sampling ``transform`` (temperature, top_k, top_p), for ``model`` (a DeepSpeed engine or a
     Hugging Face causal LM). With ``entropy`` also the sampling distribution's entropy there. With
-    ``shared``, each prompt is computed once for the rows that share it (:func:`shared_prompt_hidden`)."""
-    if shared is None:
+    ``shared``, each prompt is computed once for the rows that share it (:func:`shared_prompt_hidden`);
+    with ``packed``, the rows are packed into one row without padding (learner/packing.py)."""
+    where = positions.bool().nonzero(as_tuple=True)
+    if packed:
+        h = packed_hidden(model, input_ids, attention_mask, where)  # [N, H] after the final norm
+    elif shared is None:
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -140,12 +144,11 @@ def token_logprobs(
             output_hidden_states=True,
             use_cache=False,
         )
-        hidden = out.hidden_states[-1][:, :-1]  # [B, L-1, H] after the final norm
+        h = out.hidden_states[-1][:, :-1][where]  # [N, H] after the final norm
     else:
-        hidden = shared_prompt_hidden(model, input_ids, shared)
+        h = shared_prompt_hidden(model, input_ids, shared)[where]
     head = (model.module if hasattr(model, "module") else model).get_output_embeddings()
-    where = positions.bool().nonzero(as_tuple=True)
-    h, targets = hidden[where], input_ids[:, 1:][where]  # [N, H], [N]
+    targets = input_ids[:, 1:][where]  # [N]
     parts = []
     for s in range(0, h.shape[0], chunk_tokens):
         hs = h[s : s + chunk_tokens]
@@ -281,9 +284,12 @@ def check_shared_prompt(model) -> str | None:
 
 
 def batch_logprobs(
-    model, mb, transform: tuple, chunk_tokens: int, entropy: bool = False, shared: bool = False
+    model, mb, transform: tuple, chunk_tokens: int, entropy: bool = False, shared: bool = False, packed: bool = False
 ) -> TokenLogprobs:
     """:func:`token_logprobs` of a learner/data.py ``Batch`` ``mb``: of its loss tokens; with ``shared``
-    (learner.compute.shared_prompt), each group's prompt computed once."""
+    (learner.compute.shared_prompt), each group's prompt computed once; with ``packed``
+    (learner.compute.packing, which takes precedence), its rows packed into one."""
     rows = SharedPrompts(mb.prompt_lens, mb.lengths, mb.groups) if shared and mb.prompt_lens is not None else None
-    return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, chunk_tokens, entropy, rows)
+    return token_logprobs(
+        model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, chunk_tokens, entropy, rows, packed
+    )

@@ -50,13 +50,14 @@ class Normalisers:
 
     tokens: float  # loss tokens (token-mean)
     sequences: float  # samples with at least one kept token (the seq-mean modes)
-    length: float  # T of seq-mean-token-sum-norm: the padded length, L − 1 of the longest sample
+    length: float  # T of seq-mean-token-sum-norm: a constant (the learner's: learner.loss_scale_tokens)
     ranks: int = 1  # DeepSpeed averages gradients over ranks: each rank's share is multiplied by this
 
     @classmethod
     def of(cls, mask: torch.Tensor, kept: torch.Tensor | None = None) -> Normalisers:
-        """Those of ``mask`` alone: one whole batch in one piece on one rank; ``kept`` (default: ``mask``)
-        marks the tokens left after the correction's masking, which decide the sequences that count."""
+        """Those of ``mask`` alone: one whole batch in one piece on one rank, T its width (verl's horizon, the
+        response mask's width); ``kept`` (default: ``mask``) marks the tokens left after the correction's
+        masking, which decide the sequences that count."""
         kept = mask if kept is None else kept
         return cls(float(mask.sum()), float((kept.sum(-1) > 0).sum()), float(mask.shape[-1]))
 
@@ -70,7 +71,7 @@ def aggregate(
 ) -> torch.Tensor:
     """token-mean: Σ ℓ / Σ mask; seq-mean-token-sum: mean over sequences of Σ_t ℓ;
     seq-mean-token-mean: mean over sequences of mean_t ℓ; seq-mean-token-sum-norm: mean over
-    sequences of Σ_t ℓ / T (T = the padded length, Dr.GRPO's constant normaliser). "Sequences" are
+    sequences of Σ_t ℓ / T (T = ``norm.length``, a constant: Dr.GRPO's generation budget). "Sequences" are
     those with a kept token. The sums run over this piece's tokens (``mask``), the denominators are
     ``norm``'s (by default, those of ``mask``)."""
     norm = norm or Normalisers.of(mask)

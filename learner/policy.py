@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 from learner.config import LearnerConfig
 from learner.engine import build_engine, load_model
+from broker.runtime.config import ConfigError
 from learner.logprobs import check_output_head, check_shared_prompt
+from learner.packing import check_packing
 
 log = logging.getLogger("relay.learner")
 
@@ -31,6 +33,23 @@ class Policy:
     lora_scale: float | None  # learner.lora: the adapters' scale; None without LoRA
 
 
+def _check_packing(model, cfg: LearnerConfig, leader: bool) -> None:
+    """learner.compute.packing: refuse a model whose attention crosses the packed samples' boundaries; say
+    once that it replaces the shared-prompt forward."""
+    why = check_packing(model)
+    if why is not None:
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        raise ConfigError(
+            f"learner.compute.packing: {type(model).__name__} with attention {attention!r} does not keep packed "
+            f"samples apart ({why}); set learner.compute.packing = false"
+        )
+    if leader and cfg.compute.shared_prompt:
+        log.info(
+            "learner.compute.packing: each micro-batch is one packed row; learner.compute.shared_prompt is off "
+            "(packing takes precedence: each sample's prompt is computed in its own segment)"
+        )
+
+
 def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
     """Every rank builds the same models (the leader first builds the tiny model's folder)."""
     if leader or cfg.model != "tiny":
@@ -41,7 +60,14 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab = model.get_input_embeddings().num_embeddings
     check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
-    shared = cfg.compute.shared_prompt and not cfg.compute.gradient_checkpointing and not cfg.critic.enabled
+    if cfg.compute.packing:
+        _check_packing(model, cfg, leader)
+    shared = (
+        cfg.compute.shared_prompt
+        and not cfg.compute.packing
+        and not cfg.compute.gradient_checkpointing
+        and not cfg.critic.enabled
+    )
     why = check_shared_prompt(model) if shared else None
     if why is not None:
         shared = False

@@ -11,7 +11,8 @@ import torch
 
 from learner.advantages import gae, masked_whiten, vtrace
 from learner.config import NEEDS_CRITIC, LearnerConfig
-from learner.data import Batch, Forwards, micro_batches
+from learner.critic import critic_values
+from learner.data import Batch, Forwards
 from learner.logprobs import batch_logprobs
 from learner.losses import kl_estimate
 from learner.ranks import RankShare
@@ -38,6 +39,7 @@ class StepInputs:
                     self.cfg.compute.logprob_chunk_tokens,
                     False,
                     self.forwards.shared,
+                    self.forwards.packed,
                 )
                 width = mb.loss_mask.shape[1]
                 logp[part, :width], outside[part, :width] = lp.logp.cpu(), lp.outside.cpu()
@@ -60,6 +62,7 @@ class StepInputs:
                     self.cfg.compute.logprob_chunk_tokens,
                     False,
                     self.forwards.shared,
+                    self.forwards.packed,
                 )
                 both = mb.loss_mask.bool() & ~old[1][part, :width] & ~ref.outside.cpu()
                 est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.regularization.kl_estimator)
@@ -75,9 +78,11 @@ class StepInputs:
         values = torch.zeros_like(b.behaviour_logp)
         device = self.ranks.device
         with torch.no_grad():
-            for part in micro_batches(b.lengths, rows, self.cfg.compute.micro_batch_tokens):
+            for part in self.forwards.micro_batches(b, rows):  # whole rows (shared_prompt is off with a critic)
                 mb = b.select(part)
-                v = self.critic(mb.input_ids.to(device), mb.attention_mask.to(device)).cpu()
+                v = critic_values(
+                    self.critic, mb.input_ids.to(device), mb.attention_mask.to(device), self.forwards.packed
+                ).cpu()
                 values[part, : mb.loss_mask.shape[1]] = v * mb.loss_mask
         return values
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from broker.runtime.config import ConfigError
 from learner.config import LearnerConfig
 from learner.correction import importance_weights
-from learner.critic import value_loss
+from learner.critic import critic_values, value_loss
 from learner.data import Batch, Forwards
 from learner.diagnostics import merge
 from learner.logprobs import TokenLogprobs, batch_logprobs, token_logprobs
@@ -74,11 +75,15 @@ class MicroBatchLoss:
 
     def normalisers(self, b: Batch, rows: torch.Tensor, old) -> tuple[Normalisers, Normalisers]:
         """The normalisers of the (mini)batch ``rows`` of the policy loss, and of the entropy bonus and
-        the KL term, which count every sample with a loss token, rejected or not."""
+        the KL term, which count every sample with a loss token, rejected or not. T of seq-mean-token-sum-norm
+        is the configured constant (learner.loss_scale_tokens or the generation budget), never a length of
+        this batch: longer prompts, padding or packing leave the loss as it is."""
+        if self.cfg.aggregation == "seq-mean-token-sum-norm" and not self.cfg.loss_scale:
+            raise ConfigError("learner.aggregation = seq-mean-token-sum-norm needs learner.loss_scale_tokens > 0")
         norm = Normalisers(
             float(b.loss_mask[rows].sum()),
             self.sequences(b, rows, old),
-            float(b.lengths[rows].max() - 1),
+            float(self.cfg.loss_scale),
             ranks=self.ranks.world,
         )
         return norm, replace(norm, sequences=float((b.loss_mask[rows].sum(-1) > 0).sum()))
@@ -108,7 +113,15 @@ class MicroBatchLoss:
         cfg, world = self.cfg, self.ranks.world
         mb = b.select(part).to(self.ranks.device)
         mask = mb.loss_mask
-        lp = batch_logprobs(self.engine, mb, transform, cfg.compute.logprob_chunk_tokens, True, self.forwards.shared)
+        lp = batch_logprobs(
+            self.engine,
+            mb,
+            transform,
+            cfg.compute.logprob_chunk_tokens,
+            True,
+            self.forwards.shared,
+            self.forwards.packed,
+        )
         if old is None:  # one update per batch: π_old is this forward's value
             old_logp, outside = lp.logp.detach(), lp.outside
         else:
@@ -142,7 +155,13 @@ class MicroBatchLoss:
         where both log-probs are defined."""
         with torch.no_grad():
             ref = batch_logprobs(
-                self.reference, mb, transform, self.cfg.compute.logprob_chunk_tokens, False, self.forwards.shared
+                self.reference,
+                mb,
+                transform,
+                self.cfg.compute.logprob_chunk_tokens,
+                False,
+                self.forwards.shared,
+                self.forwards.packed,
             )
         both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
         return aggregate(
@@ -157,7 +176,7 @@ class MicroBatchLoss:
     def _critic_backward(self, mb: Batch, every, acc: Accumulated) -> None:
         """The critic's value loss on ``mb`` and its backward, added to ``acc``."""
         vloss, v = value_loss(
-            self.critic(mb.input_ids, mb.attention_mask),
+            critic_values(self.critic, mb.input_ids, mb.attention_mask, self.forwards.packed),
             mb.values,
             mb.returns,
             mb.loss_mask,

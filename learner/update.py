@@ -6,7 +6,8 @@ accumulated over its micro-batches.
 Exactness across micro-batches and ranks. Every rank holds the whole batch (the leader broadcasts
 it) and trains the samples of its groups (group i on rank i mod ranks). So every rank computes,
 without communication and before any micro-batch runs, what the whole (mini)batch on all ranks has:
-the normalisers of the aggregation (loss tokens, sequences, the padded length), the same random
+the normalisers of the aggregation (loss tokens, sequences; T of seq-mean-token-sum-norm is a configured
+constant), the same random
 split into minibatches, and how many micro-batches the busiest rank runs. Each rank's loss is
 multiplied by the number of ranks, because DeepSpeed averages gradients over them; diagnostics are
 sums reduced over ranks (learner/diagnostics.py). DeepSpeed runs with
@@ -57,9 +58,11 @@ class PolicyUpdate:
         self.ranks = RankShare(rank, world, self.device)
         # each group's prompt computed once for its samples (learner/logprobs.py); build_policy turns it off
         # for a model that fails its start-up check (shared_prompt below). The critic computes whole rows
-        # on the policy's micro-batches: with a critic, whole rows for both
-        shared = cfg.compute.shared_prompt and not cfg.compute.gradient_checkpointing and critic is None
-        self.forwards = Forwards(cfg.compute.micro_batch_tokens, shared)
+        # on the policy's micro-batches: with a critic, whole rows for both. Packing (learner/packing.py)
+        # takes precedence: every micro-batch one packed row, for the policy, the reference and the critic
+        packed = cfg.compute.packing
+        shared = cfg.compute.shared_prompt and not packed and not cfg.compute.gradient_checkpointing and critic is None
+        self.forwards = Forwards(cfg.compute.micro_batch_tokens, shared, packed)
         self.inputs = StepInputs(engine, cfg, self.ranks, self.forwards, reference, critic)
         self.losses = MicroBatchLoss(engine, cfg, self.ranks, pad_id, self.forwards, reference, critic)
         self.guard = StepGuard(engine, critic, self.ranks)

@@ -109,6 +109,15 @@ def prompt_stream(cfg: TaskConfig) -> Iterator[PromptEntry]:
         yield make(rng, cfg)
 
 
+def longest_prompt_tokens(cfg: TaskConfig, sample: int = 256) -> int:
+    """A bound on the task's prompt tokens: the longest of its first ``sample`` prompts in characters, plus
+    the special tokens (at most a token each; the prompts are ASCII: no tokenizer makes more tokens than
+    characters)."""
+    import itertools
+
+    return max(len(p.text) for p in itertools.islice(prompt_stream(cfg), sample)) + 2
+
+
 class TaskSource:
     """The task's prompts from any position (``fed`` prompts in): the same interface as
     :class:`broker.prompts.datasets.DatasetSource`, so the feeder resumes a built-in task where it was too.

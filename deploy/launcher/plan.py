@@ -284,6 +284,7 @@ def _join(learner: dict, generator: dict, reward: dict) -> None:
 def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ranks: int) -> dict:
     """Every service's config validated, once, here: name -> its model (ConfigError naming the section)."""
     from broker.config import BrokerConfig
+    from deploy.launcher.preflight import Context
     from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
     from reward_service.app import RewardConfig
@@ -293,14 +294,44 @@ def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ra
         for model, data, name in (
             (BrokerConfig, broker, "broker"),
             (RewardConfig, reward, "reward"),
-            (LearnerConfig, learner, "learner"),
             (GeneratorConfig, generator, "generator"),
         )
     }
+    # a budget past the model's context is a more fundamental mistake than one past the learner's micro-batch
+    # (which LearnerConfig refuses): reported first (PreflightError; check_run makes the same check again)
+    model = learner.get("model", LearnerConfig.model_fields["model"].default)
+    if isinstance(model, str):  # anything else: a mistake LearnerConfig names
+        Context(model, checked["generator"])
+    _sequence_limits(learner, checked["broker"], checked["generator"])
+    checked["learner"] = _validate(LearnerConfig, learner, "learner")
     batch = checked["learner"].batch.groups
     if batch % ranks:
         raise UsageError(f"learner.batch.groups ({batch}) must be a multiple of --learner-ranks ({ranks})")
     return checked
+
+
+def _sequence_limits(learner: dict, broker, generator) -> None:
+    """What the learner is told of the sequences it will train (``learner.batch``, unless the user set them):
+    the generators' budget after the prompt (:func:`fill_generation_budget`) and the longest prompt the broker
+    hands out (with the budget, the longest sequence a micro-batch holds)."""
+    from broker.prompts.tasks import longest_prompt_tokens
+
+    batch = fill_generation_budget(learner, generator)
+    if batch is not None:
+        prompt = broker.dataset.max_prompt_tokens if broker.dataset is not None else longest_prompt_tokens(broker.task)
+        batch.setdefault("max_prompt_tokens", prompt)
+
+
+def fill_generation_budget(learner: dict, generator) -> dict | None:
+    """``learner.batch.max_completion_tokens``, unless set: the generators' (``generator``, a GeneratorConfig)
+    budget after the prompt, T of seq-mean-token-sum-norm when learner.loss_scale_tokens = 0. Used by the plan
+    and by ``--resume`` of a run recorded before the learner was told it (deploy/launcher/resume.py). Returns
+    the learner's batch section (None when it is not a table: a mistake LearnerConfig names)."""
+    batch = learner.setdefault("batch", {})
+    if not isinstance(batch, dict):
+        return None
+    batch.setdefault("max_completion_tokens", generator.generation_budget[0])
+    return batch
 
 
 def _check_flags(args) -> None:

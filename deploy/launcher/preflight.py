@@ -136,7 +136,9 @@ def check_run(p: dict) -> list[str]:
 class Context:
     """Whether prompt and completion fit the model's context (``context_length``; a vLLM backend's
     ``max_model_len`` when it is smaller). The completion's budget: ``sampling.max_tokens``, or with an
-    environment the episode's ``max_episode_tokens`` (every turn and reply after the prompt)."""
+    environment the episode's ``max_episode_tokens`` (every turn and reply after the prompt). Its first check
+    (the budget alone past the context) is also made by ``relay up``'s plan, before the learner's config
+    refuses a budget past its micro-batch: the more fundamental mistake is the one reported."""
 
     def __init__(self, model: str, generator: GeneratorConfig):
         from learner.model_folder import context_length
@@ -145,10 +147,7 @@ class Context:
         limit = getattr(generator.backend, "max_model_len", 0)
         if limit and (self.positions is None or limit < self.positions):
             self.positions = limit
-        if generator.episodes.env:
-            self.budget, self.setting = generator.episodes.max_tokens, "generator.episodes.max_tokens"
-        else:
-            self.budget, self.setting = generator.sampling.max_tokens, "generator.sampling.max_tokens"
+        self.budget, self.setting = generator.generation_budget
         self.model = "the built-in tiny model" if model == "tiny" else f"the model ({model})"
         if self.positions is not None and self.budget >= self.positions:
             raise PreflightError(
@@ -167,12 +166,9 @@ class Context:
 
     def check_task(self, task) -> None:
         """A built-in task's longest prompt (its characters and the special tokens: at most a token each)."""
-        import itertools
+        from broker.prompts.tasks import longest_prompt_tokens
 
-        from broker.prompts.tasks import prompt_stream
-
-        longest = max(len(p.text) for p in itertools.islice(prompt_stream(task), 256)) + 2
-        self._fit(longest, f"the {task.name} task's longest prompt")
+        self._fit(longest_prompt_tokens(task), f"the {task.name} task's longest prompt")
 
     def check_dataset(self, ds, name: str, lengths: list[int]) -> list[str]:
         """A dataset: ``max_prompt_tokens`` set by the user must fit with the budget; left at its default, the

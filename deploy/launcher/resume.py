@@ -182,6 +182,8 @@ def _recorded(run_dir: Path, usage_error) -> tuple[dict, dict, object, dict]:
 
     from broker.runtime.config import format_validation_error, migrate
     from deploy.launcher import environment
+    from deploy.launcher.plan import fill_generation_budget
+    from generators.config import GeneratorConfig
     from learner.config import LearnerConfig
 
     launch = json.loads((run_dir / LAUNCH).read_text())
@@ -190,6 +192,14 @@ def _recorded(run_dir: Path, usage_error) -> tuple[dict, dict, object, dict]:
     cfgs["generator"] = json.loads((cfg_dir / "generator-0.json").read_text())
     # an older run's keys (a recorded config is whole: an old weights.http section is settled by its transport)
     cfgs = {name: migrate(environment.config_models()[name], c, final=True) for name, c in cfgs.items()}
+    try:
+        generator = GeneratorConfig.model_validate(cfgs["generator"])
+    except ValidationError as e:
+        raise usage_error(f"{cfg_dir / 'generator-0.json'}: {format_validation_error(e)}") from None
+    # a run recorded before the learner was told the generation budget (its T of seq-mean-token-sum-norm) gets
+    # it as relay up gives it now; not the longest prompt: the run started without that check, it is not refused
+    # now that it can no longer be changed (learner.batch.max_prompt_tokens stays 0, not known)
+    fill_generation_budget(cfgs["learner"], generator)
     try:
         learner = LearnerConfig.model_validate(cfgs["learner"])  # the recorded values, defaults filled in
     except ValidationError as e:

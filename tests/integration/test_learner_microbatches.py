@@ -2,7 +2,8 @@
 (plus the icepop and token_mis corrections with two minibatches, and gae and vtrace with the critic,
 whose gradients are compared too), one optimizer step of the real
 learner update with real DeepSpeed gives the same gradients and diagnostics (to 1e-5) with one piece on one rank, with k
-micro-batches (also with activation checkpointing), and with 2 ranks (torchrun, gloo) in ZeRO 0 and
+micro-batches (also with activation checkpointing, and packed into rows without padding, with and without
+it), and with 2 ranks (torchrun, gloo) in ZeRO 0 and
 ZeRO 2. The samples are stale and
 sampled with temperature, top-k and top-p: every loss, gradient and diagnostic stays finite, and the
 tokens that fell out of the kept set are counted. (tests/support/learner_grads.py runs the steps.)"""
@@ -31,7 +32,18 @@ def _run(cmd: list[str]) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grads")
     module = ["-m", "tests.support.learner_grads", str(out)]
-    _run([sys.executable, *module, "one=100000", "k=48", "k_checkpointing=48/0/checkpointing", "k_whole=48/0/whole"])
+    _run(
+        [
+            sys.executable,
+            *module,
+            "one=100000",
+            "k=48",
+            "k_checkpointing=48/0/checkpointing",
+            "k_whole=48/0/whole",
+            "k_packed=48/0/packed",
+            "k_packed_checkpointing=48/0/packed+checkpointing",
+        ]
+    )
     _run(
         [
             sys.executable,
@@ -53,7 +65,9 @@ def _load(out, label):
     return diags, [load_file(str(out / f"{label}-{i}.safetensors")) for i in range(len(diags))]
 
 
-@pytest.mark.parametrize("label", ["k", "k_whole", "k_checkpointing", "ranks", "ranks_zero2"])
+@pytest.mark.parametrize(
+    "label", ["k", "k_whole", "k_checkpointing", "k_packed", "k_packed_checkpointing", "ranks", "ranks_zero2"]
+)
 def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
     want_diags, want_grads = _load(runs, "one")
     got_diags, got_grads = _load(runs, label)
@@ -89,6 +103,8 @@ def test_micro_batches_of_similar_length_cut_the_padding(runs):
     one, _ = _load(runs, "one")
     k, _ = _load(runs, "k_whole")
     assert one[0]["padding_fraction"] > 0.25 and k[0]["padding_fraction"] < 0.1
+    # packed micro-batches (learner.compute.packing): one row each, no padding
+    assert all(d["padding_fraction"] == 0.0 for d in _load(runs, "k_packed")[0])
 
 
 def test_stale_samples_under_top_k_and_top_p_train_finite_and_count_what_fell_out(runs):

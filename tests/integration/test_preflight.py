@@ -116,6 +116,10 @@ MISTAKES = {
         _set("generator.sampling.max_tokens=4096"),
         ["generator.sampling.max_tokens = 4096", "context of 64 positions", "set it below 64"],
     ),
+    "max_tokens past the model's context and the learner's micro-batch": (  # the context named, not micro_batch
+        _set("generator.sampling.max_tokens=9000"),
+        ["generator.sampling.max_tokens = 9000", "context of 64 positions", "set it below 64"],
+    ),
     "a task's prompt and max_tokens past the context": (
         _set("generator.sampling.max_tokens=60"),
         ["copy task's longest prompt (6 tokens)", "lower generator.sampling.max_tokens to 58 or less"],

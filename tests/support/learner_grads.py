@@ -2,7 +2,10 @@
 aggregation mode and policy loss, recording the gradient and the diagnostics of each, so that tests can
 compare k micro-batches, and 2 ranks, with one piece on one rank.
 
-    python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing|whole]] ...
+    python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/OPTION[+OPTION]]] ...
+
+OPTION: checkpointing (activation checkpointing), whole (no shared-prompt forward), packed (packed
+micro-batches, learner.compute.packing).
     torchrun --standalone --nproc_per_node 2 -m tests.support.learner_grads OUT LABEL=... ...
 
 The optimizer is plain SGD (no clipping), so the gradient is read back from the weight change:
@@ -43,10 +46,16 @@ def weights(engine) -> dict:
 
 
 def run(
-    out: Path, label: str, micro_batch_tokens: int, zero_stage: int, checkpointing: bool = False, whole: bool = False
+    out: Path,
+    label: str,
+    micro_batch_tokens: int,
+    zero_stage: int,
+    checkpointing: bool = False,
+    whole: bool = False,
+    packed: bool = False,
 ) -> None:
-    """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``) through every
-    case; results under ``label``."""
+    """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``, ``packed``
+    micro-batches) through every case; results under ``label``."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -63,11 +72,13 @@ def run(
     rank, world = dist.get_rank(), dist.get_world_size()
     base = LearnerConfig(
         run_dir=str(out / f"{label}-model"),
+        loss_scale_tokens=12,  # T of seq-mean-token-sum-norm: make_groups' generation budget
         compute={
             "micro_batch_tokens": micro_batch_tokens,
             "gradient_checkpointing": checkpointing,
             "logprob_chunk_tokens": 16,
             "shared_prompt": not whole,  # whole: every sample computed whole, micro-batches by length alone
+            "packing": packed,
         },
     )
     base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
@@ -112,13 +123,15 @@ def run(
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/checkpointing|whole]]")
+    p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/OPTION[+OPTION]]]")
     a = p.parse_args()
     for spec in a.runs:
         name, _, setting = spec.partition("=")
         tokens, _, rest = setting.partition("/")
         stage, _, extra = rest.partition("/")
-        run(a.out, name, int(tokens), int(stage or 0), extra == "checkpointing", extra == "whole")
+        options = set(extra.split("+")) - {""}
+        assert options <= {"checkpointing", "whole", "packed"}, options
+        run(a.out, name, int(tokens), int(stage or 0), *(o in options for o in ("checkpointing", "whole", "packed")))
     from learner.engine import close_distributed
 
     close_distributed()

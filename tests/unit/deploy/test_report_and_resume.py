@@ -328,3 +328,24 @@ def test_resume_gives_each_service_its_half_of_the_keys_and_moves_a_taken_weight
     port = p["learner"]["weights"]["transport"]["port"]
     assert port != 6394 and p["generator"]["weights"]["transport"] == {"type": "http", "port": port}  # they follow it
     assert p["learner"]["weights"]["key_file"] == p["generator"]["weights"]["key_file"] == str(secrets / "weights.key")
+
+
+def test_resume_of_a_run_recorded_before_the_generation_budget_gives_its_learner_the_budget(tmp_path):
+    """A run recorded before the learner was told the generation budget (learner.batch.max_completion_tokens):
+    with seq-mean-token-sum-norm its learner would refuse to start without T. --resume takes the budget from
+    the run's recorded generator config, as relay up does, and hands it to the learner; it does not refuse the
+    run for a sequence past micro_batch_tokens, a check the run started without (the prompts stay unknown)."""
+    run = _run_folder(tmp_path, {"status": "interrupted", "steps": 20})
+    for name, extra in (
+        ("learner", {"aggregation": "seq-mean-token-sum-norm", "compute": {"micro_batch_tokens": 64}}),
+        ("generator-0", {"sampling": {"max_tokens": 100}}),
+    ):
+        path = run / "config" / f"{name}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **extra}))
+    p, _ = _plan(tmp_path, "--resume", "r1")
+    assert p["learner_config"].loss_scale == 100  # T: the recorded generators' sampling.max_tokens
+    assert p["learner"]["batch"] == {"max_completion_tokens": 100}  # what the resumed learner's config file gets
+    # with an environment the budget is the episode's, as relay up gives it
+    path = run / "config" / "generator-0.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "episodes": {"env": "calc", "max_tokens": 80}}))
+    assert _plan(tmp_path, "--resume", "r1")[0]["learner_config"].loss_scale == 80

@@ -8,6 +8,7 @@ import pytest
 
 from broker.runtime.config import ConfigError
 from deploy.launcher import environment
+from deploy.launcher.preflight import PreflightError
 from tests.support.services import ROOT
 from tests.support.up_plan import plan_up as _plan
 
@@ -320,3 +321,44 @@ def test_the_ports_relay_up_chooses_are_held_from_the_plan_on_and_moved_when_ano
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_learner_is_told_the_generation_budget_and_the_longest_prompt(tmp_path):
+    """seq-mean-token-sum-norm divides by the generators' budget (learner.loss_scale_tokens = 0), which relay up
+    gives the learner with the longest prompt: the dataset's max_prompt_tokens, or the built-in task's."""
+    p = _plan(
+        tmp_path,
+        "--run-id",
+        "a",
+        "--set",
+        "learner.aggregation=seq-mean-token-sum-norm",
+        "--set",
+        "generator.sampling.max_tokens=12",
+    )
+    assert p["learner_config"].loss_scale == p["learner_config"].batch.max_completion_tokens == 12
+    assert 3 <= p["learner_config"].batch.max_prompt_tokens <= 64  # the copy task's short prompts
+    mine = _plan(tmp_path, "--run-id", "b", "--set", "learner.loss_scale_tokens=100")
+    assert mine["learner_config"].loss_scale == 100
+
+
+def test_relay_up_refuses_a_generation_budget_no_micro_batch_can_hold(tmp_path):
+    # the tiny model's context is 64 positions: a budget of 40 fits it, with the copy task's prompts not 32 tokens
+    with pytest.raises(ConfigError, match="raise learner.compute.micro_batch_tokens to"):
+        _plan(
+            tmp_path,
+            "--run-id",
+            "a",
+            "--set",
+            "generator.sampling.max_tokens=40",
+            "--set",
+            "learner.compute.micro_batch_tokens=32",
+        )
+    ok = _plan(tmp_path, "--run-id", "b", "--set", "generator.sampling.max_tokens=40")
+    assert ok["learner_config"].batch.max_completion_tokens == 40
+
+
+def test_a_budget_past_the_model_s_context_and_the_micro_batch_names_the_context_first(tmp_path):
+    """The model's context is the more fundamental limit: raising micro_batch_tokens, as the learner's error
+    would say, could never make a budget of 9000 work on a model of 64 positions."""
+    with pytest.raises(PreflightError, match="generator.sampling.max_tokens = 9000 does not fit .* context of 64"):
+        _plan(tmp_path, "--run-id", "a", "--set", "generator.sampling.max_tokens=9000")

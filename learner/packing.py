@@ -1,0 +1,130 @@
+"""Packed micro-batches (``learner.compute.packing``): the samples of a micro-batch concatenated into one row
+of Σ lengths tokens, with no padding, each sample attending only to itself.
+
+The row goes to the model with ``position_ids`` that restart at 0 at each sample and no attention mask:
+transformers reads the sample boundaries from where the positions restart. With SDPA, eager or flex
+attention (the CPU path), ``masking_utils.find_packed_sequence_indices`` turns them into a block-diagonal
+causal mask; with ``flash_attention_2``/``3`` (the GPU path) ``modeling_flash_attention_utils`` turns them
+into the ``cu_seqlens`` of flash-attention's variable-length kernel, which never computes across a
+boundary. Either way each sample's hidden states are those of the sample computed alone (rotary position
+embeddings included: they follow ``position_ids``), so log-probs, entropy, losses and gradients are
+those of the padded micro-batch, to rounding (tests/unit/learner/test_packing.py). The cache must be off
+(``use_cache=False``): transformers looks for packed positions only without one.
+
+The micro-batches themselves hold up to ``micro_batch_tokens`` tokens (Σ lengths, no padding), filled
+longest first into the first micro-batch with room (first-fit decreasing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: the forward computes no logits at all
+
+
+@dataclass
+class Packed:
+    """The rows of a right-padded batch packed into one row."""
+
+    input_ids: torch.Tensor  # [1, N] every sample's tokens, one after the other (N = Σ lengths)
+    position_ids: torch.Tensor  # [1, N] each sample's positions, from 0
+    starts: torch.Tensor  # [B] the column of each sample's first token in the row
+    lengths: torch.Tensor  # [B] each sample's tokens
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+        """``input_ids`` [B, L] right-padded, ``attention_mask`` [B, L] 1 on each row's tokens (a prefix)."""
+        lengths = attention_mask.sum(-1).long()
+        starts = torch.cumsum(lengths, 0) - lengths
+        n = int(lengths.sum())
+        pos = torch.arange(n, device=input_ids.device) - starts.repeat_interleave(lengths)
+        return cls(input_ids[attention_mask.bool()][None], pos[None], starts, lengths)
+
+    def columns(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The row's columns of the padded batch's positions (``rows``, ``cols``)."""
+        return self.starts.to(rows.device)[rows] + cols
+
+    def unpack(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """``x`` [1, N, ...] of the packed row (position j predicting token j + 1) as [B, width, ...] of the
+        padded batch: each row's positions 0 .. length − 2 (those that predict a token of the sample), 0
+        elsewhere."""
+        dev = x.device
+        rows, cols = (torch.arange(width, device=dev)[None] < (self.lengths.to(dev) - 1)[:, None]).nonzero(
+            as_tuple=True
+        )
+        out = x.new_zeros((len(self.lengths), width, *x.shape[2:]))
+        return out.index_put((rows, cols), x[0, self.columns(rows, cols)])
+
+
+def packed_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, where) -> torch.Tensor:
+    """The last hidden states [n, H] at the positions ``where`` (rows, columns of the padded batch), from one
+    forward of the batch's rows packed into one row (:class:`Packed`)."""
+    p = Packed.of(input_ids, attention_mask)
+    out = model(
+        input_ids=p.input_ids,
+        attention_mask=None,
+        position_ids=p.position_ids,
+        logits_to_keep=NO_LOGITS,
+        output_hidden_states=True,
+        use_cache=False,
+    )
+    return out.hidden_states[-1][0, p.columns(*where)]
+
+
+def packed_micro_batches(lengths: torch.Tensor, rows: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """``rows`` split into micro-batches of at most ``budget`` tokens (Σ lengths: a packed row has no
+    padding), longest first, each sample into the first micro-batch with room; a sample longer than the
+    budget is a micro-batch of its own."""
+    order = rows[torch.argsort(lengths[rows], descending=True, stable=True)].tolist()
+    parts: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        k = next((j for j, r in enumerate(room) if r >= n), None)
+        if k is None:
+            parts.append([i])
+            room.append(budget - n)
+        else:
+            parts[k].append(i)
+            room[k] -= n
+    return [torch.tensor(p) for p in parts]
+
+
+def check_packing(model) -> str | None:
+    """Why packed rows cannot serve ``model`` (a transformers model), or None when one packed row of three
+    samples (3, 6 and 1 tokens) gives the hidden states of the samples computed alone. Run once at start-up
+    with ``learner.compute.packing``: a model whose attention ignores the restarting positions (attention
+    across samples) is refused rather than trained on wrong numbers."""
+    vocab = model.get_input_embeddings().num_embeddings
+    lens = [3, 6, 1]
+    ids = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, :n] = (torch.arange(n) * 5 + 3 * b + 1) % vocab
+    attn = (torch.arange(max(lens))[None] < torch.tensor(lens)[:, None]).long()
+    device = next(model.parameters()).device
+    ids, attn = ids.to(device), attn.to(device)
+    where = attn.bool().nonzero(as_tuple=True)
+    try:
+        with torch.no_grad():
+            mine = packed_hidden(model, ids, attn, where).float()
+            alone = torch.cat(
+                [
+                    model(
+                        input_ids=ids[b : b + 1, :n],
+                        logits_to_keep=NO_LOGITS,
+                        output_hidden_states=True,
+                        use_cache=False,
+                    ).hidden_states[-1][0]
+                    for b, n in enumerate(lens)
+                ]
+            ).float()
+    except (RuntimeError, TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    diff = float((mine - alone).abs().max())
+    scale = float(alone.abs().max()) or 1.0
+    tol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    return (
+        None if diff <= tol * scale else f"hidden states differ from each sample alone by {diff:.3g} (of {scale:.3g})"
+    )

@@ -1,0 +1,214 @@
+"""Packed micro-batches (learner/packing.py, ``learner.compute.packing``): one row without padding, positions
+restarting at each sample, gives the log-probs, entropy, critic values, losses and gradients of the padded
+micro-batch (fp32, 1e-5) for the model classes Relay trains, under temperature, top-k and top-p, in every
+aggregation mode, with a reference KL term and with the critic; a model whose attention crosses the samples is
+refused; the micro-batches hold up to the token budget with no padding."""
+
+import numpy as np
+import pytest
+import torch
+
+from broker.protocol.group import Sample
+from learner.config import LearnerConfig
+from learner.critic import ValueModel, critic_values
+from learner.data import micro_batches
+from learner.logprobs import token_logprobs
+from learner.losses import AGGREGATIONS
+from learner.packing import check_packing, packed_micro_batches
+from learner.tiny_model import build_tiny_model
+from learner.update import PolicyUpdate
+from tests.support.data import make_group
+from tests.unit.learner.test_kl_in_reward import PlainEngine, _model
+
+TRANSFORMS = [(1.0, 0, 1.0), (1.5, 10, 0.99)]  # the second: 8 of 19 taken tokens outside its kept set
+SAMPLING = {"temperature": 0.8, "top_k": 6, "top_p": 0.95, "n": 3}
+
+
+@pytest.fixture(scope="module", params=[{}, {"vllm_compatible": True}], ids=["qwen2", "llama"])
+def model(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=5, **request.param)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        m.get_output_embeddings().weight.mul_(4.0)
+    return m
+
+
+class Crossing(torch.nn.Module):
+    """A model whose attention ignores ``position_ids``: a packed row is one long sequence to it."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def get_input_embeddings(self):
+        return self.m.get_input_embeddings()
+
+    def forward(self, position_ids=None, **kw):
+        return self.m(**kw)
+
+
+def _batch(seed=0):
+    """Five right-padded rows of 2 to 11 tokens (prompt + completion), one of a single completion token."""
+    g = torch.Generator().manual_seed(seed)
+    spec = [(3, 4), (5, 6), (7, 1), (1, 1), (4, 7)]  # prompt, completion
+    L = max(p + c for p, c in spec)
+    ids = torch.zeros(len(spec), L, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    positions = torch.zeros(len(spec), L - 1)
+    for b, (p, c) in enumerate(spec):
+        ids[b, : p + c] = torch.randint(3, 13, (p + c,), generator=g)
+        attn[b, : p + c] = 1
+        positions[b, p - 1 : p + c - 1] = 1
+    return ids, attn, positions
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda t: f"T{t[0]}-k{t[1]}-p{t[2]}")
+def test_packed_row_equals_padded_rows_log_probs_entropy_and_gradients(model, transform):
+    ids, attn, positions = _batch()
+    adv = torch.linspace(-1.0, 1.0, len(ids))[:, None]
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        lp = token_logprobs(model, ids, attn, positions, transform, 4, entropy=True, packed=packed)
+        m = positions * ~lp.outside
+        (-(lp.logp * adv * m).sum() - 0.1 * (lp.entropy * positions).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((lp, grads))
+    (padded, g_padded), (mine, g_mine) = results
+    assert torch.equal(mine.outside, padded.outside)
+    assert torch.allclose(mine.logp, padded.logp, atol=1e-5), (mine.logp - padded.logp).abs().max()
+    assert torch.allclose(mine.entropy, padded.entropy, atol=1e-5)
+    assert (mine.logp[positions == 0] == 0).all() and float(mine.entropy.detach().abs().max()) > 0.1
+    assert set(g_mine) == set(g_padded) and len(g_padded) > 5
+    for n in g_padded:
+        assert torch.allclose(g_mine[n], g_padded[n], atol=1e-5, rtol=1e-4), (n, (g_mine[n] - g_padded[n]).abs().max())
+
+
+def test_attention_across_samples_would_change_the_numbers_and_is_refused(model):
+    """The test can fail: the same row without the restarting positions (one long sequence) differs, and a
+    model that drops them is refused by the start-up check."""
+    ids, attn, positions = _batch()
+    with torch.no_grad():
+        padded = token_logprobs(model, ids, attn, positions, (1.0, 0, 1.0), 64)
+        row = ids[attn.bool()][None]
+        crossing = model(input_ids=row, use_cache=False).logits.log_softmax(-1)[0, :-1]
+    starts = torch.cumsum(attn.sum(-1), 0) - attn.sum(-1)
+    b, t = positions.bool().nonzero(as_tuple=True)
+    across = crossing[starts[b] + t].gather(-1, row[0, starts[b] + t + 1, None])[:, 0]
+    assert float((across - padded.logp[b, t]).abs().max()) > 1e-2
+    assert check_packing(model) is None
+
+    assert "differ" in check_packing(Crossing(model))
+
+
+def test_packed_micro_batches_fill_the_budget_without_padding_and_cover_every_sample_once():
+    lengths = torch.tensor([5, 40, 7, 12, 39, 6, 11, 100, 8])
+    rows = torch.arange(len(lengths))
+    parts = packed_micro_batches(lengths, rows, 48)
+    assert sorted(torch.cat(parts).tolist()) == rows.tolist()
+    for p in parts:
+        assert int(lengths[p].sum()) <= 48 or len(p) == 1
+    assert parts[0].tolist() == [7]  # longer than the budget: alone
+    assert [p.tolist() for p in parts] == [[7], [1, 8], [4, 2], [3, 6, 5, 0]]  # 100 | 40+8 | 39+7 | 12+11+6+5
+    assert len(micro_batches(lengths, rows, 48)) == 5  # padded to their longest, they need 5
+    assert len(packed_micro_batches(lengths, rows, 10_000)) == 1
+
+
+class RecordingEngine(PlainEngine):
+    """PlainEngine that keeps the gradient of each optimizer step (and SGD steps no weight: every train step
+    of a test starts from the same weights)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.grads = []
+
+    def forward(self, *args, **kw):
+        return self.module(*args, **kw)
+
+    def step(self):
+        self.grads.append({n: p.grad.clone() for n, p in self.module.named_parameters() if p.grad is not None})
+        self.opt.zero_grad()
+
+
+def _groups():
+    rng = np.random.default_rng(3)
+
+    def sample(t):
+        return Sample(
+            rng.integers(3, 13, t).astype(np.int32),
+            -rng.uniform(0.1, 3.0, t).astype(np.float32),
+            [[0, t]],
+            "stop",
+            float(rng.random()),
+        )
+
+    return [
+        make_group(samples=[sample(t) for t in lens], prompt_ids=np.array(prompt, np.int32), sampling=SAMPLING)
+        for prompt, lens in (([1, 4, 14], (3, 6, 1)), ([1, 5, 7, 9, 3, 14], (2, 5, 4)), ([1, 14], (7, 2, 3)))
+    ]
+
+
+def _critic():
+    trunk = _model(2).model
+    critic = ValueModel(trunk, trunk.config.hidden_size)
+    torch.nn.init.normal_(critic.head.weight, std=0.5, generator=torch.Generator().manual_seed(2))
+    return critic
+
+
+def _step(packing: bool, **cfg) -> tuple[dict, list, list]:
+    """One train step (two minibatches, so π_old is a forward of its own) of fresh models, micro-batches of 24
+    tokens; the diagnostics and the gradients of the policy (and the critic)."""
+    estimator = cfg.pop("estimator", "grpo")
+    cfg = LearnerConfig(
+        compute={"micro_batch_tokens": 24, "logprob_chunk_tokens": 5, "packing": packing},
+        optim={"minibatches": 2},
+        loss_scale_tokens=10,
+        advantages={"estimator": estimator},
+        critic={"enabled": estimator == "gae"},
+        regularization={"entropy_coef": 0.01, "kl_coef": 0.1},
+        **cfg,
+    )
+    engine = RecordingEngine(_model(0))
+    critic = RecordingEngine(_critic()) if estimator == "gae" else None
+    update = PolicyUpdate(engine, cfg, pad_id=0, reference=_model(1), critic=critic)
+    diag = update.train_step(_groups(), SAMPLING, version=1)
+    return diag, engine.grads, critic.grads if critic else []
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("estimator", ["grpo", "gae"], ids=["policy", "critic"])
+def test_a_packed_step_equals_the_padded_step_in_every_aggregation_mode(aggregation, estimator):
+    padded, g_padded, c_padded = _step(False, aggregation=aggregation, estimator=estimator)
+    packed, g_packed, c_packed = _step(True, aggregation=aggregation, estimator=estimator)
+    assert padded["padding_fraction"] > 0.05 and packed["padding_fraction"] == 0.0, padded["padding_fraction"]
+    assert packed["micro_batches"] >= 4 and padded["micro_batches"] >= 4, (packed, padded)  # really split
+    keys = ["loss", "entropy", "kl_ref", "ratio_mean", "mismatch_kl"] + (["value_loss"] if estimator == "gae" else [])
+    for k in keys:
+        assert packed[k] == pytest.approx(padded[k], abs=1e-5, rel=1e-5), k
+    assert len(g_packed) == len(g_padded) == 2 and len(c_packed) == len(c_padded)
+    for want, got in zip(g_padded + c_padded, g_packed + c_packed):
+        assert set(got) == set(want)
+        for n in want:
+            assert torch.allclose(got[n], want[n], atol=1e-5, rtol=1e-4), (n, (got[n] - want[n]).abs().max())
+    assert max(float(g.abs().max()) for g in g_padded[0].values()) > 1e-3
+
+
+def test_critic_values_of_a_packed_row_are_those_of_the_padded_rows():
+    ids, attn, _ = _batch()
+    critic = _critic()
+    with torch.no_grad():
+        padded, packed = critic_values(critic, ids, attn), critic_values(critic, ids, attn, packed=True)
+    inside = torch.arange(ids.shape[1] - 1)[None] < (attn.sum(-1) - 1)[:, None]
+    assert torch.allclose(packed[inside], padded[inside], atol=1e-5) and float(padded.abs().max()) > 0.1
+    assert (packed[~inside] == 0).all()
+
+
+def test_the_learner_refuses_packing_for_a_model_that_crosses_samples(model):
+    from broker.runtime.config import ConfigError
+    from learner.policy import _check_packing
+
+    _check_packing(model, LearnerConfig(compute={"packing": True}), leader=True)  # the real model: accepted
+    with pytest.raises(ConfigError, match="set learner.compute.packing = false"):
+        _check_packing(Crossing(model), LearnerConfig(compute={"packing": True}), leader=True)
