@@ -37,6 +37,8 @@ BENCHMARKS = {
     "learner": "s per optimizer step of the learner vs a plain PyTorch loop",
     "learner_memory": "peak RSS of one learner step at 4N vs N tokens (SmolLM2-135M, fixed micro_batch_tokens); "
     "step time vs a plain PyTorch loop doing the same micro-batched work",
+    "learner_forwards": "s per learner step with each group's prompt computed once (shared_prompt) and with packed "
+    "micro-batches vs every sample whole (SmolLM2-135M, the demo's shapes)",
     "peer": "Relay (torch and vLLM generators) against Hugging Face TRL's GRPOTrainer on the SmolLM2 word problems: "
     "wall time to N steps and to pass@1 0.9, pass@1 at equal steps, trained tokens/s (needs the peer extra; "
     "hours: run by name only)",

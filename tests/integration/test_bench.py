@@ -23,6 +23,8 @@ NAMES = {
     "learner",
     "learner_memory",
     "learner_memory/step_time",
+    "learner_forwards/shared_prompt",
+    "learner_forwards/packing",
     *(f"ingest_scaling/{p}p/{w}w" for p in (1, 4) for w in (1, 2)),
 }  # --quick: 1 and 4 producers
 
