@@ -122,7 +122,7 @@ class MicroBatchLoss:
             self.forwards.shared,
             self.forwards.packed,
         )
-        if old is None:  # one update per batch: π_old is this forward's value
+        if old is None:  # one update per batch, nothing needed π_old first (old_logprobs_up_front): this forward's
             old_logp, outside = lp.logp.detach(), lp.outside
         else:
             width = mask.shape[1]
