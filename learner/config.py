@@ -344,8 +344,8 @@ class ComputeConfig(StrictModel):
         description="with one optimizer step per batch (optim.ppo_epochs = optim.minibatches = 1), take π_old "
         "from each loss micro-batch's own forward, detached (the weights before the update), instead of a "
         "forward of its own over the whole batch first: about a third of a step's compute. Where π_old of "
-        "the whole batch is needed before the loss (a seq-mean aggregation with a rejecting correction, "
-        "kl_in_reward, vtrace) the forward runs anyway (learner/update.py old_logprobs_up_front)",
+        "the whole batch is needed before the loss (a seq-mean aggregation with a rejecting correction or "
+        "top-k/top-p sampling, kl_in_reward, vtrace) the forward runs anyway (learner/update.py old_logprobs_up_front)",
     )
     gradient_checkpointing: bool = Field(
         False,

@@ -42,11 +42,12 @@ from learner.step_loss import MicroBatchLoss
 log = logging.getLogger("relay.learner")
 
 
-def old_logprobs_up_front(cfg: LearnerConfig, reference: bool) -> str | None:
+def old_logprobs_up_front(cfg: LearnerConfig, reference: bool, transform: tuple | None = None) -> str | None:
     """Why a step computes π_old with a forward of its own over its whole batch (this rank's share,
     without gradient) before the loss micro-batches run; None when it takes π_old from each loss
     micro-batch's own forward instead (``learner.compute.old_logprobs_from_loss``). ``reference``: a
-    reference model is loaded.
+    reference model is loaded; ``transform``: the batch's sampling transform (None at start-up, before
+    any batch: the reasons that hold for every batch).
 
     π_old is the policy before the step's first update. With one optimizer step per batch
     (``ppo_epochs`` = ``minibatches`` = 1) those are the weights the loss forward runs with, so its
@@ -57,15 +58,15 @@ def old_logprobs_up_front(cfg: LearnerConfig, reference: bool) -> str | None:
 
     - more than one optimizer step (``ppo_epochs`` or ``minibatches`` > 1): the later ones need the
       weights before the first;
-    - a seq-mean aggregation with a correction that rejects whole sequences (``REJECTING``): the
-      sequences left with a kept token are the denominator, fixed before the micro-batches;
+    - a seq-mean aggregation with a correction that rejects whole sequences (``REJECTING``), or with a
+      batch sampled with top-k or top-p (a sequence whose every token falls outside π_old's kept set is
+      left out): the sequences left with a kept token are the denominator, fixed before the micro-batches;
     - ``kl_in_reward`` (with a reference): Σ_t KL(π_old ‖ π_ref) goes into the rewards, hence the advantages;
     - the ``vtrace`` estimator: its targets and advantages use ρ = π_old/μ.
 
     Not needed by the critic of ``gae`` (its targets use the values alone) nor by a seq-mean
-    aggregation with a correction that keeps every sequence: there the denominator counts each
-    sequence with a loss token, so a sequence whose every token fell outside the kept set of a top-k/top-p
-    transform counts with the shortcut and not without (docs/off-policy.md)."""
+    aggregation with a correction that keeps every sequence, under temperature alone: every sequence
+    with a loss token keeps it."""
     if not cfg.compute.old_logprobs_from_loss:
         return "learner.compute.old_logprobs_from_loss is off"
     if cfg.optim.ppo_epochs * cfg.optim.minibatches > 1:
@@ -77,6 +78,11 @@ def old_logprobs_up_front(cfg: LearnerConfig, reference: bool) -> str | None:
         return (
             f"aggregation {cfg.aggregation} with correction {cfg.correction.mode}: the sequences it rejects are "
             "counted before the micro-batches run"
+        )
+    if cfg.aggregation != "token-mean" and transform is not None and (transform[1] > 0 or transform[2] < 1.0):
+        return (
+            f"aggregation {cfg.aggregation} with top-k/top-p sampling: a sequence whose every token falls "
+            "outside the kept set is not counted"
         )
     if cfg.regularization.kl_in_reward and reference:
         return "kl_in_reward: the KL to the reference goes into the rewards before the loss"
@@ -112,14 +118,19 @@ class PolicyUpdate:
         self.inputs = StepInputs(engine, cfg, self.ranks, self.forwards, reference, critic)
         self.losses = MicroBatchLoss(engine, cfg, self.ranks, pad_id, self.forwards, reference, critic)
         self.guard = StepGuard(engine, critic, self.ranks)
-        self.old_up_front = old_logprobs_up_front(cfg, reference is not None)
+        self.old_up_front = old_logprobs_up_front(cfg, reference is not None)  # every batch's reason, or None
         if rank == 0:
             log.info(
                 "pi_old: %s",
                 f"a forward of its own before the loss ({self.old_up_front})"
                 if self.old_up_front
                 else "each loss micro-batch's own forward, detached (one optimizer step per batch; "
-                "learner.compute.old_logprobs_from_loss)",
+                "learner.compute.old_logprobs_from_loss)"
+                + (
+                    ", except for a batch sampled with top-k/top-p (seq-mean)"
+                    if cfg.aggregation != "token-mean"
+                    else ""
+                ),
             )
 
     @property
@@ -210,7 +221,9 @@ class PolicyUpdate:
         n = len(b.lengths)
         multi = self.cfg.optim.ppo_epochs * self.cfg.optim.minibatches > 1
         old = (  # None: each loss micro-batch's own forward gives π_old (old_logprobs_up_front)
-            self._old_logprobs(b, torch.arange(n)[self.ranks.owns(b.groups)], transform) if self.old_up_front else None
+            self._old_logprobs(b, torch.arange(n)[self.ranks.owns(b.groups)], transform)
+            if old_logprobs_up_front(self.cfg, self.reference is not None, transform)
+            else None
         )
         kl_ref = None
         if self._kl_in_reward():  # verl's use_kl_in_reward: r − β Σ_t kl(π_old, π_ref), then the estimator

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker.protocol.group import Sample
+from broker.protocol.group import Sample, sampling_transform
 from learner.config import LearnerConfig
 from learner.critic import ValueModel
 from learner.update import PolicyUpdate, old_logprobs_up_front
@@ -91,7 +91,7 @@ def _groups(sampling):
 
 def _step(from_loss: bool, sampling=TOP, shared_prompt=True, estimator="grpo", **cfg):
     """One train step of fresh models in micro-batches of 24 tokens: its diagnostics, the policy's (and the
-    critic's) gradients, the policy model's forwards and the PolicyUpdate."""
+    critic's) gradients, the policy model's forwards and why π_old had a forward of its own (None: it had not)."""
     compute = {"micro_batch_tokens": 24, "logprob_chunk_tokens": 5, "shared_prompt": shared_prompt}
     cfg = LearnerConfig(
         compute={**compute, **cfg.pop("compute", {}), "old_logprobs_from_loss": from_loss},
@@ -108,7 +108,8 @@ def _step(from_loss: bool, sampling=TOP, shared_prompt=True, estimator="grpo", *
     reference = _model(1) if cfg.regularization.kl_coef else None
     update = PolicyUpdate(engine, cfg, pad_id=0, reference=reference, critic=critic)
     diag = update.train_step(_groups(sampling), sampling, version=1)
-    return diag, engine.grads + (critic.grads if critic else []), engine.forwards, update
+    why = old_logprobs_up_front(cfg, reference is not None, sampling_transform(sampling))
+    return diag, engine.grads + (critic.grads if critic else []), engine.forwards, why
 
 
 def _assert_same_step(a, b):
@@ -152,7 +153,7 @@ CASES = {
 def test_pi_old_from_the_loss_forward_gives_the_same_step_with_one_forward_of_the_batch_less(case):
     shortcut = _step(True, **case)
     separate = _step(False, **case)
-    assert shortcut[3].old_up_front is None and "old_logprobs_from_loss is off" in separate[3].old_up_front
+    assert shortcut[3] is None and "old_logprobs_from_loss is off" in separate[3]
     _assert_same_step(separate, shortcut)
     d = shortcut[0]
     assert d["micro_batches"] >= 3 and d["tokens"] == 33  # really split; every completion token trained
@@ -172,6 +173,8 @@ NOT_TAKEN = {
         {"aggregation": "seq-mean-token-sum-norm", "correction": {"mode": "token_mis"}},
         "token_mis",
     ),
+    # a sequence whose every token falls outside π_old's kept set is not counted: the tis case of CASES under top-k
+    "seq-mean-top-k": ({"aggregation": "seq-mean-token-mean"}, "top-k/top-p"),
     "vtrace": ({"estimator": "vtrace"}, "vtrace"),
 }
 
@@ -182,7 +185,7 @@ def test_the_forward_of_its_own_runs_where_pi_old_is_needed_before_the_micro_bat
     original = PolicyUpdate._old_logprobs
     monkeypatch.setattr(PolicyUpdate, "_old_logprobs", lambda self, *a: calls.append(1) or original(self, *a))
     on, off = _step(True, **case), _step(False, **case)
-    assert why in on[3].old_up_front
+    assert why in on[3]
     assert calls == [1, 1]  # once per step, both with the shortcut on and off
     assert on[2] == off[2]  # the same forwards
     _assert_same_step(off, on)
@@ -194,6 +197,11 @@ def test_the_condition_and_the_start_up_line(caplog):
     assert "kl_in_reward" in old_logprobs_up_front(kl, reference=True)
     gae = LearnerConfig(advantages={"estimator": "gae"}, critic={"enabled": True})
     assert old_logprobs_up_front(gae, reference=False) is None  # the critic's gae targets use the values alone
+    seq = LearnerConfig(aggregation="seq-mean-token-sum")
+    assert old_logprobs_up_front(seq, False, (0.7, 0, 1.0)) is None
+    assert "top-k/top-p" in old_logprobs_up_front(seq, False, (0.7, 0, 0.95))
+    assert "top-k/top-p" in old_logprobs_up_front(seq, False, (0.7, 20, 1.0))
+    assert old_logprobs_up_front(LearnerConfig(), False, (0.7, 20, 0.95)) is None  # token-mean: any transform
     with caplog.at_level(logging.INFO, logger="relay.learner"):
         PolicyUpdate(CountingEngine(_model(0)), LearnerConfig(), pad_id=0)
         PolicyUpdate(CountingEngine(_model(0)), LearnerConfig(optim={"minibatches": 2}), pad_id=0, rank=1, world=2)
