@@ -340,6 +340,14 @@ class ComputeConfig(StrictModel):
         "micro_batch_tokens tokens per micro-batch. Takes precedence over shared_prompt; a model whose "
         "attention ignores the restarting positions is refused at start-up (docs/learner.md)",
     )
+    old_logprobs_from_loss: bool = Field(
+        True,
+        description="with one optimizer step per batch (optim.ppo_epochs = optim.minibatches = 1), take π_old "
+        "from each loss micro-batch's own forward, detached (the weights before the update), instead of a "
+        "forward of its own over the whole batch first: about a third of a step's compute. Where π_old of "
+        "the whole batch is needed before the loss (a seq-mean aggregation with a rejecting correction or "
+        "top-k/top-p sampling, kl_in_reward, vtrace) the forward runs anyway (learner/update.py old_logprobs_up_front)",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="activation checkpointing: recompute each layer's "

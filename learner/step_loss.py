@@ -90,7 +90,8 @@ class MicroBatchLoss:
 
     def sequences(self, b: Batch, rows: torch.Tensor, old) -> float:
         """The samples of ``rows`` (on every rank) left with a kept token: the seq-mean modes' denominator.
-        Without π_old (one update per batch, no rejecting correction): the samples with a loss token."""
+        Without π_old (one update per batch, no rejecting correction, no top-k/top-p: every sample keeps its
+        tokens; learner/update.py old_logprobs_up_front): the samples with a loss token."""
         if old is None:
             return float((b.loss_mask[rows].sum(-1) > 0).sum())
         mine = rows[self.ranks.owns(b.groups[rows])]
@@ -122,7 +123,7 @@ class MicroBatchLoss:
             self.forwards.shared,
             self.forwards.packed,
         )
-        if old is None:  # one update per batch: π_old is this forward's value
+        if old is None:  # one update per batch, nothing needed π_old first (old_logprobs_up_front): this forward's
             old_logp, outside = lp.logp.detach(), lp.outside
         else:
             width = mask.shape[1]

@@ -23,6 +23,7 @@ dropped, the weights and the optimizer state stay as they were, and ``train_step
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -37,6 +38,57 @@ from learner.step_diagnostics import batch_diagnostics, critic_diagnostics, opti
 from learner.step_guard import StepGuard
 from learner.step_inputs import StepInputs
 from learner.step_loss import MicroBatchLoss
+
+log = logging.getLogger("relay.learner")
+
+
+def old_logprobs_up_front(cfg: LearnerConfig, reference: bool, transform: tuple | None = None) -> str | None:
+    """Why a step computes π_old with a forward of its own over its whole batch (this rank's share,
+    without gradient) before the loss micro-batches run; None when it takes π_old from each loss
+    micro-batch's own forward instead (``learner.compute.old_logprobs_from_loss``). ``reference``: a
+    reference model is loaded; ``transform``: the batch's sampling transform (None at start-up, before
+    any batch: the reasons that hold for every batch).
+
+    π_old is the policy before the step's first update. With one optimizer step per batch
+    (``ppo_epochs`` = ``minibatches`` = 1) those are the weights the loss forward runs with, so its
+    log-probs detached are π_old and its kept set is π_old's (TRL does the same with ``num_iterations``
+    = 1): the ratio r = 1 with gradient ∇ log π_θ, the correction weights π_old/μ and every diagnostic
+    are the same numbers, for one forward less. The forward of its own stays where something needs π_old
+    of the whole batch before the first micro-batch runs, or of weights that have moved since:
+
+    - more than one optimizer step (``ppo_epochs`` or ``minibatches`` > 1): the later ones need the
+      weights before the first;
+    - a seq-mean aggregation with a correction that rejects whole sequences (``REJECTING``), or with a
+      batch sampled with top-k or top-p (a sequence whose every token falls outside π_old's kept set is
+      left out): the sequences left with a kept token are the denominator, fixed before the micro-batches;
+    - ``kl_in_reward`` (with a reference): Σ_t KL(π_old ‖ π_ref) goes into the rewards, hence the advantages;
+    - the ``vtrace`` estimator: its targets and advantages use ρ = π_old/μ.
+
+    Not needed by the critic of ``gae`` (its targets use the values alone) nor by a seq-mean
+    aggregation with a correction that keeps every sequence, under temperature alone: every sequence
+    with a loss token keeps it."""
+    if not cfg.compute.old_logprobs_from_loss:
+        return "learner.compute.old_logprobs_from_loss is off"
+    if cfg.optim.ppo_epochs * cfg.optim.minibatches > 1:
+        return (
+            f"{cfg.optim.ppo_epochs} epoch(s) x {cfg.optim.minibatches} minibatch(es): the later optimizer steps "
+            "need the weights before the first"
+        )
+    if cfg.aggregation != "token-mean" and cfg.correction.mode in REJECTING:
+        return (
+            f"aggregation {cfg.aggregation} with correction {cfg.correction.mode}: the sequences it rejects are "
+            "counted before the micro-batches run"
+        )
+    if cfg.aggregation != "token-mean" and transform is not None and (transform[1] > 0 or transform[2] < 1.0):
+        return (
+            f"aggregation {cfg.aggregation} with top-k/top-p sampling: a sequence whose every token falls "
+            "outside the kept set is not counted"
+        )
+    if cfg.regularization.kl_in_reward and reference:
+        return "kl_in_reward: the KL to the reference goes into the rewards before the loss"
+    if cfg.advantages.estimator == "vtrace":
+        return "vtrace: its targets and advantages use pi_old/mu"
+    return None
 
 
 class PolicyUpdate:
@@ -66,6 +118,20 @@ class PolicyUpdate:
         self.inputs = StepInputs(engine, cfg, self.ranks, self.forwards, reference, critic)
         self.losses = MicroBatchLoss(engine, cfg, self.ranks, pad_id, self.forwards, reference, critic)
         self.guard = StepGuard(engine, critic, self.ranks)
+        self.old_up_front = old_logprobs_up_front(cfg, reference is not None)  # every batch's reason, or None
+        if rank == 0:
+            log.info(
+                "pi_old: %s",
+                f"a forward of its own before the loss ({self.old_up_front})"
+                if self.old_up_front
+                else "each loss micro-batch's own forward, detached (one optimizer step per batch; "
+                "learner.compute.old_logprobs_from_loss)"
+                + (
+                    ", except for a batch sampled with top-k/top-p (seq-mean)"
+                    if cfg.aggregation != "token-mean"
+                    else ""
+                ),
+            )
 
     @property
     def shared_prompt(self) -> bool:
@@ -79,11 +145,6 @@ class PolicyUpdate:
     def _old_logprobs(self, b: Batch, rows: torch.Tensor, transform) -> tuple[torch.Tensor, torch.Tensor]:
         """π_old of ``rows`` (this rank's) and where its token is outside the kept set, before any update."""
         return self.inputs.old_logprobs(b, rows, transform)
-
-    def _counts_rejected_sequences(self) -> bool:
-        """The seq-mean modes leave out sequences the correction rejects whole: counting them before the
-        micro-batches run needs π_old first (one more forward without gradient)."""
-        return self.cfg.aggregation != "token-mean" and self.cfg.correction.mode in REJECTING
 
     def _sequences(self, b: Batch, rows: torch.Tensor, old) -> float:
         """The samples of ``rows`` (on every rank) left with a kept token: the seq-mean modes' denominator."""
@@ -143,8 +204,8 @@ class PolicyUpdate:
 
     def train_step(self, groups, sampling: dict, version: int) -> dict:
         """``ppo_epochs`` × ``minibatches`` optimizer steps on one batch (every rank gets all of it and
-        trains its share). π_old is the policy at the start of the step (recomputed once when there is
-        more than one update)."""
+        trains its share). π_old is the policy at the start of the step: computed once up front where
+        ``old_logprobs_up_front`` says why, else each loss micro-batch's own forward, detached."""
         rewards, tokens = self._rewards(groups)
         b = collate(
             groups,
@@ -159,12 +220,9 @@ class PolicyUpdate:
         self.engine.train()
         n = len(b.lengths)
         multi = self.cfg.optim.ppo_epochs * self.cfg.optim.minibatches > 1
-        old = (
+        old = (  # None: each loss micro-batch's own forward gives π_old (old_logprobs_up_front)
             self._old_logprobs(b, torch.arange(n)[self.ranks.owns(b.groups)], transform)
-            if multi
-            or self._counts_rejected_sequences()
-            or self._kl_in_reward()
-            or self.cfg.advantages.estimator == "vtrace"
+            if old_logprobs_up_front(self.cfg, self.reference is not None, transform)
             else None
         )
         kl_ref = None

@@ -2,8 +2,9 @@
 (plus the icepop and token_mis corrections with two minibatches, and gae and vtrace with the critic,
 whose gradients are compared too), one optimizer step of the real
 learner update with real DeepSpeed gives the same gradients and diagnostics (to 1e-5) with one piece on one rank, with k
-micro-batches (also with activation checkpointing, and packed into rows without padding, with and without
-it), and with 2 ranks (torchrun, gloo) in ZeRO 0 and
+micro-batches (also with activation checkpointing, packed into rows without padding, with and without
+it, and with π_old by a forward of its own where one optimizer step takes it from the loss forward:
+learner.compute.old_logprobs_from_loss off), and with 2 ranks (torchrun, gloo) in ZeRO 0 and
 ZeRO 2. The samples are stale and
 sampled with temperature, top-k and top-p: every loss, gradient and diagnostic stays finite, and the
 tokens that fell out of the kept set are counted. (tests/support/learner_grads.py runs the steps.)"""
@@ -42,6 +43,7 @@ def runs(tmp_path_factory):
             "k_whole=48/0/whole",
             "k_packed=48/0/packed",
             "k_packed_checkpointing=48/0/packed+checkpointing",
+            "k_separate=48/0/separate",
         ]
     )
     _run(
@@ -66,7 +68,8 @@ def _load(out, label):
 
 
 @pytest.mark.parametrize(
-    "label", ["k", "k_whole", "k_checkpointing", "k_packed", "k_packed_checkpointing", "ranks", "ranks_zero2"]
+    "label",
+    ["k", "k_whole", "k_checkpointing", "k_packed", "k_packed_checkpointing", "k_separate", "ranks", "ranks_zero2"],
 )
 def test_same_gradients_and_diagnostics_as_one_piece_on_one_rank(runs, label):
     want_diags, want_grads = _load(runs, "one")

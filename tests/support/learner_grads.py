@@ -53,9 +53,10 @@ def run(
     checkpointing: bool = False,
     whole: bool = False,
     packed: bool = False,
+    separate: bool = False,
 ) -> None:
     """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``, ``packed``
-    micro-batches) through every case; results under ``label``."""
+    micro-batches, π_old by a ``separate`` forward) through every case; results under ``label``."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -79,6 +80,7 @@ def run(
             "logprob_chunk_tokens": 16,
             "shared_prompt": not whole,  # whole: every sample computed whole, micro-batches by length alone
             "packing": packed,
+            "old_logprobs_from_loss": not separate,  # separate: π_old by a forward of its own in every case
         },
     )
     base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
@@ -96,15 +98,18 @@ def run(
     groups = make_groups(8, 4, 12, seed=1, sampling=SAMPLING)  # behaviour log-probs unrelated to π: stale samples
     diags = []
     for i, (agg, pol, mode, minibatches, advantage) in enumerate(CASES):
+        # model_copy sets the fields it is given without validation: the moved keys (minibatches,
+        # advantage) must be set in their sections, or they are attributes nothing reads
         cfg = base.model_copy(
             update={
                 "aggregation": agg,
                 "policy_loss": pol,
-                "minibatches": minibatches,
                 "correction": CorrectionConfig(mode=mode),
-                "advantage": advantage,
+                "optim": base.optim.model_copy(update={"minibatches": minibatches}),
+                "advantages": base.advantages.model_copy(update={"estimator": advantage}),
             }
         )
+        assert (cfg.optim.minibatches, cfg.advantages.estimator) == (minibatches, advantage)
         trains_critic = advantage in NEEDS_CRITIC
         update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world, critic=critic if trains_critic else None)
         before = weights(engine)
@@ -130,8 +135,9 @@ if __name__ == "__main__":
         tokens, _, rest = setting.partition("/")
         stage, _, extra = rest.partition("/")
         options = set(extra.split("+")) - {""}
-        assert options <= {"checkpointing", "whole", "packed"}, options
-        run(a.out, name, int(tokens), int(stage or 0), *(o in options for o in ("checkpointing", "whole", "packed")))
+        flags = ("checkpointing", "whole", "packed", "separate")
+        assert options <= set(flags), options
+        run(a.out, name, int(tokens), int(stage or 0), *(o in options for o in flags))
     from learner.engine import close_distributed
 
     close_distributed()

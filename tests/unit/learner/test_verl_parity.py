@@ -336,7 +336,7 @@ def test_the_learner_counts_the_sequences_left_after_rejection_before_its_micro_
     groups = [make_group(samples=[sample(3, -1.0), sample(2, -4.0)]), make_group(samples=[sample(4, -1.0)])]
     cfg = LearnerConfig(aggregation="seq-mean-token-mean", correction=CorrectionConfig(mode="seq_mis"))
     update = PolicyUpdate(SimpleNamespace(device="cpu"), cfg, pad_id=0)
-    assert update._counts_rejected_sequences()
+    assert "seq_mis" in update.old_up_front  # π_old computed up front, to count the rejected sequences
     b = collate(groups, [torch.zeros(2), torch.zeros(1)], 0, 0)
     old = (torch.full_like(b.behaviour_logp, -1.0), torch.zeros_like(b.loss_mask, dtype=torch.bool))
     # sample 1: ρ = e³ per token, e⁶ over its 2 tokens > mask_hi = 5: rejected
@@ -345,7 +345,7 @@ def test_the_learner_counts_the_sequences_left_after_rejection_before_its_micro_
     token_mean = PolicyUpdate(
         SimpleNamespace(device="cpu"), LearnerConfig(correction=CorrectionConfig(mode="seq_mis")), pad_id=0
     )
-    assert not token_mean._counts_rejected_sequences()  # token-mean needs no π_old up front
+    assert token_mean.old_up_front is None  # token-mean needs no π_old up front
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
