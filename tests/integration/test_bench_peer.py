@@ -90,4 +90,4 @@ def test_each_side_ran_with_the_shared_settings(result):
     assert generator["prompts_per_batch"] == s["prompts_per_step"]
     # Relay's threads are the example's own (examples/smollm2-cpu/relay.toml), recorded in the settings
     assert learner["compute"]["threads"] == s["relay_threads"]["learner"] == 2
-    assert generator["backend"]["threads"] == s["relay_threads"]["generator"] == 1
+    assert generator["backend"]["threads"] == s["relay_threads"]["generator"] == 2

@@ -75,6 +75,10 @@ def test_a_producer_written_from_the_docs_joins_relay_up_and_its_groups_are_trai
             "learner.publish.checkpoint_every=4",
             "--set",
             "broker.eval.every_versions=0",
+            # the run's own generator paced (0.1 s a decode step): on a quiet machine it would otherwise
+            # produce every group of the 16 steps in ~2 s, before the producer's first admission
+            "--set",
+            "generator.backend.step_latency_s=0.1",
         ],
         cwd=work,
         env=child_env(),
