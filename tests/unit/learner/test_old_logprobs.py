@@ -6,15 +6,14 @@ something needs π_old before the micro-batches run, that forward still runs."""
 
 import logging
 
-import numpy as np
 import pytest
 import torch
 
-from broker.protocol.group import Sample, sampling_transform
+from broker.protocol.group import sampling_transform
 from learner.config import LearnerConfig
 from learner.critic import ValueModel
 from learner.update import PolicyUpdate, old_logprobs_up_front
-from tests.support.data import make_group
+from tests.support.learner_cases import mixed_groups
 
 TOP = {"temperature": 0.8, "top_k": 6, "top_p": 0.95, "n": 3}  # tokens outside the kept set: masked
 PLAIN = {"temperature": 0.8, "n": 3}  # every token kept (a seq-mean mode counts the same sequences either way)
@@ -69,26 +68,6 @@ def _model(seed):
     return m
 
 
-def _groups(sampling):
-    """Three groups of 3 samples, prompts of 2-6 tokens, completions of 1-7, behaviour log-probs off the
-    learner's (so the correction weights are not 1)."""
-    rng = np.random.default_rng(3)
-
-    def sample(t):
-        return Sample(
-            rng.integers(3, 13, t).astype(np.int32),
-            -rng.uniform(0.1, 3.0, t).astype(np.float32),
-            [[0, t]],
-            "stop",
-            float(rng.random()),
-        )
-
-    return [
-        make_group(samples=[sample(t) for t in lens], prompt_ids=np.array(prompt, np.int32), sampling=sampling)
-        for prompt, lens in (([1, 4, 14], (3, 6, 1)), ([1, 5, 7, 9, 3, 14], (2, 5, 4)), ([1, 14], (7, 2, 3)))
-    ]
-
-
 def _step(from_loss: bool, sampling=TOP, shared_prompt=True, estimator="grpo", **cfg):
     """One train step of fresh models in micro-batches of 24 tokens: its diagnostics, the policy's (and the
     critic's) gradients, the policy model's forwards and why π_old had a forward of its own (None: it had not)."""
@@ -107,7 +86,7 @@ def _step(from_loss: bool, sampling=TOP, shared_prompt=True, estimator="grpo", *
         critic = CountingEngine(ValueModel(trunk, trunk.config.hidden_size))
     reference = _model(1) if cfg.regularization.kl_coef else None
     update = PolicyUpdate(engine, cfg, pad_id=0, reference=reference, critic=critic)
-    diag = update.train_step(_groups(sampling), sampling, version=1)
+    diag = update.train_step(mixed_groups(sampling), sampling, version=1)
     why = old_logprobs_up_front(cfg, reference is not None, sampling_transform(sampling))
     return diag, engine.grads + (critic.grads if critic else []), engine.forwards, why
 

@@ -4,11 +4,9 @@ micro-batch (fp32, 1e-5) for the model classes Relay trains, under temperature, 
 aggregation mode, with a reference KL term and with the critic; a model whose attention crosses the samples is
 refused; the micro-batches hold up to the token budget with no padding."""
 
-import numpy as np
 import pytest
 import torch
 
-from broker.protocol.group import Sample
 from learner.config import LearnerConfig
 from learner.critic import ValueModel, critic_values
 from learner.data import micro_batches
@@ -17,7 +15,7 @@ from learner.losses import AGGREGATIONS
 from learner.packing import check_packing, packed_micro_batches
 from learner.tiny_model import build_tiny_model
 from learner.update import PolicyUpdate
-from tests.support.data import make_group
+from tests.support.learner_cases import logprobs_and_grads, mixed_groups
 from tests.unit.learner.test_kl_in_reward import PlainEngine, _model
 
 TRANSFORMS = [(1.0, 0, 1.0), (1.5, 10, 0.99)]  # the second: 8 of 19 taken tokens outside its kept set
@@ -67,15 +65,7 @@ def _batch(seed=0):
 @pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda t: f"T{t[0]}-k{t[1]}-p{t[2]}")
 def test_packed_row_equals_padded_rows_log_probs_entropy_and_gradients(model, transform):
     ids, attn, positions = _batch()
-    adv = torch.linspace(-1.0, 1.0, len(ids))[:, None]
-    results = []
-    for packed in (False, True):
-        model.zero_grad()
-        lp = token_logprobs(model, ids, attn, positions, transform, 4, entropy=True, packed=packed)
-        m = positions * ~lp.outside
-        (-(lp.logp * adv * m).sum() - 0.1 * (lp.entropy * positions).sum()).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((lp, grads))
+    results = [logprobs_and_grads(model, ids, attn, positions, transform, packed=p) for p in (False, True)]
     (padded, g_padded), (mine, g_mine) = results
     assert torch.equal(mine.outside, padded.outside)
     assert torch.allclose(mine.logp, padded.logp, atol=1e-5), (mine.logp - padded.logp).abs().max()
@@ -132,24 +122,6 @@ class RecordingEngine(PlainEngine):
         self.opt.zero_grad()
 
 
-def _groups():
-    rng = np.random.default_rng(3)
-
-    def sample(t):
-        return Sample(
-            rng.integers(3, 13, t).astype(np.int32),
-            -rng.uniform(0.1, 3.0, t).astype(np.float32),
-            [[0, t]],
-            "stop",
-            float(rng.random()),
-        )
-
-    return [
-        make_group(samples=[sample(t) for t in lens], prompt_ids=np.array(prompt, np.int32), sampling=SAMPLING)
-        for prompt, lens in (([1, 4, 14], (3, 6, 1)), ([1, 5, 7, 9, 3, 14], (2, 5, 4)), ([1, 14], (7, 2, 3)))
-    ]
-
-
 def _critic():
     trunk = _model(2).model
     critic = ValueModel(trunk, trunk.config.hidden_size)
@@ -173,7 +145,7 @@ def _step(packing: bool, **cfg) -> tuple[dict, list, list]:
     engine = RecordingEngine(_model(0))
     critic = RecordingEngine(_critic()) if estimator == "gae" else None
     update = PolicyUpdate(engine, cfg, pad_id=0, reference=_model(1), critic=critic)
-    diag = update.train_step(_groups(), SAMPLING, version=1)
+    diag = update.train_step(mixed_groups(SAMPLING), SAMPLING, version=1)
     return diag, engine.grads, critic.grads if critic else []
 
 

@@ -6,7 +6,8 @@ completion of one token."""
 import pytest
 import torch
 
-from learner.logprobs import SharedPrompts, token_logprobs
+from tests.support.learner_cases import logprobs_and_grads
+from learner.logprobs import SharedPrompts
 from learner.tiny_model import build_tiny_model
 
 TRANSFORMS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 5, 0.95)]
@@ -49,15 +50,7 @@ def _batch(seed=0):
 @pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda t: f"T{t[0]}-k{t[1]}-p{t[2]}")
 def test_shared_prompt_equals_whole_rows_values_and_gradients(model, transform):
     ids, attn, positions, shared = _batch()
-    adv = torch.linspace(-1.0, 1.0, len(ids))[:, None]
-    results = []
-    for sh in (None, shared):
-        model.zero_grad()
-        lp = token_logprobs(model, ids, attn, positions, transform, 4, entropy=True, shared=sh)
-        m = positions * ~lp.outside
-        (-(lp.logp * adv * m).sum() - 0.1 * (lp.entropy * positions).sum()).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append((lp, grads))
+    results = [logprobs_and_grads(model, ids, attn, positions, transform, shared=sh) for sh in (None, shared)]
     (whole, g_whole), (mine, g_mine) = results
     assert torch.equal(mine.outside, whole.outside)
     assert torch.allclose(mine.logp, whole.logp, atol=1e-5), (mine.logp - whole.logp).abs().max()
