@@ -27,3 +27,16 @@ def sampling_logprobs(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
+
+
+def sample(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logp`` (log-probs over the last dimension, -inf outside the kept set), drawn
+    by inverting the cumulative distribution with one uniform number per row. It is the distribution
+    ``torch.multinomial(logp.exp(), 1)`` draws from, which on CPU spends an exponential random number on
+    every entry: 66 ms a decode step for 64 rows of SmolLM2's 49,152 tokens on 2 cores, against ~7 ms here.
+    The running sum is float64, so every token's share of [0, 1) is its probability to float32's relative
+    precision however far down the vocabulary it sits (a float32 sum rounds tail shares by up to ~6e-8)."""
+    cdf = logp.exp().double().cumsum(-1)
+    u = torch.rand((*cdf.shape[:-1], 1), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[..., -1:]
+    # the first token whose cumulative mass exceeds u: a token of probability 0 never is
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=logp.shape[-1] - 1)

@@ -6,6 +6,7 @@ adapter parameters, version after version (generators/backends/torch_lora.py).""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from broker.protocol.hfcache import cache_kwarg
-from broker.protocol.sampling import sampling_logprobs
+from broker.protocol.sampling import sample, sampling_logprobs
 from broker.protocol.weightstore import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
@@ -28,6 +29,7 @@ from broker.protocol.weightstore import (
     is_adapter_tensor,
 )
 from generators.backends.base import Completion, HFText, StepHook
+from generators.backends.torch_attention import attn_implementation
 from generators.backends.torch_lora import adapter_settings, attach_adapter, base_layer_name, copy_adapter
 from generators.config import SamplingConfig, TorchBackendConfig
 
@@ -87,7 +89,13 @@ class TorchBackend(HFText):
         self.adapter = None  # the LoRA adapter's settings (adapter_config.json) once the model has adapters
         if verified is None:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(
+                    path, dtype=self.dtype, attn_implementation=attn_implementation(self.device)
+                )
+                .to(self.device)
+                .eval()
+            )
             self._config = json.loads((Path(path) / "config.json").read_text())
         else:
             self._load_verified(verified)
@@ -107,7 +115,9 @@ class TorchBackend(HFText):
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
             config = AutoConfig.from_pretrained(folder)
         with _no_init_weights(), self.device:  # the weights come from the mapped files: no random init first
-            self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype)
+            self.model = AutoModelForCausalLM.from_config(
+                config, dtype=self.dtype, attn_implementation=attn_implementation(self.device)
+            )
         self.model.tie_weights()
         self._config = json.loads(v.blobs["config.json"])
         self._load_state(
@@ -245,7 +255,10 @@ class TorchBackend(HFText):
         # name also changed across transformers versions)
         past = DynamicCache(config=self.model.config)
         kv = {cache_kwarg(self.model): past}
+        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
+            kv["logits_to_keep"] = 1  # the prefill's last position only: not [prompts, P, vocab] of logits
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv)
+        kv.pop("logits_to_keep", None)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         if n > 1:
             past.batch_repeat_interleave(n)
@@ -254,22 +267,32 @@ class TorchBackend(HFText):
         next_pos = pos[:, -1] + 1
         tokens = torch.zeros((B, sampling.max_tokens), dtype=torch.long, device=self.device)
         lps = torch.zeros((B, sampling.max_tokens), device=self.device)
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # row i ended on the EOS token
         lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long, device=self.device)
         versions = [version] * sampling.max_tokens  # version of the forward pass that gave token t's logits
+        # the decode batch holds the rows still sampling (``rows``: their index in the result); a finished
+        # row is dropped from it, and from the KV cache, once a quarter of the batch has finished: a step's
+        # decode costs what its live rows cost, and the cache is compacted a few times per call, not per row
+        rows = torch.arange(B, device=self.device)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)  # per row of the decode batch
         for t in range(sampling.max_tokens):
             self.alive()
             if self.cfg.step_latency_s:
                 time.sleep(self.cfg.step_latency_s)
             logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-            tokens[:, t] = tok
-            lps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            tok = sample(logp, gen)
+            tokens[rows, t] = tok
+            lps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
             just_done = (~done) & (tok == self.eos_token_id)
-            lengths[just_done] = t + 1
+            lengths[rows[just_done]] = t + 1
+            stopped[rows[just_done]] = True
             done |= just_done
             if bool(done.all()) or t == sampling.max_tokens - 1:
                 break
+            if 4 * int(done.sum()) >= len(rows):
+                keep = (~done).nonzero().squeeze(-1)
+                past.batch_select_indices(keep)
+                rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
             tok = tok.masked_fill(done, self.pad_token_id)
             attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
             if on_step is not None:  # a new version may load here: the next token's logits use it (the KV
@@ -280,14 +303,14 @@ class TorchBackend(HFText):
             )
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
-        tokens, lps, done, lengths = tokens.cpu(), lps.cpu(), done.cpu(), lengths.cpu()
+        tokens, lps, stopped, lengths = tokens.cpu(), lps.cpu(), stopped.cpu(), lengths.cpu()
         result: list[list[Completion]] = []
         for i in range(B):
             L = int(lengths[i])
             c = Completion(
                 tokens[i, :L].tolist(),
                 lps[i, :L].tolist(),
-                "stop" if bool(done[i]) else "length",
+                "stop" if bool(stopped[i]) else "length",
                 versions[:L] if on_step is not None else None,
             )
             if i % n == 0:

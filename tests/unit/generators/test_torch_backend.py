@@ -109,3 +109,34 @@ def test_step_latency_adds_its_wait_to_every_decode_step_and_changes_no_sample(b
     steps = max(len(c.token_ids) for c in slow[0])
     assert t_slow >= 0.05 * steps, (t_slow, steps)  # one decode step per token of the longest sample
     assert [c.token_ids for c in slow[0]] == [c.token_ids for c in plain[0]]
+
+
+def test_rows_that_stop_early_leave_the_decode_batch_and_the_others_keep_their_exact_log_probs(backend):
+    """A finished row is dropped from the decode batch and its KV cache (once a quarter of the batch has
+    finished): the rows left must still sample from their own prompt and tokens. Each completion's log-probs
+    are those of the model run on the prompt and that completion alone (teacher forcing), its finish reason
+    and length are right, and the EOS ends it."""
+    prompts = [backend.encode("473="), backend.encode("12+7=")]
+    sampling = SamplingConfig(n=8, temperature=0.8, max_tokens=12)
+    first = backend.generate(prompts, sampling, seed=5)
+    counts = torch.bincount(torch.tensor([t for g in first for c in g for t in c.token_ids]))
+    eos = int(counts.argmax())  # the token the tiny random model samples most: rows stop at many lengths
+    saved = backend.eos_token_id
+    backend.eos_token_id = eos
+    try:
+        groups = backend.generate(prompts, sampling, seed=5)
+    finally:
+        backend.eos_token_id = saved
+    flat = [(p, c) for p, g in zip(prompts, groups) for c in g]
+    stop_lengths = {len(c.token_ids) for _, c in flat if c.finish_reason == "stop"}
+    assert len(stop_lengths) >= 3, "the test needs rows stopping at several steps"
+    assert any(c.finish_reason == "length" for _, c in flat), "and rows decoding after others were dropped"
+    for prompt, c in flat:
+        assert (c.token_ids[-1] == eos) == (c.finish_reason == "stop")
+        assert eos not in c.token_ids[:-1]
+        assert c.finish_reason == "stop" or len(c.token_ids) == sampling.max_tokens
+        ids = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            logits = backend.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        want = torch.log_softmax(logits / sampling.temperature, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
