@@ -10,8 +10,9 @@ Each run is a process of its own, one at a time, the systems alternated seed by 
 precision (Relay torch, Relay vLLM, TRL, then the next) so that all of them see the same machine:
 
 - Relay: ``relay up`` with examples/smollm2-cpu/relay.toml (one generator and the DeepSpeed learner,
-  one core each, the generator sampling the next batch while the learner trains: η = 1), the settings
-  below put over it with ``--set``, no evaluation rounds of its own, every version kept;
+  on-policy: the generator samples step v+1's batch with version v while the learner waits, then the
+  learner trains while the generator waits, each on both cores), the settings below put over it with
+  ``--set``, no evaluation rounds of its own, every version kept;
 - TRL: benchmarks/peer_trl.py, GRPOTrainer in one process on both cores, generating with transformers
   and then training, a checkpoint saved every ``eval_every`` steps (its time is subtracted).
 
@@ -22,8 +23,8 @@ make_data.py's shuffled list, never trained on by either side).
 Times are from the launch of the run's process: "to N steps" is the end of the N-th optimizer step
 (start-up included: services, DeepSpeed, model loading; TRL's checkpoint saving left out); "per step"
 is the mean over the steps after the first. Each side records where its steps' time goes: Relay's
-learner its wait for a batch, its training compute and the time publishing blocked it (the generator
-samples on its own core meanwhile); TRL generation, scoring/preparation and training, one after the
+learner its wait for a batch (the generator sampling it), its training compute and the time publishing
+blocked it; TRL generation, scoring/preparation and training, one after the
 other.
 """
 
