@@ -1,6 +1,6 @@
 """``relay bench``: every stage of Relay measured against its raw baseline in the same run.
 
-    relay bench                         # all, full size (~20 minutes; docs/benchmarks.md)
+    relay bench                         # all, full size (~26 minutes; docs/benchmarks.md)
     relay bench --quick --json out.json # tiny sizes, seconds (make test runs this as a smoke test)
     relay bench ingest learner          # some of them
     relay bench peer                    # Relay against TRL's GRPOTrainer (by name only: hours)
