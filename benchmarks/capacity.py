@@ -108,6 +108,7 @@ def utilization(m: dict, model: dict, fleet: int, s: Scenario, transport: str = 
     return {
         "tokens_per_s": p,
         "groups_per_s": p / s.tokens_per_group,
+        "ingest_mb_per_s": p * m["bytes_per_token"] / 1e6,
         "versions_per_s": versions,
         "fanout_bytes_per_s": fan_bytes,
         "ingest": p * m["broker_us_per_token"] / 1e6 / s.broker_cores,
@@ -187,16 +188,17 @@ def markdown(report: dict, s: Scenario = Scenario(), source: str = "docs/benchma
         "",
         "Utilization at 8 / 64 / 512 generators (1.0 = saturated; bold: over):",
         "",
-        "| model | generators | tokens/s | groups/s | versions/s | fan-out GB/s | ingest | Redis CPU | "
+        "| model | generators | tokens/s | groups/s | ingest MB/s | versions/s | fan-out GB/s | ingest | Redis CPU | "
         "Redis memory | learner | fan-out NIC | fan-out CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, mod in MODELS.items():
         for g in FLEETS:
             u = utilization(m, mod, g, s)
             cells = [f"**{u[k]:.3g}**" if u[k] > 1 else f"{u[k]:.2g}" for k in PARTS if k != "fanout_tree"]
             lines.append(
-                f"| {name} | {g} | {_n(u['tokens_per_s'])} | {_n(u['groups_per_s'])} | {u['versions_per_s']:.3g} | "
+                f"| {name} | {g} | {_n(u['tokens_per_s'])} | {_n(u['groups_per_s'])} | {_n(u['ingest_mb_per_s'])} | "
+                f"{u['versions_per_s']:.3g} | "
                 f"{_n(u['fanout_bytes_per_s'] / 1e9)} | " + " | ".join(cells) + " |"
             )
     return "\n".join(lines) + "\n"

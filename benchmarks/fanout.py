@@ -16,8 +16,8 @@ The receivers are lightweight processes, not generators: 8 engines of 1 GB besid
 the transport's ``Receiving`` (generators/transports.py): the store read in place, the http fetcher into a
 cache of its own, the collective receiver joined to the broadcast; each checks the manifest's hash and the
 tensors' digest as a generator does, and hands the weights to :class:`HoldEngine`, which holds them (copied
-into tensors allocated once, as an engine's in-place load; the collective's staging buffer adopted, as the
-torch backend does) and runs no model. Their ``applied`` events carry the time. On one machine they share
+into tensors allocated once, as an engine's in-place load; the collective's left in its staging buffer)
+and runs no model. Their ``applied`` events carry the time. On one machine they share
 its 2 cores with the learner, so with N > 2 the slope includes the receivers' own verifying and copying
 queued on those cores: an upper bound of what one more receiver costs where each has a machine of its own
 (docs/scaling.md separates the two with the CPU figures in ``details``).
@@ -48,8 +48,8 @@ QUICK_RECEIVERS = (1, 2)
 TRANSPORTS = ("store", "http", "collective")
 UNIT = "s per added receiver (publish -> applied on all)"
 POLL_S = 0.02  # a receiver asks for the latest announcement this often (a generator: between batches)
-# resident bytes a receiver holds per byte of a version (the held copy; the collective's spare staging buffer)
-HELD_COPIES = {"store": 1.2, "http": 1.2, "collective": 2.2}
+# resident bytes a receiver holds per byte of a version (the held copy, or the collective's staging buffer)
+HELD_COPIES = {"store": 1.2, "http": 1.2, "collective": 1.2}
 MEMORY_MARGIN = 3 << 30  # bytes left free for the learner's snapshot, page cache and the machine's other work
 
 
@@ -59,8 +59,9 @@ MEMORY_MARGIN = 3 << 30  # bytes left free for the learner's snapshot, page cach
 class HoldEngine:
     """A receiver's engine: no model; it holds the weights of the version applied. A version read from
     files (store, http) is copied from the bytes its check hashed into tensors allocated once (an engine's
-    in-place load); one received in process (collective) is adopted: the staging buffer is held, as the
-    torch backend's parameters take it."""
+    in-place load); one received in process (collective) is held where it landed, in the receiver's staging
+    buffer, which the next version then lands in (not adopted as the torch backend's parameters adopt it:
+    that keeps a second buffer per receiver, 2 GB, and 8 of them do not fit beside the learner here)."""
 
     name = "hold"
     supports_in_flight = False
@@ -84,9 +85,9 @@ class HoldEngine:
     def update_weights_from_tensors(self, state: dict, adopt: bool = False) -> bool:
         import torch
 
-        if adopt:
+        if adopt:  # in process (collective): held in the staging buffer, reused for the next version
             self.held = dict(state)
-            return True
+            return False
         same = set(state) == set(self.held) and all(
             self.held[k].shape == t.shape and self.held[k].dtype == t.dtype for k, t in state.items()
         )
