@@ -1,6 +1,6 @@
 """``relay bench``: every stage of Relay measured against its raw baseline in the same run.
 
-    relay bench                         # all, full size (~20 minutes; docs/benchmarks.md)
+    relay bench                         # all, full size (~26 minutes; docs/benchmarks.md)
     relay bench --quick --json out.json # tiny sizes, seconds (make test runs this as a smoke test)
     relay bench ingest learner          # some of them
     relay bench peer                    # Relay against TRL's GRPOTrainer (by name only: hours)
@@ -30,6 +30,8 @@ BENCHMARKS = {
     "with the same producers",
     "weight_sync": "publish -> applied on 2 generators per transport (Qwen2.5-0.5B's shape, bf16) vs its raw "
     "baseline; the learner's blocked time per publication",
+    "fanout": "publish -> applied on all of 1, 2, 4 and 8 receivers per transport (Qwen2.5-0.5B's shape, bf16; "
+    "lightweight receivers): seconds per added receiver, fitted, vs the latency with one",
     "overlap": "async over sync speed-up vs the ideal, learner idle fraction (simulated-latency generators)",
     "async_speedup": "wall time to a mean reward of 0.8 on the default task, asynchronous (η = 1, 2) vs synchronous "
     "(η = 0), 3 seeds each (torch generators with a latency per decode step)",

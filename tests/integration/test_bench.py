@@ -26,7 +26,8 @@ NAMES = {
     "learner_forwards/shared_prompt",
     "learner_forwards/packing",
     *(f"ingest_scaling/{p}p/{w}w" for p in (1, 4) for w in (1, 2)),
-}  # --quick: 1 and 4 producers
+    *(f"fanout/{t}" for t in ("store", "http", "collective")),
+}  # --quick: 1 and 4 producers; fanout: 1 and 2 receivers
 
 
 @pytest.mark.slow  # a training loop / a run of several services: left to `make test` (docs/testing.md)
@@ -50,7 +51,9 @@ def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
                 name.endswith(("/vllm", "/http", "/collective")) and isinstance(r["skipped"], str) and r["skipped"]
             ), name
             continue
-        assert r["value"] > 0 and r["baseline"] > 0 and r["unit"], name
+        # fanout's value is a fitted slope (seconds per added receiver): at the tiny size it may be ~0 or below
+        assert math.isfinite(r["value"]) if name.startswith("fanout/") else r["value"] > 0, name
+        assert r["baseline"] > 0 and r["unit"], name
         assert math.isclose(r["ratio"], r["value"] / r["baseline"]), name
         assert r["met"] is None if r["target"] is None else isinstance(r["met"], bool), name
     assert rows["overlap"]["details"]["ideal_speedup"] >= 1.0
@@ -58,6 +61,10 @@ def test_relay_bench_quick_writes_every_benchmark_with_its_baseline(tmp_path):
     speedup = rows["async_speedup/eta1"]["details"]  # --quick: one seed, sync and η = 1, to a low reward
     assert [(r["eta"], r["reached"]) for r in speedup["runs"]] == [(0, True), (1, True)], speedup["runs"]
     assert speedup["correction"]["mode"] == "tis" and speedup["speedup_of_medians"] > 0
+    for t in ("store", "http", "collective"):  # every receiver applied every version, via the transport measured
+        fan = rows[f"fanout/{t}"]["details"]
+        assert [p["receivers"] for p in fan["points"]] == [1, 2], fan
+        assert all(len(a) == p["receivers"] for p in fan["points"] for a in p["applied_after_s"]), fan
     table = md.read_text()
     assert "| benchmark |" in table and all(f"| {n} |" in table for n in NAMES)
     assert table in res.stdout  # the same table is printed
