@@ -94,7 +94,8 @@ def start_services(args, p: dict, procs) -> Started:
 def start_learner_nodes(procs, learner_cmd: list[str], env: dict, held, args, run_id: str) -> None:
     """``--learner-nodes M``: the learner as M torchrun nodes on this machine (``relay learner --nnodes M``),
     the services ``learner`` (node 0, which hosts the rendezvous on a port bound here and handed over, so a
-    restarted node 0 serves the same one) and ``learner-1`` ... ``learner-<M-1>``, each restarted on its own."""
+    restarted node 0 serves the same one) and ``learner-1`` ... ``learner-<M-1>``, each restarted on its own.
+    Everything they listen on is on the loopback interface."""
     from broker.runtime.ports import LISTEN_FDS, hold_port
 
     sock = hold_port("127.0.0.1")
@@ -103,7 +104,9 @@ def start_learner_nodes(procs, learner_cmd: list[str], env: dict, held, args, ru
     nodes = args.learner_nodes
     for i in range(nodes):
         node = ["--nnodes", str(nodes), "--nproc-per-node", str(args.learner_ranks // nodes), "--node-rank", str(i)]
-        node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id]
+        # each node its own loopback address: torchrun numbers the nodes in their addresses' order, so rank 0
+        # (the leader) runs in node 0, the service ``learner``
+        node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--node-addr", f"127.0.0.{i + 1}"]
         if i == 0:
             procs.start("learner", learner_cmd + node, {**env, LISTEN_FDS: str(fd)}, pass_fds=(fd,))
         else:

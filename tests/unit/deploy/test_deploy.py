@@ -616,6 +616,22 @@ DOC_COMMANDS = {
         TESTS,
         '_compose("-f", str(ROOT / "deploy" / "compose" / "weights-http.yml"), "config")',
     ),
+    "relay up --learner-ranks 2 --learner-nodes 2": (
+        "tests/integration/test_learner_nodes.py",
+        '"--learner-ranks", "2", "--learner-nodes", "2"',
+    ),
+    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml -f deploy/compose/learner-nodes.yml config": (
+        TESTS,
+        '_compose("-f", str(compose / "weights-http.yml"), "-f", str(compose / "learner-nodes.yml"), "config")',
+    ),
+    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml -f deploy/compose/learner-nodes.yml up -d --scale generator=2": (
+        SMOKE,
+        "docker-compose.yml:deploy/compose/weights-http.yml:deploy/compose/learner-nodes.yml",
+    ),
+    "kubectl kustomize deploy/k8s/overlays/cpu-http-learner-nodes": (
+        TESTS,
+        '"kustomize", str(K8S / "overlays" / overlay)',
+    ),
     "relay secrets .cache/k8s-secrets --k8s relay-secrets.yaml": (
         TESTS,
         '"secrets", str(tmp_path / "k8s-secrets"), "--k8s", str(out)',
