@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium nodejs vllm peer run lint test test-fast smollm2-demo compose-smoke clean
+.PHONY: setup redis chromium nodejs vllm peer run lint test test-fast smollm2-demo compose-smoke compose-smoke-nodes clean
 
 setup: $(STAMP) redis
 
@@ -99,6 +99,12 @@ smollm2-demo: setup
 SMOKE_WEIGHTS ?= http
 compose-smoke: $(STAMP)
 	VENV=$(VENV) SMOKE_WEIGHTS=$(SMOKE_WEIGHTS) deploy/compose_smoke.sh
+
+# the same with the learner as two torchrun nodes, learner-0 and learner-1 (deploy/compose/learner-nodes.yml, the
+# http transport): then learner-1 is killed, and the job must start again from its checkpoint and finish its
+# steps with the audit's lost 0 and trained twice 0 (docs/deploy.md, "A learner across nodes")
+compose-smoke-nodes: $(STAMP)
+	VENV=$(VENV) SMOKE_WEIGHTS=http SMOKE_LEARNER=nodes deploy/compose_smoke.sh
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from broker.runtime.config import ConfigError, load_config, set_overrides
@@ -144,9 +145,19 @@ def cmd_learner(args) -> int:
     error, warnings = lr_problems(cfg)  # relay up checks them before anything starts (deploy/launcher/preflight.py)
     if error:
         raise ConfigError(error)
+    if args.nnodes is not None:  # this node's part of a learner across nodes: torchrun's agent runs the ranks
+        from deploy.launcher import nodes
+
+        if problem := nodes.node_problem(args):
+            raise ConfigError(problem)
+        return nodes.run_node(args, nodes.worker_args(args))
     from broker.runtime.logs import setup_logging
 
     setup_logging("learner", "0", as_json=args.log_json)
+    if os.environ.get("RELAY_LEARNER_NODES") == "1":  # a rank of a node's agent (deploy/launcher/nodes.py)
+        from deploy.launcher.procs import _die_with_parent
+
+        _die_with_parent()  # it ends with its node
     for w in warnings:
         logging.getLogger("relay.learner").warning(w)
     from learner.engine import close_distributed
@@ -232,7 +243,11 @@ def _add_services(sub) -> None:
     ).set_defaults(fn=cmd_broker)
     _service_parser(sub, "reward", "the HTTP reward service").set_defaults(fn=cmd_reward)
     _service_parser(sub, "generator", "one generator replica").set_defaults(fn=cmd_generator)
-    _service_parser(sub, "learner", "the DeepSpeed learner").set_defaults(fn=cmd_learner)
+    from deploy.launcher.nodes import add_node_arguments
+
+    learner = _service_parser(sub, "learner", "the DeepSpeed learner")
+    add_node_arguments(learner)
+    learner.set_defaults(fn=cmd_learner)
 
 
 def _add_bench(sub) -> None:

@@ -13,7 +13,12 @@
 #     and the generators; SMOKE_WEIGHTS=store: docker-compose.yml alone, the shared volume);
 #  7. wait until both generators report >= 3 applied weight versions through the dashboard API (http:
 #     and that no generator container mounts a volume and each fetched its versions over HTTP);
-#  8. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
+#  8. SMOKE_LEARNER=nodes (make compose-smoke-nodes): the learner as two torchrun nodes, learner-0 and learner-1
+#     (deploy/compose/learner-nodes.yml, with the http transport): after step 7, learner-1's process is killed
+#     (SIGKILL from the host, a crash its restart policy answers), the job must start again on both nodes from
+#     its checkpoint, publish further versions and finish its steps, with the audit's lost 0 and trained
+#     twice 0;
+#  9. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +30,7 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 WAIT_S=${SMOKE_WAIT_S:-600}
 WHEELHOUSE=deploy/docker/wheelhouse
 SMOKE_WEIGHTS=${SMOKE_WEIGHTS:-http}
+SMOKE_LEARNER=${SMOKE_LEARNER:-one}
 mkdir -p "$WORK"
 log() { echo "[compose-smoke $(date +%H:%M:%S)] $*"; }
 
@@ -106,13 +112,14 @@ CREATED_SECRETS=1
 
 # 5. build and run: the base image doubles as the Redis image (it has redis-server); the weight transport's
 #    compose files (COMPOSE_FILE: every docker compose command below uses them)
-case "$SMOKE_WEIGHTS" in
-  http) export COMPOSE_FILE=docker-compose.yml:deploy/compose/weights-http.yml ;;
-  store) export COMPOSE_FILE=docker-compose.yml ;;
-  *) log "SMOKE_WEIGHTS must be http or store, not $SMOKE_WEIGHTS"; exit 2 ;;
+case "$SMOKE_LEARNER/$SMOKE_WEIGHTS" in
+  nodes/http) export COMPOSE_FILE=docker-compose.yml:deploy/compose/weights-http.yml:deploy/compose/learner-nodes.yml ;;
+  one/http) export COMPOSE_FILE=docker-compose.yml:deploy/compose/weights-http.yml ;;
+  one/store) export COMPOSE_FILE=docker-compose.yml ;;
+  *) log "SMOKE_LEARNER must be one or nodes (nodes with SMOKE_WEIGHTS=http), not $SMOKE_LEARNER/$SMOKE_WEIGHTS"; exit 2 ;;
 esac
 log "weight transport: $SMOKE_WEIGHTS ($COMPOSE_FILE)"
-export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE" RELAY_STEPS=${RELAY_STEPS:-300}
+export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE" RELAY_STEPS=${RELAY_STEPS:-$([ "$SMOKE_LEARNER" = nodes ] && echo 400 || echo 300)}
 export RELAY_DASHBOARD_PORT=${RELAY_DASHBOARD_PORT:-$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 log "docker compose build"
 docker compose build
@@ -151,3 +158,35 @@ if [ "$SMOKE_WEIGHTS" = http ]; then
     [ "$fetched" -ge 3 ] || { log "a generator fetched fewer than 3 versions over http"; exit 1; }
   done
 fi
+[ "$SMOKE_LEARNER" = nodes ] || exit 0
+
+# 8. the learner as two nodes: kill node 1's process (a crash: its restart policy answers it), then the job must
+#    start again on both nodes from its checkpoint and finish its steps with nothing lost or trained twice
+state() { "$VENV/bin/relay" status --url "$URL" --json 2>/dev/null | "$VENV/bin/python" -c "import json, sys; print(json.load(sys.stdin)$1)"; }
+before=$(state "['learner_version']")
+pid=$(docker inspect --format '{{.State.Pid}}' "$(docker compose ps -q learner-1)")
+log "killing learner-1 (host pid $pid) at learner version $before"
+kill -9 "$pid"
+deadline=$(( $(date +%s) + WAIT_S ))
+until [ "$(docker inspect --format '{{.RestartCount}}' "$(docker compose ps -aq learner-1)")" -ge 1 ] &&
+      [ "$(state "['learner_version']" || echo 0)" -ge $(( before + 5 )) ]; do
+  if [ "$(date +%s)" -ge "$deadline" ]; then log "the job did not recover in ${WAIT_S}s"; exit 1; fi
+  sleep 5
+done
+log "learner-1 restarted; the job trains again: version $(state "['learner_version']")"
+docker compose logs --no-color learner-0 learner-1 | grep -E "relay learner: node|resumed from checkpoint" | tail -n 8
+until [ "$(docker inspect --format '{{.State.Status}}' "$(docker compose ps -aq learner-0)")" = exited ]; do
+  if [ "$(date +%s)" -ge "$deadline" ]; then log "the learner did not finish its $RELAY_STEPS steps in time"; exit 1; fi
+  sleep 5
+done
+docker compose logs --no-color learner-0 | grep -q "finished $RELAY_STEPS steps" || { log "the learner did not finish"; exit 1; }
+# the audit (deploy/launcher/summary.py), read from Redis as the broker's user
+docker compose exec -T broker python3 -c '
+import json, os, sys
+import redis
+from broker.protocol.keys import Keys
+from deploy.launcher.summary import audit
+a = audit(redis.Redis.from_url(os.environ["RELAY_REDIS_URL"]), Keys(os.environ["RELAY_RUN_ID"]))
+print("audit:", json.dumps(a), flush=True)
+sys.exit(0 if a["lost"] == 0 and a["trained_twice"] == 0 and a["trained_once"] > 0 else 1)
+' || { log "the audit lost or twice-trained groups"; exit 1; }

@@ -105,9 +105,30 @@ def init_distributed() -> tuple[int, int]:
         if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.isdir("/sys/class/net/lo"):
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's device listens even alone: on the loopback only
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # DeepSpeed adopts it
+    elif os.environ.get("RELAY_LEARNER_NODES") == "1" and not dist.is_initialized():
+        # a rank of a learner across nodes (deploy/launcher/nodes.py): the ranks' store on rank 0's node address
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=_nodes_store(rank, world), rank=rank, world_size=world)
     with stale_extension_locks_removed():
         deepspeed.init_distributed(dist_backend=backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _nodes_store(rank: int, world: int):
+    """The ranks' store of a learner across nodes: rank 0 hosts it on a socket bound to its node's address
+    (``MASTER_ADDR``, the agent's ``--local-addr``; torch's own would listen on every interface), the other
+    ranks join it (retrying until it listens)."""
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(minutes=30)
+    if rank != 0:
+        return TCPStore(host, port, world, False, timeout)
+    sock = socket.create_server((socket.gethostbyname(host), port), backlog=128)
+    return TCPStore(host, port, world, True, timeout, wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def _shm_comm_op_built() -> None:

@@ -172,3 +172,23 @@ class LearnerObserver:
         for phase, key in PHASES.items():
             if isinstance(entry.get(key), (int, float)):
                 self.phase.labels(phase).observe(entry[key])
+
+
+def node_health(cfg: LearnerConfig, r) -> MetricsServer | None:
+    """``/healthz`` on the metrics address for a node of a learner across nodes whose first rank is not the
+    leader (deploy/launcher/nodes.py), so every node's container has the probe the leader's has (compose,
+    Kubernetes): healthy while Redis answers. Its ``/metrics`` is empty (the leader's has the run's). None
+    for every other rank."""
+    import os
+
+    if os.environ.get("RELAY_LEARNER_NODES") != "1" or os.environ.get("LOCAL_RANK") != "0":
+        return None
+
+    def healthy() -> tuple[bool, str]:
+        try:
+            r.ping()
+        except redis.RedisError as e:
+            return False, f"redis unavailable: {e}"
+        return True, "ok (a learner node; the leader's /metrics has the run's metrics)"
+
+    return MetricsServer(cfg.metrics.host, cfg.metrics.port, CollectorRegistry(), healthy)

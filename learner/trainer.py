@@ -33,6 +33,7 @@ from learner.data import completion_stats, group_mean_reward
 from learner.engine import init_distributed
 from learner.exactly_once import ExactlyOnce
 from learner.intake import GroupIntake
+from learner.observe import node_health
 from learner.policy import build_policy
 from learner.ranks import share_batch, write_checksum
 from learner.steplog import StepLog
@@ -57,6 +58,7 @@ class Learner:
         self.r = connect_redis(cfg.redis_url)
         self.stop = threading.Event()
         self.log = StepLog(self.r, self.keys, cfg) if self.leader else None  # every output of each step's metrics
+        self.node_health = None if self.leader else node_health(cfg, self.r)  # a learner node's probe (observe.py)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         policy = build_policy(cfg, self.leader)
         self.engine, self.critic = policy.engine, policy.critic

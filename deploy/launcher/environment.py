@@ -38,6 +38,10 @@ NOT_CONFIG = {
     "RELAY_LISTEN_FDS": (
         "a service started by relay up: the listening sockets relay up bound for it (broker/runtime/ports.py)"
     ),
+    "RELAY_LEARNER_NODES": (
+        "a rank of a learner across nodes (relay learner --nnodes): rank 0 binds the ranks' store to its node's "
+        "address (deploy/launcher/nodes.py)"
+    ),
     "RELAY_STALE_EXTENSION_LOCK_S": (
         "learner: age after which a torch extension lock is taken as stale "
         "(ops but the CPU communication op, whose dead holders are seen at once)"

@@ -343,6 +343,7 @@ def _check_flags(args) -> None:
 
     args.generators = 2 if args.generators is None else args.generators
     args.learner_ranks = 1 if args.learner_ranks is None else args.learner_ranks
+    args.learner_nodes = 1 if getattr(args, "learner_nodes", None) is None else args.learner_nodes
 
     try:
         check_task(args.task)
@@ -352,6 +353,8 @@ def _check_flags(args) -> None:
         raise UsageError("--generators must be at least 1" if args.generators < 1 else "--producers must be 0 or more")
     if args.learner_ranks < 1:
         raise UsageError("--learner-ranks must be at least 1")
+    if args.learner_nodes < 1 or args.learner_ranks % args.learner_nodes:
+        raise UsageError("--learner-nodes must be at least 1 and divide --learner-ranks")
     if args.max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
     if getattr(args, "fail_after", 0) < 0:

@@ -31,6 +31,7 @@ _FIXED = (
     "redis_url",
     "generators",
     "learner_ranks",
+    "learner_nodes",
     "producers",
 )
 
@@ -39,6 +40,7 @@ def launch_record(args, embedded_redis: bool) -> dict:
     return {
         "generators": args.generators,
         "learner_ranks": args.learner_ranks,
+        "learner_nodes": args.learner_nodes,
         "embedded_redis": embedded_redis,
         "redis_aof": args.redis_aof,
         "producers": args.producers or 0,
@@ -155,6 +157,7 @@ def plan_resume(args, environ, usage_error) -> dict:
     openai_key = endpoint_key(cfgs["generator"], run_dir)  # the run's own (secrets/openai.key), when it made one
     _generator_section(run_dir, cfgs["generator"])
     args.generators, args.learner_ranks = launch["generators"], launch["learner_ranks"]
+    args.learner_nodes = launch.get("learner_nodes", 1)  # a run recorded before learner nodes had one
     args.redis_aof = launch["redis_aof"]
     p = {
         "run_id": cfgs["learner"]["run_id"],

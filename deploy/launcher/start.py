@@ -75,7 +75,9 @@ def start_services(args, p: dict, procs) -> Started:
         pass_fds=held.fds("reward"),
     )
     learner_cmd = ["learner", "--config", str(run_dir / "config/learner.json")]
-    if args.learner_ranks > 1:  # one process per rank, their store on 127.0.0.1 (deploy/launcher/ranks.py)
+    if getattr(args, "learner_nodes", 1) > 1:  # torchrun nodes on this machine (deploy/launcher/nodes.py)
+        start_learner_nodes(procs, relay + learner_cmd, envs["learner"], held, args, p["run_id"])
+    elif args.learner_ranks > 1:  # one process per rank, their store on 127.0.0.1 (deploy/launcher/ranks.py)
         procs.start(
             "learner",
             [sys.executable, "-m", "deploy.launcher.ranks", str(args.learner_ranks), *relay, *learner_cmd],
@@ -89,12 +91,35 @@ def start_services(args, p: dict, procs) -> Started:
     return Started(cfgs, redis_url)
 
 
+def start_learner_nodes(procs, learner_cmd: list[str], env: dict, held, args, run_id: str) -> None:
+    """``--learner-nodes M``: the learner as M torchrun nodes on this machine (``relay learner --nnodes M``),
+    the services ``learner`` (node 0, which hosts the rendezvous on a port bound here and handed over, so a
+    restarted node 0 serves the same one) and ``learner-1`` ... ``learner-<M-1>``, each restarted on its own.
+    Everything they listen on is on the loopback interface."""
+    from broker.runtime.ports import LISTEN_FDS, hold_port
+
+    sock = hold_port("127.0.0.1")
+    held.add("learner-rendezvous", sock)  # closed with the others when the run ends
+    fd, port = sock.fileno(), sock.getsockname()[1]
+    nodes = args.learner_nodes
+    for i in range(nodes):
+        node = ["--nnodes", str(nodes), "--nproc-per-node", str(args.learner_ranks // nodes), "--node-rank", str(i)]
+        # each node its own loopback address: torchrun numbers the nodes in their addresses' order, so rank 0
+        # (the leader) runs in node 0, the service ``learner``
+        node += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--node-addr", f"127.0.0.{i + 1}"]
+        if i == 0:
+            procs.start("learner", learner_cmd + node, {**env, LISTEN_FDS: str(fd)}, pass_fds=(fd,))
+        else:
+            procs.start(f"learner-{i}", learner_cmd + node, env)
+
+
 def stop_order(names: list[str]) -> list[list[str]]:
     """The services of a run (Redis left out: it stops last, on its own) in the order they stop: the
     generators (``gen-*``: each scores, sends and releases the batch it holds), then what they needed
-    (the broker, the reward service), then the learner (its last step, checkpoint and commits)."""
+    (the broker, the reward service), then the learner (its last step, checkpoint and commits; all of its
+    nodes at once, since its checkpoint is a collective)."""
     gens = [n for n in names if n.startswith("gen-")]
-    learner = [n for n in names if n == "learner"]
+    learner = [n for n in names if n == "learner" or n.startswith("learner-")]  # its nodes stop together
     return [gens, [n for n in names if n not in gens and n not in learner and n != "redis"], learner]
 
 

@@ -36,6 +36,13 @@ def _what_runs(p) -> None:
         default=None,
         help="learner processes (DeepSpeed data parallel, launched with torchrun; default 1)",
     )
+    p.add_argument(
+        "--learner-nodes",
+        type=int,
+        default=None,
+        help="run the learner's ranks as this many torchrun nodes on this machine, each its own process (the "
+        "form a learner takes across machines: relay learner --nnodes; docs/deploy.md); default 1",
+    )
     p.add_argument("--steps", type=int, default=None, help="learner optimizer steps")
 
 

@@ -34,9 +34,12 @@ class Watch:
         policy = RestartPolicy(max_restarts=0 if args.no_restart else args.max_restarts, hang_s=args.hang_after)
         no_resume = {}
         if not p["learner_config"].publish.checkpoint_every:
-            no_resume["learner"] = (
-                "learner.publish.checkpoint_every = 0, so a new learner would start over from the initial weights"
-            )
+            for c in procs.children:  # the learner, and each of its nodes (--learner-nodes)
+                if c.name == "learner" or c.name.startswith("learner-"):
+                    no_resume[c.name] = (
+                        "learner.publish.checkpoint_every = 0, so a new learner would start over from the initial "
+                        "weights"
+                    )
         self.r = r = connect_redis(started.redis_url)
         self.keys = keys = Keys(p["run_id"])
         self.key = announce_verifier(
@@ -197,7 +200,7 @@ def _health_probe(r, keys, reward_url: str, key: bytes | None = None):
         try:
             if name == "broker":
                 return bool(r.hexists(keys.run, "ingest_address"))
-            if name == "learner":
+            if name == "learner" or name.startswith("learner-"):  # a learner node: the job published
                 return latest_announcement(r, keys, key) is not None
             if name == "reward":
                 return httpx.get(f"{reward_url}/healthz", timeout=0.5).status_code == 200
@@ -233,7 +236,7 @@ def _liveness_probe(r, keys, reward_url: str, broker_http_port: int):
                 return answers(f"http://127.0.0.1:{broker_http_port}")
             if name == "reward":
                 return answers(reward_url)
-            if name == "learner":
+            if name == "learner" or name.startswith("learner-"):  # a learner node: the job answers
                 port = r.hget(keys.stats("learner"), "metrics_port")
                 return answers(f"http://127.0.0.1:{int(port)}") if port else None
             raw = r.hget(keys.generators, name)

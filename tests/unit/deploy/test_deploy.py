@@ -37,6 +37,10 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomiz
 HTTP_OVERLAYS = {
     o for o in OVERLAYS if "components/weights-http" in (K8S / "overlays" / o / "kustomization.yaml").read_text()
 }
+# overlays with the learner across nodes (components/learner-nodes): a StatefulSet of torchrun nodes
+NODES_OVERLAYS = {
+    o for o in OVERLAYS if "components/learner-nodes" in (K8S / "overlays" / o / "kustomization.yaml").read_text()
+}
 MODELS = {"broker": BrokerConfig, "reward": RewardConfig, "learner": LearnerConfig, "generator": GeneratorConfig}
 TOKEN_VARS = {"RELAY_AUTH_TOKEN", "RELAY_REWARD_TOKEN"}
 # the port each service serves /healthz on, by the config field that sets it
@@ -204,6 +208,44 @@ def test_compose_http_override_shares_no_weight_volume():
         load_config(MODELS[name], None, environ={k: str(v) for k, v in services[name]["environment"].items()})
 
 
+def test_compose_learner_nodes_are_two_torchrun_nodes_on_a_network_of_their_own():
+    """docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml -f deploy/compose/learner-nodes.yml:
+    the single learner is off; learner-0 and learner-1 run `relay learner --nnodes 2` with node ranks 0 and 1,
+    meet at learner-0's rendezvous on an internal network only they join, learner-0 alone is `learner` to the
+    generators (the http weights), both share the learner's volumes, and no generator mounts a volume."""
+    from deploy.cli import build_parser
+
+    compose = ROOT / "deploy" / "compose"
+    r = _compose("-f", str(compose / "weights-http.yml"), "-f", str(compose / "learner-nodes.yml"), "config")
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    services = cfg["services"]
+    assert "learner" not in services and {"learner-0", "learner-1"} <= set(services)
+    nodes = {name: build_parser().parse_args(services[name]["command"][1:]) for name in ("learner-0", "learner-1")}
+    assert [a.node_rank for a in nodes.values()] == [0, 1] and {a.nnodes for a in nodes.values()} == {2}
+    assert len({a.rdzv_endpoint for a in nodes.values()}) == 1
+    host = nodes["learner-0"].rdzv_endpoint.rpartition(":")[0]
+    assert cfg["networks"]["learner-nodes"]["internal"] is True
+    on_nodes = {n for n, s in services.items() if "learner-nodes" in (s.get("networks") or {})}
+    assert on_nodes == {"learner-0", "learner-1"}
+    for name, args in nodes.items():
+        assert services[name]["networks"]["learner-nodes"]["aliases"] == [args.node_addr]
+    assert host == nodes["learner-0"].node_addr  # node 0 hosts the rendezvous on its own name
+    assert sorted(a.node_addr for a in nodes.values()) == [nodes["learner-0"].node_addr, nodes["learner-1"].node_addr]
+    aliases = {n: (s.get("networks") or {}).get("default", {}) or {} for n, s in services.items()}
+    assert [n for n, a in aliases.items() if "learner" in (a.get("aliases") or [])] == ["learner-0"]
+    assert all(not services[g].get("volumes") for g in services if g.startswith("generator"))
+    mounts = {
+        n: {(v["source"], v["target"]) for v in s.get("volumes", []) if v["type"] == "volume"}
+        for n, s in services.items()
+    }
+    assert mounts["learner-0"] == mounts["learner-1"] >= {("runs", "/runs")}
+    for name in ("learner-0", "learner-1"):
+        env = {k: str(v) for k, v in services[name]["environment"].items()}
+        assert env["RELAY_WEIGHTS__TRANSPORT__TYPE"] == "http" and services[name]["secrets"]
+        load_config(LearnerConfig, None, environ=env)
+
+
 def test_compose_refuses_to_start_without_the_secrets_and_accepts_what_relay_secrets_makes(tmp_path):
     r = _compose("config", "-q", with_secrets=False)
     assert r.returncode != 0 and "deploy/secrets/" in r.stderr, r.stderr
@@ -332,6 +374,52 @@ def test_ingest_workers_overlay_wires_every_worker_port_through_service_generato
     assert set(ports) <= opened(pol["generator"]["egress"], "broker")
 
 
+def test_learner_nodes_overlay_wires_the_rendezvous_the_leader_and_a_shared_checkpoint_volume(rendered):
+    """kubectl kustomize deploy/k8s/overlays/cpu-http-learner-nodes: the learner is a StatefulSet of as many pods
+    as `relay learner --nnodes` says, each one node (its pod index its --node-rank, its name under the headless
+    Service its --node-addr), meeting at learner-0's rendezvous through that Service's port; the learner Service
+    (the http weights, /metrics) selects learner-0, where rank 0 runs; only learner pods reach learner pods on
+    any port; the checkpoints' volume is shared by the learner's pods only and no generator mounts a claim."""
+    from deploy.cli import build_parser
+
+    assert "cpu-http-learner-nodes" in NODES_OVERLAYS & HTTP_OVERLAYS
+    docs = _docs(rendered["cpu-http-learner-nodes"])
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "learner"]
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    args = build_parser().parse_args(
+        [a.replace("$(NODE_RANK)", "1").replace("$(POD_NAME)", "learner-1") for a in c["args"][1:]]
+    )
+    assert args.nnodes == sts["spec"]["replicas"] >= 2 and args.node_rank == 1
+    assert sts["spec"]["podManagementPolicy"] == "Parallel" and "strategy" not in sts["spec"]
+    svc = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    headless = svc[sts["spec"]["serviceName"]]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert headless["selector"] == sts["spec"]["selector"]["matchLabels"]
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    assert (
+        host == f"learner-0.{sts['spec']['serviceName']}"
+        and args.node_addr == f"learner-1.{sts['spec']['serviceName']}"
+    )
+    (rdzv,) = [p for p in headless["ports"] if p["name"] == "rendezvous"]
+    assert rdzv["port"] == int(port) and {p["name"]: p["containerPort"] for p in c["ports"]}["rendezvous"] == int(port)
+    assert svc["learner"]["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "learner-0"
+    pol = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}["learner-nodes"]
+    learner = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "learner"}}}
+    assert pol["podSelector"] == learner["podSelector"] and set(pol["policyTypes"]) == {"Ingress", "Egress"}
+    assert pol["ingress"] == [{"from": [learner]}] and pol["egress"] == [{"to": [learner]}]
+    claims = {d["metadata"]["name"]: d["spec"]["accessModes"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    runs = next(v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if v["name"] == "runs")
+    assert claims[runs] == ["ReadWriteMany"] and "relay-weights" not in claims
+    env_runs = next(e["value"] for e in c["env"] if e["name"] == "RELAY_RUN_DIR")
+    assert env_runs.startswith(next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "runs"))
+    gen = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "generator")
+    assert not [v for v in gen["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_rendered_manifests_pass_kubernetes_validate_strict(rendered, overlay):
     r = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(rendered[overlay]))
@@ -341,7 +429,7 @@ def test_rendered_manifests_pass_kubernetes_validate_strict(rendered, overlay):
         ("StatefulSet", "redis"),
         ("Deployment", "broker"),
         ("Deployment", "reward"),
-        ("Deployment", "learner"),
+        ("StatefulSet" if overlay in NODES_OVERLAYS else "Deployment", "learner"),
         ("Deployment", "generator"),
         ("NetworkPolicy", "default-deny"),
     } <= kinds
@@ -527,6 +615,22 @@ DOC_COMMANDS = {
     "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml config": (
         TESTS,
         '_compose("-f", str(ROOT / "deploy" / "compose" / "weights-http.yml"), "config")',
+    ),
+    "relay up --learner-ranks 2 --learner-nodes 2": (
+        "tests/integration/test_learner_nodes.py",
+        '"--learner-ranks", "2", "--learner-nodes", "2"',
+    ),
+    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml -f deploy/compose/learner-nodes.yml config": (
+        TESTS,
+        '_compose("-f", str(compose / "weights-http.yml"), "-f", str(compose / "learner-nodes.yml"), "config")',
+    ),
+    "docker compose -f docker-compose.yml -f deploy/compose/weights-http.yml -f deploy/compose/learner-nodes.yml up -d --scale generator=2": (
+        SMOKE,
+        "docker-compose.yml:deploy/compose/weights-http.yml:deploy/compose/learner-nodes.yml",
+    ),
+    "kubectl kustomize deploy/k8s/overlays/cpu-http-learner-nodes": (
+        TESTS,
+        '"kustomize", str(K8S / "overlays" / overlay)',
     ),
     "relay secrets .cache/k8s-secrets --k8s relay-secrets.yaml": (
         TESTS,
