@@ -109,3 +109,15 @@ def test_step_latency_adds_its_wait_to_every_decode_step_and_changes_no_sample(b
     steps = max(len(c.token_ids) for c in slow[0])
     assert t_slow >= 0.05 * steps, (t_slow, steps)  # one decode step per token of the longest sample
     assert [c.token_ids for c in slow[0]] == [c.token_ids for c in plain[0]]
+
+
+def test_generations_go_up_to_the_models_context_and_no_further(backend):
+    """max_tokens follows the model: the tiny model's 64 positions take a 5-token prompt and 59 new tokens
+    (the KV cache grows with them); one more is refused, naming the setting and its largest value."""
+    prompt = backend.encode("473=")
+    assert len(prompt) == 5
+    sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=59)
+    (done,) = backend.generate([prompt], sampling, seed=1)
+    assert 1 <= len(done[0].token_ids) <= 59
+    with pytest.raises(ValueError, match=r"5 tokens \+ generator.sampling.max_tokens \(60\).*context of 64.*to 59"):
+        backend.generate([prompt], sampling.model_copy(update={"max_tokens": 60}), seed=1)
