@@ -41,6 +41,9 @@ BENCHMARKS = {
     "step time vs a plain PyTorch loop doing the same micro-batched work",
     "learner_forwards": "s per learner step with each group's prompt computed once (shared_prompt) and with packed "
     "micro-batches vs every sample whole (SmolLM2-135M, the demo's shapes)",
+    "long_context": "the longest single sequence one learner rank trains within a fixed RSS budget with Ulysses "
+    "sequence parallelism 2 vs 1, step time per token at a length both train, packing vs padding on mixed lengths "
+    "(SmolLM2-135M, fp32, activation checkpointing; not in --quick)",
     "peer": "Relay (torch and vLLM generators) against Hugging Face TRL's GRPOTrainer on the SmolLM2 word problems: "
     "wall time to N steps and to pass@1 0.9, pass@1 at equal steps, trained tokens/s (needs the peer extra; "
     "hours: run by name only)",

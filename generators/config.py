@@ -22,7 +22,14 @@ class SamplingConfig(StrictModel):
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="softmax temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass (1.0 = off)")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
-    max_tokens: int = Field(8, ge=1, le=32768, description="most new tokens per completion")
+    max_tokens: int = Field(
+        8,
+        ge=1,
+        le=1_048_576,
+        description="most new tokens per completion: up to the model's context less the prompt (relay up refuses "
+        "a budget past the model's context; the torch backend refuses a prompt + budget past it, its KV cache "
+        "growing with the tokens generated)",
+    )
 
 
 class TorchBackendConfig(StrictModel):

@@ -197,6 +197,7 @@ RENAMED = {
     "micro_batch_tokens": "compute.micro_batch_tokens",
     "logprob_chunk_tokens": "compute.logprob_chunk_tokens",
     "gradient_checkpointing": "compute.gradient_checkpointing",
+    "sequence_parallel": "compute.sequence_parallel",
     "kl_coef": "regularization.kl_coef",
     "kl_in_reward": "regularization.kl_in_reward",
     "kl_estimator": "regularization.kl_estimator",
@@ -353,6 +354,17 @@ class ComputeConfig(StrictModel):
         description="activation checkpointing: recompute each layer's "
         "activations in the backward instead of keeping them (less memory, "
         "about a third more compute)",
+    )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ulysses sequence parallelism: each micro-batch's packed row split over this many learner "
+        "ranks, attention computed with an all-to-all over heads (learner/sequence_parallel.py); "
+        "micro_batch_tokens then bounds each rank's share, so a micro-batch holds up to k × micro_batch_tokens "
+        "tokens. The learner's ranks are data-parallel groups of k (relay up --learner-ranks a multiple of k); "
+        "rows are packed whatever compute.packing says. 1 = off. Not with a critic; a model whose attention "
+        "cannot be split (key-value heads fewer than k, sliding windows) is refused at start-up (docs/learner.md)",
     )
 
 
@@ -521,22 +533,38 @@ class LearnerConfig(RunConnection, PolicyLossConfig):
 
     @model_validator(mode="after")
     def _longest_sequence_fits(self) -> LearnerConfig:
-        # micro_batch_tokens bounds the memory of one forward/backward; a longer sample would be a micro-batch
-        # of its own, beyond that bound (out of memory hours into a run): refused here, before anything starts.
+        # micro_batch_tokens bounds the memory of one forward/backward on a rank; a longer sample would be a
+        # micro-batch of its own, beyond that bound (out of memory hours into a run): refused here, before
+        # anything starts. With sequence parallelism each of k ranks holds ⌈length / k⌉ tokens of it.
         # Only when both lengths are known (relay up sets both; a resumed older run is told only the budget)
         longest = self.batch.max_prompt_tokens + self.batch.max_completion_tokens
         known = self.batch.max_prompt_tokens and self.batch.max_completion_tokens
-        if known and longest > self.compute.micro_batch_tokens:
+        k, budget = self.compute.sequence_parallel, self.compute.micro_batch_tokens
+        per_rank = -(-longest // k)
+        if known and per_rank > budget:
+            need_k = -(-longest // budget)
+            share = f", {per_rank} tokens per rank over learner.compute.sequence_parallel = {k}" if k > 1 else ""
             raise ValueError(
                 f"the longest sequence the generators can make, learner.batch.max_prompt_tokens "
                 f"({self.batch.max_prompt_tokens}) + learner.batch.max_completion_tokens "
-                f"({self.batch.max_completion_tokens}) = {longest} tokens, does not fit "
-                f"learner.compute.micro_batch_tokens ({self.compute.micro_batch_tokens}), the learner's memory "
-                f"bound for one forward and backward: raise learner.compute.micro_batch_tokens to {longest} or more "
-                "(with learner.compute.gradient_checkpointing if memory is short), or lower the prompts "
-                "(broker.dataset.max_prompt_tokens) or the generation budget (generator.sampling.max_tokens, or "
-                "generator.episodes.max_tokens with an environment); sequence parallelism, once it exists, will "
-                "split such a sequence over ranks (docs/learner.md)"
+                f"({self.batch.max_completion_tokens}) = {longest} tokens{share}, does not fit "
+                f"learner.compute.micro_batch_tokens ({budget}), the learner's memory bound for one forward and "
+                f"backward on a rank: raise learner.compute.micro_batch_tokens to {per_rank} or more (with "
+                "learner.compute.gradient_checkpointing if memory is short), or split each sequence over ranks "
+                f"with learner.compute.sequence_parallel = {need_k} (relay up --learner-ranks a multiple of it), or "
+                "lower the prompts (broker.dataset.max_prompt_tokens) or the generation budget "
+                "(generator.sampling.max_tokens, or generator.episodes.max_tokens with an environment) "
+                "(docs/learner.md)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel_supported(self) -> LearnerConfig:
+        if self.compute.sequence_parallel > 1 and self.critic.enabled:
+            raise ValueError(
+                f"learner.compute.sequence_parallel = {self.compute.sequence_parallel} with learner.critic.enabled: "
+                "the critic's forward is not split over ranks; set learner.compute.sequence_parallel = 1, or use an "
+                "estimator without a critic (grpo, drgrpo, rloo, reinforce_pp) (docs/learner.md)"
             )
         return self
 

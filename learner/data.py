@@ -124,6 +124,9 @@ class Forwards:
     budget: int
     shared: bool = False
     packed: bool = False  # learner.compute.packing: each micro-batch one row without padding (learner/packing.py)
+    # learner.compute.sequence_parallel > 1: each packed row split over a group of ranks (its SequenceGroup;
+    # learner/sequence_parallel.py), ``budget`` the group's (k × micro_batch_tokens)
+    sp: object | None = None
 
     def micro_batches(self, b: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
         """``rows`` of ``b`` in micro-batches: packed, up to ``budget`` tokens each; a group's samples

@@ -127,13 +127,20 @@ def token_logprobs(
     entropy: bool = False,
     shared: SharedPrompts | None = None,
     packed: bool = False,
+    sp=None,
 ) -> TokenLogprobs:
     """Log-probs of each next token at ``positions`` ([B, L-1], 1 where the token at t+1 is trained on)
     under the sampling ``transform`` (temperature, top_k, top_p), for ``model`` (a DeepSpeed engine or a
     Hugging Face causal LM). With ``entropy`` also the sampling distribution's entropy there. With
     ``shared``, each prompt is computed once for the rows that share it (:func:`shared_prompt_hidden`);
-    with ``packed``, the rows are packed into one row without padding (learner/packing.py)."""
+    with ``packed``, the rows are packed into one row without padding (learner/packing.py); with ``sp`` (a
+    SequenceGroup), that row split over the group's ranks, each computing its positions' log-probs, summed over
+    the group (learner/sequence_parallel.py)."""
     where = positions.bool().nonzero(as_tuple=True)
+    if sp is not None:
+        return _split_token_logprobs(
+            model, input_ids, attention_mask, positions, where, transform, chunk_tokens, entropy, sp
+        )
     if packed:
         h = packed_hidden(model, input_ids, attention_mask, where)  # [N, H] after the final norm
     elif shared is None:
@@ -147,8 +154,14 @@ def token_logprobs(
         h = out.hidden_states[-1][:, :-1][where]  # [N, H] after the final norm
     else:
         h = shared_prompt_hidden(model, input_ids, shared)[where]
+    return _scatter(
+        _chunks(model, h, input_ids[:, 1:][where], transform, chunk_tokens, entropy), positions, where, entropy
+    )
+
+
+def _chunks(model, h: torch.Tensor, targets: torch.Tensor, transform, chunk_tokens: int, entropy: bool) -> list:
+    """(log-prob, outside, entropy) of the hidden states ``h`` [N, H] predicting ``targets`` [N], in chunks."""
     head = (model.module if hasattr(model, "module") else model).get_output_embeddings()
-    targets = input_ids[:, 1:][where]  # [N]
     parts = []
     for s in range(0, h.shape[0], chunk_tokens):
         hs = h[s : s + chunk_tokens]
@@ -156,15 +169,35 @@ def token_logprobs(
             head(hs), hs.detach(), targets[s : s + chunk_tokens], head, transform, entropy
         )
         parts.append((lp, outside, ent))
-    shape = positions.shape
+    return parts
+
+
+def _scatter(parts: list, positions: torch.Tensor, where, entropy: bool) -> TokenLogprobs:
+    """:func:`_chunks`' results at ``where`` of a [B, L-1] like ``positions`` (0 elsewhere)."""
+    device = positions.device
 
     def scatter(i: int, dtype) -> torch.Tensor:
-        values = torch.cat([p[i] for p in parts]) if parts else torch.zeros(0, dtype=dtype, device=input_ids.device)
-        return torch.zeros(shape, dtype=dtype, device=input_ids.device).index_put(where, values.to(dtype))
+        values = torch.cat([p[i] for p in parts]) if parts else torch.zeros(0, dtype=dtype, device=device)
+        return torch.zeros(positions.shape, dtype=dtype, device=device).index_put(where, values.to(dtype))
 
     return TokenLogprobs(
         scatter(0, torch.float32), scatter(1, torch.bool), scatter(2, torch.float32) if entropy else None
     )
+
+
+def _split_token_logprobs(model, input_ids, attention_mask, positions, where, transform, chunk_tokens, entropy, sp):
+    """:func:`token_logprobs` of the rows packed into one and split over the sequence-parallel group ``sp``:
+    this rank's positions computed here, the whole [B, L-1] summed over the group."""
+    from learner.sequence_parallel import sp_hidden, sp_sum
+
+    h, local = sp_hidden(model, input_ids, attention_mask, where, sp)
+    mine = tuple(w[local] for w in where)
+    parts = _chunks(model, h, input_ids[:, 1:][mine], transform, chunk_tokens, entropy)
+    lp = _scatter(parts, positions, mine, entropy)
+    # + 0 · Σh: the backward runs through this rank's whole forward even when none of its positions is trained
+    # on (a slice of prompt alone): its attention layers' exchanges are collectives the other ranks wait on
+    logp = lp.logp + h.sum() * 0.0
+    return TokenLogprobs(sp_sum(logp, sp), sp_sum(lp.outside, sp), sp_sum(lp.entropy, sp) if entropy else None)
 
 
 @dataclass
@@ -284,12 +317,20 @@ def check_shared_prompt(model) -> str | None:
 
 
 def batch_logprobs(
-    model, mb, transform: tuple, chunk_tokens: int, entropy: bool = False, shared: bool = False, packed: bool = False
+    model,
+    mb,
+    transform: tuple,
+    chunk_tokens: int,
+    entropy: bool = False,
+    shared: bool = False,
+    packed: bool = False,
+    sp=None,
 ) -> TokenLogprobs:
     """:func:`token_logprobs` of a learner/data.py ``Batch`` ``mb``: of its loss tokens; with ``shared``
     (learner.compute.shared_prompt), each group's prompt computed once; with ``packed``
-    (learner.compute.packing, which takes precedence), its rows packed into one."""
+    (learner.compute.packing, which takes precedence), its rows packed into one; with ``sp``
+    (learner.compute.sequence_parallel), that row split over the ranks of a sequence-parallel group."""
     rows = SharedPrompts(mb.prompt_lens, mb.lengths, mb.groups) if shared and mb.prompt_lens is not None else None
     return token_logprobs(
-        model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, chunk_tokens, entropy, rows, packed
+        model, mb.input_ids, mb.attention_mask, mb.loss_mask, transform, chunk_tokens, entropy, rows, packed, sp
     )

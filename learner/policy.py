@@ -50,6 +50,32 @@ def _check_packing(model, cfg: LearnerConfig, leader: bool) -> None:
         )
 
 
+def _split_attention(model, cfg: LearnerConfig, leader: bool) -> None:
+    """learner.compute.sequence_parallel: the model's attention made Ulysses' (learner/sequence_parallel.py),
+    after every rank of its group checked, together, that the split gives the model's numbers; refused
+    otherwise."""
+    from learner.sequence_parallel import ATTENTION, check_sequence_parallel, sequence_group
+
+    k = cfg.compute.sequence_parallel
+    sp = sequence_group(dist.get_rank(), dist.get_world_size(), k)
+    why = check_sequence_parallel(model, sp)
+    if why is not None:
+        raise ConfigError(
+            f"learner.compute.sequence_parallel = {k}: the attention of {type(model).__name__} cannot be split over "
+            f"{k} ranks ({why}); set learner.compute.sequence_parallel = 1, or a k that divides its key-value "
+            "heads (docs/learner.md)"
+        )
+    if leader:
+        log.info(
+            "learner.compute.sequence_parallel = %d: each micro-batch one packed row split over %d ranks (attention "
+            "%s, an all-to-all over heads); %d data-parallel group(s)",
+            k,
+            k,
+            ATTENTION,
+            sp.dp,
+        )
+
+
 def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
     """Every rank builds the same models (the leader first builds the tiny model's folder)."""
     if leader or cfg.model != "tiny":
@@ -60,10 +86,14 @@ def build_policy(cfg: LearnerConfig, leader: bool) -> Policy:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vocab = model.get_input_embeddings().num_embeddings
     check_output_head(model)  # chunked log-probs need logits = lm_head(last hidden state)
-    if cfg.compute.packing:
+    k = cfg.compute.sequence_parallel
+    if k > 1:
+        _split_attention(model, cfg, leader)
+    elif cfg.compute.packing:
         _check_packing(model, cfg, leader)
     shared = (
         cfg.compute.shared_prompt
+        and k == 1
         and not cfg.compute.packing
         and not cfg.compute.gradient_checkpointing
         and not cfg.critic.enabled

@@ -46,27 +46,43 @@ def write_checksum(module: torch.nn.Module, path: Path, step: int) -> None:
 
 
 class RankShare:
-    """This process's share of a batch: rank ``rank`` of ``world`` data-parallel ranks, whose collectives
-    run on ``device``. Every rank holds the whole batch and trains the samples of its groups (group i on
-    rank i mod ``world``); what a rank computes of its samples alone is summed (or ``op``) over ranks."""
+    """This process's share of a batch: data-parallel rank ``rank`` of ``world``, whose collectives run on
+    ``device``. Every rank holds the whole batch and trains the samples of its groups (group i on data-parallel
+    rank i mod ``world``); what a rank computes of its samples alone is summed (or ``op``) over ranks.
 
-    def __init__(self, rank: int, world: int, device):
-        self.rank, self.world, self.device = rank, world, device
+    With sequence parallelism (learner/sequence_parallel.py) the ``scale`` ranks of the world are ``world``
+    data-parallel ranks of ``scale // world`` each: the ranks of one sequence-parallel group compute the same
+    numbers of the same samples, so sums run over ``group`` (the data-parallel ranks with this rank's place in
+    its group); DeepSpeed averages gradients over all ``scale`` ranks, each of which holds part of its group's
+    gradient, so every loss is multiplied by ``scale``."""
+
+    def __init__(self, rank: int, world: int, device, group=None, scale: int | None = None):
+        self.rank, self.world, self.device, self.group = rank, world, device, group
+        self.scale = world if scale is None else scale
 
     def owns(self, groups: torch.Tensor) -> torch.Tensor:
         """Which of the samples of ``groups`` (their group index) this rank trains."""
         return groups % self.world == self.rank
 
     def reduce(self, values: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
-        """``values`` summed (or ``op``) over ranks."""
+        """``values`` summed (or ``op``) over data-parallel ranks."""
         if self.world == 1 or not values:
             return values
+        return self._all_reduce(values, op, self.group)
+
+    def everywhere(self, values: dict[str, float], op=dist.ReduceOp.MAX) -> dict[str, float]:
+        """``values`` reduced with ``op`` over every rank of the world (sequence-parallel ones included)."""
+        if self.scale == 1 or not values:
+            return values
+        return self._all_reduce(values, op, None)
+
+    def _all_reduce(self, values: dict[str, float], op, group) -> dict[str, float]:
         t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=group)
         return dict(zip(values, t.tolist()))
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over ranks, on the CPU (with several ranks; callers skip it with one)."""
+        """``t`` summed over data-parallel ranks, on the CPU (with several ranks; callers skip it with one)."""
         t = t.to(self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.cpu()

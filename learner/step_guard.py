@@ -85,7 +85,7 @@ class StepGuard:
         norm = self.engine.get_global_grad_norm()
         if norm is not None:
             return float(norm)
-        return local if self.ranks.world == 1 else None
+        return local if self.ranks.scale == 1 else None
 
     def skip_reason(
         self, loss_finite: bool, value_loss_finite: bool = True, norms: tuple[float | None, float | None] = (None, None)
@@ -100,6 +100,6 @@ class StepGuard:
         flags = {"loss": float(not loss_finite), "gradient norm": bad(norms[0])}
         if self.critic is not None:
             flags.update({"value loss": float(not value_loss_finite), "critic gradient norm": bad(norms[1])})
-        flags = self.ranks.reduce(flags, dist.ReduceOp.MAX)
+        flags = self.ranks.everywhere(flags, dist.ReduceOp.MAX)
         bad = [k for k, v in flags.items() if v]
         return f"non-finite {' and '.join(bad)}" if bad else None

@@ -40,6 +40,7 @@ class StepInputs:
                     False,
                     self.forwards.shared,
                     self.forwards.packed,
+                    sp=self.forwards.sp,
                 )
                 width = mb.loss_mask.shape[1]
                 logp[part, :width], outside[part, :width] = lp.logp.cpu(), lp.outside.cpu()
@@ -63,6 +64,7 @@ class StepInputs:
                     False,
                     self.forwards.shared,
                     self.forwards.packed,
+                    sp=self.forwards.sp,
                 )
                 both = mb.loss_mask.bool() & ~old[1][part, :width] & ~ref.outside.cpu()
                 est = kl_estimate(old[0][part, :width], ref.logp.cpu(), self.cfg.regularization.kl_estimator)

@@ -84,7 +84,7 @@ class MicroBatchLoss:
             float(b.loss_mask[rows].sum()),
             self.sequences(b, rows, old),
             float(self.cfg.loss_scale),
-            ranks=self.ranks.world,
+            ranks=self.ranks.scale,
         )
         return norm, replace(norm, sequences=float((b.loss_mask[rows].sum(-1) > 0).sum()))
 
@@ -111,7 +111,7 @@ class MicroBatchLoss:
 
     def micro_batch(self, b: Batch, part: torch.Tensor, transform, old, norm, every, acc: Accumulated) -> None:
         """The loss terms and backward of the micro-batch ``part``, added to ``acc``."""
-        cfg, world = self.cfg, self.ranks.world
+        cfg, world = self.cfg, self.ranks.scale  # the loss was multiplied by it (Normalisers.ranks)
         mb = b.select(part).to(self.ranks.device)
         mask = mb.loss_mask
         lp = batch_logprobs(
@@ -122,6 +122,7 @@ class MicroBatchLoss:
             True,
             self.forwards.shared,
             self.forwards.packed,
+            sp=self.forwards.sp,
         )
         if old is None:  # one update per batch, nothing needed π_old first (old_logprobs_up_front): this forward's
             old_logp, outside = lp.logp.detach(), lp.outside
@@ -163,6 +164,7 @@ class MicroBatchLoss:
                 False,
                 self.forwards.shared,
                 self.forwards.packed,
+                sp=self.forwards.sp,
             )
         both = (valid * ~ref.outside).bool()  # the estimator is defined where both log-probs are
         return aggregate(
@@ -187,7 +189,7 @@ class MicroBatchLoss:
         )
         acc.value_finite = acc.value_finite and bool(torch.isfinite(vloss.detach()))
         self.critic.backward(vloss)
-        acc.totals["value_loss"] += float(vloss.detach()) / self.ranks.world
+        acc.totals["value_loss"] += float(vloss.detach()) / self.ranks.scale
         acc.totals["value_clipped"] += v["clipped"]
 
     def empty_backward(self, transform) -> None:

@@ -53,6 +53,11 @@ class Learner:
         announce_key = announce_signer(cfg.announce_auth, cfg.announce_key_file)  # signs every announcement
         weights_key = read_weights_key(cfg.weights.auth, cfg.weights.key_file, cfg.weights.transport)  # a listener
         self.rank, self.world = init_distributed()  # one process, or one rank of torchrun / the deepspeed launcher
+        if self.world % cfg.compute.sequence_parallel:
+            raise ValueError(
+                f"learner.compute.sequence_parallel ({cfg.compute.sequence_parallel}) must divide the learner's "
+                f"{self.world} ranks (data-parallel groups of it)"
+            )
         if cfg.batch.groups % self.world:
             raise ValueError(f"learner.batch.groups ({cfg.batch.groups}) must be a multiple of the {self.world} ranks")
         self.r = connect_redis(cfg.redis_url)

@@ -34,6 +34,7 @@ from learner.config import NEEDS_CRITIC, LearnerConfig
 from learner.correction import REJECTING
 from learner.data import Batch, Forwards, collate, trained_rewards
 from learner.ranks import RankShare
+from learner.sequence_parallel import sequence_group
 from learner.step_diagnostics import batch_diagnostics, critic_diagnostics, optimizer_step_diagnostics
 from learner.step_guard import StepGuard
 from learner.step_inputs import StepInputs
@@ -94,7 +95,8 @@ def old_logprobs_up_front(cfg: LearnerConfig, reference: bool, transform: tuple 
 class PolicyUpdate:
     """The trained ``engine`` (DeepSpeed), and with ``kl_coef`` > 0 a frozen ``reference`` model, with
     ``learner.critic`` the ``critic`` (a DeepSpeed engine of a learner/critic.py ValueModel), trained on
-    the same micro-batches; this process is rank ``rank`` of ``world`` data-parallel ranks.
+    the same micro-batches; this process is rank ``rank`` of ``world`` ranks (data-parallel, or with
+    ``learner.compute.sequence_parallel`` = k, data-parallel groups of k: learner/sequence_parallel.py).
 
     Its collaborators: learner/step_inputs.py (π_old, the KL in the reward, the critic's targets, before
     the first update), learner/step_loss.py (the micro-batches' losses and backwards),
@@ -104,17 +106,21 @@ class PolicyUpdate:
         self, engine, cfg: LearnerConfig, pad_id: int, reference=None, rank: int = 0, world: int = 1, critic=None
     ):
         self.engine, self.cfg, self.pad_id, self.reference, self.critic = engine, cfg, pad_id, reference, critic
-        self.rank, self.world = rank, world
         self.device = engine.device
         self.shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch split: the same on every rank
-        self.ranks = RankShare(rank, world, self.device)
         # each group's prompt computed once for its samples (learner/logprobs.py); build_policy turns it off
         # for a model that fails its start-up check (shared_prompt below). The critic computes whole rows
         # on the policy's micro-batches: with a critic, whole rows for both. Packing (learner/packing.py)
-        # takes precedence: every micro-batch one packed row, for the policy, the reference and the critic
-        packed = cfg.compute.packing
+        # takes precedence: every micro-batch one packed row, for the policy, the reference and the critic.
+        # Sequence parallelism (learner/sequence_parallel.py): packed rows, each split over k ranks; the
+        # data-parallel ranks are the groups of k
+        k = cfg.compute.sequence_parallel
+        sp = sequence_group(rank, world, k) if k > 1 else None
+        self.rank, self.world = (sp.dp_rank, sp.dp) if sp else (rank, world)
+        self.ranks = RankShare(self.rank, self.world, self.device, sp.dp_group if sp else None, world)
+        packed = cfg.compute.packing or sp is not None
         shared = cfg.compute.shared_prompt and not packed and not cfg.compute.gradient_checkpointing and critic is None
-        self.forwards = Forwards(cfg.compute.micro_batch_tokens, shared, packed)
+        self.forwards = Forwards(cfg.compute.micro_batch_tokens * k, shared, packed, sp)
         self.inputs = StepInputs(engine, cfg, self.ranks, self.forwards, reference, critic)
         self.losses = MicroBatchLoss(engine, cfg, self.ranks, pad_id, self.forwards, reference, critic)
         self.guard = StepGuard(engine, critic, self.ranks)

@@ -307,6 +307,12 @@ def _validate_all(broker: dict, reward: dict, learner: dict, generator: dict, ra
     batch = checked["learner"].batch.groups
     if batch % ranks:
         raise UsageError(f"learner.batch.groups ({batch}) must be a multiple of --learner-ranks ({ranks})")
+    k = checked["learner"].compute.sequence_parallel
+    if ranks % k:
+        raise UsageError(
+            f"learner.compute.sequence_parallel ({k}) must divide --learner-ranks ({ranks}): the ranks are "
+            f"data-parallel groups of {k}, each sequence split over one group"
+        )
     return checked
 
 

@@ -234,12 +234,27 @@ class TorchBackend(HFText):
                 own[k].copy_(t)
         return False
 
+    def _check_context(self, prompt: int, budget: int) -> None:
+        """Refuse a prompt + generation budget past the model's context (its position embeddings): the
+        positions beyond it were never trained (or do not exist), and the KV cache would outgrow it."""
+        cfg = (
+            self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        )
+        context = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(context, int) and prompt + budget > context:
+            raise ValueError(
+                f"a prompt of {prompt} tokens + generator.sampling.max_tokens ({budget}) is more than the model's "
+                f"context of {context} positions: lower generator.sampling.max_tokens to {max(context - prompt, 0)} "
+                "or less, or shorten the prompts (broker.dataset.max_prompt_tokens; docs/datasets.md)"
+            )
+
     @torch.inference_mode()
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
     ) -> list[list[Completion]]:
         n = sampling.n
         P = max(len(p) for p in prompts)
+        self._check_context(P, sampling.max_tokens)
         ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), P), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding

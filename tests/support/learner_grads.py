@@ -5,7 +5,9 @@ compare k micro-batches, and 2 ranks, with one piece on one rank.
     python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/OPTION[+OPTION]]] ...
 
 OPTION: checkpointing (activation checkpointing), whole (no shared-prompt forward), packed (packed
-micro-batches, learner.compute.packing).
+micro-batches, learner.compute.packing), separate (π_old by a forward of its own), sp (every rank in one
+sequence-parallel group, learner.compute.sequence_parallel = ranks: the cases without a critic; the others'
+entries are null).
     torchrun --standalone --nproc_per_node 2 -m tests.support.learner_grads OUT LABEL=... ...
 
 The optimizer is plain SGD (no clipping), so the gradient is read back from the weight change:
@@ -54,6 +56,7 @@ def run(
     whole: bool = False,
     packed: bool = False,
     separate: bool = False,
+    sp: bool = False,
 ) -> None:
     """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``, ``packed``
     micro-batches, π_old by a ``separate`` forward) through every case; results under ``label``."""
@@ -81,6 +84,7 @@ def run(
             "shared_prompt": not whole,  # whole: every sample computed whole, micro-batches by length alone
             "packing": packed,
             "old_logprobs_from_loss": not separate,  # separate: π_old by a forward of its own in every case
+            "sequence_parallel": world if sp else 1,
         },
     )
     base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
@@ -88,6 +92,10 @@ def run(
         load_model(base)
     dist.barrier()
     model, _ = load_model(base, build=False)
+    if sp:
+        from learner.sequence_parallel import check_sequence_parallel, sequence_group
+
+        assert check_sequence_parallel(model, sequence_group(rank, world, world)) is None
     base.critic.enabled, base.critic.deepspeed = True, base.deepspeed
     value_model = build_value_model(model, base)
     torch.nn.init.normal_(value_model.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
@@ -111,6 +119,9 @@ def run(
         )
         assert (cfg.optim.minibatches, cfg.advantages.estimator) == (minibatches, advantage)
         trains_critic = advantage in NEEDS_CRITIC
+        if sp and trains_critic:  # not with sequence parallelism (LearnerConfig refuses it)
+            diags.append(None)
+            continue
         update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world, critic=critic if trains_critic else None)
         before = weights(engine)
         critic_before = weights(critic) if trains_critic else {}
@@ -135,7 +146,7 @@ if __name__ == "__main__":
         tokens, _, rest = setting.partition("/")
         stage, _, extra = rest.partition("/")
         options = set(extra.split("+")) - {""}
-        flags = ("checkpointing", "whole", "packed", "separate")
+        flags = ("checkpointing", "whole", "packed", "separate", "sp")
         assert options <= set(flags), options
         run(a.out, name, int(tokens), int(stage or 0), *(o in options for o in flags))
     from learner.engine import close_distributed

@@ -54,7 +54,7 @@ def test_every_field_of_every_service_is_listed_with_its_default_and_description
             if f.description:
                 assert " ".join(f.description.split())[:40].replace("|", "\\|") in rows[path], path
             n += 1
-    assert n > 150 and "`generator.sampling.max_tokens` | int | `8` | ≥ 1, ≤ 32768" in text
+    assert n > 150 and "`generator.sampling.max_tokens` | int | `8` | ≥ 1, ≤ 1048576" in text
     assert "`learner.publish.keep_versions` | int | `4` | ≥ 1" in text
 
 

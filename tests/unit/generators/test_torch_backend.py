@@ -140,3 +140,15 @@ def test_rows_that_stop_early_leave_the_decode_batch_and_the_others_keep_their_e
             logits = backend.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
         want = torch.log_softmax(logits / sampling.temperature, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_generations_go_up_to_the_models_context_and_no_further(backend):
+    """max_tokens follows the model: the tiny model's 64 positions take a 5-token prompt and 59 new tokens
+    (the KV cache grows with them); one more is refused, naming the setting and its largest value."""
+    prompt = backend.encode("473=")
+    assert len(prompt) == 5
+    sampling = SamplingConfig(n=1, temperature=1.0, max_tokens=59)
+    (done,) = backend.generate([prompt], sampling, seed=1)
+    assert 1 <= len(done[0].token_ids) <= 59
+    with pytest.raises(ValueError, match=r"5 tokens \+ generator.sampling.max_tokens \(60\).*context of 64.*to 59"):
+        backend.generate([prompt], sampling.model_copy(update={"max_tokens": 60}), seed=1)

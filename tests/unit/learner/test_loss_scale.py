@@ -69,3 +69,26 @@ def test_a_sequence_that_could_never_fit_a_micro_batch_is_refused_before_start_n
     assert LearnerConfig(batch={"max_prompt_tokens": 100_000}).compute.micro_batch_tokens == 8192  # budget unknown
     # the prompts unknown (a run recorded before them, resumed: deploy/launcher/resume.py): not refused
     assert LearnerConfig(batch={"max_completion_tokens": 100_000}).loss_scale == 100_000
+    # or split the sequence over ranks: each of k holds ⌈9216 / k⌉ tokens
+    with pytest.raises(
+        ConfigError, match=r"or split each sequence over ranks with learner.compute.sequence_parallel = 2"
+    ):
+        load_config(LearnerConfig, overrides={"batch": long}, environ={})
+    assert LearnerConfig(batch=long, compute={"sequence_parallel": 2}).compute.micro_batch_tokens == 8192
+    with pytest.raises(ConfigError, match=r"4608 tokens per rank over learner.compute.sequence_parallel = 2.*to 4608"):
+        load_config(
+            LearnerConfig,
+            overrides={"batch": long, "compute": {"sequence_parallel": 2, "micro_batch_tokens": 4096}},
+            environ={},
+        )
+
+
+def test_sequence_parallelism_refuses_a_critic_and_keeps_the_old_spelling():
+    with pytest.raises(ConfigError, match="sequence_parallel = 2 with learner.critic.enabled"):
+        load_config(
+            LearnerConfig,
+            overrides={"compute": {"sequence_parallel": 2}, "critic": {"enabled": True}},
+            environ={},
+        )
+    # the spelling, learner.sequence_parallel, is the section's key (with a warning)
+    assert load_config(LearnerConfig, overrides={"sequence_parallel": 2}, environ={}).compute.sequence_parallel == 2
