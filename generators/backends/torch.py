@@ -6,7 +6,6 @@ adapter parameters, version after version (generators/backends/torch_lora.py).""
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
@@ -17,10 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import DynamicCache
 
-from broker.protocol.hfcache import cache_kwarg
-from broker.protocol.sampling import sample, sampling_logprobs
 from broker.protocol.weightstore import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
@@ -30,6 +26,7 @@ from broker.protocol.weightstore import (
 )
 from generators.backends.base import Completion, HFText, StepHook
 from generators.backends.torch_attention import attn_implementation
+from generators.backends.torch_decode import decode, grouped, prefill
 from generators.backends.torch_lora import adapter_settings, attach_adapter, base_layer_name, copy_adapter
 from generators.config import SamplingConfig, TorchBackendConfig
 
@@ -248,87 +245,21 @@ class TorchBackend(HFText):
                 "or less, or shorten the prompts (broker.dataset.max_prompt_tokens; docs/datasets.md)"
             )
 
+    def _tick(self) -> None:
+        """Before each decode step: the heartbeat (``alive``), then the configured stand-in latency."""
+        self.alive()
+        if self.cfg.step_latency_s:
+            time.sleep(self.cfg.step_latency_s)
+
     @torch.inference_mode()
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
     ) -> list[list[Completion]]:
-        n = sampling.n
-        P = max(len(p) for p in prompts)
-        self._check_context(P, sampling.max_tokens)
-        ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), P), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, P - len(p) :] = torch.tensor(p)
-            attn[i, P - len(p) :] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        self._check_context(max(len(p) for p in prompts), sampling.max_tokens)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         version = on_step() if on_step is not None else -1
-        # one prefill per prompt, then its KV cache is copied to the n rows of its group (row i*n+j is
-        # sample j of prompt i): the group's prompt is computed once, not n times
-        # the cache is ours, filled in place by every forward (never read back from the output, whose field
-        # name also changed across transformers versions)
-        past = DynamicCache(config=self.model.config)
-        kv = {cache_kwarg(self.model): past}
-        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
-            kv["logits_to_keep"] = 1  # the prefill's last position only: not [prompts, P, vocab] of logits
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **kv)
-        kv.pop("logits_to_keep", None)
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)
-        if n > 1:
-            past.batch_repeat_interleave(n)
-        attn, pos = attn.repeat_interleave(n, dim=0), pos.repeat_interleave(n, dim=0)
-        B = attn.shape[0]
-        next_pos = pos[:, -1] + 1
-        tokens = torch.zeros((B, sampling.max_tokens), dtype=torch.long, device=self.device)
-        lps = torch.zeros((B, sampling.max_tokens), device=self.device)
-        stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # row i ended on the EOS token
-        lengths = torch.full((B,), sampling.max_tokens, dtype=torch.long, device=self.device)
-        versions = [version] * sampling.max_tokens  # version of the forward pass that gave token t's logits
-        # the decode batch holds the rows still sampling (``rows``: their index in the result); a finished
-        # row is dropped from it, and from the KV cache, once a quarter of the batch has finished: a step's
-        # decode costs what its live rows cost, and the cache is compacted a few times per call, not per row
-        rows = torch.arange(B, device=self.device)
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)  # per row of the decode batch
-        for t in range(sampling.max_tokens):
-            self.alive()
-            if self.cfg.step_latency_s:
-                time.sleep(self.cfg.step_latency_s)
-            logp = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            tok = sample(logp, gen)
-            tokens[rows, t] = tok
-            lps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
-            just_done = (~done) & (tok == self.eos_token_id)
-            lengths[rows[just_done]] = t + 1
-            stopped[rows[just_done]] = True
-            done |= just_done
-            if bool(done.all()) or t == sampling.max_tokens - 1:
-                break
-            if 4 * int(done.sum()) >= len(rows):
-                keep = (~done).nonzero().squeeze(-1)
-                past.batch_select_indices(keep)
-                rows, done, tok, attn, next_pos = rows[keep], done[keep], tok[keep], attn[keep], next_pos[keep]
-            tok = tok.masked_fill(done, self.pad_token_id)
-            attn = torch.cat([attn, (~done).long()[:, None]], dim=1)
-            if on_step is not None:  # a new version may load here: the next token's logits use it (the KV
-                version = on_step()  # cache of earlier tokens stays as the old weights computed it)
-                versions[t + 1 :] = [version] * (sampling.max_tokens - t - 1)
-            out = self.model(
-                input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None], use_cache=True, **kv
-            )
-            logits = out.logits[:, -1]
-            next_pos = next_pos + 1
-        tokens, lps, stopped, lengths = tokens.cpu(), lps.cpu(), stopped.cpu(), lengths.cpu()
-        result: list[list[Completion]] = []
-        for i in range(B):
-            L = int(lengths[i])
-            c = Completion(
-                tokens[i, :L].tolist(),
-                lps[i, :L].tolist(),
-                "stop" if bool(stopped[i]) else "length",
-                versions[:L] if on_step is not None else None,
-            )
-            if i % n == 0:
-                result.append([])
-            result[-1].append(c)
-        return result
+        batch = prefill(self.model, prompts, sampling.n, self.pad_token_id, self.device)
+        out = decode(
+            self.model, batch, sampling, gen, self.eos_token_id, self.pad_token_id, self._tick, on_step, version
+        )
+        return grouped(out, sampling.n, with_versions=on_step is not None)
