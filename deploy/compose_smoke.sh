@@ -16,8 +16,8 @@
 #  8. SMOKE_LEARNER=nodes (make compose-smoke-nodes): the learner as two torchrun nodes, learner-0 and learner-1
 #     (deploy/compose/learner-nodes.yml, with the http transport): after step 7, learner-1's process is killed
 #     (SIGKILL from the host, a crash its restart policy answers), the job must start again on both nodes from
-#     its checkpoint, publish further versions and finish its steps, with the audit's lost 0 and trained
-#     twice 0;
+#     its checkpoint (learner-0's log since the kill has the leader's resume line), publish 5 more versions
+#     and finish its steps, with the audit's lost 0 and trained twice 0;
 #  9. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
 set -euo pipefail
 
@@ -165,16 +165,28 @@ fi
 state() { "$VENV/bin/relay" status --url "$URL" --json 2>/dev/null | "$VENV/bin/python" -c "import json, sys; print(json.load(sys.stdin)$1)"; }
 before=$(state "['learner_version']")
 pid=$(docker inspect --format '{{.State.Pid}}' "$(docker compose ps -q learner-1)")
-log "killing learner-1 (host pid $pid) at learner version $before"
+since=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+log "killing learner-1 (host pid $pid: the container's first process, so its rank dies with it) at learner version $before"
 kill -9 "$pid"
+# recovered: learner-1 restarted, and the job's leader (on learner-0) started again from a checkpoint (its log
+# since the kill has the resume line; versions published before the job noticed the crash do not count) ...
 deadline=$(( $(date +%s) + WAIT_S ))
+resumed=""
 until [ "$(docker inspect --format '{{.RestartCount}}' "$(docker compose ps -aq learner-1)")" -ge 1 ] &&
-      [ "$(state "['learner_version']" || echo 0)" -ge $(( before + 5 )) ]; do
-  if [ "$(date +%s)" -ge "$deadline" ]; then log "the job did not recover in ${WAIT_S}s"; exit 1; fi
+      resumed=$(docker compose logs --no-color --since "$since" learner-0 | grep -o "resumed from checkpoint at step [0-9]*" | tail -n 1) &&
+      [ -n "$resumed" ]; do
+  if [ "$(date +%s)" -ge "$deadline" ]; then log "the job did not start again from a checkpoint in ${WAIT_S}s"; exit 1; fi
   sleep 5
 done
-log "learner-1 restarted; the job trains again: version $(state "['learner_version']")"
-docker compose logs --no-color learner-0 learner-1 | grep -E "relay learner: node|resumed from checkpoint" | tail -n 8
+docker compose logs --no-color --since "$since" learner-0 learner-1 |
+  grep -E "relay learner: node|failed \(exitcode|Connection closed by peer|resumed from checkpoint|(published initial|continuing from announced) version" | cut -c1-240 || true
+# ... and it publishes again: 5 versions past the one announced when it resumed
+resumed_at=$(state "['learner_version']")
+until [ "$(state "['learner_version']" || echo 0)" -ge $(( resumed_at + 5 )) ]; do
+  if [ "$(date +%s)" -ge "$deadline" ]; then log "the job did not publish again in ${WAIT_S}s"; exit 1; fi
+  sleep 5
+done
+log "learner-1 restarted; the job $resumed and trains again: version $(state "['learner_version']") (${resumed_at} when it resumed)"
 until [ "$(docker inspect --format '{{.State.Status}}' "$(docker compose ps -aq learner-0)")" = exited ]; do
   if [ "$(date +%s)" -ge "$deadline" ]; then log "the learner did not finish its $RELAY_STEPS steps in time"; exit 1; fi
   sleep 5
