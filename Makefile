@@ -101,8 +101,9 @@ compose-smoke: $(STAMP)
 	VENV=$(VENV) SMOKE_WEIGHTS=$(SMOKE_WEIGHTS) deploy/compose_smoke.sh
 
 # the same with the learner as two torchrun nodes, learner-0 and learner-1 (deploy/compose/learner-nodes.yml, the
-# http transport): then learner-1 is killed, and the job must start again from its checkpoint and finish its
-# steps with the audit's lost 0 and trained twice 0 (docs/deploy.md, "A learner across nodes")
+# http transport): then learner-1 is killed, then learner-0; after each the job must start again from its
+# checkpoint, and it must finish its steps with the audit's lost 0 and trained twice 0 (docs/deploy.md, "A learner
+# across nodes")
 compose-smoke-nodes: $(STAMP)
 	VENV=$(VENV) SMOKE_WEIGHTS=http SMOKE_LEARNER=nodes deploy/compose_smoke.sh
 

@@ -261,8 +261,8 @@ def _add_bench(sub) -> None:
         "names",
         nargs="*",
         metavar="NAME",
-        help="codec, ingest, ingest_scaling, weight_sync, overlap, async_speedup, generator, learner, "
-        "learner_memory, learner_forwards, long_context (default: all)",
+        help="codec, ingest, ingest_scaling, weight_sync, fanout, overlap, async_speedup, generator, learner, "
+        "learner_memory, learner_forwards, long_context; peer by name only (default: all)",
     )
     bench.add_argument("--quick", action="store_true", help="tiny sizes, seconds (no vLLM rows unless --vllm)")
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")

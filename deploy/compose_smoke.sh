@@ -14,10 +14,11 @@
 #  7. wait until both generators report >= 3 applied weight versions through the dashboard API (http:
 #     and that no generator container mounts a volume and each fetched its versions over HTTP);
 #  8. SMOKE_LEARNER=nodes (make compose-smoke-nodes): the learner as two torchrun nodes, learner-0 and learner-1
-#     (deploy/compose/learner-nodes.yml, with the http transport): after step 7, learner-1's process is killed
-#     (SIGKILL from the host, a crash its restart policy answers), the job must start again on both nodes from
-#     its checkpoint, publish further versions and finish its steps, with the audit's lost 0 and trained
-#     twice 0;
+#     (deploy/compose/learner-nodes.yml, with the http transport): after step 7, learner-1's process is killed,
+#     then learner-0's (the rendezvous' host; SMOKE_KILL names them; SIGKILL from the host, a crash its restart
+#     policy answers): after each the job must start again on both nodes from its checkpoint (learner-0's log
+#     since the kill has the leader's resume line) and publish 5 more versions; at the end it has finished its
+#     steps, with the audit's lost 0 and trained twice 0;
 #  9. docker compose down -v. Exits non-zero on any failure (and prints the services' logs).
 set -euo pipefail
 
@@ -119,7 +120,7 @@ case "$SMOKE_LEARNER/$SMOKE_WEIGHTS" in
   *) log "SMOKE_LEARNER must be one or nodes (nodes with SMOKE_WEIGHTS=http), not $SMOKE_LEARNER/$SMOKE_WEIGHTS"; exit 2 ;;
 esac
 log "weight transport: $SMOKE_WEIGHTS ($COMPOSE_FILE)"
-export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE" RELAY_STEPS=${RELAY_STEPS:-$([ "$SMOKE_LEARNER" = nodes ] && echo 400 || echo 300)}
+export RELAY_BASE_IMAGE="$BASE_IMAGE" RELAY_REDIS_IMAGE="$BASE_IMAGE" RELAY_STEPS=${RELAY_STEPS:-$([ "$SMOKE_LEARNER" = nodes ] && echo 600 || echo 300)}
 export RELAY_DASHBOARD_PORT=${RELAY_DASHBOARD_PORT:-$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 log "docker compose build"
 docker compose build
@@ -160,21 +161,39 @@ if [ "$SMOKE_WEIGHTS" = http ]; then
 fi
 [ "$SMOKE_LEARNER" = nodes ] || exit 0
 
-# 8. the learner as two nodes: kill node 1's process (a crash: its restart policy answers it), then the job must
-#    start again on both nodes from its checkpoint and finish its steps with nothing lost or trained twice
+# 8. the learner as two nodes: kill each node in turn (SMOKE_KILL, default learner-1, then learner-0, the rendezvous
+#    host; a crash each: the restart policy answers it); after each kill the job must start again on both nodes
+#    from its checkpoint, and at the end have finished its steps with nothing lost or trained twice
 state() { "$VENV/bin/relay" status --url "$URL" --json 2>/dev/null | "$VENV/bin/python" -c "import json, sys; print(json.load(sys.stdin)$1)"; }
-before=$(state "['learner_version']")
-pid=$(docker inspect --format '{{.State.Pid}}' "$(docker compose ps -q learner-1)")
-log "killing learner-1 (host pid $pid) at learner version $before"
-kill -9 "$pid"
+kill_node() {
+  local node=$1 before restarts pid since resumed resumed_at deadline
+  before=$(state "['learner_version']")
+  restarts=$(docker inspect --format '{{.RestartCount}}' "$(docker compose ps -aq "$node")")
+  pid=$(docker inspect --format '{{.State.Pid}}' "$(docker compose ps -q "$node")")
+  since=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  log "killing $node (host pid $pid: the container's first process, so its rank dies with it) at learner version $before"
+  kill -9 "$pid"
+  # recovered: the node restarted, and the job's leader (on learner-0) started again from a checkpoint (its log
+  # since the kill has the resume line; versions published before the job noticed the crash do not count) ...
+  deadline=$(( $(date +%s) + WAIT_S ))
+  until [ "$(docker inspect --format '{{.RestartCount}}' "$(docker compose ps -aq "$node")")" -gt "$restarts" ] &&
+        resumed=$(docker compose logs --no-color --since "$since" learner-0 | grep -o "resumed from checkpoint at step [0-9]*" | tail -n 1) &&
+        [ -n "$resumed" ]; do
+    if [ "$(date +%s)" -ge "$deadline" ]; then log "the job did not start again from a checkpoint in ${WAIT_S}s"; exit 1; fi
+    sleep 5
+  done
+  docker compose logs --no-color --since "$since" learner-0 learner-1 |
+    grep -E "relay learner: node|failed \(exitcode|the job failed|resumed from checkpoint|(published initial|continuing from announced) version" | cut -c1-240 || true
+  # ... and it publishes again: 5 versions past the one announced when it resumed
+  resumed_at=$(state "['learner_version']")
+  until [ "$(state "['learner_version']" || echo 0)" -ge $(( resumed_at + 5 )) ]; do
+    if [ "$(date +%s)" -ge "$deadline" ]; then log "the job did not publish again in ${WAIT_S}s"; exit 1; fi
+    sleep 5
+  done
+  log "$node restarted; the job $resumed and trains again: version $(state "['learner_version']") (${resumed_at} when it resumed)"
+}
+for node in ${SMOKE_KILL:-learner-1 learner-0}; do kill_node "$node"; done
 deadline=$(( $(date +%s) + WAIT_S ))
-until [ "$(docker inspect --format '{{.RestartCount}}' "$(docker compose ps -aq learner-1)")" -ge 1 ] &&
-      [ "$(state "['learner_version']" || echo 0)" -ge $(( before + 5 )) ]; do
-  if [ "$(date +%s)" -ge "$deadline" ]; then log "the job did not recover in ${WAIT_S}s"; exit 1; fi
-  sleep 5
-done
-log "learner-1 restarted; the job trains again: version $(state "['learner_version']")"
-docker compose logs --no-color learner-0 learner-1 | grep -E "relay learner: node|resumed from checkpoint" | tail -n 8
 until [ "$(docker inspect --format '{{.State.Status}}' "$(docker compose ps -aq learner-0)")" = exited ]; do
   if [ "$(date +%s)" -ge "$deadline" ]; then log "the learner did not finish its $RELAY_STEPS steps in time"; exit 1; fi
   sleep 5

@@ -102,8 +102,8 @@ class ProcessGroup:
 
     def restart(self, old: Child) -> Child:
         """Start ``old``'s command again under the same name, in its place (the log is appended to).
-        Whatever is left of the old process group (e.g. the workers of a killed torchrun) is
-        killed first."""
+        Whatever is left of the old process group is killed first (not a killed torchrun agent's ranks: torchrun
+        starts each in a session of its own; they get SIGTERM when their agent dies, deploy/cli.py)."""
         if old.alive():
             raise RuntimeError(f"{old.name} (pid {old.pid}) is still running")
         _signal_group(old.pid, signal.SIGKILL)
