@@ -126,7 +126,8 @@ class SGLangBackendConfig(StrictModel):
     ``/get_model_info``, ``/get_weight_version``), started by the generator (``launch.python``) or by you (``url``).
 
     Behaviour log-probs: SGLang reports log-softmax(logits / temperature) before top-k/top-p; with top-k or
-    top-p the backend asks for the top log-probs too and renormalises over the kept set (docs/generators.md).
+    top-p (not both) the backend asks for the top log-probs too and renormalises over the kept set
+    (docs/generators.md).
     The weight snapshot folder must be readable by the server under the same path (a shared volume)."""
 
     type: Literal["sglang"] = "sglang"
@@ -457,5 +458,11 @@ class GeneratorConfig(VerifyingConnection):
             raise ValueError(
                 f"in_flight='continue' needs a backend that reports where in a sequence the weights "
                 f"changed ({' or '.join(able)}); the {self.backend.type} backend supports 'finish' only"
+            )
+        if self.backend.type == "sglang" and self.sampling.top_k > 1 and self.sampling.top_p < 1.0:
+            raise ValueError(
+                "the sglang backend takes top_k or top_p, not both: SGLang 0.5.23 applies top-p to the mass "
+                "before top-k's renormalisation, the learner after it, so the behaviour log-probs would not be "
+                "the learner's (docs/generators.md)"
             )
         return self

@@ -3,21 +3,24 @@
 The server is either started by this backend (``launch.python``: SGLang's own environment, one server per
 generator, generators/backends/sglang_server.py) or by someone else (``url``). Shapes as served by SGLang
 0.5.23 (``sglang/srt/entrypoints/http_server.py``, ``sglang/srt/managers/io_struct.py``): ``/generate``
-takes ``input_ids`` (a batch), ``sampling_params`` and ``return_logprob``/``top_logprobs_num``; each answer
+takes ``input_ids`` (a batch), ``sampling_params`` and ``return_logprob``/``top_logprobs_num``; ``/model_info``
+reports ``is_generation``, ``architectures`` and ``weight_version`` (load checks them); each answer
 has ``output_ids`` and ``meta_info`` with ``output_token_logprobs`` (``[logprob, token_id, text]``),
 ``output_top_logprobs``, ``finish_reason`` and ``weight_version``.
 
 Behaviour log-probs: SGLang reports log_softmax(logits / temperature), taken before any top-k or top-p
 filter (``SGLANG_RETURN_ORIGINAL_LOGPROB`` must stay unset: it switches to pre-temperature log-probs). With
-top-k or top-p the backend also asks for the top ``top_logprobs_num`` log-probs of each position and
-renormalises over the set SGLang keeps (top-k, then top-p on what is left), which is the learner's
+top-k or top-p (one of the two: see :func:`kept_mass`) the backend also asks for the top ``top_logprobs_num``
+log-probs of each position and renormalises over the set SGLang keeps, which is the learner's
 :func:`broker.protocol.sampling.sampling_logprobs`: the log-prob of the distribution actually sampled from.
 
 Weights: ``/update_weights_from_disk`` with the version folder and its version as ``weight_version``,
 ``flush_cache`` (no radix-cache entry of the old weights is reused) and ``abort_all_requests`` (a request
-left running on the server by a client-side timeout does not hold the update back); then
-``/get_weight_version`` must report that version, and every ``/generate`` answer's ``weight_version`` is
-checked against it. The server process is never restarted: ``engine_info`` reports its PID (a launched
+left running on the server by a client-side timeout does not hold the update back); then ``/model_info``
+must report that version, and every ``/generate`` answer's ``weight_version`` is checked against it. (0.5.23
+wants ``/begin_weight_update`` ... ``/end_weight_update`` around ``/update_weights_from_tensor`` and
+``/update_weights_from_distributed`` only, not around ``/update_weights_from_disk``:
+sglang/srt/managers/scheduler_components/weight_updater.py.) The server process is never restarted: ``engine_info`` reports its PID (a launched
 server) and the version it serves.
 
 In-flight ``continue``: generation runs in chunks of ``continue_chunk_tokens`` tokens (each chunk a
@@ -45,13 +48,16 @@ class SGLangError(RuntimeError):
 
 
 def kept_mass(top: list[float], top_k: int, top_p: float) -> float:
-    """log of the probability mass SGLang samples from, given the position's top log-probs (descending,
-    temperature applied, at least ``top_k`` of them, or enough to reach ``top_p``): the first ``top_k``
-    (0: all given), then each token while the mass before it is below ``top_p``."""
-    lps = sorted(top, reverse=True)[: top_k or None]
+    """log of the probability mass SGLang 0.5.23 samples from at one position, given its top log-probs
+    (temperature applied; at least ``top_k`` of them, or all for top-p). Its rule
+    (``top_k_top_p_min_p_sampling_from_probs_torch`` in sglang/srt/layers/sampler.py): the ``top_k`` largest
+    (0: all), and of those each token whose mass before it, in the unfiltered distribution, is at most
+    ``top_p``. With one filter alone this is the learner's ``sampling_logprobs``; with both it is not (the
+    learner's top-p counts mass after top-k's renormalisation), which is why the config refuses both."""
+    lps = sorted(top, reverse=True)
     before, kept = 0.0, []
-    for lp in lps:
-        if before >= top_p:
+    for rank, lp in enumerate(lps):
+        if (top_k and rank >= top_k) or before > top_p:
             break
         kept.append(lp)
         before += math.exp(lp)
@@ -105,13 +111,24 @@ class SGLangBackend(HFText):
             self._connect(self.server.url)
         else:
             self._connect(self.cfg.url)
-        info = self._call("GET", "/get_model_info").json()
+        self._check_model(path)
+        self.update_weights(path)  # the server may have started from other weights: serve exactly this snapshot
+
+    def _check_model(self, path: str) -> None:
+        """``/model_info`` (0.5.23's name for the deprecated ``/get_model_info``): a generating model of the
+        snapshot's architecture."""
+        import json
+        from pathlib import Path
+
+        info = self._call("GET", "/model_info").json()
         if not info.get("is_generation", False):
             raise SGLangError(
                 f"the SGLang server at {self.http.base_url} serves a model that does not generate: {info}"
             )
-        log.info("SGLang server %s serves %s", self.http.base_url, info.get("model_path"))
-        self.update_weights(path)  # the server may have started from other weights: serve exactly this snapshot
+        ours = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+        if info.get("architectures") != ours:
+            raise SGLangError(f"the SGLang server serves {info.get('architectures')}, the snapshot is {ours}")
+        log.info("SGLang server %s serves %s (%s)", self.http.base_url, info.get("model_path"), ours)
 
     def close(self) -> None:
         if self.server is not None:
@@ -123,7 +140,7 @@ class SGLangBackend(HFText):
         out = self._call("POST", "/update_weights_from_disk", body).json()
         if not out.get("success", False):
             raise ValueError(f"SGLang refused the weights: {out.get('message', '')}")
-        served = self._call("GET", "/get_weight_version").json().get("weight_version")
+        served = self._call("GET", "/model_info").json().get("weight_version")
         if str(served) != version:
             raise SGLangError(f"SGLang reports weight version {served} after loading version {version}")
         self.version_label = version

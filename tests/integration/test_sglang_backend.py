@@ -23,7 +23,7 @@ def start_mock(procs, path, tmp_path, *flags):
     port = free_port()
     argv = [sys.executable, str(ROOT / "tests" / "support" / "sglang_mock_server.py"), "--model", str(path)]
     child = procs.start("sglang", [*argv, "--port", str(port), *flags], env=child_env(), cwd=str(ROOT))
-    wait_http(f"http://127.0.0.1:{port}/get_model_info", child)
+    wait_http(f"http://127.0.0.1:{port}/get_model_info", child, timeout=120)
     return f"http://127.0.0.1:{port}"
 
 
@@ -83,10 +83,14 @@ def test_kept_mass_is_the_mass_sglang_samples_from():
     assert kept_mass(lps, 0, 1.0) == pytest.approx(0.0, abs=1e-12)
     assert kept_mass(lps, 2, 1.0) == pytest.approx(math.log(0.8))
     assert kept_mass(lps, 0, 0.6) == pytest.approx(math.log(0.8))  # 0.5 < 0.6: the second token is kept too
-    assert kept_mass(lps, 0, 0.5) == pytest.approx(math.log(0.5))
-    assert kept_mass(lps, 3, 0.9) == pytest.approx(math.log(0.95))
+    assert kept_mass(lps, 0, 0.85) == pytest.approx(math.log(0.95))
+    assert kept_mass(lps, 0, 0.4) == pytest.approx(math.log(0.5))
+    assert kept_mass(lps, 3, 1.0) == pytest.approx(math.log(0.95))
 
 
-def test_top_k_top_p_and_continue_are_accepted():
-    cfg = GeneratorConfig(backend={"type": "sglang"}, sampling={"top_k": 5, "top_p": 0.9}, in_flight="continue")
-    assert cfg.backend.supports_in_flight
+def test_top_k_or_top_p_and_continue_are_accepted_top_k_with_top_p_is_not():
+    for sampling in ({"top_k": 5}, {"top_p": 0.9}, {"top_k": 1, "top_p": 0.9}):
+        cfg = GeneratorConfig(backend={"type": "sglang"}, sampling=sampling, in_flight="continue")
+        assert cfg.backend.supports_in_flight
+    with pytest.raises(ValueError, match="top_k or top_p, not both"):
+        GeneratorConfig(backend={"type": "sglang"}, sampling={"top_k": 5, "top_p": 0.9})

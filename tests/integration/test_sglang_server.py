@@ -91,7 +91,7 @@ def test_first_version_logprobs_equal_the_learners(served):
             assert_logprobs(s.model, p, c, temperature=0.8)
 
 
-@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.7), (6, 0.8)])
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.7)])
 def test_top_k_top_p_logprobs_are_of_the_distribution_sampled(served, top_k, top_p):
     s = served
     ps = prompts(s)
@@ -124,7 +124,7 @@ def test_new_versions_load_in_place(served):
         s.backend.update_weights(a.path)
         info = s.backend.engine_info()
         assert info["server_pid"] == pid and info["weight_version"] == str(v)
-        assert httpx.get(f"{info['url']}/get_weight_version").json()["weight_version"] == str(v)
+        assert httpx.get(f"{info['url']}/model_info").json()["weight_version"] == str(v)
         ps = prompts(s)
         for p, g in zip(ps, s.backend.generate(ps, SamplingConfig(n=4, temperature=1.0, max_tokens=6), seed=4)):
             for c in g:
@@ -163,3 +163,10 @@ def test_in_flight_continue_stamps_each_token_with_its_version(served):
             switched += 4 in c.versions
             assert c.finish_reason == ("stop" if c.token_ids[-1] == s.backend.eos_token_id else "length")
     assert switched > 0 and len(calls) >= 2
+
+
+def test_tensor_updates_need_a_weight_update_session(served):
+    """What 0.5.23 wants around /update_weights_from_tensor (the backend loads from disk, which needs none)."""
+    url = served.backend.engine_info()["url"]
+    r = httpx.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [], "flush_cache": False})
+    assert r.status_code == 400 and "between begin_weight_update() and end_weight_update()" in r.json()["message"]

@@ -6,7 +6,7 @@ test_sglang_server.py (make test-sglang).
 It serves the routes and JSON shapes of SGLang's native HTTP API as found in sgl-project/sglang:
 ``python/sglang/srt/entrypoints/http_server.py`` (routes ``/generate``, ``/update_weights_from_disk``
 answering ``{"success", "message", "num_paused_requests"}`` with 400 on failure, ``/flush_cache``,
-``/pause_generation``, ``/continue_generation``, ``/get_model_info``, ``/get_weight_version``,
+``/pause_generation``, ``/continue_generation``, ``/get_model_info`` and ``/model_info``,
 ``/update_weight_version``) and
 ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``: ``input_ids`` one list or a batch,
 ``sampling_params`` with ``temperature``/``max_new_tokens``/``stop_token_ids``, ``return_logprob``;
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from pathlib import Path
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -44,7 +45,8 @@ class State:
         self.lock = threading.Lock()
         self.log_path = log_path
         self.seed = 0
-        self.embedding = embedding  # /get_model_info says is_generation false
+        self.embedding = embedding  # /model_info says is_generation false
+        self.architectures = json.loads((Path(model) / "config.json").read_text())["architectures"]
 
     def log(self, route: str, body: dict) -> None:
         if self.log_path:
@@ -66,7 +68,7 @@ def make_handler(state: State):
             self.wfile.write(data)
 
         def do_GET(self):
-            if self.path == "/get_model_info":
+            if self.path in ("/get_model_info", "/model_info"):
                 self._reply(
                     200,
                     {
@@ -74,10 +76,9 @@ def make_handler(state: State):
                         "tokenizer_path": state.model_path,
                         "is_generation": not state.embedding,
                         "weight_version": state.weight_version,
+                        "architectures": state.architectures,
                     },
                 )
-            elif self.path == "/get_weight_version":
-                self._reply(200, {"weight_version": state.weight_version})
             elif self.path == "/health":
                 self._reply(200, {})
             else:

@@ -3,8 +3,10 @@
 to serve a small dense model with ``--attention-backend torch_native``: ``assign_req_to_token_pool_cpu``,
 which writes freshly allocated KV-cache slots into the request-to-token map. PyPI's ``sgl-kernel`` and
 ``sglang-kernel`` wheels are CUDA builds, so ``make sglang-env`` copies this package into SGLang's own
-environment as ``sgl_kernel`` (docs/generators.md, "SGLang on CPU"). Anything else SGLang imports from
-``sgl_kernel`` is absent and fails loudly at import, as it would without the package.
+environment as ``sgl_kernel`` (docs/generators.md, "SGLang on CPU"). ``copy_all_layer_kv_cache_cpu`` is
+imported by every KV pool module (sglang/kernels/ops/kvcache/cache_move.py) but called only to move KV slots
+(``move_kv_cache``: speculative decoding, hierarchical caches), which Relay's tiny-model server never does: here
+it raises. Anything else SGLang imports from ``sgl_kernel`` is absent and fails loudly at import.
 """
 
 from __future__ import annotations
@@ -22,3 +24,11 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
         n = end - start
         req_to_token[req, start:end] = out_cache_loc[at : at + n].to(torch.int32)
         at += n
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    """Not replaced: SGLang's kernel copies KV rows between raw buffer addresses of every layer."""
+    raise NotImplementedError(
+        "copy_all_layer_kv_cache_cpu is not in Relay's sgl_kernel stand-in (tests/support/sgl_kernel_standin): "
+        "build SGLang's CPU kernels from its source tree for KV moves"
+    )
