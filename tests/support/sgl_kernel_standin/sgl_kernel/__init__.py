@@ -3,10 +3,11 @@
 to serve a small dense model with ``--attention-backend torch_native``: ``assign_req_to_token_pool_cpu``,
 which writes freshly allocated KV-cache slots into the request-to-token map. PyPI's ``sgl-kernel`` and
 ``sglang-kernel`` wheels are CUDA builds, so ``make sglang-env`` copies this package into SGLang's own
-environment as ``sgl_kernel`` (docs/generators.md, "SGLang on CPU"). ``copy_all_layer_kv_cache_cpu`` is
-imported by every KV pool module (sglang/kernels/ops/kvcache/cache_move.py) but called only to move KV slots
-(``move_kv_cache``: speculative decoding, hierarchical caches), which Relay's tiny-model server never does: here
-it raises. Anything else SGLang imports from ``sgl_kernel`` is absent and fails loudly at import.
+environment as ``sgl_kernel`` (docs/generators.md, "SGLang on CPU"). Every other name SGLang
+imports from ``sgl_kernel`` at module level (``copy_all_layer_kv_cache_cpu``, ``build_tree_kernel_efficient_cpu``,
+... : KV moves, speculative decoding, MoE, quantisation) resolves to a stub that raises NotImplementedError when
+called: SGLang's modules import them whatever the model, and Relay's tiny-model server calls none of them (a
+call would fail loudly, naming the function).
 """
 
 from __future__ import annotations
@@ -26,9 +27,16 @@ def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, e
         at += n
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
-    """Not replaced: SGLang's kernel copies KV rows between raw buffer addresses of every layer."""
-    raise NotImplementedError(
-        "copy_all_layer_kv_cache_cpu is not in Relay's sgl_kernel stand-in (tests/support/sgl_kernel_standin): "
-        "build SGLang's CPU kernels from its source tree for KV moves"
-    )
+def __getattr__(name: str):
+    """A stub for any other kernel function: importable, raises when called."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def not_in_standin(*args, **kwargs):
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not in Relay's stand-in (tests/support/sgl_kernel_standin): only "
+            "assign_req_to_token_pool_cpu is; build SGLang's CPU kernels from its source tree for the rest"
+        )
+
+    not_in_standin.__name__ = name
+    return not_in_standin
