@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+from pathlib import Path
 
 import httpx
 
@@ -118,7 +119,6 @@ class SGLangBackend(HFText):
         """``/model_info`` (0.5.23's name for the deprecated ``/get_model_info``): a generating model of the
         snapshot's architecture."""
         import json
-        from pathlib import Path
 
         info = self._call("GET", "/model_info").json()
         if not info.get("is_generation", False):
@@ -135,15 +135,21 @@ class SGLangBackend(HFText):
             self.server.stop()
 
     def update_weights(self, path: str) -> None:
-        version = str(weightstore.read_manifest(path)["version"])
-        body = {"model_path": path, "weight_version": version, "flush_cache": True, "abort_all_requests": True}
+        """Load folder ``path`` in place, labelled with its version; a plain model folder (no weight-store
+        manifest: a benchmark's base model) keeps the label SGLang gives it."""
+        version = (
+            str(weightstore.read_manifest(path)["version"]) if (Path(path) / weightstore.MANIFEST).is_file() else None
+        )
+        body = {"model_path": path, "flush_cache": True, "abort_all_requests": True}
+        if version is not None:
+            body["weight_version"] = version
         out = self._call("POST", "/update_weights_from_disk", body).json()
         if not out.get("success", False):
             raise ValueError(f"SGLang refused the weights: {out.get('message', '')}")
-        served = self._call("GET", "/model_info").json().get("weight_version")
-        if str(served) != version:
+        served = str(self._call("GET", "/model_info").json().get("weight_version"))
+        if version is not None and served != version:
             raise SGLangError(f"SGLang reports weight version {served} after loading version {version}")
-        self.version_label = version
+        self.version_label = served
 
     def engine_info(self) -> dict:
         """The server's identity: the same ``server_pid`` across updates means the weights were applied in place."""
