@@ -44,6 +44,7 @@ def versions(redis_url, tmp_path):
     return path, pub.publish(model, model.state_dict(), 0)
 
 
+@pytest.mark.slow  # a server process of its own: left to `make test`
 def test_a_version_changed_by_another_client_is_refused(procs, tmp_path, versions):
     path, a0 = versions
     url = start_mock(procs, path, tmp_path)
@@ -57,6 +58,7 @@ def test_a_version_changed_by_another_client_is_refused(procs, tmp_path, version
         backend.generate([[1, 4, 5, 14]], SamplingConfig(n=2, max_tokens=4), seed=0)
 
 
+@pytest.mark.slow  # a server process of its own: left to `make test`
 def test_a_refused_folder_leaves_the_old_version_serving(procs, tmp_path, versions):
     path, a0 = versions
     backend = SGLangBackendConfig(url=start_mock(procs, path, tmp_path)).build()
@@ -69,6 +71,7 @@ def test_a_refused_folder_leaves_the_old_version_serving(procs, tmp_path, versio
     assert backend.engine_info()["weight_version"] == "0"
 
 
+@pytest.mark.slow  # a server process of its own: left to `make test`
 def test_a_server_whose_model_does_not_generate_is_refused(procs, tmp_path, versions):
     path, a0 = versions
     backend = SGLangBackendConfig(url=start_mock(procs, path, tmp_path, "--embedding")).build()
