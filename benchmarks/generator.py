@@ -1,7 +1,9 @@
 """generator: completion tokens/s of a ``relay generator`` process (claiming prompts from the broker's
 stream, sampling, one reward call per batch, sending each group to the broker and waiting for its
 ack) against its raw engine in this process on the same prompts with the same sampling: for the torch
-backend its batched KV-cache sampler (``TorchBackend.generate``), for vLLM ``LLM.generate``.
+backend its batched KV-cache sampler (``TorchBackend.generate``), for vLLM ``LLM.generate``, for SGLang
+(``--sglang``) a raw ``/generate`` of the same batch to an SGLang server (started from SGLang's own
+environment, as the generator starts its own).
 
 The service's rate comes from two of its heartbeats (each sent at the end of a batch: tokens so far
 and the time), after a warm-up batch. The raw engine runs before and after the service (the service
@@ -29,9 +31,19 @@ def vllm_missing() -> str | None:
     return None
 
 
+def sglang_python() -> str | None:
+    """SGLang's own interpreter (RELAY_SGLANG_PYTHON, else .cache/sglang-venv of this checkout), None without it."""
+    given = os.environ.get("RELAY_SGLANG_PYTHON") or str(
+        Path(__file__).resolve().parents[1] / ".cache/sglang-venv/bin/python"
+    )
+    return given if Path(given).is_file() else None
+
+
 def backend_config(kind: str) -> dict:
     if kind == "torch":
         return {"type": "torch"}
+    if kind == "sglang":
+        return {"type": "sglang", "launch": {"python": sglang_python()}}
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM on CPU fails at start-up without it
     return {"type": "vllm"}
 
@@ -59,17 +71,30 @@ def _raw(kind: str, path: str, prompts: list[str], batch: int, sampling, seconds
             )
             outs = backend.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
             return sum(len(o.token_ids) for r in outs for o in r.outputs)
+    elif kind == "sglang":
+
+        def gen(ids, seed):
+            params = {"temperature": sampling.temperature, "max_new_tokens": sampling.max_tokens}
+            params["stop_token_ids"] = [backend.eos_token_id]
+            rows = [p for p in ids for _ in range(sampling.n)]
+            body = {"input_ids": rows, "sampling_params": params, "return_logprob": True}
+            out = backend.http.post("/generate", json=body).raise_for_status().json()
+            return sum(len(a["output_ids"]) for a in out)
     else:
 
         def gen(ids, seed):
             return sum(len(c.token_ids) for g in backend.generate(ids, sampling, seed) for c in g)
 
-    gen(batches[0], 0)  # warm-up
-    tokens, k, t0 = 0, 0, time.perf_counter()
-    while k < 2 or time.perf_counter() - t0 < seconds:
-        tokens += gen(batches[k % len(batches)], k + 1)
-        k += 1
-    return tokens / (time.perf_counter() - t0), k
+    try:
+        gen(batches[0], 0)  # warm-up
+        tokens, k, t0 = 0, 0, time.perf_counter()
+        while k < 2 or time.perf_counter() - t0 < seconds:
+            tokens += gen(batches[k % len(batches)], k + 1)
+            k += 1
+        return tokens / (time.perf_counter() - t0), k
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()  # the SGLang server it started
 
 
 def measure(kind: str, quick: bool) -> dict:
@@ -167,8 +192,11 @@ def measure(kind: str, quick: bool) -> dict:
     )
 
 
-def run(quick: bool, include_vllm: bool = True) -> list[dict]:
+def run(quick: bool, include_vllm: bool = True, include_sglang: bool = False) -> list[dict]:
     rows = [measure("torch", quick)]
     why = vllm_missing() if include_vllm else "skipped in --quick mode (vLLM starts in ~20 s); name it to run it"
     rows.append(skipped("generator/vllm", why, "tokens/s", TARGET, "higher") if why else measure("vllm", quick))
+    if include_sglang:
+        why = None if sglang_python() else "SGLang's own environment is not built (make sglang-env)"
+        rows.append(skipped("generator/sglang", why, "tokens/s", TARGET, "higher") if why else measure("sglang", quick))
     return rows

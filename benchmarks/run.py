@@ -86,8 +86,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(names: list[str], quick: bool, vllm: bool | None = None) -> dict:
-    """Run ``names`` (all when empty). vLLM rows run unless ``quick``, or when ``vllm`` is True."""
+def run(names: list[str], quick: bool, vllm: bool | None = None, sglang: bool = False) -> dict:
+    """Run ``names`` (all when empty). vLLM rows run unless ``quick``, or when ``vllm`` is True; the SGLang
+    row only when ``sglang``."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -112,7 +113,7 @@ def run(names: list[str], quick: bool, vllm: bool | None = None) -> dict:
         try:
             mod = importlib.import_module(f"benchmarks.{name}")
             with torch_threads(1):
-                rows = mod.run(quick, include_vllm) if name in WITH_VLLM else mod.run(quick)
+                rows = mod.run(quick, include_vllm, sglang) if name in WITH_VLLM else mod.run(quick)
         except Exception as e:  # reported in the table and the JSON, and the command exits 1
             rows = [
                 {
@@ -143,14 +144,16 @@ def run(names: list[str], quick: bool, vllm: bool | None = None) -> dict:
     return report
 
 
-def main(names: list[str], quick: bool, json_path: str | None, md_path: str | None, vllm: bool | None) -> int:
+def main(
+    names: list[str], quick: bool, json_path: str | None, md_path: str | None, vllm: bool | None, sglang: bool = False
+) -> int:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         print(
             f"relay bench: unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(BENCHMARKS)}", file=sys.stderr
         )
         return 2
-    report = run(names, quick, vllm)
+    report = run(names, quick, vllm, sglang)
     table = markdown(report)
     print(table)
     if json_path:

@@ -201,7 +201,7 @@ def cmd_up(args) -> int:
 def cmd_bench(args) -> int:
     from benchmarks.run import main as run_bench
 
-    return run_bench(args.names, args.quick, args.json, args.md, args.vllm)
+    return run_bench(args.names, args.quick, args.json, args.md, args.vllm, args.sglang)
 
 
 def _stop_on_signals(fn) -> None:
@@ -272,6 +272,12 @@ def _add_bench(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run the vLLM rows (default: yes, except with --quick)",
+    )
+    bench.add_argument(
+        "--sglang",
+        action="store_true",
+        help="add the generator/sglang row: SGLang servers from SGLang's own environment (RELAY_SGLANG_PYTHON, "
+        "else .cache/sglang-venv; make sglang-env)",
     )
     bench.set_defaults(fn=cmd_bench)
 

@@ -89,19 +89,61 @@ class VLLMBackendConfig(StrictModel):
         return VLLMBackend(self)
 
 
-class SGLangBackendConfig(StrictModel):
-    """A separately started SGLang server, driven over its HTTP API (``/generate``,
-    ``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``).
+class SGLangLaunchConfig(StrictModel):
+    """An SGLang server started by the generator itself, one per generator (``python`` set), from the first
+    weight version; empty ``python``: the server at ``url`` was started by someone else."""
 
-    SGLang reports log-softmax(logits / temperature) before top-k/top-p filtering, so only
-    temperature is allowed: a top-k or top-p setting is refused at start-up (see docs/generators.md).
+    python: str = Field(
+        "",
+        description="interpreter of SGLang's own environment (make sglang-env builds .cache/sglang-venv); "
+        "set: the generator starts `python -m sglang.launch_server` on a free port and stops it at exit",
+    )
+    args: list[str] = Field(
+        default_factory=lambda: [
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--dtype",
+            "float32",
+            "--mem-fraction-static",
+            "0.05",
+            "--max-total-tokens",
+            "8192",
+            "--skip-server-warmup",
+        ],
+        description="more launch_server arguments (the default: SGLang on CPU, fp32)",
+    )
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"SGLANG_USE_CPU_ENGINE": "1"},
+        description="environment variables for the server (SGLANG_USE_CPU_ENGINE=1: SGLang's CPU engine)",
+    )
+    start_timeout_s: float = Field(600.0, gt=0, description="how long the server may take to answer")
+
+
+class SGLangBackendConfig(StrictModel):
+    """An SGLang server (0.5.23), driven over its HTTP API (``/generate``, ``/update_weights_from_disk``,
+    ``/get_model_info``, ``/get_weight_version``), started by the generator (``launch.python``) or by you (``url``).
+
+    Behaviour log-probs: SGLang reports log-softmax(logits / temperature) before top-k/top-p; with top-k or
+    top-p (not both) the backend asks for the top log-probs too and renormalises over the kept set
+    (docs/generators.md).
     The weight snapshot folder must be readable by the server under the same path (a shared volume)."""
 
     type: Literal["sglang"] = "sglang"
-    supports_in_flight: ClassVar[bool] = False  # SGLang does not report where in a sequence the version changed
-    url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang server")
+    supports_in_flight: ClassVar[bool] = True  # "continue": chunks of continue_chunk_tokens, one version each
+    url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang server (unused with launch.python)")
     timeout_s: float = Field(600.0, gt=0, description="timeout of one /generate call")
     api_key: str = Field("", description="bearer token, if the server was started with --api-key")
+    launch: SGLangLaunchConfig = Field(
+        default_factory=SGLangLaunchConfig, description="a server started by the generator itself"
+    )
+    continue_chunk_tokens: int = Field(
+        4,
+        ge=1,
+        description="in_flight='continue': tokens per /generate call; a new version is applied between calls, "
+        "so every token's version is known",
+    )
 
     def build(self) -> Backend:
         from generators.backends.sglang import SGLangBackend
@@ -417,10 +459,10 @@ class GeneratorConfig(VerifyingConnection):
                 f"in_flight='continue' needs a backend that reports where in a sequence the weights "
                 f"changed ({' or '.join(able)}); the {self.backend.type} backend supports 'finish' only"
             )
-        if self.backend.type == "sglang" and (self.sampling.top_k or self.sampling.top_p < 1.0):
+        if self.backend.type == "sglang" and self.sampling.top_k > 1 and self.sampling.top_p < 1.0:
             raise ValueError(
-                "the sglang backend supports temperature only (sampling.top_k=0, sampling.top_p=1.0): "
-                "SGLang reports log-probs before top-k/top-p filtering, not those of the distribution "
-                "sampled from"
+                "the sglang backend takes top_k or top_p, not both: SGLang 0.5.23 applies top-p to the mass "
+                "before top-k's renormalisation, the learner after it, so the behaviour log-probs would not be "
+                "the learner's (docs/generators.md)"
             )
         return self

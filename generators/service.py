@@ -300,6 +300,8 @@ class Generator:
             self.episodes.close()  # the runner, and what the environment's episodes share
         if self.weights.receiver is not None:
             self.weights.receiver.close()
+        if hasattr(self.backend, "close"):
+            self.backend.close()  # an engine server the backend started (the sglang backend's launch.python)
         if isinstance(self.sink.failure, ConfigError):
             raise self.sink.failure  # the reward service refused this generator: relay generator exits 2 with why
         if self.sink.error:

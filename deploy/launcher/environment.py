@@ -31,6 +31,7 @@ NOT_CONFIG = {
     "RELAY_SGLANG_IMAGE": "Docker Compose: the SGLang server's image",
     "RELAY_MODEL_DIR": "Docker Compose: the SGLang server's model folder",
     "RELAY_SMOLLM2": "benchmarks and tests: a SmolLM2 folder",
+    "RELAY_SGLANG_PYTHON": "tests: the interpreter of SGLang's own environment (make test-sglang)",
     "RELAY_CHAOS_SEED": "tests: the chaos test's schedule seed",
     "RELAY_FUZZ_EXAMPLES": "tests: the ingest fuzz test's examples",
     "RELAY_UPDATE_SNAPSHOTS": "tests: rewrite the pinned snapshots",

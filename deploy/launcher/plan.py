@@ -275,7 +275,8 @@ def _join(learner: dict, generator: dict, reward: dict) -> None:
     if generator.get("weights", {}).get("transport", {}).get("type") == "http":
         generator["weight_store"] = ""  # no shared folder: versions are fetched from the learner's weight server
         pin_weight_port(learner, generator, free_port)  # ...which the generators name: it gets a fixed port
-    if generator.get("backend", {}).get("type") == "vllm":  # the built-in model with heads vLLM's CPU attention runs
+    if generator.get("backend", {}).get("type") in ("vllm", "sglang"):
+        # the built-in model with heads vLLM's CPU attention runs (a Llama): the one SGLang's CPU engine was run on
         learner.setdefault("tiny", {}).setdefault("vllm_compatible", True)
     if reward.get("auth_token") and not generator.get("reward_token"):
         generator["reward_token"] = reward["auth_token"]  # the reward service's bearer token, for its callers

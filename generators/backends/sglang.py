@@ -1,31 +1,39 @@
-"""The ``sglang`` backend: a separately started SGLang server, driven over its native HTTP API.
+"""The ``sglang`` backend: an SGLang server (0.5.23), driven over its native HTTP API.
 
-Request and response shapes follow SGLang's sources (sgl-project/sglang):
-``python/sglang/srt/entrypoints/http_server.py`` (the routes: ``/generate``,
-``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
-``/get_model_info``) and ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``:
-``input_ids``, ``sampling_params``, ``return_logprob``; ``UpdateWeightFromDiskReqInput``:
-``model_path``, ``weight_version``, ``flush_cache``; ``PauseGenerationReqInput``: ``mode``). A
-``/generate`` answer per prompt carries ``output_ids`` and ``meta_info`` with
-``output_token_logprobs`` as ``[logprob, token_id, text]`` triples, ``finish_reason`` as
-``{"type": "stop" | "length", ...}`` and ``weight_version``.
+The server is either started by this backend (``launch.python``: SGLang's own environment, one server per
+generator, generators/backends/sglang_server.py) or by someone else (``url``). Shapes as served by SGLang
+0.5.23 (``sglang/srt/entrypoints/http_server.py``, ``sglang/srt/managers/io_struct.py``): ``/generate``
+takes ``input_ids`` (a batch), ``sampling_params`` and ``return_logprob``/``top_logprobs_num``; ``/model_info``
+reports ``is_generation``, ``architectures`` and ``weight_version`` (load checks them); each answer
+has ``output_ids`` and ``meta_info`` with ``output_token_logprobs`` (``[logprob, token_id, text]``),
+``output_top_logprobs``, ``finish_reason`` and ``weight_version``.
 
-Behaviour log-probs: SGLang's sampler reports log_softmax(logits / temperature), before any top-k or
-top-p filter, so this backend refuses top-k and top-p (a ValueError at the first generate) rather
-than report log-probs of a distribution that was not the one sampled from. Do not set
-``SGLANG_RETURN_ORIGINAL_LOGPROB`` on the server: it switches to pre-temperature log-probs.
+Behaviour log-probs: SGLang reports log_softmax(logits / temperature), taken before any top-k or top-p
+filter (``SGLANG_RETURN_ORIGINAL_LOGPROB`` must stay unset: it switches to pre-temperature log-probs). With
+top-k or top-p (one of the two: see :func:`kept_mass`) the backend also asks for the top ``top_logprobs_num``
+log-probs of each position and renormalises over the set SGLang keeps, which is the learner's
+:func:`broker.protocol.sampling.sampling_logprobs`: the log-prob of the distribution actually sampled from.
 
-Weights: the snapshot folder is handed to ``/update_weights_from_disk`` with its version, so the
-server must see the weight store under the same path (a shared volume). Updates happen between
-batches (the "finish" in-flight policy). "continue" is refused: SGLang can pause, load and continue,
-but its answer reports only the version at the end of a request, not where in a sequence the
-weights changed, so per-token versions could not be recorded honestly. Each answer's
-``meta_info.weight_version`` is checked against the version this backend loaded.
+Weights: ``/update_weights_from_disk`` with the version folder and its version as ``weight_version``,
+``flush_cache`` (no radix-cache entry of the old weights is reused) and ``abort_all_requests`` (a request
+left running on the server by a client-side timeout does not hold the update back); then ``/model_info``
+must report that version, and every ``/generate`` answer's ``weight_version`` is checked against it. (0.5.23
+wants ``/begin_weight_update`` ... ``/end_weight_update`` around ``/update_weights_from_tensor`` and
+``/update_weights_from_distributed`` only, not around ``/update_weights_from_disk``:
+sglang/srt/managers/scheduler_components/weight_updater.py.) The server process is never restarted: ``engine_info`` reports its PID (a launched
+server) and the version it serves.
+
+In-flight ``continue``: generation runs in chunks of ``continue_chunk_tokens`` tokens (each chunk a
+``/generate`` of prompt + tokens so far); the generator may apply a newer version between chunks, so every
+token's version is known (``Completion.versions``). ``finish``: one ``/generate`` per batch.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import math
+from pathlib import Path
 
 import httpx
 
@@ -40,94 +48,202 @@ class SGLangError(RuntimeError):
     pass
 
 
+def kept_mass(top: list[float], top_k: int, top_p: float) -> float:
+    """log of the probability mass SGLang 0.5.23 samples from at one position, given its top log-probs
+    (temperature applied; at least ``top_k`` of them, or all for top-p). Its rule
+    (``top_k_top_p_min_p_sampling_from_probs_torch`` in sglang/srt/layers/sampler.py): the ``top_k`` largest
+    (0: all), and of those each token whose mass before it, in the unfiltered distribution, is at most
+    ``top_p``. With one filter alone this is the learner's ``sampling_logprobs``; with both it is not (the
+    learner's top-p counts mass after top-k's renormalisation), which is why the config refuses both."""
+    lps = sorted(top, reverse=True)
+    before, kept = 0.0, []
+    for rank, lp in enumerate(lps):
+        if (top_k and rank >= top_k) or before > top_p:
+            break
+        kept.append(lp)
+        before += math.exp(lp)
+    m = max(kept)
+    return m + math.log(sum(math.exp(x - m) for x in kept))
+
+
 class SGLangBackend(HFText):
     name = "sglang"
-    supports_in_flight = (
-        SGLangBackendConfig.supports_in_flight
-    )  # declared with its config (the validator reads it there)
+    supports_in_flight = SGLangBackendConfig.supports_in_flight  # declared with its config (the validator reads it)
 
     def __init__(self, cfg: SGLangBackendConfig):
         self.cfg = cfg
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-        self.http = httpx.Client(base_url=cfg.url.rstrip("/"), timeout=cfg.timeout_s, headers=headers)
+        self.server = None  # a LaunchedServer when this backend started it
+        self.http: httpx.Client | None = None
         self.tokenizer = None
         self.version_label = ""
+        self.vocab_size = 0
+        self.servers_started = 0
 
-    def _post(self, route: str, body: dict) -> httpx.Response:
+    def _connect(self, url: str) -> None:
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
+        self.http = httpx.Client(base_url=url.rstrip("/"), timeout=self.cfg.timeout_s, headers=headers)
+
+    def _call(self, method: str, route: str, body: dict | None = None) -> httpx.Response:
         try:
-            resp = self.http.post(route, json=body)
+            resp = self.http.request(method, route, json=body)
         except httpx.HTTPError as e:
-            raise SGLangError(f"SGLang server {self.cfg.url}{route}: {type(e).__name__}: {e}") from e
+            raise SGLangError(f"SGLang server {self.http.base_url}{route}: {type(e).__name__}: {e}") from e
         if resp.status_code >= 400:
-            raise SGLangError(f"SGLang server {self.cfg.url}{route} answered {resp.status_code}: {resp.text[:300]}")
+            raise SGLangError(
+                f"SGLang server {self.http.base_url}{route} answered {resp.status_code}: {resp.text[:300]}"
+            )
         return resp
 
     # -- engine ---------------------------------------------------------------------------------
 
     def load(self, path: str) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_token_id = self.tokenizer.eos_token_id
-        info = self.http.get("/get_model_info").json()
-        log.info("SGLang server %s serves %s", self.cfg.url, info.get("model_path"))
+        self.vocab_size = AutoConfig.from_pretrained(path).vocab_size
+        if self.cfg.launch.python:
+            from generators.backends.sglang_server import LaunchedServer
+
+            launch = self.cfg.launch
+            self.server = LaunchedServer(launch.python, path, launch.args, launch.env, launch.start_timeout_s)
+            self.servers_started += 1
+            atexit.register(self.close)
+            self._connect(self.server.url)
+        else:
+            self._connect(self.cfg.url)
+        self._check_model(path)
         self.update_weights(path)  # the server may have started from other weights: serve exactly this snapshot
 
+    def _check_model(self, path: str) -> None:
+        """``/model_info`` (0.5.23's name for the deprecated ``/get_model_info``): a generating model of the
+        snapshot's architecture."""
+        import json
+
+        info = self._call("GET", "/model_info").json()
+        if not info.get("is_generation", False):
+            raise SGLangError(
+                f"the SGLang server at {self.http.base_url} serves a model that does not generate: {info}"
+            )
+        ours = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+        if info.get("architectures") != ours:
+            raise SGLangError(f"the SGLang server serves {info.get('architectures')}, the snapshot is {ours}")
+        log.info("SGLang server %s serves %s (%s)", self.http.base_url, info.get("model_path"), ours)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
     def update_weights(self, path: str) -> None:
-        version = weightstore.read_manifest(path)["version"]
-        body = {"model_path": path, "weight_version": str(version), "flush_cache": True}
-        out = self._post("/update_weights_from_disk", body).json()
+        """Load folder ``path`` in place, labelled with its version; a plain model folder (no weight-store
+        manifest: a benchmark's base model) keeps the label SGLang gives it."""
+        version = (
+            str(weightstore.read_manifest(path)["version"]) if (Path(path) / weightstore.MANIFEST).is_file() else None
+        )
+        body = {"model_path": path, "flush_cache": True, "abort_all_requests": True}
+        if version is not None:
+            body["weight_version"] = version
+        out = self._call("POST", "/update_weights_from_disk", body).json()
         if not out.get("success", False):
             raise ValueError(f"SGLang refused the weights: {out.get('message', '')}")
-        self.version_label = str(version)
+        served = str(self._call("GET", "/model_info").json().get("weight_version"))
+        if version is not None and served != version:
+            raise SGLangError(f"SGLang reports weight version {served} after loading version {version}")
+        self.version_label = served
 
     def engine_info(self) -> dict:
-        return {"url": self.cfg.url, "weight_version": self.version_label}
+        """The server's identity: the same ``server_pid`` across updates means the weights were applied in place."""
+        return {
+            "url": str(self.http.base_url) if self.http is not None else self.cfg.url,
+            "server_pid": self.server.pid if self.server is not None else None,
+            "servers_started": self.servers_started,
+            "weight_version": self.version_label,
+        }
 
     # -- sampling -------------------------------------------------------------------------------
 
-    def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
-    ) -> list[list[Completion]]:
+    def _request(self, rows: list[list[int]], sampling: SamplingConfig, max_tokens: int) -> list[dict]:
         greedy = sampling.top_k == 1  # e.g. evaluation: SGLang's temperature 0; the chosen token has log-prob 0
-        if not greedy and (sampling.top_k or sampling.top_p < 1.0):
-            raise ValueError(
-                "the sglang backend supports temperature only (or greedy, top_k=1): SGLang reports "
-                "log-probs before top-k/top-p filtering, which would not be the behaviour policy's"
-            )
-        n = sampling.n
-        rows = [list(p) for p in prompts for _ in range(n)]
-        body = {
-            "input_ids": rows,
-            "sampling_params": {
-                "temperature": 0.0 if greedy else sampling.temperature,
-                "max_new_tokens": sampling.max_tokens,
-                "stop_token_ids": [self.eos_token_id],
-                "skip_special_tokens": False,
-            },
-            "return_logprob": True,
+        params = {
+            "temperature": 0.0 if greedy else sampling.temperature,
+            "max_new_tokens": max_tokens,
+            "stop_token_ids": [self.eos_token_id],
+            "skip_special_tokens": False,
         }
-        answers = self._post("/generate", body).json()
+        body: dict = {"input_ids": rows, "sampling_params": params, "return_logprob": True}
+        if not greedy and (sampling.top_k or sampling.top_p < 1.0):
+            params.update(top_k=sampling.top_k or -1, top_p=sampling.top_p)
+            # the log-probs of every token SGLang may keep (top-p: the whole vocabulary)
+            body["top_logprobs_num"] = sampling.top_k if sampling.top_k else self.vocab_size
+        answers = self._call("POST", "/generate", body).json()
         if isinstance(answers, dict):
             answers = [answers]
         if len(answers) != len(rows):
             raise SGLangError(f"/generate answered {len(answers)} results for {len(rows)} prompts")
-        result: list[list[Completion]] = []
-        for k, a in enumerate(answers):
-            meta = a["meta_info"]
-            triples = meta["output_token_logprobs"]
-            toks = [int(t[1]) for t in triples]
-            if a.get("output_ids") is not None and list(a["output_ids"]) != toks:
-                raise SGLangError("output_ids and output_token_logprobs disagree")
-            lps = [0.0 if greedy else float(t[0]) for t in triples]
-            finish = (meta.get("finish_reason") or {}).get("type", "length")
-            served = meta.get("weight_version")
-            if served is not None and str(served) != self.version_label:
-                raise SGLangError(
-                    f"SGLang served weight version {served}, expected {self.version_label}: was the "
-                    "server updated by someone else?"
-                )
-            if k % n == 0:
-                result.append([])
-            result[-1].append(Completion(toks, lps, "stop" if finish == "stop" else "length"))
-        return result
+        return answers
+
+    def _read(self, answer: dict, sampling: SamplingConfig) -> tuple[list[int], list[float], str]:
+        """(tokens, behaviour log-probs, finish reason) of one answer, its weight version checked."""
+        meta = answer["meta_info"]
+        served = meta.get("weight_version")
+        if str(served) != self.version_label:
+            raise SGLangError(
+                f"SGLang served weight version {served}, expected {self.version_label}: was the server "
+                "updated by someone else?"
+            )
+        triples = meta["output_token_logprobs"]
+        toks = [int(t[1]) for t in triples]
+        if answer.get("output_ids") is not None and list(answer["output_ids"]) != toks:
+            raise SGLangError("output_ids and output_token_logprobs disagree")
+        if sampling.top_k == 1:
+            lps = [0.0] * len(toks)
+        elif sampling.top_k or sampling.top_p < 1.0:
+            tops = meta["output_top_logprobs"]
+            lps = [
+                float(t[0]) - kept_mass([float(x[0]) for x in top], sampling.top_k, sampling.top_p)
+                for t, top in zip(triples, tops)
+            ]
+        else:
+            lps = [float(t[0]) for t in triples]
+        finish = (meta.get("finish_reason") or {}).get("type", "length")
+        return toks, lps, "stop" if finish == "stop" else "length"
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seed: int, on_step: StepHook | None = None
+    ) -> list[list[Completion]]:
+        n = sampling.n
+        rows = [list(p) for p in prompts for _ in range(n)]
+        if on_step is None:
+            answers = self._request(rows, sampling, sampling.max_tokens)
+            done = [Completion(*self._read(a, sampling)) for a in answers]
+        else:
+            done = self._generate_in_chunks(rows, sampling, on_step)
+        return [done[i : i + n] for i in range(0, len(done), n)]
+
+    def _generate_in_chunks(self, rows: list[list[int]], sampling: SamplingConfig, on_step: StepHook) -> list:
+        """In-flight "continue": ``continue_chunk_tokens`` tokens per call, ``on_step`` (which may load a newer
+        version) before each call; each token carries the version of the call that sampled it."""
+        out = [Completion([], [], "length", []) for _ in rows]
+        running = list(range(len(rows)))
+        while running:
+            self.alive()
+            version = on_step()
+            chunk = min(
+                self.cfg.continue_chunk_tokens, sampling.max_tokens - min(len(out[i].token_ids) for i in running)
+            )
+            answers = self._request([rows[i] + out[i].token_ids for i in running], sampling, chunk)
+            still = []
+            for i, a in zip(running, answers):
+                toks, lps, finish = self._read(a, sampling)
+                c = out[i]
+                room = sampling.max_tokens - len(c.token_ids)
+                toks, lps = toks[:room], lps[:room]
+                c.token_ids += toks
+                c.logprobs += lps
+                c.versions += [version] * len(toks)
+                if finish == "stop" and toks and toks[-1] == self.eos_token_id:
+                    c.finish_reason = "stop"
+                elif toks and len(c.token_ids) < sampling.max_tokens:  # no token: the server's context is full
+                    still.append(i)
+            running = still
+        return out

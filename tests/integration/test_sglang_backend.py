@@ -1,126 +1,99 @@
-"""The sglang backend in a generator process, against a local server that mirrors SGLang's HTTP
-shapes (tests/support/sglang_mock_server.py cites the SGLang source files): groups carry the server's
-log-probs, which equal the learner's recomputation; a new version is pushed to the server with
-/update_weights_from_disk and its weight_version, in place."""
+"""The sglang backend's error paths, against tests/support/sglang_mock_server.py (SGLang's HTTP shapes around a
+real model): answers a real SGLang server gives only when something else goes wrong. What the backend does with
+a real SGLang server is tests/integration/test_sglang_server.py (make test-sglang)."""
 
-import json
 import sys
+from pathlib import Path
 
+import httpx
 import pytest
 import redis
-import torch
 
-from broker.client import queues
-from broker.client.telemetry import read_heartbeats
+from broker.protocol import weightstore
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
-from generators.config import GeneratorConfig
+from generators.backends.sglang import SGLangError, kept_mass
+from generators.config import GeneratorConfig, SamplingConfig, SGLangBackendConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
-from tests.support.models import recompute_logprobs
-from tests.support.services import ROOT, announce_key, child_env, start_service, wait_http, wait_until
+from tests.support.services import ROOT, announce_key, child_env, wait_http
 
 
-@pytest.mark.slow  # a run of several services: left to `make test` (docs/testing.md)
-def test_sglang_backend_against_sglang_shaped_server(procs, redis_url, tmp_path):
+def start_mock(procs, path, tmp_path, *flags):
+    port = free_port()
+    argv = [sys.executable, str(ROOT / "tests" / "support" / "sglang_mock_server.py"), "--model", str(path)]
+    child = procs.start("sglang", [*argv, "--port", str(port), *flags], env=child_env(), cwd=str(ROOT))
+    wait_http(f"http://127.0.0.1:{port}/get_model_info", child, timeout=120)
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def versions(redis_url, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    r, keys = redis.Redis.from_url(redis_url), Keys("t")
     path = build_tiny_model(tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(path)
     pub = Publisher(
-        r,
-        keys,
+        redis.Redis.from_url(redis_url),
+        Keys("t"),
         str(tmp_path / "weights"),
         AutoTokenizer.from_pretrained(path),
         keep_versions=10,
         announce_key=announce_key(tmp_path),
     )
-    a0 = pub.publish(model, model.state_dict(), 0)
-
-    sgl_port, ingest, http, reward = free_port(), free_port(), free_port(), free_port()
-    log = tmp_path / "sglang_requests.jsonl"
-    sgl = procs.start(
-        "sglang",
-        [
-            sys.executable,
-            str(ROOT / "tests" / "support" / "sglang_mock_server.py"),
-            "--model",
-            str(path),
-            "--port",
-            str(sgl_port),
-            "--log",
-            str(log),
-        ],
-        env=child_env(),
-        cwd=str(ROOT),
-    )
-    b = start_service(
-        procs,
-        "broker",
-        "broker",
-        {
-            "run_id": "t",
-            "redis_url": redis_url,
-            "http_port": http,
-            "ingest_bind": f"tcp://127.0.0.1:{ingest}",
-            "prompt_backlog": 8,
-        },
-        tmp_path,
-    )
-    rw = start_service(procs, "reward", "reward", {"port": reward}, tmp_path)
-    for url, child in (
-        (f"http://127.0.0.1:{sgl_port}/get_model_info", sgl),
-        (f"http://127.0.0.1:{http}/healthz", b),
-        (f"http://127.0.0.1:{reward}/healthz", rw),
-    ):
-        wait_http(url, child)
-    start_service(
-        procs,
-        "gen",
-        "generator",
-        {
-            "id": "g0",
-            "run_id": "t",
-            "redis_url": redis_url,
-            "broker_address": f"tcp://127.0.0.1:{ingest}",
-            "reward_url": f"http://127.0.0.1:{reward}",
-            "prompts_per_batch": 2,
-            "sampling": {"n": 4, "max_tokens": 6, "temperature": 0.8},
-            "backend": {"type": "sglang", "url": f"http://127.0.0.1:{sgl_port}"},
-        },
-        tmp_path,
-    )
-
-    g = wait_until(lambda: queues.read_groups(r, keys, count=1), what="a group from the generator")[0][1]
-    assert g.weight_version == 0 and g.weight_hash == a0.hash and len(g.samples) == 4
-    for s in g.samples:
-        recomputed = recompute_logprobs(model, g.prompt_ids.tolist(), s.completion_ids.tolist(), temperature=0.8)
-        assert torch.allclose(recomputed, torch.from_numpy(s.logprobs.copy()), atol=1e-4)
-
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01)
-    a1 = pub.publish(model, model.state_dict(), 1)
-    hb = wait_until(
-        lambda: (h := read_heartbeats(r, keys).get("g0")) and h.version == 1 and h, what="version 1 applied"
-    )
-    assert hb.hash == a1.hash and hb.backend == "sglang" and hb.engine["weight_version"] == "1"
-
-    requests = [json.loads(line) for line in log.read_text().splitlines()]
-    updates = [q["body"] for q in requests if q["route"] == "/update_weights_from_disk"]
-    assert [u["weight_version"] for u in updates] == ["0", "1"] and updates[1]["model_path"] == a1.path
-    gen_req = next(
-        q["body"]
-        for q in requests  # training batches (evaluation rounds are greedy: temperature 0)
-        if q["route"] == "/generate" and q["body"]["sampling_params"]["temperature"] == 0.8
-    )
-    assert gen_req["return_logprob"] is True and gen_req["sampling_params"]["stop_token_ids"] == [2]
-    assert len(gen_req["input_ids"]) == 8 and all(isinstance(x, int) for x in gen_req["input_ids"][0])
+    return path, pub.publish(model, model.state_dict(), 0)
 
 
-def test_sglang_backend_refuses_filters_it_cannot_report():
-    with pytest.raises(ValueError, match="temperature only"):
-        GeneratorConfig(backend={"type": "sglang"}, sampling={"top_k": 5})
-    with pytest.raises(ValueError, match="'finish' only"):
-        GeneratorConfig(backend={"type": "sglang"}, in_flight="continue")
+@pytest.mark.slow  # a server process of its own: left to `make test`
+def test_a_version_changed_by_another_client_is_refused(procs, tmp_path, versions):
+    path, a0 = versions
+    url = start_mock(procs, path, tmp_path)
+    backend = SGLangBackendConfig(url=url).build()
+    backend.load(a0.path)
+    assert backend.engine_info()["weight_version"] == "0"
+    (g,) = backend.generate([[1, 4, 5, 14]], SamplingConfig(n=2, max_tokens=4), seed=0)
+    assert len(g) == 2
+    httpx.post(f"{url}/update_weight_version", json={"new_version": "7"}).raise_for_status()
+    with pytest.raises(SGLangError, match="served weight version 7, expected 0"):
+        backend.generate([[1, 4, 5, 14]], SamplingConfig(n=2, max_tokens=4), seed=0)
+
+
+@pytest.mark.slow  # a server process of its own: left to `make test`
+def test_a_refused_folder_leaves_the_old_version_serving(procs, tmp_path, versions):
+    path, a0 = versions
+    backend = SGLangBackendConfig(url=start_mock(procs, path, tmp_path)).build()
+    backend.load(a0.path)
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / weightstore.MANIFEST).write_text((Path(a0.path) / weightstore.MANIFEST).read_text())
+    with pytest.raises(SGLangError, match="answered 400"):
+        backend.update_weights(str(bad))
+    assert backend.engine_info()["weight_version"] == "0"
+
+
+@pytest.mark.slow  # a server process of its own: left to `make test`
+def test_a_server_whose_model_does_not_generate_is_refused(procs, tmp_path, versions):
+    path, a0 = versions
+    backend = SGLangBackendConfig(url=start_mock(procs, path, tmp_path, "--embedding")).build()
+    with pytest.raises(SGLangError, match="does not generate"):
+        backend.load(a0.path)
+
+
+def test_kept_mass_is_the_mass_sglang_samples_from():
+    import math
+
+    lps = [math.log(p) for p in (0.5, 0.3, 0.15, 0.05)]
+    assert kept_mass(lps, 0, 1.0) == pytest.approx(0.0, abs=1e-12)
+    assert kept_mass(lps, 2, 1.0) == pytest.approx(math.log(0.8))
+    assert kept_mass(lps, 0, 0.6) == pytest.approx(math.log(0.8))  # 0.5 < 0.6: the second token is kept too
+    assert kept_mass(lps, 0, 0.85) == pytest.approx(math.log(0.95))
+    assert kept_mass(lps, 0, 0.4) == pytest.approx(math.log(0.5))
+    assert kept_mass(lps, 3, 1.0) == pytest.approx(math.log(0.95))
+
+
+def test_top_k_or_top_p_and_continue_are_accepted_top_k_with_top_p_is_not():
+    for sampling in ({"top_k": 5}, {"top_p": 0.9}, {"top_k": 1, "top_p": 0.9}):
+        cfg = GeneratorConfig(backend={"type": "sglang"}, sampling=sampling, in_flight="continue")
+        assert cfg.backend.supports_in_flight
+    with pytest.raises(ValueError, match="top_k or top_p, not both"):
+        GeneratorConfig(backend={"type": "sglang"}, sampling={"top_k": 5, "top_p": 0.9})

@@ -1,9 +1,13 @@
-"""A local stand-in for an SGLang server (SGLang needs CUDA kernels; it cannot run on these CPUs).
+"""A local stand-in for an SGLang server, for the sglang backend's error paths only (answers a real SGLang
+server does not give on demand: another client changing its weight version, a refused folder, a model that
+does not generate). The backend's behaviour is tested against a real SGLang server: tests/integration/
+test_sglang_server.py (make test-sglang).
 
 It serves the routes and JSON shapes of SGLang's native HTTP API as found in sgl-project/sglang:
 ``python/sglang/srt/entrypoints/http_server.py`` (routes ``/generate``, ``/update_weights_from_disk``
 answering ``{"success", "message", "num_paused_requests"}`` with 400 on failure, ``/flush_cache``,
-``/pause_generation``, ``/continue_generation``, ``/get_model_info``) and
+``/pause_generation``, ``/continue_generation``, ``/get_model_info`` and ``/model_info``,
+``/update_weight_version``) and
 ``python/sglang/srt/managers/io_struct.py`` (``GenerateReqInput``: ``input_ids`` one list or a batch,
 ``sampling_params`` with ``temperature``/``max_new_tokens``/``stop_token_ids``, ``return_logprob``;
 ``UpdateWeightFromDiskReqInput``: ``model_path``, ``weight_version``, ``flush_cache``). Each answer
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from pathlib import Path
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -31,7 +36,7 @@ from generators.backends.torch import TorchBackend
 
 
 class State:
-    def __init__(self, model: str, log_path: str | None):
+    def __init__(self, model: str, log_path: str | None, embedding: bool = False):
         self.engine = TorchBackend(TorchBackendConfig())
         self.engine.load(model)
         self.model_path = model
@@ -40,6 +45,8 @@ class State:
         self.lock = threading.Lock()
         self.log_path = log_path
         self.seed = 0
+        self.embedding = embedding  # /model_info says is_generation false
+        self.architectures = json.loads((Path(model) / "config.json").read_text())["architectures"]
 
     def log(self, route: str, body: dict) -> None:
         if self.log_path:
@@ -61,14 +68,15 @@ def make_handler(state: State):
             self.wfile.write(data)
 
         def do_GET(self):
-            if self.path == "/get_model_info":
+            if self.path in ("/get_model_info", "/model_info"):
                 self._reply(
                     200,
                     {
                         "model_path": state.model_path,
                         "tokenizer_path": state.model_path,
-                        "is_generation": True,
+                        "is_generation": not state.embedding,
                         "weight_version": state.weight_version,
+                        "architectures": state.architectures,
                     },
                 )
             elif self.path == "/health":
@@ -97,6 +105,9 @@ def make_handler(state: State):
                 self._reply(
                     200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
                 )
+            elif self.path == "/update_weight_version":  # another client relabels the served weights
+                state.weight_version = body["new_version"]
+                self._reply(200, {"success": True, "message": "ok"})
             elif self.path in ("/flush_cache", "/pause_generation", "/continue_generation"):
                 state.paused = self.path == "/pause_generation" or (state.paused and self.path == "/flush_cache")
                 self._reply(200, {})
@@ -145,8 +156,9 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--log")
+    p.add_argument("--embedding", action="store_true", help="serve as a model that does not generate")
     a = p.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(State(a.model, a.log)))
+    server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(State(a.model, a.log, a.embedding)))
     server.serve_forever()
 
 
