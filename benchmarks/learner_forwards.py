@@ -5,11 +5,13 @@ every sample whole (its micro-batches padded to their longest sample: what a pla
   computed once for its n samples (one forward fills a KV cache that the group's completions continue
   from): P + n·C tokens of work instead of n·(P + C).
 - ``learner_forwards/packing`` (``learner.compute.packing``): each micro-batch's samples in one row without
-  padding (learner/packing.py).
+  padding (learner/packing.py), attention one SDPA call per sample (``relay_packed``, what the learner uses with
+  packing); its details also time the same packed rows through transformers' SDPA with the block-diagonal mask
+  (``packing_masked``: every query against every key of the row), to show what the per-sample calls save.
 
 One learner (DeepSpeed engine, torch AdamW, learner/update.py ``PolicyUpdate.train_step``) trains the same
-batch in the three modes in turn, step after step (``Forwards.shared`` / ``Forwards.packed`` switched
-between steps), so that all three see the same machine load; each row is the median seconds per optimizer
+batch in the four modes in turn, step after step (``Forwards.shared`` / ``Forwards.packed`` and the model's
+attention switched between steps), so that all see the same machine load; each row is the median seconds per optimizer
 step of its mode against the whole rows'. All three compute the same log-probs and gradients (to 1e-5 in
 fp32: tests/unit/learner/test_shared_prompt.py, test_packing.py).
 
@@ -31,7 +33,7 @@ import time
 from benchmarks.common import ROOT, child_env, row, skipped
 
 TARGET = 1.0  # either mode must not be slower than whole rows
-MODES = ("whole", "shared_prompt", "packing")
+MODES = ("whole", "shared_prompt", "packing", "packing_masked")
 FULL = dict(groups=4, n=8, prompt=90, completion=64, min_completion=16, micro_batch_tokens=2048, repeats=3)
 QUICK = dict(groups=2, n=4, prompt=8, completion=8, min_completion=2, micro_batch_tokens=64, repeats=2)
 THREADS = 2  # examples/smollm2-cpu/relay.toml's learner.compute.threads
@@ -44,6 +46,7 @@ def child(model: str, size: dict) -> dict:
     from benchmarks.learner import make_groups
     from learner.config import LearnerConfig
     from learner.engine import build_engine, load_model
+    from learner.packing import use_packed_attention
     from learner.update import PolicyUpdate
 
     torch.manual_seed(0)
@@ -66,7 +69,8 @@ def child(model: str, size: dict) -> dict:
     diags: dict[str, dict] = {}
     for i in range(1 + size["repeats"]):
         for mode in MODES:
-            update.forwards.shared, update.forwards.packed = mode == "shared_prompt", mode == "packing"
+            update.forwards.shared, update.forwards.packed = mode == "shared_prompt", mode.startswith("packing")
+            use_packed_attention(net, on=mode == "packing")  # the others: transformers' SDPA and its mask
             t0 = time.perf_counter()
             d = update.train_step(groups, groups[0].sampling, 0)
             if i:  # the first round warms up: the optimizer's state, the allocator
@@ -122,6 +126,10 @@ def run(quick: bool) -> list[dict]:
         "whole_s_all": out["times"]["whole"],
         "whole": out["diagnostics"]["whole"],
     }
+    masked = out["times"]["packing_masked"]
+    extra = {  # the packed rows through SDPA with the block-diagonal mask: what the per-sample calls save
+        "packing": {"packing_masked_s_all": masked, "packing_masked_vs_whole": statistics.median(masked) / whole},
+    }
     return [
         row(
             name,
@@ -130,7 +138,7 @@ def run(quick: bool) -> list[dict]:
             "s per step",
             TARGET,
             "lower",
-            {**details, f"{mode}_s_all": out["times"][mode], mode: out["diagnostics"][mode]},
+            {**details, f"{mode}_s_all": out["times"][mode], mode: out["diagnostics"][mode], **extra.get(mode, {})},
         )
         for name, mode in zip(names, MODES[1:])
     ]

@@ -336,8 +336,9 @@ class ComputeConfig(StrictModel):
     packing: bool = Field(
         False,
         description="pack each micro-batch's samples into one row without padding (position ids restarting "
-        "at each sample, attention never across one: flash-attention's variable-length path on GPUs, a "
-        "block-diagonal mask on CPU): the same log-probs and gradients with no padding computed, up to "
+        "at each sample, attention never across one: a model on SDPA gets one SDPA call per sample, "
+        "learner/packing.py relay_packed; flash-attention's variable-length path where the model uses it): "
+        "the same log-probs and gradients with no padding computed, up to "
         "micro_batch_tokens tokens per micro-batch. Takes precedence over shared_prompt; a model whose "
         "attention ignores the restarting positions is refused at start-up (docs/learner.md)",
     )

@@ -11,6 +11,16 @@ embeddings included: they follow ``position_ids``), so log-probs, entropy, losse
 those of the padded micro-batch, to rounding (tests/unit/learner/test_packing.py). The cache must be off
 (``use_cache=False``): transformers looks for packed positions only without one.
 
+On CPU that mask costs the whole row: SDPA takes it as a dense N × N mask (N = Σ lengths) and computes every
+query against every key, the cross-sample ones masked out, so a packed micro-batch of 2,048 tokens pays 2,048²
+per head and layer where its samples alone pay Σ L². The learner therefore replaces SDPA, for a model that uses
+it, by :func:`packed_attention` (``attn_implementation = relay_packed``, set by :func:`use_packed_attention` at
+start-up with packing): for one row without a mask or a cache it calls SDPA once per sample (``is_causal``, the
+sample's slice of the queries, keys and values, the boundaries read from ``position_ids``), and transformers
+builds no mask for it (:func:`packed_mask`); anything else (padded rows with their mask, a KV cache) goes to
+transformers' own SDPA with its own mask, unchanged. Exact: the same kernel on the same numbers as each sample
+alone (tests/unit/learner/test_packing.py compares it with the masked path and the padded rows).
+
 The micro-batches themselves hold up to ``micro_batch_tokens`` tokens (Σ lengths, no padding), filled
 longest first into the first micro-batch with room (first-fit decreasing).
 """
@@ -22,6 +32,85 @@ from dataclasses import dataclass
 import torch
 
 NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: the forward computes no logits at all
+ATTENTION = "relay_packed"  # the attn_implementation name registered with transformers (packed_attention)
+
+
+def segments(position_ids: torch.Tensor) -> list[int]:
+    """The packed samples' starts (where the positions restart) and the row's end, of ``position_ids`` [1, N]."""
+    pos = position_ids[0]
+    starts = (pos == 0).nonzero().flatten().tolist()
+    return ([0] if not starts or starts[0] != 0 else []) + starts + [len(pos)]
+
+
+def segment_attention(q, k, v, bounds: list[int], scaling: float | None) -> torch.Tensor:
+    """Causal attention [1, H, N, D] within each segment ``bounds`` (one SDPA call each, no mask): ``q``
+    [1, H, N, D], ``k``/``v`` [1, K, N, D] (H a multiple of K: grouped-query attention)."""
+    parts = [
+        torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=True
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
+    ]
+    return torch.cat(parts, dim=2)
+
+
+def _one_row(batch: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0) -> bool:
+    return batch == 1 and q_length == kv_length and not q_offset and not kv_offset
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface (``attn_implementation = relay_packed``): for one row without a mask
+    or a cache (``query`` [1, H, N, D], keys as long), causal attention within each packed sample of
+    ``position_ids`` (:func:`segment_attention`) -> ([1, N, H, D], None); otherwise transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    pos = kwargs.get("position_ids")
+    if (
+        attention_mask is not None
+        or pos is None
+        or dropout
+        or not _one_row(query.shape[0], *query.shape[2:3], key.shape[2])
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    return segment_attention(query, key, value, segments(pos), scaling).transpose(1, 2).contiguous(), None
+
+
+def packed_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """transformers' mask interface for ``relay_packed``: no mask for one row without padding or a cache
+    (:func:`packed_attention` reads the samples from ``position_ids``), SDPA's mask otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and _one_row(batch_size, q_length, kv_length, q_offset, kv_offset):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs)
+
+
+def use_packed_attention(model, on: bool = True) -> bool:
+    """Make ``model``'s attention :func:`packed_attention` (``on``) or SDPA again; False (nothing changed) for a
+    model that does not use SDPA through transformers' attention interface, or whose attention has sliding
+    windows or soft-capping (the per-sample calls know neither): it keeps its own attention and its mask."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        return False
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sliding = getattr(cfg, "use_sliding_window", getattr(cfg, "sliding_window", None) is not None)
+    sliding = sliding or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or [])
+    if (
+        sliding
+        or getattr(cfg, "attn_logit_softcapping", None)
+        or config._attn_implementation not in ("sdpa", ATTENTION)
+    ):
+        return False
+    AttentionInterface.register(ATTENTION, packed_attention)
+    AttentionMaskInterface.register(ATTENTION, packed_mask)
+    model.set_attn_implementation(ATTENTION if on else "sdpa")
+    return True
 
 
 @dataclass

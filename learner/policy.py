@@ -15,7 +15,7 @@ from learner.config import LearnerConfig
 from learner.engine import build_engine, load_model
 from broker.runtime.config import ConfigError
 from learner.logprobs import check_output_head, check_shared_prompt
-from learner.packing import check_packing
+from learner.packing import check_packing, use_packed_attention
 
 log = logging.getLogger("relay.learner")
 
@@ -34,14 +34,21 @@ class Policy:
 
 
 def _check_packing(model, cfg: LearnerConfig, leader: bool) -> None:
-    """learner.compute.packing: refuse a model whose attention crosses the packed samples' boundaries; say
-    once that it replaces the shared-prompt forward."""
+    """learner.compute.packing: the model's SDPA made one call per packed sample (learner/packing.py
+    ``packed_attention``; where it applies), then refuse a model whose attention crosses the packed samples'
+    boundaries; say once that it replaces the shared-prompt forward."""
+    per_sample = use_packed_attention(model)
     why = check_packing(model)
     if why is not None:
         attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
         raise ConfigError(
             f"learner.compute.packing: {type(model).__name__} with attention {attention!r} does not keep packed "
             f"samples apart ({why}); set learner.compute.packing = false"
+        )
+    if leader:
+        log.info(
+            "learner.compute.packing: attention %s",
+            "one SDPA call per packed sample (relay_packed)" if per_sample else "the model's own, with its mask",
         )
     if leader and cfg.compute.shared_prompt:
         log.info(

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from learner.packing import NO_LOGITS, Packed
+from learner.packing import NO_LOGITS, Packed, segment_attention, segments
 
 ATTENTION = "relay_ulysses"  # the attn_implementation name registered with transformers
 
@@ -134,25 +134,6 @@ class Shard:
     n: int
 
 
-def _segments(position_ids: torch.Tensor) -> list[int]:
-    """The packed samples' starts (where the positions restart) and the row's end, of ``position_ids`` [1, N]."""
-    pos = position_ids[0]
-    starts = (pos == 0).nonzero().flatten().tolist()
-    return ([0] if not starts or starts[0] != 0 else []) + starts + [len(pos)]
-
-
-def _segment_attention(q, k, v, bounds: list[int], scaling: float) -> torch.Tensor:
-    """Causal attention [1, H, N, D] within each segment ``bounds`` (one SDPA call each)."""
-    parts = [
-        torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=True
-        )
-        for s, e in zip(bounds[:-1], bounds[1:])
-        if e > s
-    ]
-    return torch.cat(parts, dim=2)
-
-
 def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface (``attn_implementation = relay_ulysses``): ``query`` [1, H, n, D],
     ``key``/``value`` [1, K, n, D] of this rank's slice -> ([1, n, H, D], None). Without a ``relay_sp`` shard
@@ -165,8 +146,8 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
         )
     shard: Shard | None = kwargs.get("relay_sp")
     if shard is None:
-        bounds = _segments(kwargs["position_ids"]) if kwargs.get("position_ids") is not None else [0, query.shape[2]]
-        out = _segment_attention(query, key, value, bounds, scaling)
+        bounds = segments(kwargs["position_ids"]) if kwargs.get("position_ids") is not None else [0, query.shape[2]]
+        out = segment_attention(query, key, value, bounds, scaling)
         return out.transpose(1, 2), None
     sp = shard.sp
     qh, kvh = head_split(query.shape[1], key.shape[1], sp.size)
@@ -176,7 +157,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
         out = _Exchange.apply(x[0], split, [split[sp.rank]] * sp.size, n, sp.group)  # [k·A_r, n, D]
         return out.view(sp.size, split[sp.rank], n, -1).transpose(0, 1).reshape(1, split[sp.rank], N, -1)
 
-    out = _segment_attention(gather(query, qh), gather(key, kvh), gather(value, kvh), shard.bounds, scaling)
+    out = segment_attention(gather(query, qh), gather(key, kvh), gather(value, kvh), shard.bounds, scaling)
     mine = qh[sp.rank]  # [1, H_r, N, D] -> [k·H_r, n, D] (positions of rank r in part r) -> [H, n, D]
     back = out[0].view(mine, sp.size, n, -1).transpose(0, 1).reshape(sp.size * mine, n, -1)
     local = _Exchange.apply(back, [mine] * sp.size, qh, n, sp.group)

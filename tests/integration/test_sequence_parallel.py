@@ -75,7 +75,9 @@ def test_the_learner_step_split_over_two_ranks_equals_one_rank(tmp_path):
             assert got["micro_batches"] > want["micro_batches"], (label, case)  # really cut into micro-batches
 
 
-MAX_STEPS, TARGET, WINDOW = 600, 0.9, 320
+# up to 1,500 steps, as test_learner_nodes: the default task's entropy can collapse onto a plateau near 0.7 for
+# a few hundred steps whatever the ranks (docs/generators.md); one run here stopped there at 600 (reward 0.73)
+MAX_STEPS, TARGET, WINDOW = 1500, 0.9, 320
 
 
 @pytest.mark.slow  # a training loop of several services: left to `make test` (docs/testing.md)
@@ -93,7 +95,7 @@ def test_relay_up_with_two_ranks_in_one_sequence_parallel_group_learns_the_defau
                 f"learner.target.window={WINDOW}",
             ),
         ),
-        timeout=1500,
+        timeout=2700,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "sp"

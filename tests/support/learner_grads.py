@@ -5,7 +5,8 @@ compare k micro-batches, and 2 ranks, with one piece on one rank.
     python -m tests.support.learner_grads OUT LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/OPTION[+OPTION]]] ...
 
 OPTION: checkpointing (activation checkpointing), whole (no shared-prompt forward), packed (packed
-micro-batches, learner.compute.packing), separate (π_old by a forward of its own), sp (every rank in one
+micro-batches, learner.compute.packing, with the learner's per-sample attention: learner/packing.py),
+separate (π_old by a forward of its own), sp (every rank in one
 sequence-parallel group, learner.compute.sequence_parallel = ranks: the cases without a critic; the others'
 entries are null).
     torchrun --standalone --nproc_per_node 2 -m tests.support.learner_grads OUT LABEL=... ...
@@ -96,6 +97,11 @@ def run(
         from learner.sequence_parallel import check_sequence_parallel, sequence_group
 
         assert check_sequence_parallel(model, sequence_group(rank, world, world)) is None
+    elif packed:  # the learner's start-up step with packing: attention one SDPA call per packed sample
+        from learner.policy import _check_packing
+
+        _check_packing(model, base, leader=rank == 0)
+        assert model.config._attn_implementation == "relay_packed"
     base.critic.enabled, base.critic.deepspeed = True, base.deepspeed
     value_model = build_value_model(model, base)
     torch.nn.init.normal_(value_model.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
