@@ -14,12 +14,16 @@ from tests.support.services import ROOT
 
 def test_ports_are_free_and_outside_the_ephemeral_range():
     lo, hi = ports.ephemeral_range()
-    picked = {ports.free_port() for _ in range(50)}
-    assert len(picked) > 40  # drawn at random, not one port handed out again and again
-    for port in picked:
+    picked = set()
+    for _ in range(50):
+        port = ports.free_port()
         assert ports.LOWEST <= port <= 65535 and not lo <= port <= hi, (port, lo, hi)
+        # free: it binds, right after the pick (make test's other worker starts services on ports of the same
+        # range: checking all 50 after the last pick once found one of them taken in between)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # free: it binds
+            s.bind(("127.0.0.1", port))
+        picked.add(port)
+    assert len(picked) > 40  # drawn at random, not one port handed out again and again
 
 
 def test_a_port_in_use_is_never_picked(monkeypatch):
