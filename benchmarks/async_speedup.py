@@ -39,7 +39,7 @@ WINDOW = 128  # groups in the moving mean (4 steps of 32)
 # Two passes, not the default one, because generation still costs this machine some CPU (sampling the
 # tiny model, scoring, sending: ~0.12 s a step) that a GPU engine would not; a longer training step
 # leaves most of generation's time to the latency.
-# The learning rate is 5e-4, not the tiny model's 2e-3: at 2e-3 every step moves the policy so far that
+# The learning rate is 5e-4, not the tiny model's default (2e-3 when this was measured, 1e-3 now): at 2e-3 every step moves the policy so far that
 # a sample one version older is worth much less, and two runs of this benchmark there measured η = 1 at
 # 1.64x and then 0.68x synchronous (docs/benchmarks.md; docs/off-policy.md's staleness experiment found
 # the same).

@@ -146,7 +146,7 @@ def main() -> None:
         type=float,
         default=5e-4,
         help="one learning rate for every mode (the tiny model's "
-        "default with a critic; GRPO's own default, 2e-3, drifts on stale samples even corrected)",
+        "default with a critic; 2e-3, the tiny model's GRPO default until 6 December 2026, drifts on stale samples even corrected)",
     )
     p.add_argument("--out", default="runs/staleness")
     a = p.parse_args()

@@ -7,7 +7,8 @@ but where the work runs:
 - one optimizer step of the real learner update with real DeepSpeed (ZeRO 0, and ZeRO 2 with activation
   checkpointing) on 2 ranks in one sequence-parallel group gives the gradients and diagnostics of one rank, for
   every aggregation mode and policy loss without a critic (tests/support/learner_grads.py);
-- `relay up --learner-ranks 2 --set learner.sequence_parallel=2` learns the default task to `make run`'s 0.9.
+- `relay up --learner-ranks 2 --set learner.sequence_parallel=2` learns the default task to `make run`'s threshold
+  (a mean reward of 0.9, learner.target.reward) within make run's 600 steps.
 """
 
 import json
@@ -75,16 +76,16 @@ def test_the_learner_step_split_over_two_ranks_equals_one_rank(tmp_path):
             assert got["micro_batches"] > want["micro_batches"], (label, case)  # really cut into micro-batches
 
 
-# What sequence parallelism shows reliably on the default task: the job trains with every micro-batch split over
-# 2 ranks, its reward rises from near 0 to a 20-step mean of 0.6 or more, and the audit loses nothing. Make run's
-# 0.9 is not asserted: of four SP runs here (6 December 2026), two reached it (steps 191 and ~170) and two stayed
-# near 0.7-0.8 with the entropy collapsed, a plateau one-rank and data-parallel runs of the same task also sit on
-# (docs/learner.md, "Sequence parallelism"). The assertion is what holds, not the target.
-MAX_STEPS, RISEN, WINDOW = 400, 0.6, 20
+# Make run's threshold (a mean reward of 0.9 over learner.target.window groups, as test_learner_nodes.py asks of a
+# learner of two nodes) within make run's 600 steps, with every micro-batch split over 2 ranks. The tiny model's
+# default rate decides whether the default task gets there every time: at 2e-3 (the default until 6 December 2026)
+# the policy's entropy collapsed onto a wrong digit in 5 of 18 runs, one rank's and SP's, more often on a loaded
+# machine; at 1e-3 none of 30 did, 14 of them SP (docs/learner.md, "Why 1e-3").
+MAX_STEPS, TARGET = 600, 0.9
 
 
 @pytest.mark.slow  # a training loop of several services: left to `make test` (docs/testing.md)
-def test_relay_up_with_two_ranks_in_one_sequence_parallel_group_learns(tmp_path):
+def test_relay_up_with_two_ranks_in_one_sequence_parallel_group_learns_the_default_task(tmp_path):
     res = relay(
         *relay_up_args(
             tmp_path,
@@ -92,18 +93,16 @@ def test_relay_up_with_two_ranks_in_one_sequence_parallel_group_learns(tmp_path)
             "--learner-ranks",
             "2",
             steps=MAX_STEPS,
-            sets=("learner.sequence_parallel=2",),  # the issue's spelling: moved to learner.compute (a warning)
+            # the issue's spelling of the key (moved to learner.compute: a warning), and make run's threshold
+            sets=("learner.sequence_parallel=2", f"learner.target.reward={TARGET}"),
         ),
         timeout=1800,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = tmp_path / "sp"
     s = json.loads((run / "summary.json").read_text())
-    assert s["status"] == "completed", s["ended"]
+    assert s["status"] == "completed" and s["ended"].startswith(f"reached the target reward {TARGET:g}"), s["ended"]
     assert s["audit"]["lost"] == 0 and s["audit"]["trained_twice"] == 0
-    rewards = [json.loads(line)["reward_mean"] for line in (run / "learner" / "metrics.jsonl").open()]
-    rolling = [sum(rewards[i : i + WINDOW]) / WINDOW for i in range(len(rewards) - WINDOW + 1)]
-    assert rolling[0] < 0.4 and max(rolling) >= RISEN, (rolling[0], max(rolling))
     log = (run / "logs" / "learner.log").read_text()
     assert "learner.compute.sequence_parallel = 2: each micro-batch one packed row split over 2 ranks" in log
     assert "on 2 rank(s)" in log

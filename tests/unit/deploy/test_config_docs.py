@@ -107,7 +107,7 @@ def test_config_show_prints_a_runs_effective_config(tmp_path, capsys):
     blocks = {b.split("\n", 1)[0]: json.loads(b.split("\n", 1)[1]) for b in out.strip().split("\n\n")}
     learner = blocks[f"# {cfg / 'learner.json'}"]
     assert (
-        learner["steps"] == 12 and learner["publish"]["keep_versions"] == 4 and learner["optim"]["lr"] == 0.002
+        learner["steps"] == 12 and learner["publish"]["keep_versions"] == 4 and learner["optim"]["lr"] == 0.001
     )  # defaults filled
     assert blocks[f"# {cfg / 'generator-0.json'}"]["sampling"] == {
         "n": 8,

@@ -92,15 +92,15 @@ def test_learning_rates_far_from_the_models_are_a_note_and_absurd_ones_an_error(
     assert error.startswith("learner.critic.lr = 5 is no learning rate")
     _, notes = lr_problems(LearnerConfig(lr=0.5))
     assert notes == [
-        "learner.optim.lr = 0.5 is 250x above the 0.002 that the built-in tiny model trains at: training "
-        "usually diverges (the policy dies); a rate from 2e-05 to 0.04 suits it (docs/learner.md)"
+        "learner.optim.lr = 0.5 is 500x above the 0.001 that the built-in tiny model trains at: training "
+        "usually diverges (the policy dies); a rate from 1e-05 to 0.02 suits it (docs/learner.md)"
     ]
     _, notes = lr_problems(LearnerConfig(model="/m", lr=1e-3))
     assert len(notes) == 1 and "1000x above the 1e-06 that a pretrained model trains at" in notes[0]
     _, notes = lr_problems(LearnerConfig(model="/m", lr=1e-3, lora={"rank": 8}))  # LoRA trains at 10x
     assert "100x above the 1e-05 that a pretrained model with LoRA trains at" in notes[0]
     _, notes = lr_problems(LearnerConfig(lr=1e-9))
-    assert "2000000x below" in notes[0] and "hardly anything will be learnt" in notes[0]
+    assert "1000000x below" in notes[0] and "hardly anything will be learnt" in notes[0]
 
 
 def test_the_truncation_warning_blames_a_broken_policy_not_max_tokens(capsys):
