@@ -18,7 +18,7 @@ import torch
 
 from learner.config import LearnerConfig
 from learner.losses import Normalisers, aggregate
-from learner.packing import Packed
+from learner.packing import Packed, segment_kwargs
 
 
 class ValueModel(torch.nn.Module):
@@ -33,12 +33,17 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        **attention,
     ) -> torch.Tensor:
         """Values [B, L-1]: V after each prefix input_ids[:, :t+1] (``position_ids``: a packed row's,
-        learner/packing.py, with no ``attention_mask``)."""
+        learner/packing.py, with no ``attention_mask``; ``attention``: its samples' bounds for the attention,
+        learner/packing.py ``segment_kwargs``)."""
         hidden = self.trunk(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **attention
         ).last_hidden_state
         return self.head(hidden[:, :-1]).squeeze(-1).float()
 
@@ -49,7 +54,9 @@ def critic_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if not packed:
         return critic(input_ids, attention_mask)
     p = Packed.of(input_ids, attention_mask)
-    v = critic(p.input_ids, None, p.position_ids)  # [1, N-1]: position j of the row predicts token j + 1
+    trunk = getattr(critic, "module", critic).trunk  # the ValueModel's (critic: it, or its engine)
+    bounds = segment_kwargs(trunk, p.bounds)  # the trunk's attention reads them once per forward
+    v = critic(p.input_ids, None, p.position_ids, **bounds)  # [1, N-1]: position j of the row predicts token j + 1
     return p.unpack(v[..., None], input_ids.shape[1] - 1)[..., 0]
 
 

@@ -16,9 +16,10 @@ query against every key, the cross-sample ones masked out, so a packed micro-bat
 per head and layer where its samples alone pay Σ L². The learner therefore replaces SDPA, for a model that uses
 it, by :func:`packed_attention` (``attn_implementation = relay_packed``, set by :func:`use_packed_attention` at
 start-up with packing): for one row without a mask or a cache it calls SDPA once per sample (``is_causal``, the
-sample's slice of the queries, keys and values, the boundaries read from ``position_ids``), and transformers
-builds no mask for it (:func:`packed_mask`); anything else (padded rows with their mask, a KV cache) goes to
-transformers' own SDPA with its own mask, unchanged. Exact: the same kernel on the same numbers as each sample
+sample's slice of the queries, keys and values, the boundaries read from ``position_ids`` once per forward, by
+:class:`Packed`, and handed to every layer as the keyword ``relay_segments``: one host sync per forward, not one
+per layer), and transformers builds no mask for it (:func:`packed_mask`); anything else (padded rows with their
+mask, a KV cache) goes to transformers' own SDPA with its own mask, unchanged. Exact: the same kernel on the same numbers as each sample
 alone (tests/unit/learner/test_packing.py compares it with the masked path and the padded rows).
 
 The micro-batches themselves hold up to ``micro_batch_tokens`` tokens (Σ lengths, no padding), filled
@@ -33,6 +34,10 @@ import torch
 
 NO_LOGITS = torch.empty(0, dtype=torch.long)  # logits_to_keep: the forward computes no logits at all
 ATTENTION = "relay_packed"  # the attn_implementation name registered with transformers (packed_attention)
+# the keyword that brings a packed row's sample bounds (Packed.bounds) to every attention layer of one forward, and
+# the attentions that read it (this one and learner/sequence_parallel.py's)
+SEGMENTS = "relay_segments"
+READS_SEGMENTS = (ATTENTION, "relay_ulysses")
 
 
 def segments(position_ids: torch.Tensor) -> list[int]:
@@ -40,6 +45,28 @@ def segments(position_ids: torch.Tensor) -> list[int]:
     pos = position_ids[0]
     starts = (pos == 0).nonzero().flatten().tolist()
     return ([0] if not starts or starts[0] != 0 else []) + starts + [len(pos)]
+
+
+def row_bounds(kwargs: dict, length: int) -> list[int]:
+    """The packed samples' bounds of an attention call's ``kwargs``: those its forward computed once
+    (``relay_segments``: :func:`segment_kwargs`), else read from its ``position_ids`` (a host sync), else one
+    sample of ``length``."""
+    bounds = kwargs.get(SEGMENTS)
+    if bounds is None:
+        pos = kwargs.get("position_ids")
+        return segments(pos) if pos is not None else [0, length]
+    if bounds[0] != 0 or bounds[-1] != length:
+        raise ValueError(f"{SEGMENTS} {bounds[:3]}...{bounds[-1:]} do not cover the row of {length} tokens")
+    return bounds
+
+
+def segment_kwargs(model, bounds: list[int]) -> dict:
+    """The keyword of ``model``'s forward (a transformers model, or its DeepSpeed engine) that brings ``bounds``
+    to its attention layers, computed once for the forward instead of once per layer (each layer, and each
+    layer recomputed by activation checkpointing, gets the same list): for Relay's attentions alone; another
+    attention takes no such keyword ({})."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return {SEGMENTS: bounds} if impl in READS_SEGMENTS else {}
 
 
 def segment_attention(q, k, v, bounds: list[int], scaling: float | None) -> torch.Tensor:
@@ -62,7 +89,8 @@ def _one_row(batch: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0)
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface (``attn_implementation = relay_packed``): for one row without a mask
     or a cache (``query`` [1, H, N, D], keys as long), causal attention within each packed sample of
-    ``position_ids`` (:func:`segment_attention`) -> ([1, N, H, D], None); otherwise transformers' SDPA."""
+    ``position_ids`` (:func:`segment_attention`; the bounds computed once for the forward, :func:`row_bounds`)
+    -> ([1, N, H, D], None); otherwise transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     pos = kwargs.get("position_ids")
@@ -75,7 +103,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    return segment_attention(query, key, value, segments(pos), scaling).transpose(1, 2).contiguous(), None
+    bounds = row_bounds(kwargs, query.shape[2])
+    return segment_attention(query, key, value, bounds, scaling).transpose(1, 2).contiguous(), None
 
 
 def packed_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
@@ -122,6 +151,11 @@ class Packed:
     starts: torch.Tensor  # [B] the column of each sample's first token in the row
     lengths: torch.Tensor  # [B] each sample's tokens
 
+    @property
+    def bounds(self) -> list[int]:
+        """Each sample's start and the row's end (:func:`segments`): one host sync, once per forward."""
+        return segments(self.position_ids)
+
     @classmethod
     def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
         """``input_ids`` [B, L] right-padded, ``attention_mask`` [B, L] 1 on each row's tokens (a prefix)."""
@@ -158,6 +192,7 @@ def packed_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
         logits_to_keep=NO_LOGITS,
         output_hidden_states=True,
         use_cache=False,
+        **segment_kwargs(model, p.bounds),
     )
     return out.hidden_states[-1][0, p.columns(*where)]
 

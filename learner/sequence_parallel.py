@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from learner.packing import NO_LOGITS, Packed, segment_attention, segments
+from learner.packing import NO_LOGITS, Packed, row_bounds, segment_attention
 
 ATTENTION = "relay_ulysses"  # the attn_implementation name registered with transformers
 
@@ -137,7 +137,8 @@ class Shard:
 def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface (``attn_implementation = relay_ulysses``): ``query`` [1, H, n, D],
     ``key``/``value`` [1, K, n, D] of this rank's slice -> ([1, n, H, D], None). Without a ``relay_sp`` shard
-    (one rank, or a start-up check) it attends within the packed samples of ``position_ids`` locally. The
+    (one rank, or a start-up check) it attends within the packed samples locally (their bounds computed once
+    for the forward, learner/packing.py ``row_bounds``, else read from ``position_ids``). The
     mask is never read: rows are packed (no padding) and causal within each sample."""
     if dropout or kwargs.get("sliding_window") or kwargs.get("softcap") or query.shape[0] != 1:
         raise ValueError(
@@ -146,8 +147,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
         )
     shard: Shard | None = kwargs.get("relay_sp")
     if shard is None:
-        bounds = segments(kwargs["position_ids"]) if kwargs.get("position_ids") is not None else [0, query.shape[2]]
-        out = segment_attention(query, key, value, bounds, scaling)
+        out = segment_attention(query, key, value, row_bounds(kwargs, query.shape[2]), scaling)
         return out.transpose(1, 2), None
     sp = shard.sp
     qh, kvh = head_split(query.shape[1], key.shape[1], sp.size)

@@ -107,7 +107,6 @@ class PolicyUpdate:
     ):
         self.engine, self.cfg, self.pad_id, self.reference, self.critic = engine, cfg, pad_id, reference, critic
         self.device = engine.device
-        self.shuffle = torch.Generator().manual_seed(cfg.seed)  # the minibatch split: the same on every rank
         # each group's prompt computed once for its samples (learner/logprobs.py); build_policy turns it off
         # for a model that fails its start-up check (shared_prompt below). The critic computes whole rows
         # on the policy's micro-batches: with a critic, whole rows for both. Packing (learner/packing.py)
@@ -138,6 +137,14 @@ class PolicyUpdate:
                     else ""
                 ),
             )
+
+    def shuffle(self) -> torch.Generator:
+        """The generator of this batch's random split into minibatches: the same on every rank, seeded by
+        ``seed`` and the optimizer steps the engine has taken (``global_steps``, which a checkpoint saves and
+        restores: learner/checkpoint.py), so a learner resumed from a checkpoint splits its next batch as the
+        run that did not stop (a generator seeded once per process would start its draws again)."""
+        taken = int(getattr(self.engine, "global_steps", 0))  # a stand-in engine of the unit tests: 0
+        return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + taken) % 2**63)
 
     @property
     def shared_prompt(self) -> bool:
@@ -245,9 +252,10 @@ class PolicyUpdate:
             adv = torch.cat(batch_advantages(self.cfg.advantages.estimator, rewards, tokens))
             b.advantages = adv[:, None].to(b.advantages.dtype)
         steps = []
+        shuffle = self.shuffle()
         for _ in range(self.cfg.optim.ppo_epochs):
             split = (
-                torch.randperm(n, generator=self.shuffle).tensor_split(self.cfg.optim.minibatches)
+                torch.randperm(n, generator=shuffle).tensor_split(self.cfg.optim.minibatches)
                 if multi
                 else [torch.arange(n)]
             )

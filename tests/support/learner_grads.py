@@ -8,8 +8,15 @@ OPTION: checkpointing (activation checkpointing), whole (no shared-prompt forwar
 micro-batches, learner.compute.packing, with the learner's per-sample attention: learner/packing.py),
 separate (π_old by a forward of its own), sp (every rank in one
 sequence-parallel group, learner.compute.sequence_parallel = ranks: the cases without a critic; the others'
-entries are null).
+entries are null), spK (sequence-parallel groups of K ranks, data-parallel across them: world = ranks / K × K).
     torchrun --standalone --nproc_per_node 2 -m tests.support.learner_grads OUT LABEL=... ...
+    torchrun --standalone --nproc_per_node 4 -m tests.support.learner_grads --cases 0,4 OUT LABEL=48/0/sp2 ...
+
+``--cases`` runs those of CASES alone (by index; the others' entries are null). With sequence parallelism each
+rank also writes OUT/LABEL-rank-<r>.json: its place (sequence-parallel group and its members, data-parallel
+rank and group), per case the group index of every sample it trained and the slices of the packed rows it
+computed, and at ZeRO 0 its own accumulated gradient before the optimizer step (before DeepSpeed averages the
+ranks'), as OUT/LABEL-rank-<r>-<i>.safetensors.
 
 The optimizer is plain SGD (no clipping), so the gradient is read back from the weight change:
 g = (w_before − w_after) / lr, after DeepSpeed has accumulated, reduced over ranks and stepped. Every
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 # (aggregation, policy loss, correction mode, minibatches, advantage): every aggregation × policy loss, plus
@@ -37,6 +45,7 @@ CASES += [("token-mean", "ppo", "tis", 1, "gae"), ("seq-mean-token-sum", "ppo", 
 LR = 0.1
 CRITIC_LR = 0.01  # the value loss's gradients are larger: a step of 0.1 would blow the values up for the next case
 SAMPLING = {"temperature": 0.9, "top_k": 10, "top_p": 0.95}
+_REAL: dict = {}
 
 
 def weights(engine) -> dict:
@@ -48,6 +57,52 @@ def weights(engine) -> dict:
         return {n: p.detach().float().clone() for n, p in params.items()}
 
 
+def place(sp) -> dict:
+    """This rank's place in the world: its sequence-parallel group (its members, its rank in it) and its
+    data-parallel rank and group (the members: this rank alone without one)."""
+    import torch.distributed as dist
+
+    members = dist.get_process_group_ranks
+    return {
+        "rank": dist.get_rank(),
+        "sp_rank": sp.rank,
+        "sp_members": members(sp.group),
+        "dp_rank": sp.dp_rank,
+        "dp": sp.dp,
+        "dp_members": members(sp.dp_group) if sp.dp_group is not None else [dist.get_rank()],
+        "cases": {},
+    }
+
+
+def record(update, engine) -> tuple[dict, list]:
+    """What this rank computes in ``update``'s step: the group index of every sample of its micro-batches
+    (``groups``), each packed row's slice it holds (``slices``: lo, n, the row's tokens), and at ZeRO 0
+    its accumulated gradients before each optimizer step (appended to the list returned)."""
+    import learner.sequence_parallel as sp_module
+
+    seen: dict = {"groups": [], "slices": []}
+    local: list = []
+    real_micro_batch, real_finish = update.losses.micro_batch, update.guard.finish
+    real_hidden = _REAL.setdefault("sp_hidden", sp_module.sp_hidden)  # the module's own, not a previous case's
+
+    def micro_batch(b, part, *args):
+        seen["groups"] += b.groups[part].tolist()
+        return real_micro_batch(b, part, *args)
+
+    def finish(*args):
+        if engine.zero_optimization_stage() == 0:
+            local.append({n: p.grad.detach().clone() for n, p in engine.module.named_parameters()})
+        return real_finish(*args)
+
+    def sp_hidden(model, input_ids, attention_mask, where, sp):
+        n = -(-int(attention_mask.sum()) // sp.size)
+        seen["slices"].append([sp.rank * n, n, int(attention_mask.sum())])
+        return real_hidden(model, input_ids, attention_mask, where, sp)
+
+    update.losses.micro_batch, update.guard.finish, sp_module.sp_hidden = micro_batch, finish, sp_hidden
+    return seen, local
+
+
 def run(
     out: Path,
     label: str,
@@ -57,10 +112,12 @@ def run(
     whole: bool = False,
     packed: bool = False,
     separate: bool = False,
-    sp: bool = False,
+    sp: int = 0,
+    cases: set[int] | None = None,
 ) -> None:
     """One engine (``micro_batch_tokens``, ZeRO ``zero_stage``, activation ``checkpointing``, ``packed``
-    micro-batches, π_old by a ``separate`` forward) through every case; results under ``label``."""
+    micro-batches, π_old by a ``separate`` forward, sequence-parallel groups of ``sp`` ranks) through every
+    case (or those of ``cases``); results under ``label``."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -85,7 +142,7 @@ def run(
             "shared_prompt": not whole,  # whole: every sample computed whole, micro-batches by length alone
             "packing": packed,
             "old_logprobs_from_loss": not separate,  # separate: π_old by a forward of its own in every case
-            "sequence_parallel": world if sp else 1,
+            "sequence_parallel": sp or 1,
         },
     )
     base.deepspeed.zero_stage, base.deepspeed.gradient_clipping = zero_stage, 0.0
@@ -96,21 +153,25 @@ def run(
     if sp:
         from learner.sequence_parallel import check_sequence_parallel, sequence_group
 
-        assert check_sequence_parallel(model, sequence_group(rank, world, world)) is None
+        assert check_sequence_parallel(model, sequence_group(rank, world, sp)) is None
     elif packed:  # the learner's start-up step with packing: attention one SDPA call per packed sample
         from learner.policy import _check_packing
 
         _check_packing(model, base, leader=rank == 0)
         assert model.config._attn_implementation == "relay_packed"
-    base.critic.enabled, base.critic.deepspeed = True, base.deepspeed
-    value_model = build_value_model(model, base)
-    torch.nn.init.normal_(value_model.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
+    critic = None  # the critic's engine, built only where a case run trains it (never with SP)
+    if not sp and any(CASES[i][4] in NEEDS_CRITIC for i in range(len(CASES)) if cases is None or i in cases):
+        base.critic.enabled, base.critic.deepspeed = True, base.deepspeed
+        value_model = build_value_model(model, base)
+        torch.nn.init.normal_(value_model.head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
     engine = build_engine(model, base, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    critic = build_engine(
-        value_model, base, optimizer=torch.optim.SGD(value_model.parameters(), lr=CRITIC_LR), critic=True
-    )
+    if base.critic.enabled:
+        critic = build_engine(
+            value_model, base, optimizer=torch.optim.SGD(value_model.parameters(), lr=CRITIC_LR), critic=True
+        )
     groups = make_groups(8, 4, 12, seed=1, sampling=SAMPLING)  # behaviour log-probs unrelated to π: stale samples
     diags = []
+    placed = place(sequence_group(rank, world, sp)) if sp else {}
     for i, (agg, pol, mode, minibatches, advantage) in enumerate(CASES):
         # model_copy sets the fields it is given without validation: the moved keys (minibatches,
         # advantage) must be set in their sections, or they are attributes nothing reads
@@ -125,25 +186,33 @@ def run(
         )
         assert (cfg.optim.minibatches, cfg.advantages.estimator) == (minibatches, advantage)
         trains_critic = advantage in NEEDS_CRITIC
-        if sp and trains_critic:  # not with sequence parallelism (LearnerConfig refuses it)
+        if (sp and trains_critic) or (cases is not None and i not in cases):  # no critic with SP (LearnerConfig)
             diags.append(None)
             continue
         update = PolicyUpdate(engine, cfg, pad_id=0, rank=rank, world=world, critic=critic if trains_critic else None)
+        if sp:
+            placed["cases"][str(i)], local = record(update, engine)
         before = weights(engine)
         critic_before = weights(critic) if trains_critic else {}
         diag = update.train_step(groups, groups[0].sampling, version=1)
         grads = {n: (before[n] - w) / LR for n, w in weights(engine).items()}
         if trains_critic:
             grads.update({f"critic.{n}": (critic_before[n] - w) / CRITIC_LR for n, w in weights(critic).items()})
+        if sp and zero_stage == 0:  # this rank's own gradient, summed over the case's optimizer steps
+            mine = {n: sum(g[n] for g in local) for n in local[0]}
+            save_file(mine, str(out / f"{label}-rank-{rank}-{i}.safetensors"))
         if rank == 0:
             save_file({n: g.contiguous() for n, g in grads.items()}, str(out / f"{label}-{i}.safetensors"))
             diags.append({k: v for k, v in diag.items() if k not in ("compute_s",)})
     if rank == 0:
         (out / f"{label}.json").write_text(json.dumps(diags, allow_nan=False))
+    if sp:
+        (out / f"{label}-rank-{rank}.json").write_text(json.dumps(placed))
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
+    p.add_argument("--cases", help="comma-separated indices of CASES to run (default: all)")
     p.add_argument("out", type=Path)
     p.add_argument("runs", nargs="+", help="LABEL=MICRO_BATCH_TOKENS[/ZERO_STAGE[/OPTION[+OPTION]]]")
     a = p.parse_args()
@@ -152,9 +221,13 @@ if __name__ == "__main__":
         tokens, _, rest = setting.partition("/")
         stage, _, extra = rest.partition("/")
         options = set(extra.split("+")) - {""}
-        flags = ("checkpointing", "whole", "packed", "separate", "sp")
-        assert options <= set(flags), options
-        run(a.out, name, int(tokens), int(stage or 0), *(o in options for o in flags))
+        sizes = {o for o in options if o.startswith("sp")}  # sp: every rank in one group; spK: groups of K
+        flags = ("checkpointing", "whole", "packed", "separate")
+        assert options - sizes <= set(flags) and len(sizes) <= 1, options
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        sp = max((int(o[2:] or world) for o in sizes), default=0)
+        cases = {int(c) for c in a.cases.split(",")} if a.cases else None
+        run(a.out, name, int(tokens), int(stage or 0), *(o in options for o in flags), sp=sp, cases=cases)
     from learner.engine import close_distributed
 
     close_distributed()
