@@ -134,7 +134,11 @@ class SGLangBackendConfig(StrictModel):
     supports_in_flight: ClassVar[bool] = True  # "continue": chunks of continue_chunk_tokens, one version each
     url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang server (unused with launch.python)")
     timeout_s: float = Field(600.0, gt=0, description="timeout of one /generate call")
-    api_key: str = Field("", description="bearer token, if the server was started with --api-key")
+    api_key: str = Field(
+        "",
+        description="bearer token: the --api-key of the server at `url`; with launch.python the launched server's "
+        "key (empty: a fresh random key per launch; a launched server always has one)",
+    )
     launch: SGLangLaunchConfig = Field(
         default_factory=SGLangLaunchConfig, description="a server started by the generator itself"
     )

@@ -79,8 +79,8 @@ class SGLangBackend(HFText):
         self.vocab_size = 0
         self.servers_started = 0
 
-    def _connect(self, url: str) -> None:
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
+    def _connect(self, url: str, api_key: str) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.http = httpx.Client(base_url=url.rstrip("/"), timeout=self.cfg.timeout_s, headers=headers)
 
     def _call(self, method: str, route: str, body: dict | None = None) -> httpx.Response:
@@ -103,15 +103,16 @@ class SGLangBackend(HFText):
         self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = AutoConfig.from_pretrained(path).vocab_size
         if self.cfg.launch.python:
-            from generators.backends.sglang_server import LaunchedServer
+            from generators.backends.sglang_server import launch_sglang, new_key
 
             launch = self.cfg.launch
-            self.server = LaunchedServer(launch.python, path, launch.args, launch.env, launch.start_timeout_s)
+            key = self.cfg.api_key or new_key()  # a launched server always requires a key
+            self.server = launch_sglang(launch.python, path, launch.args, launch.env, launch.start_timeout_s, key)
             self.servers_started += 1
             atexit.register(self.close)
-            self._connect(self.server.url)
+            self._connect(self.server.url, key)
         else:
-            self._connect(self.cfg.url)
+            self._connect(self.cfg.url, self.cfg.api_key)
         self._check_model(path)
         self.update_weights(path)  # the server may have started from other weights: serve exactly this snapshot
 

@@ -124,7 +124,7 @@ def test_new_versions_load_in_place(served):
         s.backend.update_weights(a.path)
         info = s.backend.engine_info()
         assert info["server_pid"] == pid and info["weight_version"] == str(v)
-        assert httpx.get(f"{info['url']}/model_info").json()["weight_version"] == str(v)
+        assert s.backend.http.get("/model_info").json()["weight_version"] == str(v)
         ps = prompts(s)
         for p, g in zip(ps, s.backend.generate(ps, SamplingConfig(n=4, temperature=1.0, max_tokens=6), seed=4)):
             for c in g:
@@ -167,6 +167,41 @@ def test_in_flight_continue_stamps_each_token_with_its_version(served):
 
 def test_tensor_updates_need_a_weight_update_session(served):
     """What 0.5.23 wants around /update_weights_from_tensor (the backend loads from disk, which needs none)."""
-    url = served.backend.engine_info()["url"]
-    r = httpx.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [], "flush_cache": False})
+    body = {"serialized_named_tensors": [], "flush_cache": False}
+    r = served.backend.http.post("/update_weights_from_tensor", json=body)
     assert r.status_code == 400 and "between begin_weight_update() and end_weight_update()" in r.json()["message"]
+
+
+def test_the_launched_server_refuses_whoever_lacks_its_key(served):
+    """A launched server always requires a key (here a fresh one: no generator.backend.api_key), kept off its
+    command line and out of its log: a request without it, or with another, is refused (401) and changes
+    nothing; the backend, which holds it, is served."""
+    s = served
+    s.backend.update_weights(s.versions[0].path)
+    url, server = s.backend.engine_info()["url"], s.backend.server
+    key = s.backend.http.headers["Authorization"].removeprefix("Bearer ")
+    assert len(key) >= 40 and key == server.api_key
+    cmdline = open(f"/proc/{server.pid}/cmdline", "rb").read().decode()
+    assert key not in cmdline and "--api-key" not in cmdline
+    assert server.output.redacted >= 1 and all(key not in line for line in server.output.tail)  # SGLang prints it
+    other = perturbed(s.model, 0.5)
+    s.versions[9] = a9 = s.pub.publish(other, other.state_dict(), 9)
+    p = prompts(s)[0]
+    for headers in ({}, {"Authorization": "Bearer " + key[:-1]}, {"Authorization": key}, {"X-API-Key": key}):
+        r = httpx.post(
+            f"{url}/update_weights_from_disk",
+            json={"model_path": a9.path, "weight_version": "9", "flush_cache": True},
+            headers=headers,
+        )
+        assert r.status_code == 401, (headers.keys(), r.status_code, r.text[:200])
+        r = httpx.post(
+            f"{url}/generate", json={"input_ids": p, "sampling_params": {"max_new_tokens": 2}}, headers=headers
+        )
+        assert r.status_code == 401, (headers.keys(), r.status_code, r.text[:200])
+        assert httpx.get(f"{url}/model_info", headers=headers).status_code == 401
+    assert s.backend.http.get("/model_info").json()["weight_version"] == "0"  # nothing changed
+    (g,) = s.backend.generate([p], SamplingConfig(n=4, temperature=1.0, max_tokens=6), seed=9)
+    for c in g:
+        assert_logprobs(s.model, p, c)  # still version 0's weights
+        assert (recompute_logprobs(other, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max() > 10 * TOL
+    assert httpx.get(f"{url}/health").status_code != 401  # SGLang leaves /health* and /metrics open
