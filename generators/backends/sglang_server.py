@@ -9,6 +9,12 @@ random one per launch. The key reaches the server in a 0600 config file (``--con
 line (readable by every local user in /proc), and never in a log line: the server's output is forwarded with
 the key replaced by ``***`` (docs/security.md, "The launched SGLang server").
 
+Ports: the port is picked free, then bound by the server tens of seconds later (after the model loads), so
+another process may take it in between. A server whose output says its port is taken is stopped and started
+again on a freshly picked port, up to ``tries`` ports in all. "Ready" means that the port's listening socket
+is the server process's own (/proc/net/tcp) and that it answers the readiness route with the key: a process
+that took the port is never mistaken for the server, and is never sent a request.
+
 The server is a child in its own process group with PR_SET_PDEATHSIG (it dies with the generator even if the
 generator is killed with SIGKILL); ``stop`` ends the whole group by its id (SGLang's scheduler and
 detokenizer are children of the server process).
@@ -21,6 +27,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -37,7 +44,11 @@ from broker.runtime.ports import free_port
 log = logging.getLogger("relay.generator.sglang")
 
 PR_SET_PDEATHSIG = 1
+PORT_TRIES = 3  # ports tried in all before giving up
 LOG_TAIL = 30  # the server's last output lines kept for an error message
+# uvicorn's "[Errno 98] ... address already in use"; SGLang's "Port is already in use" (its own ports); torch's
+# TCPStore "EADDRINUSE"
+_PORT_TAKEN = re.compile(r"(address|port) (is )?already in use|errno 98\b|eaddrinuse", re.IGNORECASE)
 
 
 def _die_with_parent() -> None:
@@ -55,6 +66,30 @@ def new_key() -> str:
     return key
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (Linux: /proc/net/tcp's
+    inode among the process's descriptors). Elsewhere: True (no way to tell; the key still guards)."""
+    try:
+        rows = open("/proc/net/tcp").read().splitlines()[1:]
+    except OSError:
+        return True
+    want = f"0100007F:{port:04X}"
+    inodes = {f"socket:[{f[9]}]" for f in (r.split() for r in rows) if f[1] == want and f[3] == "0A"}
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # the process is gone
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
+
+
 class _Output:
     """A child's stdout and stderr, forwarded line by line to this process's stderr (the key replaced by
     ``***``; relay up writes it to the generator's log file), the last ``LOG_TAIL`` lines kept."""
@@ -62,6 +97,7 @@ class _Output:
     def __init__(self, stream, secret: str):
         self.stream, self.secret = stream, secret
         self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL)
+        self.port_taken = ""  # the line that said the port was taken
         self.redacted = 0  # lines in which the key was replaced (SGLang prints its arguments at start)
         self.thread = threading.Thread(target=self._pump, name="sglang-output", daemon=True)
         self.thread.start()
@@ -73,6 +109,8 @@ class _Output:
                 line = line.replace(self.secret, "***")
                 self.redacted += 1
             self.tail.append(line.rstrip("\n"))
+            if not self.port_taken and _PORT_TAKEN.search(line):
+                self.port_taken = line.strip()
             sys.stderr.write(line)
         self.stream.close()
 
@@ -80,9 +118,14 @@ class _Output:
         return "\n".join(list(self.tail)[-n:]) or "(no output)"
 
 
+class PortTaken(RuntimeError):
+    pass
+
+
 class LaunchedServer:
-    """A loopback HTTP server run as a child: ``argv_for(port)`` started on a free port, ready once it answers
-    ``ready_path`` with ``Authorization: Bearer <api_key>``."""
+    """A loopback HTTP server run as a child: ``argv_for(port)`` started on a free port, ready once it holds
+    the port and answers ``ready_path`` with ``Authorization: Bearer <api_key>``; started again on a new port
+    when its output says the port is taken (``tries`` ports in all)."""
 
     def __init__(
         self,
@@ -91,32 +134,57 @@ class LaunchedServer:
         api_key: str,
         start_timeout_s: float,
         ready_path: str = "/model_info",
+        pick_port: Callable[[], int] = free_port,
+        tries: int = PORT_TRIES,
         name: str = "SGLang",
     ):
         if not api_key:
             raise ValueError("a launched server always requires a key")
         self.api_key, self.name, self.ready_path = api_key, name, ready_path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = argv_for(self.port)
-        log.info("starting %s: %s", name, " ".join(argv))
-        # stdout/stderr: piped through _Output to the generator's own stderr
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+        self.ports: list[int] = []
+        self.taken: dict[int, str] = {}  # port -> the server's line saying it was taken
+        for attempt in range(tries):
+            self.port = pick_port()
+            self.ports.append(self.port)
+            self.url = f"http://127.0.0.1:{self.port}"
+            argv = argv_for(self.port)
+            if attempt == 0:
+                log.info("starting %s: %s", name, " ".join(argv))
+            else:
+                log.warning(
+                    "%s: port %d was taken before the server bound it; starting again on port %d",
+                    name,
+                    self.ports[-2],
+                    self.port,
+                )
+            # stdout/stderr: piped through _Output to the generator's own stderr
+            self.proc = subprocess.Popen(
+                argv,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            self.output = _Output(self.proc.stdout, api_key)
+            try:
+                self._wait_ready(start_timeout_s)
+                return
+            except PortTaken:
+                self.taken[self.port] = self.output.port_taken
+                self.stop()
+        raise RuntimeError(
+            f"the {name} server could not bind a port: each of {self.ports} was taken before it bound it "
+            f"({tries} tries); its last output:\n{self.output.last()}"
         )
-        self.output = _Output(self.proc.stdout, api_key)
-        self._wait_ready(start_timeout_s)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def _ready(self) -> bool:
+        if not listens(self.pid, self.port):  # not bound yet, or bound by another process: send it nothing
+            return False
         headers = {"Authorization": f"Bearer {self.api_key}"}
         try:
             return httpx.get(f"{self.url}{self.ready_path}", headers=headers, timeout=2.0).status_code == 200
@@ -126,8 +194,12 @@ class LaunchedServer:
     def _wait_ready(self, timeout_s: float) -> None:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
+            if self.output.port_taken:
+                raise PortTaken(self.port)
             if self.proc.poll() is not None:
                 self.output.thread.join(5.0)  # its last lines (the reason it exited)
+                if self.output.port_taken:
+                    raise PortTaken(self.port)
                 raise RuntimeError(
                     f"the {self.name} server exited with code {self.proc.returncode} while starting on port "
                     f"{self.port}; its last output:\n{self.output.last()}"
@@ -161,7 +233,13 @@ class LaunchedServer:
 
 
 def launch_sglang(
-    python: str, model: str, args: list[str], env: dict[str, str], start_timeout_s: float, api_key: str
+    python: str,
+    model: str,
+    args: list[str],
+    env: dict[str, str],
+    start_timeout_s: float,
+    api_key: str,
+    pick_port: Callable[[], int] = free_port,
 ) -> LaunchedServer:
     """``python -m sglang.launch_server --model-path MODEL`` on a free loopback port, with ``args`` and
     ``env`` added, requiring ``api_key``: given in a 0600 YAML file for ``--config`` (SGLang 0.5.23 merges it
@@ -185,6 +263,6 @@ def launch_sglang(
             argv = [python, "-m", "sglang.launch_server", "--config", config, "--model-path", model]
             return argv + ["--host", "127.0.0.1", "--port", str(port), *args]
 
-        return LaunchedServer(argv_for, child_env, api_key, start_timeout_s)
+        return LaunchedServer(argv_for, child_env, api_key, start_timeout_s, pick_port=pick_port)
     finally:
         os.unlink(config)

@@ -7,6 +7,7 @@ stamps each token with the version that sampled it."""
 from __future__ import annotations
 
 import os
+import socket
 from types import SimpleNamespace
 
 import httpx
@@ -205,3 +206,39 @@ def test_the_launched_server_refuses_whoever_lacks_its_key(served):
         assert_logprobs(s.model, p, c)  # still version 0's weights
         assert (recompute_logprobs(other, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max() > 10 * TOL
     assert httpx.get(f"{url}/health").status_code != 401  # SGLang leaves /health* and /metrics open
+
+
+def test_a_port_taken_before_sglang_binds_it_is_replaced_by_another(tmp_path):
+    """The pick-then-bind race with a real SGLang: the first port picked is held by another socket, so the
+    server, once its model is loaded, cannot bind it (uvicorn: "address already in use"); it is stopped and
+    started again on a fresh port, and only that one is used."""
+    from generators.backends.sglang_server import launch_sglang, listens, new_key
+
+    path = build_tiny_model(tmp_path / "model", vllm_compatible=True)
+    launch = SGLangBackendConfig().launch
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    picks = [taken]
+    key = new_key()
+    try:
+        server = launch_sglang(
+            str(sglang_python()),
+            str(path),
+            launch.args,
+            launch.env,
+            600,
+            key,
+            pick_port=lambda: picks.pop(0) if picks else free_port(),
+        )
+    finally:
+        held.close()
+    try:
+        assert server.ports == [taken, server.port] and server.port != taken and listens(server.pid, server.port)
+        assert "already in use" in server.taken[taken], server.taken
+        info = httpx.get(f"{server.url}/model_info", headers={"Authorization": f"Bearer {key}"}).json()
+        assert info["is_generation"]
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None

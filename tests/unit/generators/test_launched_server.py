@@ -1,17 +1,22 @@
 """LaunchedServer (generators/backends/sglang_server.py) with a tiny real HTTP server standing in for SGLang:
-a child that, like ``sglang.launch_server``, loads for a while, then binds its port and answers only requests
-that carry its key."""
+a child that, like ``sglang.launch_server``, loads for a while, then binds its port (exiting with "Address
+already in use" when the port is taken) and answers only requests that carry its key. The ports taken are
+really taken, by a listening socket of this test or by another HTTP server answering 200 to anyone."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
+import socket
 import sys
+import threading
 
 import httpx
 import pytest
 
-from generators.backends.sglang_server import LaunchedServer, launch_sglang, new_key
+from broker.runtime.ports import free_port
+from generators.backends.sglang_server import LaunchedServer, launch_sglang, listens, new_key
 
 STANDIN = r"""
 import http.server, sys, time
@@ -54,10 +59,48 @@ def standin(tmp_path):
     return lambda key, load_s=0.3: lambda port: [sys.executable, str(script), str(port), key, str(load_s)]
 
 
+def ports_then(*first: int):
+    """A port picker that hands out ``first``, then free ports."""
+    queue = list(first)
+    return lambda: queue.pop(0) if queue else free_port()
+
+
+@pytest.fixture
+def occupied():
+    """A port with a listening socket on it (not accepting: a process that merely holds it)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    yield s.getsockname()[1]
+    s.close()
+
+
+@pytest.fixture
+def impostor():
+    """Another HTTP server on 127.0.0.1 that answers 200 to every GET, and records what it was sent."""
+    seen = []
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1], seen
+    srv.shutdown()
+    srv.server_close()
+
+
 def test_ready_once_it_answers_with_its_key_and_the_key_never_reaches_the_log(standin, capfd):
     key = new_key()
     srv = LaunchedServer(standin(key), {}, key, start_timeout_s=30)
     try:
+        assert srv.ports == [srv.port] and listens(srv.pid, srv.port)
         assert httpx.get(f"{srv.url}/model_info", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert httpx.get(f"{srv.url}/model_info").status_code == 401
     finally:
@@ -66,6 +109,38 @@ def test_ready_once_it_answers_with_its_key_and_the_key_never_reaches_the_log(st
     srv.output.thread.join(5)
     err = capfd.readouterr().err
     assert "loading the model" in err and "api_key='***'" in err and key not in err
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced_by_a_fresh_one(standin, occupied):
+    key = new_key()
+    srv = LaunchedServer(standin(key), {}, key, start_timeout_s=30, pick_port=ports_then(occupied))
+    try:
+        assert srv.ports[0] == occupied and srv.port != occupied and len(srv.ports) == 2
+        assert "Address already in use" in srv.taken[occupied] and list(srv.taken) == [occupied]
+        assert listens(srv.pid, srv.port) and not listens(srv.pid, occupied)
+    finally:
+        srv.stop()
+
+
+def test_a_process_answering_on_the_port_is_never_taken_for_the_server_nor_sent_the_key(standin, impostor):
+    port, seen = impostor
+    key = new_key()
+    srv = LaunchedServer(standin(key, load_s=1.5), {}, key, start_timeout_s=30, pick_port=ports_then(port))
+    try:
+        assert srv.ports == [port, srv.port] and srv.port != port
+        assert seen == []  # not a request: not the probe, not the key
+        assert httpx.get(f"http://127.0.0.1:{port}/x").status_code == 200  # it was answering all along
+        assert len(seen) == 1 and "Authorization" not in seen[0]
+    finally:
+        srv.stop()
+
+
+def test_when_every_port_is_taken_the_error_names_them_and_the_servers_last_output(standin, occupied):
+    key = new_key()
+    with pytest.raises(RuntimeError) as e:
+        LaunchedServer(standin(key), {}, key, start_timeout_s=30, pick_port=lambda: occupied, tries=3)
+    msg = str(e.value)
+    assert f"each of {[occupied] * 3} was taken" in msg and "Address already in use" in msg and key not in msg
 
 
 def test_a_server_that_exits_for_another_reason_is_not_started_again(tmp_path):
