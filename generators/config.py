@@ -126,8 +126,8 @@ class SGLangBackendConfig(StrictModel):
     ``/get_model_info``, ``/get_weight_version``), started by the generator (``launch.python``) or by you (``url``).
 
     Behaviour log-probs: SGLang reports log-softmax(logits / temperature) before top-k/top-p; with top-k or
-    top-p (not both) the backend asks for the top log-probs too and renormalises over the kept set
-    (docs/generators.md).
+    top-p (not both) the backend takes SGLang's own log-prob within the kept set (``return_sampling_mask``,
+    docs/generators.md).
     The weight snapshot folder must be readable by the server under the same path (a shared volume)."""
 
     type: Literal["sglang"] = "sglang"

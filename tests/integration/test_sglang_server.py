@@ -103,6 +103,13 @@ def test_top_k_top_p_logprobs_are_of_the_distribution_sampled(served, top_k, top
             assert_logprobs(s.model, p, c, temperature=1.2, top_k=top_k, top_p=top_p)
             kept += len(c.token_ids)
     assert kept > 0
+    # SGLang's own log-prob within the kept set (return_sampling_mask), not top log-probs of the vocabulary
+    (a,) = s.backend._request([ps[0]], sampling, 6)
+    meta = a["meta_info"]
+    assert len(meta["output_token_sampling_logprobs"]) == len(a["output_ids"]) > 0
+    lens = [len(m) for m in meta["output_token_sampling_mask"]]  # the kept set's ids, one list per token
+    assert not meta.get("output_top_logprobs") and all(1 <= n <= (top_k or s.backend.vocab_size) for n in lens)
+    assert top_p == 1.0 or max(lens) < s.backend.vocab_size  # top-p 0.7 keeps fewer than all
 
 
 def test_greedy_is_the_models_argmax(served):
