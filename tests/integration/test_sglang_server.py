@@ -215,6 +215,7 @@ def test_the_launched_server_refuses_whoever_lacks_its_key(served):
     assert httpx.get(f"{url}/health").status_code != 401  # SGLang leaves /health* and /metrics open
 
 
+@pytest.mark.timeout(2400)  # two server starts: 57 s in all at load 6, over 9 min each at load 12-15 (6 Dec 2026)
 def test_a_port_taken_before_sglang_binds_it_is_replaced_by_another(tmp_path):
     """The pick-then-bind race with a real SGLang: the first port picked is held by another socket, so the
     server, once its model is loaded, cannot bind it (uvicorn: "address already in use"); it is stopped and
