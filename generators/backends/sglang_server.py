@@ -111,7 +111,10 @@ class _Output:
             self.tail.append(line.rstrip("\n"))
             if not self.port_taken and _PORT_TAKEN.search(line):
                 self.port_taken = line.strip()
-            sys.stderr.write(line)
+            try:
+                sys.stderr.write(line)
+            except (OSError, ValueError):  # this process's stderr is closed (exiting): keep draining the pipe, or
+                continue  # the server would block on its next log line once the pipe is full
         self.stream.close()
 
     def last(self, n: int = LOG_TAIL) -> str:

@@ -190,3 +190,19 @@ def test_launch_args_may_not_carry_a_key_and_keys_are_fresh_and_parseable():
     assert len(keys) == 2000 and all(len(k) >= 43 and not k.startswith("-") for k in keys)
     with pytest.raises(ValueError, match="always requires a key"):
         LaunchedServer(lambda port: ["true"], {}, "", 1)
+
+
+def test_a_server_is_never_blocked_by_output_this_process_cannot_write(tmp_path, monkeypatch):
+    """Past this process's closed stderr (a generator exiting), the server's output is still drained: a child
+    that prints 1 MiB (16 pipe buffers) before it binds still becomes ready."""
+    script = tmp_path / "chatty.py"
+    script.write_text("import sys\nfor _ in range(16384): print('x' * 63)\nsys.stdout.flush()\n" + STANDIN)
+    closed = open(tmp_path / "stderr", "w")
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    key = new_key()
+    srv = LaunchedServer(lambda port: [sys.executable, str(script), str(port), key, "0"], {}, key, start_timeout_s=30)
+    try:
+        assert httpx.get(f"{srv.url}/model_info", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    finally:
+        srv.stop()
