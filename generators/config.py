@@ -126,15 +126,19 @@ class SGLangBackendConfig(StrictModel):
     ``/get_model_info``, ``/get_weight_version``), started by the generator (``launch.python``) or by you (``url``).
 
     Behaviour log-probs: SGLang reports log-softmax(logits / temperature) before top-k/top-p; with top-k or
-    top-p (not both) the backend asks for the top log-probs too and renormalises over the kept set
-    (docs/generators.md).
+    top-p (not both) the backend takes SGLang's own log-prob within the kept set (``return_sampling_mask``,
+    docs/generators.md).
     The weight snapshot folder must be readable by the server under the same path (a shared volume)."""
 
     type: Literal["sglang"] = "sglang"
     supports_in_flight: ClassVar[bool] = True  # "continue": chunks of continue_chunk_tokens, one version each
     url: str = Field("http://127.0.0.1:30000", description="base URL of the SGLang server (unused with launch.python)")
     timeout_s: float = Field(600.0, gt=0, description="timeout of one /generate call")
-    api_key: str = Field("", description="bearer token, if the server was started with --api-key")
+    api_key: str = Field(
+        "",
+        description="bearer token: the --api-key of the server at `url`; with launch.python the launched server's "
+        "key (empty: a fresh random key per launch; a launched server always has one)",
+    )
     launch: SGLangLaunchConfig = Field(
         default_factory=SGLangLaunchConfig, description="a server started by the generator itself"
     )

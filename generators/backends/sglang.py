@@ -10,9 +10,17 @@ has ``output_ids`` and ``meta_info`` with ``output_token_logprobs`` (``[logprob,
 
 Behaviour log-probs: SGLang reports log_softmax(logits / temperature), taken before any top-k or top-p
 filter (``SGLANG_RETURN_ORIGINAL_LOGPROB`` must stay unset: it switches to pre-temperature log-probs). With
-top-k or top-p (one of the two: see :func:`kept_mass`) the backend also asks for the top ``top_logprobs_num``
-log-probs of each position and renormalises over the set SGLang keeps, which is the learner's
-:func:`broker.protocol.sampling.sampling_logprobs`: the log-prob of the distribution actually sampled from.
+top-k or top-p (one of the two: SGLang's top-p counts the mass before top-k's renormalisation, the learner's
+after it) the backend asks for ``return_sampling_mask`` in its ``selected`` mode: SGLang's own log-prob of
+each sampled token within the set its sampler kept, log(p / kept mass) with p of softmax(logits /
+temperature) (``Sampler._build_sampling_mask_output`` in sglang/srt/layers/sampler.py), which is the
+learner's :func:`broker.protocol.sampling.sampling_logprobs`: the log-prob of the distribution actually
+sampled from. SGLang 0.5.23 returns a mask only for a finite ``top_k`` of at most its
+``--sampling-mask-max-tokens`` (4096 by default), so top-p is sent with ``top_k`` = the vocabulary size (a
+filter that keeps everything) and a launched server gets ``--sampling-mask-max-tokens`` = the vocabulary size;
+a server of your own needs it too for a vocabulary over 4096 (else its 400 names the flag). (Before, the
+backend asked for the top ``top_logprobs_num`` log-probs, the whole vocabulary for top-p, and renormalised
+them itself.)
 
 Weights: ``/update_weights_from_disk`` with the version folder and its version as ``weight_version``,
 ``flush_cache`` (no radix-cache entry of the old weights is reused) and ``abort_all_requests`` (a request
@@ -32,7 +40,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 from pathlib import Path
 
 import httpx
@@ -44,26 +51,11 @@ from generators.config import SamplingConfig, SGLangBackendConfig
 log = logging.getLogger("relay.generator.sglang")
 
 
+MASK_CAP = "--sampling-mask-max-tokens"  # SGLang's bound on a sampling mask's size, and so on top_k with one
+
+
 class SGLangError(RuntimeError):
     pass
-
-
-def kept_mass(top: list[float], top_k: int, top_p: float) -> float:
-    """log of the probability mass SGLang 0.5.23 samples from at one position, given its top log-probs
-    (temperature applied; at least ``top_k`` of them, or all for top-p). Its rule
-    (``top_k_top_p_min_p_sampling_from_probs_torch`` in sglang/srt/layers/sampler.py): the ``top_k`` largest
-    (0: all), and of those each token whose mass before it, in the unfiltered distribution, is at most
-    ``top_p``. With one filter alone this is the learner's ``sampling_logprobs``; with both it is not (the
-    learner's top-p counts mass after top-k's renormalisation), which is why the config refuses both."""
-    lps = sorted(top, reverse=True)
-    before, kept = 0.0, []
-    for rank, lp in enumerate(lps):
-        if (top_k and rank >= top_k) or before > top_p:
-            break
-        kept.append(lp)
-        before += math.exp(lp)
-    m = max(kept)
-    return m + math.log(sum(math.exp(x - m) for x in kept))
 
 
 class SGLangBackend(HFText):
@@ -79,8 +71,8 @@ class SGLangBackend(HFText):
         self.vocab_size = 0
         self.servers_started = 0
 
-    def _connect(self, url: str) -> None:
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None
+    def _connect(self, url: str, api_key: str) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.http = httpx.Client(base_url=url.rstrip("/"), timeout=self.cfg.timeout_s, headers=headers)
 
     def _call(self, method: str, route: str, body: dict | None = None) -> httpx.Response:
@@ -103,15 +95,19 @@ class SGLangBackend(HFText):
         self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = AutoConfig.from_pretrained(path).vocab_size
         if self.cfg.launch.python:
-            from generators.backends.sglang_server import LaunchedServer
+            from generators.backends.sglang_server import launch_sglang, new_key
 
             launch = self.cfg.launch
-            self.server = LaunchedServer(launch.python, path, launch.args, launch.env, launch.start_timeout_s)
+            key = self.cfg.api_key or new_key()  # a launched server always requires a key
+            args = list(launch.args)
+            if not any(a.startswith(MASK_CAP) for a in args):  # top-p's top_k: the vocabulary (SGLang: 4096 at most)
+                args += [MASK_CAP, str(self.vocab_size)]
+            self.server = launch_sglang(launch.python, path, args, launch.env, launch.start_timeout_s, key)
             self.servers_started += 1
             atexit.register(self.close)
-            self._connect(self.server.url)
+            self._connect(self.server.url, key)
         else:
-            self._connect(self.cfg.url)
+            self._connect(self.cfg.url, self.cfg.api_key)
         self._check_model(path)
         self.update_weights(path)  # the server may have started from other weights: serve exactly this snapshot
 
@@ -172,9 +168,10 @@ class SGLangBackend(HFText):
         }
         body: dict = {"input_ids": rows, "sampling_params": params, "return_logprob": True}
         if not greedy and (sampling.top_k or sampling.top_p < 1.0):
-            params.update(top_k=sampling.top_k or -1, top_p=sampling.top_p)
-            # the log-probs of every token SGLang may keep (top-p: the whole vocabulary)
-            body["top_logprobs_num"] = sampling.top_k if sampling.top_k else self.vocab_size
+            # SGLang returns a sampling mask only with a finite top_k: top-p's is the whole vocabulary (a no-op)
+            params.update(top_k=min(sampling.top_k or self.vocab_size, self.vocab_size), top_p=sampling.top_p)
+            # each sampled token's log-prob within the set SGLang kept (not a log-prob per token of that set)
+            body.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
         answers = self._call("POST", "/generate", body).json()
         if isinstance(answers, dict):
             answers = [answers]
@@ -198,11 +195,9 @@ class SGLangBackend(HFText):
         if sampling.top_k == 1:
             lps = [0.0] * len(toks)
         elif sampling.top_k or sampling.top_p < 1.0:
-            tops = meta["output_top_logprobs"]
-            lps = [
-                float(t[0]) - kept_mass([float(x[0]) for x in top], sampling.top_k, sampling.top_p)
-                for t, top in zip(triples, tops)
-            ]
+            lps = [float(x) for x in meta.get("output_token_sampling_logprobs") or []]
+            if len(lps) != len(toks):
+                raise SGLangError(f"/generate gave {len(lps)} sampling log-probs for {len(toks)} tokens")
         else:
             lps = [float(t[0]) for t in triples]
         finish = (meta.get("finish_reason") or {}).get("type", "length")

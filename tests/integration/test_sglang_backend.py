@@ -12,7 +12,7 @@ import redis
 from broker.protocol import weightstore
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import free_port
-from generators.backends.sglang import SGLangError, kept_mass
+from generators.backends.sglang import SGLangError
 from generators.config import GeneratorConfig, SamplingConfig, SGLangBackendConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
@@ -77,18 +77,6 @@ def test_a_server_whose_model_does_not_generate_is_refused(procs, tmp_path, vers
     backend = SGLangBackendConfig(url=start_mock(procs, path, tmp_path, "--embedding")).build()
     with pytest.raises(SGLangError, match="does not generate"):
         backend.load(a0.path)
-
-
-def test_kept_mass_is_the_mass_sglang_samples_from():
-    import math
-
-    lps = [math.log(p) for p in (0.5, 0.3, 0.15, 0.05)]
-    assert kept_mass(lps, 0, 1.0) == pytest.approx(0.0, abs=1e-12)
-    assert kept_mass(lps, 2, 1.0) == pytest.approx(math.log(0.8))
-    assert kept_mass(lps, 0, 0.6) == pytest.approx(math.log(0.8))  # 0.5 < 0.6: the second token is kept too
-    assert kept_mass(lps, 0, 0.85) == pytest.approx(math.log(0.95))
-    assert kept_mass(lps, 0, 0.4) == pytest.approx(math.log(0.5))
-    assert kept_mass(lps, 3, 1.0) == pytest.approx(math.log(0.95))
 
 
 def test_top_k_or_top_p_and_continue_are_accepted_top_k_with_top_p_is_not():

@@ -7,6 +7,7 @@ stamps each token with the version that sampled it."""
 from __future__ import annotations
 
 import os
+import socket
 from types import SimpleNamespace
 
 import httpx
@@ -102,6 +103,13 @@ def test_top_k_top_p_logprobs_are_of_the_distribution_sampled(served, top_k, top
             assert_logprobs(s.model, p, c, temperature=1.2, top_k=top_k, top_p=top_p)
             kept += len(c.token_ids)
     assert kept > 0
+    # SGLang's own log-prob within the kept set (return_sampling_mask), not top log-probs of the vocabulary
+    (a,) = s.backend._request([ps[0]], sampling, 6)
+    meta = a["meta_info"]
+    assert len(meta["output_token_sampling_logprobs"]) == len(a["output_ids"]) > 0
+    lens = [len(m) for m in meta["output_token_sampling_mask"]]  # the kept set's ids, one list per token
+    assert not meta.get("output_top_logprobs") and all(1 <= n <= (top_k or s.backend.vocab_size) for n in lens)
+    assert top_p == 1.0 or max(lens) < s.backend.vocab_size  # top-p 0.7 keeps fewer than all
 
 
 def test_greedy_is_the_models_argmax(served):
@@ -124,7 +132,7 @@ def test_new_versions_load_in_place(served):
         s.backend.update_weights(a.path)
         info = s.backend.engine_info()
         assert info["server_pid"] == pid and info["weight_version"] == str(v)
-        assert httpx.get(f"{info['url']}/model_info").json()["weight_version"] == str(v)
+        assert s.backend.http.get("/model_info").json()["weight_version"] == str(v)
         ps = prompts(s)
         for p, g in zip(ps, s.backend.generate(ps, SamplingConfig(n=4, temperature=1.0, max_tokens=6), seed=4)):
             for c in g:
@@ -167,6 +175,78 @@ def test_in_flight_continue_stamps_each_token_with_its_version(served):
 
 def test_tensor_updates_need_a_weight_update_session(served):
     """What 0.5.23 wants around /update_weights_from_tensor (the backend loads from disk, which needs none)."""
-    url = served.backend.engine_info()["url"]
-    r = httpx.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [], "flush_cache": False})
+    body = {"serialized_named_tensors": [], "flush_cache": False}
+    r = served.backend.http.post("/update_weights_from_tensor", json=body)
     assert r.status_code == 400 and "between begin_weight_update() and end_weight_update()" in r.json()["message"]
+
+
+def test_the_launched_server_refuses_whoever_lacks_its_key(served):
+    """A launched server always requires a key (here a fresh one: no generator.backend.api_key), kept off its
+    command line and out of its log: a request without it, or with another, is refused (401) and changes
+    nothing; the backend, which holds it, is served."""
+    s = served
+    s.backend.update_weights(s.versions[0].path)
+    url, server = s.backend.engine_info()["url"], s.backend.server
+    key = s.backend.http.headers["Authorization"].removeprefix("Bearer ")
+    assert len(key) >= 40 and key == server.api_key
+    cmdline = open(f"/proc/{server.pid}/cmdline", "rb").read().decode()
+    assert key not in cmdline and "--api-key" not in cmdline
+    assert server.output.redacted >= 1 and all(key not in line for line in server.output.tail)  # SGLang prints it
+    other = perturbed(s.model, 0.5)
+    s.versions[9] = a9 = s.pub.publish(other, other.state_dict(), 9)
+    p = prompts(s)[0]
+    for headers in ({}, {"Authorization": "Bearer " + key[:-1]}, {"Authorization": key}, {"X-API-Key": key}):
+        r = httpx.post(
+            f"{url}/update_weights_from_disk",
+            json={"model_path": a9.path, "weight_version": "9", "flush_cache": True},
+            headers=headers,
+        )
+        assert r.status_code == 401, (headers.keys(), r.status_code, r.text[:200])
+        r = httpx.post(
+            f"{url}/generate", json={"input_ids": p, "sampling_params": {"max_new_tokens": 2}}, headers=headers
+        )
+        assert r.status_code == 401, (headers.keys(), r.status_code, r.text[:200])
+        assert httpx.get(f"{url}/model_info", headers=headers).status_code == 401
+    assert s.backend.http.get("/model_info").json()["weight_version"] == "0"  # nothing changed
+    (g,) = s.backend.generate([p], SamplingConfig(n=4, temperature=1.0, max_tokens=6), seed=9)
+    for c in g:
+        assert_logprobs(s.model, p, c)  # still version 0's weights
+        assert (recompute_logprobs(other, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max() > 10 * TOL
+    assert httpx.get(f"{url}/health").status_code != 401  # SGLang leaves /health* and /metrics open
+
+
+@pytest.mark.timeout(2400)  # two server starts: 57 s in all at load 6, over 9 min each at load 12-15 (6 Dec 2026)
+def test_a_port_taken_before_sglang_binds_it_is_replaced_by_another(tmp_path):
+    """The pick-then-bind race with a real SGLang: the first port picked is held by another socket, so the
+    server, once its model is loaded, cannot bind it (uvicorn: "address already in use"); it is stopped and
+    started again on a fresh port, and only that one is used."""
+    from generators.backends.sglang_server import launch_sglang, listens, new_key
+
+    path = build_tiny_model(tmp_path / "model", vllm_compatible=True)
+    launch = SGLangBackendConfig().launch
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    picks = [taken]
+    key = new_key()
+    try:
+        server = launch_sglang(
+            str(sglang_python()),
+            str(path),
+            launch.args,
+            launch.env,
+            600,
+            key,
+            pick_port=lambda: picks.pop(0) if picks else free_port(),
+        )
+    finally:
+        held.close()
+    try:
+        assert server.ports == [taken, server.port] and server.port != taken and listens(server.pid, server.port)
+        assert "already in use" in server.taken[taken], server.taken
+        info = httpx.get(f"{server.url}/model_info", headers={"Authorization": f"Bearer {key}"}).json()
+        assert info["is_generation"]
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
