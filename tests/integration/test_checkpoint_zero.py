@@ -4,31 +4,16 @@ state as the run that wrote it, and its next step gives the same loss and the sa
 bit, as not stopping. The engines run in a child process (tests/support/checkpoint_roundtrip.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.support.services import ROOT, child_env
+from tests.support.ranks import run_module
 
 ALL = ["0:fp32", "0:bf16", "1:fp32", "1:bf16", "2:fp32", "2:bf16", "3:fp32", "3:bf16"]
 
 
 def _roundtrip(tmp_path, settings, ranks=1) -> list[dict]:
-    launch = (
-        [sys.executable]
-        if ranks == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    )
-    res = subprocess.run(
-        [*launch, "-m", "tests.support.checkpoint_roundtrip", "--out", str(tmp_path), *settings],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=child_env(),
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_module(["tests.support.checkpoint_roundtrip", "--out", tmp_path, *settings], ranks=ranks)
     return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(ranks)]
 
 

@@ -11,31 +11,23 @@ tokens that fell out of the kept set are counted. (tests/support/learner_grads.p
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.support.learner_grads import CASES, CRITIC_LR, LR, SAMPLING
-from tests.support.services import ROOT, child_env
+from tests.support.ranks import run_module
 
 pytestmark = pytest.mark.slow
-
-
-def _run(cmd: list[str]) -> None:
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("grads")
-    module = ["-m", "tests.support.learner_grads", str(out)]
-    _run(
+    module = ["tests.support.learner_grads", out]
+    run_module(
         [
-            sys.executable,
             *module,
             "one=100000",
             "k=48",
@@ -46,19 +38,7 @@ def runs(tmp_path_factory):
             "k_separate=48/0/separate",
         ]
     )
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            *module,
-            "ranks=48/0",
-            "ranks_zero2=48/2",
-        ]
-    )
+    run_module([*module, "ranks=48/0", "ranks_zero2=48/2"], ranks=2)
     return out
 
 

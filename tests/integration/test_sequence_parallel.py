@@ -12,7 +12,6 @@ but where the work runs:
 """
 
 import json
-import sys
 
 import pytest
 import torch
@@ -20,15 +19,16 @@ from safetensors.torch import load_file
 
 from tests.support.learner_grads import CASES
 from tests.support.services import relay, relay_up_args
-from tests.integration.test_learner_microbatches import _load, _run
+from tests.integration.test_learner_microbatches import _load
+from tests.support.ranks import run_module
 
 TOL = 1e-5
 
 
 def test_a_row_split_over_two_ranks_gives_the_numbers_of_one(tmp_path):
-    module = ["-m", "tests.support.sp_grads", str(tmp_path)]
-    _run([sys.executable, *module, "one"])
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *module, "split"])
+    module = ["tests.support.sp_grads", tmp_path]
+    run_module([*module, "one"])
+    run_module([*module, "split"], ranks=2)
     one, split = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "split.safetensors"))
     assert one.keys() == split.keys() and any(".grad." in k for k in one)
     for name, want in one.items():
@@ -42,21 +42,9 @@ def test_a_row_split_over_two_ranks_gives_the_numbers_of_one(tmp_path):
 
 @pytest.mark.slow  # two DeepSpeed engines through every case: left to `make test` (docs/testing.md)
 def test_the_learner_step_split_over_two_ranks_equals_one_rank(tmp_path):
-    module = ["-m", "tests.support.learner_grads", str(tmp_path)]
-    _run([sys.executable, *module, "one=100000"])
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            *module,
-            "sp=48/0/sp",
-            "sp_zero2=48/2/sp+checkpointing",
-        ]
-    )
+    module = ["tests.support.learner_grads", tmp_path]
+    run_module([*module, "one=100000"])
+    run_module([*module, "sp=48/0/sp", "sp_zero2=48/2/sp+checkpointing"], ranks=2)
     want_diags, want_grads = _load(tmp_path, "one")
     for label in ("sp", "sp_zero2"):
         diags = json.loads((tmp_path / f"{label}.json").read_text())

@@ -16,14 +16,13 @@ of the step's, and DeepSpeed's average over the 4 ranks (each loss scaled by the
 """
 
 import json
-import sys
 from collections import Counter
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.test_learner_microbatches import _run
+from tests.support.ranks import run_module
 from tests.support.learner_grads import CASES
 
 TOL = 1e-5
@@ -52,20 +51,9 @@ def _differs(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dpsp")
-    module = ["-m", "tests.support.learner_grads", "--cases", ",".join(map(str, SUBSET)), str(out)]
-    _run([sys.executable, *module, "one=100000"])
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(WORLD),
-            *module,
-            *(f"{k}={v}" for k, v in LABELS.items()),
-        ]
-    )
+    module = ["tests.support.learner_grads", "--cases", ",".join(map(str, SUBSET)), out]
+    run_module([*module, "one=100000"])
+    run_module([*module, *(f"{k}={v}" for k, v in LABELS.items())], ranks=WORLD)
     return out
 
 

@@ -7,8 +7,6 @@ steps without stopping, to 1e-5. What only the world's rank 0 does, it alone did
 announcement and one stored copy per version, one checkpoint with each rank's optimizer part."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import redis
@@ -20,7 +18,7 @@ from broker.client import queues
 from broker.protocol import weightstore
 from broker.protocol.group import encode_group
 from broker.protocol.keys import Keys
-from tests.support.services import ROOT, child_env
+from tests.support.ranks import run_module
 
 TOL = 1e-5
 RANKS = 2
@@ -39,11 +37,7 @@ def _feed(redis_url: str, run_id: str) -> None:
 
 
 def _learner(redis_url, run_dir, run_id, steps, tag) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS)]
-    cmd += ["-m", "tests.support.learner_sp_resume", redis_url, str(run_dir), run_id, str(steps), tag]
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res.stdout + res.stderr
+    return run_module(["tests.support.learner_sp_resume", redis_url, run_dir, run_id, steps, tag], ranks=RANKS)
 
 
 def _state(run_dir, name: str) -> tuple[dict, dict]:

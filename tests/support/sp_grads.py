@@ -86,8 +86,10 @@ def run(out: Path, label: str) -> None:
             results[f"{i}.grad.{n}"] = g
     if sp is None or torch.distributed.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in results.items()}, str(out / f"{label}.safetensors"))
-    if sp is not None:
-        torch.distributed.destroy_process_group()
+    if sp is not None:  # every rank leaves together (a rank that leaves first can abort in gloo's destructors)
+        from learner.engine import close_distributed
+
+        close_distributed()
 
 
 if __name__ == "__main__":

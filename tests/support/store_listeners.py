@@ -53,7 +53,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from learner.engine import init_distributed
+    from learner.engine import close_distributed, init_distributed
 
     launched = "WORLD_SIZE" in os.environ  # by a launcher (deploy/launcher/ranks.py); init_distributed sets it
     init_distributed()
@@ -70,7 +70,7 @@ def main() -> int:
             )
             + "\n"
         )
-    dist.barrier()
+    close_distributed()  # a barrier, then the group ended on every rank
     return 0
 
 
