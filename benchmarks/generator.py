@@ -3,7 +3,8 @@ stream, sampling, one reward call per batch, sending each group to the broker an
 ack) against its raw engine in this process on the same prompts with the same sampling: for the torch
 backend its batched KV-cache sampler (``TorchBackend.generate``), for vLLM ``LLM.generate``, for SGLang
 (``--sglang``) a raw ``/generate`` of the same batch to an SGLang server (started from SGLang's own
-environment, as the generator starts its own).
+environment, as the generator starts its own). With ``--sglang`` also ``generator/sglang_mask_top_k`` and
+``_top_p``: what SGLang's sampling mask costs (benchmarks/sglang_mask.py).
 
 The service's rate comes from two of its heartbeats (each sent at the end of a batch: tokens so far
 and the time), after a warm-up batch. The raw engine runs before and after the service (the service
@@ -199,4 +200,7 @@ def run(quick: bool, include_vllm: bool = True, include_sglang: bool = False) ->
     if include_sglang:
         why = None if sglang_python() else "SGLang's own environment is not built (make sglang-env)"
         rows.append(skipped("generator/sglang", why, "tokens/s", TARGET, "higher") if why else measure("sglang", quick))
+        from benchmarks import sglang_mask
+
+        rows += sglang_mask.run(quick, sglang_python())
     return rows

@@ -119,6 +119,13 @@ class SGLangLaunchConfig(StrictModel):
         description="environment variables for the server (SGLANG_USE_CPU_ENGINE=1: SGLang's CPU engine)",
     )
     start_timeout_s: float = Field(600.0, gt=0, description="how long the server may take to answer")
+    sampling_mask_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="the server's --sampling-mask-max-tokens: the largest kept set a sampling mask holds (SGLang "
+        "sorts, packs and copies that many token ids per row at every decode step); 0: the least the sampling "
+        "needs, top_k with top-k (set from generator.sampling), the vocabulary size otherwise (top-p)",
+    )
 
 
 class SGLangBackendConfig(StrictModel):
@@ -463,10 +470,23 @@ class GeneratorConfig(VerifyingConnection):
                 f"in_flight='continue' needs a backend that reports where in a sequence the weights "
                 f"changed ({' or '.join(able)}); the {self.backend.type} backend supports 'finish' only"
             )
-        if self.backend.type == "sglang" and self.sampling.top_k > 1 and self.sampling.top_p < 1.0:
+        if self.backend.type == "sglang":
+            self._sglang_sampling()
+        return self
+
+    def _sglang_sampling(self) -> None:
+        top_k, launch = self.sampling.top_k, self.backend.launch
+        if top_k > 1 and self.sampling.top_p < 1.0:
             raise ValueError(
                 "the sglang backend takes top_k or top_p, not both: SGLang 0.5.23 applies top-p to the mass "
                 "before top-k's renormalisation, the learner after it, so the behaviour log-probs would not be "
                 "the learner's (docs/generators.md)"
             )
-        return self
+        if top_k > 1 and launch.sampling_mask_max_tokens == 0:  # a mask of top_k ids, not of the vocabulary
+            launch.sampling_mask_max_tokens = top_k
+        if top_k > 1 and launch.sampling_mask_max_tokens < top_k:
+            raise ValueError(
+                f"generator.backend.launch.sampling_mask_max_tokens = {launch.sampling_mask_max_tokens} is below "
+                f"generator.sampling.top_k = {top_k}: SGLang refuses a sampling mask larger than its cap; raise it "
+                "or leave it 0 (top_k)"
+            )

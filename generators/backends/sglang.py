@@ -17,8 +17,10 @@ temperature) (``Sampler._build_sampling_mask_output`` in sglang/srt/layers/sampl
 learner's :func:`broker.protocol.sampling.sampling_logprobs`: the log-prob of the distribution actually
 sampled from. SGLang 0.5.23 returns a mask only for a finite ``top_k`` of at most its
 ``--sampling-mask-max-tokens`` (4096 by default), so top-p is sent with ``top_k`` = the vocabulary size (a
-filter that keeps everything) and a launched server gets ``--sampling-mask-max-tokens`` = the vocabulary size;
-a server of your own needs it too for a vocabulary over 4096 (else its 400 names the flag). (Before, the
+filter that keeps everything) and a launched server gets ``--sampling-mask-max-tokens`` = the vocabulary size,
+or top_k with top-k (``launch.sampling_mask_max_tokens``: SGLang packs and copies a row of that many ids per
+sequence at every decode step, docs/generators.md); a server of your own needs it too for a vocabulary over
+4096 (else its 400 names the flag). (Before, the
 backend asked for the top ``top_logprobs_num`` log-probs, the whole vocabulary for top-p, and renormalised
 them itself.)
 
@@ -100,8 +102,8 @@ class SGLangBackend(HFText):
             launch = self.cfg.launch
             key = self.cfg.api_key or new_key()  # a launched server always requires a key
             args = list(launch.args)
-            if not any(a.startswith(MASK_CAP) for a in args):  # top-p's top_k: the vocabulary (SGLang: 4096 at most)
-                args += [MASK_CAP, str(self.vocab_size)]
+            if not any(a.startswith(MASK_CAP) for a in args):  # top-k's k; top-p's top_k: the vocabulary
+                args += [MASK_CAP, str(launch.sampling_mask_max_tokens or self.vocab_size)]
             self.server = launch_sglang(launch.python, path, args, launch.env, launch.start_timeout_s, key)
             self.servers_started += 1
             atexit.register(self.close)

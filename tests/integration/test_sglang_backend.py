@@ -85,3 +85,19 @@ def test_top_k_or_top_p_and_continue_are_accepted_top_k_with_top_p_is_not():
         assert cfg.backend.supports_in_flight
     with pytest.raises(ValueError, match="top_k or top_p, not both"):
         GeneratorConfig(backend={"type": "sglang"}, sampling={"top_k": 5, "top_p": 0.9})
+
+
+def test_a_top_k_generator_launches_its_server_with_masks_of_top_k_ids_top_p_with_the_vocabulary():
+    launch = {"python": "/sglang/bin/python"}
+    top_k = GeneratorConfig(backend={"type": "sglang", "launch": launch}, sampling={"top_k": 5})
+    assert top_k.backend.launch.sampling_mask_max_tokens == 5
+    top_p = GeneratorConfig(backend={"type": "sglang", "launch": launch}, sampling={"top_p": 0.9})
+    assert top_p.backend.launch.sampling_mask_max_tokens == 0  # the vocabulary's size, read from the model at load
+    mine = GeneratorConfig(
+        backend={"type": "sglang", "launch": {**launch, "sampling_mask_max_tokens": 64}}, sampling={"top_k": 5}
+    )
+    assert mine.backend.launch.sampling_mask_max_tokens == 64
+    with pytest.raises(ValueError, match="sampling_mask_max_tokens = 4 is below generator.sampling.top_k = 5"):
+        GeneratorConfig(
+            backend={"type": "sglang", "launch": {**launch, "sampling_mask_max_tokens": 4}}, sampling={"top_k": 5}
+        )

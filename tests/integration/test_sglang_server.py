@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -17,6 +18,7 @@ import torch
 
 from broker.protocol.keys import Keys
 from deploy.launcher.procs import ProcessGroup, free_port, start_redis
+from generators.backends.sglang import SGLangError
 from generators.config import SamplingConfig, SGLangBackendConfig
 from learner.publish import Publisher
 from learner.tiny_model import build_tiny_model
@@ -213,6 +215,33 @@ def test_the_launched_server_refuses_whoever_lacks_its_key(served):
         assert_logprobs(s.model, p, c)  # still version 0's weights
         assert (recompute_logprobs(other, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max() > 10 * TOL
     assert httpx.get(f"{url}/health").status_code != 401  # SGLang leaves /health* and /metrics open
+
+
+@pytest.mark.timeout(1200)  # a server of its own: 41 s to start at load 1, minutes at load 12-15
+def test_a_top_k_generators_server_keeps_masks_of_top_k_ids(tmp_path, served):
+    """A generator that samples with top-k launches its server with --sampling-mask-max-tokens = top_k: SGLang
+    packs and copies a mask row of that many ids per sequence at every decode step, not one of the vocabulary
+    (docs/generators.md, "the sampling mask's cost"). Its log-probs are still the learner's; a top-p request,
+    whose mask would be the vocabulary, is refused naming the flag."""
+    from generators.backends.sglang import MASK_CAP
+    from generators.config import GeneratorConfig
+
+    cfg = GeneratorConfig(backend={"type": "sglang", "launch": {"python": str(sglang_python())}}, sampling={"top_k": 5})
+    backend = cfg.backend.build()
+    try:
+        backend.load(served.versions[0].path)
+        argv = (Path("/proc") / str(backend.server.pid) / "cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index(MASK_CAP) + 1] == "5"
+        p = prompts(served)[0]
+        sampling = SamplingConfig(n=8, temperature=1.2, top_k=5, max_tokens=6)
+        (g,) = backend.generate([p], sampling, seed=3)
+        for c in g:
+            assert_logprobs(served.model, p, c, temperature=1.2, top_k=5)
+        with pytest.raises(SGLangError, match="sampling-mask-max-tokens"):
+            backend.generate([p], SamplingConfig(n=2, top_p=0.7, max_tokens=4), seed=3)
+    finally:
+        backend.close()
+    assert backend.server.proc.poll() is not None
 
 
 @pytest.mark.timeout(2400)  # two server starts: 57 s in all at load 6, over 9 min each at load 12-15 (6 Dec 2026)
