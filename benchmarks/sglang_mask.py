@@ -11,11 +11,15 @@ top_k). Both alternate in rounds on one server; each figure is the median round.
 
 The model: SmolLM2-135M-Instruct (a real vocabulary, 49,152 tokens; built when missing) at full size, the
 tiny model with ``--quick``; 8 chat prompts × n 4, 32 new tokens each (EOS ignored: every round is the same
-number of tokens).
+number of tokens). ``details`` also has the answer's bytes per token, with and without the mask.
+
+``RELAY_BENCH_MASK_CAP=N`` launches both servers with ``--sampling-mask-max-tokens N`` instead (e.g. the
+vocabulary's size for top-k: what a launched server had before the cap followed ``top_k``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -49,28 +53,35 @@ def _prompts(path: Path) -> list[list[int]]:
 def _measure(python: str, path: Path, name: str, extra: dict, rounds: int, max_tokens: int) -> dict:
     from generators.config import GeneratorConfig
 
+    launch = {"python": python, "sampling_mask_max_tokens": int(os.environ.get("RELAY_BENCH_MASK_CAP", 0))}
     cfg = GeneratorConfig(
-        backend={"type": "sglang", "launch": {"python": python}},
+        backend={"type": "sglang", "launch": launch},
         sampling={"n": 4, "temperature": 1.0, "max_tokens": max_tokens, **extra},
     )
     backend = cfg.backend.build()
     try:
         backend.load(str(path))
+        sizes = []  # bytes of each /generate answer
+        backend.http.event_hooks["response"] = [lambda r: r.url.path == "/generate" and sizes.append(len(r.read()))]
         prompts = _prompts(path)
         params = {"temperature": 1.0, "max_new_tokens": max_tokens, "ignore_eos": True, **extra}
         raw = {"input_ids": [p for p in prompts for _ in range(cfg.sampling.n)], "return_logprob": True}
         raw["sampling_params"] = params
         sampling = cfg.sampling.model_copy(update={"max_tokens": max_tokens})
         backend.generate(prompts[:2], sampling.model_copy(update={"n": 2, "max_tokens": 4}), seed=0)  # warm-up
-        ours, theirs, kept = [], [], 0
+        ours, theirs, ours_bytes, theirs_bytes = [], [], [], []
         for r in range(rounds):
+            sizes.clear()
             t0 = time.perf_counter()
             tokens = sum(len(c.token_ids) for g in backend.generate(prompts, sampling, seed=r) for c in g)
             t1 = time.perf_counter()
             answers = backend.http.post("/generate", json=raw).raise_for_status().json()
             t2 = time.perf_counter()
+            raw_tokens = sum(len(a["output_ids"]) for a in answers)
             ours.append(tokens / (t1 - t0))
-            theirs.append(sum(len(a["output_ids"]) for a in answers) / (t2 - t1))
+            theirs.append(raw_tokens / (t2 - t1))
+            ours_bytes.append(sizes[0] / tokens)
+            theirs_bytes.append(sizes[1] / raw_tokens)
         # the kept sets' sizes, from one answer of the backend's own request
         (a,) = backend._request(prompts[:1], sampling, max_tokens)
         kept = [len(m) for m in a["meta_info"]["output_token_sampling_mask"]]
@@ -92,6 +103,8 @@ def _measure(python: str, path: Path, name: str, extra: dict, rounds: int, max_t
             "max_tokens": max_tokens,
             "kept_median": statistics.median(kept) if kept else None,
             "kept_max": max(kept) if kept else None,
+            "answer_bytes_per_token": statistics.median(ours_bytes),
+            "raw_answer_bytes_per_token": statistics.median(theirs_bytes),
             "backend_tokens_per_s": ours,
             "raw_tokens_per_s": theirs,
         },
