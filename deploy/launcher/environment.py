@@ -32,6 +32,7 @@ NOT_CONFIG = {
     "RELAY_MODEL_DIR": "Docker Compose: the SGLang server's model folder",
     "RELAY_SMOLLM2": "benchmarks and tests: a SmolLM2 folder",
     "RELAY_SGLANG_PYTHON": "tests: the interpreter of SGLang's own environment (make test-sglang)",
+    "RELAY_BENCH_MASK_CAP": "benchmarks: the SGLang servers' --sampling-mask-max-tokens (benchmarks/sglang_mask.py)",
     "RELAY_CHAOS_SEED": "tests: the chaos test's schedule seed",
     "RELAY_FUZZ_EXAMPLES": "tests: the ingest fuzz test's examples",
     "RELAY_UPDATE_SNAPSHOTS": "tests: rewrite the pinned snapshots",
